@@ -1,0 +1,103 @@
+//! The executor's configuration: one struct, every field a flag and a `FERRY_…` environment
+//! variable, checked once at start-up.
+
+use clap::{Args, ValueEnum};
+use ferry_proto::v1;
+
+/// Which engine runs the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// candle on the CPU with the quantized GGUF model.
+    Cpu,
+    /// candle on a CUDA GPU (needs the `cuda` feature and a GPU at run time).
+    Cuda,
+    /// The roofline timing simulator with deterministic tokens.
+    Sim,
+}
+
+impl From<BackendKind> for v1::Backend {
+    fn from(kind: BackendKind) -> Self {
+        match kind {
+            BackendKind::Cpu => v1::Backend::Cpu,
+            BackendKind::Cuda => v1::Backend::Cuda,
+            BackendKind::Sim => v1::Backend::Sim,
+        }
+    }
+}
+
+/// What the executor does in a disaggregated deployment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Role {
+    /// Prefill and decode.
+    Both,
+    /// Prefill only; finished prompts export their KV.
+    Prefill,
+    /// Decode only; requests arrive with imported KV.
+    Decode,
+}
+
+impl From<Role> for v1::ExecutorRole {
+    fn from(role: Role) -> Self {
+        match role {
+            Role::Both => v1::ExecutorRole::Both,
+            Role::Prefill => v1::ExecutorRole::Prefill,
+            Role::Decode => v1::ExecutorRole::Decode,
+        }
+    }
+}
+
+/// Everything an executor needs to start.
+#[derive(Clone, Debug, Args)]
+pub struct ExecutorConfig {
+    /// Stable id of this executor in the cluster.
+    #[arg(long, env = "FERRY_EXECUTOR_ID", default_value = "executor-0")]
+    pub executor_id: String,
+    /// Engine that runs the model.
+    #[arg(long, env = "FERRY_BACKEND", value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    /// Prefill, decode or both.
+    #[arg(long, env = "FERRY_ROLE", value_enum, default_value_t = Role::Both)]
+    pub role: Role,
+    /// Tokens per KV block.
+    #[arg(long, env = "FERRY_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// Memory for the KV cache, in MiB; the number of blocks follows from it.
+    #[arg(long, env = "FERRY_KV_CACHE_MIB", default_value_t = 512)]
+    pub kv_cache_mib: u64,
+}
+
+/// Largest block size accepted: vLLM's largest is 256 tokens.
+pub const MAX_BLOCK_SIZE: u32 = 256;
+
+impl ExecutorConfig {
+    /// Checks the values that clap's types cannot, with a message that names the limit.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0
+            || self.block_size > MAX_BLOCK_SIZE
+            || !self.block_size.is_power_of_two()
+        {
+            return Err(ConfigError::BlockSize(self.block_size));
+        }
+        if self.kv_cache_mib == 0 {
+            return Err(ConfigError::KvCache);
+        }
+        if self.executor_id.trim().is_empty() {
+            return Err(ConfigError::ExecutorId);
+        }
+        Ok(())
+    }
+}
+
+/// A configuration value out of range.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Block size not a power of two in 1..=256.
+    #[error("--block-size {0} is invalid: it must be a power of two from 1 to {MAX_BLOCK_SIZE}")]
+    BlockSize(u32),
+    /// No KV memory.
+    #[error("--kv-cache-mib must be at least 1")]
+    KvCache,
+    /// Empty id.
+    #[error("--executor-id must not be empty")]
+    ExecutorId,
+}

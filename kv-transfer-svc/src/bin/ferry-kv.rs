@@ -1,0 +1,28 @@
+//! `ferry-kv`: parse flags, bind, serve until SIGTERM or Ctrl-C.
+
+use clap::Parser;
+use ferry_kv_transfer_svc::KvAgentConfig;
+
+/// Ferry's per-node KV transfer agent.
+#[derive(Debug, Parser)]
+#[command(name = "ferry-kv", version, about)]
+struct Cli {
+    /// Address for the gRPC API (port 0 picks a free port).
+    #[arg(long, env = "FERRY_LISTEN", default_value = "127.0.0.1:50071")]
+    listen: String,
+    /// Log filter (RUST_LOG syntax).
+    #[arg(long, env = "FERRY_LOG", default_value = "info")]
+    log: String,
+    #[command(flatten)]
+    agent: KvAgentConfig,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    ferry_runtime::logging::init(&cli.log).map_err(anyhow::Error::msg)?;
+    cli.agent.validate()?;
+    let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
+    ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);
+    ferry_kv_transfer_svc::run(cli.agent, listener, ferry_runtime::shutdown_signal()).await
+}

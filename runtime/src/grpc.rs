@@ -1,0 +1,151 @@
+//! Hosting a set of gRPC services the way every Ferry service is hosted: the services
+//! themselves, the standard `grpc.health.v1.Health` service, and server reflection in both
+//! `v1` and `v1alpha` (grpcurl 1.8 speaks only v1alpha) with the health service's descriptors
+//! registered too, so `grpcurl list`, `describe` and calls work without `.proto` files.
+//!
+//! Health follows the service's life: each hosted service (and the overall "" entry) is
+//! SERVING once the listener is up, and NOT_SERVING from the moment shutdown begins, so load
+//! balancers stop sending work while in-flight work drains.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::codegen::{http, Service};
+use tonic::service::RoutesBuilder;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+/// Why hosting failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// The reflection service could not be built from the descriptor sets.
+    #[error("building gRPC reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// The transport failed while serving.
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// The listener has no local address.
+    #[error("listener address: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A set of gRPC services to host on one listener, with health and reflection added.
+pub struct GrpcHost {
+    routes: RoutesBuilder,
+    service_names: Vec<&'static str>,
+    health: HealthReporter,
+}
+
+impl Default for GrpcHost {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GrpcHost {
+    /// An empty host: health and reflection only.
+    pub fn new() -> Self {
+        let (health, health_service) = tonic_health::server::health_reporter();
+        let mut routes = RoutesBuilder::default();
+        routes.add_service(health_service);
+        Self { routes, service_names: Vec::new(), health }
+    }
+
+    /// Adds a service; reflection advertises it and health reports on it by its name.
+    pub fn add_service<S>(mut self, service: S) -> Self
+    where
+        S: Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<tonic::body::Body>,
+                Error = std::convert::Infallible,
+            > + tonic::server::NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.service_names.push(S::NAME);
+        self.routes.add_service(service);
+        self
+    }
+
+    /// The health reporter, for services that change their status while running.
+    pub fn health(&self) -> HealthReporter {
+        self.health.clone()
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then reports NOT_SERVING and stops
+    /// accepting; in-flight calls finish before this returns.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), HostError> {
+        let Self { mut routes, service_names, health } = self;
+        let mut v1 = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name("grpc.health.v1.Health")
+            .with_service_name("grpc.reflection.v1.ServerReflection");
+        let mut v1alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name("grpc.health.v1.Health")
+            .with_service_name("grpc.reflection.v1alpha.ServerReflection");
+        for name in &service_names {
+            v1 = v1.with_service_name(*name);
+            v1alpha = v1alpha.with_service_name(*name);
+        }
+        routes.add_service(v1.build_v1()?);
+        routes.add_service(v1alpha.build_v1alpha()?);
+        set_all(&health, &service_names, ServingStatus::Serving).await;
+
+        let draining = async {
+            shutdown.await;
+            set_all(&health, &service_names, ServingStatus::NotServing).await;
+        };
+        tonic::transport::Server::builder()
+            .add_routes(routes.routes())
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining)
+            .await?;
+        Ok(())
+    }
+}
+
+async fn set_all(health: &HealthReporter, names: &[&'static str], status: ServingStatus) {
+    health.set_service_status("", status).await;
+    for name in names {
+        health.set_service_status(*name, status).await;
+    }
+}
+
+/// A listen address that could not be bound.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on {addr:?} (expected HOST:PORT; port 0 picks a free port)")]
+pub struct BindError {
+    /// The address as given.
+    pub addr: String,
+    /// Why binding failed.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Binds a TCP listener (port 0 picks a free port) and returns it with its actual address.
+pub async fn bind(addr: &str) -> Result<(TcpListener, SocketAddr), BindError> {
+    let wrap = |source| BindError { addr: addr.to_string(), source };
+    let listener = TcpListener::bind(addr).await.map_err(wrap)?;
+    let local = listener.local_addr().map_err(wrap)?;
+    Ok((listener, local))
+}
+
+/// Prints the line that tells a supervisor (or a test) where a server listens:
+/// `<program> listening <kind>=<addr>`, on stdout, flushed.
+pub fn announce(program: &str, kind: &str, addr: SocketAddr) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{program} listening {kind}={addr}");
+    let _ = out.flush();
+}

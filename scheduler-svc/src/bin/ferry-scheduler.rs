@@ -1,0 +1,75 @@
+//! `ferry-scheduler`: the scheduler and front (default), `serve` (the whole system in one
+//! process), `bench-core` (the scheduling core's benchmark). Parse flags, build, run until
+//! SIGTERM or Ctrl-C.
+
+use clap::{Parser, Subcommand};
+use ferry_executor_svc::ExecutorConfig;
+use ferry_kv_transfer_svc::KvAgentConfig;
+use ferry_scheduler_svc::SchedulerConfig;
+
+/// Ferry's scheduler and OpenAI-compatible front.
+#[derive(Debug, Parser)]
+#[command(name = "ferry-scheduler", version, about, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Address for the gRPC API (port 0 picks a free port).
+    #[arg(long, env = "FERRY_LISTEN", default_value = "127.0.0.1:50051")]
+    listen: String,
+    /// Log filter (RUST_LOG syntax).
+    #[arg(long, env = "FERRY_LOG", default_value = "info")]
+    log: String,
+    #[command(flatten)]
+    scheduler: SchedulerConfig,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The whole system in one process: front, scheduler, one executor and a KV agent.
+    Serve {
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        executor: ExecutorConfig,
+        #[command(flatten)]
+        kv_agent: KvAgentConfig,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        None => {
+            let run = cli.run;
+            ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
+            run.scheduler.validate()?;
+            let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
+            ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);
+            ferry_scheduler_svc::run(run.scheduler, listener, ferry_runtime::shutdown_signal())
+                .await
+        }
+        Some(Command::Serve { run, executor, kv_agent }) => {
+            ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
+            ferry_scheduler_svc::serve::run(
+                &run.listen,
+                run.scheduler,
+                executor,
+                kv_agent,
+                |addrs| {
+                    ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addrs.grpc);
+                    ferry_runtime::grpc::announce("ferry-scheduler", "executor", addrs.executor);
+                    ferry_runtime::grpc::announce("ferry-scheduler", "kv", addrs.kv_agent);
+                },
+                ferry_runtime::shutdown_signal(),
+            )
+            .await
+        }
+    }
+}

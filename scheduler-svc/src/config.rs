@@ -1,0 +1,51 @@
+//! The scheduler's configuration: every field a flag (vLLM's name where one exists) and a
+//! `FERRY_…` environment variable, checked once at start-up.
+
+use clap::Args;
+
+/// Everything a scheduler needs to start.
+#[derive(Clone, Debug, Args)]
+pub struct SchedulerConfig {
+    /// Executor addresses to schedule for (repeatable), until discovery through etcd.
+    #[arg(long = "executor", env = "FERRY_EXECUTORS", value_delimiter = ',')]
+    pub executors: Vec<String>,
+    /// Most requests that hold an admission slot at once, per executor.
+    #[arg(long, env = "FERRY_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: u32,
+    /// Most tokens one step may compute, per executor.
+    #[arg(long, env = "FERRY_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    pub max_num_batched_tokens: u32,
+    /// Split long prompts into chunks that share steps with decodes.
+    #[arg(long, env = "FERRY_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_chunked_prefill: bool,
+}
+
+impl SchedulerConfig {
+    /// Checks what clap's types cannot, naming the limit.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_num_seqs == 0 {
+            return Err(ConfigError::MaxNumSeqs);
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err(ConfigError::MaxNumBatchedTokens);
+        }
+        if let Some(bad) = self.executors.iter().find(|a| a.trim().is_empty()) {
+            return Err(ConfigError::Executor(bad.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// A configuration value out of range.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// No slots.
+    #[error("--max-num-seqs must be at least 1")]
+    MaxNumSeqs,
+    /// No token budget.
+    #[error("--max-num-batched-tokens must be at least 1")]
+    MaxNumBatchedTokens,
+    /// Empty executor address.
+    #[error("--executor {0:?} is not an address")]
+    Executor(String),
+}

@@ -1,0 +1,117 @@
+//! Every binary, started for real on port 0, answers the standard health service and serves
+//! reflection that the real grpcurl (v1alpha) can list and describe; it stops cleanly on
+//! SIGTERM and refuses bad flags with a clear message.
+
+use std::process::Command;
+use std::time::Duration;
+
+use ferry_tests::{binary, grpcurl_ok, Service};
+
+const GRACE: Duration = Duration::from_secs(10);
+
+/// Lists, describes and health-checks one announced endpoint.
+fn check_surface(addr: std::net::SocketAddr, service: &str, message: &str) {
+    let target = addr.to_string();
+    let list = grpcurl_ok(&["-plaintext", &target, "list"]).unwrap();
+    assert!(list.lines().any(|l| l == service), "{service} missing from `list`:\n{list}");
+    assert!(list.lines().any(|l| l == "grpc.health.v1.Health"), "health missing:\n{list}");
+
+    let described = grpcurl_ok(&["-plaintext", &target, "describe", service]).unwrap();
+    assert!(described.contains("is a service"), "{described}");
+    assert!(described.contains("rpc "), "{described}");
+
+    let msg = grpcurl_ok(&["-plaintext", &target, "describe", message]).unwrap();
+    assert!(msg.contains("is a message"), "{msg}");
+
+    let health = grpcurl_ok(&[
+        "-plaintext",
+        "-d",
+        &format!(r#"{{"service":"{service}"}}"#),
+        &target,
+        "grpc.health.v1.Health/Check",
+    ])
+    .unwrap();
+    assert!(health.contains("SERVING") && !health.contains("NOT_SERVING"), "{health}");
+}
+
+#[test]
+fn executor_serves_health_and_reflection() {
+    let mut svc = Service::start("ferry-executor", &["--listen", "127.0.0.1:0"], 1).unwrap();
+    let addr = svc.addr("grpc");
+    check_surface(addr, "ferry.v1.Executor", "ferry.v1.Step");
+    let described =
+        grpcurl_ok(&["-plaintext", &addr.to_string(), "ferry.v1.Executor/Describe"]).unwrap();
+    assert!(described.contains("executor-0"), "{described}");
+    assert!(svc.terminate(GRACE).unwrap().success());
+}
+
+#[test]
+fn kv_agent_serves_health_and_reflection() {
+    let mut svc =
+        Service::start("ferry-kv", &["--listen", "127.0.0.1:0", "--node-id", "n7"], 1).unwrap();
+    let addr = svc.addr("grpc");
+    check_surface(addr, "ferry.v1.KvTransfer", "ferry.v1.BlockChunk");
+    let described =
+        grpcurl_ok(&["-plaintext", &addr.to_string(), "ferry.v1.KvTransfer/Describe"]).unwrap();
+    assert!(described.contains("n7"), "{described}");
+    assert!(svc.terminate(GRACE).unwrap().success());
+}
+
+#[test]
+fn scheduler_serves_health_and_reflection() {
+    let mut svc = Service::start("ferry-scheduler", &["--listen", "127.0.0.1:0"], 1).unwrap();
+    check_surface(svc.addr("grpc"), "ferry.v1.Generation", "ferry.v1.GenerateEvent");
+    assert!(svc.terminate(GRACE).unwrap().success());
+}
+
+#[test]
+fn serve_hosts_every_part_in_one_process() {
+    let mut svc =
+        Service::start("ferry-scheduler", &["serve", "--listen", "127.0.0.1:0"], 3).unwrap();
+    check_surface(svc.addr("grpc"), "ferry.v1.Generation", "ferry.v1.GenerateRequest");
+    check_surface(svc.addr("executor"), "ferry.v1.Executor", "ferry.v1.StepResult");
+    check_surface(svc.addr("kv"), "ferry.v1.KvTransfer", "ferry.v1.TransferHeader");
+    assert!(svc.terminate(GRACE).unwrap().success());
+}
+
+#[test]
+fn stale_epoch_is_refused() {
+    let svc = Service::start("ferry-executor", &["--listen", "127.0.0.1:0"], 1).unwrap();
+    let target = svc.addr("grpc").to_string();
+    let ok = grpcurl_ok(&[
+        "-plaintext",
+        "-d",
+        r#"{"scheduler_id":"a","epoch":5}"#,
+        &target,
+        "ferry.v1.Executor/Handshake",
+    ])
+    .unwrap();
+    assert!(ok.contains("sessionId"), "{ok}");
+    let stale = ferry_tests::grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"scheduler_id":"b","epoch":4}"#,
+        &target,
+        "ferry.v1.Executor/Handshake",
+    ])
+    .unwrap();
+    assert!(!stale.status.success());
+    let err = String::from_utf8_lossy(&stale.stderr);
+    assert!(err.contains("FailedPrecondition") && err.contains("stale scheduler epoch 4"), "{err}");
+}
+
+#[test]
+fn bad_flags_exit_non_zero_with_a_clear_message() {
+    for (bin, args, needle) in [
+        ("ferry-executor", vec!["--block-size", "12"], "--block-size 12 is invalid"),
+        ("ferry-executor", vec!["--no-such-flag"], "unexpected argument"),
+        ("ferry-kv", vec!["--store-mib", "lots"], "invalid value"),
+        ("ferry-scheduler", vec!["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+        ("ferry-scheduler", vec!["--listen", "not-an-address"], "not-an-address"),
+    ] {
+        let out = Command::new(binary(bin).unwrap()).args(&args).output().unwrap();
+        assert!(!out.status.success(), "{bin} {args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{bin} {args:?}: expected {needle:?} in:\n{err}");
+    }
+}

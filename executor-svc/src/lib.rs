@@ -6,6 +6,7 @@
 //! (or the all-in-one `serve`) can host an executor on a listener of its choosing.
 
 pub mod config;
+pub mod model;
 pub mod service;
 
 use ferry_runtime::GrpcHost;

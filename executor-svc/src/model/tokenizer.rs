@@ -1,0 +1,307 @@
+//! The model's tokenizer and chat template, read from the GGUF metadata, for the front to use.
+//!
+//! Encoding is byte-level BPE (GPT-2 style) built from `tokenizer.ggml.tokens` and `.merges`
+//! with the `tokenizers` crate; control and user-defined tokens (`<|im_start|>` …) are matched
+//! as whole tokens in the text. Decoding does not go through `tokenizers`: every id maps to its
+//! raw bytes once at load, so decoding is a concatenation, and [`IncrementalDecoder`] emits the
+//! longest complete UTF-8 prefix — it never splits a character, whatever the token boundaries.
+
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file;
+use minijinja::Environment;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+/// Why a tokenizer could not be built or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A metadata key is missing or has the wrong type.
+    #[error("GGUF metadata {key}: {reason}")]
+    Metadata {
+        /// The key.
+        key: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The tokenizer model is not byte-level BPE.
+    #[error("unsupported tokenizer model {0:?} (only byte-level BPE, \"gpt2\", is supported)")]
+    Unsupported(String),
+    /// The `tokenizers` crate failed.
+    #[error("tokenizer: {0}")]
+    Tokenizers(String),
+    /// The chat template failed to compile or render.
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// A chat message for the template.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ChatMessage {
+    /// "system", "user", "assistant", …
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// The tokenizer of one model.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Raw bytes of each token id, for decoding.
+    token_bytes: Vec<Vec<u8>>,
+    /// End-of-sequence token.
+    pub eos_token_id: u32,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<u32>,
+    /// Whether prompts start with BOS.
+    pub add_bos: bool,
+    chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.token_bytes.len())
+            .field("eos_token_id", &self.eos_token_id)
+            .finish()
+    }
+}
+
+fn meta<'a>(
+    c: &'a gguf_file::Content,
+    key: &'static str,
+) -> Result<&'a gguf_file::Value, TokenizerError> {
+    c.metadata.get(key).ok_or(TokenizerError::Metadata { key, reason: "missing".into() })
+}
+
+fn bad(key: &'static str) -> impl Fn(candle_core::Error) -> TokenizerError {
+    move |e| TokenizerError::Metadata { key, reason: e.to_string() }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from a GGUF file's metadata.
+    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, TokenizerError> {
+        let model = meta(content, "tokenizer.ggml.model")?
+            .to_string()
+            .map_err(bad("tokenizer.ggml.model"))?;
+        if model != "gpt2" {
+            return Err(TokenizerError::Unsupported(model.clone()));
+        }
+        let tokens: Vec<String> = meta(content, "tokenizer.ggml.tokens")?
+            .to_vec()
+            .map_err(bad("tokenizer.ggml.tokens"))?
+            .iter()
+            .map(|v| v.to_string().cloned())
+            .collect::<Result<_, _>>()
+            .map_err(bad("tokenizer.ggml.tokens"))?;
+        let types: Vec<i32> = match content.metadata.get("tokenizer.ggml.token_type") {
+            Some(v) => v
+                .to_vec()
+                .map_err(bad("tokenizer.ggml.token_type"))?
+                .iter()
+                .map(|t| t.to_i32())
+                .collect::<Result<_, _>>()
+                .map_err(bad("tokenizer.ggml.token_type"))?,
+            None => vec![1; tokens.len()],
+        };
+        let merges: Vec<(String, String)> = meta(content, "tokenizer.ggml.merges")?
+            .to_vec()
+            .map_err(bad("tokenizer.ggml.merges"))?
+            .iter()
+            .map(|m| {
+                let m = m.to_string()?;
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| candle_core::Error::Msg(format!("merge {m:?} has no space")))
+            })
+            .collect::<Result<_, _>>()
+            .map_err(bad("tokenizer.ggml.merges"))?;
+        let eos_token_id = meta(content, "tokenizer.ggml.eos_token_id")?
+            .to_u32()
+            .map_err(bad("tokenizer.ggml.eos_token_id"))?;
+        let bos_token_id =
+            content.metadata.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok());
+        let add_bos = content
+            .metadata
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
+        let chat_template = content
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+            .cloned();
+
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        // SmolLM's (and most GPT-2 style) pre-tokenization: digits one by one, then byte-level.
+        let pre = Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+        ]);
+        inner.with_pre_tokenizer(Some(pre));
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
+            .map(|(tok, t)| AddedToken::from(tok.clone(), *t == TOKEN_TYPE_CONTROL))
+            .collect();
+        inner
+            .add_special_tokens(specials)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+
+        let unicode_to_byte = byte_level_decoder_table();
+        let token_bytes = tokens
+            .iter()
+            .zip(&types)
+            .map(|(tok, t)| {
+                if *t == TOKEN_TYPE_CONTROL || *t == TOKEN_TYPE_USER_DEFINED {
+                    tok.as_bytes().to_vec()
+                } else {
+                    tok.chars()
+                        .flat_map(|c| match unicode_to_byte.get(&c) {
+                            Some(b) => vec![*b],
+                            None => c.to_string().into_bytes(),
+                        })
+                        .collect()
+                }
+            })
+            .collect();
+        Ok(Self { inner, token_bytes, eos_token_id, bos_token_id, add_bos, chat_template })
+    }
+
+    /// Number of token ids.
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
+    /// ids; BOS is prepended when the model asks for it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos_token_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// The raw bytes of a token (empty for an id out of range).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.token_bytes.get(id as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// Text of `ids` (invalid UTF-8 becomes U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> =
+            ids.iter().flat_map(|id| self.token_bytes(*id).iter().copied()).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Renders a conversation with the model's chat template.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let source = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| TokenizerError::Template("the model has no chat template".into()))?;
+        let mut env = Environment::new();
+        env.add_template("chat", source).map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let template =
+            env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token_id.map(|id| self.decode(&[id])).unwrap_or_default(),
+                eos_token => self.decode(&[self.eos_token_id]),
+            })
+            .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+}
+
+/// GPT-2's byte-level alphabet, reversed: the printable stand-in char of each byte → the byte.
+fn byte_level_decoder_table() -> HashMap<char, u8> {
+    let mut table = HashMap::with_capacity(256);
+    let mut extra = 0u32;
+    for b in 0u32..=255 {
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            b
+        } else {
+            extra += 1;
+            255 + extra
+        };
+        table.insert(char::from_u32(c).expect("byte-level alphabet is valid chars"), b as u8);
+    }
+    table
+}
+
+/// Turns a stream of token ids into text deltas that never split a UTF-8 character.
+#[derive(Debug, Default, Clone)]
+pub struct IncrementalDecoder {
+    /// Bytes of a character that is not complete yet (at most 3).
+    pending: Vec<u8>,
+}
+
+impl IncrementalDecoder {
+    /// Appends one token and returns the text it completes (possibly empty).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
+        self.pending.extend_from_slice(tokenizer.token_bytes(id));
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(
+                        std::str::from_utf8(&self.pending[..valid]).expect("prefix checked valid"),
+                    );
+                    match e.error_len() {
+                        // An incomplete character at the end: keep it for the next token.
+                        None => {
+                            self.pending.drain(..valid);
+                            return out;
+                        }
+                        // Bytes that can never form a character: replace them and go on.
+                        Some(len) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..valid + len);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Text still held at the end of the stream (an incomplete character, replaced).
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+}

@@ -1,0 +1,49 @@
+//! The real default model, through the reference forward, greedy: it knows that Paris is the
+//! capital of France (the check that the model is really there and loaded right).
+
+use candle_core::quantized::gguf_file;
+use ferry_executor_svc::model::reference::{forward, ContiguousCache};
+use ferry_executor_svc::model::{
+    default_model_path, ops::argmax, ChatMessage, LlamaWeights, Tokenizer,
+};
+
+fn load() -> (Tokenizer, LlamaWeights) {
+    let path = default_model_path().expect("default model");
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    (Tokenizer::from_gguf(&content).unwrap(), LlamaWeights::load(&content, &mut file).unwrap())
+}
+
+fn greedy(w: &LlamaWeights, tok: &Tokenizer, prompt: &[u32], max: usize) -> String {
+    let mut cache = ContiguousCache::default();
+    let mut logits = forward(w, prompt, &mut cache).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..max {
+        let next = argmax(&logits).unwrap() as u32;
+        if next == tok.eos_token_id {
+            break;
+        }
+        out.push(next);
+        logits = forward(w, &[next], &mut cache).unwrap();
+    }
+    tok.decode(&out)
+}
+
+#[test]
+fn completes_the_capital_of_france_with_paris() {
+    let (tok, w) = load();
+    let text = greedy(&w, &tok, &tok.encode("The capital of France is").unwrap(), 4);
+    assert!(text.starts_with(" Paris"), "got {text:?}");
+}
+
+#[test]
+fn answers_the_chat_question() {
+    let (tok, w) = load();
+    let messages = vec![
+        ChatMessage { role: "system".into(), content: "You are a helpful assistant.".into() },
+        ChatMessage { role: "user".into(), content: "What is the capital of France?".into() },
+    ];
+    let prompt = tok.encode(&tok.apply_chat_template(&messages, true).unwrap()).unwrap();
+    let text = greedy(&w, &tok, &prompt, 16);
+    assert_eq!(text, "The capital of France is Paris.");
+}

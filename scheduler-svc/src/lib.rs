@@ -5,6 +5,7 @@
 //! The library is everything; `ferry-scheduler` parses flags and calls [`run`] (the scheduler
 //! role) or [`serve::run`] (the whole system in one process).
 
+pub mod bench_core;
 pub mod config;
 pub mod front;
 pub mod serve;

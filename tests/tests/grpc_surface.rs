@@ -115,3 +115,17 @@ fn bad_flags_exit_non_zero_with_a_clear_message() {
         assert!(err.contains(needle), "{bin} {args:?}: expected {needle:?} in:\n{err}");
     }
 }
+
+#[test]
+fn bench_core_prints_json_rows() {
+    let out = Command::new(binary("ferry-scheduler").unwrap())
+        .args(["bench-core", "--quick", "--json", "--filter", "decode"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    for field in ["\"scenario\"", "\"running\"", "\"waiting\"", "\"median_us\"", "\"p99_us\""] {
+        assert!(text.contains(field), "{field} missing from:\n{text}");
+    }
+    assert!(text.trim_start().starts_with('['), "{text}");
+}

@@ -1,1 +1,60 @@
-//! Ferry's pure scheduling core: no I/O, no clock. It lands with the scheduling-core issue.
+//! Ferry's scheduling core: the pure, synchronous logic that decides, step by step, which
+//! requests run on one executor and which KV-cache blocks they use.
+//!
+//! Why a crate of its own: it has no I/O, no async runtime and no clock (time is passed in),
+//! and the crate boundary lets the compiler enforce that. The service layer owns one
+//! [`Scheduler`] per executor and drives it:
+//!
+//! ```
+//! use ferry_sched_core::*;
+//! let mut core = Scheduler::new(SchedulerConfig::default()).unwrap();
+//! core.add_request(NewRequest::new(RequestId(1), vec![1, 2, 3], 4, Timestamp(0))).unwrap();
+//! let mut events = Vec::new();
+//! while !core.is_drained() {
+//!     let plan = core.schedule(Timestamp(0)).unwrap();
+//!     // ... send the plan to the executor, get its sampled tokens back ...
+//!     let sampled = plan.scheduled.iter().filter(|w| w.samples_token)
+//!         .map(|w| SampledToken { id: w.id, token: 7 }).collect();
+//!     let outcome = StepOutcome { step_id: plan.step_id, sampled, kv_results: vec![] };
+//!     core.apply_result(&outcome, Timestamp(0), &mut events).unwrap();
+//! }
+//! assert!(matches!(events.last(), Some(RequestEvent::Finished(_))));
+//! ```
+//!
+//! Design (DESIGN §3): lifecycle status, pending work ([`WorkKey`] queues) and admission slots
+//! are three separate things; a step mixes decodes and prompt chunks under three limits
+//! (slots, token budget, free blocks); full blocks are shared by content hash; a running request
+//! that cannot get a block preempts a victim chosen by policy; steps may be pipelined
+//! (asynchronous scheduling) with blocks fenced until the step that used them is applied;
+//! `check_invariants()` verifies the whole state and tests call it after every step.
+
+pub mod bench;
+mod block_hash;
+mod block_pool;
+mod config;
+mod error;
+mod lists;
+mod outcome;
+mod plan;
+mod request;
+mod scheduler;
+mod slots;
+mod types;
+mod waiting;
+mod work_queues;
+
+pub use block_hash::{extend_block_hashes, hash_block, BlockHash};
+pub use config::{
+    ConfigError, PreemptionMode, PreemptionPolicy, SchedulerConfig, MAX_STEPS_IN_FLIGHT,
+};
+pub use error::{AbortError, AddError, ApplyError, ScheduleError};
+pub use outcome::{
+    FinishStats, FinishedRequest, KvResult, RequestEvent, SampledToken, StepOutcome,
+};
+pub use plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan};
+pub use request::{
+    Decision, FinishReason, KvImport, NewRequest, RequestStatus, RequestTimes, StopCause,
+};
+pub use scheduler::{InvariantViolation, RequestView, Scheduler, SchedulerStats};
+pub use types::{BlockId, RequestId, StepId, Timestamp, TokenId, TransferId};
+pub use work_queues::WorkKey;

@@ -40,6 +40,8 @@ enum Command {
         #[command(flatten)]
         kv_agent: KvAgentConfig,
     },
+    /// Benchmark the scheduling core: cost of one schedule + apply per step, per scenario.
+    BenchCore(ferry_scheduler_svc::bench_core::BenchCoreArgs),
 }
 
 #[tokio::main]
@@ -55,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
             ferry_scheduler_svc::run(run.scheduler, listener, ferry_runtime::shutdown_signal())
                 .await
         }
+        Some(Command::BenchCore(args)) => ferry_scheduler_svc::bench_core::run(&args),
         Some(Command::Serve { run, executor, kv_agent }) => {
             ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
             ferry_scheduler_svc::serve::run(

@@ -1,0 +1,205 @@
+//! Scheduler configuration and its validation.
+//!
+//! Every limit the core enforces comes from [`SchedulerConfig`]; [`SchedulerConfig::validate`]
+//! rejects combinations that would make the core unable to make progress, so the rest of the
+//! crate may rely on them: all sizes are non-zero and `max_num_batched_tokens >= max_num_seqs`
+//! (every running request can always get at least one token in a step, which the liveness
+//! argument in `scheduler::preempt` depends on).
+
+use thiserror::Error;
+
+/// Which request gives way when a running request cannot get a KV block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PreemptionPolicy {
+    /// The request admitted last (vLLM's FCFS: `running.pop()`).
+    Fcfs,
+    /// The request with the largest `(priority, arrival)`; a lower priority number is more
+    /// important (vLLM's convention). The waiting queue is also ordered by priority.
+    Priority,
+    /// The request with the fewest computed tokens; a request within 5 % of its `max_tokens`
+    /// is protected (near-completion protection).
+    LeastWorkDone,
+}
+
+/// What happens to a preempted request's KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PreemptionMode {
+    /// Free its blocks, keep its generated tokens, reset its computed tokens, put it at the front
+    /// of the waiting queue; it is prefilled again (prefix-cache hits make that cheaper).
+    Recompute,
+    /// Release its admission slot but keep its KV blocks; it waits holding them and resumes
+    /// without recompute. Blocks held by waiting requests are reclaimed from the tail, only as
+    /// many as a running request needs, before any running request is preempted.
+    Yield,
+}
+
+/// Everything the scheduling core needs to know about one executor pool entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Number of KV blocks in the executor's cache.
+    pub num_blocks: usize,
+    /// Admission slots: at most this many requests own execution resources at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one step (sum of scheduled tokens over the batch).
+    pub max_num_batched_tokens: usize,
+    /// The model's maximum length: prompt + output tokens never exceed it.
+    pub max_model_len: usize,
+    /// Split prompts into chunks across steps. Off: a prompt is computed in one step, and a
+    /// prompt longer than the token budget is rejected when it is added.
+    pub enable_chunked_prefill: bool,
+    /// Largest prefill chunk one request gets in one step (vLLM's
+    /// `long_prefill_token_threshold`); `None` means only the token budget limits it.
+    pub long_prefill_token_threshold: Option<usize>,
+    /// How many waiting requests one step looks at when admitting.
+    pub lookahead: usize,
+    /// Victim choice when a running request cannot get a block.
+    pub preemption_policy: PreemptionPolicy,
+    /// What preemption does with the victim's KV.
+    pub preemption_mode: PreemptionMode,
+    /// Aging cap: a request preempted this many times is protected; it is only preempted in
+    /// favour of another protected request (or itself, when nothing else can give way).
+    pub max_preemptions: u32,
+    /// At most this many requests hold blocks for a KV import at once.
+    pub max_kv_fetches: usize,
+    /// Share full blocks between requests by content hash.
+    pub enable_prefix_caching: bool,
+    /// Steps that may be built before the oldest one's result is applied: 1 is synchronous
+    /// scheduling, 2 lets step N+1 be built while step N runs (asynchronous scheduling).
+    pub max_steps_in_flight: usize,
+}
+
+/// Upper bound for [`SchedulerConfig::max_steps_in_flight`]: more than a few steps in flight
+/// only adds latency to every decision and fences blocks for longer.
+pub const MAX_STEPS_IN_FLIGHT: usize = 4;
+
+impl Default for SchedulerConfig {
+    /// vLLM's defaults where it has one; a small cache suitable for tests.
+    fn default() -> Self {
+        SchedulerConfig {
+            block_size: 16,
+            num_blocks: 1024,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 4096,
+            enable_chunked_prefill: true,
+            long_prefill_token_threshold: None,
+            lookahead: 256,
+            preemption_policy: PreemptionPolicy::Fcfs,
+            preemption_mode: PreemptionMode::Recompute,
+            max_preemptions: 8,
+            max_kv_fetches: 4,
+            enable_prefix_caching: true,
+            max_steps_in_flight: 1,
+        }
+    }
+}
+
+/// A configuration the core refuses to run with.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    /// A size that must be at least one is zero.
+    #[error("{field} must be at least 1")]
+    Zero {
+        /// The offending field.
+        field: &'static str,
+    },
+    /// The step budget cannot give every admitted request one token.
+    #[error(
+        "max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs \
+         ({max_num_seqs}) so every running request can get a token each step"
+    )]
+    BudgetBelowSeqs {
+        /// Configured token budget.
+        max_num_batched_tokens: usize,
+        /// Configured admission slots.
+        max_num_seqs: usize,
+    },
+    /// `max_steps_in_flight` is past [`MAX_STEPS_IN_FLIGHT`].
+    #[error("max_steps_in_flight must be 1..={max}, got {got}")]
+    StepsInFlight {
+        /// Configured value.
+        got: usize,
+        /// Largest accepted value.
+        max: usize,
+    },
+    /// A block count or block size so large that block ids would not fit in 32 bits.
+    #[error("num_blocks ({0}) does not fit in a 32-bit block id")]
+    TooManyBlocks(usize),
+}
+
+impl SchedulerConfig {
+    /// Check the configuration; the core only runs with a valid one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let nonzero = [
+            ("block_size", self.block_size),
+            ("num_blocks", self.num_blocks),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_model_len", self.max_model_len),
+            ("lookahead", self.lookahead),
+        ];
+        for (field, value) in nonzero {
+            if value == 0 {
+                return Err(ConfigError::Zero { field });
+            }
+        }
+        if self.long_prefill_token_threshold == Some(0) {
+            return Err(ConfigError::Zero { field: "long_prefill_token_threshold" });
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(ConfigError::BudgetBelowSeqs {
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                max_num_seqs: self.max_num_seqs,
+            });
+        }
+        if self.max_steps_in_flight == 0 || self.max_steps_in_flight > MAX_STEPS_IN_FLIGHT {
+            return Err(ConfigError::StepsInFlight {
+                got: self.max_steps_in_flight,
+                max: MAX_STEPS_IN_FLIGHT,
+            });
+        }
+        if self.num_blocks >= u32::MAX as usize {
+            return Err(ConfigError::TooManyBlocks(self.num_blocks));
+        }
+        Ok(())
+    }
+
+    /// Blocks needed to hold `tokens` tokens of KV.
+    #[inline]
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Largest prefill chunk one request may get in one step.
+    #[inline]
+    pub(crate) fn chunk_cap(&self) -> usize {
+        self.long_prefill_token_threshold.unwrap_or(usize::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        assert_eq!(SchedulerConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn rejects_zero_sizes_and_bad_combinations() {
+        let base = SchedulerConfig::default();
+        let bad = SchedulerConfig { block_size: 0, ..base.clone() };
+        assert_eq!(bad.validate(), Err(ConfigError::Zero { field: "block_size" }));
+        let bad = SchedulerConfig { long_prefill_token_threshold: Some(0), ..base.clone() };
+        assert!(matches!(bad.validate(), Err(ConfigError::Zero { .. })));
+        let bad = SchedulerConfig { max_num_seqs: 10, max_num_batched_tokens: 4, ..base.clone() };
+        assert!(matches!(bad.validate(), Err(ConfigError::BudgetBelowSeqs { .. })));
+        let bad = SchedulerConfig { max_steps_in_flight: 0, ..base.clone() };
+        assert!(matches!(bad.validate(), Err(ConfigError::StepsInFlight { .. })));
+        let bad = SchedulerConfig { max_steps_in_flight: MAX_STEPS_IN_FLIGHT + 1, ..base };
+        assert!(matches!(bad.validate(), Err(ConfigError::StepsInFlight { .. })));
+    }
+}

@@ -1,0 +1,188 @@
+//! The step plan: what one step tells the executor, as a diff against the executor's state.
+//!
+//! Why this shape: it is what the scheduler→executor protocol carries (DESIGN §4), so the
+//! service layer only translates it. Variable-length parts (block ids, tokens, hashes) live in
+//! three flat buffers addressed by [`Span`]s, so a plan is rebuilt every step into the same
+//! allocations; only the prompt of a new request is shared (`Arc`) rather than copied.
+//!
+//! Invariants kept: `total_tokens` equals the sum of `scheduled[*].num_tokens`, never exceeds
+//! the configured budget (checked by `check_invariants`); every scheduled request appears
+//! either in `new_requests` (first time) or is known to the executor; a request appears at
+//! most once in `scheduled`.
+
+use std::sync::Arc;
+
+use crate::block_hash::BlockHash;
+use crate::types::{BlockId, RequestId, StepId, TokenId, TransferId};
+use crate::work_queues::WorkKey;
+
+/// A range in one of the plan's flat buffers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Span {
+    /// First index.
+    pub start: u32,
+    /// Number of elements.
+    pub len: u32,
+}
+
+impl Span {
+    fn range(self) -> std::ops::Range<usize> {
+        self.start as usize..(self.start + self.len) as usize
+    }
+}
+
+/// A request the executor sees for the first time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewRequestData {
+    /// The request.
+    pub id: RequestId,
+    /// Its prompt tokens.
+    pub prompt: Arc<[TokenId]>,
+    /// Its whole block table (in [`StepPlan::block_ids`]).
+    pub block_ids: Span,
+    /// Tokens whose KV is already there (prefix-cache hit or import).
+    pub num_computed_tokens: usize,
+}
+
+/// An update for a request the executor already knows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CachedRequestData {
+    /// The request.
+    pub id: RequestId,
+    /// It was preempted since the executor last ran it: `block_ids` is the whole table (replace
+    /// it), `tokens` all its tokens so far.
+    pub resumed: bool,
+    /// New blocks appended to its table, or the whole table if `resumed`.
+    pub block_ids: Span,
+    /// If `resumed`: prompt + output tokens (in [`StepPlan::tokens`]); else empty.
+    pub tokens: Span,
+    /// Tokens whose KV is computed before this step's work.
+    pub num_computed_tokens: usize,
+}
+
+/// Work scheduled for one request in this step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScheduledWork {
+    /// The request.
+    pub id: RequestId,
+    /// Kind of work.
+    pub work: WorkKey,
+    /// Tokens to compute.
+    pub num_tokens: usize,
+    /// The executor must return one sampled token for it (decode, or the last prompt chunk).
+    pub samples_token: bool,
+}
+
+/// A KV transfer operation the executor performs with its local KV agent.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvOp {
+    /// Fill `block_ids` with the KV arriving through `transfer_id`.
+    Import {
+        /// Receiving request.
+        id: RequestId,
+        /// The transfer.
+        transfer_id: TransferId,
+        /// Blocks to fill, in token order.
+        block_ids: Span,
+        /// Hashes of the full ones among them (the last block may be partial).
+        block_hashes: Span,
+        /// Prompt tokens the import covers.
+        num_tokens: usize,
+    },
+    /// Send `block_ids` (the request's KV for `num_tokens` tokens) through `transfer_id`.
+    Export {
+        /// Transferring request.
+        id: RequestId,
+        /// The transfer (issued by this core).
+        transfer_id: TransferId,
+        /// Blocks to read, in token order.
+        block_ids: Span,
+        /// Hashes of the full ones among them.
+        block_hashes: Span,
+        /// Tokens whose KV is exported.
+        num_tokens: usize,
+    },
+}
+
+/// One step for the executor. Returned by reference from [`crate::Scheduler::schedule`] and
+/// rebuilt in place by the next call.
+#[derive(Debug, Clone, Default)]
+pub struct StepPlan {
+    /// The step's id; its result must carry it.
+    pub step_id: StepId,
+    /// Requests the executor sees for the first time.
+    pub new_requests: Vec<NewRequestData>,
+    /// Updates for known requests (new blocks, or resume after preemption).
+    pub cached_requests: Vec<CachedRequestData>,
+    /// The batch: work per request.
+    pub scheduled: Vec<ScheduledWork>,
+    /// Requests the executor must forget (finished or aborted since the previous step).
+    pub finished: Vec<RequestId>,
+    /// Requests preempted in this step (drop them from the running batch).
+    pub preempted: Vec<RequestId>,
+    /// KV transfer operations.
+    pub kv_ops: Vec<KvOp>,
+    /// Sum of `scheduled[*].num_tokens`.
+    pub total_tokens: usize,
+    /// Flat buffer of block ids addressed by spans.
+    pub block_ids: Vec<BlockId>,
+    /// Flat buffer of tokens addressed by spans.
+    pub tokens: Vec<TokenId>,
+    /// Flat buffer of block hashes addressed by spans.
+    pub block_hashes: Vec<BlockHash>,
+}
+
+impl StepPlan {
+    /// Block ids of a span.
+    pub fn blocks(&self, span: Span) -> &[BlockId] {
+        &self.block_ids[span.range()]
+    }
+
+    /// Tokens of a span.
+    pub fn tokens_of(&self, span: Span) -> &[TokenId] {
+        &self.tokens[span.range()]
+    }
+
+    /// Block hashes of a span.
+    pub fn hashes(&self, span: Span) -> &[BlockHash] {
+        &self.block_hashes[span.range()]
+    }
+
+    /// True if the step carries no work and no KV operation (it may still report finished ids).
+    pub fn is_idle(&self) -> bool {
+        self.scheduled.is_empty() && self.kv_ops.is_empty()
+    }
+
+    pub(crate) fn clear(&mut self, step_id: StepId) {
+        self.step_id = step_id;
+        self.new_requests.clear();
+        self.cached_requests.clear();
+        self.scheduled.clear();
+        self.finished.clear();
+        self.preempted.clear();
+        self.kv_ops.clear();
+        self.total_tokens = 0;
+        self.block_ids.clear();
+        self.tokens.clear();
+        self.block_hashes.clear();
+    }
+
+    pub(crate) fn push_blocks(&mut self, blocks: &[BlockId]) -> Span {
+        let start = self.block_ids.len() as u32;
+        self.block_ids.extend_from_slice(blocks);
+        Span { start, len: blocks.len() as u32 }
+    }
+
+    pub(crate) fn push_hashes(&mut self, hashes: &[BlockHash]) -> Span {
+        let start = self.block_hashes.len() as u32;
+        self.block_hashes.extend_from_slice(hashes);
+        Span { start, len: hashes.len() as u32 }
+    }
+
+    pub(crate) fn push_tokens(&mut self, a: &[TokenId], b: &[TokenId]) -> Span {
+        let start = self.tokens.len() as u32;
+        self.tokens.extend_from_slice(a);
+        self.tokens.extend_from_slice(b);
+        Span { start, len: (a.len() + b.len()) as u32 }
+    }
+}

@@ -1,0 +1,175 @@
+//! Read-only views for metrics, the admin listing and the router.
+//!
+//! Why: the service layer exports vLLM-style gauges and counters, lists requests for operators,
+//! and the router asks each core how much of a prompt it already caches; none of that may
+//! mutate scheduling state, so it all lives behind `&self`.
+
+use crate::block_hash::hash_block;
+use crate::request::{Decision, RequestStatus};
+use crate::types::{RequestId, TokenId};
+use crate::work_queues::WorkKey;
+
+use super::{Scheduler, IMPORT_QUEUE};
+
+/// Gauges and counters for metrics (the vLLM metric each one feeds, where one exists).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SchedulerStats {
+    /// Requests holding a slot and running (vLLM `vllm:num_requests_running`).
+    pub num_running: usize,
+    /// Requests waiting for admission (vLLM `vllm:num_requests_waiting`).
+    pub num_waiting: usize,
+    /// Requests receiving their KV.
+    pub num_receiving: usize,
+    /// Requests exporting their KV.
+    pub num_transferring: usize,
+    /// Slots in use (running, transferring, unretired finished).
+    pub slots_held: usize,
+    /// Fraction of blocks held; cached free blocks count as free (`vllm:kv_cache_usage_perc`).
+    pub kv_usage: f64,
+    /// Free blocks that still cache a prefix.
+    pub cached_free_blocks: usize,
+    /// Blocks waiting behind an in-flight step's fence.
+    pub fenced_blocks: usize,
+    /// Prompt tokens looked up in the prefix cache (vLLM `vllm:prefix_cache_queries`).
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found (vLLM `vllm:prefix_cache_hits`).
+    pub prefix_cache_hits: u64,
+    /// Preemptions so far (vLLM `vllm:num_preemptions`).
+    pub num_preemptions: u64,
+    /// Prefill tokens computed (hits excluded) (vLLM `vllm:prompt_tokens`).
+    pub prompt_tokens: u64,
+    /// Output tokens appended (vLLM `vllm:generation_tokens`).
+    pub generation_tokens: u64,
+    /// Steps built.
+    pub steps: u64,
+    /// Steps built whose result is not applied yet.
+    pub steps_in_flight: usize,
+    /// Requests finished (any reason).
+    pub requests_finished: u64,
+}
+
+/// One request, as the admin listing shows it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestView {
+    /// The request.
+    pub id: RequestId,
+    /// Lifecycle status.
+    pub status: RequestStatus,
+    /// Pending work, if any.
+    pub pending_work: Option<WorkKey>,
+    /// Holds an admission slot.
+    pub has_slot: bool,
+    /// Blocks in its table.
+    pub blocks_held: usize,
+    /// Tokens whose KV is computed or scheduled.
+    pub num_computed_tokens: usize,
+    /// Prompt tokens.
+    pub num_prompt_tokens: usize,
+    /// Output tokens so far.
+    pub num_output_tokens: usize,
+    /// Times preempted.
+    pub num_preemptions: u32,
+    /// Its priority.
+    pub priority: i32,
+    /// The last scheduling decision about it.
+    pub last_decision: Decision,
+}
+
+impl Scheduler {
+    /// Current gauges and counters.
+    pub fn stats(&self) -> SchedulerStats {
+        let n = self.pool.num_blocks();
+        let c = &self.counters;
+        let receiving = self.imports.len(IMPORT_QUEUE) + self.importing;
+        SchedulerStats {
+            num_running: self.active.len(),
+            num_waiting: self.waiting.len(),
+            num_receiving: receiving,
+            num_transferring: self.transferring,
+            slots_held: self.slots.held(),
+            kv_usage: (n - self.pool.num_free()) as f64 / n as f64,
+            cached_free_blocks: self.pool.num_cached_free(),
+            fenced_blocks: self.fenced_blocks,
+            prefix_cache_queries: c.prefix_queries,
+            prefix_cache_hits: c.prefix_hits,
+            num_preemptions: c.preemptions,
+            prompt_tokens: c.prompt_tokens,
+            generation_tokens: c.generation_tokens,
+            steps: c.steps,
+            steps_in_flight: self.inflight.len(),
+            requests_finished: c.finished,
+        }
+    }
+
+    /// The admin view of one request (`None` once retired).
+    pub fn request_view(&self, id: RequestId) -> Option<RequestView> {
+        let &idx = self.by_id.get(&id)?;
+        Some(self.view_of(idx))
+    }
+
+    /// Every live request, in slab order (O(requests); for the admin listing).
+    pub fn request_views(&self) -> impl Iterator<Item = RequestView> + '_ {
+        self.slab
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.is_some())
+            .map(|(i, _)| self.view_of(i as u32))
+    }
+
+    fn view_of(&self, idx: u32) -> RequestView {
+        let r = self.req(idx);
+        RequestView {
+            id: r.id,
+            status: r.status,
+            pending_work: self.work.pending(idx),
+            has_slot: r.has_slot,
+            blocks_held: r.block_table.len(),
+            num_computed_tokens: r.num_computed,
+            num_prompt_tokens: r.prompt.len(),
+            num_output_tokens: r.output.len(),
+            num_preemptions: r.num_preemptions,
+            priority: r.priority,
+            last_decision: r.decision,
+        }
+    }
+
+    /// A request's timestamps so far (arrival, first scheduled, first token, preemptions).
+    pub fn request_times(&self, id: RequestId) -> Option<&crate::request::RequestTimes> {
+        let &idx = self.by_id.get(&id)?;
+        Some(&self.req(idx).times)
+    }
+
+    /// A request's block table (block ids in token order).
+    pub fn block_table(&self, id: RequestId) -> Option<&[crate::types::BlockId]> {
+        let &idx = self.by_id.get(&id)?;
+        Some(&self.req(idx).block_table)
+    }
+
+    /// Hashes of a request's full blocks computed so far (the names the KV transfer uses).
+    pub fn block_hashes(&self, id: RequestId) -> Option<&[crate::block_hash::BlockHash]> {
+        let &idx = self.by_id.get(&id)?;
+        Some(&self.req(idx).block_hashes)
+    }
+
+    /// How many leading tokens of `prompt` (under `salt`) this cache would serve as a prefix
+    /// hit right now: full blocks only, never the last token (the router's placement signal).
+    /// Allocation-free; does not touch the hit counters.
+    pub fn prefix_hit_tokens(&self, prompt: &[TokenId], salt: u64) -> usize {
+        if !self.cfg.enable_prefix_caching || prompt.is_empty() {
+            return 0;
+        }
+        let bs = self.cfg.block_size;
+        let max_blocks = (prompt.len() - 1) / bs;
+        let mut parent = None;
+        let mut hits = 0;
+        for chunk in prompt.chunks_exact(bs).take(max_blocks) {
+            let h = hash_block(parent, chunk, salt);
+            if self.pool.lookup(h).is_none() {
+                break;
+            }
+            hits += 1;
+            parent = Some(h);
+        }
+        hits * bs
+    }
+}

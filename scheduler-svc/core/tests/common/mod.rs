@@ -1,0 +1,521 @@
+//! Test harness shared by the integration tests: a seeded RNG and a simulated executor that
+//! drives a [`Scheduler`] through a workload, checking invariants after every schedule and
+//! every apply, and checking that the workload drains.
+#![allow(dead_code)]
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use ferry_sched_core::*;
+
+/// SplitMix64: tiny, seedable, good enough for test workloads.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x5851_f42d_4c95_7f2d)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        if hi <= lo {
+            return lo;
+        }
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// True with probability `pct` percent.
+    pub fn pct(&mut self, pct: u64) -> bool {
+        self.next_u64() % 100 < pct
+    }
+
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.range(0, items.len() - 1)]
+    }
+}
+
+/// A request and the step it arrives at.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub step: u64,
+    pub req: NewRequest,
+}
+
+/// How the simulated executor and the driver behave.
+#[derive(Debug, Clone)]
+pub struct SimOpts {
+    /// Percent chance a sampled token is EOS (token 0).
+    pub eos_pct: u64,
+    /// Percent chance per step of aborting a random live request.
+    pub abort_pct: u64,
+    /// Percent chance a KV transfer fails.
+    pub kv_fail_pct: u64,
+    /// Steps until a KV transfer is reported.
+    pub kv_delay: u64,
+    /// With two steps in flight: percent chance of building another step before applying.
+    pub pipeline_pct: u64,
+    /// Percent chance, per step, of re-adding a retired id (id reuse).
+    pub reuse_pct: u64,
+    /// Give up (livelock) after this many steps.
+    pub max_steps: u64,
+    pub seed: u64,
+}
+
+impl Default for SimOpts {
+    fn default() -> Self {
+        SimOpts {
+            eos_pct: 5,
+            abort_pct: 0,
+            kv_fail_pct: 0,
+            kv_delay: 1,
+            pipeline_pct: 70,
+            reuse_pct: 0,
+            max_steps: 20_000,
+            seed: 0,
+        }
+    }
+}
+
+/// What a run observed.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub steps: u64,
+    pub finished: HashMap<RequestId, FinishReason>,
+    pub preemptions: u64,
+    pub tokens: u64,
+    pub max_running: usize,
+    pub imports: u64,
+    pub exports: u64,
+    pub max_in_flight_seen: usize,
+}
+
+/// The token the simulated executor samples: deterministic in (seed, id, position); EOS (0)
+/// with probability `eos_pct`.
+fn sample(seed: u64, id: RequestId, pos: usize, eos_pct: u64) -> u32 {
+    let mut r = Rng::new(seed ^ id.0.wrapping_mul(0x100_0193) ^ ((pos as u64) << 40));
+    if r.pct(eos_pct) {
+        0
+    } else {
+        r.range(1, 40) as u32
+    }
+}
+
+fn check(core: &Scheduler, when: &str, step: u64) -> Result<(), String> {
+    core.check_invariants().map_err(|e| format!("step {step} after {when}: {e}"))
+}
+
+/// Drive `cfg` through `arrivals` with a simulated executor until drained.
+pub fn run(cfg: SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Result<Report, String> {
+    let mut core = Scheduler::new(cfg.clone()).map_err(|e| format!("config: {e}"))?;
+    let mut rng = Rng::new(opts.seed.wrapping_mul(7919));
+    let mut report = Report::default();
+    let mut pending: VecDeque<StepOutcome> = VecDeque::new();
+    let mut transfers: Vec<(TransferId, u64, bool)> = Vec::new();
+    let mut events = Vec::new();
+    let mut live: Vec<RequestId> = Vec::new();
+    let mut outputs: HashMap<RequestId, usize> = HashMap::new();
+    let mut max_tokens: HashMap<RequestId, usize> = HashMap::new();
+    let mut retired: Vec<NewRequest> = Vec::new();
+    let mut finished_once: HashSet<RequestId> = HashSet::new();
+    let mut next = 0;
+    let mut order: Vec<&Arrival> = arrivals.iter().collect();
+    order.sort_by_key(|a| a.step);
+    let mut step = 0u64;
+    let mut next_reuse_transfer = 1_000_000u64;
+    let mut exec = ExecutorModel::default();
+    let mut reuses_left = arrivals.len() / 2;
+    loop {
+        step += 1;
+        let now = Timestamp(step * 1_000_000);
+        if step > opts.max_steps {
+            return Err(format!(
+                "did not drain after {} steps: {:?}; live {:?}",
+                opts.max_steps,
+                core.stats(),
+                core.request_views().take(8).collect::<Vec<_>>()
+            ));
+        }
+        while next < order.len() && order[next].step <= step {
+            let req = order[next].req.clone();
+            next += 1;
+            add(&mut core, req, &mut live, &mut outputs, &mut max_tokens, &mut finished_once)?;
+        }
+        if !retired.is_empty() && reuses_left > 0 && rng.pct(opts.reuse_pct) {
+            reuses_left -= 1;
+            let mut req = retired.swap_remove(0);
+            if !core.contains(req.id) {
+                req.arrival = now;
+                next_reuse_transfer += 1;
+                if let Some(imp) = &mut req.kv_import {
+                    imp.transfer_id = TransferId(next_reuse_transfer);
+                }
+                if let Some(tid) = &mut req.kv_export {
+                    *tid = TransferId(next_reuse_transfer);
+                }
+                add(&mut core, req, &mut live, &mut outputs, &mut max_tokens, &mut finished_once)?;
+            }
+        }
+        if !live.is_empty() && rng.pct(opts.abort_pct) {
+            let id = live[rng.range(0, live.len() - 1)];
+            match core.abort(id, now) {
+                Ok(done) => {
+                    if done.reason != FinishReason::Abort || !finished_once.insert(id) {
+                        return Err(format!("abort of {id} reported {done:?} / twice"));
+                    }
+                    report.finished.insert(id, FinishReason::Abort);
+                    live.retain(|&l| l != id);
+                }
+                Err(e) => return Err(format!("abort of live {id} failed: {e}")),
+            }
+            check(&core, "abort", step)?;
+        }
+        let apply_now = pending.len() >= cfg.max_steps_in_flight
+            || (!pending.is_empty() && (!rng.pct(opts.pipeline_pct) || next == order.len()));
+        if apply_now {
+            let outcome = pending.pop_front().expect("non-empty");
+            exec.on_apply();
+            events.clear();
+            core.apply_result(&outcome, now, &mut events)
+                .map_err(|e| format!("step {step}: apply: {e}"))?;
+            for e in &events {
+                match *e {
+                    RequestEvent::Token { id, index, .. } => {
+                        let n = outputs.entry(id).or_default();
+                        if index != *n {
+                            return Err(format!("{id}: token index {index}, expected {n}"));
+                        }
+                        *n += 1;
+                        report.tokens += 1;
+                        if *n > max_tokens[&id] {
+                            return Err(format!("{id}: more than max_tokens"));
+                        }
+                    }
+                    RequestEvent::Finished(done) => {
+                        if !finished_once.insert(done.id) {
+                            return Err(format!("{} finished twice", done.id));
+                        }
+                        if done.stats.output_tokens != outputs.get(&done.id).copied().unwrap_or(0) {
+                            return Err(format!("{}: finish counters disagree", done.id));
+                        }
+                        report.finished.insert(done.id, done.reason);
+                        live.retain(|&l| l != done.id);
+                    }
+                    RequestEvent::Imported { .. } => report.imports += 1,
+                    RequestEvent::ExportStarted { .. } => report.exports += 1,
+                }
+            }
+            check(&core, "apply", step)?;
+        }
+        // Remember retired ids for reuse.
+        if opts.reuse_pct > 0 && reuses_left > 0 {
+            for a in arrivals {
+                if finished_once.contains(&a.req.id)
+                    && !core.contains(a.req.id)
+                    && retired.len() < 4
+                    && !retired.iter().any(|r| r.id == a.req.id)
+                    && !live.contains(&a.req.id)
+                {
+                    retired.push(a.req.clone());
+                }
+            }
+        }
+        if std::env::var("FERRY_CORE_TRACE").is_ok() {
+            eprintln!(
+                "step {step}: pending {} drained {:?} stats {:?}",
+                pending.len(),
+                core.check_drained(),
+                core.stats()
+            );
+        }
+        if next == order.len() && pending.is_empty() && core.is_drained() {
+            core.check_drained().map_err(|e| e.to_string())?;
+            report.steps = step;
+            report.preemptions = core.stats().num_preemptions;
+            if !live.is_empty() {
+                return Err(format!("drained with {} requests never finished", live.len()));
+            }
+            return Ok(report);
+        }
+        // Build a step unless the pipeline is full or there is nothing left to tell the executor.
+        let idle = next == order.len() && core.request_views().next().is_none();
+        if pending.len() < cfg.max_steps_in_flight && !idle {
+            core.schedule(now).map_err(|e| format!("step {step}: {e}"))?;
+            let plan = core.last_plan();
+            exec.on_plan(plan, &core, cfg.block_size, !cfg.enable_prefix_caching)
+                .map_err(|e| format!("step {step}: protocol: {e}"))?;
+            let mut outcome = StepOutcome { step_id: plan.step_id, ..StepOutcome::default() };
+            for w in plan.scheduled.iter().filter(|w| w.samples_token) {
+                let pos =
+                    outputs.get(&w.id).copied().unwrap_or(0) + pending_samples(&pending, w.id);
+                outcome.sampled.push(SampledToken {
+                    id: w.id,
+                    token: sample(opts.seed, w.id, pos, opts.eos_pct),
+                });
+            }
+            for op in &plan.kv_ops {
+                let tid = match *op {
+                    KvOp::Import { transfer_id, .. } | KvOp::Export { transfer_id, .. } => {
+                        transfer_id
+                    }
+                };
+                transfers.push((tid, step + opts.kv_delay, !rng.pct(opts.kv_fail_pct)));
+            }
+            // Transfers due are reported with this step's result.
+            transfers.retain(|&(tid, due, ok)| {
+                if due <= step {
+                    outcome.kv_results.push(KvResult { transfer_id: tid, ok });
+                    false
+                } else {
+                    true
+                }
+            });
+            report.max_running = report.max_running.max(core.stats().num_running);
+            pending.push_back(outcome);
+            report.max_in_flight_seen = report.max_in_flight_seen.max(pending.len());
+            check(&core, "schedule", step)?;
+        }
+    }
+}
+
+/// What an executor would know, rebuilt only from step plans: checks that the diff protocol
+/// is enough to reconstruct every block table and computed-token count, and that no block is
+/// handed to another request while an in-flight step still writes it.
+#[derive(Default)]
+struct ExecutorModel {
+    tables: HashMap<RequestId, (Vec<BlockId>, usize)>,
+    writes: VecDeque<Vec<(BlockId, RequestId)>>,
+}
+
+impl ExecutorModel {
+    fn on_plan(
+        &mut self,
+        plan: &StepPlan,
+        core: &Scheduler,
+        block_size: usize,
+        check_reuse: bool,
+    ) -> Result<(), String> {
+        for id in &plan.finished {
+            if self.tables.remove(id).is_none() {
+                return Err(format!("finished {id} unknown to the executor"));
+            }
+        }
+        for id in &plan.preempted {
+            if !self.tables.contains_key(id) {
+                return Err(format!("preempted {id} unknown to the executor"));
+            }
+        }
+        for n in &plan.new_requests {
+            if self.tables.contains_key(&n.id) {
+                return Err(format!("new {} already known", n.id));
+            }
+            self.tables.insert(n.id, (plan.blocks(n.block_ids).to_vec(), n.num_computed_tokens));
+        }
+        for c in &plan.cached_requests {
+            let Some((table, computed)) = self.tables.get_mut(&c.id) else {
+                return Err(format!("cached {} unknown", c.id));
+            };
+            if c.resumed {
+                *table = plan.blocks(c.block_ids).to_vec();
+                *computed = c.num_computed_tokens;
+            } else {
+                table.extend_from_slice(plan.blocks(c.block_ids));
+                if *computed != c.num_computed_tokens {
+                    return Err(format!(
+                        "{}: executor computed {} vs {}",
+                        c.id, computed, c.num_computed_tokens
+                    ));
+                }
+            }
+        }
+        let mut writes = Vec::new();
+        for w in &plan.scheduled {
+            let Some((table, computed)) = self.tables.get_mut(&w.id) else {
+                return Err(format!("scheduled {} unknown to the executor", w.id));
+            };
+            let core_table = core.block_table(w.id).ok_or("scheduled request retired")?;
+            if table.as_slice() != core_table {
+                return Err(format!(
+                    "{}: executor table {:?} != core {:?}",
+                    w.id, table, core_table
+                ));
+            }
+            let end = *computed + w.num_tokens;
+            if end > table.len() * block_size {
+                return Err(format!("{}: writes past its blocks", w.id));
+            }
+            for pos in *computed..end {
+                writes.push((table[pos / block_size], w.id));
+            }
+            *computed = end;
+        }
+        if check_reuse {
+            for &(b, owner) in &writes {
+                for step in &self.writes {
+                    if let Some(&(_, other)) = step.iter().find(|&&(ob, o)| ob == b && o != owner) {
+                        return Err(format!("block {b:?} written by {owner} while in-flight step writes it for {other}"));
+                    }
+                }
+            }
+        }
+        self.writes.push_back(writes);
+        Ok(())
+    }
+
+    fn on_apply(&mut self) {
+        self.writes.pop_front();
+    }
+}
+
+fn pending_samples(pending: &VecDeque<StepOutcome>, id: RequestId) -> usize {
+    pending.iter().map(|o| o.sampled.iter().filter(|s| s.id == id).count()).sum()
+}
+
+fn add(
+    core: &mut Scheduler,
+    req: NewRequest,
+    live: &mut Vec<RequestId>,
+    outputs: &mut HashMap<RequestId, usize>,
+    max_tokens: &mut HashMap<RequestId, usize>,
+    finished_once: &mut HashSet<RequestId>,
+) -> Result<(), String> {
+    let id = req.id;
+    let mt = req.max_tokens;
+    core.add_request(req).map_err(|e| format!("add {id}: {e}"))?;
+    live.push(id);
+    outputs.insert(id, 0);
+    max_tokens.insert(id, mt);
+    finished_once.remove(&id);
+    Ok(())
+}
+
+// ---- helpers for the rule tests -------------------------------------------------------------
+
+/// A small configuration: blocks of 4 tokens, 64 blocks, 4 slots, 32 tokens per step.
+pub fn small_cfg() -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 4,
+        num_blocks: 64,
+        max_num_seqs: 4,
+        max_num_batched_tokens: 32,
+        max_model_len: 128,
+        enable_chunked_prefill: true,
+        long_prefill_token_threshold: None,
+        lookahead: 16,
+        preemption_policy: PreemptionPolicy::Fcfs,
+        preemption_mode: PreemptionMode::Recompute,
+        max_preemptions: 4,
+        max_kv_fetches: 2,
+        enable_prefix_caching: true,
+        max_steps_in_flight: 1,
+    }
+}
+
+/// `len` distinct prompt tokens starting at `base`.
+pub fn tokens(base: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| base + i).collect()
+}
+
+/// A request with EOS token 0.
+pub fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+    let mut r = NewRequest::new(RequestId(id), prompt, max_tokens, Timestamp(0));
+    r.eos_token_ids = vec![0];
+    r
+}
+
+/// A scheduler plus a virtual clock, checking invariants after every call.
+pub struct Harness {
+    pub core: Scheduler,
+    pub now: u64,
+}
+
+impl Harness {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Harness { core: Scheduler::new(cfg).expect("valid test config"), now: 0 }
+    }
+
+    pub fn add(&mut self, mut r: NewRequest) {
+        r.arrival = Timestamp(self.now);
+        self.core.add_request(r).expect("valid test request");
+        self.core.check_invariants().unwrap();
+    }
+
+    /// Build a step (one second of virtual time later) and return a copy of it.
+    pub fn schedule(&mut self) -> StepPlan {
+        self.now += 1_000_000_000;
+        let plan = self.core.schedule(Timestamp(self.now)).expect("room for a step").clone();
+        self.core.check_invariants().unwrap();
+        plan
+    }
+
+    /// The result where every sampling request samples `token`.
+    pub fn outcome(plan: &StepPlan, token: u32) -> StepOutcome {
+        StepOutcome {
+            step_id: plan.step_id,
+            sampled: plan
+                .scheduled
+                .iter()
+                .filter(|w| w.samples_token)
+                .map(|w| SampledToken { id: w.id, token })
+                .collect(),
+            kv_results: Vec::new(),
+        }
+    }
+
+    pub fn apply(&mut self, outcome: &StepOutcome) -> Vec<RequestEvent> {
+        let mut events = Vec::new();
+        self.core.apply_result(outcome, Timestamp(self.now), &mut events).expect("valid outcome");
+        self.core.check_invariants().unwrap();
+        events
+    }
+
+    /// A synchronous step in which every sampler samples `token`.
+    pub fn step(&mut self, token: u32) -> (StepPlan, Vec<RequestEvent>) {
+        let plan = self.schedule();
+        let events = self.apply(&Self::outcome(&plan, token));
+        (plan, events)
+    }
+
+    /// Step until drained (at most `max` steps), sampling `token`; returns the finishes.
+    pub fn drain(&mut self, token: u32, max: usize) -> Vec<FinishedRequest> {
+        let mut done = Vec::new();
+        for _ in 0..max {
+            if self.core.is_drained() {
+                return done;
+            }
+            let (_, events) = self.step(token);
+            done.extend(events.iter().filter_map(|e| match e {
+                RequestEvent::Finished(f) => Some(*f),
+                _ => None,
+            }));
+        }
+        panic!("not drained after {max} steps: {:?}", self.core.check_drained());
+    }
+
+    pub fn view(&self, id: u64) -> RequestView {
+        self.core.request_view(RequestId(id)).expect("live request")
+    }
+}
+
+/// Ids of a plan's scheduled work, in order.
+pub fn scheduled_ids(plan: &StepPlan) -> Vec<u64> {
+    plan.scheduled.iter().map(|w| w.id.0).collect()
+}
+
+/// Finishes among events.
+pub fn finishes(events: &[RequestEvent]) -> Vec<FinishedRequest> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            RequestEvent::Finished(f) => Some(*f),
+            _ => None,
+        })
+        .collect()
+}

@@ -1,0 +1,353 @@
+//! One test per lifecycle rule: abort at any moment and id reuse, stop conditions,
+//! asynchronous stepping (placeholders, fences, unretired finished requests, result
+//! validation), KV import and export, typed errors for bad input, timestamps and counters.
+
+mod common;
+
+use common::{finishes, req, scheduled_ids, small_cfg, tokens, Harness};
+use ferry_sched_core::*;
+
+fn async_cfg() -> SchedulerConfig {
+    SchedulerConfig { max_steps_in_flight: 2, ..small_cfg() }
+}
+
+#[test]
+fn abort_of_a_waiting_request_retires_it_at_once() {
+    let mut h = Harness::new(small_cfg());
+    h.add(req(1, tokens(1, 4), 3));
+    let done = h.core.abort(RequestId(1), Timestamp(5)).unwrap();
+    assert_eq!(done.reason, FinishReason::Abort);
+    assert_eq!(done.stats.queue_time, None);
+    assert!(!h.core.contains(RequestId(1)), "the executor never knew it");
+    h.add(req(1, tokens(1, 4), 3));
+    h.drain(7, 20);
+}
+
+#[test]
+fn abort_of_a_running_request_holds_its_slot_until_reported() {
+    let mut h = Harness::new(small_cfg());
+    h.add(req(1, tokens(1, 6), 5));
+    h.step(7);
+    h.core.abort(RequestId(1), Timestamp(5)).unwrap();
+    assert_eq!(
+        h.core.abort(RequestId(1), Timestamp(5)),
+        Err(AbortError::AlreadyFinished(RequestId(1)))
+    );
+    assert_eq!(h.core.stats().kv_usage, 0.0, "no step in flight: blocks free at once");
+    assert_eq!(h.core.stats().slots_held, 1, "unretired finished request keeps its slot");
+    assert_eq!(
+        h.core.add_request(req(1, tokens(1, 6), 5)),
+        Err(AddError::DuplicateId(RequestId(1)))
+    );
+    let (plan, _) = h.step(7);
+    assert_eq!(plan.finished, [RequestId(1)]);
+    assert!(!h.core.contains(RequestId(1)));
+    assert_eq!(h.core.abort(RequestId(1), Timestamp(5)), Err(AbortError::Unknown(RequestId(1))));
+    h.add(req(1, tokens(1, 6), 5));
+    h.drain(7, 20);
+}
+
+#[test]
+fn abort_with_a_step_in_flight_fences_blocks_and_drops_its_result() {
+    let mut h = Harness::new(async_cfg());
+    h.add(req(1, tokens(1, 6), 5));
+    h.add(req(2, tokens(50, 6), 5));
+    let plan = h.schedule();
+    h.core.abort(RequestId(1), Timestamp(5)).unwrap();
+    let stats = h.core.stats();
+    assert_eq!(stats.fenced_blocks, 2, "the in-flight step still writes them");
+    let events = h.apply(&Harness::outcome(&plan, 7));
+    assert!(events.iter().all(|e| !matches!(e, RequestEvent::Token { id: RequestId(1), .. })));
+    assert_eq!(h.core.stats().fenced_blocks, 0);
+    assert!(h.core.contains(RequestId(1)), "retires once its finish is reported");
+    let (plan, _) = h.step(7);
+    assert_eq!(plan.finished, [RequestId(1)]);
+    assert!(!h.core.contains(RequestId(1)));
+    h.drain(7, 20);
+}
+
+/// Step with the given tokens (one per step) until the request finishes.
+fn finish_with(mut r: NewRequest, sampled: &[u32]) -> (FinishReason, usize) {
+    let mut h = Harness::new(small_cfg());
+    r.id = RequestId(1);
+    h.add(r);
+    for &t in sampled {
+        let (_, events) = h.step(t);
+        if let Some(f) = finishes(&events).first() {
+            return (f.reason, f.stats.output_tokens);
+        }
+    }
+    panic!("did not finish");
+}
+
+#[test]
+fn stop_conditions_follow_vllm() {
+    let base = req(1, tokens(10, 4), 6);
+    assert_eq!(finish_with(base.clone(), &[5, 0, 5]), (FinishReason::Stop(StopCause::Eos(0)), 2));
+    let mut ignore = base.clone();
+    ignore.ignore_eos = true;
+    ignore.stop_token_ids = vec![3];
+    assert_eq!(
+        finish_with(ignore, &[0, 0, 3, 5]),
+        (FinishReason::Stop(StopCause::StopToken(3)), 3),
+        "ignore_eos ignores only EOS"
+    );
+    let mut min = base.clone();
+    min.min_tokens = 3;
+    assert_eq!(finish_with(min, &[0, 0, 0, 5]), (FinishReason::Stop(StopCause::Eos(0)), 3));
+    assert_eq!(finish_with(base, &[5; 8]), (FinishReason::Length, 6));
+    // The model's maximum length: prompt 120 + 8 outputs = 128.
+    let long = req(1, tokens(10, 120), 8);
+    assert_eq!(finish_with(long, &[5; 12]), (FinishReason::Length, 8));
+}
+
+#[test]
+fn asynchronous_steps_use_placeholders_and_stop_at_max_tokens() {
+    let mut h = Harness::new(async_cfg());
+    h.add(req(1, tokens(1, 4), 3));
+    let p1 = h.schedule();
+    let p2 = h.schedule();
+    assert_eq!(p2.scheduled[0].work, WorkKey::Decode, "decodes the token step 1 will sample");
+    assert!(p2.scheduled[0].samples_token);
+    assert_eq!(h.core.schedule(Timestamp(0)).unwrap_err(), ScheduleError::TooManyStepsInFlight(2));
+    let mut events = Vec::new();
+    let now = Timestamp(h.now);
+    let bad = |h: &mut Harness, o: &StepOutcome, events: &mut Vec<RequestEvent>| {
+        h.core.apply_result(o, now, events).unwrap_err()
+    };
+    assert!(matches!(
+        bad(&mut h, &Harness::outcome(&p2, 5), &mut events),
+        ApplyError::OutOfOrder { .. }
+    ));
+    let mut unknown = Harness::outcome(&p1, 5);
+    unknown.step_id = StepId(99);
+    assert!(matches!(bad(&mut h, &unknown, &mut events), ApplyError::UnknownStep(_)));
+    let mut stray = Harness::outcome(&p1, 5);
+    stray.sampled[0].id = RequestId(42);
+    assert!(matches!(bad(&mut h, &stray, &mut events), ApplyError::UnexpectedToken { .. }));
+    let mut missing = Harness::outcome(&p1, 5);
+    missing.sampled.clear();
+    assert!(matches!(bad(&mut h, &missing, &mut events), ApplyError::MissingTokens { .. }));
+    let mut dup = Harness::outcome(&p1, 5);
+    dup.sampled.push(dup.sampled[0]);
+    assert!(matches!(
+        bad(&mut h, &dup, &mut events),
+        ApplyError::DuplicateToken { .. } | ApplyError::MissingTokens { .. }
+    ));
+    assert!(events.is_empty(), "rejected results change nothing");
+    h.core.check_invariants().unwrap();
+
+    h.apply(&Harness::outcome(&p1, 5));
+    let p3 = h.schedule();
+    assert_eq!(scheduled_ids(&p3), [1], "1 applied + 1 in flight < max_tokens 3");
+    h.apply(&Harness::outcome(&p2, 5));
+    let p4 = h.schedule();
+    assert!(p4.scheduled.is_empty(), "3 tokens already sampled or in flight");
+    let events = h.apply(&Harness::outcome(&p3, 5));
+    assert_eq!(finishes(&events)[0].reason, FinishReason::Length);
+    h.apply(&Harness::outcome(&p4, 5));
+    let (plan, _) = h.step(5);
+    assert_eq!(plan.finished, [RequestId(1)]);
+    assert!(h.core.is_drained());
+}
+
+#[test]
+fn a_request_finished_by_step_n_keeps_its_slot_while_step_n_plus_1_runs() {
+    let mut h = Harness::new(async_cfg());
+    h.add(req(1, tokens(1, 4), 10));
+    let p1 = h.schedule();
+    let p2 = h.schedule();
+    let events = h.apply(&Harness::outcome(&p1, 0));
+    assert_eq!(finishes(&events)[0].reason, FinishReason::Stop(StopCause::Eos(0)));
+    assert_eq!(h.core.stats().slots_held, 1);
+    assert_eq!(h.view(1).status, RequestStatus::Finished(FinishReason::Stop(StopCause::Eos(0))));
+    let events = h.apply(&Harness::outcome(&p2, 5));
+    assert!(events.is_empty(), "the in-flight token of a finished request is dropped");
+    let (plan, _) = h.step(5);
+    assert_eq!(plan.finished, [RequestId(1)]);
+    assert!(h.core.is_drained());
+}
+
+fn import_req(id: u64, transfer: u64, prompt_len: usize, import: usize) -> NewRequest {
+    let mut r = req(id, tokens(id as u32 * 100, prompt_len), 3);
+    r.kv_import = Some(KvImport { transfer_id: TransferId(transfer), num_tokens: import });
+    r
+}
+
+fn kv_outcome(plan: &StepPlan, results: &[(u64, bool)]) -> StepOutcome {
+    let mut o = Harness::outcome(plan, 5);
+    o.kv_results =
+        results.iter().map(|&(t, ok)| KvResult { transfer_id: TransferId(t), ok }).collect();
+    o
+}
+
+#[test]
+fn an_imported_request_resumes_from_its_kv() {
+    let mut h = Harness::new(small_cfg());
+    h.add(import_req(1, 77, 9, 8));
+    assert_eq!(h.view(1).status, RequestStatus::Receiving);
+    let p1 = h.schedule();
+    assert!(p1.scheduled.is_empty());
+    let KvOp::Import { transfer_id, block_ids, block_hashes, num_tokens, .. } = p1.kv_ops[0] else {
+        panic!("expected an import op");
+    };
+    assert_eq!((transfer_id, num_tokens), (TransferId(77), 8));
+    assert_eq!((block_ids.len, block_hashes.len), (2, 2));
+    let events = h.apply(&kv_outcome(&p1, &[(77, true)]));
+    assert!(matches!(events[0], RequestEvent::Imported { ok: true, .. }));
+    assert_eq!(h.view(1).status, RequestStatus::Active);
+    let (p2, _) = h.step(5);
+    assert_eq!(p2.new_requests[0].num_computed_tokens, 8);
+    assert_eq!(p2.scheduled[0].num_tokens, 1, "only the last prompt token is computed");
+    h.drain(5, 20);
+}
+
+#[test]
+fn a_failed_import_is_prefilled_locally() {
+    let mut h = Harness::new(small_cfg());
+    h.add(import_req(1, 77, 9, 8));
+    let p1 = h.schedule();
+    let events = h.apply(&kv_outcome(&p1, &[(77, false)]));
+    assert!(matches!(events[0], RequestEvent::Imported { ok: false, .. }));
+    assert_eq!(h.view(1).blocks_held, 0);
+    let (p2, _) = h.step(5);
+    assert_eq!(p2.new_requests[0].num_computed_tokens, 0);
+    assert_eq!(p2.scheduled[0].num_tokens, 9);
+    h.drain(5, 20);
+}
+
+#[test]
+fn at_most_max_kv_fetches_imports_hold_blocks() {
+    let mut h = Harness::new(small_cfg());
+    for id in 1..=3 {
+        h.add(import_req(id, 70 + id, 9, 8));
+    }
+    let p1 = h.schedule();
+    assert_eq!(p1.kv_ops.len(), 2);
+    assert_eq!(h.view(3).blocks_held, 0);
+    h.apply(&kv_outcome(&p1, &[(71, true)]));
+    let p2 = h.schedule();
+    assert!(matches!(p2.kv_ops[0], KvOp::Import { transfer_id: TransferId(73), .. }));
+    h.apply(&kv_outcome(&p2, &[(72, true), (73, true)]));
+    h.drain(5, 30);
+    assert_eq!(
+        h.core.kv_transfer_finished(TransferId(71), true, Timestamp(0), &mut Vec::new()),
+        Err(ApplyError::UnknownTransfer(TransferId(71)))
+    );
+}
+
+fn export_req(id: u64, transfer: u64) -> NewRequest {
+    let mut r = req(id, tokens(id as u32 * 100, 6), 5);
+    r.kv_export = Some(TransferId(transfer));
+    r
+}
+
+#[test]
+fn a_prefill_only_request_exports_its_kv_and_finishes_transferred() {
+    let mut h = Harness::new(small_cfg());
+    h.add(export_req(1, 55));
+    let (_, events) = h.step(5);
+    assert!(matches!(events[0], RequestEvent::Token { index: 0, .. }));
+    assert!(matches!(events[1], RequestEvent::ExportStarted { transfer_id: TransferId(55), .. }));
+    assert_eq!(h.view(1).status, RequestStatus::Transferring);
+    assert_eq!(h.core.stats().num_transferring, 1);
+    let p2 = h.schedule();
+    assert!(p2.scheduled.is_empty(), "no decode for a prefill-only request");
+    let KvOp::Export { block_ids, block_hashes, num_tokens, .. } = p2.kv_ops[0] else {
+        panic!("expected an export op");
+    };
+    assert_eq!(num_tokens, 6);
+    assert_eq!(p2.blocks(block_ids), h.core.block_table(RequestId(1)).unwrap());
+    assert_eq!(p2.hashes(block_hashes), &h.core.block_hashes(RequestId(1)).unwrap()[..1]);
+    let events = h.apply(&kv_outcome(&p2, &[(55, true)]));
+    assert_eq!(finishes(&events)[0].reason, FinishReason::Transferred);
+    h.drain(5, 5);
+}
+
+#[test]
+fn a_failed_export_finishes_with_error() {
+    let mut h = Harness::new(small_cfg());
+    h.add(export_req(1, 55));
+    h.step(5);
+    let p2 = h.schedule();
+    let events = h.apply(&kv_outcome(&p2, &[(55, false)]));
+    assert_eq!(finishes(&events)[0].reason, FinishReason::Error);
+    h.drain(5, 5);
+}
+
+#[test]
+fn an_export_aborted_midway_keeps_its_blocks_until_reported() {
+    let mut h = Harness::new(small_cfg());
+    h.add(export_req(1, 55));
+    h.step(5);
+    let (_, _) = h.step(5); // export op issued
+    h.core.abort(RequestId(1), Timestamp(0)).unwrap();
+    assert!(h.core.stats().kv_usage > 0.0, "the executor may still be reading them");
+    let mut events = Vec::new();
+    h.core.kv_transfer_finished(TransferId(55), false, Timestamp(0), &mut events).unwrap();
+    h.core.check_invariants().unwrap();
+    assert!(events.is_empty(), "already finished by the abort");
+    assert_eq!(h.core.stats().kv_usage, 0.0);
+    h.drain(5, 5);
+}
+
+#[test]
+fn bad_requests_are_typed_errors() {
+    let mut core =
+        Scheduler::new(SchedulerConfig { num_blocks: 4, max_model_len: 32, ..small_cfg() })
+            .unwrap();
+    let id = RequestId(1);
+    let mut add = |r: NewRequest| core.add_request(r);
+    assert_eq!(add(req(1, vec![], 2)), Err(AddError::EmptyPrompt(id)));
+    assert!(matches!(add(req(1, tokens(0, 32), 1)), Err(AddError::PromptTooLong { .. })));
+    assert_eq!(add(req(1, tokens(0, 4), 0)), Err(AddError::ZeroMaxTokens(id)));
+    assert!(matches!(add(req(1, tokens(0, 4), 29)), Err(AddError::MaxTokensPastModelLen { .. })));
+    let mut min = req(1, tokens(0, 4), 2);
+    min.min_tokens = 3;
+    assert_eq!(add(min), Err(AddError::MinTokensAboveMax(id)));
+    assert!(matches!(
+        add(req(1, tokens(0, 10), 8)),
+        Err(AddError::NeverFits { blocks_needed: 5, num_blocks: 4, .. })
+    ));
+    assert_eq!(add(req(1, tokens(0, 10), 7)), Ok(()), "17 tokens of KV fit 4 blocks of 4");
+    assert_eq!(add(req(1, tokens(0, 2), 1)), Err(AddError::DuplicateId(id)));
+    assert!(matches!(add(import_req(2, 9, 4, 4)), Err(AddError::InvalidImport { .. })));
+    assert_eq!(add(import_req(2, 9, 4, 3)), Ok(()));
+    assert!(matches!(add(import_req(3, 9, 4, 3)), Err(AddError::DuplicateTransfer { .. })));
+    assert!(matches!(add(export_req(4, 9)), Err(AddError::DuplicateTransfer { .. })));
+    let mut no_fetch =
+        Scheduler::new(SchedulerConfig { max_kv_fetches: 0, ..small_cfg() }).unwrap();
+    assert!(matches!(
+        no_fetch.add_request(import_req(1, 1, 4, 2)),
+        Err(AddError::InvalidImport { .. })
+    ));
+    assert!(matches!(
+        Scheduler::new(SchedulerConfig { block_size: 0, ..small_cfg() }),
+        Err(ConfigError::Zero { field: "block_size" })
+    ));
+}
+
+#[test]
+fn timestamps_give_queue_time_ttft_and_e2e() {
+    let mut h = Harness::new(small_cfg());
+    h.add(req(1, tokens(1, 4), 3));
+    let done = h.drain(5, 10);
+    let s = done[0].stats;
+    assert_eq!(s.queue_time, Some(1.0), "scheduled in the first step, 1 s after arrival");
+    assert_eq!(s.time_to_first_token, Some(1.0));
+    assert_eq!(s.e2e_latency, 3.0);
+    assert_eq!((s.prompt_tokens, s.output_tokens), (4, 3));
+    let stats = h.core.stats();
+    assert_eq!((stats.prompt_tokens, stats.generation_tokens), (4, 3));
+    assert_eq!(stats.requests_finished, 1);
+}
+
+#[test]
+fn drain_is_checked() {
+    let mut h = Harness::new(small_cfg());
+    h.add(req(1, tokens(1, 4), 3));
+    let err = h.core.check_drained().unwrap_err();
+    assert_eq!(err.rule, 7);
+    h.drain(5, 10);
+    h.core.check_drained().unwrap();
+}

@@ -5,7 +5,9 @@
 //! The library is everything; `ferry-executor` only parses flags and calls [`run`], so a test
 //! (or the all-in-one `serve`) can host an executor on a listener of its choosing.
 
+pub mod bench;
 pub mod config;
+pub mod kernels;
 pub mod model;
 pub mod service;
 

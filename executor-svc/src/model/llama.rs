@@ -5,7 +5,9 @@
 //! *adjacent* pairs (x[2i], x[2i+1]); the forwards here use that convention too.
 
 use candle_core::quantized::gguf_file;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
+
+use crate::kernels::{KernelError, QWeight};
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +34,15 @@ pub enum LoadError {
         /// The cause.
         #[source]
         source: candle_core::Error,
+    },
+    /// A weight has no quantized kernel.
+    #[error("tensor {name}: {source}")]
+    Kernel {
+        /// The tensor.
+        name: String,
+        /// The cause.
+        #[source]
+        source: KernelError,
     },
     /// Reading the file failed.
     #[error("reading the model: {0}")]
@@ -132,27 +143,27 @@ impl LlamaShape {
     }
 }
 
-/// One transformer block's weights. Matrices are `[out, in]`, f32, contiguous.
+/// One transformer block's weights. Matrices are `[out, in]` in their GGUF quantization.
 #[derive(Debug)]
 pub struct LayerWeights {
     /// RMS norm before attention.
     pub attn_norm: Vec<f32>,
     /// Query projection `[hidden, hidden]`.
-    pub wq: Tensor,
+    pub wq: QWeight,
     /// Key projection `[kv_dim, hidden]`.
-    pub wk: Tensor,
+    pub wk: QWeight,
     /// Value projection `[kv_dim, hidden]`.
-    pub wv: Tensor,
+    pub wv: QWeight,
     /// Output projection `[hidden, hidden]`.
-    pub wo: Tensor,
+    pub wo: QWeight,
     /// RMS norm before the feed-forward.
     pub ffn_norm: Vec<f32>,
     /// Gate projection `[intermediate, hidden]`.
-    pub w_gate: Tensor,
+    pub w_gate: QWeight,
     /// Up projection `[intermediate, hidden]`.
-    pub w_up: Tensor,
+    pub w_up: QWeight,
     /// Down projection `[hidden, intermediate]`.
-    pub w_down: Tensor,
+    pub w_down: QWeight,
 }
 
 /// All weights of a Llama model.
@@ -160,69 +171,89 @@ pub struct LayerWeights {
 pub struct LlamaWeights {
     /// The shape.
     pub shape: LlamaShape,
-    /// Token embeddings, `vocab × hidden`, row-major.
-    pub embed: Vec<f32>,
+    /// Token embeddings `[vocab, hidden]`.
+    pub embed: QWeight,
     /// The blocks.
     pub layers: Vec<LayerWeights>,
     /// Final RMS norm.
     pub norm: Vec<f32>,
     /// Output head `[vocab, hidden]` (the embeddings when tied).
-    pub lm_head: Tensor,
+    pub lm_head: QWeight,
 }
 
 impl LlamaWeights {
-    /// Loads and dequantizes every tensor of `content` from `reader`.
+    /// Loads every tensor of `content` from `reader`: matrices keep their quantized blocks,
+    /// norm weights become f32.
     pub fn load<R: std::io::Read + std::io::Seek>(
         content: &gguf_file::Content,
         reader: &mut R,
     ) -> Result<Self, LoadError> {
         let shape = LlamaShape::from_gguf(content)?;
         let device = Device::Cpu;
-        let mut tensor = |name: &str, dims: &[usize]| -> Result<Tensor, LoadError> {
-            let wrap = |source| LoadError::Tensor { name: name.to_string(), source };
+        let mut read = |name: &str, dims: &[usize]| {
             let t = content
                 .tensor(reader, name, &device)
-                .map_err(wrap)?
-                .dequantize(&device)
-                .map_err(wrap)?;
-            let t = t.to_dtype(DType::F32).map_err(wrap)?;
-            if t.dims() != dims {
+                .map_err(|source| LoadError::Tensor { name: name.to_string(), source })?;
+            if t.shape().dims() != dims {
                 return Err(LoadError::Shape(format!(
                     "{name} is {:?}, expected {dims:?}",
-                    t.dims()
+                    t.shape().dims()
                 )));
             }
             Ok(t)
         };
-        let vec = |t: Tensor, name: &str| -> Result<Vec<f32>, LoadError> {
-            t.flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(|source| LoadError::Tensor { name: name.to_string(), source })
+        let mut matrix = |name: String, dims: &[usize]| -> Result<QWeight, LoadError> {
+            let t = read(&name, dims)?;
+            QWeight::from_qtensor(&t).map_err(|source| LoadError::Kernel { name, source })
         };
         let (h, kv, ff) = (shape.hidden, shape.kv_dim(), shape.intermediate);
-        let embed_t = tensor("token_embd.weight", &[shape.vocab_size, h])?;
         let mut layers = Vec::with_capacity(shape.num_layers);
+        let mut norms = Vec::new();
         for i in 0..shape.num_layers {
             let p = format!("blk.{i}");
-            layers.push(LayerWeights {
-                attn_norm: vec(tensor(&format!("{p}.attn_norm.weight"), &[h])?, "attn_norm")?,
-                wq: tensor(&format!("{p}.attn_q.weight"), &[h, h])?,
-                wk: tensor(&format!("{p}.attn_k.weight"), &[kv, h])?,
-                wv: tensor(&format!("{p}.attn_v.weight"), &[kv, h])?,
-                wo: tensor(&format!("{p}.attn_output.weight"), &[h, h])?,
-                ffn_norm: vec(tensor(&format!("{p}.ffn_norm.weight"), &[h])?, "ffn_norm")?,
-                w_gate: tensor(&format!("{p}.ffn_gate.weight"), &[ff, h])?,
-                w_up: tensor(&format!("{p}.ffn_up.weight"), &[ff, h])?,
-                w_down: tensor(&format!("{p}.ffn_down.weight"), &[h, ff])?,
-            });
+            norms.push((format!("{p}.attn_norm.weight"), format!("{p}.ffn_norm.weight")));
+            layers.push((
+                matrix(format!("{p}.attn_q.weight"), &[h, h])?,
+                matrix(format!("{p}.attn_k.weight"), &[kv, h])?,
+                matrix(format!("{p}.attn_v.weight"), &[kv, h])?,
+                matrix(format!("{p}.attn_output.weight"), &[h, h])?,
+                matrix(format!("{p}.ffn_gate.weight"), &[ff, h])?,
+                matrix(format!("{p}.ffn_up.weight"), &[ff, h])?,
+                matrix(format!("{p}.ffn_down.weight"), &[h, ff])?,
+            ));
         }
-        let norm = vec(tensor("output_norm.weight", &[h])?, "output_norm")?;
+        let embed = matrix("token_embd.weight".into(), &[shape.vocab_size, h])?;
         let lm_head = if content.tensor_infos.contains_key("output.weight") {
-            tensor("output.weight", &[shape.vocab_size, h])?
+            matrix("output.weight".into(), &[shape.vocab_size, h])?
         } else {
-            embed_t.clone()
+            embed.clone()
         };
-        let embed = vec(embed_t, "token_embd")?;
+        let mut vector = |name: &str| -> Result<Vec<f32>, LoadError> {
+            let wrap = |source| LoadError::Tensor { name: name.to_string(), source };
+            read(name, &[h])?
+                .dequantize(&device)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(wrap)
+        };
+        let norm = vector("output_norm.weight")?;
+        let layers = layers
+            .into_iter()
+            .zip(norms)
+            .map(|((wq, wk, wv, wo, w_gate, w_up, w_down), (an, fnn))| {
+                Ok(LayerWeights {
+                    attn_norm: vector(&an)?,
+                    wq,
+                    wk,
+                    wv,
+                    wo,
+                    ffn_norm: vector(&fnn)?,
+                    w_gate,
+                    w_up,
+                    w_down,
+                })
+            })
+            .collect::<Result<Vec<_>, LoadError>>()?;
         Ok(Self { shape, embed, layers, norm, lm_head })
     }
 }

@@ -1,14 +1,14 @@
 //! The small numeric kernels both forwards share, on row-major `f32` slices: RMS norm, the
-//! rotary embedding (adjacent-pair convention of GGUF Llama), SiLU gating, and a matrix
-//! product against an `[out, in]` weight through candle.
+//! rotary embedding (adjacent-pair convention of GGUF Llama), SiLU gating, and the product
+//! against a quantized `[out, in]` weight.
 
-use candle_core::{Device, Tensor};
+use crate::kernels::{matmul, QActs, QWeight};
 
-/// `x[rows × w.in] · wᵀ` → `rows × w.out`, row-major.
-pub fn linear(x: &[f32], rows: usize, w: &Tensor) -> candle_core::Result<Vec<f32>> {
-    let (_out, inp) = w.dims2()?;
-    let x = Tensor::from_slice(x, (rows, inp), &Device::Cpu)?;
-    x.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()
+/// `acts · wᵀ` → `acts.rows × w.rows`, row-major.
+pub fn linear(acts: &QActs, w: &QWeight) -> Vec<f32> {
+    let mut out = vec![0f32; acts.rows * w.rows];
+    matmul(acts, w, &mut out);
+    out
 }
 
 /// RMS-normalises each row of `x` (width `weight.len()`) and scales it by `weight`, in place.
@@ -52,4 +52,53 @@ pub fn argmax(xs: &[f32]) -> Option<usize> {
         }
     }
     best.map(|(i, _)| i)
+}
+
+/// Dot product with eight running partial sums in a fixed order (vectorisable, and the same
+/// arithmetic wherever it is called, so the paged and reference forwards agree bit for bit).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut tail = 0f32;
+    for i in chunks * 8..a.len() {
+        tail += a[i] * b[i];
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
+}
+
+/// Causal attention of one query head over `n_ctx` cached positions:
+/// `out = softmax(q·Kᵀ · scale) · V`, where `key(p)` and `value(p)` return position `p`'s
+/// head vectors. `scores` is scratch space. Both forwards call this, visiting positions in
+/// order, so their results are identical however the cache is laid out.
+pub fn attend<'a>(
+    q: &[f32],
+    n_ctx: usize,
+    key: impl Fn(usize) -> &'a [f32],
+    value: impl Fn(usize) -> &'a [f32],
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    scores.clear();
+    scores.extend((0..n_ctx).map(|p| dot(q, key(p)) * scale));
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    out.fill(0.0);
+    for (p, s) in scores.iter().enumerate() {
+        let weight = s * inv;
+        for (o, v) in out.iter_mut().zip(value(p)) {
+            *o += weight * v;
+        }
+    }
 }

@@ -1,0 +1,231 @@
+//! The serving forward: one pass over a variable-length batch that mixes prefill chunks and
+//! decodes, with no padding, reading and writing KV through each sequence's block table.
+//!
+//! Every sequence contributes the tokens it computes this step, starting at its own position
+//! (after a prefix-cache hit, a previous chunk, or a resume), so positions are right for all of
+//! them. Matrix products run once over all the batch's tokens; attention runs per token and head
+//! over that token's own sequence only. Logits are computed only for sequences that sample.
+//!
+//! Arithmetic is identical to [`super::reference::forward`] (same kernels, same attention
+//! order), so a sequence's logits are bit-identical to the reference's whatever else is batched.
+
+use std::collections::HashMap;
+
+use rayon::prelude::*;
+
+use super::kv_cache::PagedKvCache;
+use super::llama::LlamaWeights;
+use super::ops::{attend, linear, rms_norm, rope, silu_mul};
+use crate::kernels::QActs;
+
+/// One sequence's part of a batch.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqSlice<'a> {
+    /// Tokens computed this step.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]` (tokens before it are already in the cache).
+    pub start: usize,
+    /// Where the sequence's positions live: block `i` holds `[i·bs, (i+1)·bs)`.
+    pub block_table: &'a [u32],
+    /// Whether to return logits for the last token.
+    pub wants_logits: bool,
+}
+
+/// A batch the cache cannot serve as asked. Checked before anything is written.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BatchError {
+    /// A token id past the vocabulary.
+    #[error("sequence {seq}: token id {token} is outside the vocabulary (size {vocab})")]
+    Token {
+        /// Index in the batch.
+        seq: usize,
+        /// The id.
+        token: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// A sequence with nothing to compute.
+    #[error("sequence {seq}: no tokens to compute")]
+    Empty {
+        /// Index in the batch.
+        seq: usize,
+    },
+    /// Positions past what the block table covers, or past the model's length.
+    #[error("sequence {seq}: positions up to {end} need {needed} blocks, its table has {have}")]
+    TableTooShort {
+        /// Index in the batch.
+        seq: usize,
+        /// One past the last position.
+        end: usize,
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks in the table.
+        have: usize,
+    },
+    /// A block id outside the pool.
+    #[error("sequence {seq}: block {block} is out of range (pool has {num_blocks} blocks)")]
+    BlockOutOfRange {
+        /// Index in the batch.
+        seq: usize,
+        /// The id.
+        block: u32,
+        /// Pool size.
+        num_blocks: usize,
+    },
+    /// A block written by one sequence is also in another's table.
+    #[error("block {block} is written by sequence {writer} but also held by sequence {other}")]
+    SharedWrite {
+        /// The block.
+        block: u32,
+        /// The sequence writing it.
+        writer: usize,
+        /// Another sequence holding it.
+        other: usize,
+    },
+}
+
+/// Buffers reused across steps.
+#[derive(Debug, Default)]
+pub struct ForwardScratch {
+    acts: QActs,
+}
+
+/// Checks `batch` against the cache and the model; nothing is touched.
+pub fn validate(
+    w: &LlamaWeights,
+    cache: &PagedKvCache,
+    batch: &[SeqSlice],
+) -> Result<(), BatchError> {
+    let bs = cache.block_size;
+    let mut writer_of: HashMap<u32, usize> = HashMap::new();
+    for (seq, s) in batch.iter().enumerate() {
+        if s.tokens.is_empty() {
+            return Err(BatchError::Empty { seq });
+        }
+        if let Some(&token) = s.tokens.iter().find(|t| **t as usize >= w.shape.vocab_size) {
+            return Err(BatchError::Token { seq, token, vocab: w.shape.vocab_size });
+        }
+        let end = s.start + s.tokens.len();
+        let needed = end.div_ceil(bs);
+        if needed > s.block_table.len() {
+            return Err(BatchError::TableTooShort { seq, end, needed, have: s.block_table.len() });
+        }
+        if let Some(&block) = s.block_table.iter().find(|b| **b as usize >= cache.num_blocks) {
+            return Err(BatchError::BlockOutOfRange { seq, block, num_blocks: cache.num_blocks });
+        }
+        for i in s.start / bs..needed {
+            let block = s.block_table[i];
+            if let Some(&other) = writer_of.get(&block) {
+                if other != seq {
+                    return Err(BatchError::SharedWrite { block, writer: seq, other });
+                }
+            }
+            writer_of.insert(block, seq);
+        }
+    }
+    for (seq, s) in batch.iter().enumerate() {
+        for block in s.block_table {
+            if let Some(&writer) = writer_of.get(block) {
+                if writer != seq {
+                    return Err(BatchError::SharedWrite { block: *block, writer, other: seq });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `batch` through the model, writing each new token's keys and values into the cache.
+/// Returns the logits (`vocab` each) of the sequences that want them, in batch order.
+pub fn forward(
+    w: &LlamaWeights,
+    cache: &mut PagedKvCache,
+    batch: &[SeqSlice],
+    scratch: &mut ForwardScratch,
+) -> Result<Vec<Vec<f32>>, BatchError> {
+    validate(w, cache, batch)?;
+    let s = &w.shape;
+    let (h, kv_dim, hd) = (s.hidden, s.kv_dim(), s.head_dim);
+    // Token-level view of the batch: which sequence and position each row is.
+    let mut rows: Vec<(usize, usize)> = Vec::new();
+    for (seq, sl) in batch.iter().enumerate() {
+        rows.extend((0..sl.tokens.len()).map(|i| (seq, sl.start + i)));
+    }
+    let n = rows.len();
+    let mut x = vec![0f32; n * h];
+    for (r, (seq, pos)) in rows.iter().enumerate() {
+        let t = batch[*seq].tokens[pos - batch[*seq].start];
+        w.embed.dequantize_row(t as usize, &mut x[r * h..(r + 1) * h]);
+    }
+    let group = s.num_heads / s.num_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let acts = &mut scratch.acts;
+    for (l, layer) in w.layers.iter().enumerate() {
+        let mut hn = x.clone();
+        rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
+        acts.quantize(&hn, n, h);
+        let mut q = linear(acts, &layer.wq);
+        let mut k = linear(acts, &layer.wk);
+        let v = linear(acts, &layer.wv);
+        for (r, &(seq, pos)) in rows.iter().enumerate() {
+            for head in q[r * h..(r + 1) * h].chunks_exact_mut(hd) {
+                rope(head, pos, s.rope_theta);
+            }
+            for head in k[r * kv_dim..(r + 1) * kv_dim].chunks_exact_mut(hd) {
+                rope(head, pos, s.rope_theta);
+            }
+            let at = cache.locate(batch[seq].block_table, pos);
+            cache.write(l, at, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]);
+        }
+        let mut attn = vec![0f32; n * h];
+        let cache_ref: &PagedKvCache = cache;
+        attn.par_chunks_mut(h).zip(q.par_chunks(h)).zip(rows.par_iter()).for_each_init(
+            Vec::new,
+            |scores, ((out, qrow), &(seq, pos))| {
+                let table = batch[seq].block_table;
+                for head in 0..s.num_heads {
+                    let kvh = head / group;
+                    let lanes = kvh * hd..(kvh + 1) * hd;
+                    attend(
+                        &qrow[head * hd..(head + 1) * hd],
+                        pos + 1,
+                        |p| &cache_ref.read(l, 0, cache_ref.locate(table, p))[lanes.clone()],
+                        |p| &cache_ref.read(l, 1, cache_ref.locate(table, p))[lanes.clone()],
+                        scale,
+                        scores,
+                        &mut out[head * hd..(head + 1) * hd],
+                    );
+                }
+            },
+        );
+        acts.quantize(&attn, n, h);
+        let o = linear(acts, &layer.wo);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let mut hn = x.clone();
+        rms_norm(&mut hn, &layer.ffn_norm, s.rms_eps);
+        acts.quantize(&hn, n, h);
+        let mut gate = linear(acts, &layer.w_gate);
+        let up = linear(acts, &layer.w_up);
+        silu_mul(&mut gate, &up);
+        acts.quantize(&gate, n, s.intermediate);
+        let down = linear(acts, &layer.w_down);
+        x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+    }
+    // Final norm and the output head, for the last token of each sequence that samples.
+    let mut last = Vec::new();
+    let mut row = 0;
+    for sl in batch {
+        row += sl.tokens.len();
+        if sl.wants_logits {
+            last.extend_from_slice(&x[(row - 1) * h..row * h]);
+        }
+    }
+    let m = last.len() / h;
+    if m == 0 {
+        return Ok(Vec::new());
+    }
+    rms_norm(&mut last, &w.norm, s.rms_eps);
+    acts.quantize(&last, m, h);
+    let logits = linear(acts, &w.lm_head);
+    Ok(logits.chunks_exact(s.vocab_size).map(<[f32]>::to_vec).collect())
+}

@@ -79,15 +79,17 @@ pub fn run(
         forward(w, &mut cache, &batch, &mut scratch).expect("bench batch is valid");
         times.push(t.elapsed().as_secs_f64());
     }
-    let med = median(times);
-    let row = BenchRow {
-        scenario: format!("prefill {len}-token prompt"),
-        batch: 1,
-        tokens_per_s: len as f64 / med,
-        median_step_ms: med * 1e3,
-    };
-    progress(&row);
-    rows.push(row);
+    if !times.is_empty() {
+        let med = median(times);
+        let row = BenchRow {
+            scenario: format!("prefill {len}-token prompt"),
+            batch: 1,
+            tokens_per_s: len as f64 / med,
+            median_step_ms: med * 1e3,
+        };
+        progress(&row);
+        rows.push(row);
+    }
 
     // Decode: each sequence has a 128-token context, then steps of one token each.
     let ctx = 128;

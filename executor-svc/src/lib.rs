@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod engine;
 pub mod kernels;
 pub mod model;
 pub mod service;

@@ -1,12 +1,16 @@
 //! `ferry-executor`: parse flags, bind, serve until SIGTERM or Ctrl-C.
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use ferry_executor_svc::bench::{self, BenchOptions};
+use ferry_executor_svc::model::LoadedModel;
 use ferry_executor_svc::ExecutorConfig;
 
 /// Ferry's model executor.
 #[derive(Debug, Parser)]
-#[command(name = "ferry-executor", version, about)]
+#[command(name = "ferry-executor", version, about, args_conflicts_with_subcommands = true)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Address for the gRPC API (port 0 picks a free port).
     #[arg(long, env = "FERRY_LISTEN", default_value = "127.0.0.1:50061")]
     listen: String,
@@ -17,9 +21,80 @@ struct Cli {
     executor: ExecutorConfig,
 }
 
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Benchmark the CPU forward: decode tokens/s per batch size, prefill tokens/s, KV bytes.
+    Bench {
+        /// GGUF model; the default model when absent.
+        #[arg(long, env = "FERRY_MODEL")]
+        model: Option<std::path::PathBuf>,
+        /// Decode batch sizes.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,16,32,64")]
+        batches: Vec<usize>,
+        /// Decode steps timed per batch size.
+        #[arg(long, default_value_t = 16)]
+        steps: usize,
+        /// Prefill repetitions (0 skips the prefill figure).
+        #[arg(long, default_value_t = 3)]
+        prefill_reps: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn run_bench(
+    model: Option<&std::path::Path>,
+    opts: BenchOptions,
+    json: bool,
+) -> anyhow::Result<()> {
+    let model = LoadedModel::load(model)?;
+    let kv_bytes = ferry_executor_svc::model::PagedKvCache::bytes_per_token(&model.weights.shape);
+    if !json {
+        println!(
+            "model {} ({}); KV cache {kv_bytes} bytes per cached token",
+            model.name,
+            model.path.display()
+        );
+        println!("{:<28} {:>6} {:>12} {:>14}", "scenario", "batch", "tokens/s", "median step ms");
+    }
+    let rows = bench::run(&model.weights, &opts, |r| {
+        if !json {
+            println!(
+                "{:<28} {:>6} {:>12.1} {:>14.2}",
+                r.scenario, r.batch, r.tokens_per_s, r.median_step_ms
+            );
+        }
+    });
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({ "kv_bytes_per_token": kv_bytes, "rows": rows })
+            )?
+        );
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(Command::Bench { model, batches, steps, prefill_reps, json }) = cli.command {
+        return tokio::task::spawn_blocking(move || {
+            run_bench(
+                model.as_deref(),
+                BenchOptions {
+                    batches,
+                    decode_steps: steps,
+                    prefill_reps,
+                    ..BenchOptions::default()
+                },
+                json,
+            )
+        })
+        .await?;
+    }
     ferry_runtime::logging::init(&cli.log).map_err(anyhow::Error::msg)?;
     cli.executor.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;

@@ -143,6 +143,29 @@ impl QWeight {
         }
     }
 
+    /// Stacks matrices with the same format and inputs into one (their rows one after the
+    /// other), so one product computes them all: Q, K and V, or gate and up.
+    pub fn concat(parts: &[&QWeight]) -> Option<QWeight> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+            return None;
+        }
+        let mut out = QWeight {
+            format: first.format,
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+            d: Vec::new(),
+            m: Vec::new(),
+            q: Vec::new(),
+        };
+        for p in parts {
+            out.d.extend_from_slice(&p.d);
+            out.m.extend_from_slice(&p.m);
+            out.q.extend_from_slice(&p.q);
+        }
+        Some(out)
+    }
+
     /// Bytes of weight data (for the memory report).
     pub fn bytes(&self) -> usize {
         self.q.len() + 4 * (self.d.len() + self.m.len())
@@ -162,6 +185,9 @@ pub struct QActs {
     d: Vec<f32>,
     /// Per block: `d · Σq` (what a Q4 weight's minimum multiplies).
     s: Vec<f32>,
+    /// Per block: the integer sum of each lane of four codes (8 per block), which the VNNI
+    /// path needs to undo its unsigned bias on Q8 weights.
+    lane_sums: Vec<i32>,
 }
 
 impl QActs {
@@ -175,6 +201,7 @@ impl QActs {
         self.q.resize(nblocks * BLOCK, 0);
         self.d.resize(nblocks, 0.0);
         self.s.resize(nblocks, 0.0);
+        self.lane_sums.resize(nblocks * 8, 0);
         for (b, block) in x.chunks_exact(BLOCK).enumerate() {
             let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
@@ -187,6 +214,10 @@ impl QActs {
             }
             self.d[b] = d;
             self.s[b] = d * sum as f32;
+            let codes = &self.q[b * BLOCK..(b + 1) * BLOCK];
+            for (lane, sum) in self.lane_sums[b * 8..(b + 1) * 8].iter_mut().enumerate() {
+                *sum = codes[4 * lane..4 * lane + 4].iter().map(|c| i32::from(*c)).sum();
+            }
         }
     }
 }
@@ -199,8 +230,9 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Columns per parallel task: small enough to balance two threads, large enough to amortise.
-const COLS_PER_TASK: usize = 64;
+/// Fewest output columns per parallel task, so tiny products are not split into tasks that
+/// cost more to schedule than to compute.
+const MIN_COLS_PER_TASK: usize = 16;
 
 /// `out[r, o] = Σ_k x[r, k] · w[o, k]` for every row of `x` and every output `o`;
 /// `out` is `x.rows × w.rows`, row-major.
@@ -208,36 +240,46 @@ pub fn matmul(x: &QActs, w: &QWeight, out: &mut [f32]) {
     assert_eq!(x.cols, w.cols, "activation width must match the weight's inputs");
     assert_eq!(out.len(), x.rows * w.rows, "output buffer must be rows × outputs");
     let ptr = OutPtr(out.as_mut_ptr());
-    let tasks = w.rows.div_ceil(COLS_PER_TASK);
+    // A few tasks per thread balance the load; more only add scheduling cost.
+    let tasks = (rayon::current_num_threads() * 3).min(w.rows.div_ceil(MIN_COLS_PER_TASK)).max(1);
+    let per_task = w.rows.div_ceil(tasks);
     (0..tasks).into_par_iter().for_each(move |t| {
-        let cols = t * COLS_PER_TASK..((t + 1) * COLS_PER_TASK).min(w.rows);
+        let cols = t * per_task..((t + 1) * per_task).min(w.rows);
         // SAFETY: task `t` writes only columns in `cols` of each row; tasks do not overlap.
         unsafe { matmul_cols(x, w, cols, ptr) };
     });
 }
 
-/// Computes output columns `cols` of every row.
+/// Computes output columns `cols` of every row, in tiles of rows × columns.
 ///
 /// # Safety
 /// `out` must point to `x.rows × w.rows` floats, and no other thread may write these columns.
 unsafe fn matmul_cols(x: &QActs, w: &QWeight, cols: std::ops::Range<usize>, out: OutPtr) {
-    let n_out = w.rows;
     #[cfg(target_arch = "x86_64")]
-    if x86::available() {
-        for o in cols {
-            for r in 0..x.rows {
-                // SAFETY: AVX2 and FMA were detected at run time.
-                let v = unsafe { x86::dot(x, r, w, o) };
-                unsafe { *out.0.add(r * n_out + o) = v };
-            }
-        }
+    if let Some(isa) = x86::detect() {
+        // SAFETY: the instruction set was detected at run time; the caller owns `cols`.
+        unsafe { x86::matmul_cols(isa, x, w, cols, out) };
         return;
     }
     for o in cols {
         for r in 0..x.rows {
-            unsafe { *out.0.add(r * n_out + o) = portable::dot(x, r, w, o) };
+            // SAFETY: the caller owns column `o` of every row.
+            unsafe { *out.0.add(r * w.rows + o) = portable::dot(x, r, w, o) };
         }
     }
+}
+
+/// `Σ_b m[b] · s[b]`: the Q4 minimum's share of a dot product, in eight running sums with plain
+/// multiplies and adds, the same code on every path.
+#[inline(never)]
+fn min_term(m: &[f32], s: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (mc, sc) in m.chunks(8).zip(s.chunks(8)) {
+        for l in 0..mc.len() {
+            acc[l] += mc[l] * sc[l];
+        }
+    }
+    reduce_lanes(acc)
 }
 
 /// The fixed reduction of eight lane accumulators that both paths end with.

@@ -1,13 +1,12 @@
 //! The portable block dot product: the same arithmetic as the SIMD path, written lane by lane,
 //! so results are bit-identical on machines without AVX2.
 
-use super::{reduce_lanes, QActs, QWeight, WeightFormat, BLOCK};
+use super::{min_term, reduce_lanes, QActs, QWeight, WeightFormat, BLOCK};
 
 /// One output element: row `r` of `x` against weight row `o`.
 pub fn dot(x: &QActs, r: usize, w: &QWeight, o: usize) -> f32 {
     let bpr = w.cols / BLOCK;
     let mut acc = [0f32; 8];
-    let mut acc_min = 0f32;
     for b in 0..bpr {
         let (xb, wb) = (r * bpr + b, o * bpr + b);
         let xq = &x.q[xb * BLOCK..(xb + 1) * BLOCK];
@@ -21,7 +20,6 @@ pub fn dot(x: &QActs, r: usize, w: &QWeight, o: usize) -> f32 {
                     let isum: i32 = (4 * j..4 * j + 4).map(|e| code(e) * i32::from(xq[e])).sum();
                     *a = (isum as f32).mul_add(dd, *a);
                 }
-                acc_min = w.m[wb].mul_add(x.s[xb], acc_min);
             }
             WeightFormat::Q8 => {
                 let wq = &w.q[wb * 32..wb * 32 + 32];
@@ -33,5 +31,9 @@ pub fn dot(x: &QActs, r: usize, w: &QWeight, o: usize) -> f32 {
             }
         }
     }
-    reduce_lanes(acc) + acc_min
+    let min = match w.format {
+        WeightFormat::Q4 => min_term(&w.m[o * bpr..(o + 1) * bpr], &x.s[r * bpr..(r + 1) * bpr]),
+        WeightFormat::Q8 => 0.0,
+    };
+    reduce_lanes(acc) + min
 }

@@ -148,20 +148,14 @@ impl LlamaShape {
 pub struct LayerWeights {
     /// RMS norm before attention.
     pub attn_norm: Vec<f32>,
-    /// Query projection `[hidden, hidden]`.
-    pub wq: QWeight,
-    /// Key projection `[kv_dim, hidden]`.
-    pub wk: QWeight,
-    /// Value projection `[kv_dim, hidden]`.
-    pub wv: QWeight,
+    /// Query, key and value projections stacked: `[hidden + 2·kv_dim, hidden]`.
+    pub wqkv: QWeight,
     /// Output projection `[hidden, hidden]`.
     pub wo: QWeight,
     /// RMS norm before the feed-forward.
     pub ffn_norm: Vec<f32>,
-    /// Gate projection `[intermediate, hidden]`.
-    pub w_gate: QWeight,
-    /// Up projection `[intermediate, hidden]`.
-    pub w_up: QWeight,
+    /// Gate and up projections stacked: `[2·intermediate, hidden]`.
+    pub w_gate_up: QWeight,
     /// Down projection `[hidden, intermediate]`.
     pub w_down: QWeight,
 }
@@ -179,6 +173,8 @@ pub struct LlamaWeights {
     pub norm: Vec<f32>,
     /// Output head `[vocab, hidden]` (the embeddings when tied).
     pub lm_head: QWeight,
+    /// Rotary frequencies, one per pair of a head's dimensions.
+    pub rope_freqs: Vec<f32>,
 }
 
 impl LlamaWeights {
@@ -241,19 +237,22 @@ impl LlamaWeights {
             .into_iter()
             .zip(norms)
             .map(|((wq, wk, wv, wo, w_gate, w_up, w_down), (an, fnn))| {
+                let stack = |parts: &[&QWeight], what: &str| {
+                    QWeight::concat(parts).ok_or_else(|| {
+                        LoadError::Shape(format!("{an}: {what} differ in format or width"))
+                    })
+                };
                 Ok(LayerWeights {
                     attn_norm: vector(&an)?,
-                    wq,
-                    wk,
-                    wv,
+                    wqkv: stack(&[&wq, &wk, &wv], "Q, K and V")?,
                     wo,
                     ffn_norm: vector(&fnn)?,
-                    w_gate,
-                    w_up,
+                    w_gate_up: stack(&[&w_gate, &w_up], "gate and up")?,
                     w_down,
                 })
             })
             .collect::<Result<Vec<_>, LoadError>>()?;
-        Ok(Self { shape, embed, layers, norm, lm_head })
+        let rope_freqs = super::ops::rope_frequencies(shape.head_dim, shape.rope_theta);
+        Ok(Self { shape, embed, layers, norm, lm_head, rope_freqs })
     }
 }

@@ -4,6 +4,7 @@
 pub mod fetch;
 pub mod kv_cache;
 pub mod llama;
+pub mod loaded;
 pub mod ops;
 pub mod paged;
 pub mod reference;
@@ -12,4 +13,5 @@ pub mod tokenizer;
 pub use fetch::{default_model_path, DEFAULT_MODEL_NAME};
 pub use kv_cache::PagedKvCache;
 pub use llama::{LlamaShape, LlamaWeights, LoadError};
+pub use loaded::{LoadedModel, ModelError};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};

@@ -23,12 +23,15 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// The rotary frequencies `theta^(-2i/d)` for `i < d/2`, computed once per model.
+pub fn rope_frequencies(head_dim: usize, theta: f32) -> Vec<f32> {
+    (0..head_dim / 2).map(|i| theta.powf(-(2.0 * i as f32) / head_dim as f32)).collect()
+}
+
 /// Rotates one head vector for position `pos`: pairs (x[2i], x[2i+1]) turn by
-/// `pos · theta^(-2i/d)`.
-pub fn rope(head: &mut [f32], pos: usize, theta: f32) {
-    let d = head.len();
-    for i in 0..d / 2 {
-        let freq = theta.powf(-(2.0 * i as f32) / d as f32);
+/// `pos · freqs[i]`.
+pub fn rope(head: &mut [f32], pos: usize, freqs: &[f32]) {
+    for (i, freq) in freqs.iter().enumerate() {
         let (sin, cos) = (pos as f32 * freq).sin_cos();
         let (a, b) = (head[2 * i], head[2 * i + 1]);
         head[2 * i] = a * cos - b * sin;
@@ -36,11 +39,30 @@ pub fn rope(head: &mut [f32], pos: usize, theta: f32) {
     }
 }
 
-/// `gate ← silu(gate) · up`, element-wise.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+/// From rows of `[gate | up]` (each `width` wide), `silu(gate) · up` per row.
+pub fn silu_mul(fused: &[f32], width: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(fused.len() / 2);
+    for row in fused.chunks_exact(2 * width) {
+        let (gate, up) = row.split_at(width);
+        out.extend(gate.iter().zip(up).map(|(g, u)| g / (1.0 + (-g).exp()) * u));
     }
+    out
+}
+
+/// Splits rows of `[q | k | v]` into three row-major matrices of widths `q_width` and `kv_width`.
+pub fn split_qkv(fused: &[f32], q_width: usize, kv_width: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = fused.len() / (q_width + 2 * kv_width);
+    let (mut q, mut k, mut v) = (
+        Vec::with_capacity(rows * q_width),
+        Vec::with_capacity(rows * kv_width),
+        Vec::with_capacity(rows * kv_width),
+    );
+    for row in fused.chunks_exact(q_width + 2 * kv_width) {
+        q.extend_from_slice(&row[..q_width]);
+        k.extend_from_slice(&row[q_width..q_width + kv_width]);
+        v.extend_from_slice(&row[q_width + kv_width..]);
+    }
+    (q, k, v)
 }
 
 /// Index of the largest value (the first on ties); `None` for an empty slice.
@@ -54,8 +76,9 @@ pub fn argmax(xs: &[f32]) -> Option<usize> {
     best.map(|(i, _)| i)
 }
 
-/// Dot product with eight running partial sums in a fixed order (vectorisable, and the same
-/// arithmetic wherever it is called, so the paged and reference forwards agree bit for bit).
+/// Dot product with eight running partial sums (lane `l` takes elements `8c + l`), plain
+/// multiplies and adds, one fixed reduction. The AVX version below performs exactly these
+/// operations, so results are the same with or without it.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -76,15 +99,52 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// `out = softmax(q·Kᵀ · scale) · V`, where `key(p)` and `value(p)` return position `p`'s
 /// head vectors. `scores` is scratch space. Both forwards call this, visiting positions in
 /// order, so their results are identical however the cache is laid out.
-pub fn attend<'a>(
+pub fn attend<'a, K, V>(
     q: &[f32],
     n_ctx: usize,
-    key: impl Fn(usize) -> &'a [f32],
-    value: impl Fn(usize) -> &'a [f32],
+    key: K,
+    value: V,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
-) {
+) where
+    K: Fn(usize) -> &'a [f32],
+    V: Fn(usize) -> &'a [f32],
+{
+    #[cfg(target_arch = "x86_64")]
+    if simd::available() {
+        // SAFETY: AVX was detected at run time.
+        unsafe { simd::attend(q, n_ctx, key, value, scale, scores, out) };
+        return;
+    }
+    attend_with(q, n_ctx, key, value, scale, scores, out, dot, axpy);
+}
+
+/// `out += weight · v`, element-wise, multiply then add.
+#[inline]
+fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += weight * x;
+    }
+}
+
+/// The attention steps, generic over the two vector primitives.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_with<'a, K, V>(
+    q: &[f32],
+    n_ctx: usize,
+    key: K,
+    value: V,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+    axpy: impl Fn(&mut [f32], f32, &[f32]),
+) where
+    K: Fn(usize) -> &'a [f32],
+    V: Fn(usize) -> &'a [f32],
+{
     scores.clear();
     scores.extend((0..n_ctx).map(|p| dot(q, key(p)) * scale));
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -96,9 +156,90 @@ pub fn attend<'a>(
     let inv = 1.0 / sum;
     out.fill(0.0);
     for (p, s) in scores.iter().enumerate() {
-        let weight = s * inv;
-        for (o, v) in out.iter_mut().zip(value(p)) {
-            *o += weight * v;
+        axpy(out, s * inv, value(p));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    //! AVX versions of [`super::dot`] and [`super::axpy`]: the same lanes, the same plain
+    //! multiplies and adds (no fused multiply-add), so the same results.
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        static AVX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVX.get_or_init(|| is_x86_feature_detected!("avx"))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let chunks = n / 8;
+        let mut acc = _mm256_setzero_ps();
+        for c in 0..chunks {
+            // SAFETY: c·8 + 8 ≤ n for both slices.
+            let (x, y) = unsafe {
+                (_mm256_loadu_ps(a.as_ptr().add(c * 8)), _mm256_loadu_ps(b.as_ptr().add(c * 8)))
+            };
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
         }
+        let mut l = [0f32; 8];
+        // SAFETY: `l` holds eight floats.
+        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), acc) };
+        let mut tail = 0f32;
+        for i in chunks * 8..n {
+            tail += a[i] * b[i];
+        }
+        ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])) + tail
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
+        let n = out.len().min(v.len());
+        let chunks = n / 8;
+        let w = _mm256_set1_ps(weight);
+        for c in 0..chunks {
+            // SAFETY: c·8 + 8 ≤ n for both slices.
+            unsafe {
+                let o = out.as_mut_ptr().add(c * 8);
+                let x = _mm256_loadu_ps(v.as_ptr().add(c * 8));
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(w, x)));
+            }
+        }
+        for i in chunks * 8..n {
+            out[i] += weight * v[i];
+        }
+    }
+
+    /// [`super::attend`] with the AVX primitives.
+    ///
+    /// # Safety
+    /// The CPU must support AVX.
+    #[target_feature(enable = "avx")]
+    pub unsafe fn attend<'a, K, V>(
+        q: &[f32],
+        n_ctx: usize,
+        key: K,
+        value: V,
+        scale: f32,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) where
+        K: Fn(usize) -> &'a [f32],
+        V: Fn(usize) -> &'a [f32],
+    {
+        super::attend_with(
+            q,
+            n_ctx,
+            key,
+            value,
+            scale,
+            scores,
+            out,
+            |a, b| dot(a, b),
+            |o, w, v| axpy(o, w, v),
+        );
     }
 }

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::kv_cache::PagedKvCache;
 use super::llama::LlamaWeights;
-use super::ops::{attend, linear, rms_norm, rope, silu_mul};
+use super::ops::{attend, linear, rms_norm, rope, silu_mul, split_qkv};
 use crate::kernels::QActs;
 
 /// One sequence's part of a batch.
@@ -164,49 +164,42 @@ pub fn forward(
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
         acts.quantize(&hn, n, h);
-        let mut q = linear(acts, &layer.wq);
-        let mut k = linear(acts, &layer.wk);
-        let v = linear(acts, &layer.wv);
+        let (mut q, mut k, v) = split_qkv(&linear(acts, &layer.wqkv), h, kv_dim);
         for (r, &(seq, pos)) in rows.iter().enumerate() {
             for head in q[r * h..(r + 1) * h].chunks_exact_mut(hd) {
-                rope(head, pos, s.rope_theta);
+                rope(head, pos, &w.rope_freqs);
             }
             for head in k[r * kv_dim..(r + 1) * kv_dim].chunks_exact_mut(hd) {
-                rope(head, pos, s.rope_theta);
+                rope(head, pos, &w.rope_freqs);
             }
             let at = cache.locate(batch[seq].block_table, pos);
             cache.write(l, at, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]);
         }
         let mut attn = vec![0f32; n * h];
         let cache_ref: &PagedKvCache = cache;
-        attn.par_chunks_mut(h).zip(q.par_chunks(h)).zip(rows.par_iter()).for_each_init(
-            Vec::new,
-            |scores, ((out, qrow), &(seq, pos))| {
-                let table = batch[seq].block_table;
-                for head in 0..s.num_heads {
-                    let kvh = head / group;
-                    let lanes = kvh * hd..(kvh + 1) * hd;
-                    attend(
-                        &qrow[head * hd..(head + 1) * hd],
-                        pos + 1,
-                        |p| &cache_ref.read(l, 0, cache_ref.locate(table, p))[lanes.clone()],
-                        |p| &cache_ref.read(l, 1, cache_ref.locate(table, p))[lanes.clone()],
-                        scale,
-                        scores,
-                        &mut out[head * hd..(head + 1) * hd],
-                    );
-                }
-            },
-        );
+        // One task per (token, query head): enough parallelism even for a single decode.
+        attn.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (i, out)| {
+            let (r, head) = (i / s.num_heads, i % s.num_heads);
+            let (seq, pos) = rows[r];
+            let table = batch[seq].block_table;
+            let lanes = (head / group) * hd..(head / group + 1) * hd;
+            attend(
+                &q[r * h + head * hd..r * h + (head + 1) * hd],
+                pos + 1,
+                |p| &cache_ref.read(l, 0, cache_ref.locate(table, p))[lanes.clone()],
+                |p| &cache_ref.read(l, 1, cache_ref.locate(table, p))[lanes.clone()],
+                scale,
+                scores,
+                out,
+            );
+        });
         acts.quantize(&attn, n, h);
         let o = linear(acts, &layer.wo);
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.ffn_norm, s.rms_eps);
         acts.quantize(&hn, n, h);
-        let mut gate = linear(acts, &layer.w_gate);
-        let up = linear(acts, &layer.w_up);
-        silu_mul(&mut gate, &up);
+        let gate = silu_mul(&linear(acts, &layer.w_gate_up), s.intermediate);
         acts.quantize(&gate, n, s.intermediate);
         let down = linear(acts, &layer.w_down);
         x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);

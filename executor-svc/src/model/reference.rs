@@ -3,7 +3,7 @@
 //! favours being obviously right over being fast.
 
 use super::llama::LlamaWeights;
-use super::ops::{attend, linear, rms_norm, rope, silu_mul};
+use super::ops::{attend, linear, rms_norm, rope, silu_mul, split_qkv};
 use crate::kernels::QActs;
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
@@ -49,15 +49,13 @@ pub fn forward(
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
         acts.quantize(&hn, n, h);
-        let mut q = linear(&acts, &layer.wq);
-        let mut k = linear(&acts, &layer.wk);
-        let v = linear(&acts, &layer.wv);
+        let (mut q, mut k, v) = split_qkv(&linear(&acts, &layer.wqkv), h, kv_dim);
         for i in 0..n {
             for head in q[i * h..(i + 1) * h].chunks_exact_mut(hd) {
-                rope(head, start + i, s.rope_theta);
+                rope(head, start + i, &w.rope_freqs);
             }
             for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                rope(head, start + i, s.rope_theta);
+                rope(head, start + i, &w.rope_freqs);
             }
         }
         cache.keys[l].extend_from_slice(&k);
@@ -86,9 +84,7 @@ pub fn forward(
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.ffn_norm, s.rms_eps);
         acts.quantize(&hn, n, h);
-        let mut gate = linear(&acts, &layer.w_gate);
-        let up = linear(&acts, &layer.w_up);
-        silu_mul(&mut gate, &up);
+        let gate = silu_mul(&linear(&acts, &layer.w_gate_up), s.intermediate);
         acts.quantize(&gate, n, s.intermediate);
         let down = linear(&acts, &layer.w_down);
         x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);

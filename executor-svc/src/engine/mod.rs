@@ -1,6 +1,13 @@
-//! The execution engine: what turns a scheduled step into sampled tokens. `sampling` picks each
+//! The execution engine: what turns a scheduled step into sampled tokens. `step` holds the
+//! per-request state and applies each validated `Step`; `backend` runs batches (the real model
+//! on the CPU, or the simulator). `sampling` picks each
 //! request's next token from its logits; `sim` is the roofline timing model behind the `sim`
 //! backend, so many simulated GPUs can run on one machine (DESIGN.md section 5).
 
+pub mod backend;
 pub mod sampling;
 pub mod sim;
+pub mod step;
+
+pub use backend::{BackendFacts, BatchOutput, CpuBackend, ModelBackend, SimBackend};
+pub use step::{Engine, EngineConfig, StepError};

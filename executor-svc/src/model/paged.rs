@@ -96,22 +96,32 @@ pub fn validate(
     cache: &PagedKvCache,
     batch: &[SeqSlice],
 ) -> Result<(), BatchError> {
-    let bs = cache.block_size;
+    check_geometry(w.shape.vocab_size, cache.block_size, cache.num_blocks, batch)
+}
+
+/// Checks `batch` against a vocabulary and a block pool: token ids, table coverage, block
+/// range, and that no block written by one sequence is held by another.
+pub fn check_geometry(
+    vocab_size: usize,
+    bs: usize,
+    num_blocks: usize,
+    batch: &[SeqSlice],
+) -> Result<(), BatchError> {
     let mut writer_of: HashMap<u32, usize> = HashMap::new();
     for (seq, s) in batch.iter().enumerate() {
         if s.tokens.is_empty() {
             return Err(BatchError::Empty { seq });
         }
-        if let Some(&token) = s.tokens.iter().find(|t| **t as usize >= w.shape.vocab_size) {
-            return Err(BatchError::Token { seq, token, vocab: w.shape.vocab_size });
+        if let Some(&token) = s.tokens.iter().find(|t| **t as usize >= vocab_size) {
+            return Err(BatchError::Token { seq, token, vocab: vocab_size });
         }
         let end = s.start + s.tokens.len();
         let needed = end.div_ceil(bs);
         if needed > s.block_table.len() {
             return Err(BatchError::TableTooShort { seq, end, needed, have: s.block_table.len() });
         }
-        if let Some(&block) = s.block_table.iter().find(|b| **b as usize >= cache.num_blocks) {
-            return Err(BatchError::BlockOutOfRange { seq, block, num_blocks: cache.num_blocks });
+        if let Some(&block) = s.block_table.iter().find(|b| **b as usize >= num_blocks) {
+            return Err(BatchError::BlockOutOfRange { seq, block, num_blocks });
         }
         for i in s.start / bs..needed {
             let block = s.block_table[i];

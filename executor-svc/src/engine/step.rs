@@ -1,0 +1,451 @@
+//! The engine: the executor's per-request state, and one `Step` applied to it.
+//!
+//! A `Step` is a diff (DESIGN.md §4): requests to forget, preempt, add and update, then the
+//! batch to run. Everything in it is validated first — unknown or duplicate ids, tokens outside
+//! the vocabulary, blocks out of range or written by two requests, token counts that do not
+//! add up, work past the known tokens, bad sampling parameters — and only a step that passes
+//! as a whole changes anything. So a refused step leaves the executor exactly as it was.
+//!
+//! Each request keeps its prompt, the tokens it generated, its block table and how many of its
+//! tokens are in the KV cache. A request samples in a step when that step computes its last
+//! known token; the sampled token joins its output at once, so the next decode (even one
+//! scheduled before this result reached the scheduler) computes it.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use ferry_proto::v1;
+
+use super::backend::{BatchOutput, ModelBackend};
+use super::sampling::{Sampler, SamplingError, SamplingParams};
+use super::sim::sim_token_except;
+use crate::model::paged::{BatchError, SeqSlice};
+
+/// A step the engine refuses. Nothing was changed.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// An id the step relies on is not a live request.
+    #[error("request {id}: unknown ({what})")]
+    Unknown {
+        /// The id.
+        id: u64,
+        /// Which part of the step named it.
+        what: &'static str,
+    },
+    /// A new request reuses a live id, or the step names an id twice.
+    #[error("request {id}: {what}")]
+    Duplicate {
+        /// The id.
+        id: u64,
+        /// What was duplicated.
+        what: &'static str,
+    },
+    /// A request's data is unusable.
+    #[error("request {id}: {reason}")]
+    Invalid {
+        /// The id.
+        id: u64,
+        /// What is wrong, with the limit.
+        reason: String,
+    },
+    /// `total_num_tokens` is not the sum of the work.
+    #[error("total_num_tokens is {declared} but the work adds up to {actual}")]
+    TokenCount {
+        /// What the step says.
+        declared: u64,
+        /// The sum of `work[].num_tokens`.
+        actual: u64,
+    },
+    /// Sampling parameters out of range.
+    #[error("request {id}: {source}")]
+    Sampling {
+        /// The id.
+        id: u64,
+        /// What is wrong.
+        #[source]
+        source: SamplingError,
+    },
+    /// The batch does not fit the KV pool or the model.
+    #[error(transparent)]
+    Batch(#[from] BatchError),
+    /// KV import/export is not available on this executor yet.
+    #[error("KV operations are not supported by this executor yet ({0} in the step)")]
+    KvOpsUnsupported(usize),
+}
+
+/// What the engine keeps per request.
+#[derive(Debug)]
+struct ExecRequest {
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    sampling: SamplingParams,
+    table: Vec<u32>,
+    /// Leading tokens whose KV is in the cache.
+    computed: usize,
+    /// Preempted and not resumed: no work until a resuming update.
+    preempted: bool,
+}
+
+impl ExecRequest {
+    fn len(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
+    fn token(&self, i: usize) -> u32 {
+        if i < self.prompt.len() {
+            self.prompt[i]
+        } else {
+            self.output[i - self.prompt.len()]
+        }
+    }
+}
+
+/// Fixed facts the engine needs beyond the backend's.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineConfig {
+    /// End-of-sequence token (the simulator avoids it).
+    pub eos_token_id: u32,
+}
+
+/// The executor's state and its step function.
+pub struct Engine {
+    backend: Box<dyn ModelBackend>,
+    config: EngineConfig,
+    requests: HashMap<u64, ExecRequest>,
+    sampler: Sampler,
+    steps_executed: u64,
+    /// Scratch: token ids gathered per scheduled request.
+    gathered: Vec<Vec<u32>>,
+}
+
+/// The prospective state of one scheduled request, computed before anything changes.
+struct Planned {
+    id: u64,
+    start: usize,
+    n: usize,
+    total: usize,
+}
+
+impl Engine {
+    /// An engine over `backend`.
+    pub fn new(backend: Box<dyn ModelBackend>, config: EngineConfig) -> Self {
+        Self {
+            backend,
+            config,
+            requests: HashMap::new(),
+            sampler: Sampler::new(),
+            steps_executed: 0,
+            gathered: Vec::new(),
+        }
+    }
+
+    /// The backend's facts.
+    pub fn backend(&self) -> &dyn ModelBackend {
+        self.backend.as_ref()
+    }
+
+    /// Requests held.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Blocks referenced by the held requests' tables.
+    pub fn blocks_in_use(&self) -> usize {
+        self.requests.values().flat_map(|r| r.table.iter()).collect::<HashSet<_>>().len()
+    }
+
+    /// Steps run since start.
+    pub fn steps_executed(&self) -> u64 {
+        self.steps_executed
+    }
+
+    /// Forgets every request.
+    pub fn reset(&mut self) -> usize {
+        let n = self.requests.len();
+        self.requests.clear();
+        n
+    }
+
+    /// Validates and runs one step; on error nothing changed.
+    pub fn execute(&mut self, step: &v1::Step) -> Result<v1::StepResult, StepError> {
+        let planned = self.validate(step)?;
+        self.apply_diff(step);
+        let t0 = Instant::now();
+        // Gather the tokens each scheduled request computes.
+        self.gathered.resize_with(planned.len(), Vec::new);
+        for (buf, p) in self.gathered.iter_mut().zip(&planned) {
+            let r = &self.requests[&p.id];
+            buf.clear();
+            buf.extend((p.start..p.start + p.n).map(|i| r.token(i)));
+        }
+        let batch: Vec<SeqSlice> = planned
+            .iter()
+            .zip(&self.gathered)
+            .map(|(p, toks)| SeqSlice {
+                tokens: toks,
+                start: p.start,
+                block_table: &self.requests[&p.id].table,
+                wants_logits: p.start + p.n == p.total,
+            })
+            .collect();
+        let output = if batch.is_empty() {
+            BatchOutput::Logits(Vec::new())
+        } else {
+            self.backend.run(&batch)?
+        };
+        let forward_us = t0.elapsed().as_micros() as u64;
+        let t1 = Instant::now();
+        let mut outputs = Vec::new();
+        let mut logits = match output {
+            BatchOutput::Logits(l) => Some(l.into_iter()),
+            BatchOutput::Synthetic { .. } => None,
+        };
+        let vocab = self.backend.facts().shape.vocab_size as u32;
+        for p in &planned {
+            let r = self.requests.get_mut(&p.id).expect("planned requests exist after apply_diff");
+            r.computed = p.start + p.n;
+            if r.computed != p.total {
+                continue;
+            }
+            let position = r.len() as u64;
+            let (token, logprobs) = match logits.as_mut() {
+                Some(it) => {
+                    let mut row =
+                        it.next().expect("the backend returns one row per sampling request");
+                    let s = self
+                        .sampler
+                        .sample(&mut row, &r.sampling, &r.prompt, &r.output, position)
+                        .map_err(|source| StepError::Sampling { id: p.id, source })?;
+                    let lp = s.logprob.map(|logprob| v1::PositionLogprobs {
+                        sampled: Some(v1::TokenLogprob { token_id: s.token, logprob }),
+                        top: s
+                            .top_logprobs
+                            .iter()
+                            .map(|&(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
+                            .collect(),
+                    });
+                    (s.token, lp)
+                }
+                None => (
+                    sim_token_except(r.sampling.seed, position, vocab, self.config.eos_token_id),
+                    None,
+                ),
+            };
+            r.output.push(token);
+            outputs.push(v1::RequestOutput {
+                id: p.id,
+                token_ids: vec![token],
+                logprobs: logprobs.into_iter().collect(),
+            });
+        }
+        self.steps_executed += 1;
+        Ok(v1::StepResult {
+            step_id: step.step_id,
+            outputs,
+            kv_results: Vec::new(),
+            timing: Some(v1::StepTiming {
+                forward_us,
+                sample_us: t1.elapsed().as_micros() as u64,
+                ..Default::default()
+            }),
+        })
+    }
+
+    /// Checks the whole step against the state it would produce; changes nothing.
+    fn validate(&self, step: &v1::Step) -> Result<Vec<Planned>, StepError> {
+        if !step.kv_ops.is_empty() {
+            return Err(StepError::KvOpsUnsupported(step.kv_ops.len()));
+        }
+        let facts = self.backend.facts();
+        let finished: HashSet<u64> = step.finished_ids.iter().copied().collect();
+        let live = |id: &u64| self.requests.contains_key(id) && !finished.contains(id);
+        let mut preempted = HashSet::new();
+        for id in &step.preempted_ids {
+            if !live(id) {
+                return Err(StepError::Unknown { id: *id, what: "in preempted_ids" });
+            }
+            preempted.insert(*id);
+        }
+        let block_ok = |id: u64, blocks: &[u32]| match blocks
+            .iter()
+            .find(|b| **b as usize >= facts.num_blocks)
+        {
+            Some(b) => Err(StepError::Invalid {
+                id,
+                reason: format!("block {b} is out of range (pool has {} blocks)", facts.num_blocks),
+            }),
+            None => Ok(()),
+        };
+        // Prospective (tables, lengths, computed) of every request the step touches.
+        let mut tables: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut lengths: HashMap<u64, (usize, usize)> = HashMap::new();
+        for nr in &step.new_requests {
+            if live(&nr.id) || lengths.contains_key(&nr.id) {
+                return Err(StepError::Duplicate { id: nr.id, what: "is already a live request" });
+            }
+            if nr.prompt_token_ids.is_empty() {
+                return Err(StepError::Invalid { id: nr.id, reason: "empty prompt".into() });
+            }
+            let len = nr.prompt_token_ids.len() + nr.output_token_ids.len();
+            if let Some(t) = nr
+                .prompt_token_ids
+                .iter()
+                .chain(&nr.output_token_ids)
+                .find(|t| **t as usize >= facts.shape.vocab_size)
+            {
+                return Err(StepError::Invalid {
+                    id: nr.id,
+                    reason: format!(
+                        "token id {t} is outside the vocabulary (size {})",
+                        facts.shape.vocab_size
+                    ),
+                });
+            }
+            if nr.num_computed_tokens as usize > len {
+                return Err(StepError::Invalid {
+                    id: nr.id,
+                    reason: format!(
+                        "num_computed_tokens {} exceeds its {len} tokens",
+                        nr.num_computed_tokens
+                    ),
+                });
+            }
+            block_ok(nr.id, &nr.block_ids)?;
+            let params = SamplingParams::from_proto(&nr.sampling.unwrap_or_default(), nr.id);
+            params.validate().map_err(|source| StepError::Sampling { id: nr.id, source })?;
+            tables.insert(nr.id, nr.block_ids.clone());
+            lengths.insert(nr.id, (len, nr.num_computed_tokens as usize));
+        }
+        let mut resumed = HashSet::new();
+        for cu in &step.cached_requests {
+            if !live(&cu.id) {
+                return Err(StepError::Unknown { id: cu.id, what: "in cached_requests" });
+            }
+            if tables.contains_key(&cu.id) {
+                return Err(StepError::Duplicate { id: cu.id, what: "is updated twice" });
+            }
+            let r = &self.requests[&cu.id];
+            block_ok(cu.id, &cu.new_block_ids)?;
+            let table = if cu.resumed {
+                resumed.insert(cu.id);
+                cu.new_block_ids.clone()
+            } else {
+                let mut t = r.table.clone();
+                t.extend_from_slice(&cu.new_block_ids);
+                t
+            };
+            // Only a resume sets the computed count (a recompute restarts lower).
+            let computed = if cu.resumed { cu.num_computed_tokens as usize } else { r.computed };
+            if computed > r.len() {
+                return Err(StepError::Invalid {
+                    id: cu.id,
+                    reason: format!(
+                        "num_computed_tokens {} exceeds its {} tokens",
+                        cu.num_computed_tokens,
+                        r.len()
+                    ),
+                });
+            }
+            tables.insert(cu.id, table);
+            lengths.insert(cu.id, (r.len(), computed));
+        }
+        let mut planned = Vec::with_capacity(step.work.len());
+        let mut seen = HashSet::new();
+        let mut sum = 0u64;
+        for wk in &step.work {
+            if !seen.insert(wk.id) {
+                return Err(StepError::Duplicate { id: wk.id, what: "is scheduled twice" });
+            }
+            let (total, computed) = match lengths.get(&wk.id) {
+                Some(&l) => l,
+                None if live(&wk.id) => {
+                    let r = &self.requests[&wk.id];
+                    (r.len(), r.computed)
+                }
+                None => return Err(StepError::Unknown { id: wk.id, what: "in work" }),
+            };
+            let is_preempted = preempted.contains(&wk.id)
+                || (self.requests.get(&wk.id).is_some_and(|r| r.preempted)
+                    && !resumed.contains(&wk.id));
+            let n = wk.num_tokens as usize;
+            let reason = match v1::WorkKey::try_from(wk.key) {
+                _ if is_preempted => Some("is preempted and was not resumed".to_string()),
+                Ok(v1::WorkKey::Unspecified) | Err(_) => {
+                    Some(format!("work key {} is not valid", wk.key))
+                }
+                Ok(v1::WorkKey::Verify) => {
+                    Some("speculative verification is not supported yet".into())
+                }
+                _ if n == 0 => Some("num_tokens is 0".into()),
+                _ if computed + n > total => Some(format!(
+                    "{n} tokens from position {computed} run past its {total} known tokens"
+                )),
+                Ok(v1::WorkKey::Decode) if n != 1 => {
+                    Some(format!("a decode computes 1 token, not {n}"))
+                }
+                _ => None,
+            };
+            if let Some(reason) = reason {
+                return Err(StepError::Invalid { id: wk.id, reason });
+            }
+            sum += n as u64;
+            planned.push(Planned { id: wk.id, start: computed, n, total });
+        }
+        if sum != u64::from(step.total_num_tokens) {
+            return Err(StepError::TokenCount {
+                declared: u64::from(step.total_num_tokens),
+                actual: sum,
+            });
+        }
+        // The batch against the KV pool: coverage, ranges, no block written by two requests.
+        // Token ids were checked when they arrived, so placeholders stand in for them here.
+        let longest = planned.iter().map(|p| p.n).max().unwrap_or(0);
+        let zeros = vec![0u32; longest];
+        let batch: Vec<SeqSlice> = planned
+            .iter()
+            .map(|p| SeqSlice {
+                tokens: &zeros[..p.n],
+                start: p.start,
+                block_table: tables.get(&p.id).unwrap_or_else(|| &self.requests[&p.id].table),
+                wants_logits: false,
+            })
+            .collect();
+        self.backend.check(&batch)?;
+        Ok(planned)
+    }
+
+    /// Applies the request diffs of a validated step.
+    fn apply_diff(&mut self, step: &v1::Step) {
+        for id in &step.finished_ids {
+            self.requests.remove(id);
+        }
+        for id in &step.preempted_ids {
+            if let Some(r) = self.requests.get_mut(id) {
+                r.preempted = true;
+            }
+        }
+        for nr in &step.new_requests {
+            self.requests.insert(
+                nr.id,
+                ExecRequest {
+                    prompt: nr.prompt_token_ids.clone(),
+                    output: nr.output_token_ids.clone(),
+                    sampling: SamplingParams::from_proto(&nr.sampling.unwrap_or_default(), nr.id),
+                    table: nr.block_ids.clone(),
+                    computed: nr.num_computed_tokens as usize,
+                    preempted: false,
+                },
+            );
+        }
+        for cu in &step.cached_requests {
+            let r = self.requests.get_mut(&cu.id).expect("validated: cached requests are live");
+            if cu.resumed {
+                r.table = cu.new_block_ids.clone();
+                r.preempted = false;
+                r.computed = cu.num_computed_tokens as usize;
+            } else {
+                r.table.extend_from_slice(&cu.new_block_ids);
+            }
+        }
+    }
+}

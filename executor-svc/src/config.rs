@@ -2,6 +2,7 @@
 //! variable, checked once at start-up.
 
 use clap::{Args, ValueEnum};
+
 use ferry_proto::v1;
 
 /// Which engine runs the model.
@@ -49,6 +50,9 @@ impl From<Role> for v1::ExecutorRole {
 /// Everything an executor needs to start.
 #[derive(Clone, Debug, Args)]
 pub struct ExecutorConfig {
+    /// GGUF model file; the default model (obtained when missing) if absent.
+    #[arg(long, env = "FERRY_MODEL")]
+    pub model: Option<std::path::PathBuf>,
     /// Stable id of this executor in the cluster.
     #[arg(long, env = "FERRY_EXECUTOR_ID", default_value = "executor-0")]
     pub executor_id: String,

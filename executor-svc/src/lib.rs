@@ -5,6 +5,7 @@
 //! The library is everything; `ferry-executor` only parses flags and calls [`run`], so a test
 //! (or the all-in-one `serve`) can host an executor on a listener of its choosing.
 
+pub mod actor;
 pub mod bench;
 pub mod config;
 pub mod engine;
@@ -17,17 +18,97 @@ use tokio::net::TcpListener;
 
 pub use config::{BackendKind, ExecutorConfig, Role};
 
-/// Serves the executor's gRPC API on `listener` until `shutdown` resolves.
+/// Serves the executor's gRPC API on `listener` until `shutdown` resolves. Loads the model
+/// first (the default one, obtained when missing, unless `config.model` names a file).
 pub async fn run(
     config: ExecutorConfig,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     config.validate()?;
-    let service = service::ExecutorService::new(config);
+    let built = tokio::task::spawn_blocking(move || build(&config)).await??;
+    let service = service::ExecutorService::new(built.info, built.engine);
     GrpcHost::new()
         .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
         .serve(listener, shutdown)
         .await?;
     Ok(())
+}
+
+/// An engine on its thread and the facts the handshake states.
+pub struct BuiltExecutor {
+    /// Handle to the engine thread.
+    pub engine: actor::EngineHandle,
+    /// What the handshake answers.
+    pub info: ferry_proto::v1::ExecutorInfo,
+}
+
+/// Loads the model and starts the engine thread (blocking: call it off the async runtime).
+pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
+    use ferry_proto::v1;
+    let model = model::LoadedModel::load(config.model.as_deref())?;
+    let shape = model.weights.shape;
+    let block_size = config.block_size as usize;
+    let budget = config.kv_cache_mib * 1024 * 1024;
+    let num_blocks = model::PagedKvCache::blocks_for_budget(&shape, block_size, budget);
+    if num_blocks == 0 {
+        anyhow::bail!(
+            "--kv-cache-mib {} holds no block of {block_size} tokens ({} bytes per token)",
+            config.kv_cache_mib,
+            model::PagedKvCache::bytes_per_token(&shape)
+        );
+    }
+    let eos = model.tokenizer.eos_token_id;
+    let backend: Box<dyn engine::ModelBackend> = match config.backend {
+        BackendKind::Cpu => Box::new(engine::CpuBackend::new(model.weights, block_size, num_blocks)),
+        BackendKind::Sim => {
+            let sim_model = engine::sim::SimModel::llama(
+                shape.num_layers as u32,
+                shape.hidden as u32,
+                shape.intermediate as u32,
+                shape.num_heads as u32,
+                shape.num_kv_heads as u32,
+                shape.vocab_size as u32,
+                2.0,
+            );
+            Box::new(engine::SimBackend::new(
+                shape,
+                sim_model,
+                engine::sim::SimHardware::h100_80g(),
+                block_size,
+                num_blocks,
+                engine::sim::SimClock::RealTime,
+            ))
+        }
+        BackendKind::Cuda => anyhow::bail!(
+            "--backend cuda is not available in this build: the CUDA backend is not written yet (see docs/ARCHITECTURE.md)"
+        ),
+    };
+    let engine = actor::EngineHandle::spawn(engine::Engine::new(
+        backend,
+        engine::EngineConfig { eos_token_id: eos },
+    ))?;
+    let info = v1::ExecutorInfo {
+        executor_id: config.executor_id.clone(),
+        model: model.name.clone(),
+        model_fingerprint: model.fingerprint.clone(),
+        block_size: config.block_size,
+        num_blocks: num_blocks as u32,
+        max_model_len: shape.max_model_len as u32,
+        vocab_size: shape.vocab_size as u32,
+        eos_token_ids: vec![eos],
+        role: v1::ExecutorRole::from(config.role).into(),
+        backend: v1::Backend::from(config.backend).into(),
+        kv_layout: Some(v1::KvLayout {
+            num_layers: shape.num_layers as u32,
+            block_size: config.block_size,
+            num_kv_heads: shape.num_kv_heads as u32,
+            head_dim: shape.head_dim as u32,
+            dtype: v1::KvDtype::F32.into(),
+            model_fingerprint: model.fingerprint,
+        }),
+        kv_agent_address: String::new(),
+        max_num_seqs: 0,
+    };
+    Ok(BuiltExecutor { engine, info })
 }

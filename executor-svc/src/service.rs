@@ -1,15 +1,19 @@
-//! The `ferry.v1.Executor` gRPC service: sessions fenced by the scheduler's leadership epoch.
+//! The `ferry.v1.Executor` gRPC service: sessions fenced by the scheduler's leadership epoch,
+//! and the step stream that feeds the engine.
 //!
 //! Invariants: at most one session is current; a handshake or reset from an epoch older than
-//! the newest seen is refused; a newer handshake supersedes the current session.
+//! the newest seen is refused; a newer handshake supersedes the current session (its stream
+//! ends with FAILED_PRECONDITION at its next step) and starts from an empty request table.
+//! Steps are executed one at a time, in the order they arrive.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferry_proto::v1::{self, executor_server::Executor};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::config::ExecutorConfig;
+use crate::actor::EngineHandle;
 
 /// Session state shared by the RPC handlers. A std mutex is right here: it is held for a few
 /// field updates and never across an `.await`.
@@ -28,29 +32,34 @@ struct SessionState {
 /// The executor's gRPC face.
 #[derive(Clone)]
 pub struct ExecutorService {
-    config: Arc<ExecutorConfig>,
+    info: Arc<v1::ExecutorInfo>,
     state: Arc<Mutex<SessionState>>,
+    engine: EngineHandle,
 }
 
 impl ExecutorService {
-    /// A service for an executor configured by `config`.
-    pub fn new(config: ExecutorConfig) -> Self {
-        Self { config: Arc::new(config), state: Arc::default() }
+    /// A service answering with `info` and running steps on `engine`.
+    pub fn new(info: v1::ExecutorInfo, engine: EngineHandle) -> Self {
+        Self { info: Arc::new(info), state: Arc::default(), engine }
     }
 
     fn state(&self) -> Result<MutexGuard<'_, SessionState>, Status> {
         self.state.lock().map_err(|_| Status::internal("executor session state is poisoned"))
     }
 
-    fn info(&self) -> v1::ExecutorInfo {
-        let c = &self.config;
-        v1::ExecutorInfo {
-            executor_id: c.executor_id.clone(),
-            block_size: c.block_size,
-            role: v1::ExecutorRole::from(c.role).into(),
-            backend: v1::Backend::from(c.backend).into(),
-            ..Default::default()
+    /// Checks that `(session_id, epoch)` is the current session.
+    fn check_current(&self, session_id: u64, epoch: u64) -> Result<(), Status> {
+        let state = self.state()?;
+        if epoch < state.epoch {
+            return Err(stale_epoch(epoch, state.epoch));
         }
+        if session_id == 0 || session_id != state.session_id {
+            return Err(Status::failed_precondition(format!(
+                "session {session_id} is not the current session ({})",
+                state.session_id
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -67,34 +76,75 @@ impl Executor for ExecutorService {
         request: Request<v1::HandshakeRequest>,
     ) -> Result<Response<v1::HandshakeResponse>, Status> {
         let req = request.into_inner();
-        let info = self.info();
-        if !req.expected_model.is_empty() && req.expected_model != info.model {
+        if !req.expected_model.is_empty() && req.expected_model != self.info.model {
             return Err(Status::failed_precondition(format!(
                 "this executor serves model {:?}, not {:?}",
-                info.model, req.expected_model
+                self.info.model, req.expected_model
             )));
         }
-        let mut state = self.state()?;
-        if req.epoch < state.epoch {
-            return Err(stale_epoch(req.epoch, state.epoch));
-        }
-        state.epoch = req.epoch;
-        state.last_session_id += 1;
-        state.session_id = state.last_session_id;
-        state.scheduler_id = req.scheduler_id;
-        tracing::info!(session = state.session_id, epoch = state.epoch, scheduler = %state.scheduler_id, "session opened");
-        Ok(Response::new(v1::HandshakeResponse { session_id: state.session_id, info: Some(info) }))
+        let session_id = {
+            let mut state = self.state()?;
+            if req.epoch < state.epoch {
+                return Err(stale_epoch(req.epoch, state.epoch));
+            }
+            state.epoch = req.epoch;
+            state.last_session_id += 1;
+            state.session_id = state.last_session_id;
+            state.scheduler_id = req.scheduler_id;
+            tracing::info!(session = state.session_id, epoch = state.epoch, scheduler = %state.scheduler_id, "session opened");
+            state.session_id
+        };
+        // A new session starts from nothing: the scheduler sends its requests as new ones.
+        self.engine.reset().await?;
+        Ok(Response::new(v1::HandshakeResponse { session_id, info: Some((*self.info).clone()) }))
     }
 
     type SessionStream = ReceiverStream<Result<v1::StepResult, Status>>;
 
     async fn session(
         &self,
-        _request: Request<Streaming<v1::Step>>,
+        request: Request<Streaming<v1::Step>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
-        Err(Status::unimplemented(
-            "step execution is not available yet in this build: the model engine lands with the executor-engine issue",
-        ))
+        let mut steps = request.into_inner();
+        let (tx, rx) = mpsc::channel(8);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut last_step: Option<u64> = None;
+            loop {
+                let step = match steps.message().await {
+                    Ok(Some(step)) => step,
+                    Ok(None) => return,
+                    Err(status) => {
+                        tracing::debug!(%status, "session stream ended by the scheduler");
+                        return;
+                    }
+                };
+                if let Err(status) = this.check_current(step.session_id, step.epoch) {
+                    let _ = tx.send(Err(status)).await;
+                    return;
+                }
+                if last_step.is_some_and(|last| step.step_id <= last) {
+                    let msg = format!(
+                        "step ids must increase: {} after {}",
+                        step.step_id,
+                        last_step.unwrap_or(0)
+                    );
+                    let _ = tx.send(Err(Status::invalid_argument(msg))).await;
+                    return;
+                }
+                last_step = Some(step.step_id);
+                let reply = match this.engine.execute(step).await {
+                    Ok(Ok(result)) => Ok(result),
+                    Ok(Err(refused)) => Err(Status::invalid_argument(refused.to_string())),
+                    Err(unavailable) => Err(unavailable),
+                };
+                let failed = reply.is_err();
+                if tx.send(reply).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn reset(
@@ -102,30 +152,25 @@ impl Executor for ExecutorService {
         request: Request<v1::ResetRequest>,
     ) -> Result<Response<v1::ResetResponse>, Status> {
         let req = request.into_inner();
-        let state = self.state()?;
-        if req.epoch < state.epoch {
-            return Err(stale_epoch(req.epoch, state.epoch));
-        }
-        if req.session_id != state.session_id || state.session_id == 0 {
-            return Err(Status::failed_precondition(format!(
-                "session {} is not the current session ({})",
-                req.session_id, state.session_id
-            )));
-        }
-        Ok(Response::new(v1::ResetResponse { dropped_requests: 0 }))
+        self.check_current(req.session_id, req.epoch)?;
+        let dropped = self.engine.reset().await?;
+        Ok(Response::new(v1::ResetResponse { dropped_requests: dropped as u32 }))
     }
 
     async fn describe(
         &self,
         _request: Request<v1::DescribeRequest>,
     ) -> Result<Response<v1::ExecutorDescription>, Status> {
+        let stats = self.engine.stats().await?;
         let state = self.state()?;
         Ok(Response::new(v1::ExecutorDescription {
-            info: Some(self.info()),
+            info: Some((*self.info).clone()),
             session_id: state.session_id,
             epoch: state.epoch,
             scheduler_id: state.scheduler_id.clone(),
-            ..Default::default()
+            num_requests: stats.num_requests,
+            steps_executed: stats.steps_executed,
+            blocks_in_use: stats.blocks_in_use,
         }))
     }
 }

@@ -1,0 +1,133 @@
+//! A real `ferry-executor` process driven over its gRPC session the way a scheduler drives it:
+//! handshake, a step stream that prefills and decodes the real model, a bad step refused with
+//! INVALID_ARGUMENT, a newer epoch taking over and a stale one refused.
+
+use std::time::Duration;
+
+use candle_core::quantized::gguf_file;
+use ferry_executor_svc::model::{default_model_path, Tokenizer};
+use ferry_proto::v1::{self, executor_client::ExecutorClient};
+use ferry_tests::Service;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+fn tokenizer() -> Tokenizer {
+    let path = default_model_path().unwrap();
+    let mut f = std::fs::File::open(path).unwrap();
+    Tokenizer::from_gguf(&gguf_file::Content::read(&mut f).unwrap()).unwrap()
+}
+
+fn prefill_then_decode(session_id: u64, epoch: u64, prompt: &[u32], step_id: u64) -> v1::Step {
+    v1::Step {
+        session_id,
+        epoch,
+        step_id,
+        new_requests: vec![v1::NewRequest {
+            id: 1,
+            prompt_token_ids: prompt.to_vec(),
+            block_ids: (0..8).collect(),
+            ..Default::default()
+        }],
+        work: vec![v1::ScheduledWork {
+            id: 1,
+            key: v1::WorkKey::Prompt.into(),
+            num_tokens: prompt.len() as u32,
+            draft_token_ids: vec![],
+        }],
+        total_num_tokens: prompt.len() as u32,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_runs_the_model_and_refuses_bad_steps() {
+    let tok = tokenizer();
+    let svc =
+        Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
+            .unwrap();
+    let mut client = ExecutorClient::connect(format!("http://{}", svc.addr("grpc"))).await.unwrap();
+    let hs = client
+        .handshake(v1::HandshakeRequest {
+            scheduler_id: "test".into(),
+            epoch: 3,
+            expected_model: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let info = hs.info.unwrap();
+    assert_eq!(info.model, "SmolLM2-135M-Instruct");
+    assert!(info.num_blocks > 8, "{info:?}");
+    assert_eq!(info.eos_token_ids, vec![tok.eos_token_id]);
+
+    let (tx, rx) = mpsc::channel(4);
+    let mut results = client.session(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let prompt = tok.encode("The capital of France is").unwrap();
+    tx.send(prefill_then_decode(hs.session_id, 3, &prompt, 1)).await.unwrap();
+    let mut generated = Vec::new();
+    let first = results.message().await.unwrap().unwrap();
+    generated.extend(&first.outputs[0].token_ids);
+    for step_id in 2..5u64 {
+        let mut step =
+            v1::Step { session_id: hs.session_id, epoch: 3, step_id, ..Default::default() };
+        step.work.push(v1::ScheduledWork {
+            id: 1,
+            key: v1::WorkKey::Decode.into(),
+            num_tokens: 1,
+            draft_token_ids: vec![],
+        });
+        step.total_num_tokens = 1;
+        tx.send(step).await.unwrap();
+        let r = results.message().await.unwrap().unwrap();
+        assert_eq!(r.step_id, step_id);
+        generated.extend(&r.outputs[0].token_ids);
+    }
+    assert!(tok.decode(&generated).starts_with(" Paris"), "{:?}", tok.decode(&generated));
+
+    // A bad step ends the stream with INVALID_ARGUMENT and a message naming the problem.
+    let bad = v1::Step {
+        session_id: hs.session_id,
+        epoch: 3,
+        step_id: 9,
+        total_num_tokens: 5,
+        ..Default::default()
+    };
+    tx.send(bad).await.unwrap();
+    let status = results.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().contains("total_num_tokens is 5"), "{status}");
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(described.num_requests, 1, "the refused step changed nothing");
+
+    // A newer epoch takes over and starts empty; the old epoch is refused.
+    let hs2 = client
+        .handshake(v1::HandshakeRequest {
+            scheduler_id: "new".into(),
+            epoch: 4,
+            expected_model: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let stale = client
+        .handshake(v1::HandshakeRequest {
+            scheduler_id: "old".into(),
+            epoch: 3,
+            expected_model: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(stale.code(), tonic::Code::FailedPrecondition);
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(
+        (described.num_requests, described.session_id, described.scheduler_id.as_str()),
+        (0, hs2.session_id, "new")
+    );
+    let (tx2, rx2) = mpsc::channel(1);
+    let mut old = client.session(ReceiverStream::new(rx2)).await.unwrap().into_inner();
+    tx2.send(prefill_then_decode(hs.session_id, 3, &prompt, 1)).await.unwrap();
+    let refused =
+        tokio::time::timeout(Duration::from_secs(30), old.message()).await.unwrap().unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    drop(svc);
+}

@@ -31,6 +31,7 @@ pub async fn run(
     scheduler.validate()?;
     executor.validate()?;
     kv_agent.validate()?;
+    let model = executor.model.clone();
     let (grpc_listener, grpc) = ferry_runtime::grpc::bind(listen).await?;
     let (exec_listener, exec_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
     let (kv_listener, kv_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
@@ -46,7 +47,7 @@ pub async fn run(
         tokio::try_join!(
             ferry_executor_svc::run(executor, exec_listener, stopped(stop_rx.clone())),
             ferry_kv_transfer_svc::run(kv_agent, kv_listener, stopped(stop_rx.clone())),
-            crate::run(scheduler, grpc_listener, stopped(stop_rx.clone())),
+            crate::run(scheduler, model, grpc_listener, stopped(stop_rx.clone())),
         )
     };
     tokio::pin!(parts);

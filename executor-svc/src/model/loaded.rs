@@ -56,13 +56,23 @@ pub enum ModelError {
     Tokenizer(#[from] TokenizerError),
 }
 
+/// The file to load (the default model's, fetched when missing, for `None`) and the name
+/// clients will use for it.
+fn resolve(path: Option<&Path>) -> Result<(PathBuf, String), ModelError> {
+    Ok(match path {
+        Some(p) => {
+            let name =
+                p.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+            (p.to_path_buf(), name)
+        }
+        None => (default_model_path()?, DEFAULT_MODEL_NAME.to_string()),
+    })
+}
+
 impl LoadedModel {
     /// Loads `path`, or the default model when `None`.
     pub fn load(path: Option<&Path>) -> Result<Self, ModelError> {
-        let (path, default) = match path {
-            Some(p) => (p.to_path_buf(), false),
-            None => (default_model_path()?, true),
-        };
+        let (path, name) = resolve(path)?;
         let io = |source| ModelError::Io { path: path.clone(), source };
         let mut file = std::fs::File::open(&path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
@@ -70,11 +80,6 @@ impl LoadedModel {
             .map_err(|source| ModelError::Gguf { path: path.clone(), source })?;
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let weights = LlamaWeights::load(&content, &mut file)?;
-        let name = if default {
-            DEFAULT_MODEL_NAME.to_string()
-        } else {
-            path.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
-        };
         let general = content
             .metadata
             .get("general.name")
@@ -97,4 +102,16 @@ impl LoadedModel {
         }
         Ok(Self { name, path, fingerprint: format!("{h:016x}"), weights, tokenizer })
     }
+}
+
+/// Loads only the tokenizer (and the model's name and maximum length) from `path`, or from the
+/// default model when `None`: what a front needs, without the weights.
+pub fn load_tokenizer(path: Option<&Path>) -> Result<(String, Tokenizer, usize), ModelError> {
+    let (path, name) = resolve(path)?;
+    let mut file = std::fs::File::open(&path)
+        .map_err(|source| ModelError::Io { path: path.clone(), source })?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|source| ModelError::Gguf { path: path.clone(), source })?;
+    let shape = super::llama::LlamaShape::from_gguf(&content)?;
+    Ok((name, Tokenizer::from_gguf(&content)?, shape.max_model_len))
 }

@@ -13,5 +13,5 @@ pub mod tokenizer;
 pub use fetch::{default_model_path, DEFAULT_MODEL_NAME};
 pub use kv_cache::PagedKvCache;
 pub use llama::{LlamaShape, LlamaWeights, LoadError};
-pub use loaded::{LoadedModel, ModelError};
+pub use loaded::{load_tokenizer, LoadedModel, ModelError};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};

@@ -63,6 +63,8 @@ pub struct Tokenizer {
     /// Whether prompts start with BOS.
     pub add_bos: bool,
     chat_template: Option<String>,
+    /// Control tokens (`<|im_end|>` …), which decoded output leaves out.
+    special: Vec<bool>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -179,7 +181,8 @@ impl Tokenizer {
                 }
             })
             .collect();
-        Ok(Self { inner, token_bytes, eos_token_id, bos_token_id, add_bos, chat_template })
+        let special = types.iter().map(|t| *t == TOKEN_TYPE_CONTROL).collect();
+        Ok(Self { inner, token_bytes, eos_token_id, bos_token_id, add_bos, chat_template, special })
     }
 
     /// Number of token ids.
@@ -200,6 +203,12 @@ impl Tokenizer {
         }
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)
+    }
+
+    /// Whether `id` is a control token (left out of generated text, as vLLM's
+    /// `skip_special_tokens` does by default).
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
     }
 
     /// The raw bytes of a token (empty for an id out of range).

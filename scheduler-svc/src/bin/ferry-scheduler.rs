@@ -15,6 +15,8 @@ struct Cli {
     command: Option<Command>,
     #[command(flatten)]
     run: RunArgs,
+    #[command(flatten)]
+    front: FrontArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -27,6 +29,14 @@ struct RunArgs {
     log: String,
     #[command(flatten)]
     scheduler: SchedulerConfig,
+}
+
+/// Flags of the scheduler role that `serve` takes from its executor instead.
+#[derive(Debug, clap::Args)]
+struct FrontArgs {
+    /// GGUF model whose tokenizer the front uses; the default model if absent.
+    #[arg(long, env = "FERRY_MODEL")]
+    model: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -54,8 +64,14 @@ async fn main() -> anyhow::Result<()> {
             run.scheduler.validate()?;
             let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
             ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);
-            ferry_scheduler_svc::run(run.scheduler, listener, ferry_runtime::shutdown_signal())
-                .await
+            let model = cli.front.model;
+            ferry_scheduler_svc::run(
+                run.scheduler,
+                model,
+                listener,
+                ferry_runtime::shutdown_signal(),
+            )
+            .await
         }
         Some(Command::BenchCore(args)) => ferry_scheduler_svc::bench_core::run(&args),
         Some(Command::Serve { run, executor, kv_agent }) => {

@@ -1,0 +1,145 @@
+//! Checking a client's request and turning it into what the scheduler needs: tokens, limits,
+//! stop rules and sampling parameters. Every refusal says what was wrong and the limit.
+
+use ferry_executor_svc::engine::sampling::SamplingParams;
+use ferry_executor_svc::model::{ChatMessage, Tokenizer};
+use ferry_proto::v1;
+
+/// A request that passed every check.
+#[derive(Debug)]
+pub struct Prepared {
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Fewest tokens before EOS or a stop token may end it.
+    pub min_tokens: usize,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Stop token ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past EOS.
+    pub ignore_eos: bool,
+    /// Return the matched stop string.
+    pub include_stop_str: bool,
+    /// Sampling, as sent to the executor.
+    pub sampling: v1::SamplingParams,
+    /// Lower runs first.
+    pub priority: i32,
+}
+
+/// Why a request was refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PrepareError {
+    /// The request names a model this front does not serve.
+    #[error("model {asked:?} is not served here; available: {served:?}")]
+    UnknownModel {
+        /// Asked for.
+        asked: String,
+        /// Served.
+        served: String,
+    },
+    /// Anything else the client got wrong.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The model a front serves.
+#[derive(Debug)]
+pub struct ServedModel {
+    /// Name clients use.
+    pub name: String,
+    /// Its tokenizer and chat template.
+    pub tokenizer: Tokenizer,
+    /// Largest prompt + output.
+    pub max_model_len: usize,
+}
+
+/// Most stop strings per request (as vLLM's OpenAI server has no limit, this one is generous).
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Checks `req` against `model`.
+pub fn prepare(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Prepared, PrepareError> {
+    let invalid = |m: String| PrepareError::Invalid(m);
+    if !req.model.is_empty() && req.model != model.name {
+        return Err(PrepareError::UnknownModel {
+            asked: req.model.clone(),
+            served: model.name.clone(),
+        });
+    }
+    let tok = &model.tokenizer;
+    let prompt = match &req.input {
+        Some(v1::generate_request::Input::Prompt(text)) => {
+            tok.encode(text).map_err(|e| invalid(format!("prompt: {e}")))?
+        }
+        Some(v1::generate_request::Input::PromptTokenIds(ids)) => {
+            if let Some(t) = ids.ids.iter().find(|t| **t as usize >= tok.vocab_size()) {
+                return Err(invalid(format!(
+                    "prompt token id {t} is outside the vocabulary (size {})",
+                    tok.vocab_size()
+                )));
+            }
+            ids.ids.clone()
+        }
+        Some(v1::generate_request::Input::Chat(chat)) => {
+            if chat.messages.is_empty() {
+                return Err(invalid("chat has no messages".into()));
+            }
+            let messages: Vec<ChatMessage> = chat
+                .messages
+                .iter()
+                .map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() })
+                .collect();
+            let text = tok
+                .apply_chat_template(&messages, chat.add_generation_prompt)
+                .map_err(|e| invalid(format!("chat: {e}")))?;
+            tok.encode(&text).map_err(|e| invalid(format!("chat: {e}")))?
+        }
+        None => return Err(invalid("no input: give a prompt, prompt_token_ids or a chat".into())),
+    };
+    if prompt.is_empty() {
+        return Err(invalid("the prompt is empty".into()));
+    }
+    let max_len = model.max_model_len;
+    if prompt.len() >= max_len {
+        return Err(invalid(format!(
+            "the prompt has {} tokens; this model allows at most {} tokens of prompt and output together",
+            prompt.len(),
+            max_len
+        )));
+    }
+    let stopping = req.stopping.clone().unwrap_or_default();
+    let room = max_len - prompt.len();
+    let max_tokens = if stopping.max_tokens == 0 { room } else { stopping.max_tokens as usize };
+    if max_tokens > room {
+        return Err(invalid(format!(
+            "max_tokens {max_tokens} + {} prompt tokens exceeds the model's maximum length of {max_len}",
+            prompt.len()
+        )));
+    }
+    if stopping.min_tokens as usize > max_tokens {
+        return Err(invalid(format!(
+            "min_tokens {} exceeds max_tokens {max_tokens}",
+            stopping.min_tokens
+        )));
+    }
+    if stopping.stop.len() > MAX_STOP_STRINGS {
+        return Err(invalid(format!(
+            "{} stop strings given; at most {MAX_STOP_STRINGS}",
+            stopping.stop.len()
+        )));
+    }
+    let sampling = req.sampling.unwrap_or_default();
+    SamplingParams::from_proto(&sampling, 0).validate().map_err(|e| invalid(e.to_string()))?;
+    Ok(Prepared {
+        prompt,
+        max_tokens,
+        min_tokens: stopping.min_tokens as usize,
+        stop: stopping.stop,
+        stop_token_ids: stopping.stop_token_ids,
+        ignore_eos: stopping.ignore_eos,
+        include_stop_str: stopping.include_stop_str_in_output,
+        sampling,
+        priority: req.priority,
+    })
+}

@@ -1,0 +1,183 @@
+//! `ferry-scheduler serve` — front, scheduler, executor and KV agent in one process — answering
+//! real requests over gRPC: the France question, stop strings, greedy determinism under
+//! concurrency, bad input refused with the right code, and an aborted stream freeing its KV.
+
+use std::time::Duration;
+
+use ferry_proto::v1::{self, executor_client::ExecutorClient, generation_client::GenerationClient};
+use ferry_tests::Service;
+use tonic::transport::Channel;
+
+async fn generate(
+    client: &mut GenerationClient<Channel>,
+    req: v1::GenerateRequest,
+) -> Result<(String, Vec<v1::GenerateEvent>), tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let (mut text, mut events) = (String::new(), Vec::new());
+    while let Some(ev) = stream.message().await? {
+        text.push_str(&ev.text);
+        events.push(ev);
+    }
+    Ok((text, events))
+}
+
+fn chat(messages: &[(&str, &str)], max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Chat(v1::Chat {
+            messages: messages
+                .iter()
+                .map(|(r, c)| v1::ChatMessage { role: r.to_string(), content: c.to_string() })
+                .collect(),
+            add_generation_prompt: true,
+        })),
+        stopping: Some(v1::StoppingCriteria { max_tokens, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+fn prompt(text: &str, max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Prompt(text.into())),
+        stopping: Some(v1::StoppingCriteria { max_tokens, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// Waits until the executor holds no request and no block.
+async fn wait_until_idle(exec: &mut ExecutorClient<Channel>) -> v1::ExecutorDescription {
+    for _ in 0..200 {
+        let d = exec.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+        if d.num_requests == 0 && d.blocks_in_use == 0 {
+            return d;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    exec.describe(v1::DescribeRequest {}).await.unwrap().into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_answers_over_grpc() {
+    let svc = Service::start(
+        "ferry-scheduler",
+        &["serve", "--listen", "127.0.0.1:0", "--kv-cache-mib", "128"],
+        3,
+    )
+    .unwrap();
+    let mut client =
+        GenerationClient::connect(format!("http://{}", svc.addr("grpc"))).await.unwrap();
+    let mut exec =
+        ExecutorClient::connect(format!("http://{}", svc.addr("executor"))).await.unwrap();
+
+    // The France question, greedy, as the model answers it.
+    let (text, events) = generate(
+        &mut client,
+        chat(
+            &[
+                ("system", "You are a helpful assistant."),
+                ("user", "What is the capital of France?"),
+            ],
+            32,
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(text, "The capital of France is Paris.");
+    let last = events.last().unwrap();
+    assert_eq!(last.finish_reason(), v1::FinishReason::Stop);
+    let usage = last.usage.unwrap();
+    assert_eq!(
+        usage.completion_tokens as usize,
+        events.iter().map(|e| e.token_ids.len()).sum::<usize>()
+    );
+
+    // A stop string ends the request and is not returned.
+    let mut req = prompt("The capital of France is", 12);
+    req.stopping.as_mut().unwrap().stop = vec![".".into()];
+    let (text, events) = generate(&mut client, req).await.unwrap();
+    assert_eq!(text, " Paris");
+    assert_eq!(events.last().unwrap().stop_reason, ".");
+
+    // Exact lengths with ignore_eos, and greedy outputs equal one at a time and concurrently.
+    let prompts = [
+        "Once upon a time",
+        "The best way to learn",
+        "In 1969, astronauts",
+        "Rust is a language that",
+    ];
+    let mut alone = Vec::new();
+    for p in prompts {
+        let (text, events) = generate(&mut client, prompt(p, 24)).await.unwrap();
+        assert_eq!(events.last().unwrap().usage.unwrap().completion_tokens, 24);
+        assert_eq!(events.last().unwrap().finish_reason(), v1::FinishReason::Length);
+        alone.push(text);
+    }
+    let together = futures_join(prompts.iter().map(|p| {
+        let mut c = client.clone();
+        let req = prompt(p, 24);
+        async move { generate(&mut c, req).await.unwrap().0 }
+    }))
+    .await;
+    assert_eq!(together, alone, "batching changed greedy outputs");
+
+    // Bad input: clear codes, and the service keeps serving.
+    let bad_model = v1::GenerateRequest { model: "gpt-4".into(), ..prompt("Hi", 4) };
+    assert_eq!(generate(&mut client, bad_model).await.unwrap_err().code(), tonic::Code::NotFound);
+    let too_long = generate(&mut client, prompt("Hi", 100_000)).await.unwrap_err();
+    assert_eq!(too_long.code(), tonic::Code::InvalidArgument);
+    assert!(too_long.message().contains("8192"), "{too_long}");
+    let mut bad_temp = prompt("Hi", 4);
+    bad_temp.sampling = Some(v1::SamplingParams { temperature: -1.0, ..Default::default() });
+    assert_eq!(
+        generate(&mut client, bad_temp).await.unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+    let empty = v1::GenerateRequest { input: None, ..Default::default() };
+    assert_eq!(
+        generate(&mut client, empty).await.unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+
+    // A client that drops its stream mid-way aborts the request; its blocks are freed.
+    let mut stream =
+        client.generate(prompt("Tell me a long story", 2000)).await.unwrap().into_inner();
+    for _ in 0..3 {
+        stream.message().await.unwrap().unwrap();
+    }
+    drop(stream);
+    let idle = wait_until_idle(&mut exec).await;
+    assert_eq!((idle.num_requests, idle.blocks_in_use), (0, 0), "an abandoned stream leaked");
+
+    // An explicit Abort ends the stream with ABORT.
+    let mut req = prompt("Count to a thousand:", 2000);
+    req.request_id = "to-abort".into();
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    stream.message().await.unwrap().unwrap();
+    assert!(
+        client
+            .abort(v1::AbortRequest { request_id: "to-abort".into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .found
+    );
+    let mut last = None;
+    while let Some(ev) = stream.message().await.unwrap() {
+        last = Some(ev);
+    }
+    assert_eq!(last.unwrap().finish_reason(), v1::FinishReason::Abort);
+    let idle = wait_until_idle(&mut exec).await;
+    assert_eq!((idle.num_requests, idle.blocks_in_use), (0, 0));
+    drop(svc);
+}
+
+/// Runs futures concurrently and returns their outputs in order.
+async fn futures_join<F: std::future::Future<Output = String> + Send + 'static>(
+    futs: impl Iterator<Item = F>,
+) -> Vec<String> {
+    let handles: Vec<_> = futs.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}

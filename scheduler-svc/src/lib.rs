@@ -8,6 +8,7 @@
 pub mod bench_core;
 pub mod config;
 pub mod front;
+pub mod http;
 pub mod link;
 pub mod serve;
 
@@ -22,13 +23,14 @@ pub use config::SchedulerConfig;
 /// How long start-up keeps trying to reach each executor (they may still be loading a model).
 const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
 
-/// Serves the scheduler's gRPC API (the front's `Generation` service) on `listener` until
-/// `shutdown` resolves. `model` is the GGUF whose tokenizer the front uses (the default model
-/// when `None`).
+/// Serves the scheduler's gRPC API (the front's `Generation` service) on `listener`, and the
+/// OpenAI HTTP API on `http` when given, until `shutdown` resolves. `model` is the GGUF whose
+/// tokenizer the front uses (the default model when `None`).
 pub async fn run(
     config: SchedulerConfig,
     model: Option<PathBuf>,
     listener: TcpListener,
+    http: Option<TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     config.validate()?;
@@ -43,12 +45,41 @@ pub async fn run(
             Err(e) => tracing::error!(error = %e, "executor not connected"),
         }
     }
+    // As vLLM does, the usable length is what the smallest executor's KV cache can hold for one
+    // request, so a request the front accepts always fits.
+    let cache_limit = links
+        .iter()
+        .map(|l| {
+            (l.info.num_blocks as usize * l.info.block_size as usize)
+                .min(l.info.max_model_len as usize)
+        })
+        .min();
+    let max_model_len = cache_limit.map_or(max_model_len, |c| c.min(max_model_len));
     let served = front::prepare::ServedModel { name, tokenizer, max_model_len };
     let front = front::GenerationService::new(served, links);
-    GrpcHost::new()
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+    let http_task = http.map(|l| tokio::spawn(http::serve(front.clone(), l, stopped())));
+    let grpc = GrpcHost::new()
         .add_service(ferry_proto::v1::generation_server::GenerationServer::new(front))
-        .serve(listener, shutdown)
-        .await?;
+        .serve(listener, stopped());
+    tokio::pin!(grpc);
+    tokio::select! {
+        result = &mut grpc => result?,
+        () = shutdown => {
+            let _ = stop_tx.send(true);
+            grpc.await?;
+        }
+    }
+    let _ = stop_tx.send(true);
+    if let Some(task) = http_task {
+        task.await??;
+    }
     Ok(())
 }
 

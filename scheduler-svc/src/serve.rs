@@ -1,5 +1,5 @@
-//! `serve`: the whole system in one process on loopback with no etcd — the front and the
-//! scheduler on the address the user gives, an executor and a KV agent on free loopback ports.
+//! `serve`: the whole system in one process on loopback with no etcd — the front (gRPC and
+//! OpenAI HTTP) and the scheduler on the addresses the user gives, an executor and a KV agent on free loopback ports.
 //! This is the embedded default the README's first command starts.
 
 use ferry_executor_svc::ExecutorConfig;
@@ -13,6 +13,8 @@ use crate::config::SchedulerConfig;
 pub struct ServeAddrs {
     /// The front's gRPC API.
     pub grpc: std::net::SocketAddr,
+    /// The OpenAI HTTP API.
+    pub http: std::net::SocketAddr,
     /// The embedded executor.
     pub executor: std::net::SocketAddr,
     /// The embedded KV agent.
@@ -20,8 +22,10 @@ pub struct ServeAddrs {
 }
 
 /// Runs every part until `shutdown` resolves; `on_ready` receives the bound addresses.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     listen: &str,
+    http_listen: &str,
     mut scheduler: SchedulerConfig,
     executor: ExecutorConfig,
     kv_agent: KvAgentConfig,
@@ -33,10 +37,11 @@ pub async fn run(
     kv_agent.validate()?;
     let model = executor.model.clone();
     let (grpc_listener, grpc) = ferry_runtime::grpc::bind(listen).await?;
+    let (http_listener, http) = ferry_runtime::grpc::bind(http_listen).await?;
     let (exec_listener, exec_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
     let (kv_listener, kv_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
     scheduler.executors = vec![format!("http://{exec_addr}")];
-    on_ready(ServeAddrs { grpc, executor: exec_addr, kv_agent: kv_addr });
+    on_ready(ServeAddrs { grpc, http, executor: exec_addr, kv_agent: kv_addr });
 
     // One stop signal fans out to every part, so they drain together.
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -47,7 +52,13 @@ pub async fn run(
         tokio::try_join!(
             ferry_executor_svc::run(executor, exec_listener, stopped(stop_rx.clone())),
             ferry_kv_transfer_svc::run(kv_agent, kv_listener, stopped(stop_rx.clone())),
-            crate::run(scheduler, model, grpc_listener, stopped(stop_rx.clone())),
+            crate::run(
+                scheduler,
+                model,
+                grpc_listener,
+                Some(http_listener),
+                stopped(stop_rx.clone())
+            ),
         )
     };
     tokio::pin!(parts);

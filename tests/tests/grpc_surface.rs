@@ -59,15 +59,24 @@ fn kv_agent_serves_health_and_reflection() {
 
 #[test]
 fn scheduler_serves_health_and_reflection() {
-    let mut svc = Service::start("ferry-scheduler", &["--listen", "127.0.0.1:0"], 1).unwrap();
+    let mut svc = Service::start(
+        "ferry-scheduler",
+        &["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
+        2,
+    )
+    .unwrap();
     check_surface(svc.addr("grpc"), "ferry.v1.Generation", "ferry.v1.GenerateEvent");
     assert!(svc.terminate(GRACE).unwrap().success());
 }
 
 #[test]
 fn serve_hosts_every_part_in_one_process() {
-    let mut svc =
-        Service::start("ferry-scheduler", &["serve", "--listen", "127.0.0.1:0"], 3).unwrap();
+    let mut svc = Service::start(
+        "ferry-scheduler",
+        &["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
+        4,
+    )
+    .unwrap();
     check_surface(svc.addr("grpc"), "ferry.v1.Generation", "ferry.v1.GenerateRequest");
     check_surface(svc.addr("executor"), "ferry.v1.Executor", "ferry.v1.StepResult");
     check_surface(svc.addr("kv"), "ferry.v1.KvTransfer", "ferry.v1.TransferHeader");
@@ -107,7 +116,11 @@ fn bad_flags_exit_non_zero_with_a_clear_message() {
         ("ferry-executor", vec!["--no-such-flag"], "unexpected argument"),
         ("ferry-kv", vec!["--store-mib", "lots"], "invalid value"),
         ("ferry-scheduler", vec!["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
-        ("ferry-scheduler", vec!["--listen", "not-an-address"], "not-an-address"),
+        (
+            "ferry-scheduler",
+            vec!["--listen", "not-an-address", "--http-listen", "127.0.0.1:0"],
+            "not-an-address",
+        ),
     ] {
         let out = Command::new(binary(bin).unwrap()).args(&args).output().unwrap();
         assert!(!out.status.success(), "{bin} {args:?} should fail");

@@ -59,8 +59,16 @@ async fn wait_until_idle(exec: &mut ExecutorClient<Channel>) -> v1::ExecutorDesc
 async fn serve_answers_over_grpc() {
     let svc = Service::start(
         "ferry-scheduler",
-        &["serve", "--listen", "127.0.0.1:0", "--kv-cache-mib", "128"],
-        3,
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--kv-cache-mib",
+            "128",
+        ],
+        4,
     )
     .unwrap();
     let mut client =
@@ -124,7 +132,10 @@ async fn serve_answers_over_grpc() {
     assert_eq!(generate(&mut client, bad_model).await.unwrap_err().code(), tonic::Code::NotFound);
     let too_long = generate(&mut client, prompt("Hi", 100_000)).await.unwrap_err();
     assert_eq!(too_long.code(), tonic::Code::InvalidArgument);
-    assert!(too_long.message().contains("8192"), "{too_long}");
+    let served = client.list_models(v1::ListModelsRequest {}).await.unwrap().into_inner().models[0]
+        .max_model_len;
+    assert!(served < 8192, "the KV cache of 128 MiB caps the length below the model's 8192");
+    assert!(too_long.message().contains(&served.to_string()), "{too_long}");
     let mut bad_temp = prompt("Hi", 4);
     bad_temp.sampling = Some(v1::SamplingParams { temperature: -1.0, ..Default::default() });
     assert_eq!(
@@ -180,4 +191,85 @@ async fn futures_join<F: std::future::Future<Output = String> + Send + 'static>(
         out.push(h.await.unwrap());
     }
     out
+}
+
+#[test]
+fn serve_speaks_the_openai_http_api() {
+    use ferry_tests::http;
+    let svc = Service::start(
+        "ferry-scheduler",
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--kv-cache-mib",
+            "64",
+        ],
+        4,
+    )
+    .unwrap();
+    let h = svc.addr("http");
+    assert_eq!(http(h, "GET", "/health", b"").unwrap().0, 200);
+    let (status, models) = http(h, "GET", "/v1/models", b"").unwrap();
+    assert_eq!(status, 200);
+    assert!(models.contains("\"SmolLM2-135M-Instruct\""), "{models}");
+
+    let chat = br#"{"model":"SmolLM2-135M-Instruct","temperature":0,"messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"What is the capital of France?"}]}"#;
+    let (status, body) = http(h, "POST", "/v1/chat/completions", chat).unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""content":"The capital of France is Paris.""#), "{body}");
+    assert!(body.contains(r#""finish_reason":"stop""#), "{body}");
+
+    // Streaming chat: the deltas add up to the same answer, then usage, then [DONE].
+    let stream = br#"{"temperature":0,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"What is the capital of France?"}]}"#;
+    let (status, body) = http(h, "POST", "/v1/chat/completions", stream).unwrap();
+    assert_eq!(status, 200);
+    let mut text = String::new();
+    let datas: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(*datas.last().unwrap(), "[DONE]");
+    for d in &datas[..datas.len() - 1] {
+        let v: serde_json::Value = serde_json::from_str(d).unwrap();
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(c);
+        }
+    }
+    assert_eq!(text, "The capital of France is Paris.");
+    assert!(datas[datas.len() - 2].contains("\"usage\""), "{body}");
+
+    // Bad input: the status and a message that says what was wrong.
+    for (path, body, want, needle) in [
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","max_tokens":99999}"#[..],
+            400,
+            "maximum length of",
+        ),
+        ("/v1/completions", &b"{not json"[..], 400, "invalid request body"),
+        (
+            "/v1/chat/completions",
+            &br#"{"model":"gpt-4","messages":[{"role":"user","content":"hi"}]}"#[..],
+            404,
+            "not served",
+        ),
+        ("/v1/completions", &br#"{"prompt":"hi","n":3}"#[..], 400, "only n = 1"),
+        ("/v1/completions", &br#"{"prompt":"hi","temperature":-2}"#[..], 400, "temperature"),
+    ] {
+        let (status, text) = http(h, "POST", path, body).unwrap();
+        assert_eq!(status, want, "{path} {text}");
+        assert!(text.contains(needle), "{text} should mention {needle:?}");
+    }
+    let big = vec![b'a'; 5 * 1024 * 1024];
+    assert_eq!(http(h, "POST", "/v1/completions", &big).unwrap().0, 413);
+    // Still serving.
+    let (status, body) = http(
+        h,
+        "POST",
+        "/v1/completions",
+        br#"{"prompt":"The capital of France is","max_tokens":2,"temperature":0}"#,
+    )
+    .unwrap();
+    assert_eq!(status, 200);
+    assert!(body.contains(r#""text":" Paris."#), "{body}");
 }

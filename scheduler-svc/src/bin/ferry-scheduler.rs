@@ -24,6 +24,9 @@ struct RunArgs {
     /// Address for the gRPC API (port 0 picks a free port).
     #[arg(long, env = "FERRY_LISTEN", default_value = "127.0.0.1:50051")]
     listen: String,
+    /// Address for the OpenAI-compatible HTTP API (port 0 picks a free port).
+    #[arg(long, env = "FERRY_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
+    http_listen: String,
     /// Log filter (RUST_LOG syntax).
     #[arg(long, env = "FERRY_LOG", default_value = "info")]
     log: String,
@@ -63,26 +66,25 @@ async fn main() -> anyhow::Result<()> {
             ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
             run.scheduler.validate()?;
             let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
+            let (http, http_addr) = ferry_runtime::grpc::bind(&run.http_listen).await?;
             ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);
+            ferry_runtime::grpc::announce("ferry-scheduler", "http", http_addr);
             let model = cli.front.model;
-            ferry_scheduler_svc::run(
-                run.scheduler,
-                model,
-                listener,
-                ferry_runtime::shutdown_signal(),
-            )
-            .await
+            let stop = ferry_runtime::shutdown_signal();
+            ferry_scheduler_svc::run(run.scheduler, model, listener, Some(http), stop).await
         }
         Some(Command::BenchCore(args)) => ferry_scheduler_svc::bench_core::run(&args),
         Some(Command::Serve { run, executor, kv_agent }) => {
             ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
             ferry_scheduler_svc::serve::run(
                 &run.listen,
+                &run.http_listen,
                 run.scheduler,
                 executor,
                 kv_agent,
                 |addrs| {
                     ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addrs.grpc);
+                    ferry_runtime::grpc::announce("ferry-scheduler", "http", addrs.http);
                     ferry_runtime::grpc::announce("ferry-scheduler", "executor", addrs.executor);
                     ferry_runtime::grpc::announce("ferry-scheduler", "kv", addrs.kv_agent);
                 },

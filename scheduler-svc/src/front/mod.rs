@@ -58,6 +58,11 @@ impl GenerationService {
     pub fn model(&self) -> &ServedModel {
         &self.front.model
     }
+
+    /// Whether any executor is connected.
+    pub fn has_executors(&self) -> bool {
+        !self.front.links.is_empty()
+    }
 }
 
 fn finish_reason(reason: FinishReason) -> (v1::FinishReason, String) {

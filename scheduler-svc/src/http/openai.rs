@@ -1,0 +1,438 @@
+//! OpenAI request and response bodies, and their translation to and from the front's
+//! `Generate`. Field names and defaults follow OpenAI's API and vLLM's extensions (`top_k`,
+//! `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`).
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use ferry_proto::v1::{self, generation_server::Generation};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::ApiError;
+use crate::front::GenerationService;
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: String,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    role: String,
+    content: Option<Content>,
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Parameters both endpoints take (unknown fields are ignored, as OpenAI clients send many).
+#[derive(Deserialize, Default)]
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<OneOrMany>,
+    stop_token_ids: Option<Vec<u32>>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    n: Option<u32>,
+    ignore_eos: Option<bool>,
+    min_tokens: Option<u32>,
+    include_stop_str_in_output: Option<bool>,
+    priority: Option<i32>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    #[serde(flatten)]
+    common: Common,
+    prompt: PromptInput,
+    logprobs: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    #[serde(flatten)]
+    common: Common,
+    messages: Vec<ChatMessage>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<u32>,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+/// The shared part of a `GenerateRequest`; `default_max` applies when the client gives none.
+fn generate_request(
+    c: &Common,
+    default_max: Option<u32>,
+    logprobs: Option<u32>,
+) -> Result<v1::GenerateRequest, ApiError> {
+    if c.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad_request(format!(
+            "n = {} is not supported; only n = 1 is",
+            c.n.unwrap_or(1)
+        )));
+    }
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(OneOrMany::One(s)) => vec![s.clone()],
+        Some(OneOrMany::Many(v)) => v.clone(),
+    };
+    Ok(v1::GenerateRequest {
+        request_id: String::new(),
+        model: c.model.clone().unwrap_or_default(),
+        input: None,
+        sampling: Some(v1::SamplingParams {
+            // OpenAI's default temperature is 1.
+            temperature: c.temperature.unwrap_or(1.0),
+            top_p: c.top_p.unwrap_or(1.0),
+            top_k: c.top_k.filter(|k| *k > 0).map_or(0, |k| k.min(u32::MAX as i64) as u32),
+            min_p: c.min_p.unwrap_or(0.0),
+            seed: c.seed,
+            repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: c.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+            logprobs: logprobs.is_some(),
+            top_logprobs: logprobs.unwrap_or(0),
+        }),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens: c.max_completion_tokens.or(c.max_tokens).or(default_max).unwrap_or(0),
+            min_tokens: c.min_tokens.unwrap_or(0),
+            stop,
+            stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: c.ignore_eos.unwrap_or(false),
+            include_stop_str_in_output: c.include_stop_str_in_output.unwrap_or(false),
+        }),
+        priority: c.priority.unwrap_or(0),
+    })
+}
+
+fn finish_reason(r: v1::FinishReason) -> Option<&'static str> {
+    match r {
+        v1::FinishReason::Unspecified => None,
+        v1::FinishReason::Stop => Some("stop"),
+        v1::FinishReason::Length => Some("length"),
+        v1::FinishReason::Abort => Some("abort"),
+        v1::FinishReason::Error => Some("error"),
+    }
+}
+
+fn usage_json(u: Option<v1::Usage>) -> Value {
+    let u = u.unwrap_or_default();
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_prompt_tokens },
+    })
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Which endpoint a response is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Builds the per-event JSON for both endpoints.
+struct Shaper {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    front: GenerationService,
+}
+
+impl Shaper {
+    fn token_text(&self, id: u32) -> String {
+        self.front.model().tokenizer.decode(&[id])
+    }
+
+    /// Logprobs of one event, in the endpoint's shape.
+    fn logprobs(&self, ev: &v1::GenerateEvent) -> Value {
+        if ev.logprobs.is_empty() {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => json!({ "content": ev.logprobs.iter().map(|p| {
+                let s = p.sampled.unwrap_or_default();
+                json!({
+                    "token": self.token_text(s.token_id),
+                    "logprob": s.logprob,
+                    "top_logprobs": p.top.iter().map(|t| json!({"token": self.token_text(t.token_id), "logprob": t.logprob})).collect::<Vec<_>>(),
+                })
+            }).collect::<Vec<_>>() }),
+            Kind::Completion => json!({
+                "tokens": ev.logprobs.iter().map(|p| self.token_text(p.sampled.unwrap_or_default().token_id)).collect::<Vec<_>>(),
+                "token_logprobs": ev.logprobs.iter().map(|p| p.sampled.unwrap_or_default().logprob).collect::<Vec<_>>(),
+                "top_logprobs": ev.logprobs.iter().map(|p| p.top.iter().map(|t| (self.token_text(t.token_id), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+            }),
+        }
+    }
+
+    fn chunk(&self, ev: &v1::GenerateEvent, first: bool) -> Value {
+        let finish = finish_reason(ev.finish_reason());
+        match self.kind {
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{ "index": 0, "text": ev.text, "logprobs": self.logprobs(ev), "finish_reason": finish }],
+            }),
+            Kind::Chat => {
+                let mut delta = json!({ "content": ev.text });
+                if first {
+                    delta["role"] = json!("assistant");
+                }
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [{ "index": 0, "delta": delta, "logprobs": self.logprobs(ev), "finish_reason": finish }],
+                })
+            }
+        }
+    }
+
+    fn usage_chunk(&self, usage: Option<v1::Usage>) -> Value {
+        let object =
+            if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": usage_json(usage) })
+    }
+
+    fn whole(&self, events: &[v1::GenerateEvent]) -> Value {
+        let text: String = events.iter().map(|e| e.text.as_str()).collect();
+        let last = events.last();
+        let finish = last.and_then(|e| finish_reason(e.finish_reason()));
+        let merged = v1::GenerateEvent {
+            logprobs: events.iter().flat_map(|e| e.logprobs.clone()).collect(),
+            ..Default::default()
+        };
+        let choice = match self.kind {
+            Kind::Completion => {
+                json!({ "index": 0, "text": text, "logprobs": self.logprobs(&merged), "finish_reason": finish })
+            }
+            Kind::Chat => json!({
+                "index": 0, "message": { "role": "assistant", "content": text },
+                "logprobs": self.logprobs(&merged), "finish_reason": finish,
+            }),
+        };
+        let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": [choice], "usage": usage_json(last.and_then(|e| e.usage)),
+        })
+    }
+}
+
+async fn run(
+    front: GenerationService,
+    kind: Kind,
+    common: &Common,
+    req: v1::GenerateRequest,
+) -> Result<Response, ApiError> {
+    let model = front.model().name.clone();
+    let stream = front.generate(tonic::Request::new(req)).await?.into_inner();
+    let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+    let shaper = Shaper {
+        kind,
+        id: format!("{prefix}-{:016x}", rand_id()),
+        created: unix_now(),
+        model,
+        front: front.clone(),
+    };
+    if !common.stream {
+        let mut events = Vec::new();
+        let mut stream = stream;
+        while let Some(ev) = stream.next().await {
+            events.push(ev?);
+        }
+        if let Some(err) = events.last().filter(|e| e.finish_reason() == v1::FinishReason::Error) {
+            return Err(tonic::Status::unavailable(err.error.clone()).into());
+        }
+        return Ok(([("content-type", "application/json")], shaper.whole(&events).to_string())
+            .into_response());
+    }
+    let include_usage = common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    Ok(Sse::new(sse_events(shaper, stream, include_usage)).into_response())
+}
+
+/// Where the SSE body is.
+enum Phase {
+    Events,
+    Usage,
+    Done,
+    End,
+}
+
+/// The SSE body: one chunk per event, then (if asked) a usage chunk, then `[DONE]`. Chunks are
+/// sent as events arrive; dropping the body (client gone) drops the front's stream, which
+/// aborts the request.
+fn sse_events(
+    shaper: Shaper,
+    events: impl Stream<Item = Result<v1::GenerateEvent, tonic::Status>> + Send + Unpin + 'static,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    struct State<S> {
+        shaper: Shaper,
+        events: S,
+        first: bool,
+        usage: Option<v1::Usage>,
+        phase: Phase,
+    }
+    let init = State { shaper, events, first: true, usage: None, phase: Phase::Events };
+    stream::unfold(init, move |mut st| async move {
+        loop {
+            match st.phase {
+                Phase::Events => match st.events.next().await {
+                    Some(Ok(ev)) => {
+                        if ev.usage.is_some() {
+                            st.usage = ev.usage;
+                        }
+                        let data = st.shaper.chunk(&ev, st.first);
+                        st.first = false;
+                        return Some((Ok(Event::default().data(data.to_string())), st));
+                    }
+                    Some(Err(status)) => {
+                        st.phase = Phase::Done;
+                        let data = json!({ "error": { "message": status.message(), "code": super::http_status(status.code()).as_u16() } });
+                        return Some((Ok(Event::default().data(data.to_string())), st));
+                    }
+                    None => st.phase = if include_usage { Phase::Usage } else { Phase::Done },
+                },
+                Phase::Usage => {
+                    st.phase = Phase::Done;
+                    let data = st.shaper.usage_chunk(st.usage);
+                    return Some((Ok(Event::default().data(data.to_string())), st));
+                }
+                Phase::Done => {
+                    st.phase = Phase::End;
+                    return Some((Ok(Event::default().data("[DONE]")), st));
+                }
+                Phase::End => return None,
+            }
+        }
+    })
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(unix_now());
+    h.finish()
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(front): State<GenerationService>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let body: CompletionBody = parse(&body)?;
+    // OpenAI's legacy default is 16 tokens.
+    let mut req = generate_request(&body.common, Some(16), body.logprobs)?;
+    req.input = Some(match body.prompt {
+        PromptInput::Text(t) => v1::generate_request::Input::Prompt(t),
+        PromptInput::Tokens(ids) => {
+            v1::generate_request::Input::PromptTokenIds(v1::TokenIds { ids })
+        }
+        PromptInput::Texts(mut v) if v.len() == 1 => {
+            v1::generate_request::Input::Prompt(v.remove(0))
+        }
+        PromptInput::Texts(v) => {
+            return Err(ApiError::bad_request(format!(
+                "{} prompts given; only one prompt per request is supported",
+                v.len()
+            )))
+        }
+    });
+    run(front, Kind::Completion, &body.common, req).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(front): State<GenerationService>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let body: ChatBody = parse(&body)?;
+    let logprobs = body.logprobs.unwrap_or(false).then_some(body.top_logprobs.unwrap_or(0));
+    let mut req = generate_request(&body.common, None, logprobs)?;
+    let messages = body
+        .messages
+        .into_iter()
+        .map(|m| {
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t,
+                Some(Content::Parts(parts)) => {
+                    if let Some(p) = parts.iter().find(|p| p.kind != "text") {
+                        return Err(ApiError::bad_request(format!(
+                            "content part type {:?} is not supported; only text",
+                            p.kind
+                        )));
+                    }
+                    parts.into_iter().map(|p| p.text).collect()
+                }
+            };
+            Ok(v1::ChatMessage { role: m.role, content })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    req.input =
+        Some(v1::generate_request::Input::Chat(v1::Chat { messages, add_generation_prompt: true }));
+    run(front, Kind::Chat, &body.common, req).await
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(front): State<GenerationService>) -> Response {
+    let m = front.model();
+    let body = json!({
+        "object": "list",
+        "data": [{ "id": m.name, "object": "model", "created": 0, "owned_by": "ferry", "max_model_len": m.max_model_len }],
+    });
+    ([("content-type", "application/json")], body.to_string()).into_response()
+}

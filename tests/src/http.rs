@@ -1,0 +1,41 @@
+//! A minimal HTTP/1.1 client, so the tests need no HTTP client crate.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+/// A minimal HTTP/1.1 client for tests (no dependency): sends one request with
+/// `Connection: close` and returns the status and the body (chunked bodies are de-chunked).
+pub fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body)?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").context("no end of headers")?;
+    let status: u16 = head.split_whitespace().nth(1).context("no status")?.parse()?;
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    let body = if chunked { dechunk(rest)? } else { rest.to_string() };
+    Ok((status, body))
+}
+
+fn dechunk(mut rest: &str) -> Result<String> {
+    let mut out = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n").context("bad chunk header")?;
+        let size = usize::from_str_radix(size.trim(), 16)?;
+        if size == 0 {
+            return Ok(out);
+        }
+        out.push_str(after.get(..size).context("short chunk")?);
+        rest = &after[size + 2..];
+    }
+}

@@ -26,10 +26,10 @@ use crate::config::SchedulerConfig;
 const MAX_STEPS_IN_FLIGHT: usize = 2;
 
 /// What a request's stream hears.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum LinkEvent {
-    /// A sampled token.
-    Token(u32),
+    /// A sampled token, with its log-probabilities when the request asked for them.
+    Token(u32, Option<v1::PositionLogprobs>),
     /// The end.
     Finished {
         /// Why.
@@ -271,6 +271,13 @@ impl StepLoop {
             .collect();
         let outcome =
             StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results: Vec::new() };
+        // Log-probabilities travel beside the core (which only needs the tokens), in order.
+        let mut logprobs: HashMap<u64, std::vec::IntoIter<v1::PositionLogprobs>> = result
+            .outputs
+            .iter()
+            .filter(|o| !o.logprobs.is_empty())
+            .map(|o| (o.id, o.logprobs.clone().into_iter()))
+            .collect();
         let now = self.now();
         let mut events = std::mem::take(&mut self.events);
         events.clear();
@@ -281,7 +288,8 @@ impl StepLoop {
             match *ev {
                 RequestEvent::Token { id, token, .. } => {
                     if let Some(e) = self.entries.get(&id) {
-                        let _ = e.events.send(LinkEvent::Token(token));
+                        let lp = logprobs.get_mut(&id.0).and_then(Iterator::next);
+                        let _ = e.events.send(LinkEvent::Token(token, lp));
                     }
                 }
                 RequestEvent::Finished(done) => self.finish(

@@ -260,6 +260,22 @@ fn serve_speaks_the_openai_http_api() {
         assert_eq!(status, want, "{path} {text}");
         assert!(text.contains(needle), "{text} should mention {needle:?}");
     }
+    // Logprobs in the completions shape: one per token, the top alternatives best first.
+    let (status, body) = http(
+        h,
+        "POST",
+        "/v1/completions",
+        br#"{"prompt":"The capital of France is","max_tokens":3,"temperature":0,"logprobs":2}"#,
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3, "{body}");
+    assert_eq!(lp["tokens"][0], " Paris");
+    let first = lp["token_logprobs"][0].as_f64().unwrap();
+    assert!(first < 0.0 && first > -5.0, "{body}");
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2, "{body}");
     let big = vec![b'a'; 5 * 1024 * 1024];
     assert_eq!(http(h, "POST", "/v1/completions", &big).unwrap().0, 413);
     // Still serving.

@@ -96,11 +96,14 @@ impl Front {
         let link = &self.links[placement.link];
         let tok = &self.model.tokenizer;
         let mut completion = 0u32;
-        let event = |text: String, token_ids: Vec<u32>| v1::GenerateEvent {
-            request_id: request_id.clone(),
-            text,
-            token_ids,
-            ..Default::default()
+        let event = |text: String, token_ids: Vec<u32>, logprobs: Option<v1::PositionLogprobs>| {
+            v1::GenerateEvent {
+                request_id: request_id.clone(),
+                text,
+                token_ids,
+                logprobs: logprobs.into_iter().collect(),
+                ..Default::default()
+            }
         };
         loop {
             let ev = tokio::select! {
@@ -111,14 +114,14 @@ impl Front {
                 }
             };
             let out = match ev {
-                Some(LinkEvent::Token(token)) => {
+                Some(LinkEvent::Token(token, logprobs)) => {
                     completion += 1;
                     let pushed = assembler.push(tok, token);
                     match pushed.stopped {
-                        None => Ok(event(pushed.text, vec![token])),
+                        None => Ok(event(pushed.text, vec![token], logprobs)),
                         Some(stop) => {
                             link.abort(placement.id).await;
-                            let mut last = event(pushed.text, vec![token]);
+                            let mut last = event(pushed.text, vec![token], logprobs);
                             last.finish_reason = v1::FinishReason::Stop.into();
                             last.stop_reason = stop;
                             last.usage = Some(v1::Usage {
@@ -133,7 +136,7 @@ impl Front {
                 }
                 Some(LinkEvent::Finished { reason, stats }) => {
                     let (reason, stop_reason) = finish_reason(reason);
-                    let mut last = event(assembler.finish(), Vec::new());
+                    let mut last = event(assembler.finish(), Vec::new(), None);
                     last.finish_reason = reason.into();
                     last.stop_reason = stop_reason;
                     last.usage = Some(v1::Usage {
@@ -145,7 +148,7 @@ impl Front {
                     break;
                 }
                 Some(LinkEvent::Failed) | None => {
-                    let mut last = event(assembler.finish(), Vec::new());
+                    let mut last = event(assembler.finish(), Vec::new(), None);
                     last.finish_reason = v1::FinishReason::Error.into();
                     last.error = "the executor running this request was lost".into();
                     let _ = tx.send(Ok(last)).await;

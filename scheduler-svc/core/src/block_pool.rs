@@ -14,10 +14,9 @@
 //! Invariants kept (see [`BlockPool::check`]): free + held = total; a block is in the free list
 //! iff its count is zero; the hash map and the per-block hashes agree (one block per hash).
 
-use rustc_hash::FxHashMap;
-
 use crate::block_hash::BlockHash;
 use crate::lists::Lists;
+use crate::prefix_index::PrefixIndex;
 use crate::types::BlockId;
 
 const FREE_LIST: u32 = 0;
@@ -28,7 +27,7 @@ pub(crate) struct BlockPool {
     ref_cnt: Vec<u32>,
     hash: Vec<Option<BlockHash>>,
     free: Lists,
-    cached: FxHashMap<BlockHash, BlockId>,
+    cached: PrefixIndex,
     cached_free: usize,
     caching: bool,
 }
@@ -46,11 +45,7 @@ impl BlockPool {
             hash: vec![None; num_blocks],
             free,
             // At most one hash per block: sized once so registering never rehashes mid-step.
-            cached: if caching {
-                FxHashMap::with_capacity_and_hasher(num_blocks, Default::default())
-            } else {
-                FxHashMap::default()
-            },
+            cached: PrefixIndex::with_max_keys(if caching { num_blocks } else { 0 }),
             cached_free: 0,
             caching,
         }
@@ -90,7 +85,7 @@ impl BlockPool {
     #[inline]
     pub(crate) fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
         if self.caching {
-            self.cached.get(&hash).copied()
+            self.cached.get(hash)
         } else {
             None
         }
@@ -105,7 +100,7 @@ impl BlockPool {
         for _ in 0..n {
             let b = self.free.pop_front(FREE_LIST).expect("free list holds num_free() blocks");
             if let Some(h) = self.hash[b as usize].take() {
-                self.cached.remove(&h);
+                self.cached.remove(h);
                 self.cached_free -= 1;
             }
             self.ref_cnt[b as usize] = 1;
@@ -151,9 +146,16 @@ impl BlockPool {
             return;
         }
         debug_assert!(self.ref_cnt[block.index()] > 0, "registering a free block");
-        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
-            e.insert(block);
+        if self.cached.insert_if_absent(hash, block) {
             self.hash[block.index()] = Some(hash);
+        }
+    }
+
+    /// Ask for the memory registering `hash` will touch (a hint; see `prefix_index`).
+    #[inline]
+    pub(crate) fn prefetch_register(&self, hash: BlockHash) {
+        if self.caching {
+            self.cached.prefetch(hash);
         }
     }
 
@@ -162,7 +164,7 @@ impl BlockPool {
         if !self.caching {
             return 0;
         }
-        hashes.into_iter().take_while(|h| self.cached.contains_key(h)).count()
+        hashes.into_iter().take_while(|&h| self.cached.get(h).is_some()).count()
     }
 
     /// Verify the pool's own invariants.
@@ -182,7 +184,7 @@ impl BlockPool {
                 }
             }
             if let Some(h) = self.hash[i] {
-                if self.cached.get(&h) != Some(&BlockId(i as u32)) {
+                if self.cached.get(h) != Some(BlockId(i as u32)) {
                     return Err(format!("block {i} has a hash the cache maps elsewhere"));
                 }
             }
@@ -190,8 +192,9 @@ impl BlockPool {
         if free != self.num_free() || cached_free != self.cached_free {
             return Err("free counters disagree with block states".into());
         }
-        for (h, b) in &self.cached {
-            if self.hash[b.index()] != Some(*h) {
+        self.cached.check()?;
+        for (h, b) in self.cached.iter() {
+            if self.hash[b.index()] != Some(h) {
                 return Err(format!("cache maps {h:?} to block {} without that hash", b.0));
             }
         }

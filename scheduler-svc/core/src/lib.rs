@@ -36,6 +36,8 @@ mod error;
 mod lists;
 mod outcome;
 mod plan;
+mod prefetch;
+mod prefix_index;
 mod request;
 mod scheduler;
 mod slots;

@@ -1,8 +1,9 @@
 //! A request as the core sees it: its lifecycle status, its token progress, and its stop rules.
 //!
 //! Why here: the fields that move together (computed tokens, output placeholders, block table,
-//! block hashes) live in one struct so the step builder and the result path update them with
-//! the same helpers. Status is lifecycle only; pending work lives in `work_queues`, admission in
+//! block hashes) live in one record so the step builder and the result path update them with
+//! the same helpers; the record is split in a hot part and a cold one by how often a decode
+//! step touches a field (see [`Request`]). Status is lifecycle only; pending work lives in `work_queues`, admission in
 //! the slot counter — the three are separate on purpose (a finished request may still hold its
 //! slot while an in-flight step references it).
 //!
@@ -179,10 +180,34 @@ pub struct RequestTimes {
 pub(crate) struct ExecutorView {
     /// The executor has been sent this request.
     pub(crate) known: bool,
-    /// Blocks of its table the executor has been sent.
-    pub(crate) sent_blocks: usize,
+    /// Blocks of its table the executor has been sent (`u32`: a table never holds more blocks
+    /// than the pool, whose ids are `u32`; keeps the hot part of [`Request`] in four lines).
+    pub(crate) sent_blocks: u32,
     /// Preempted since last scheduled: send the whole state again.
     pub(crate) needs_resume: bool,
+}
+
+/// A step or none, in 8 bytes instead of `Option<StepId>`'s 16 (steps are numbered from 1, so
+/// 0 is free to mean none); it keeps the hot part of [`Request`] in four lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct StepMark(u64);
+
+impl StepMark {
+    /// No step.
+    pub(crate) const NONE: StepMark = StepMark(0);
+
+    /// Mark `step`.
+    #[inline]
+    pub(crate) fn of(step: StepId) -> Self {
+        debug_assert_ne!(step.0, 0, "steps are numbered from 1");
+        StepMark(step.0)
+    }
+
+    /// The step marked, if any.
+    #[inline]
+    pub(crate) fn get(self) -> Option<StepId> {
+        (self.0 != 0).then_some(StepId(self.0))
+    }
 }
 
 /// State of a KV transfer attached to a request.
@@ -228,64 +253,77 @@ impl TokenSet {
     }
 }
 
-/// The core's record of one request.
+/// The core's record of one request: the state a decode step reads or writes for every running
+/// request, in four cache lines.
 ///
-/// `repr(C)` with the fields every step touches first: a step visits thousands of requests,
-/// and keeping their hot state in the first cache lines is most of the per-step cost.
+/// Why this shape: a step visits every running request twice (schedule, apply), so at 16 k
+/// running requests the per-step cost is the number of cache lines each visit touches. The
+/// fields every decode step uses are packed first (`repr(C)`, 64-byte aligned, so they are
+/// exactly lines 0–3); everything else — admission and preemption bookkeeping, transfers,
+/// timestamps, block hashes (touched once per filled block) — is in [`RequestCold`] behind a
+/// pointer. With no cold field left inline, the niche `Option<Request>` stores its tag in is in
+/// a hot line too, so the slab's "live" check costs no extra line (before the split it read a
+/// timestamp's tag five lines in).
 #[derive(Debug, Clone)]
-#[repr(C)]
+#[repr(C, align(64))]
 pub(crate) struct Request {
-    // --- hot: read or written for every scheduled request in every step ---
+    // --- line 0: token buffers ---
+    pub(crate) output: Vec<TokenId>,
+    pub(crate) block_table: Vec<BlockId>,
+    pub(crate) prompt: Arc<[TokenId]>,
+    // --- line 1: token progress and step membership ---
     pub(crate) num_computed: usize,
     pub(crate) placeholders: usize,
-    pub(crate) output: Vec<TokenId>,
-    pub(crate) prompt: Arc<[TokenId]>,
-    pub(crate) block_table: Vec<BlockId>,
     pub(crate) max_tokens: usize,
     /// Step during whose build it was last looked at (guards against double scheduling).
     pub(crate) visited_step: u64,
     /// Last built step that referenced it (its blocks are fenced until that step is applied).
     /// While a step is being built, `last_step == Some(that step)` means "scheduled in it".
-    pub(crate) last_step: Option<StepId>,
+    pub(crate) last_step: StepMark,
     /// `last_step` before the step being built (restored if its work there is rolled back).
-    pub(crate) prev_last_step: Option<StepId>,
-    /// Index of its entry in the step being built (valid only while scheduled in it).
-    pub(crate) sched_index: u32,
-    /// Built steps not yet applied that reference this request.
-    pub(crate) inflight_refs: u32,
+    pub(crate) prev_last_step: StepMark,
+    /// Victim rank inputs (read for every running request when a victim is picked).
+    pub(crate) admit_seq: u64,
+    pub(crate) arrival_seq: u64,
+    // --- line 2: step record, executor diff, lifecycle ---
+    pub(crate) id: RequestId,
+    pub(crate) min_tokens: usize,
     /// Blocks appended to its table during the step being built (valid only while scheduled
     /// in it).
     pub(crate) new_blocks_this_step: usize,
     /// Leading blocks of the table registered in the prefix cache.
     pub(crate) num_registered: usize,
     pub(crate) exec: ExecutorView,
-    pub(crate) id: RequestId,
-    pub(crate) min_tokens: usize,
+    /// Index of its entry in the step being built (valid only while scheduled in it).
+    pub(crate) sched_index: u32,
+    /// Built steps not yet applied that reference this request.
+    pub(crate) inflight_refs: u32,
+    pub(crate) status: RequestStatus,
+    pub(crate) num_preemptions: u32,
+    pub(crate) priority: i32,
+    // --- line 3: stop rules, flags ---
     pub(crate) eos_token_ids: TokenSet,
     pub(crate) stop_token_ids: TokenSet,
-    pub(crate) status: RequestStatus,
     pub(crate) decision: Decision,
     pub(crate) ignore_eos: bool,
     pub(crate) prefill_only: bool,
     pub(crate) has_slot: bool,
     pub(crate) finish_reported: bool,
-    /// Validation epoch mark used while checking a step outcome.
-    pub(crate) outcome_mark: u64,
+    pub(crate) cold: Box<RequestCold>,
+}
 
-    // --- warm: block hashing, admission, preemption ---
+/// The part of a request a decode step does not touch (see [`Request`]).
+#[derive(Debug, Clone)]
+pub(crate) struct RequestCold {
     /// Hashes of the full blocks of `prompt ++ output` (only with prefix caching).
     pub(crate) block_hashes: Vec<BlockHash>,
     pub(crate) salt: u64,
-    pub(crate) priority: i32,
     /// Position in the active set while it holds a slot and is `Active`.
     pub(crate) active_pos: u32,
     /// Position in the set of waiting requests holding blocks.
     pub(crate) holder_pos: u32,
-    pub(crate) num_preemptions: u32,
-    pub(crate) arrival_seq: u64,
-    pub(crate) admit_seq: u64,
-
-    // --- cold ---
+    /// Validation epoch mark used while checking a step outcome out of plan order.
+    pub(crate) outcome_mark: u64,
     pub(crate) transfer: Option<(TransferId, TransferState)>,
     pub(crate) import_tokens: usize,
     pub(crate) times: RequestTimes,
@@ -305,35 +343,37 @@ impl Request {
             eos_token_ids: TokenSet::new(req.eos_token_ids),
             stop_token_ids: TokenSet::new(req.stop_token_ids),
             ignore_eos: req.ignore_eos,
-            priority: req.priority,
-            salt: req.cache_salt,
-            arrival_seq,
             prefill_only: req.kv_export.is_some(),
             status: RequestStatus::Waiting,
             num_computed: 0,
             placeholders: 0,
             block_table: Vec::with_capacity(max_blocks),
-            block_hashes: Vec::new(),
             num_registered: 0,
             has_slot: false,
-            admit_seq: 0,
-            active_pos: u32::MAX,
-            holder_pos: u32::MAX,
             inflight_refs: 0,
-            last_step: None,
+            last_step: StepMark::NONE,
             visited_step: 0,
-            prev_last_step: None,
+            prev_last_step: StepMark::NONE,
+            admit_seq: 0,
+            arrival_seq,
+            num_preemptions: 0,
+            priority: req.priority,
             sched_index: 0,
             new_blocks_this_step: 0,
             exec: ExecutorView::default(),
             finish_reported: false,
-            outcome_mark: 0,
-            num_preemptions: 0,
-            transfer: None,
-            import_tokens: 0,
-            times: RequestTimes { arrival: req.arrival, ..RequestTimes::default() },
             decision: Decision::Queued,
-            prefix_hit_tokens: 0,
+            cold: Box::new(RequestCold {
+                block_hashes: Vec::new(),
+                salt: req.cache_salt,
+                active_pos: u32::MAX,
+                holder_pos: u32::MAX,
+                outcome_mark: 0,
+                transfer: None,
+                import_tokens: 0,
+                times: RequestTimes { arrival: req.arrival, ..RequestTimes::default() },
+                prefix_hit_tokens: 0,
+            }),
         }
     }
 
@@ -372,17 +412,18 @@ impl Request {
     /// Extend `block_hashes` over the full blocks of the known tokens.
     pub(crate) fn update_block_hashes(&mut self, block_size: usize) {
         let full = self.num_tokens() / block_size;
-        while self.block_hashes.len() < full {
-            let i = self.block_hashes.len();
-            let parent = i.checked_sub(1).map(|p| self.block_hashes[p]);
+        let salt = self.cold.salt;
+        while self.cold.block_hashes.len() < full {
+            let i = self.cold.block_hashes.len();
+            let parent = i.checked_sub(1).map(|p| self.cold.block_hashes[p]);
             let start = i * block_size;
             let end = start + block_size;
             let h = if end <= self.prompt.len() {
-                hash_block(parent, &self.prompt[start..end], self.salt)
+                hash_block(parent, &self.prompt[start..end], salt)
             } else {
-                hash_block_iter(parent, (start..end).map(|t| self.token(t)), self.salt)
+                hash_block_iter(parent, (start..end).map(|t| self.token(t)), salt)
             };
-            self.block_hashes.push(h);
+            self.cold.block_hashes.push(h);
         }
     }
 
@@ -437,15 +478,23 @@ mod tests {
     }
 
     #[test]
+    fn hot_part_is_four_cache_lines() {
+        use std::mem::{align_of, size_of};
+        assert_eq!(align_of::<Request>(), 64);
+        assert_eq!(size_of::<Request>(), 256, "a decode step should touch 4 lines per request");
+        assert_eq!(size_of::<Option<Request>>(), size_of::<Request>(), "the slab uses a niche");
+    }
+
+    #[test]
     fn block_hashes_cover_output_tokens() {
         let mut r = req(10);
         r.update_block_hashes(2);
-        assert_eq!(r.block_hashes.len(), 1);
+        assert_eq!(r.cold.block_hashes.len(), 1);
         r.output.extend([4, 5]);
         r.update_block_hashes(2);
-        assert_eq!(r.block_hashes.len(), 2);
+        assert_eq!(r.cold.block_hashes.len(), 2);
         let mut all = Vec::new();
         extend_block_hashes(&mut all, &[1, 2, 3, 4, 5], 2, 0);
-        assert_eq!(r.block_hashes, all);
+        assert_eq!(r.cold.block_hashes, all);
     }
 }

@@ -9,6 +9,7 @@
 
 use crate::error::ApplyError;
 use crate::outcome::{RequestEvent, StepOutcome};
+use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, RequestStatus, TransferState};
 use crate::types::{Timestamp, TransferId};
 
@@ -43,6 +44,7 @@ impl Scheduler {
         // turn, so nothing above retired it.
         let mut sampled = outcome.sampled.iter();
         for k in 0..record.entries.len() {
+            self.prefetch_for_apply(&record.entries, k);
             let super::RecordEntry { idx, samples, .. } = record.entries[k];
             if in_plan_order && samples {
                 // The usual case: tokens in plan order, so the record names each slot.
@@ -57,6 +59,22 @@ impl Scheduler {
         record.recycle();
         self.spare_records.push(record);
         Ok(())
+    }
+
+    /// Prefetch what applying `entries[k + AHEAD]` will touch: its request's lines now, and the
+    /// tail of its `output` buffer (a separate allocation, the costliest miss of the loop) once
+    /// the request's first line, which holds the buffer's address, has had time to arrive.
+    #[inline]
+    fn prefetch_for_apply(&self, entries: &[super::RecordEntry], k: usize) {
+        const AHEAD: usize = 8;
+        if let Some(e) = entries.get(k + 2 * AHEAD) {
+            self.prefetch_request(e.idx);
+        }
+        if let Some(e) = entries.get(k + AHEAD) {
+            if let Some(r) = &self.slab[e.idx as usize] {
+                prefetch(r.output.as_ptr().wrapping_add(r.output.len()));
+            }
+        }
     }
 
     /// Report the end of a KV transfer outside a step result (deadline, dead agent). Call it
@@ -78,7 +96,7 @@ impl Scheduler {
     fn transfer_in_progress(&self, tid: TransferId) -> bool {
         self.transfers.get(&tid).is_some_and(|&idx| {
             matches!(
-                self.req(idx).transfer,
+                self.req(idx).cold.transfer,
                 Some((t, TransferState::Importing | TransferState::Exporting)) if t == tid
             )
         })
@@ -122,6 +140,7 @@ impl Scheduler {
                 self.slab[e.idx as usize]
                     .as_mut()
                     .expect("in-flight entries are live")
+                    .cold
                     .outcome_mark = expected;
             }
         }
@@ -131,13 +150,13 @@ impl Scheduler {
                 return Err(ApplyError::UnexpectedToken { step, id: s.id });
             };
             let r = self.req_mut(idx);
-            if r.outcome_mark == seen {
+            if r.cold.outcome_mark == seen {
                 return Err(ApplyError::DuplicateToken { step, id: s.id });
             }
-            if r.outcome_mark != expected {
+            if r.cold.outcome_mark != expected {
                 return Err(ApplyError::UnexpectedToken { step, id: s.id });
             }
-            r.outcome_mark = seen;
+            r.cold.outcome_mark = seen;
         }
         if outcome.sampled.len() != want {
             return Err(ApplyError::MissingTokens {
@@ -163,7 +182,7 @@ impl Scheduler {
         }
         r.output.push(token);
         if r.output.len() == 1 {
-            r.times.first_token.get_or_insert(now);
+            r.cold.times.first_token.get_or_insert(now);
         }
         let (id, index) = (r.id, r.output.len() - 1);
         let prefill_only = r.prefill_only;
@@ -187,9 +206,9 @@ impl Scheduler {
         self.exports_pending.push(idx);
         self.transferring += 1;
         let r = self.req_mut(idx);
-        let (tid, _) = r.transfer.expect("a prefill-only request has its export id reserved");
+        let (tid, _) = r.cold.transfer.expect("a prefill-only request has its export id reserved");
         r.status = RequestStatus::Transferring;
-        r.transfer = Some((tid, TransferState::ExportQueued));
+        r.cold.transfer = Some((tid, TransferState::ExportQueued));
         r.decision = Decision::Exporting;
         let id = r.id;
         events.push(RequestEvent::ExportStarted { id, transfer_id: tid });
@@ -205,7 +224,7 @@ impl Scheduler {
     ) {
         let idx = self.transfers.remove(&tid).expect("validated: transfer in progress");
         let (_, state) =
-            self.req_mut(idx).transfer.take().expect("validated: transfer in progress");
+            self.req_mut(idx).cold.transfer.take().expect("validated: transfer in progress");
         let aborted = self.req(idx).status.is_finished();
         match state {
             TransferState::Importing => {
@@ -242,12 +261,13 @@ impl Scheduler {
         if ok {
             let caching = self.cfg.enable_prefix_caching;
             let r = self.slab[idx as usize].as_mut().expect("live importing request");
-            r.num_computed = r.import_tokens;
+            r.num_computed = r.cold.import_tokens;
             if caching {
                 r.update_block_hashes(bs);
-                let full = (r.num_computed / bs).min(r.block_table.len()).min(r.block_hashes.len());
+                let full =
+                    (r.num_computed / bs).min(r.block_table.len()).min(r.cold.block_hashes.len());
                 for b in r.num_registered..full {
-                    self.pool.register(r.block_table[b], r.block_hashes[b]);
+                    self.pool.register(r.block_table[b], r.cold.block_hashes[b]);
                 }
                 r.num_registered = r.num_registered.max(full);
             }

@@ -95,7 +95,7 @@ impl Scheduler {
             if is_waiting && self.work.pending(idx).is_some() {
                 return fail(3, format!("{} waiting with pending work", r.id));
             }
-            let queued_import = matches!(r.transfer, Some((_, TransferState::ImportQueued)));
+            let queued_import = matches!(r.cold.transfer, Some((_, TransferState::ImportQueued)));
             if queued_import != self.imports.list_of(idx).is_some_and(|l| l == IMPORT_QUEUE) {
                 return fail(3, format!("{} import queue membership disagrees", r.id));
             }
@@ -202,22 +202,22 @@ impl Scheduler {
                 );
             }
             let active = r.status == RequestStatus::Active;
-            if active != (r.active_pos != u32::MAX) {
+            if active != (r.cold.active_pos != u32::MAX) {
                 return fail(0, format!("{} active-set membership disagrees", r.id));
             }
             let holder = r.status == RequestStatus::Waiting && !r.block_table.is_empty();
-            if holder != (r.holder_pos != u32::MAX) {
+            if holder != (r.cold.holder_pos != u32::MAX) {
                 return fail(0, format!("{} holder-set membership disagrees", r.id));
             }
             if r.status == RequestStatus::Receiving
                 && !matches!(
-                    r.transfer,
+                    r.cold.transfer,
                     Some((_, TransferState::ImportQueued | TransferState::Importing))
                 )
             {
                 return fail(0, format!("{} Receiving without an import", r.id));
             }
-            if let Some((tid, state)) = r.transfer {
+            if let Some((tid, state)) = r.cold.transfer {
                 if self.transfers.get(&tid) != Some(&idx) {
                     return fail(0, format!("{} transfer {tid} not mapped", r.id));
                 }
@@ -231,17 +231,17 @@ impl Scheduler {
             return fail(0, format!("{importing} imports in progress, counter {}", self.importing));
         }
         if self.transfers.len()
-            != self.slab.iter().flatten().filter(|r| r.transfer.is_some()).count()
+            != self.slab.iter().flatten().filter(|r| r.cold.transfer.is_some()).count()
         {
             return fail(0, "transfer map has entries without a request");
         }
         for (pos, &idx) in self.active.iter().enumerate() {
-            if self.req(idx).active_pos as usize != pos {
+            if self.req(idx).cold.active_pos as usize != pos {
                 return fail(0, "active set back-index broken");
             }
         }
         for (pos, &idx) in self.holders.iter().enumerate() {
-            if self.req(idx).holder_pos as usize != pos {
+            if self.req(idx).cold.holder_pos as usize != pos {
                 return fail(0, "holder set back-index broken");
             }
         }

@@ -31,6 +31,7 @@ use crate::error::{AbortError, AddError};
 use crate::lists::Lists;
 use crate::outcome::{FinishStats, FinishedRequest};
 use crate::plan::StepPlan;
+use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, NewRequest, Request, RequestStatus, TransferState};
 use crate::slots::AdmissionSlots;
 use crate::types::{BlockId, RequestId, StepId, Timestamp, TransferId};
@@ -191,13 +192,13 @@ impl Scheduler {
         };
         if let Some(imp) = import {
             r.status = RequestStatus::Receiving;
-            r.transfer = Some((imp.transfer_id, TransferState::ImportQueued));
-            r.import_tokens = imp.num_tokens;
+            r.cold.transfer = Some((imp.transfer_id, TransferState::ImportQueued));
+            r.cold.import_tokens = imp.num_tokens;
             r.decision = Decision::ImportQueued;
             self.transfers.insert(imp.transfer_id, idx);
             self.imports.push_back(IMPORT_QUEUE, idx);
         } else if let Some(tid) = req_export {
-            r.transfer = Some((tid, TransferState::ExportPlanned));
+            r.cold.transfer = Some((tid, TransferState::ExportPlanned));
             self.transfers.insert(tid, idx);
             self.waiting.push_back(idx, priority);
         } else {
@@ -295,6 +296,17 @@ impl Scheduler {
             .expect("slab index held by a queue or record names a live entry")
     }
 
+    /// Prefetch the hot lines of `idx`'s request (a hint: no effect on behaviour).
+    #[inline]
+    fn prefetch_request(&self, idx: u32) {
+        if let Some(slot) = self.slab.get(idx as usize) {
+            let r: *const u8 = (slot as *const Option<Request>).cast();
+            for line in 0..std::mem::size_of::<Request>() / 64 {
+                prefetch(r.wrapping_add(64 * line));
+            }
+        }
+    }
+
     #[inline]
     fn in_flight(&self, step: Option<StepId>) -> bool {
         step.is_some_and(|s| s.0 > self.last_applied)
@@ -303,43 +315,43 @@ impl Scheduler {
     /// True if `idx` has work in the step being built.
     #[inline]
     fn scheduled_in_build(&self, idx: u32) -> bool {
-        self.building.is_some() && self.req(idx).last_step == Some(StepId(self.next_step))
+        self.building.is_some() && self.req(idx).last_step.get() == Some(StepId(self.next_step))
     }
 
     fn set_active(&mut self, idx: u32) {
         let pos = self.active.len() as u32;
         self.active.push(idx);
-        self.req_mut(idx).active_pos = pos;
+        self.req_mut(idx).cold.active_pos = pos;
     }
 
     fn unset_active(&mut self, idx: u32) {
-        let pos = self.req(idx).active_pos;
+        let pos = self.req(idx).cold.active_pos;
         if pos == u32::MAX {
             return;
         }
         self.active.swap_remove(pos as usize);
         if let Some(&moved) = self.active.get(pos as usize) {
-            self.req_mut(moved).active_pos = pos;
+            self.req_mut(moved).cold.active_pos = pos;
         }
-        self.req_mut(idx).active_pos = u32::MAX;
+        self.req_mut(idx).cold.active_pos = u32::MAX;
     }
 
     /// Keep `holders` = waiting requests with a non-empty block table.
     fn sync_holder(&mut self, idx: u32) {
         let r = self.req(idx);
         let should = r.status == RequestStatus::Waiting && !r.block_table.is_empty();
-        let is = r.holder_pos != u32::MAX;
+        let is = r.cold.holder_pos != u32::MAX;
         if should && !is {
             let pos = self.holders.len() as u32;
             self.holders.push(idx);
-            self.req_mut(idx).holder_pos = pos;
+            self.req_mut(idx).cold.holder_pos = pos;
         } else if !should && is {
-            let pos = r.holder_pos;
+            let pos = r.cold.holder_pos;
             self.holders.swap_remove(pos as usize);
             if let Some(&moved) = self.holders.get(pos as usize) {
-                self.req_mut(moved).holder_pos = pos;
+                self.req_mut(moved).cold.holder_pos = pos;
             }
-            self.req_mut(idx).holder_pos = u32::MAX;
+            self.req_mut(idx).cold.holder_pos = u32::MAX;
         }
     }
 
@@ -349,8 +361,8 @@ impl Scheduler {
     fn release_blocks(&mut self, idx: u32, keep: usize) -> usize {
         let bs = self.cfg.block_size;
         debug_assert!(!self.scheduled_in_build(idx), "release of a request scheduled in this step");
-        let fenced = self.in_flight(self.req(idx).last_step);
-        let step = self.req(idx).last_step;
+        let fenced = self.in_flight(self.req(idx).last_step.get());
+        let step = self.req(idx).last_step.get();
         let mut freed_now = 0;
         let mut tail = std::mem::take(&mut self.scratch_blocks);
         {
@@ -363,7 +375,7 @@ impl Scheduler {
             tail.extend(r.block_table.drain(keep..).rev());
             r.num_computed = r.num_computed.min(keep * bs);
             r.num_registered = r.num_registered.min(keep);
-            r.exec.sent_blocks = r.exec.sent_blocks.min(keep);
+            r.exec.sent_blocks = r.exec.sent_blocks.min(keep as u32);
         }
         if fenced {
             let step = step.expect("in_flight implies a step");
@@ -426,7 +438,7 @@ impl Scheduler {
         self.waiting.remove(idx);
         self.imports.remove(idx);
         self.unset_active(idx);
-        let transfer = self.req(idx).transfer;
+        let transfer = self.req(idx).cold.transfer;
         match transfer {
             Some((
                 tid,
@@ -436,7 +448,7 @@ impl Scheduler {
             )) => {
                 self.transfers.remove(&tid);
                 self.exports_pending.retain(|&i| i != idx);
-                self.req_mut(idx).transfer = None;
+                self.req_mut(idx).cold.transfer = None;
             }
             Some((_, TransferState::Importing | TransferState::Exporting)) | None => {}
         }
@@ -444,10 +456,10 @@ impl Scheduler {
             let r = self.req_mut(idx);
             r.status = RequestStatus::Finished(reason);
             r.decision = Decision::Finished;
-            r.times.finished = Some(now);
+            r.cold.times.finished = Some(now);
         }
         // Blocks under an in-progress transfer stay until the transfer is reported.
-        if self.req(idx).transfer.is_none() {
+        if self.req(idx).cold.transfer.is_none() {
             self.release_blocks(idx, 0);
         }
         self.sync_holder(idx);
@@ -462,17 +474,17 @@ impl Scheduler {
 
     fn finished_record(&self, idx: u32, reason: FinishReason, now: Timestamp) -> FinishedRequest {
         let r = self.req(idx);
-        let arrival = r.times.arrival;
+        let arrival = r.cold.times.arrival;
         FinishedRequest {
             id: r.id,
             reason,
             stats: FinishStats {
                 prompt_tokens: r.prompt.len(),
                 output_tokens: r.output.len(),
-                prefix_hit_tokens: r.prefix_hit_tokens,
+                prefix_hit_tokens: r.cold.prefix_hit_tokens,
                 num_preemptions: r.num_preemptions,
-                queue_time: r.times.first_scheduled.map(|t| t.secs_since(arrival)),
-                time_to_first_token: r.times.first_token.map(|t| t.secs_since(arrival)),
+                queue_time: r.cold.times.first_scheduled.map(|t| t.secs_since(arrival)),
+                time_to_first_token: r.cold.times.first_token.map(|t| t.secs_since(arrival)),
                 e2e_latency: now.secs_since(arrival),
             },
         }
@@ -483,7 +495,8 @@ impl Scheduler {
     fn try_retire(&mut self, idx: u32) {
         let r = self.req(idx);
         let reported = r.finish_reported || !r.exec.known;
-        if !r.status.is_finished() || !reported || r.inflight_refs > 0 || r.transfer.is_some() {
+        if !r.status.is_finished() || !reported || r.inflight_refs > 0 || r.cold.transfer.is_some()
+        {
             return;
         }
         debug_assert!(r.block_table.is_empty(), "retiring {} with blocks: leak", r.id);
@@ -513,7 +526,7 @@ impl Scheduler {
             r.status = RequestStatus::Active;
             r.has_slot = true;
             r.admit_seq = seq;
-            r.times.first_scheduled.get_or_insert(now);
+            r.cold.times.first_scheduled.get_or_insert(now);
         }
         self.sync_holder(idx);
         self.set_active(idx);

@@ -123,7 +123,7 @@ impl Scheduler {
         {
             let r = self.req_mut(idx);
             r.num_preemptions += 1;
-            r.times.preemptions.push(now);
+            r.cold.times.preemptions.push(now);
             r.decision = if recompute { Decision::Preempted } else { Decision::Yielded };
         }
         let r = self.req(idx);

@@ -14,7 +14,7 @@
 
 use crate::error::ScheduleError;
 use crate::plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, StepPlan};
-use crate::request::{Decision, RequestStatus, TransferState};
+use crate::request::{Decision, RequestStatus, StepMark, TransferState};
 use crate::types::{StepId, Timestamp};
 use crate::work_queues::WorkKey;
 
@@ -161,7 +161,7 @@ impl Scheduler {
         let ok = self.pool.allocate(new_blocks, &mut blocks);
         debug_assert!(ok, "commit_work called without the blocks being free");
         let pos = self.plan.scheduled.len() as u32;
-        let step = Some(StepId(self.next_step));
+        let step = StepMark::of(StepId(self.next_step));
         let bs = self.cfg.block_size;
         let caching = self.cfg.enable_prefix_caching;
         let (id, samples, followup) = {
@@ -181,7 +181,7 @@ impl Scheduler {
             r.decision = Decision::Scheduled;
             let followup = !r.exec.known
                 || r.exec.needs_resume
-                || r.block_table.len() > r.exec.sent_blocks
+                || r.block_table.len() > r.exec.sent_blocks as usize
                 || (caching && r.num_computed.min(r.num_tokens()) / bs > r.num_registered);
             (r.id, samples, followup)
         };
@@ -299,12 +299,12 @@ impl Scheduler {
         };
         if !plan.holds {
             self.take_prefix_hits(idx, plan.hit_blocks);
-            let first_admission = self.req(idx).times.first_scheduled.is_none();
+            let first_admission = self.req(idx).cold.times.first_scheduled.is_none();
             let r = self.req_mut(idx);
             r.num_computed = plan.computed;
             r.num_registered = plan.hit_blocks;
             if first_admission {
-                r.prefix_hit_tokens = plan.computed;
+                r.cold.prefix_hit_tokens = plan.computed;
             }
             let queried = r.num_tokens() as u64;
             if self.cfg.enable_prefix_caching {
@@ -329,7 +329,7 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         self.req_mut(idx).update_block_hashes(bs);
         let r = self.req(idx);
-        let hashes = &r.block_hashes[..max_blocks.min(r.block_hashes.len())];
+        let hashes = &r.cold.block_hashes[..max_blocks.min(r.cold.block_hashes.len())];
         let hits = self.pool.count_hits(hashes.iter().copied());
         let evictable = hashes[..hits]
             .iter()
@@ -342,7 +342,7 @@ impl Scheduler {
     fn take_prefix_hits(&mut self, idx: u32, hits: usize) {
         debug_assert!(self.req(idx).block_table.is_empty(), "hits only start a table");
         for i in 0..hits {
-            let h = self.req(idx).block_hashes[i];
+            let h = self.req(idx).cold.block_hashes[i];
             let b = self.pool.lookup(h).expect("prefix_lookup found it in this step");
             self.pool.touch(b);
             self.req_mut(idx).block_table.push(b);
@@ -356,7 +356,7 @@ impl Scheduler {
             let Some(idx) = self.imports.front(IMPORT_QUEUE) else {
                 break;
             };
-            let tokens = self.req(idx).import_tokens;
+            let tokens = self.req(idx).cold.import_tokens;
             // Blocks already cached locally need not travel.
             let (hit_blocks, evictable) = self.prefix_lookup(idx, tokens / bs);
             let need = self.cfg.blocks_for(tokens) - hit_blocks;
@@ -374,14 +374,14 @@ impl Scheduler {
             r.block_table.extend_from_slice(&blocks);
             r.num_registered = hit_blocks;
             r.decision = Decision::Importing;
-            let (tid, _) = r.transfer.expect("a queued import has a transfer");
-            r.transfer = Some((tid, TransferState::Importing));
+            let (tid, _) = r.cold.transfer.expect("a queued import has a transfer");
+            r.cold.transfer = Some((tid, TransferState::Importing));
             let id = r.id;
-            let full = (tokens / bs).min(r.block_hashes.len());
+            let full = (tokens / bs).min(r.cold.block_hashes.len());
             let hashes_start = hit_blocks.min(full);
             let block_ids = self.plan.push_blocks(&blocks);
             let r = self.slab[idx as usize].as_ref().expect("live");
-            let block_hashes = self.plan.push_hashes(&r.block_hashes[hashes_start..full]);
+            let block_hashes = self.plan.push_hashes(&r.cold.block_hashes[hashes_start..full]);
             self.scratch_blocks = blocks;
             self.plan.kv_ops.push(KvOp::Import {
                 id,
@@ -401,16 +401,16 @@ impl Scheduler {
         let pending = std::mem::take(&mut self.exports_pending);
         for &idx in &pending {
             let r = self.slab[idx as usize].as_mut().expect("live exporting request");
-            let (tid, _) = r.transfer.expect("a queued export has a transfer");
-            r.transfer = Some((tid, TransferState::Exporting));
+            let (tid, _) = r.cold.transfer.expect("a queued export has a transfer");
+            r.cold.transfer = Some((tid, TransferState::Exporting));
             r.decision = Decision::Exporting;
             r.update_block_hashes(bs);
             let id = r.id;
             let num_tokens = r.num_computed.min(r.num_tokens());
-            let full = (num_tokens / bs).min(r.block_hashes.len());
+            let full = (num_tokens / bs).min(r.cold.block_hashes.len());
             let r = self.slab[idx as usize].as_ref().expect("live");
             let block_ids = self.plan.push_blocks(&r.block_table);
-            let block_hashes = self.plan.push_hashes(&r.block_hashes[..full]);
+            let block_hashes = self.plan.push_hashes(&r.cold.block_hashes[..full]);
             self.plan.kv_ops.push(KvOp::Export {
                 id,
                 transfer_id: tid,
@@ -430,6 +430,10 @@ impl Scheduler {
     fn finalize(&mut self) {
         let step = self.plan.step_id;
         let bs = self.cfg.block_size;
+        // Two passes so the prefix-cache inserts, random accesses into a large table, are all
+        // requested (prefetched) before the first one is made. Registration order is the
+        // followup order either way, so which block wins a shared hash does not change.
+        let mut to_register = 0;
         for k in 0..self.plan_followups.len() {
             let idx = self.plan_followups[k];
             if !self.scheduled_in_build(idx) {
@@ -441,13 +445,25 @@ impl Scheduler {
             let full = r.num_computed.min(r.num_tokens()) / bs;
             if self.cfg.enable_prefix_caching && full > r.num_registered {
                 r.update_block_hashes(bs);
-                let upto = full.min(r.block_table.len()).min(r.block_hashes.len());
-                for b in r.num_registered..upto {
-                    self.pool.register(r.block_table[b], r.block_hashes[b]);
+                let upto = full.min(r.block_table.len()).min(r.cold.block_hashes.len());
+                for &h in &r.cold.block_hashes[r.num_registered.min(upto)..upto] {
+                    self.pool.prefetch_register(h);
                 }
-                r.num_registered = r.num_registered.max(upto);
+                self.plan_followups[to_register] = idx;
+                to_register += 1;
             }
         }
+        for k in 0..to_register {
+            let idx = self.plan_followups[k];
+            let r = self.slab[idx as usize].as_mut().expect("scheduled request is live");
+            let full = r.num_computed.min(r.num_tokens()) / bs;
+            let upto = full.min(r.block_table.len()).min(r.cold.block_hashes.len());
+            for b in r.num_registered..upto {
+                self.pool.register(r.block_table[b], r.cold.block_hashes[b]);
+            }
+            r.num_registered = r.num_registered.max(upto);
+        }
+        self.plan_followups.truncate(to_register);
         let mut record = self.building.take().expect("finalize ends a build");
         // Drop rolled-back entries (tombstoned with zero tokens) from plan and record alike.
         let mut w = 0;
@@ -467,7 +483,7 @@ impl Scheduler {
             let idx = self.plan_kv_slots[k];
             let r = self.req_mut(idx);
             r.inflight_refs += 1;
-            r.last_step = Some(step);
+            r.last_step = StepMark::of(step);
             let id = r.id;
             record.entries.push(super::RecordEntry { idx, id, samples: false });
         }
@@ -503,9 +519,9 @@ impl Scheduler {
                 tokens,
                 num_computed_tokens: computed_before,
             });
-        } else if table_len > r.exec.sent_blocks {
+        } else if table_len > r.exec.sent_blocks as usize {
             let id = r.id;
-            let block_ids = self.plan.push_blocks(&r.block_table[r.exec.sent_blocks..]);
+            let block_ids = self.plan.push_blocks(&r.block_table[r.exec.sent_blocks as usize..]);
             self.plan.cached_requests.push(CachedRequestData {
                 id,
                 resumed: false,
@@ -517,7 +533,7 @@ impl Scheduler {
         let r = self.req_mut(idx);
         r.exec.known = true;
         r.exec.needs_resume = false;
-        r.exec.sent_blocks = table_len;
+        r.exec.sent_blocks = table_len as u32;
     }
 }
 

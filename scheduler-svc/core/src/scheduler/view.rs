@@ -136,7 +136,7 @@ impl Scheduler {
     /// A request's timestamps so far (arrival, first scheduled, first token, preemptions).
     pub fn request_times(&self, id: RequestId) -> Option<&crate::request::RequestTimes> {
         let &idx = self.by_id.get(&id)?;
-        Some(&self.req(idx).times)
+        Some(&self.req(idx).cold.times)
     }
 
     /// A request's block table (block ids in token order).
@@ -148,7 +148,7 @@ impl Scheduler {
     /// Hashes of a request's full blocks computed so far (the names the KV transfer uses).
     pub fn block_hashes(&self, id: RequestId) -> Option<&[crate::block_hash::BlockHash]> {
         let &idx = self.by_id.get(&id)?;
-        Some(&self.req(idx).block_hashes)
+        Some(&self.req(idx).cold.block_hashes)
     }
 
     /// How many leading tokens of `prompt` (under `salt`) this cache would serve as a prefix

@@ -10,6 +10,7 @@ pub mod config;
 pub mod front;
 pub mod http;
 pub mod link;
+pub mod loadgen;
 pub mod serve;
 
 use std::path::PathBuf;

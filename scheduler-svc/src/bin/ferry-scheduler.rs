@@ -55,6 +55,8 @@ enum Command {
     },
     /// Benchmark the scheduling core: cost of one schedule + apply per step, per scenario.
     BenchCore(ferry_scheduler_svc::bench_core::BenchCoreArgs),
+    /// Load-test an OpenAI-compatible endpoint: throughput, TTFT, TPOT, ITL, end-to-end latency.
+    BenchServe(ferry_scheduler_svc::loadgen::LoadArgs),
 }
 
 #[tokio::main]
@@ -74,6 +76,12 @@ async fn main() -> anyhow::Result<()> {
             ferry_scheduler_svc::run(run.scheduler, model, listener, Some(http), stop).await
         }
         Some(Command::BenchCore(args)) => ferry_scheduler_svc::bench_core::run(&args),
+        Some(Command::BenchServe(args)) => {
+            let report = ferry_scheduler_svc::loadgen::run(args).await?;
+            ferry_scheduler_svc::loadgen::print(&report);
+            anyhow::ensure!(report.failed == 0, "{} requests failed", report.failed);
+            Ok(())
+        }
         Some(Command::Serve { run, executor, kv_agent }) => {
             ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
             ferry_scheduler_svc::serve::run(

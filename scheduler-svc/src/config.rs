@@ -15,6 +15,13 @@ pub struct SchedulerConfig {
     /// Most tokens one step may compute, per executor.
     #[arg(long, env = "FERRY_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
     pub max_num_batched_tokens: u32,
+    /// Most requests the front holds at once (running and queued, all executors); past it new
+    /// requests are refused with 429 / RESOURCE_EXHAUSTED.
+    #[arg(long, env = "FERRY_MAX_QUEUED_REQUESTS", default_value_t = 4096)]
+    pub max_queued_requests: u32,
+    /// How long start-up keeps trying to reach each executor, in seconds.
+    #[arg(long, env = "FERRY_EXECUTOR_CONNECT_TIMEOUT", default_value_t = 60)]
+    pub executor_connect_timeout: u64,
     /// Split long prompts into chunks that share steps with decodes.
     #[arg(long, env = "FERRY_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_chunked_prefill: bool,
@@ -25,6 +32,9 @@ impl SchedulerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.max_num_seqs == 0 {
             return Err(ConfigError::MaxNumSeqs);
+        }
+        if self.max_queued_requests == 0 {
+            return Err(ConfigError::MaxQueued);
         }
         if self.max_num_batched_tokens == 0 {
             return Err(ConfigError::MaxNumBatchedTokens);
@@ -42,6 +52,9 @@ pub enum ConfigError {
     /// No slots.
     #[error("--max-num-seqs must be at least 1")]
     MaxNumSeqs,
+    /// No room for requests.
+    #[error("--max-queued-requests must be at least 1")]
+    MaxQueued,
     /// No token budget.
     #[error("--max-num-batched-tokens must be at least 1")]
     MaxNumBatchedTokens,

@@ -21,9 +21,6 @@ use tokio::net::TcpListener;
 
 pub use config::SchedulerConfig;
 
-/// How long start-up keeps trying to reach each executor (they may still be loading a model).
-const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
-
 /// Serves the scheduler's gRPC API (the front's `Generation` service) on `listener`, and the
 /// OpenAI HTTP API on `http` when given, until `shutdown` resolves. `model` is the GGUF whose
 /// tokenizer the front uses (the default model when `None`).
@@ -57,7 +54,7 @@ pub async fn run(
         .min();
     let max_model_len = cache_limit.map_or(max_model_len, |c| c.min(max_model_len));
     let served = front::prepare::ServedModel { name, tokenizer, max_model_len };
-    let front = front::GenerationService::new(served, links);
+    let front = front::GenerationService::new(served, links, config.max_queued_requests as usize);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -89,7 +86,9 @@ async fn connect_patiently(
     config: &SchedulerConfig,
 ) -> Result<link::LinkHandle, link::LinkError> {
     let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-    let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
+    // Executors may still be loading their model: keep trying for a while.
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs(config.executor_connect_timeout);
     loop {
         match link::connect(&url, config, "ferry-scheduler").await {
             Ok(link) => return Ok(link),

@@ -39,3 +39,21 @@ fn dechunk(mut rest: &str) -> Result<String> {
         rest = &after[size + 2..];
     }
 }
+
+/// Sends a request and reads only the status line, leaving the connection (and so a streamed
+/// response) open: the caller holds the request live until it drops the stream.
+pub fn http_open(addr: SocketAddr, path: &str, body: &[u8]) -> Result<(u16, std::net::TcpStream)> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body)?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line)?;
+    let status: u16 = line.split_whitespace().nth(1).context("no status")?.parse()?;
+    Ok((status, stream))
+}

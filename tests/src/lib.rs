@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 
 mod http;
-pub use http::http;
+pub use http::{http, http_open};
 
 /// How long a binary may take to announce its address.
 const START_TIMEOUT: Duration = Duration::from_secs(60);

@@ -289,3 +289,71 @@ fn serve_speaks_the_openai_http_api() {
     assert_eq!(status, 200);
     assert!(body.contains(r#""text":" Paris."#), "{body}");
 }
+
+#[test]
+fn a_full_queue_answers_429_and_no_executor_503() {
+    use ferry_tests::http;
+    // Separate processes: an executor, and a scheduler pointed at it with room for 2 requests.
+    let exec =
+        Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
+            .unwrap();
+    let sched = Service::start(
+        "ferry-scheduler",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--executor",
+            &exec.addr("grpc").to_string(),
+            "--max-queued-requests",
+            "2",
+        ],
+        2,
+    )
+    .unwrap();
+    let h = sched.addr("http");
+    let long = br#"{"prompt":"Tell me everything","max_tokens":1000,"ignore_eos":true,"temperature":0,"stream":true}"#;
+    // Two streams held open fill the queue; a third request is refused with Retry-After.
+    let (s1, c1) = ferry_tests::http_open(h, "/v1/completions", long).unwrap();
+    let (s2, c2) = ferry_tests::http_open(h, "/v1/completions", long).unwrap();
+    assert_eq!((s1, s2), (200, 200));
+    let (status, body) =
+        http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":1}"#).unwrap();
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains("limit 2"), "{body}");
+    // Dropping the streams aborts their requests and frees the queue.
+    drop((c1, c2));
+    let mut again = 0;
+    for _ in 0..200 {
+        again = http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":1}"#).unwrap().0;
+        if again == 200 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(again, 200, "the queue did not free up after the clients left");
+
+    // A scheduler whose executor is unreachable starts, and says 503.
+    let lonely = Service::start(
+        "ferry-scheduler",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--executor",
+            "127.0.0.1:1",
+            "--executor-connect-timeout",
+            "1",
+        ],
+        2,
+    )
+    .unwrap();
+    let h = lonely.addr("http");
+    assert_eq!(http(h, "GET", "/health", b"").unwrap().0, 503);
+    let (status, body) =
+        http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":1}"#).unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("no executor"), "{body}");
+}

@@ -31,6 +31,7 @@ struct Placement {
 pub struct Front {
     model: ServedModel,
     links: Vec<LinkHandle>,
+    max_live: usize,
     next_id: AtomicU64,
     live: Mutex<HashMap<String, Placement>>,
 }
@@ -42,16 +43,11 @@ pub struct GenerationService {
 }
 
 impl GenerationService {
-    /// A front serving `model` on `links`.
-    pub fn new(model: ServedModel, links: Vec<LinkHandle>) -> Self {
-        Self {
-            front: Arc::new(Front {
-                model,
-                links,
-                next_id: AtomicU64::new(1),
-                live: Mutex::default(),
-            }),
-        }
+    /// A front serving `model` on `links`, holding at most `max_live` requests at once.
+    pub fn new(model: ServedModel, links: Vec<LinkHandle>, max_live: usize) -> Self {
+        let front =
+            Front { model, links, max_live, next_id: AtomicU64::new(1), live: Mutex::default() };
+        Self { front: Arc::new(front) }
     }
 
     /// The served model.
@@ -194,6 +190,13 @@ impl Generation for GenerationService {
             if live.contains_key(&request_id) {
                 return Err(Status::already_exists(format!(
                     "request id {request_id:?} is already live"
+                )));
+            }
+            if live.len() >= front.max_live {
+                return Err(Status::resource_exhausted(format!(
+                    "the queue is full: {} requests are running or waiting (limit {}); retry later",
+                    live.len(),
+                    front.max_live
                 )));
             }
             live.insert(request_id.clone(), placement);

@@ -73,7 +73,15 @@ impl IntoResponse for ApiError {
         let body = serde_json::json!({
             "error": { "message": self.message, "type": kind, "code": self.status.as_u16() }
         });
-        (self.status, [("content-type", "application/json")], body.to_string()).into_response()
+        let mut response =
+            (self.status, [("content-type", "application/json")], body.to_string()).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS
+            || self.status == StatusCode::SERVICE_UNAVAILABLE
+        {
+            // A full queue or a missing executor is temporary: say when to come back.
+            response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 

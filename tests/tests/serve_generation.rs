@@ -105,24 +105,37 @@ async fn serve_answers_over_grpc() {
     assert_eq!(text, " Paris");
     assert_eq!(events.last().unwrap().stop_reason, ".");
 
-    // Exact lengths with ignore_eos, and greedy outputs equal one at a time and concurrently.
-    let prompts = [
-        "Once upon a time",
-        "The best way to learn",
-        "In 1969, astronauts",
-        "Rust is a language that",
+    // 64 concurrent streams with ignore_eos: exact lengths, and greedy outputs equal to the
+    // same requests run one at a time.
+    let subjects = [
+        "the sea",
+        "a city",
+        "the moon",
+        "an old house",
+        "a river",
+        "winter",
+        "a robot",
+        "the forest",
     ];
+    let prompts: Vec<String> = (0..64)
+        .map(|i| format!("Story {i}: a short tale about {}.", subjects[i % subjects.len()]))
+        .collect();
     let mut alone = Vec::new();
-    for p in prompts {
-        let (text, events) = generate(&mut client, prompt(p, 24)).await.unwrap();
-        assert_eq!(events.last().unwrap().usage.unwrap().completion_tokens, 24);
-        assert_eq!(events.last().unwrap().finish_reason(), v1::FinishReason::Length);
+    for p in &prompts {
+        let (text, events) = generate(&mut client, prompt(p, 12)).await.unwrap();
+        let last = events.last().unwrap();
+        assert_eq!(last.usage.unwrap().completion_tokens, 12);
+        assert_eq!(last.finish_reason(), v1::FinishReason::Length);
         alone.push(text);
     }
     let together = futures_join(prompts.iter().map(|p| {
         let mut c = client.clone();
-        let req = prompt(p, 24);
-        async move { generate(&mut c, req).await.unwrap().0 }
+        let req = prompt(p, 12);
+        async move {
+            let (text, events) = generate(&mut c, req).await.unwrap();
+            assert_eq!(events.last().unwrap().usage.unwrap().completion_tokens, 12);
+            text
+        }
     }))
     .await;
     assert_eq!(together, alone, "batching changed greedy outputs");

@@ -1,0 +1,159 @@
+//! What a request asks of its sampler, and the checks that keep bad values out.
+
+use ferry_proto::v1;
+
+/// The most alternatives a request may ask for per position (as OpenAI's `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// Presence and frequency penalties must lie in `[-MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY]`
+/// (OpenAI's range).
+pub const MAX_ADDITIVE_PENALTY: f32 = 2.0;
+
+/// How a request's next token is chosen. All-zero ([`Default`]) is greedy with every knob off,
+/// like the proto's defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 selects greedy decoding.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 disables it, 1 is greedy.
+    pub top_k: u32,
+    /// Keep the smallest set of most likely tokens whose probability sums to at least this;
+    /// 0 or 1 disables it.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 disables it.
+    pub min_p: f32,
+    /// Seed of this request's draws; together with the position it fixes each draw.
+    pub seed: u64,
+    /// Multiplicative penalty on tokens seen in the prompt or the output (>1 discourages):
+    /// a positive logit is divided by it, a non-positive one multiplied. 0 or 1 disables it.
+    pub repetition_penalty: f32,
+    /// Subtracted from the logit of every token that appears in the output.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per appearance in the output.
+    pub frequency_penalty: f32,
+    /// Return the sampled token's log-probability.
+    pub logprobs: bool,
+    /// Also return this many most likely tokens with their log-probabilities; honoured only
+    /// with `logprobs`.
+    pub top_logprobs: u32,
+}
+
+/// Why a token could not be sampled.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// A parameter is NaN, infinite or out of its range.
+    #[error("sampling parameter `{param}` is {value}, expected {expected}")]
+    InvalidParam {
+        /// The parameter's name, as in the API.
+        param: &'static str,
+        /// The value received.
+        value: f32,
+        /// The allowed range, in words.
+        expected: &'static str,
+    },
+    /// More alternatives were asked for than [`MAX_TOP_LOGPROBS`].
+    #[error("sampling parameter `top_logprobs` is {requested}, expected at most {max}")]
+    TooManyTopLogprobs {
+        /// The number asked for.
+        requested: u32,
+        /// [`MAX_TOP_LOGPROBS`].
+        max: u32,
+    },
+    /// The logits row is empty (a vocabulary of size 0).
+    #[error("cannot sample from empty logits")]
+    EmptyLogits,
+    /// Every logit is `-inf` or NaN (after penalties), so no token has any probability.
+    #[error("cannot sample: no token has a finite logit")]
+    NoFiniteLogit,
+}
+
+/// One sampled token and, when asked for, its log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// The chosen token id.
+    pub token: u32,
+    /// Its log-probability under the raw model distribution, when `logprobs` was set.
+    pub logprob: Option<f32>,
+    /// The `top_logprobs` most likely tokens under the raw distribution as (id, logprob), best
+    /// first, lower id first on ties; empty unless `logprobs` was set.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+impl SamplingParams {
+    /// Converts the wire form; `default_seed` is used when the request set no seed (the
+    /// executor derives it from the request id, so it is stable across restarts).
+    pub fn from_proto(p: &v1::SamplingParams, default_seed: u64) -> Self {
+        Self {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed.unwrap_or(default_seed),
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            logprobs: p.logprobs,
+            top_logprobs: p.top_logprobs,
+        }
+    }
+
+    /// Checks every value is a number in its range, naming the first one that is not.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let max = MAX_ADDITIVE_PENALTY;
+        check("temperature", self.temperature, 0.0, f32::MAX, "a finite number >= 0")?;
+        check("top_p", self.top_p, 0.0, 1.0, "a number in [0, 1]")?;
+        check("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1]")?;
+        check(
+            "repetition_penalty",
+            self.repetition_penalty,
+            0.0,
+            f32::MAX,
+            "a finite number >= 0",
+        )?;
+        check("presence_penalty", self.presence_penalty, -max, max, "a number in [-2, 2]")?;
+        check("frequency_penalty", self.frequency_penalty, -max, max, "a number in [-2, 2]")?;
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(SamplingError::TooManyTopLogprobs {
+                requested: self.top_logprobs,
+                max: MAX_TOP_LOGPROBS,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the token is the argmax rather than a draw.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    pub(super) fn repetition_on(&self) -> bool {
+        self.repetition_penalty != 0.0 && self.repetition_penalty != 1.0
+    }
+
+    pub(super) fn additive_on(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    pub(super) fn top_k_on(&self, vocab: usize) -> bool {
+        self.top_k > 0 && (self.top_k as usize) < vocab
+    }
+
+    pub(super) fn top_p_on(&self) -> bool {
+        self.top_p > 0.0 && self.top_p < 1.0
+    }
+}
+
+pub(super) fn check(
+    param: &'static str,
+    value: f32,
+    lo: f32,
+    hi: f32,
+    expected: &'static str,
+) -> Result<(), SamplingError> {
+    // `contains` is false for NaN, so NaN is rejected along with the out-of-range values.
+    if (lo..=hi).contains(&value) {
+        Ok(())
+    } else {
+        Err(SamplingError::InvalidParam { param, value, expected })
+    }
+}

@@ -67,6 +67,7 @@ pub struct Submission {
 enum Command {
     Add(Box<Submission>, oneshot::Sender<Result<(), AddError>>),
     Abort(RequestId),
+    PrefixHit(Arc<[u32]>, oneshot::Sender<usize>),
 }
 
 /// A handle to one executor's loop.
@@ -101,6 +102,16 @@ impl LinkHandle {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Command::Add(Box::new(sub), reply)).await.map_err(|_| LinkError::Gone)?;
         rx.await.map_err(|_| LinkError::Gone)
+    }
+
+    /// How many leading tokens of `prompt` this executor's cache would serve now (0 if the
+    /// link is gone).
+    pub async fn prefix_hit(&self, prompt: Arc<[u32]>) -> usize {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::PrefixHit(prompt, reply)).await.is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
     }
 
     /// Aborts a request (a no-op if it already finished).
@@ -234,6 +245,11 @@ impl StepLoop {
     }
 
     fn command(&mut self, cmd: Command) {
+        if let Command::PrefixHit(prompt, reply) = cmd {
+            // A read: no reason to build a step.
+            let _ = reply.send(self.core.prefix_hit_tokens(&prompt, 0));
+            return;
+        }
         self.idle = false;
         match cmd {
             Command::Add(sub, reply) => {
@@ -257,6 +273,7 @@ impl StepLoop {
                     self.finish(id, LinkEvent::Finished { reason: done.reason, stats: done.stats });
                 }
             }
+            Command::PrefixHit(..) => unreachable!("answered above"),
         }
     }
 

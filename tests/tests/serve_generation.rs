@@ -370,3 +370,58 @@ fn a_full_queue_answers_429_and_no_executor_503() {
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("no executor"), "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_prefers_the_executor_with_the_longest_cached_prefix() {
+    let e0 = Service::start(
+        "ferry-executor",
+        &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--executor-id", "e0"],
+        1,
+    )
+    .unwrap();
+    let e1 = Service::start(
+        "ferry-executor",
+        &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--executor-id", "e1"],
+        1,
+    )
+    .unwrap();
+    let (a0, a1) = (e0.addr("grpc").to_string(), e1.addr("grpc").to_string());
+    let sched = Service::start(
+        "ferry-scheduler",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--executor",
+            &a0,
+            "--executor",
+            &a1,
+        ],
+        2,
+    )
+    .unwrap();
+    let mut client =
+        GenerationClient::connect(format!("http://{}", sched.addr("grpc"))).await.unwrap();
+    let long = |text: &str| prompt(text, 400);
+    // X occupies the first executor; A (a long shared prefix) goes to the idle second one.
+    let mut x = client.generate(long("Keep talking about anything")).await.unwrap().into_inner();
+    x.message().await.unwrap().unwrap();
+    let shared =
+        "You are a careful assistant. Answer briefly and precisely, with one fact per line. "
+            .repeat(4);
+    let (_, a) = generate(&mut client, prompt(&format!("{shared}Question: what is water?"), 2))
+        .await
+        .unwrap();
+    assert_eq!(a.last().unwrap().usage.unwrap().cached_prompt_tokens, 0);
+    // Y makes the loads equal again (one long request each).
+    let mut y = client.generate(long("Tell another long story")).await.unwrap().into_inner();
+    y.message().await.unwrap().unwrap();
+    // B shares A's prefix: with equal loads it must go where that prefix is cached.
+    let (_, b) = generate(&mut client, prompt(&format!("{shared}Question: what is fire?"), 2))
+        .await
+        .unwrap();
+    let cached = b.last().unwrap().usage.unwrap().cached_prompt_tokens;
+    assert!(cached >= 64, "B should reuse A's cached prefix, got {cached} cached tokens");
+    drop((x, y));
+}

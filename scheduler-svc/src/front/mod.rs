@@ -73,6 +73,29 @@ fn finish_reason(reason: FinishReason) -> (v1::FinishReason, String) {
 }
 
 impl Front {
+    /// The executor for a prompt: the longest cached prefix first, then the lightest load,
+    /// then the first listed (DESIGN.md §2's router).
+    async fn place(&self, prompt: &[u32]) -> Result<usize, Status> {
+        if self.links.is_empty() {
+            return Err(Status::unavailable("no executor is connected"));
+        }
+        let hits: Vec<usize> = if self.links.len() == 1 {
+            vec![0]
+        } else {
+            let prompt: Arc<[u32]> = prompt.into();
+            let asks = self.links.iter().map(|l| l.prefix_hit(prompt.clone()));
+            futures_util::future::join_all(asks).await
+        };
+        let score = |i: usize| {
+            (
+                hits[i],
+                std::cmp::Reverse(self.links[i].load.load(Ordering::Relaxed)),
+                std::cmp::Reverse(i),
+            )
+        };
+        Ok((0..self.links.len()).max_by_key(|i| score(*i)).unwrap_or(0))
+    }
+
     fn forget(&self, request_id: &str) {
         if let Ok(mut live) = self.live.lock() {
             live.remove(request_id);
@@ -174,9 +197,7 @@ impl Generation for GenerationService {
             PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
             PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
         })?;
-        let link_index = (0..front.links.len())
-            .min_by_key(|i| front.links[*i].load.load(Ordering::Relaxed))
-            .ok_or_else(|| Status::unavailable("no executor is connected"))?;
+        let link_index = front.place(&prepared.prompt).await?;
         let id = RequestId(front.next_id.fetch_add(1, Ordering::Relaxed));
         let request_id = if req.request_id.is_empty() {
             format!("req-{}", id.0)

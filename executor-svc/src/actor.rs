@@ -17,6 +17,10 @@ pub struct EngineStats {
     pub steps_executed: u64,
     /// Blocks referenced by held requests.
     pub blocks_in_use: u32,
+    /// Time spent running steps, microseconds.
+    pub busy_us: u64,
+    /// Time spent waiting for the next step after one finished, microseconds.
+    pub idle_us: u64,
 }
 
 enum Command {
@@ -41,12 +45,31 @@ impl EngineHandle {
     pub fn spawn(mut engine: Engine) -> std::io::Result<Self> {
         let (tx, mut rx) = mpsc::channel::<Command>(64);
         std::thread::Builder::new().name("ferry-engine".into()).spawn(move || {
+            let (mut busy_us, mut idle_us) = (0u64, 0u64);
+            // When the last step finished; idle time is counted from there to the next step.
+            let mut last_done: Option<std::time::Instant> = None;
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
                     Command::Execute(step, reply) => {
-                        let _ = reply.send(engine.execute(&step));
+                        let start = std::time::Instant::now();
+                        let idle =
+                            last_done.map_or(0, |t| start.duration_since(t).as_micros() as u64);
+                        idle_us += idle;
+                        let mut result = engine.execute(&step);
+                        if let Ok(r) = &mut result {
+                            if let Some(t) = r.timing.as_mut() {
+                                t.idle_us = idle;
+                            }
+                        }
+                        let done = std::time::Instant::now();
+                        busy_us += done.duration_since(start).as_micros() as u64;
+                        // Waiting counts as idle only while requests are held: a gap with no
+                        // request is no load, not the scheduler keeping the executor waiting.
+                        last_done = (engine.num_requests() > 0).then_some(done);
+                        let _ = reply.send(result);
                     }
                     Command::Reset(reply) => {
+                        last_done = None;
                         let _ = reply.send(engine.reset());
                     }
                     Command::Stats(reply) => {
@@ -54,6 +77,8 @@ impl EngineHandle {
                             num_requests: engine.num_requests() as u32,
                             steps_executed: engine.steps_executed(),
                             blocks_in_use: engine.blocks_in_use() as u32,
+                            busy_us,
+                            idle_us,
                         });
                     }
                 }

@@ -171,6 +171,8 @@ impl Executor for ExecutorService {
             num_requests: stats.num_requests,
             steps_executed: stats.steps_executed,
             blocks_in_use: stats.blocks_in_use,
+            busy_us: stats.busy_us,
+            idle_us: stats.idle_us,
         }))
     }
 }

@@ -28,6 +28,14 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// The configuration with every flag at its default (environment variables still apply),
+    /// from the same declarations the command line uses.
+    pub fn from_defaults() -> Result<Self, clap::Error> {
+        use clap::{Args, FromArgMatches};
+        let cmd = Self::augment_args(clap::Command::new("ferry-scheduler"));
+        Self::from_arg_matches(&cmd.try_get_matches_from(["ferry-scheduler"])?)
+    }
+
     /// Checks what clap's types cannot, naming the limit.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.max_num_seqs == 0 {

@@ -212,7 +212,10 @@ impl StepLoop {
             {
                 let now = self.now();
                 let step = match self.core.schedule(now) {
-                    Ok(plan) => to_proto(plan, self.session_id, &self.entries),
+                    Ok(plan) => {
+                        let entries = &self.entries;
+                        to_proto(plan, self.session_id, |id| entries.get(&id).map(|e| e.sampling))
+                    }
                     Err(e) => return self.fail_all(&format!("scheduling failed: {e}")),
                 };
                 let empty = step.work.is_empty()
@@ -348,8 +351,12 @@ fn work_key(k: WorkKey) -> v1::WorkKey {
     }
 }
 
-/// The wire form of a plan.
-fn to_proto(plan: &StepPlan, session_id: u64, entries: &HashMap<RequestId, Entry>) -> v1::Step {
+/// The wire form of a plan; `sampling_of` gives each new request's sampling parameters.
+pub(crate) fn to_proto(
+    plan: &StepPlan,
+    session_id: u64,
+    sampling_of: impl Fn(RequestId) -> Option<v1::SamplingParams>,
+) -> v1::Step {
     v1::Step {
         session_id,
         epoch: 0,
@@ -361,7 +368,7 @@ fn to_proto(plan: &StepPlan, session_id: u64, entries: &HashMap<RequestId, Entry
                 id: n.id.0,
                 prompt_token_ids: n.prompt.to_vec(),
                 output_token_ids: Vec::new(),
-                sampling: entries.get(&n.id).map(|e| e.sampling),
+                sampling: sampling_of(n.id),
                 block_ids: plan.blocks(n.block_ids).iter().map(|b| b.0).collect(),
                 num_computed_tokens: n.num_computed_tokens as u32,
                 traceparent: String::new(),

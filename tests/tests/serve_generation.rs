@@ -301,6 +301,48 @@ fn serve_speaks_the_openai_http_api() {
     .unwrap();
     assert_eq!(status, 200);
     assert!(body.contains(r#""text":" Paris."#), "{body}");
+
+    // The load generator against this server, and in process, writing its JSON report.
+    let dir = std::env::temp_dir().join(format!("ferry-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, extra) in [
+        ("served", vec!["--target", &h.to_string()]),
+        ("in-process", vec!["--in-process", "--kv-cache-mib", "64"]),
+    ]
+    .iter()
+    .map(|(n, e)| (*n, e.iter().map(|s| s.to_string()).collect::<Vec<_>>()))
+    {
+        let json = dir.join(format!("{name}.json"));
+        let mut args: Vec<String> = [
+            "bench-serve",
+            "--requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--prompt-len",
+            "10:20",
+            "--output-len",
+            "4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra);
+        args.extend(["--json".to_string(), json.display().to_string()]);
+        let out = std::process::Command::new(ferry_tests::binary("ferry-scheduler").unwrap())
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(
+            (report["completed"].as_u64(), report["output_tokens"].as_u64()),
+            (Some(4), Some(16)),
+            "{name}: {report}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

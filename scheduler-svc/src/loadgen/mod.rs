@@ -6,6 +6,7 @@
 //! writes the figures as JSON.
 
 mod client;
+pub mod inprocess;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -67,11 +68,18 @@ pub struct LoadArgs {
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Instead of a server, drive the scheduling core and the CPU engine directly in this
+    /// process (the baseline for the service path's cost); greedy, default model.
+    #[arg(long)]
+    pub in_process: bool,
+    /// With --in-process: KV cache memory in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: u64,
 }
 
 /// One request of the workload.
 #[derive(Clone, Debug)]
-struct Job {
+pub struct Job {
     prompt: String,
     max_tokens: u64,
 }
@@ -250,6 +258,18 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
     anyhow::ensure!(args.rate.is_none_or(|r| r > 0.0), "--rate must be positive");
     let jobs = workload(&args)?;
+    if args.in_process {
+        // The scheduler's own defaults (and FERRY_* environment), as `ferry-scheduler` takes them.
+        let config = crate::config::SchedulerConfig::from_defaults()?;
+        let (concurrency, kv) = (args.concurrency, args.kv_cache_mib);
+        let report =
+            tokio::task::spawn_blocking(move || inprocess::run(jobs, concurrency, &config, kv, 16))
+                .await??;
+        if let Some(path) = &args.json {
+            std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+        }
+        return Ok(report);
+    }
     let total = jobs.len();
     let slots = Arc::new(Semaphore::new(args.concurrency));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();

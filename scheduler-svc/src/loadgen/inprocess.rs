@@ -1,0 +1,112 @@
+//! The baseline for the service path's cost: the same workload driven through the scheduling
+//! core and the executor engine directly, in one thread, with no gRPC, HTTP or tasks between
+//! them. `bench-serve --in-process` reports it in the same shape as a served run.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
+use ferry_executor_svc::model::{LoadedModel, PagedKvCache};
+use ferry_proto::v1;
+use ferry_sched_core::{
+    self as core, RequestEvent, RequestId, SampledToken, Scheduler, StepOutcome, Timestamp,
+};
+
+use super::{Job, Report};
+use crate::config::SchedulerConfig;
+
+/// Runs `jobs` at `concurrency` through core + engine in this thread; `kv_cache_mib` and
+/// `block_size` size the cache as an executor would.
+pub fn run(
+    jobs: Vec<Job>,
+    concurrency: usize,
+    config: &SchedulerConfig,
+    kv_cache_mib: u64,
+    block_size: usize,
+) -> anyhow::Result<Report> {
+    let model = LoadedModel::load(None)?;
+    let shape = model.weights.shape;
+    let num_blocks =
+        PagedKvCache::blocks_for_budget(&shape, block_size, kv_cache_mib * 1024 * 1024);
+    let eos = model.tokenizer.eos_token_id;
+    let prompts: Vec<(Vec<u32>, u64)> = jobs
+        .iter()
+        .map(|j| Ok((model.tokenizer.encode(&j.prompt)?, j.max_tokens)))
+        .collect::<anyhow::Result<_>>()?;
+    let mut engine = Engine::new(
+        Box::new(CpuBackend::new(model.weights, block_size, num_blocks)),
+        EngineConfig { eos_token_id: eos },
+    );
+    let mut core = Scheduler::new(core::SchedulerConfig {
+        block_size,
+        num_blocks,
+        max_model_len: shape.max_model_len.min(num_blocks * block_size),
+        max_num_seqs: config.max_num_seqs as usize,
+        max_num_batched_tokens: config.max_num_batched_tokens as usize,
+        enable_chunked_prefill: config.enable_chunked_prefill,
+        max_steps_in_flight: 1,
+        ..core::SchedulerConfig::default()
+    })?;
+    let start = Instant::now();
+    let now = || Timestamp(start.elapsed().as_nanos() as u64);
+    let mut pending: VecDeque<(u64, (Vec<u32>, u64))> =
+        prompts.into_iter().enumerate().map(|(i, p)| (i as u64 + 1, p)).collect();
+    let (mut live, mut completed, mut output_tokens, mut prompt_tokens) =
+        (0usize, 0usize, 0u64, 0u64);
+    let greedy = v1::SamplingParams::default();
+    let mut events = Vec::new();
+    loop {
+        while live < concurrency {
+            let Some((id, (prompt, max_tokens))) = pending.pop_front() else { break };
+            prompt_tokens += prompt.len() as u64;
+            let mut req = core::NewRequest::new(RequestId(id), prompt, max_tokens as usize, now());
+            req.ignore_eos = true;
+            req.eos_token_ids = vec![eos];
+            core.add_request(req)?;
+            live += 1;
+        }
+        if core.is_drained() {
+            break;
+        }
+        let step = crate::link::to_proto(core.schedule(now())?, 0, |_| Some(greedy));
+        let result = engine.execute(&step)?;
+        let sampled = result
+            .outputs
+            .iter()
+            .flat_map(|o| {
+                o.token_ids.iter().map(move |t| SampledToken { id: RequestId(o.id), token: *t })
+            })
+            .collect();
+        events.clear();
+        core.apply_result(
+            &StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results: vec![] },
+            now(),
+            &mut events,
+        )?;
+        for ev in &events {
+            match ev {
+                RequestEvent::Token { .. } => output_tokens += 1,
+                RequestEvent::Finished(_) => {
+                    live -= 1;
+                    completed += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    let duration = start.elapsed().as_secs_f64();
+    Ok(Report {
+        completed,
+        failed: 0,
+        duration_s: duration,
+        output_tokens_per_s: output_tokens as f64 / duration,
+        requests_per_s: completed as f64 / duration,
+        prompt_tokens,
+        output_tokens,
+        ttft: Default::default(),
+        tpot: Default::default(),
+        itl: Default::default(),
+        e2e: Default::default(),
+        errors: Vec::new(),
+    })
+}

@@ -282,15 +282,7 @@ impl StepLoop {
 
     fn apply(&mut self, result: &v1::StepResult) -> Result<(), String> {
         let was_empty = self.in_flight_empty.pop_front().unwrap_or(true);
-        let sampled = result
-            .outputs
-            .iter()
-            .flat_map(|o| {
-                o.token_ids.iter().map(move |t| SampledToken { id: RequestId(o.id), token: *t })
-            })
-            .collect();
-        let outcome =
-            StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results: Vec::new() };
+        let outcome = outcome_of(result);
         // Log-probabilities travel beside the core (which only needs the tokens), in order.
         let mut logprobs: HashMap<u64, std::vec::IntoIter<v1::PositionLogprobs>> = result
             .outputs
@@ -340,6 +332,18 @@ impl StepLoop {
         }
         self.load.store(0, Ordering::Relaxed);
     }
+}
+
+/// The core's view of an executor's result: the sampled tokens, in order.
+pub(crate) fn outcome_of(result: &v1::StepResult) -> StepOutcome {
+    let sampled = result
+        .outputs
+        .iter()
+        .flat_map(|o| {
+            o.token_ids.iter().map(move |t| SampledToken { id: RequestId(o.id), token: *t })
+        })
+        .collect();
+    StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results: Vec::new() }
 }
 
 fn work_key(k: WorkKey) -> v1::WorkKey {

@@ -43,6 +43,20 @@ fn prompt(text: &str, max_tokens: u32) -> v1::GenerateRequest {
     }
 }
 
+/// `ferry-scheduler serve` on free ports with a KV cache of `kv_mib` MiB.
+fn start_serve(kv_mib: &str) -> Service {
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--kv-cache-mib",
+        kv_mib,
+    ];
+    Service::start("ferry-scheduler", &args, 4).unwrap()
+}
+
 /// Waits until the executor holds no request and no block.
 async fn wait_until_idle(exec: &mut ExecutorClient<Channel>) -> v1::ExecutorDescription {
     for _ in 0..200 {
@@ -57,20 +71,7 @@ async fn wait_until_idle(exec: &mut ExecutorClient<Channel>) -> v1::ExecutorDesc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_answers_over_grpc() {
-    let svc = Service::start(
-        "ferry-scheduler",
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--kv-cache-mib",
-            "128",
-        ],
-        4,
-    )
-    .unwrap();
+    let svc = start_serve("128");
     let mut client =
         GenerationClient::connect(format!("http://{}", svc.addr("grpc"))).await.unwrap();
     let mut exec =
@@ -209,20 +210,7 @@ async fn futures_join<F: std::future::Future<Output = String> + Send + 'static>(
 #[test]
 fn serve_speaks_the_openai_http_api() {
     use ferry_tests::http;
-    let svc = Service::start(
-        "ferry-scheduler",
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--kv-cache-mib",
-            "64",
-        ],
-        4,
-    )
-    .unwrap();
+    let svc = start_serve("64");
     let h = svc.addr("http");
     assert_eq!(http(h, "GET", "/health", b"").unwrap().0, 200);
     let (status, models) = http(h, "GET", "/v1/models", b"").unwrap();

@@ -8,9 +8,7 @@ use std::time::Instant;
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
 use ferry_executor_svc::model::{LoadedModel, PagedKvCache};
 use ferry_proto::v1;
-use ferry_sched_core::{
-    self as core, RequestEvent, RequestId, SampledToken, Scheduler, StepOutcome, Timestamp,
-};
+use ferry_sched_core::{self as core, RequestEvent, RequestId, Scheduler, Timestamp};
 
 use super::{Job, Report};
 use crate::config::SchedulerConfig;
@@ -70,19 +68,8 @@ pub fn run(
         }
         let step = crate::link::to_proto(core.schedule(now())?, 0, |_| Some(greedy));
         let result = engine.execute(&step)?;
-        let sampled = result
-            .outputs
-            .iter()
-            .flat_map(|o| {
-                o.token_ids.iter().map(move |t| SampledToken { id: RequestId(o.id), token: *t })
-            })
-            .collect();
         events.clear();
-        core.apply_result(
-            &StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results: vec![] },
-            now(),
-            &mut events,
-        )?;
+        core.apply_result(&crate::link::outcome_of(&result), now(), &mut events)?;
         for ev in &events {
             match ev {
                 RequestEvent::Token { .. } => output_tokens += 1,

@@ -28,7 +28,18 @@ fn fold_mul(a: u64, b: u64) -> u64 {
 /// Hash of the block holding `tokens` whose predecessor block has hash `parent` (`None` for the
 /// first block), under `salt`.
 pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: u64) -> BlockHash {
-    hash_block_iter(parent, tokens.iter().copied(), salt)
+    // The same fold as `hash_block_iter`, over the slice's token pairs directly (this runs once
+    // per filled block of every running request, so it is on the step path).
+    let mut h = fold_mul(parent.map_or(ROOT, |p| p.0) ^ P0, salt ^ P1);
+    let mut pairs = tokens.chunks_exact(2);
+    for pair in &mut pairs {
+        let w = u64::from(pair[0]) | (u64::from(pair[1]) << 32);
+        h = fold_mul(h ^ P0, w ^ P2);
+    }
+    if let [a] = pairs.remainder() {
+        h = fold_mul(h ^ P1, u64::from(*a) ^ P2);
+    }
+    BlockHash(fold_mul(h ^ tokens.len() as u64, P1))
 }
 
 /// [`hash_block`] over tokens given by an iterator (no copy when a block spans two buffers).
@@ -93,6 +104,16 @@ mod tests {
         assert_ne!(a, hash_block(None, &[1, 2, 4, 3], 0));
         assert_ne!(a, hash_block(Some(a), &[1, 2, 3, 4], 0));
         assert_ne!(hash_block(None, &[0], 0), hash_block(None, &[0, 0], 0));
+    }
+
+    #[test]
+    fn slice_and_iterator_forms_agree() {
+        let tokens: Vec<u32> = (0..17u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
+        for n in 0..tokens.len() {
+            let p = Some(BlockHash(n as u64));
+            let iter = hash_block_iter(p, tokens[..n].iter().copied(), 3);
+            assert_eq!(hash_block(p, &tokens[..n], 3), iter, "{n} tokens");
+        }
     }
 
     #[test]

@@ -225,6 +225,9 @@ pub(crate) enum TransferState {
     Exporting,
 }
 
+/// Output tokens reserved at admission at most (16 KiB); longer outputs grow past it as usual.
+pub(crate) const OUTPUT_RESERVE_CAP: usize = 4096;
+
 /// A small set of token ids, inline up to four (EOS and stop ids are checked for every sampled
 /// token: keeping them inline avoids a pointer chase per token).
 #[derive(Debug, Clone)]
@@ -377,6 +380,17 @@ impl Request {
         }
     }
 
+    /// Size `output` for the rest of the request (up to [`OUTPUT_RESERVE_CAP`] tokens) so the
+    /// per-step append never reallocates: a reallocation copies the whole buffer inside a step
+    /// and, since running requests advance in lockstep, tends to hit all of them in one step.
+    /// Done at admission, not at arrival, so a long waiting queue holds no output buffers.
+    pub(crate) fn reserve_output(&mut self) {
+        let want = self.max_tokens.min(OUTPUT_RESERVE_CAP);
+        if self.output.capacity() < want {
+            self.output.reserve_exact(want - self.output.len());
+        }
+    }
+
     /// Prompt plus output tokens whose values are known.
     #[inline]
     pub(crate) fn num_tokens(&self) -> usize {
@@ -418,8 +432,11 @@ impl Request {
             let parent = i.checked_sub(1).map(|p| self.cold.block_hashes[p]);
             let start = i * block_size;
             let end = start + block_size;
-            let h = if end <= self.prompt.len() {
+            let p = self.prompt.len();
+            let h = if end <= p {
                 hash_block(parent, &self.prompt[start..end], salt)
+            } else if start >= p {
+                hash_block(parent, &self.output[start - p..end - p], salt)
             } else {
                 hash_block_iter(parent, (start..end).map(|t| self.token(t)), salt)
             };

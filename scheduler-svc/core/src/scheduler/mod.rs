@@ -527,6 +527,7 @@ impl Scheduler {
             r.has_slot = true;
             r.admit_seq = seq;
             r.cold.times.first_scheduled.get_or_insert(now);
+            r.reserve_output();
         }
         self.sync_holder(idx);
         self.set_active(idx);

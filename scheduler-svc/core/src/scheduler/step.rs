@@ -14,6 +14,7 @@
 
 use crate::error::ScheduleError;
 use crate::plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, StepPlan};
+use crate::prefetch::prefetch;
 use crate::request::{Decision, RequestStatus, StepMark, TransferState};
 use crate::types::{StepId, Timestamp};
 use crate::work_queues::WorkKey;
@@ -435,6 +436,7 @@ impl Scheduler {
         // followup order either way, so which block wins a shared hash does not change.
         let mut to_register = 0;
         for k in 0..self.plan_followups.len() {
+            self.prefetch_for_followup(k);
             let idx = self.plan_followups[k];
             if !self.scheduled_in_build(idx) {
                 continue; // rolled back by a preemption later in the step
@@ -449,6 +451,7 @@ impl Scheduler {
                 for &h in &r.cold.block_hashes[r.num_registered.min(upto)..upto] {
                     self.pool.prefetch_register(h);
                 }
+                prefetch(r.block_table.as_ptr().wrapping_add(r.num_registered));
                 self.plan_followups[to_register] = idx;
                 to_register += 1;
             }
@@ -490,6 +493,34 @@ impl Scheduler {
         self.plan.total_tokens = total;
         self.inflight.push_back(record);
         self.counters.steps += 1;
+    }
+
+    /// Prefetch what `finalize` will touch for `plan_followups[k + AHEAD]` and beyond: most
+    /// followups hash a block that just filled, which reads three lines no step loop has touched
+    /// for a while (the cold part, the tail of its hash chain, the block's output tokens), each
+    /// a dependent miss. Three stages, so each address is read from a line already requested.
+    #[inline]
+    fn prefetch_for_followup(&self, k: usize) {
+        const AHEAD: usize = 8;
+        let f = &self.plan_followups;
+        if let Some(&j) = f.get(k + 3 * AHEAD) {
+            self.prefetch_request(j);
+        }
+        let bs = self.cfg.block_size;
+        if let Some(r) = f.get(k + 2 * AHEAD).and_then(|&j| self.slab[j as usize].as_ref()) {
+            prefetch(&*r.cold as *const crate::request::RequestCold);
+            // The last full block of known tokens, when it lies in the output.
+            let full = r.num_tokens() / bs;
+            if let Some(start) = (full.saturating_sub(1) * bs).checked_sub(r.prompt.len()) {
+                let p = r.output.as_ptr().wrapping_add(start);
+                prefetch(p);
+                prefetch(p.wrapping_add(bs - 1));
+            }
+        }
+        if let Some(r) = f.get(k + AHEAD).and_then(|&j| self.slab[j as usize].as_ref()) {
+            let hashes = &r.cold.block_hashes;
+            prefetch(hashes.as_ptr().wrapping_add(hashes.len().saturating_sub(1)));
+        }
     }
 
     /// Add the executor-facing diff for a scheduled request: new, resumed, or new blocks.

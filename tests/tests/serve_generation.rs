@@ -255,6 +255,8 @@ fn serve_speaks_the_openai_http_api() {
             "not served",
         ),
         ("/v1/completions", &br#"{"prompt":"hi","n":3}"#[..], 400, "only n = 1"),
+        ("/v1/completions", &br#"{"prompt":"hi","max_tokens":0}"#[..], 400, "at least 1"),
+        ("/v1/completions", &br#"{"prompt":""}"#[..], 400, "empty"),
         ("/v1/completions", &br#"{"prompt":"hi","temperature":-2}"#[..], 400, "temperature"),
     ] {
         let (status, text) = http(h, "POST", path, body).unwrap();

@@ -119,6 +119,10 @@ fn generate_request(
             c.n.unwrap_or(1)
         )));
     }
+    // On the wire 0 means "up to the model's length"; OpenAI clients mean a bad value.
+    if c.max_tokens == Some(0) || c.max_completion_tokens == Some(0) {
+        return Err(ApiError::bad_request("max_tokens must be at least 1"));
+    }
     let stop = match &c.stop {
         None => Vec::new(),
         Some(OneOrMany::One(s)) => vec![s.clone()],

@@ -104,6 +104,11 @@ impl LinkHandle {
         rx.await.map_err(|_| LinkError::Gone)
     }
 
+    /// Whether the link's loop still runs (its executor session is up).
+    pub fn is_alive(&self) -> bool {
+        !self.tx.is_closed()
+    }
+
     /// How many leading tokens of `prompt` this executor's cache would serve now (0 if the
     /// link is gone).
     pub async fn prefix_hit(&self, prompt: Arc<[u32]>) -> usize {

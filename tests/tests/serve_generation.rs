@@ -457,3 +457,52 @@ async fn the_router_prefers_the_executor_with_the_longest_cached_prefix() {
     assert!(cached >= 64, "B should reuse A's cached prefix, got {cached} cached tokens");
     drop((x, y));
 }
+
+#[test]
+fn a_killed_executor_fails_its_requests_instead_of_hanging_them() {
+    use ferry_tests::http;
+    let exec =
+        Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
+            .unwrap();
+    let sched = Service::start(
+        "ferry-scheduler",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--executor",
+            &exec.addr("grpc").to_string(),
+        ],
+        2,
+    )
+    .unwrap();
+    let h = sched.addr("http");
+    assert_eq!(http(h, "GET", "/health", b"").unwrap().0, 200);
+    // A long request is running when the executor dies (kill -9).
+    let (status, stream) = ferry_tests::http_open(
+        h,
+        "/v1/completions",
+        br#"{"prompt":"Count:","max_tokens":1000,"ignore_eos":true,"stream":true}"#,
+    )
+    .unwrap();
+    assert_eq!(status, 200);
+    ferry_tests::signal(exec.pid(), "KILL").unwrap();
+    // Its stream ends (with an error event) instead of hanging.
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut &stream, &mut rest).unwrap();
+    assert!(rest.contains("\"finish_reason\":\"error\"") || rest.contains("error"), "{rest}");
+    // The scheduler says so: health and new requests answer 503.
+    let mut health = 0;
+    for _ in 0..100 {
+        health = http(h, "GET", "/health", b"").unwrap().0;
+        if health == 503 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(health, 503);
+    let (status, body) =
+        http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":2}"#).unwrap();
+    assert_eq!(status, 503, "{body}");
+}

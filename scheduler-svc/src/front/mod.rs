@@ -55,9 +55,9 @@ impl GenerationService {
         &self.front.model
     }
 
-    /// Whether any executor is connected.
+    /// Whether any executor is connected and its session up.
     pub fn has_executors(&self) -> bool {
-        !self.front.links.is_empty()
+        self.front.links.iter().any(LinkHandle::is_alive)
     }
 }
 
@@ -76,24 +76,27 @@ impl Front {
     /// The executor for a prompt: the longest cached prefix first, then the lightest load,
     /// then the first listed (DESIGN.md §2's router).
     async fn place(&self, prompt: &[u32]) -> Result<usize, Status> {
-        if self.links.is_empty() {
+        let alive: Vec<usize> =
+            (0..self.links.len()).filter(|i| self.links[*i].is_alive()).collect();
+        if alive.is_empty() {
             return Err(Status::unavailable("no executor is connected"));
         }
-        let hits: Vec<usize> = if self.links.len() == 1 {
+        let hits: Vec<usize> = if alive.len() == 1 {
             vec![0]
         } else {
             let prompt: Arc<[u32]> = prompt.into();
-            let asks = self.links.iter().map(|l| l.prefix_hit(prompt.clone()));
+            let asks = alive.iter().map(|i| self.links[*i].prefix_hit(prompt.clone()));
             futures_util::future::join_all(asks).await
         };
-        let score = |i: usize| {
+        let score = |k: usize| {
+            let i = alive[k];
             (
-                hits[i],
+                hits[k],
                 std::cmp::Reverse(self.links[i].load.load(Ordering::Relaxed)),
                 std::cmp::Reverse(i),
             )
         };
-        Ok((0..self.links.len()).max_by_key(|i| score(*i)).unwrap_or(0))
+        Ok(alive[(0..alive.len()).max_by_key(|k| score(*k)).unwrap_or(0)])
     }
 
     fn forget(&self, request_id: &str) {

@@ -43,7 +43,7 @@ fn dechunk(mut rest: &str) -> Result<String> {
 /// Sends a request and reads only the status line, leaving the connection (and so a streamed
 /// response) open: the caller holds the request live until it drops the stream.
 pub fn http_open(addr: SocketAddr, path: &str, body: &[u8]) -> Result<(u16, std::net::TcpStream)> {
-    use std::io::{BufRead, BufReader, Write};
+    use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(120)))?;
     let head = format!(
@@ -52,8 +52,16 @@ pub fn http_open(addr: SocketAddr, path: &str, body: &[u8]) -> Result<(u16, std:
     );
     stream.write_all(head.as_bytes())?;
     stream.write_all(body)?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line)?;
+    // Byte by byte, so nothing after the status line is consumed here.
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while !line.ends_with(b"\r\n") {
+        if stream.read(&mut byte)? == 0 {
+            break;
+        }
+        line.push(byte[0]);
+    }
+    let line = String::from_utf8_lossy(&line);
     let status: u16 = line.split_whitespace().nth(1).context("no status")?.parse()?;
     Ok((status, stream))
 }

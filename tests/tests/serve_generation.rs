@@ -506,3 +506,17 @@ fn a_killed_executor_fails_its_requests_instead_of_hanging_them() {
         http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":2}"#).unwrap();
     assert_eq!(status, 503, "{body}");
 }
+
+#[test]
+fn sigterm_lets_in_flight_requests_finish_before_exiting() {
+    let mut svc = start_serve("64");
+    let h = svc.addr("http");
+    let body = br#"{"prompt":"Count:","max_tokens":120,"ignore_eos":true,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}"#;
+    let (status, mut stream) = ferry_tests::http_open(h, "/v1/completions", body).unwrap();
+    assert_eq!(status, 200);
+    ferry_tests::signal(svc.pid(), "TERM").unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut rest).unwrap();
+    assert!(rest.contains(r#""completion_tokens":120"#), "the in-flight request was cut: {rest}");
+    assert!(svc.terminate(std::time::Duration::from_secs(30)).unwrap().success());
+}

@@ -57,6 +57,20 @@ fn start_serve(kv_mib: &str) -> Service {
     Service::start("ferry-scheduler", &args, 4).unwrap()
 }
 
+/// Separate processes: an executor with a 64 MiB cache, and a scheduler pointed at it with
+/// `extra` flags.
+fn start_split(extra: &[&str]) -> (Service, Service) {
+    let exec =
+        Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
+            .unwrap();
+    let target = exec.addr("grpc").to_string();
+    let mut args =
+        vec!["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--executor", &target];
+    args.extend_from_slice(extra);
+    let sched = Service::start("ferry-scheduler", &args, 2).unwrap();
+    (exec, sched)
+}
+
 /// Waits until the executor holds no request and no block.
 async fn wait_until_idle(exec: &mut ExecutorClient<Channel>) -> v1::ExecutorDescription {
     for _ in 0..200 {
@@ -338,25 +352,8 @@ fn serve_speaks_the_openai_http_api() {
 #[test]
 fn a_full_queue_answers_429_and_no_executor_503() {
     use ferry_tests::http;
-    // Separate processes: an executor, and a scheduler pointed at it with room for 2 requests.
-    let exec =
-        Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
-            .unwrap();
-    let sched = Service::start(
-        "ferry-scheduler",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--executor",
-            &exec.addr("grpc").to_string(),
-            "--max-queued-requests",
-            "2",
-        ],
-        2,
-    )
-    .unwrap();
+    // Separate processes, with room for 2 requests.
+    let (_exec, sched) = start_split(&["--max-queued-requests", "2"]);
     let h = sched.addr("http");
     let long = br#"{"prompt":"Tell me everything","max_tokens":1000,"ignore_eos":true,"temperature":0,"stream":true}"#;
     // Two streams held open fill the queue; a third request is refused with Retry-After.
@@ -461,22 +458,7 @@ async fn the_router_prefers_the_executor_with_the_longest_cached_prefix() {
 #[test]
 fn a_killed_executor_fails_its_requests_instead_of_hanging_them() {
     use ferry_tests::http;
-    let exec =
-        Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
-            .unwrap();
-    let sched = Service::start(
-        "ferry-scheduler",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--executor",
-            &exec.addr("grpc").to_string(),
-        ],
-        2,
-    )
-    .unwrap();
+    let (exec, sched) = start_split(&[]);
     let h = sched.addr("http");
     assert_eq!(http(h, "GET", "/health", b"").unwrap().0, 200);
     // A long request is running when the executor dies (kill -9).

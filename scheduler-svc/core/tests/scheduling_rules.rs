@@ -159,14 +159,21 @@ fn pressure_cfg(policy: PreemptionPolicy, mode: PreemptionMode) -> SchedulerConf
     }
 }
 
-#[test]
-fn fcfs_preempts_the_latest_admitted_and_requeues_it_at_the_front() {
-    let mut h = Harness::new(pressure_cfg(PreemptionPolicy::Fcfs, PreemptionMode::Recompute));
+/// Request 1 runs, request 2 arrives later; under FCFS pressure request 2 (the latest
+/// admitted) is the victim. Returns the harness right after that preemption.
+fn second_request_preempted(mode: PreemptionMode) -> Harness {
+    let mut h = Harness::new(pressure_cfg(PreemptionPolicy::Fcfs, mode));
     h.add(req(1, tokens(10, 4), 8));
     h.step(7);
     h.add(req(2, tokens(20, 4), 8));
     let plan = step_until_preemption(&mut h, 20);
     assert_eq!(plan.preempted, [RequestId(2)]);
+    h
+}
+
+#[test]
+fn fcfs_preempts_the_latest_admitted_and_requeues_it_at_the_front() {
+    let mut h = second_request_preempted(PreemptionMode::Recompute);
     let v = h.view(2);
     assert_eq!(v.status, RequestStatus::Waiting);
     assert_eq!((v.blocks_held, v.num_computed_tokens), (0, 0), "recompute frees the KV");
@@ -279,12 +286,7 @@ fn no_request_is_admitted_in_a_step_that_preempted() {
 
 #[test]
 fn yield_keeps_the_victims_kv_and_resumes_without_full_recompute() {
-    let mut h = Harness::new(pressure_cfg(PreemptionPolicy::Fcfs, PreemptionMode::Yield));
-    h.add(req(1, tokens(10, 4), 8));
-    h.step(7);
-    h.add(req(2, tokens(20, 4), 8));
-    let plan = step_until_preemption(&mut h, 20);
-    assert_eq!(plan.preempted, [RequestId(2)]);
+    let mut h = second_request_preempted(PreemptionMode::Yield);
     let v = h.view(2);
     assert_eq!(v.status, RequestStatus::Waiting);
     assert!(v.blocks_held > 0, "yield keeps (most of) the KV");

@@ -25,13 +25,48 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    run_in_cluster(config, None, listener, shutdown).await
+}
+
+/// [`run`], registered in etcd under `/ferry/<cluster>/executors/<executor-id>` once the model
+/// is loaded and the service answers, when `cluster` configures etcd. On shutdown the
+/// registration is withdrawn first, so the scheduler moves this executor's requests away
+/// while the service drains.
+pub async fn run_in_cluster(
+    config: ExecutorConfig,
+    cluster: Option<ferry_runtime::cluster::ClusterArgs>,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     config.validate()?;
+    if let Some(c) = &cluster {
+        c.validate()?;
+    }
+    let id = config.executor_id.clone();
+    let bound = listener.local_addr()?;
     let built = tokio::task::spawn_blocking(move || build(&config)).await??;
     let service = service::ExecutorService::new(built.info, built.engine);
-    GrpcHost::new()
+    let registration = match &cluster {
+        Some(c) => c.register(ferry_runtime::cluster::MemberKind::Executor, &id, bound).await?,
+        None => None,
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let serving = GrpcHost::new()
         .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
-        .serve(listener, shutdown)
-        .await?;
+        .serve(listener, async move {
+            let mut rx = stop_rx;
+            let _ = rx.wait_for(|s| *s).await;
+        });
+    tokio::pin!(serving);
+    tokio::select! {
+        result = &mut serving => return Ok(result?),
+        () = shutdown => {}
+    }
+    if let Some(r) = registration {
+        r.withdraw().await;
+    }
+    let _ = stop_tx.send(true);
+    serving.await?;
     Ok(())
 }
 

@@ -5,6 +5,7 @@
 //! Servers here take a bound `TcpListener` and a shutdown future, never a fixed port or a
 //! global, so tests start them on port 0.
 
+pub mod cluster;
 pub mod grpc;
 pub mod logging;
 pub mod shutdown;

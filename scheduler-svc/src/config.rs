@@ -22,6 +22,10 @@ pub struct SchedulerConfig {
     /// How long start-up keeps trying to reach each executor, in seconds.
     #[arg(long, env = "FERRY_EXECUTOR_CONNECT_TIMEOUT", default_value_t = 60)]
     pub executor_connect_timeout: u64,
+    /// With etcd: how long a request whose executor was lost waits for another to take it,
+    /// in seconds (without etcd it moves only to an executor already up).
+    #[arg(long, env = "FERRY_FAILOVER_TIMEOUT", default_value_t = 30)]
+    pub failover_timeout: u64,
     /// Split long prompts into chunks that share steps with decodes.
     #[arg(long, env = "FERRY_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_chunked_prefill: bool,

@@ -7,6 +7,8 @@
 
 pub mod bench_core;
 pub mod config;
+pub mod discovery;
+pub mod executors;
 pub mod front;
 pub mod http;
 pub mod link;
@@ -16,36 +18,47 @@ pub mod serve;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ferry_runtime::cluster::ClusterArgs;
 use ferry_runtime::GrpcHost;
 use tokio::net::TcpListener;
 
 pub use config::SchedulerConfig;
+use executors::ExecutorSet;
 
 /// Serves the scheduler's gRPC API (the front's `Generation` service) on `listener`, and the
 /// OpenAI HTTP API on `http` when given, until `shutdown` resolves. `model` is the GGUF whose
-/// tokenizer the front uses (the default model when `None`).
+/// tokenizer the front uses (the default model when `None`). With `cluster`, executors are
+/// discovered through etcd as well as taken from `config.executors`.
 pub async fn run(
     config: SchedulerConfig,
     model: Option<PathBuf>,
+    cluster: Option<ClusterArgs>,
     listener: TcpListener,
     http: Option<TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     config.validate()?;
+    if let Some(c) = &cluster {
+        c.validate()?;
+    }
     let (name, tokenizer, max_model_len) = tokio::task::spawn_blocking(move || {
         ferry_executor_svc::model::load_tokenizer(model.as_deref()).map_err(anyhow::Error::from)
     })
     .await??;
-    let mut links = Vec::new();
+    let executors = ExecutorSet::new();
+    let patience = Duration::from_secs(config.executor_connect_timeout);
     for addr in &config.executors {
-        match connect_patiently(addr, &config).await {
-            Ok(link) => links.push(link),
+        let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+        match connect_patiently(addr, &url, &config, Some(patience)).await {
+            Ok(link) => executors.insert(link),
             Err(e) => tracing::error!(error = %e, "executor not connected"),
         }
     }
     // As vLLM does, the usable length is what the smallest executor's KV cache can hold for one
-    // request, so a request the front accepts always fits.
-    let cache_limit = links
+    // request, so a request the front accepts always fits. (Executors discovered later refuse,
+    // with a clear error, what their own cache cannot hold.)
+    let cache_limit = executors
+        .alive()
         .iter()
         .map(|l| {
             (l.info.num_blocks as usize * l.info.block_size as usize)
@@ -54,7 +67,19 @@ pub async fn run(
         .min();
     let max_model_len = cache_limit.map_or(max_model_len, |c| c.min(max_model_len));
     let served = front::prepare::ServedModel { name, tokenizer, max_model_len };
-    let front = front::GenerationService::new(served, links, config.max_queued_requests as usize);
+    // Statically listed executors never come back once lost; discovered ones may.
+    let failover_wait = match &cluster {
+        Some(_) => Duration::from_secs(config.failover_timeout),
+        None => Duration::ZERO,
+    };
+    let discovery =
+        cluster.map(|c| tokio::spawn(discovery::run(c, config.clone(), executors.clone())));
+    let front = front::GenerationService::new(
+        served,
+        executors,
+        config.max_queued_requests as usize,
+        failover_wait,
+    );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -78,24 +103,30 @@ pub async fn run(
     if let Some(task) = http_task {
         task.await??;
     }
+    if let Some(task) = discovery {
+        task.abort();
+    }
     Ok(())
 }
 
-async fn connect_patiently(
-    addr: &str,
+/// Connects to executor `name` at `url`, retrying (it may still be loading its model) until
+/// `patience` runs out, or forever when `None`.
+pub(crate) async fn connect_patiently(
+    name: &str,
+    url: &str,
     config: &SchedulerConfig,
+    patience: Option<Duration>,
 ) -> Result<link::LinkHandle, link::LinkError> {
-    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-    // Executors may still be loading their model: keep trying for a while.
-    let deadline =
-        tokio::time::Instant::now() + Duration::from_secs(config.executor_connect_timeout);
+    let deadline = patience.map(|p| tokio::time::Instant::now() + p);
+    let mut delay = Duration::from_millis(100);
     loop {
-        match link::connect(&url, config, "ferry-scheduler").await {
+        match link::connect(name, url, config, "ferry-scheduler", 0).await {
             Ok(link) => return Ok(link),
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+            Err(e) if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) => return Err(e),
             Err(e) => {
                 tracing::debug!(error = %e, "executor not reachable yet, retrying");
-                tokio::time::sleep(Duration::from_millis(250)).await;
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
             }
         }
     }

@@ -17,7 +17,7 @@ use ferry_sched_core::{
     self as core, AddError, FinishReason, FinishStats, RequestEvent, RequestId, SampledToken,
     Scheduler, StepOutcome, StepPlan, Timestamp, WorkKey,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::config::SchedulerConfig;
@@ -48,7 +48,10 @@ pub struct Submission {
     pub id: RequestId,
     /// Prompt tokens.
     pub prompt: Vec<u32>,
-    /// Most tokens to generate.
+    /// Tokens already generated and delivered before the request moved here (a failover);
+    /// they count against `max_tokens`.
+    pub output: Vec<u32>,
+    /// Most tokens to generate (including `output`).
     pub max_tokens: usize,
     /// Fewest tokens before EOS may stop it.
     pub min_tokens: usize,
@@ -73,7 +76,11 @@ enum Command {
 /// A handle to one executor's loop.
 #[derive(Clone)]
 pub struct LinkHandle {
+    /// The executor's name (its id in etcd, or its address when listed by hand).
+    pub name: Arc<str>,
     tx: mpsc::Sender<Command>,
+    /// Set to a reason to stop the loop: its requests fail (and the front moves them).
+    close: Arc<watch::Sender<Option<String>>>,
     /// What the executor said in the handshake.
     pub info: Arc<v1::ExecutorInfo>,
     /// Requests on this executor now (for the router).
@@ -106,7 +113,18 @@ impl LinkHandle {
 
     /// Whether the link's loop still runs (its executor session is up).
     pub fn is_alive(&self) -> bool {
-        !self.tx.is_closed()
+        !self.tx.is_closed() && self.close.borrow().is_none()
+    }
+
+    /// Stops the loop: the session ends and every request on it gets [`LinkEvent::Failed`].
+    pub fn close(&self, reason: &str) {
+        self.close.send_if_modified(|r| {
+            let first = r.is_none();
+            if first {
+                *r = Some(reason.to_string());
+            }
+            first
+        });
     }
 
     /// How many leading tokens of `prompt` this executor's cache would serve now (0 if the
@@ -125,11 +143,14 @@ impl LinkHandle {
     }
 }
 
-/// Connects to the executor at `addr`, opens a session and starts its loop.
+/// Connects to the executor at `addr`, opens a session under fencing `epoch` and starts its
+/// loop; `name` names the executor in logs and in the executor set.
 pub async fn connect(
+    name: &str,
     addr: &str,
     config: &SchedulerConfig,
     scheduler_id: &str,
+    epoch: u64,
 ) -> Result<LinkHandle, LinkError> {
     let fail = |reason: String| LinkError::Connect { addr: addr.to_string(), reason };
     let mut client =
@@ -137,7 +158,7 @@ pub async fn connect(
     let hs = client
         .handshake(v1::HandshakeRequest {
             scheduler_id: scheduler_id.to_string(),
-            epoch: 0,
+            epoch,
             expected_model: String::new(),
         })
         .await
@@ -165,8 +186,11 @@ pub async fn connect(
     let (tx, rx) = mpsc::channel(1024);
     let load = Arc::new(AtomicUsize::new(0));
     let eos = info.eos_token_ids.clone();
+    let (close_tx, close_rx) = watch::channel(None);
     let step_loop = StepLoop {
         core,
+        name: name.into(),
+        epoch,
         session_id: hs.session_id,
         entries: HashMap::new(),
         in_flight_empty: VecDeque::new(),
@@ -176,8 +200,8 @@ pub async fn connect(
         load: load.clone(),
         events: Vec::new(),
     };
-    tokio::spawn(step_loop.run(rx, step_tx, results));
-    Ok(LinkHandle { tx, info: Arc::new(info), load })
+    tokio::spawn(step_loop.run(rx, step_tx, results, close_rx));
+    Ok(LinkHandle { name: name.into(), tx, close: Arc::new(close_tx), info: Arc::new(info), load })
 }
 
 struct Entry {
@@ -187,6 +211,8 @@ struct Entry {
 
 struct StepLoop {
     core: Scheduler,
+    name: Arc<str>,
+    epoch: u64,
     session_id: u64,
     entries: HashMap<RequestId, Entry>,
     /// For each step in flight, whether it carried nothing.
@@ -209,8 +235,12 @@ impl StepLoop {
         mut commands: mpsc::Receiver<Command>,
         steps: mpsc::Sender<v1::Step>,
         mut results: tonic::Streaming<v1::StepResult>,
+        mut close: watch::Receiver<Option<String>>,
     ) {
         loop {
+            if let Some(reason) = close.borrow_and_update().clone() {
+                return self.fail_all(&reason);
+            }
             while !self.idle
                 && !self.core.is_drained()
                 && self.in_flight_empty.len() < MAX_STEPS_IN_FLIGHT
@@ -219,7 +249,9 @@ impl StepLoop {
                 let step = match self.core.schedule(now) {
                     Ok(plan) => {
                         let entries = &self.entries;
-                        to_proto(plan, self.session_id, |id| entries.get(&id).map(|e| e.sampling))
+                        to_proto(plan, self.session_id, self.epoch, |id| {
+                            entries.get(&id).map(|e| e.sampling)
+                        })
                     }
                     Err(e) => return self.fail_all(&format!("scheduling failed: {e}")),
                 };
@@ -235,6 +267,7 @@ impl StepLoop {
                 self.idle = empty;
             }
             tokio::select! {
+                Ok(()) = close.changed() => {} // handled at the top of the loop
                 cmd = commands.recv() => match cmd {
                     Some(cmd) => self.command(cmd),
                     None => return, // every handle dropped: shutting down
@@ -267,6 +300,7 @@ impl StepLoop {
                 req.stop_token_ids = sub.stop_token_ids;
                 req.ignore_eos = sub.ignore_eos;
                 req.priority = sub.priority;
+                req.output = sub.output;
                 let added = self.core.add_request(req);
                 if added.is_ok() {
                     self.entries
@@ -302,8 +336,8 @@ impl StepLoop {
             .apply_result(&outcome, now, &mut events)
             .map_err(|e| format!("applying step {}: {e}", result.step_id))?;
         for ev in &events {
-            match *ev {
-                RequestEvent::Token { id, token, .. } => {
+            match ev {
+                &RequestEvent::Token { id, token, .. } => {
                     if let Some(e) = self.entries.get(&id) {
                         let lp = logprobs.get_mut(&id.0).and_then(Iterator::next);
                         let _ = e.events.send(LinkEvent::Token(token, lp));
@@ -331,7 +365,7 @@ impl StepLoop {
     }
 
     fn fail_all(&mut self, why: &str) {
-        tracing::error!(reason = why, "executor link stopped");
+        tracing::error!(executor = %self.name, reason = why, "executor link stopped");
         for (_, e) in self.entries.drain() {
             let _ = e.events.send(LinkEvent::Failed);
         }
@@ -364,11 +398,12 @@ fn work_key(k: WorkKey) -> v1::WorkKey {
 pub(crate) fn to_proto(
     plan: &StepPlan,
     session_id: u64,
+    epoch: u64,
     sampling_of: impl Fn(RequestId) -> Option<v1::SamplingParams>,
 ) -> v1::Step {
     v1::Step {
         session_id,
-        epoch: 0,
+        epoch,
         step_id: plan.step_id.0,
         new_requests: plan
             .new_requests
@@ -376,7 +411,7 @@ pub(crate) fn to_proto(
             .map(|n| v1::NewRequest {
                 id: n.id.0,
                 prompt_token_ids: n.prompt.to_vec(),
-                output_token_ids: Vec::new(),
+                output_token_ids: n.output.to_vec(),
                 sampling: sampling_of(n.id),
                 block_ids: plan.blocks(n.block_ids).iter().map(|b| b.0).collect(),
                 num_computed_tokens: n.num_computed_tokens as u32,

@@ -55,6 +55,7 @@ pub async fn run(
             crate::run(
                 scheduler,
                 model,
+                None,
                 grpc_listener,
                 Some(http_listener),
                 stopped(stop_rx.clone())

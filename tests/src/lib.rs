@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 
+mod etcd;
 mod http;
+pub use etcd::Etcd;
 pub use http::{http, http_open};
 
 /// How long a binary may take to announce its address.

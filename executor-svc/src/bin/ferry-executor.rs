@@ -19,6 +19,8 @@ struct Cli {
     log: String,
     #[command(flatten)]
     executor: ExecutorConfig,
+    #[command(flatten)]
+    cluster: ferry_runtime::cluster::ClusterArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -99,5 +101,12 @@ async fn main() -> anyhow::Result<()> {
     cli.executor.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);
-    ferry_executor_svc::run(cli.executor, listener, ferry_runtime::shutdown_signal()).await
+    let cluster = cli.cluster.enabled().then_some(cli.cluster);
+    ferry_executor_svc::run_in_cluster(
+        cli.executor,
+        cluster,
+        listener,
+        ferry_runtime::shutdown_signal(),
+    )
+    .await
 }

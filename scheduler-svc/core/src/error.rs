@@ -43,6 +43,20 @@ pub enum AddError {
     /// `min_tokens` larger than `max_tokens`.
     #[error("request {0}: min_tokens > max_tokens")]
     MinTokensAboveMax(RequestId),
+    /// As many prior output tokens as `max_tokens` (nothing left to generate), or prior output
+    /// combined with a KV import or export.
+    #[error("request {id}: {output_len} prior output tokens leave nothing to generate within max_tokens {max_tokens}")]
+    OutputComplete {
+        /// Request.
+        id: RequestId,
+        /// Prior output tokens given.
+        output_len: usize,
+        /// Its `max_tokens`.
+        max_tokens: usize,
+    },
+    /// Prior output tokens with a KV import or export (a moved request is recomputed).
+    #[error("request {0}: prior output tokens cannot be combined with a KV transfer")]
+    OutputWithTransfer(RequestId),
     /// A live request already has this id.
     #[error("request {0}: id already in use")]
     DuplicateId(RequestId),

@@ -69,7 +69,11 @@ pub struct FinishedRequest {
 }
 
 /// Something the service layer must pass on (stream a token, close a stream, record a metric).
-#[derive(Debug, Clone, Copy, PartialEq)]
+///
+/// A step emits one `Token` per decoding request and rarely anything else, so the rare, large
+/// `Finished` payload is boxed: the enum is 32 bytes instead of 96, and at 16 384 running
+/// requests a step writes 0.5 MiB of events instead of 1.5 MiB.
+#[derive(Debug, Clone, PartialEq)]
 pub enum RequestEvent {
     /// A token was appended to the request's output.
     Token {
@@ -81,7 +85,7 @@ pub enum RequestEvent {
         index: usize,
     },
     /// The request finished.
-    Finished(FinishedRequest),
+    Finished(Box<FinishedRequest>),
     /// A KV import ended (an import that failed is prefilled locally instead).
     Imported {
         /// The request.

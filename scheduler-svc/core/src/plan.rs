@@ -38,6 +38,8 @@ pub struct NewRequestData {
     pub id: RequestId,
     /// Its prompt tokens.
     pub prompt: Arc<[TokenId]>,
+    /// Output tokens it arrived with (generated before it moved here); usually empty.
+    pub output: Arc<[TokenId]>,
     /// Its whole block table (in [`StepPlan::block_ids`]).
     pub block_ids: Span,
     /// Tokens whose KV is already there (prefix-cache hit or import).

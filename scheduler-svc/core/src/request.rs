@@ -103,6 +103,11 @@ pub struct NewRequest {
     /// this transfer (named by the cluster scheduler) and the request leaves through
     /// `Transferring`.
     pub kv_export: Option<TransferId>,
+    /// Output tokens already generated elsewhere (a request moved here after its executor or
+    /// scheduler failed). They count against `max_tokens`, are part of the sequence (their KV is
+    /// recomputed) and go to the executor as output, so seeded sampling and penalties continue
+    /// exactly where they stopped. At most `max_tokens - 1` of them.
+    pub output: Vec<TokenId>,
 }
 
 impl NewRequest {
@@ -121,6 +126,7 @@ impl NewRequest {
             arrival,
             kv_import: None,
             kv_export: None,
+            output: Vec::new(),
         }
     }
 }
@@ -340,7 +346,7 @@ impl Request {
         Request {
             id: req.id,
             prompt: req.prompt.into(),
-            output: Vec::new(),
+            output: req.output,
             max_tokens: req.max_tokens,
             min_tokens: req.min_tokens,
             eos_token_ids: TokenSet::new(req.eos_token_ids),

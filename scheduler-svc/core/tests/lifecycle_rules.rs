@@ -351,3 +351,36 @@ fn drain_is_checked() {
     h.drain(5, 10);
     h.core.check_drained().unwrap();
 }
+
+#[test]
+fn a_moved_request_continues_from_its_prior_output() {
+    let mut h = Harness::new(small_cfg());
+    let mut r = req(1, tokens(1, 6), 5);
+    r.output = vec![900, 901];
+    h.add(r);
+    let (plan, events) = h.step(7);
+    let new = &plan.new_requests[0];
+    assert_eq!(&*new.output, &[900, 901], "the executor gets the prior output as output");
+    assert_eq!(new.num_computed_tokens, 0);
+    assert_eq!(plan.scheduled[0].num_tokens, 8, "prompt and prior output are recomputed");
+    assert!(plan.scheduled[0].samples_token);
+    assert!(events.contains(&RequestEvent::Token { id: RequestId(1), token: 7, index: 2 }));
+    let done = h.drain(7, 10);
+    assert_eq!(done[0].reason, FinishReason::Length);
+    assert_eq!(done[0].stats.output_tokens, 5, "max_tokens counts the prior output");
+}
+
+#[test]
+fn prior_output_must_leave_something_to_generate() {
+    let mut h = Harness::new(small_cfg());
+    let mut r = req(1, tokens(1, 6), 2);
+    r.output = vec![900, 901];
+    assert_eq!(
+        h.core.add_request(r),
+        Err(AddError::OutputComplete { id: RequestId(1), output_len: 2, max_tokens: 2 })
+    );
+    let mut r = export_req(2, 1);
+    r.output = vec![900];
+    assert_eq!(h.core.add_request(r), Err(AddError::OutputWithTransfer(RequestId(2))));
+    assert!(h.core.is_drained(), "refused requests leave nothing behind");
+}

@@ -40,6 +40,8 @@ struct FrontArgs {
     /// GGUF model whose tokenizer the front uses; the default model if absent.
     #[arg(long, env = "FERRY_MODEL")]
     model: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    cluster: ferry_runtime::cluster::ClusterArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -73,7 +75,9 @@ async fn main() -> anyhow::Result<()> {
             ferry_runtime::grpc::announce("ferry-scheduler", "http", http_addr);
             let model = cli.front.model;
             let stop = ferry_runtime::shutdown_signal();
-            ferry_scheduler_svc::run(run.scheduler, model, listener, Some(http), stop).await
+            let cluster = cli.front.cluster.enabled().then_some(cli.front.cluster);
+            ferry_scheduler_svc::run(run.scheduler, model, cluster, listener, Some(http), stop)
+                .await
         }
         Some(Command::BenchCore(args)) => ferry_scheduler_svc::bench_core::run(&args),
         Some(Command::BenchServe(args)) => {

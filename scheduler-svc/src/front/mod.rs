@@ -1,7 +1,12 @@
 //! The front: the client API (`ferry.v1.Generation`; the OpenAI HTTP API translates to it).
-//! It checks and tokenizes requests, places each on an executor (the least loaded), and turns
-//! the executor link's token events into a stream of text deltas with stop strings applied.
-//! A client that goes away aborts its request, which frees its blocks.
+//! It checks and tokenizes requests, places each on an executor (longest cached prefix, then
+//! least load), and turns the executor link's token events into a stream of text deltas with
+//! stop strings applied. A client that goes away aborts its request, which frees its blocks.
+//!
+//! Failover: the front journals each live stream — its prompt and the tokens already delivered.
+//! When the executor running it is lost, the continuation (prompt + delivered tokens, as prior
+//! output) is placed on a surviving executor; seeded sampling and greedy decoding continue
+//! exactly, so the client sees one stream with no repeated and no missing token.
 
 pub mod prepare;
 pub mod text;
@@ -9,6 +14,7 @@ pub mod text;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ferry_proto::v1::{self, generation_server::Generation};
 use ferry_sched_core::{FinishReason, RequestId, StopCause};
@@ -16,22 +22,56 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::executors::ExecutorSet;
 use crate::link::{LinkError, LinkEvent, LinkHandle, Submission};
 use prepare::{prepare, PrepareError, ServedModel};
 use text::TextAssembler;
 
 /// Where a live request runs.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Placement {
-    link: usize,
+    link: LinkHandle,
     id: RequestId,
+}
+
+/// What a request asks for, kept for as long as it streams so it can be moved.
+#[derive(Clone)]
+struct Journal {
+    prompt: Vec<u32>,
+    /// Tokens delivered to the client so far.
+    delivered: Vec<u32>,
+    max_tokens: usize,
+    min_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+    priority: i32,
+    sampling: v1::SamplingParams,
+}
+
+impl Journal {
+    fn submission(&self, id: RequestId, events: mpsc::UnboundedSender<LinkEvent>) -> Submission {
+        Submission {
+            id,
+            prompt: self.prompt.clone(),
+            output: self.delivered.clone(),
+            max_tokens: self.max_tokens,
+            min_tokens: self.min_tokens,
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+            priority: self.priority,
+            sampling: self.sampling,
+            events,
+        }
+    }
 }
 
 /// Shared front state.
 pub struct Front {
     model: ServedModel,
-    links: Vec<LinkHandle>,
+    executors: Arc<ExecutorSet>,
     max_live: usize,
+    /// How long a request whose executor was lost waits for another one to appear.
+    failover_wait: Duration,
     next_id: AtomicU64,
     live: Mutex<HashMap<String, Placement>>,
 }
@@ -43,10 +83,23 @@ pub struct GenerationService {
 }
 
 impl GenerationService {
-    /// A front serving `model` on `links`, holding at most `max_live` requests at once.
-    pub fn new(model: ServedModel, links: Vec<LinkHandle>, max_live: usize) -> Self {
-        let front =
-            Front { model, links, max_live, next_id: AtomicU64::new(1), live: Mutex::default() };
+    /// A front serving `model` on the executors in `executors`, holding at most `max_live`
+    /// requests at once; a request whose executor is lost waits up to `failover_wait` for
+    /// another.
+    pub fn new(
+        model: ServedModel,
+        executors: Arc<ExecutorSet>,
+        max_live: usize,
+        failover_wait: Duration,
+    ) -> Self {
+        let front = Front {
+            model,
+            executors,
+            max_live,
+            failover_wait,
+            next_id: AtomicU64::new(1),
+            live: Mutex::default(),
+        };
         Self { front: Arc::new(front) }
     }
 
@@ -57,7 +110,7 @@ impl GenerationService {
 
     /// Whether any executor is connected and its session up.
     pub fn has_executors(&self) -> bool {
-        self.front.links.iter().any(LinkHandle::is_alive)
+        !self.front.executors.alive().is_empty()
     }
 }
 
@@ -72,31 +125,74 @@ fn finish_reason(reason: FinishReason) -> (v1::FinishReason, String) {
     }
 }
 
-impl Front {
-    /// The executor for a prompt: the longest cached prefix first, then the lightest load,
-    /// then the first listed (DESIGN.md §2's router).
-    async fn place(&self, prompt: &[u32]) -> Result<usize, Status> {
-        let alive: Vec<usize> =
-            (0..self.links.len()).filter(|i| self.links[*i].is_alive()).collect();
-        if alive.is_empty() {
-            return Err(Status::unavailable("no executor is connected"));
+/// Why a request could not be placed.
+enum PlaceError {
+    /// No executor is up.
+    NoExecutor,
+    /// The executor refused it (bad for that executor: too long for its cache, …).
+    Refused(String),
+}
+
+impl From<PlaceError> for Status {
+    fn from(e: PlaceError) -> Status {
+        match e {
+            PlaceError::NoExecutor => Status::unavailable("no executor is connected"),
+            PlaceError::Refused(why) => Status::invalid_argument(why),
         }
-        let hits: Vec<usize> = if alive.len() == 1 {
-            vec![0]
-        } else {
-            let prompt: Arc<[u32]> = prompt.into();
-            let asks = alive.iter().map(|i| self.links[*i].prefix_hit(prompt.clone()));
-            futures_util::future::join_all(asks).await
-        };
+    }
+}
+
+impl Front {
+    /// The executor for a sequence: the longest cached prefix first, then the lightest load,
+    /// then the first listed (DESIGN.md §2's router).
+    async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
+        if alive.len() <= 1 {
+            return alive.first().cloned();
+        }
+        let tokens: Arc<[u32]> = tokens.into();
+        let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
+        let hits = futures_util::future::join_all(asks).await;
         let score = |k: usize| {
-            let i = alive[k];
             (
                 hits[k],
-                std::cmp::Reverse(self.links[i].load.load(Ordering::Relaxed)),
-                std::cmp::Reverse(i),
+                std::cmp::Reverse(alive[k].load.load(Ordering::Relaxed)),
+                std::cmp::Reverse(k),
             )
         };
-        Ok(alive[(0..alive.len()).max_by_key(|k| score(*k)).unwrap_or(0)])
+        (0..alive.len()).max_by_key(|k| score(*k)).map(|k| alive[k].clone())
+    }
+
+    /// Places `journal` (its prompt and delivered tokens) on an executor up now, or one that
+    /// comes up within `patience`; an executor that turns out to be gone is skipped.
+    async fn place(
+        &self,
+        journal: &Journal,
+        patience: Duration,
+    ) -> Result<(Placement, mpsc::UnboundedReceiver<LinkEvent>), PlaceError> {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let alive = self.executors.wait_alive(left).await;
+            let mut sequence = journal.prompt.clone();
+            sequence.extend_from_slice(&journal.delivered);
+            let Some(link) = Self::pick(&alive, &sequence).await else {
+                return Err(PlaceError::NoExecutor);
+            };
+            let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+            let (events_tx, events_rx) = mpsc::unbounded_channel();
+            match link.add(journal.submission(id, events_tx)).await {
+                Ok(Ok(())) => return Ok((Placement { link, id }, events_rx)),
+                Ok(Err(e)) => return Err(PlaceError::Refused(e.to_string())),
+                Err(LinkError::Gone) | Err(LinkError::Connect { .. }) => {
+                    // It died between the pick and the add: try the others.
+                    link.close("its loop stopped");
+                    if tokio::time::Instant::now() >= deadline && self.executors.alive().is_empty()
+                    {
+                        return Err(PlaceError::NoExecutor);
+                    }
+                }
+            }
+        }
     }
 
     fn forget(&self, request_id: &str) {
@@ -105,19 +201,28 @@ impl Front {
         }
     }
 
-    /// Streams one request's events until it ends or the client leaves.
+    fn set_placement(&self, request_id: &str, placement: &Placement) {
+        if let Ok(mut live) = self.live.lock() {
+            if let Some(p) = live.get_mut(request_id) {
+                *p = placement.clone();
+            }
+        }
+    }
+
+    /// Streams one request's events until it ends or the client leaves, moving it to another
+    /// executor when its own is lost.
+    #[allow(clippy::too_many_arguments)]
     async fn pump(
         self: Arc<Self>,
         request_id: String,
-        placement: Placement,
-        prompt_len: usize,
+        mut placement: Placement,
+        mut journal: Journal,
         mut assembler: TextAssembler,
         mut events: mpsc::UnboundedReceiver<LinkEvent>,
         tx: mpsc::Sender<Result<v1::GenerateEvent, Status>>,
     ) {
-        let link = &self.links[placement.link];
         let tok = &self.model.tokenizer;
-        let mut completion = 0u32;
+        let prompt_len = journal.prompt.len();
         let event = |text: String, token_ids: Vec<u32>, logprobs: Option<v1::PositionLogprobs>| {
             v1::GenerateEvent {
                 request_id: request_id.clone(),
@@ -131,24 +236,24 @@ impl Front {
             let ev = tokio::select! {
                 ev = events.recv() => ev,
                 () = tx.closed() => {
-                    link.abort(placement.id).await;
+                    placement.link.abort(placement.id).await;
                     break;
                 }
             };
             let out = match ev {
                 Some(LinkEvent::Token(token, logprobs)) => {
-                    completion += 1;
+                    journal.delivered.push(token);
                     let pushed = assembler.push(tok, token);
                     match pushed.stopped {
                         None => Ok(event(pushed.text, vec![token], logprobs)),
                         Some(stop) => {
-                            link.abort(placement.id).await;
+                            placement.link.abort(placement.id).await;
                             let mut last = event(pushed.text, vec![token], logprobs);
                             last.finish_reason = v1::FinishReason::Stop.into();
                             last.stop_reason = stop;
                             last.usage = Some(v1::Usage {
                                 prompt_tokens: prompt_len as u32,
-                                completion_tokens: completion,
+                                completion_tokens: journal.delivered.len() as u32,
                                 cached_prompt_tokens: 0,
                             });
                             let _ = tx.send(Ok(last)).await;
@@ -170,15 +275,45 @@ impl Front {
                     break;
                 }
                 Some(LinkEvent::Failed) | None => {
-                    let mut last = event(assembler.finish(), Vec::new(), None);
-                    last.finish_reason = v1::FinishReason::Error.into();
-                    last.error = "the executor running this request was lost".into();
-                    let _ = tx.send(Ok(last)).await;
-                    break;
+                    let moved = tokio::select! {
+                        moved = self.place(&journal, self.failover_wait) => moved,
+                        () = tx.closed() => break,
+                    };
+                    match moved {
+                        Ok((to, rx)) => {
+                            tracing::warn!(
+                                request = %request_id,
+                                from = %placement.link.name,
+                                to = %to.link.name,
+                                delivered = journal.delivered.len(),
+                                "executor lost: request moved"
+                            );
+                            placement = to;
+                            events = rx;
+                            self.set_placement(&request_id, &placement);
+                            continue;
+                        }
+                        Err(e) => {
+                            let why = match e {
+                                PlaceError::NoExecutor => {
+                                    "the executor running this request was lost and no other is up"
+                                        .to_string()
+                                }
+                                PlaceError::Refused(why) => format!(
+                                    "the executor running this request was lost and no other took it: {why}"
+                                ),
+                            };
+                            let mut last = event(assembler.finish(), Vec::new(), None);
+                            last.finish_reason = v1::FinishReason::Error.into();
+                            last.error = why;
+                            let _ = tx.send(Ok(last)).await;
+                            break;
+                        }
+                    }
                 }
             };
             if tx.send(out).await.is_err() {
-                link.abort(placement.id).await;
+                placement.link.abort(placement.id).await;
                 break;
             }
         }
@@ -200,16 +335,23 @@ impl Generation for GenerationService {
             PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
             PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
         })?;
-        let link_index = front.place(&prepared.prompt).await?;
-        let id = RequestId(front.next_id.fetch_add(1, Ordering::Relaxed));
         let request_id = if req.request_id.is_empty() {
-            format!("req-{}", id.0)
+            format!("req-{}", front.next_id.fetch_add(1, Ordering::Relaxed))
         } else {
             req.request_id.clone()
         };
-        let placement = Placement { link: link_index, id };
+        let journal = Journal {
+            prompt: prepared.prompt,
+            delivered: Vec::new(),
+            max_tokens: prepared.max_tokens,
+            min_tokens: prepared.min_tokens,
+            stop_token_ids: prepared.stop_token_ids,
+            ignore_eos: prepared.ignore_eos,
+            priority: prepared.priority,
+            sampling: prepared.sampling,
+        };
         {
-            let mut live =
+            let live =
                 front.live.lock().map_err(|_| Status::internal("front state is poisoned"))?;
             if live.contains_key(&request_id) {
                 return Err(Status::already_exists(format!(
@@ -223,38 +365,28 @@ impl Generation for GenerationService {
                     front.max_live
                 )));
             }
-            live.insert(request_id.clone(), placement);
         }
-        let (events_tx, events_rx) = mpsc::unbounded_channel();
-        let prompt_len = prepared.prompt.len();
-        let assembler = TextAssembler::new(&prepared.stop, prepared.include_stop_str);
-        let sub = Submission {
-            id,
-            prompt: prepared.prompt,
-            max_tokens: prepared.max_tokens,
-            min_tokens: prepared.min_tokens,
-            stop_token_ids: prepared.stop_token_ids,
-            ignore_eos: prepared.ignore_eos,
-            priority: prepared.priority,
-            sampling: prepared.sampling,
-            events: events_tx,
-        };
-        let added = front.links[link_index].add(sub).await;
-        let refused = match added {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(Status::invalid_argument(e.to_string())),
-            Err(LinkError::Gone) | Err(LinkError::Connect { .. }) => {
-                Some(Status::unavailable("the executor for this request is not reachable"))
+        // A new request does not wait for an executor: no executor is a 503 now.
+        let (placement, events_rx) = front.place(&journal, Duration::ZERO).await?;
+        let admitted = {
+            let mut live =
+                front.live.lock().map_err(|_| Status::internal("front state is poisoned"))?;
+            let room = !live.contains_key(&request_id) && live.len() < front.max_live;
+            if room {
+                live.insert(request_id.clone(), placement.clone());
             }
+            room
         };
-        if let Some(status) = refused {
-            front.forget(&request_id);
-            return Err(status);
+        if !admitted {
+            placement.link.abort(placement.id).await;
+            return Err(Status::resource_exhausted(format!(
+                "the queue is full or request id {request_id:?} became live meanwhile (limit {}); retry later",
+                front.max_live
+            )));
         }
+        let assembler = TextAssembler::new(&prepared.stop, prepared.include_stop_str);
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(
-            front.clone().pump(request_id, placement, prompt_len, assembler, events_rx, tx),
-        );
+        tokio::spawn(front.clone().pump(request_id, placement, journal, assembler, events_rx, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -269,9 +401,9 @@ impl Generation for GenerationService {
             .lock()
             .map_err(|_| Status::internal("front state is poisoned"))?
             .get(&request_id)
-            .copied();
-        if let Some(p) = placement {
-            self.front.links[p.link].abort(p.id).await;
+            .cloned();
+        if let Some(p) = &placement {
+            p.link.abort(p.id).await;
         }
         Ok(Response::new(v1::AbortResponse { found: placement.is_some() }))
     }

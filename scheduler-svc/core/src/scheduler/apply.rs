@@ -193,7 +193,7 @@ impl Scheduler {
             self.start_transfer_out(idx, events);
         } else if let Some(reason) = stop {
             let done = self.finish(idx, reason, now);
-            events.push(RequestEvent::Finished(done));
+            events.push(RequestEvent::Finished(Box::new(done)));
         }
     }
 
@@ -242,7 +242,7 @@ impl Scheduler {
                 if !aborted {
                     let reason = if ok { FinishReason::Transferred } else { FinishReason::Error };
                     let done = self.finish(idx, reason, now);
-                    events.push(RequestEvent::Finished(done));
+                    events.push(RequestEvent::Finished(Box::new(done)));
                 }
             }
             TransferState::ImportQueued

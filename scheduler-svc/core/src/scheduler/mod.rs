@@ -34,7 +34,7 @@ use crate::plan::StepPlan;
 use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, NewRequest, Request, RequestStatus, TransferState};
 use crate::slots::AdmissionSlots;
-use crate::types::{BlockId, RequestId, StepId, Timestamp, TransferId};
+use crate::types::{BlockId, RequestId, StepId, Timestamp, TokenId, TransferId};
 use crate::waiting::WaitingQueue;
 use crate::work_queues::WorkQueues;
 
@@ -119,6 +119,8 @@ pub struct Scheduler {
     step_blocked: bool,
     counters: Counters,
     scratch_blocks: Vec<BlockId>,
+    /// The shared empty token list new requests without prior output carry (no allocation).
+    empty_tokens: std::sync::Arc<[TokenId]>,
 }
 
 impl Scheduler {
@@ -161,6 +163,7 @@ impl Scheduler {
             step_blocked: false,
             counters: Counters::default(),
             scratch_blocks: Vec::new(),
+            empty_tokens: std::sync::Arc::from(Vec::new()),
         })
     }
 
@@ -232,6 +235,16 @@ impl Scheduler {
         }
         if req.min_tokens > req.max_tokens {
             return Err(AddError::MinTokensAboveMax(id));
+        }
+        if req.output.len() >= req.max_tokens {
+            return Err(AddError::OutputComplete {
+                id,
+                output_len: req.output.len(),
+                max_tokens: req.max_tokens,
+            });
+        }
+        if !req.output.is_empty() && (req.kv_import.is_some() || req.kv_export.is_some()) {
+            return Err(AddError::OutputWithTransfer(id));
         }
         if self.by_id.contains_key(&id) {
             return Err(AddError::DuplicateId(id));

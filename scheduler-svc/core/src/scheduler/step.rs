@@ -16,7 +16,9 @@ use crate::error::ScheduleError;
 use crate::plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, StepPlan};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, RequestStatus, StepMark, TransferState};
-use crate::types::{StepId, Timestamp};
+use std::sync::Arc;
+
+use crate::types::{StepId, Timestamp, TokenId};
 use crate::work_queues::WorkKey;
 
 use super::preempt::Room;
@@ -529,13 +531,19 @@ impl Scheduler {
         let computed_before = r.num_computed - scheduled_tokens;
         let table_len = r.block_table.len();
         if !r.exec.known {
-            debug_assert!(r.output.is_empty(), "a request unknown to the executor has output");
             let prompt = r.prompt.clone();
+            // Only a request that arrived with output has any before the executor knew it.
+            let output: Arc<[TokenId]> = if r.output.is_empty() {
+                self.empty_tokens.clone()
+            } else {
+                r.output.as_slice().into()
+            };
             let id = r.id;
             let block_ids = self.plan.push_blocks(&r.block_table);
             self.plan.new_requests.push(NewRequestData {
                 id,
                 prompt,
+                output,
                 block_ids,
                 num_computed_tokens: computed_before,
             });

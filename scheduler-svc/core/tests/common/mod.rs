@@ -186,8 +186,8 @@ pub fn run(cfg: SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Result
             core.apply_result(&outcome, now, &mut events)
                 .map_err(|e| format!("step {step}: apply: {e}"))?;
             for e in &events {
-                match *e {
-                    RequestEvent::Token { id, index, .. } => {
+                match e {
+                    &RequestEvent::Token { id, index, .. } => {
                         let n = outputs.entry(id).or_default();
                         if index != *n {
                             return Err(format!("{id}: token index {index}, expected {n}"));
@@ -492,7 +492,7 @@ impl Harness {
             }
             let (_, events) = self.step(token);
             done.extend(events.iter().filter_map(|e| match e {
-                RequestEvent::Finished(f) => Some(*f),
+                RequestEvent::Finished(f) => Some(**f),
                 _ => None,
             }));
         }
@@ -514,7 +514,7 @@ pub fn finishes(events: &[RequestEvent]) -> Vec<FinishedRequest> {
     events
         .iter()
         .filter_map(|e| match e {
-            RequestEvent::Finished(f) => Some(*f),
+            RequestEvent::Finished(f) => Some(**f),
             _ => None,
         })
         .collect()

@@ -1,0 +1,397 @@
+//! Cluster membership through etcd (DESIGN.md §7): a service registers itself under
+//! `/ferry/<cluster>/<kind>/<id>` with a lease it keeps alive, and a scheduler watches a kind's
+//! prefix to learn who is there.
+//!
+//! Why these loops never give up: etcd is a dependency that comes and goes (a restart, a dead
+//! member behind a round-robin endpoint list). A failed call is retried with backoff; while etcd
+//! is unreachable the watcher reports nothing, so the caller keeps the membership it last saw,
+//! and the registration re-creates its lease and key as soon as etcd answers again. Nothing
+//! here panics or returns on an etcd error, and nothing blocks a caller on etcd.
+
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use tokio::sync::{mpsc, watch};
+
+/// The flags every clustered service takes. Without `--etcd-endpoints`, services run
+/// statically (addresses given by hand) as before.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ClusterArgs {
+    /// etcd endpoints (comma-separated `host:port` or URLs); empty: no etcd, static set-up.
+    #[arg(long = "etcd-endpoints", env = "FERRY_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// The cluster's name: keys live under `/ferry/<cluster>/`.
+    #[arg(long, env = "FERRY_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// Seconds a registration outlives its owner's last keep-alive.
+    #[arg(long = "lease-ttl", env = "FERRY_LEASE_TTL", default_value_t = 5)]
+    pub lease_ttl: u64,
+    /// The address others reach this service at (default: the address it listens on).
+    #[arg(long = "advertise-address", env = "FERRY_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
+}
+
+/// What a registration's value says about its member.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemberInfo {
+    /// Where to reach it (`http://host:port`).
+    pub address: String,
+}
+
+impl MemberInfo {
+    /// The value stored in etcd.
+    pub fn to_value(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Parses a stored value.
+    pub fn from_value(value: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(value)
+    }
+}
+
+/// A cluster flag out of range.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterArgsError {
+    /// TTL too short for keep-alives to work, or absurdly long.
+    #[error("--lease-ttl must be between 2 and 3600 seconds, got {0}")]
+    LeaseTtl(u64),
+    /// Cluster names become key segments.
+    #[error(
+        "--cluster {0:?} must be non-empty and contain only letters, digits, '-', '_' and '.'"
+    )]
+    Cluster(String),
+    /// An empty endpoint.
+    #[error("--etcd-endpoints contains an empty endpoint")]
+    Endpoint,
+}
+
+/// The kinds of registration, each a key prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemberKind {
+    /// `executors/<id>`.
+    Executor,
+    /// `kv/<node>`.
+    KvAgent,
+}
+
+impl MemberKind {
+    fn segment(self) -> &'static str {
+        match self {
+            MemberKind::Executor => "executors",
+            MemberKind::KvAgent => "kv",
+        }
+    }
+}
+
+impl ClusterArgs {
+    /// Whether etcd is configured.
+    pub fn enabled(&self) -> bool {
+        !self.etcd_endpoints.is_empty()
+    }
+
+    /// Checks what clap's types cannot.
+    pub fn validate(&self) -> Result<(), ClusterArgsError> {
+        if !(2..=3600).contains(&self.lease_ttl) {
+            return Err(ClusterArgsError::LeaseTtl(self.lease_ttl));
+        }
+        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+        if self.cluster.is_empty() || !self.cluster.chars().all(ok) {
+            return Err(ClusterArgsError::Cluster(self.cluster.clone()));
+        }
+        if self.etcd_endpoints.iter().any(|e| e.trim().is_empty()) {
+            return Err(ClusterArgsError::Endpoint);
+        }
+        Ok(())
+    }
+
+    /// The key prefix of a kind, ending in `/`.
+    pub fn prefix(&self, kind: MemberKind) -> String {
+        format!("/ferry/{}/{}/", self.cluster, kind.segment())
+    }
+
+    /// The address to advertise for a service bound to `bound`.
+    pub fn advertised(&self, bound: std::net::SocketAddr) -> String {
+        match &self.advertise_address {
+            Some(a) if a.contains("://") => a.clone(),
+            Some(a) => format!("http://{a}"),
+            None => format!("http://{bound}"),
+        }
+    }
+
+    /// Registers `id` of `kind` at this service's advertised address (for a service bound to
+    /// `bound`); `None` without etcd.
+    pub async fn register(
+        &self,
+        kind: MemberKind,
+        id: &str,
+        bound: std::net::SocketAddr,
+    ) -> Result<Option<Registration>, etcd_client::Error> {
+        if !self.enabled() {
+            return Ok(None);
+        }
+        let client = self.client().await?;
+        let key = format!("{}{id}", self.prefix(kind));
+        let value = MemberInfo { address: self.advertised(bound) }.to_value();
+        Ok(Some(Registration::spawn(client, key, value, self.ttl())))
+    }
+
+    /// The lease TTL.
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.lease_ttl)
+    }
+
+    /// An etcd client over the endpoints. Channels connect lazily, so this succeeds while etcd
+    /// is down; calls then fail until it is up.
+    pub async fn client(&self) -> Result<Client, etcd_client::Error> {
+        let endpoints: Vec<String> = self
+            .etcd_endpoints
+            .iter()
+            .map(|e| if e.contains("://") { e.clone() } else { format!("http://{e}") })
+            .collect();
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(3))
+            .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        Client::connect(endpoints, Some(options)).await
+    }
+}
+
+/// Retry delays: 100 ms doubling to 2 s.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff(Duration::from_millis(100))
+    }
+    async fn wait(&mut self) {
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 2).min(Duration::from_secs(2));
+    }
+    fn reset(&mut self) {
+        self.0 = Duration::from_millis(100);
+    }
+}
+
+/// Whether a registration is in etcd now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseState {
+    /// Not (yet, or no longer) registered: etcd unreachable or the lease lapsed.
+    Lost,
+    /// Registered and kept alive.
+    Held,
+}
+
+/// A key kept in etcd under a lease for as long as this lives; dropping it (or
+/// [`Registration::withdraw`]) revokes the lease, which deletes the key at once.
+pub struct Registration {
+    stop: watch::Sender<bool>,
+    state: watch::Receiver<LeaseState>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Registration {
+    /// Starts keeping `key = value` in etcd under a lease of `ttl`.
+    pub fn spawn(client: Client, key: String, value: String, ttl: Duration) -> Self {
+        let (stop, stop_rx) = watch::channel(false);
+        let (state_tx, state) = watch::channel(LeaseState::Lost);
+        let task = tokio::spawn(keep_registered(client, key, value, ttl, stop_rx, state_tx));
+        Registration { stop, state, task: Some(task) }
+    }
+
+    /// Whether the key is in etcd now.
+    pub fn state(&self) -> LeaseState {
+        *self.state.borrow()
+    }
+
+    /// Waits until the key is in etcd.
+    pub async fn held(&mut self) {
+        let _ = self.state.wait_for(|s| *s == LeaseState::Held).await;
+    }
+
+    /// Removes the key now (revoking the lease) and stops keeping it.
+    pub async fn withdraw(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn keep_registered(
+    mut client: Client,
+    key: String,
+    value: String,
+    ttl: Duration,
+    mut stop: watch::Receiver<bool>,
+    state: watch::Sender<LeaseState>,
+) {
+    let mut backoff = Backoff::new();
+    let ttl_secs = ttl.as_secs().max(1) as i64;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        // A fresh lease and key each time: the old lease may have lapsed while etcd was away.
+        let lease = match client.lease_grant(ttl_secs, None).await {
+            Ok(r) => r.id(),
+            Err(e) => {
+                tracing::debug!(%key, error = %e, "etcd: lease grant failed; retrying");
+                tokio::select! { () = backoff.wait() => continue, _ = stop.changed() => return }
+            }
+        };
+        let put = client.put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease)));
+        if let Err(e) = put.await {
+            tracing::debug!(%key, error = %e, "etcd: registration failed; retrying");
+            tokio::select! { () = backoff.wait() => continue, _ = stop.changed() => return }
+        }
+        let kept = keep_alive(&mut client, lease, ttl, &mut stop, &state).await;
+        state.send_replace(LeaseState::Lost);
+        match kept {
+            KeepAlive::Stopped => {
+                let revoke = client.lease_revoke(lease);
+                let _ = tokio::time::timeout(Duration::from_secs(1), revoke).await;
+                return;
+            }
+            KeepAlive::Lapsed(why) => {
+                tracing::warn!(%key, reason = %why, "etcd registration lost; registering again");
+                backoff.reset();
+                tokio::select! { () = backoff.wait() => {}, _ = stop.changed() => return }
+            }
+        }
+    }
+}
+
+enum KeepAlive {
+    Stopped,
+    Lapsed(String),
+}
+
+/// Refreshes `lease` every third of its TTL until told to stop or it cannot be refreshed.
+async fn keep_alive(
+    client: &mut Client,
+    lease: i64,
+    ttl: Duration,
+    stop: &mut watch::Receiver<bool>,
+    state: &watch::Sender<LeaseState>,
+) -> KeepAlive {
+    let (mut keeper, mut responses) = match client.lease_keep_alive(lease).await {
+        Ok(k) => k,
+        Err(e) => return KeepAlive::Lapsed(format!("keep-alive stream: {e}")),
+    };
+    state.send_replace(LeaseState::Held);
+    let period = ttl / 3;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return KeepAlive::Stopped,
+            () = tokio::time::sleep(period) => {}
+        }
+        if let Err(e) = keeper.keep_alive().await {
+            return KeepAlive::Lapsed(format!("keep-alive: {e}"));
+        }
+        match tokio::time::timeout(period, responses.message()).await {
+            Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+            Ok(Ok(Some(_))) => return KeepAlive::Lapsed("the lease expired".into()),
+            Ok(Ok(None)) => return KeepAlive::Lapsed("keep-alive stream closed".into()),
+            Ok(Err(e)) => return KeepAlive::Lapsed(format!("keep-alive: {e}")),
+            Err(_) => return KeepAlive::Lapsed("keep-alive timed out".into()),
+        }
+    }
+}
+
+/// A change in the members under a prefix. Keys are given without the prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MembershipEvent {
+    /// Everything there is now (after a (re)connection): members not listed are gone.
+    Snapshot(Vec<(String, String)>),
+    /// A member appeared or changed its value.
+    Put(String, String),
+    /// A member's key was deleted (it withdrew or its lease lapsed).
+    Delete(String),
+}
+
+/// Watches the members under `prefix`. The first event is a snapshot; after any etcd failure,
+/// once etcd answers again, another snapshot follows. While etcd is unreachable nothing is
+/// sent: the caller keeps what it last saw. Ends when the receiver is dropped.
+pub fn watch_members(client: Client, prefix: String) -> mpsc::Receiver<MembershipEvent> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(watch_loop(client, prefix, tx));
+    rx
+}
+
+async fn watch_loop(mut client: Client, prefix: String, tx: mpsc::Sender<MembershipEvent>) {
+    let mut backoff = Backoff::new();
+    let strip = |k: &[u8]| String::from_utf8_lossy(&k[prefix.len().min(k.len())..]).into_owned();
+    loop {
+        if tx.is_closed() {
+            return;
+        }
+        let listed = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await;
+        let (members, revision) = match listed {
+            Ok(r) => {
+                let members = r
+                    .kvs()
+                    .iter()
+                    .map(|kv| (strip(kv.key()), String::from_utf8_lossy(kv.value()).into_owned()))
+                    .collect::<Vec<_>>();
+                (members, r.header().map_or(0, |h| h.revision()))
+            }
+            Err(e) => {
+                tracing::debug!(%prefix, error = %e, "etcd: listing members failed; retrying");
+                backoff.wait().await;
+                continue;
+            }
+        };
+        if tx.send(MembershipEvent::Snapshot(members)).await.is_err() {
+            return;
+        }
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+        let mut stream = match client.watch(prefix.clone(), Some(options)).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(%prefix, error = %e, "etcd: watch failed; retrying");
+                backoff.wait().await;
+                continue;
+            }
+        };
+        backoff.reset();
+        loop {
+            let msg = tokio::select! {
+                msg = stream.message() => msg,
+                () = tx.closed() => return,
+            };
+            let resp = match msg {
+                Ok(Some(resp)) => resp,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!(%prefix, error = %e, "etcd: watch broke; listing again");
+                    break;
+                }
+            };
+            if resp.canceled() || resp.compact_revision() > 0 {
+                break;
+            }
+            for ev in resp.events() {
+                let Some(kv) = ev.kv() else { continue };
+                let key = strip(kv.key());
+                let event = match ev.event_type() {
+                    EventType::Put => {
+                        MembershipEvent::Put(key, String::from_utf8_lossy(kv.value()).into_owned())
+                    }
+                    EventType::Delete => MembershipEvent::Delete(key),
+                };
+                if tx.send(event).await.is_err() {
+                    return;
+                }
+            }
+        }
+        backoff.wait().await;
+    }
+}

@@ -1,0 +1,113 @@
+//! The executors a scheduler drives right now: a set of links that grows as executors are
+//! discovered (or listed with `--executor`) and shrinks as they die or their etcd lease lapses.
+//!
+//! Why a set and not a fixed list: with etcd, membership changes at run time, and the front
+//! must place new requests — and move the requests of a lost executor — only on links that are
+//! up. A removed link is closed: its loop fails its requests, whose streams the front then
+//! moves to the survivors (DESIGN.md §7).
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::link::LinkHandle;
+
+/// The live links, by executor name.
+pub struct ExecutorSet {
+    links: RwLock<Vec<LinkHandle>>,
+    /// Bumped on every change, so waiters wake up without polling.
+    changed: watch::Sender<u64>,
+}
+
+impl Default for ExecutorSet {
+    fn default() -> Self {
+        Self { links: RwLock::new(Vec::new()), changed: watch::channel(0).0 }
+    }
+}
+
+impl ExecutorSet {
+    /// An empty set.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Adds a link; one with the same name is replaced and closed.
+    pub fn insert(&self, link: LinkHandle) {
+        let old = {
+            let mut links = self.links.write().unwrap_or_else(|e| e.into_inner());
+            let old = links.iter().position(|l| l.name == link.name).map(|i| links.remove(i));
+            links.push(link);
+            old
+        };
+        if let Some(old) = old {
+            old.close("replaced by a new session to the same executor");
+        }
+        self.bump();
+    }
+
+    /// Removes and closes the link named `name` (its requests fail over); false if absent.
+    pub fn remove(&self, name: &str, reason: &str) -> bool {
+        let old = {
+            let mut links = self.links.write().unwrap_or_else(|e| e.into_inner());
+            links.iter().position(|l| &*l.name == name).map(|i| links.remove(i))
+        };
+        match old {
+            Some(link) => {
+                link.close(reason);
+                self.bump();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether a link named `name` is in the set and up.
+    pub fn contains_alive(&self, name: &str) -> bool {
+        self.alive().iter().any(|l| &*l.name == name)
+    }
+
+    /// The links that are up, in insertion order; dead ones are dropped from the set.
+    pub fn alive(&self) -> Vec<LinkHandle> {
+        let (alive, pruned) = {
+            let mut links = self.links.write().unwrap_or_else(|e| e.into_inner());
+            let before = links.len();
+            links.retain(LinkHandle::is_alive);
+            (links.clone(), links.len() != before)
+        };
+        if pruned {
+            self.bump();
+        }
+        alive
+    }
+
+    /// The live links, waiting up to `patience` for one to appear when there is none.
+    pub async fn wait_alive(&self, patience: Duration) -> Vec<LinkHandle> {
+        let mut changes = self.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let alive = self.alive();
+            if !alive.is_empty() {
+                return alive;
+            }
+            // A link dies without telling the set; re-check now and then as well.
+            let tick = deadline.min(tokio::time::Instant::now() + Duration::from_millis(200));
+            tokio::select! {
+                _ = changes.changed() => {}
+                () = tokio::time::sleep_until(tick) => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return self.alive();
+            }
+        }
+    }
+
+    /// Names of the live links.
+    pub fn names(&self) -> Vec<String> {
+        self.alive().iter().map(|l| l.name.to_string()).collect()
+    }
+}

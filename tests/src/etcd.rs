@@ -1,0 +1,167 @@
+//! A real etcd for the coordination tests: Debian's `etcd` binary on free loopback ports with a
+//! temporary data dir, one member or a cluster of several, and `etcdctl` to look and poke.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// One etcd member: its ports, data dir and process (killed on drop).
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+/// A running etcd cluster of one or more members.
+pub struct Etcd {
+    members: Vec<Member>,
+    initial_cluster: String,
+    token: String,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Etcd {
+    /// Starts a single-member etcd and waits until it answers.
+    pub fn start() -> Result<Self> {
+        Self::cluster(1)
+    }
+
+    /// Starts a cluster of `n` members and waits until every member answers.
+    pub fn cluster(n: usize) -> Result<Self> {
+        let token = format!("ferry-test-{}-{}", std::process::id(), free_port()?);
+        let mut members = Vec::new();
+        for i in 0..n {
+            let dir = std::env::temp_dir().join(format!("{token}-m{i}"));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir)?;
+            members.push(Member {
+                name: format!("m{i}"),
+                client_port: free_port()?,
+                peer_port: free_port()?,
+                dir,
+                child: None,
+            });
+        }
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut etcd = Etcd { members, initial_cluster, token };
+        for i in 0..n {
+            etcd.spawn(i)?;
+        }
+        for i in 0..n {
+            etcd.wait_healthy(i)?;
+        }
+        Ok(etcd)
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<()> {
+        let m = &self.members[i];
+        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let child = Command::new("etcd")
+            .args(["--name", &m.name, "--data-dir"])
+            .arg(&m.dir)
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &self.initial_cluster])
+            .args(["--initial-cluster-token", &self.token, "--initial-cluster-state", "new"])
+            .args(["--log-level", "error", "--logger", "zap"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting etcd (scripts/setup installs Debian's etcd-server)")?;
+        self.members[i].child = Some(child);
+        Ok(())
+    }
+
+    fn wait_healthy(&self, i: usize) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let ep = self.member_endpoint(i);
+        loop {
+            let ok = Command::new("etcdctl")
+                .args(["--endpoints", &ep, "--command-timeout=1s", "endpoint", "health"])
+                .env("ETCDCTL_API", "3")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("etcd member {i} at {ep} not healthy within 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The client endpoint of member `i` (`127.0.0.1:port`).
+    pub fn member_endpoint(&self, i: usize) -> String {
+        format!("127.0.0.1:{}", self.members[i].client_port)
+    }
+
+    /// All client endpoints, comma-separated (the value of `--etcd-endpoints`).
+    pub fn endpoints(&self) -> String {
+        (0..self.members.len()).map(|i| self.member_endpoint(i)).collect::<Vec<_>>().join(",")
+    }
+
+    /// `kill -9` member `i`.
+    pub fn kill(&mut self, i: usize) -> Result<()> {
+        if let Some(mut child) = self.members[i].child.take() {
+            child.kill()?;
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Restarts member `i` (killed before) on the same ports and data, and waits for it.
+    pub fn restart(&mut self, i: usize) -> Result<()> {
+        self.kill(i)?;
+        self.spawn(i)?;
+        self.wait_healthy(i)
+    }
+
+    /// Runs `etcdctl` against the cluster and returns its stdout.
+    pub fn ctl(&self, args: &[&str]) -> Result<String> {
+        let out = Command::new("etcdctl")
+            .args(["--endpoints", &self.endpoints(), "--command-timeout=3s"])
+            .args(args)
+            .env("ETCDCTL_API", "3")
+            .output()
+            .context("running etcdctl (scripts/setup installs Debian's etcd-client)")?;
+        if !out.status.success() {
+            bail!("etcdctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    }
+
+    /// The keys under `prefix`.
+    pub fn keys(&self, prefix: &str) -> Result<Vec<String>> {
+        let out = self.ctl(&["get", "--prefix", "--keys-only", prefix])?;
+        Ok(out.lines().filter(|l| !l.is_empty()).map(str::to_string).collect())
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        for m in &mut self.members {
+            if let Some(mut child) = m.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            let _ = std::fs::remove_dir_all(&m.dir);
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Coordination through a real etcd (issue 6): registration, discovery and removal when a lease
+//! lapses; executors killed under load lose no request; etcd restarted or a member of a
+//! three-member etcd killed in mid-load fails no request.
+
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1::{self, executor_client::ExecutorClient, generation_client::GenerationClient};
+use ferry_tests::{http, signal, Etcd, Service};
+
+const PREFIX: &str = "/ferry/default/executors/";
+
+/// An executor with id `id` registered in `etcd` with a 2 s lease.
+fn start_executor(etcd: &Etcd, id: &str) -> Service {
+    let endpoints = etcd.endpoints();
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-cache-mib",
+        "64",
+        "--executor-id",
+        id,
+        "--etcd-endpoints",
+        &endpoints,
+        "--lease-ttl",
+        "2",
+    ];
+    Service::start("ferry-executor", &args, 1).unwrap()
+}
+
+/// A scheduler that discovers its executors through `etcd`.
+fn start_scheduler(etcd: &Etcd) -> Service {
+    let endpoints = etcd.endpoints();
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--etcd-endpoints",
+        &endpoints,
+        "--lease-ttl",
+        "2",
+    ];
+    Service::start("ferry-scheduler", &args, 2).unwrap()
+}
+
+/// Polls `cond` every 50 ms for up to `limit`; returns how long it took, or `None`.
+async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// Waits until executor `exec` has a session from a scheduler.
+async fn wait_for_session(exec: &Service) {
+    let mut client =
+        ExecutorClient::connect(format!("http://{}", exec.addr("grpc"))).await.unwrap();
+    for _ in 0..400 {
+        let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+        if d.session_id != 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("no scheduler opened a session to {}", exec.addr("grpc"));
+}
+
+fn health(sched: &Service) -> u16 {
+    http(sched.addr("http"), "GET", "/health", b"").map(|r| r.0).unwrap_or(0)
+}
+
+/// The request of stream `i`: greedy for even `i`, seeded sampling for odd `i`.
+fn request(i: usize, max_tokens: u32) -> v1::GenerateRequest {
+    let sampling = if i.is_multiple_of(2) {
+        v1::SamplingParams { temperature: 0.0, ..Default::default() }
+    } else {
+        v1::SamplingParams { temperature: 0.8, seed: Some(1000 + i as u64), ..Default::default() }
+    };
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Prompt(format!(
+            "Story {i}: once upon a time, in a town called {}, there lived",
+            ["Amber", "Birch", "Cedar", "Dune"][i % 4]
+        ))),
+        sampling: Some(sampling),
+        stopping: Some(v1::StoppingCriteria { max_tokens, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// What one stream delivered: its token ids, its text, how it ended.
+#[derive(Debug, Clone, PartialEq)]
+struct Outcome {
+    tokens: Vec<u32>,
+    text: String,
+    finish: i32,
+    error: String,
+}
+
+/// Runs `n` streams at once against `sched`; `after_first_tokens` runs once every stream has
+/// delivered at least `k` tokens (the fault to inject).
+async fn run_streams(
+    sched: &Service,
+    n: usize,
+    max_tokens: u32,
+    k: usize,
+    after_first_tokens: impl FnOnce(),
+) -> Vec<Outcome> {
+    let url = format!("http://{}", sched.addr("grpc"));
+    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let url = url.clone();
+        let progress = progress_tx.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut client = GenerationClient::connect(url).await.unwrap();
+            let mut stream = client.generate(request(i, max_tokens)).await.unwrap().into_inner();
+            let mut out =
+                Outcome { tokens: vec![], text: String::new(), finish: 0, error: String::new() };
+            let mut reported = false;
+            while let Some(ev) = stream.message().await.unwrap() {
+                out.tokens.extend(&ev.token_ids);
+                out.text.push_str(&ev.text);
+                if ev.finish_reason != 0 {
+                    out.finish = ev.finish_reason;
+                    out.error = ev.error;
+                }
+                if !reported && out.tokens.len() >= k {
+                    reported = true;
+                    let _ = progress.send(i);
+                }
+            }
+            if !reported {
+                let _ = progress.send(i);
+            }
+            out
+        }));
+    }
+    drop(progress_tx);
+    for _ in 0..n {
+        progress_rx.recv().await;
+    }
+    after_first_tokens();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.unwrap());
+    }
+    outcomes
+}
+
+fn assert_complete(outcomes: &[Outcome], max_tokens: usize) {
+    for (i, o) in outcomes.iter().enumerate() {
+        assert_eq!(o.error, "", "stream {i} failed");
+        assert_eq!(o.finish, v1::FinishReason::Length as i32, "stream {i}: {o:?}");
+        assert_eq!(o.tokens.len(), max_tokens, "stream {i} has missing or repeated tokens");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executors_register_are_discovered_and_dropped_when_their_lease_lapses() {
+    let etcd = Etcd::start().unwrap();
+    let sched = start_scheduler(&etcd);
+    assert_eq!(health(&sched), 503, "no executor yet");
+    let mut exec = start_executor(&etcd, "exec-a");
+    let key = format!("{PREFIX}exec-a");
+    let registered =
+        wait_for(Duration::from_secs(30), || etcd.keys(PREFIX).unwrap() == [key.clone()]).await;
+    assert!(registered.is_some(), "exec-a never registered");
+    wait_for_session(&exec).await;
+    assert!(wait_for(Duration::from_secs(5), || health(&sched) == 200).await.is_some());
+    let (status, body) = http(
+        sched.addr("http"),
+        "POST",
+        "/v1/completions",
+        br#"{"model":"SmolLM2-135M-Instruct","prompt":"Hello","max_tokens":4}"#,
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+
+    // Frozen (SIGSTOP): its session stays open but its keep-alives stop, so its lease lapses
+    // within the TTL and the scheduler drops it.
+    signal(exec.pid(), "STOP").unwrap();
+    let lapsed = wait_for(Duration::from_secs(10), || etcd.keys(PREFIX).unwrap().is_empty()).await;
+    let lapsed = lapsed.expect("the frozen executor's key outlived its lease");
+    eprintln!("lease lapsed {lapsed:?} after SIGSTOP (TTL 2 s)");
+    let dropped = wait_for(Duration::from_secs(5), || health(&sched) == 503).await;
+    assert!(dropped.is_some(), "the scheduler kept an executor whose lease lapsed");
+
+    // Thawed: it notices, registers again, and the scheduler takes it back.
+    signal(exec.pid(), "CONT").unwrap();
+    assert!(
+        wait_for(Duration::from_secs(15), || etcd.keys(PREFIX).unwrap() == [key.clone()])
+            .await
+            .is_some(),
+        "exec-a did not register again"
+    );
+    assert!(wait_for(Duration::from_secs(10), || health(&sched) == 200).await.is_some());
+
+    // SIGTERM withdraws the key at once instead of waiting for the lease.
+    let t = Instant::now();
+    assert!(exec.terminate(Duration::from_secs(30)).unwrap().success());
+    assert!(etcd.keys(PREFIX).unwrap().is_empty(), "drain left the key behind");
+    eprintln!("SIGTERM to exit with withdrawn key: {:?}", t.elapsed());
+    assert!(wait_for(Duration::from_secs(5), || health(&sched) == 503).await.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_executor_loses_no_request_and_changes_no_token() {
+    const N: usize = 32;
+    const MAX: u32 = 40;
+    let etcd = Etcd::start().unwrap();
+    let sched = start_scheduler(&etcd);
+    let a = start_executor(&etcd, "exec-a");
+    let b = start_executor(&etcd, "exec-b");
+    wait_for_session(&a).await;
+    wait_for_session(&b).await;
+
+    let undisturbed = run_streams(&sched, N, MAX, 0, || {}).await;
+    assert_complete(&undisturbed, MAX as usize);
+
+    // Same requests; once every stream has tokens, one executor dies (kill -9).
+    let t = Instant::now();
+    let pid = a.pid();
+    let disturbed = run_streams(&sched, N, MAX, 4, || signal(pid, "KILL").unwrap()).await;
+    eprintln!("32 streams with a kill -9 mid-way: {:?}", t.elapsed());
+    assert_complete(&disturbed, MAX as usize);
+    for i in 0..N {
+        assert_eq!(
+            disturbed[i].tokens, undisturbed[i].tokens,
+            "stream {i} differs from the undisturbed run"
+        );
+        assert_eq!(disturbed[i].text, undisturbed[i].text);
+    }
+    drop(a);
+    assert_eq!(health(&sched), 200, "the survivor still serves");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restarted_in_mid_load_fails_no_request() {
+    let mut etcd = Etcd::start().unwrap();
+    let sched = start_scheduler(&etcd);
+    let exec = start_executor(&etcd, "exec-a");
+    wait_for_session(&exec).await;
+    let outcomes = run_streams(&sched, 8, 48, 2, || {
+        etcd.kill(0).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        etcd.restart(0).unwrap();
+    })
+    .await;
+    assert_complete(&outcomes, 48);
+    // Registration resumes by itself (the key survives in etcd's data or is put back).
+    let key = format!("{PREFIX}exec-a");
+    assert!(wait_for(Duration::from_secs(15), || etcd.keys(PREFIX).unwrap() == [key.clone()])
+        .await
+        .is_some());
+    assert_eq!(health(&sched), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_member_of_a_three_member_etcd_has_no_effect() {
+    let mut etcd = Etcd::cluster(3).unwrap();
+    let sched = start_scheduler(&etcd);
+    let a = start_executor(&etcd, "exec-a");
+    wait_for_session(&a).await;
+    etcd.kill(0).unwrap();
+    // Registration, discovery and serving go on through the two live members.
+    let b = start_executor(&etcd, "exec-b");
+    wait_for_session(&b).await;
+    let outcomes = run_streams(&sched, 8, 24, 0, || {}).await;
+    assert_complete(&outcomes, 24);
+    let mut keys = etcd_keys_via_live_member(&etcd);
+    keys.sort();
+    assert_eq!(keys, [format!("{PREFIX}exec-a"), format!("{PREFIX}exec-b")]);
+}
+
+/// Keys under the executors' prefix, read through member 1 (member 0 is dead).
+fn etcd_keys_via_live_member(etcd: &Etcd) -> Vec<String> {
+    let ep = etcd.member_endpoint(1);
+    let out = std::process::Command::new("etcdctl")
+        .args(["--endpoints", &ep, "get", "--prefix", "--keys-only", PREFIX])
+        .env("ETCDCTL_API", "3")
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
+}

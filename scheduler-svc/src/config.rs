@@ -26,6 +26,13 @@ pub struct SchedulerConfig {
     /// in seconds (without etcd it moves only to an executor already up).
     #[arg(long, env = "FERRY_FAILOVER_TIMEOUT", default_value_t = 30)]
     pub failover_timeout: u64,
+    /// The pool this scheduler leads (with etcd: one leader per pool, the others stand by).
+    #[arg(long, env = "FERRY_POOL", default_value = "default")]
+    pub pool: String,
+    /// This scheduler's id, shown by executors as their session's owner
+    /// (default `scheduler-<pid>`).
+    #[arg(long = "scheduler-id", env = "FERRY_SCHEDULER_ID")]
+    pub scheduler_id: Option<String>,
     /// Split long prompts into chunks that share steps with decodes.
     #[arg(long, env = "FERRY_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_chunked_prefill: bool,
@@ -38,6 +45,11 @@ impl SchedulerConfig {
         use clap::{Args, FromArgMatches};
         let cmd = Self::augment_args(clap::Command::new("ferry-scheduler"));
         Self::from_arg_matches(&cmd.try_get_matches_from(["ferry-scheduler"])?)
+    }
+
+    /// This scheduler's id.
+    pub fn scheduler_id(&self) -> String {
+        self.scheduler_id.clone().unwrap_or_else(|| format!("scheduler-{}", std::process::id()))
     }
 
     /// Checks what clap's types cannot, naming the limit.

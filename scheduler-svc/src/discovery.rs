@@ -17,8 +17,15 @@ use tokio::task::JoinHandle;
 use crate::config::SchedulerConfig;
 use crate::executors::ExecutorSet;
 
-/// Keeps `set` equal to the executors registered in etcd until aborted.
-pub async fn run(cluster: ClusterArgs, config: SchedulerConfig, set: Arc<ExecutorSet>) {
+/// Keeps `set` equal to the executors registered in etcd until aborted, opening sessions as
+/// `scheduler_id` under fencing `epoch`.
+pub async fn run(
+    cluster: ClusterArgs,
+    config: SchedulerConfig,
+    set: Arc<ExecutorSet>,
+    scheduler_id: String,
+    epoch: u64,
+) {
     let client = loop {
         match cluster.client().await {
             Ok(c) => break c,
@@ -29,7 +36,7 @@ pub async fn run(cluster: ClusterArgs, config: SchedulerConfig, set: Arc<Executo
         }
     };
     let mut events = watch_members(client, cluster.prefix(MemberKind::Executor));
-    let mut wanted = Wanted { config, set, members: HashMap::new() };
+    let mut wanted = Wanted { config, set, scheduler_id, epoch, members: HashMap::new() };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
@@ -52,6 +59,8 @@ struct Member {
 struct Wanted {
     config: SchedulerConfig,
     set: Arc<ExecutorSet>,
+    scheduler_id: String,
+    epoch: u64,
     members: HashMap<String, Member>,
 }
 
@@ -120,9 +129,11 @@ impl Wanted {
             }
             let (name, url, config, set) =
                 (name.clone(), m.address.clone(), self.config.clone(), self.set.clone());
+            let (scheduler_id, epoch) = (self.scheduler_id.clone(), self.epoch);
             m.connecting = Some(tokio::spawn(async move {
                 let patience = Some(Duration::from_secs(config.executor_connect_timeout));
-                match crate::connect_patiently(&name, &url, &config, patience).await {
+                let fence = crate::Fence { scheduler_id: &scheduler_id, epoch };
+                match crate::connect_patiently(&name, &url, &config, fence, patience).await {
                     Ok(link) => {
                         tracing::info!(executor = %name, address = %url, "executor session open");
                         set.insert(link);

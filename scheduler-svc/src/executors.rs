@@ -66,6 +66,17 @@ impl ExecutorSet {
         }
     }
 
+    /// Removes and closes every link (their requests wait in the front for new ones).
+    pub fn clear(&self, reason: &str) {
+        let old = std::mem::take(&mut *self.links.write().unwrap_or_else(|e| e.into_inner()));
+        for link in &old {
+            link.close(reason);
+        }
+        if !old.is_empty() {
+            self.bump();
+        }
+    }
+
     /// Whether a link named `name` is in the set and up.
     pub fn contains_alive(&self, name: &str) -> bool {
         self.alive().iter().any(|l| &*l.name == name)

@@ -11,6 +11,7 @@ pub mod discovery;
 pub mod executors;
 pub mod front;
 pub mod http;
+pub mod leader;
 pub mod link;
 pub mod loadgen;
 pub mod serve;
@@ -49,7 +50,8 @@ pub async fn run(
     let patience = Duration::from_secs(config.executor_connect_timeout);
     for addr in &config.executors {
         let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-        match connect_patiently(addr, &url, &config, Some(patience)).await {
+        let fence = Fence { scheduler_id: &config.scheduler_id(), epoch: 0 };
+        match connect_patiently(addr, &url, &config, fence, Some(patience)).await {
             Ok(link) => executors.insert(link),
             Err(e) => tracing::error!(error = %e, "executor not connected"),
         }
@@ -72,8 +74,20 @@ pub async fn run(
         Some(_) => Duration::from_secs(config.failover_timeout),
         None => Duration::ZERO,
     };
-    let discovery =
-        cluster.map(|c| tokio::spawn(discovery::run(c, config.clone(), executors.clone())));
+    // With etcd, executors are driven only while this scheduler leads its pool.
+    let (leading_tx, _leading) = tokio::sync::watch::channel(None);
+    let discovery = match cluster {
+        Some(c) => {
+            let candidate = leader::Candidate {
+                pool: config.pool.clone(),
+                scheduler_id: config.scheduler_id(),
+                address: c.advertised(listener.local_addr()?),
+            };
+            let set = executors.clone();
+            Some(tokio::spawn(leader::run(c, candidate, config.clone(), set, leading_tx)))
+        }
+        None => None,
+    };
     let front = front::GenerationService::new(
         served,
         executors,
@@ -109,18 +123,26 @@ pub async fn run(
     Ok(())
 }
 
+/// Who opens an executor session, under which leadership epoch.
+#[derive(Clone, Copy)]
+pub(crate) struct Fence<'a> {
+    pub scheduler_id: &'a str,
+    pub epoch: u64,
+}
+
 /// Connects to executor `name` at `url`, retrying (it may still be loading its model) until
 /// `patience` runs out, or forever when `None`.
 pub(crate) async fn connect_patiently(
     name: &str,
     url: &str,
     config: &SchedulerConfig,
+    fence: Fence<'_>,
     patience: Option<Duration>,
 ) -> Result<link::LinkHandle, link::LinkError> {
     let deadline = patience.map(|p| tokio::time::Instant::now() + p);
     let mut delay = Duration::from_millis(100);
     loop {
-        match link::connect(name, url, config, "ferry-scheduler", 0).await {
+        match link::connect(name, url, config, fence.scheduler_id, fence.epoch).await {
             Ok(link) => return Ok(link),
             Err(e) if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) => return Err(e),
             Err(e) => {

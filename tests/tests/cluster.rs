@@ -29,8 +29,16 @@ fn start_executor(etcd: &Etcd, id: &str) -> Service {
 
 /// A scheduler that discovers its executors through `etcd`.
 fn start_scheduler(etcd: &Etcd) -> Service {
+    start_scheduler_as(etcd, "scheduler-test")
+}
+
+/// A scheduler with id `id` that campaigns for the default pool and, leading, discovers its
+/// executors through `etcd`.
+fn start_scheduler_as(etcd: &Etcd, id: &str) -> Service {
     let endpoints = etcd.endpoints();
     let args = [
+        "--scheduler-id",
+        id,
         "--listen",
         "127.0.0.1:0",
         "--http-listen",
@@ -53,6 +61,17 @@ async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Dur
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     None
+}
+
+/// Waits until `sched` drives every executor in `execs` (each has its session, and the
+/// scheduler has put them in rotation).
+async fn wait_ready(sched: &Service, execs: &[&Service]) {
+    for exec in execs {
+        wait_for_session(exec).await;
+    }
+    // The link joins the scheduler's rotation right after its session opens.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(wait_for(Duration::from_secs(10), || health(sched) == 200).await.is_some());
 }
 
 /// Waits until executor `exec` has a session from a scheduler.
@@ -215,8 +234,7 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
     let sched = start_scheduler(&etcd);
     let a = start_executor(&etcd, "exec-a");
     let b = start_executor(&etcd, "exec-b");
-    wait_for_session(&a).await;
-    wait_for_session(&b).await;
+    wait_ready(&sched, &[&a, &b]).await;
 
     let undisturbed = run_streams(&sched, N, MAX, 0, || {}).await;
     assert_complete(&undisturbed, MAX as usize);
@@ -243,7 +261,7 @@ async fn etcd_restarted_in_mid_load_fails_no_request() {
     let mut etcd = Etcd::start().unwrap();
     let sched = start_scheduler(&etcd);
     let exec = start_executor(&etcd, "exec-a");
-    wait_for_session(&exec).await;
+    wait_ready(&sched, &[&exec]).await;
     let outcomes = run_streams(&sched, 8, 48, 2, || {
         etcd.kill(0).unwrap();
         std::thread::sleep(Duration::from_millis(1500));
@@ -268,7 +286,7 @@ async fn a_dead_member_of_a_three_member_etcd_has_no_effect() {
     etcd.kill(0).unwrap();
     // Registration, discovery and serving go on through the two live members.
     let b = start_executor(&etcd, "exec-b");
-    wait_for_session(&b).await;
+    wait_ready(&sched, &[&a, &b]).await;
     let outcomes = run_streams(&sched, 8, 24, 0, || {}).await;
     assert_complete(&outcomes, 24);
     let mut keys = etcd_keys_via_live_member(&etcd);
@@ -290,4 +308,90 @@ fn etcd_keys_via_live_member(etcd: &Etcd) -> Vec<String> {
         .filter(|l| !l.is_empty())
         .map(str::to_string)
         .collect()
+}
+
+/// The executor's session owner and epoch.
+async fn session_owner(exec: &Service) -> (String, u64) {
+    let mut client =
+        ExecutorClient::connect(format!("http://{}", exec.addr("grpc"))).await.unwrap();
+    let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    (d.scheduler_id, d.epoch)
+}
+
+/// The lease of the pool's current leader key (the candidate key created first), in hex.
+fn leader_lease(etcd: &Etcd) -> String {
+    let out = etcd.ctl(&["get", "--prefix", "/ferry/default/scheduler/", "-w", "json"]).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let kvs = v["kvs"].as_array().expect("candidate keys");
+    let leader = kvs.iter().min_by_key(|kv| kv["create_revision"].as_i64().unwrap()).unwrap();
+    format!("{:x}", leader["lease"].as_i64().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
+    const TTL: Duration = Duration::from_secs(2);
+    let etcd = Etcd::start().unwrap();
+    let exec = start_executor(&etcd, "exec-a");
+    let mut scheds = [Some(start_scheduler_as(&etcd, "s0")), None];
+    assert!(wait_for(Duration::from_secs(30), || health(scheds[0].as_ref().unwrap()) == 200)
+        .await
+        .is_some());
+    scheds[1] = Some(start_scheduler_as(&etcd, "s1"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(health(scheds[1].as_ref().unwrap()), 503, "a standby drives no executor");
+    let (owner, first_epoch) = session_owner(&exec).await;
+    assert_eq!(owner, "s0");
+
+    // The leader's lease revoked by hand: it stops at once, the standby leads with a newer
+    // epoch, and the executor serves only the new leader.
+    etcd.ctl(&["lease", "revoke", &leader_lease(&etcd)]).unwrap();
+    let s1 = scheds[1].as_ref().unwrap();
+    assert!(wait_for(TTL + Duration::from_secs(1), || health(s1) == 200).await.is_some());
+    let s0 = scheds[0].as_ref().unwrap();
+    assert!(wait_for(Duration::from_secs(1), || health(s0) == 503).await.is_some());
+    let (owner, epoch) = session_owner(&exec).await;
+    assert_eq!(owner, "s1");
+    assert!(epoch > first_epoch, "the new leader's epoch {epoch} is not above {first_epoch}");
+    let (status, _) = http(
+        s0.addr("http"),
+        "POST",
+        "/v1/completions",
+        br#"{"model":"SmolLM2-135M-Instruct","prompt":"Hi","max_tokens":2}"#,
+    )
+    .unwrap();
+    assert_eq!(status, 503, "the deposed leader must not schedule");
+
+    // kill -9 of the leader, three times: the standby leads within the TTL plus one second.
+    let mut leader = 1;
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let old = scheds[leader].take().unwrap();
+        let killed = Instant::now();
+        signal(old.pid(), "KILL").unwrap();
+        drop(old);
+        let standby = 1 - leader;
+        let id = format!("s{standby}");
+        let mut took = None;
+        while killed.elapsed() < Duration::from_secs(10) {
+            if session_owner(&exec).await.0 == id {
+                took = Some(killed.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let took = took.expect("the standby never took over");
+        times.push(took);
+        assert!(took <= TTL + Duration::from_secs(1), "failover took {took:?}");
+        assert!(wait_for(Duration::from_secs(5), || health(scheds[standby].as_ref().unwrap())
+            == 200)
+        .await
+        .is_some());
+        scheds[leader] = Some(start_scheduler_as(&etcd, &format!("s{leader}")));
+        leader = standby;
+    }
+    times.sort();
+    eprintln!(
+        "leader failover (kill -9 to new session), TTL {TTL:?}: median {:?}, worst {:?}",
+        times[1], times[2]
+    );
 }

@@ -90,10 +90,53 @@ pub async fn run(
     };
     let front = front::GenerationService::new(
         served,
-        executors,
+        front::Route::Local(executors),
         config.max_queued_requests as usize,
         failover_wait,
     );
+    serve_api(front, listener, http, shutdown).await?;
+    if let Some(task) = discovery {
+        task.abort();
+    }
+    Ok(())
+}
+
+/// A front in its own process: the OpenAI HTTP and `Generation` gRPC APIs, sending every
+/// request to the leader scheduler of `config.pool` (found through etcd) and moving streams to
+/// the next leader when one fails.
+pub async fn run_front(
+    config: SchedulerConfig,
+    model: Option<PathBuf>,
+    cluster: ClusterArgs,
+    listener: TcpListener,
+    http: Option<TcpListener>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    config.validate()?;
+    cluster.validate()?;
+    anyhow::ensure!(cluster.enabled(), "a front needs --etcd-endpoints to find its scheduler");
+    let (name, tokenizer, max_model_len) = tokio::task::spawn_blocking(move || {
+        ferry_executor_svc::model::load_tokenizer(model.as_deref()).map_err(anyhow::Error::from)
+    })
+    .await??;
+    let served = front::prepare::ServedModel { name, tokenizer, max_model_len };
+    let leader = front::remote::Leader::follow(cluster, config.pool.clone());
+    let front = front::GenerationService::new(
+        served,
+        front::Route::Remote(leader),
+        config.max_queued_requests as usize,
+        Duration::from_secs(config.failover_timeout),
+    );
+    serve_api(front, listener, http, shutdown).await
+}
+
+/// Serves `front` over gRPC on `listener` and HTTP on `http` until `shutdown`, then drains.
+async fn serve_api(
+    front: front::GenerationService,
+    listener: TcpListener,
+    http: Option<TcpListener>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -116,9 +159,6 @@ pub async fn run(
     let _ = stop_tx.send(true);
     if let Some(task) = http_task {
         task.await??;
-    }
-    if let Some(task) = discovery {
-        task.abort();
     }
     Ok(())
 }

@@ -395,3 +395,52 @@ async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
         times[1], times[2]
     );
 }
+
+/// A front in its own process that follows the pool's leader through `etcd`.
+fn start_front(etcd: &Etcd) -> Service {
+    let endpoints = etcd.endpoints();
+    let args = [
+        "front",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--etcd-endpoints",
+        &endpoints,
+        "--lease-ttl",
+        "2",
+    ];
+    Service::start("ferry-scheduler", &args, 2).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_leader_scheduler_breaks_no_stream() {
+    const N: usize = 32;
+    const MAX: u32 = 40;
+    let etcd = Etcd::start().unwrap();
+    let exec = start_executor(&etcd, "exec-a");
+    let s0 = start_scheduler_as(&etcd, "s0");
+    wait_ready(&s0, &[&exec]).await;
+    let s1 = start_scheduler_as(&etcd, "s1");
+    let front = start_front(&etcd);
+    assert!(wait_for(Duration::from_secs(10), || health(&front) == 200).await.is_some());
+
+    let undisturbed = run_streams(&front, N, MAX, 0, || {}).await;
+    assert_complete(&undisturbed, MAX as usize);
+
+    // Same requests through the front; once every stream has tokens, the leader dies.
+    let t = Instant::now();
+    let pid = s0.pid();
+    let disturbed = run_streams(&front, N, MAX, 4, || signal(pid, "KILL").unwrap()).await;
+    eprintln!("32 streams through a front with the leader killed mid-way: {:?}", t.elapsed());
+    assert_complete(&disturbed, MAX as usize);
+    for i in 0..N {
+        assert_eq!(
+            disturbed[i].tokens, undisturbed[i].tokens,
+            "stream {i} differs from the undisturbed run"
+        );
+        assert_eq!(disturbed[i].text, undisturbed[i].text);
+    }
+    assert_eq!(session_owner(&exec).await.0, "s1", "the standby leads now");
+    drop(s1);
+}

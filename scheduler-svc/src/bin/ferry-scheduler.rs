@@ -55,6 +55,14 @@ enum Command {
         #[command(flatten)]
         kv_agent: KvAgentConfig,
     },
+    /// A front alone: the OpenAI and gRPC APIs, sending requests to the pool's leader
+    /// scheduler found through etcd, and moving streams to the next leader when one fails.
+    Front {
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        front: FrontArgs,
+    },
     /// Benchmark the scheduling core: cost of one schedule + apply per step, per scenario.
     BenchCore(ferry_scheduler_svc::bench_core::BenchCoreArgs),
     /// Load-test an OpenAI-compatible endpoint: throughput, TTFT, TPOT, ITL, end-to-end latency.
@@ -78,6 +86,25 @@ async fn main() -> anyhow::Result<()> {
             let cluster = cli.front.cluster.enabled().then_some(cli.front.cluster);
             ferry_scheduler_svc::run(run.scheduler, model, cluster, listener, Some(http), stop)
                 .await
+        }
+        Some(Command::Front { run, front }) => {
+            ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
+            run.scheduler.validate()?;
+            front.cluster.validate()?;
+            let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
+            let (http, http_addr) = ferry_runtime::grpc::bind(&run.http_listen).await?;
+            ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);
+            ferry_runtime::grpc::announce("ferry-scheduler", "http", http_addr);
+            let stop = ferry_runtime::shutdown_signal();
+            ferry_scheduler_svc::run_front(
+                run.scheduler,
+                front.model,
+                front.cluster,
+                listener,
+                Some(http),
+                stop,
+            )
+            .await
         }
         Some(Command::BenchCore(args)) => ferry_scheduler_svc::bench_core::run(&args),
         Some(Command::BenchServe(args)) => {

@@ -9,6 +9,7 @@
 //! exactly, so the client sees one stream with no repeated and no missing token.
 
 pub mod prepare;
+pub mod remote;
 pub mod text;
 
 use std::collections::HashMap;
@@ -27,11 +28,38 @@ use crate::link::{LinkError, LinkEvent, LinkHandle, Submission};
 use prepare::{prepare, PrepareError, ServedModel};
 use text::TextAssembler;
 
+/// Where a front sends its requests.
+pub enum Route {
+    /// Executors this process drives (the scheduler role, and `serve`).
+    Local(Arc<ExecutorSet>),
+    /// The pool's leader scheduler, followed through etcd (a front in its own process).
+    Remote(Arc<remote::Leader>),
+}
+
 /// Where a live request runs.
 #[derive(Clone)]
-struct Placement {
-    link: LinkHandle,
-    id: RequestId,
+enum Placement {
+    /// On an executor link of this process, under a core id.
+    Link { link: LinkHandle, id: RequestId },
+    /// On the leader scheduler.
+    Remote(remote::Call),
+}
+
+impl Placement {
+    /// Aborts the request where it runs (a no-op if it already ended).
+    async fn abort(&self) {
+        match self {
+            Placement::Link { link, id } => link.abort(*id).await,
+            Placement::Remote(call) => call.cancel(),
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Placement::Link { link, .. } => &link.name,
+            Placement::Remote(call) => &call.leader,
+        }
+    }
 }
 
 /// What a request asks for, kept for as long as it streams so it can be moved.
@@ -49,6 +77,27 @@ struct Journal {
 }
 
 impl Journal {
+    /// The continuation as a request to a scheduler: prompt tokens plus the delivered tokens
+    /// as prior output. Stop strings stay with this front, which applies them.
+    fn continuation(&self) -> v1::GenerateRequest {
+        v1::GenerateRequest {
+            input: Some(v1::generate_request::Input::PromptTokenIds(v1::TokenIds {
+                ids: self.prompt.clone(),
+            })),
+            output_token_ids: self.delivered.clone(),
+            sampling: Some(self.sampling),
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: self.max_tokens as u32,
+                min_tokens: self.min_tokens as u32,
+                stop_token_ids: self.stop_token_ids.clone(),
+                ignore_eos: self.ignore_eos,
+                ..Default::default()
+            }),
+            priority: self.priority,
+            ..Default::default()
+        }
+    }
+
     fn submission(&self, id: RequestId, events: mpsc::UnboundedSender<LinkEvent>) -> Submission {
         Submission {
             id,
@@ -68,7 +117,7 @@ impl Journal {
 /// Shared front state.
 pub struct Front {
     model: ServedModel,
-    executors: Arc<ExecutorSet>,
+    route: Route,
     max_live: usize,
     /// How long a request whose executor was lost waits for another one to appear.
     failover_wait: Duration,
@@ -83,18 +132,12 @@ pub struct GenerationService {
 }
 
 impl GenerationService {
-    /// A front serving `model` on the executors in `executors`, holding at most `max_live`
-    /// requests at once; a request whose executor is lost waits up to `failover_wait` for
-    /// another.
-    pub fn new(
-        model: ServedModel,
-        executors: Arc<ExecutorSet>,
-        max_live: usize,
-        failover_wait: Duration,
-    ) -> Self {
+    /// A front serving `model` through `route`, holding at most `max_live` requests at once;
+    /// a request whose executor (or scheduler) is lost waits up to `failover_wait` for another.
+    pub fn new(model: ServedModel, route: Route, max_live: usize, failover_wait: Duration) -> Self {
         let front = Front {
             model,
-            executors,
+            route,
             max_live,
             failover_wait,
             next_id: AtomicU64::new(1),
@@ -108,9 +151,13 @@ impl GenerationService {
         &self.front.model
     }
 
-    /// Whether any executor is connected and its session up.
+    /// Whether requests can run now: an executor session is up (a remote front: a leader is
+    /// known).
     pub fn has_executors(&self) -> bool {
-        !self.front.executors.alive().is_empty()
+        match &self.front.route {
+            Route::Local(set) => !set.alive().is_empty(),
+            Route::Remote(leader) => leader.current().is_some(),
+        }
     }
 }
 
@@ -131,6 +178,8 @@ enum PlaceError {
     NoExecutor,
     /// The executor refused it (bad for that executor: too long for its cache, …).
     Refused(String),
+    /// The leader scheduler refused it, or none answered in time.
+    Remote(Status),
 }
 
 impl From<PlaceError> for Status {
@@ -138,6 +187,17 @@ impl From<PlaceError> for Status {
         match e {
             PlaceError::NoExecutor => Status::unavailable("no executor is connected"),
             PlaceError::Refused(why) => Status::invalid_argument(why),
+            PlaceError::Remote(status) => status,
+        }
+    }
+}
+
+impl std::fmt::Display for PlaceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlaceError::NoExecutor => write!(f, "no other executor is up"),
+            PlaceError::Refused(why) => write!(f, "no other executor took it: {why}"),
+            PlaceError::Remote(s) => write!(f, "no scheduler took it: {}", s.message()),
         }
     }
 }
@@ -169,10 +229,14 @@ impl Front {
         journal: &Journal,
         patience: Duration,
     ) -> Result<(Placement, mpsc::UnboundedReceiver<LinkEvent>), PlaceError> {
+        let executors = match &self.route {
+            Route::Local(set) => set,
+            Route::Remote(leader) => return Self::place_remote(leader, journal, patience).await,
+        };
         let deadline = tokio::time::Instant::now() + patience;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let alive = self.executors.wait_alive(left).await;
+            let alive = executors.wait_alive(left).await;
             let mut sequence = journal.prompt.clone();
             sequence.extend_from_slice(&journal.delivered);
             let Some(link) = Self::pick(&alive, &sequence).await else {
@@ -181,15 +245,40 @@ impl Front {
             let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
             let (events_tx, events_rx) = mpsc::unbounded_channel();
             match link.add(journal.submission(id, events_tx)).await {
-                Ok(Ok(())) => return Ok((Placement { link, id }, events_rx)),
+                Ok(Ok(())) => return Ok((Placement::Link { link, id }, events_rx)),
                 Ok(Err(e)) => return Err(PlaceError::Refused(e.to_string())),
                 Err(LinkError::Gone) | Err(LinkError::Connect { .. }) => {
                     // It died between the pick and the add: try the others.
                     link.close("its loop stopped");
-                    if tokio::time::Instant::now() >= deadline && self.executors.alive().is_empty()
-                    {
+                    if tokio::time::Instant::now() >= deadline && executors.alive().is_empty() {
                         return Err(PlaceError::NoExecutor);
                     }
+                }
+            }
+        }
+    }
+
+    /// Sends `journal` to the leader scheduler, retrying (no leader, leader unreachable or
+    /// without executors) until `patience` runs out.
+    async fn place_remote(
+        leader: &remote::Leader,
+        journal: &Journal,
+        patience: Duration,
+    ) -> Result<(Placement, mpsc::UnboundedReceiver<LinkEvent>), PlaceError> {
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            match remote::submit(leader, journal.continuation()).await {
+                Ok((call, rx)) => return Ok((Placement::Remote(call), rx)),
+                Err(remote::SubmitError::Refused(status)) => {
+                    return Err(PlaceError::Remote(status))
+                }
+                Err(remote::SubmitError::Retry(status)) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(PlaceError::Remote(status));
+                    }
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_millis(500));
                 }
             }
         }
@@ -236,7 +325,7 @@ impl Front {
             let ev = tokio::select! {
                 ev = events.recv() => ev,
                 () = tx.closed() => {
-                    placement.link.abort(placement.id).await;
+                    placement.abort().await;
                     break;
                 }
             };
@@ -247,7 +336,7 @@ impl Front {
                     match pushed.stopped {
                         None => Ok(event(pushed.text, vec![token], logprobs)),
                         Some(stop) => {
-                            placement.link.abort(placement.id).await;
+                            placement.abort().await;
                             let mut last = event(pushed.text, vec![token], logprobs);
                             last.finish_reason = v1::FinishReason::Stop.into();
                             last.stop_reason = stop;
@@ -283,10 +372,10 @@ impl Front {
                         Ok((to, rx)) => {
                             tracing::warn!(
                                 request = %request_id,
-                                from = %placement.link.name,
-                                to = %to.link.name,
+                                from = %placement.name(),
+                                to = %to.name(),
                                 delivered = journal.delivered.len(),
-                                "executor lost: request moved"
+                                "where it ran was lost: request moved"
                             );
                             placement = to;
                             events = rx;
@@ -294,15 +383,7 @@ impl Front {
                             continue;
                         }
                         Err(e) => {
-                            let why = match e {
-                                PlaceError::NoExecutor => {
-                                    "the executor running this request was lost and no other is up"
-                                        .to_string()
-                                }
-                                PlaceError::Refused(why) => format!(
-                                    "the executor running this request was lost and no other took it: {why}"
-                                ),
-                            };
+                            let why = format!("where this request ran was lost and {e}");
                             let mut last = event(assembler.finish(), Vec::new(), None);
                             last.finish_reason = v1::FinishReason::Error.into();
                             last.error = why;
@@ -313,7 +394,7 @@ impl Front {
                 }
             };
             if tx.send(out).await.is_err() {
-                placement.link.abort(placement.id).await;
+                placement.abort().await;
                 break;
             }
         }
@@ -342,7 +423,7 @@ impl Generation for GenerationService {
         };
         let journal = Journal {
             prompt: prepared.prompt,
-            delivered: Vec::new(),
+            delivered: prepared.output,
             max_tokens: prepared.max_tokens,
             min_tokens: prepared.min_tokens,
             stop_token_ids: prepared.stop_token_ids,
@@ -378,7 +459,7 @@ impl Generation for GenerationService {
             room
         };
         if !admitted {
-            placement.link.abort(placement.id).await;
+            placement.abort().await;
             return Err(Status::resource_exhausted(format!(
                 "the queue is full or request id {request_id:?} became live meanwhile (limit {}); retry later",
                 front.max_live
@@ -403,7 +484,7 @@ impl Generation for GenerationService {
             .get(&request_id)
             .cloned();
         if let Some(p) = &placement {
-            p.link.abort(p.id).await;
+            p.abort().await;
         }
         Ok(Response::new(v1::AbortResponse { found: placement.is_some() }))
     }

@@ -10,6 +10,8 @@ use ferry_proto::v1;
 pub struct Prepared {
     /// Prompt tokens.
     pub prompt: Vec<u32>,
+    /// Tokens a continuation already delivered (count toward `max_tokens`).
+    pub output: Vec<u32>,
     /// Most tokens to generate.
     pub max_tokens: usize,
     /// Fewest tokens before EOS or a stop token may end it.
@@ -129,10 +131,24 @@ pub fn prepare(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Prepare
             stopping.stop.len()
         )));
     }
+    let output = req.output_token_ids.clone();
+    if let Some(t) = output.iter().find(|t| **t as usize >= tok.vocab_size()) {
+        return Err(invalid(format!(
+            "output token id {t} is outside the vocabulary (size {})",
+            tok.vocab_size()
+        )));
+    }
+    if output.len() >= max_tokens {
+        return Err(invalid(format!(
+            "{} output_token_ids leave nothing to generate within max_tokens {max_tokens}",
+            output.len()
+        )));
+    }
     let sampling = req.sampling.unwrap_or_default();
     SamplingParams::from_proto(&sampling, 0).validate().map_err(|e| invalid(e.to_string()))?;
     Ok(Prepared {
         prompt,
+        output,
         max_tokens,
         min_tokens: stopping.min_tokens as usize,
         stop: stopping.stop,

@@ -132,6 +132,7 @@ fn generate_request(
         request_id: String::new(),
         model: c.model.clone().unwrap_or_default(),
         input: None,
+        output_token_ids: Vec::new(),
         sampling: Some(v1::SamplingParams {
             // OpenAI's default temperature is 1.
             temperature: c.temperature.unwrap_or(1.0),

@@ -1,0 +1,185 @@
+//! A front in its own process (`ferry-scheduler front`): it sends each request to the pool's
+//! leader scheduler, found through etcd's election, and turns the leader's token stream into
+//! the same events an in-process executor link gives.
+//!
+//! Why this is what makes a scheduler failure invisible: the front journals each stream (the
+//! prompt and every token delivered), so when the leader dies, the stream breaks here, and the
+//! front sends the continuation — prompt plus delivered tokens as `output_token_ids` — to the
+//! next leader. The scheduler computes nothing twice that the client saw, and seeded or greedy
+//! sampling continues exactly (DESIGN.md §7).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_proto::v1::{self, generation_client::GenerationClient};
+use ferry_runtime::cluster::ClusterArgs;
+use ferry_sched_core::{FinishReason, FinishStats, StopCause};
+use tokio::sync::{mpsc, watch};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::link::LinkEvent;
+
+/// The pool's current leader, as etcd's election says.
+pub struct Leader {
+    address: watch::Receiver<Option<String>>,
+    channel: Mutex<Option<(String, Channel)>>,
+}
+
+impl Leader {
+    /// Starts following the leader of `pool` (polling etcd's election twice a second; etcd
+    /// unreachable keeps the last answer).
+    pub fn follow(cluster: ClusterArgs, pool: String) -> Arc<Self> {
+        let (tx, address) = watch::channel(None);
+        tokio::spawn(follow_loop(cluster, pool, tx));
+        Arc::new(Leader { address, channel: Mutex::new(None) })
+    }
+
+    /// The leader's address now, if one is known.
+    pub fn current(&self) -> Option<String> {
+        self.address.borrow().clone()
+    }
+
+    /// A channel to the leader at `address` (one, shared, per leader).
+    fn channel(&self, address: &str) -> Result<Channel, tonic::Status> {
+        let mut cached = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((a, ch)) = cached.as_ref() {
+            if a == address {
+                return Ok(ch.clone());
+            }
+        }
+        let endpoint = Endpoint::from_shared(address.to_string())
+            .map_err(|e| tonic::Status::unavailable(format!("leader address {address:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(1))
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(2));
+        let ch = endpoint.connect_lazy();
+        *cached = Some((address.to_string(), ch.clone()));
+        Ok(ch)
+    }
+}
+
+async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Option<String>>) {
+    let name = format!("/ferry/{}/scheduler/{pool}", cluster.cluster);
+    let mut client = loop {
+        match cluster.client().await {
+            Ok(c) => break c,
+            Err(e) => {
+                tracing::warn!(error = %e, "etcd client: retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    loop {
+        match client.leader(name.clone()).await {
+            Ok(r) => {
+                let addr = r.kv().map(|kv| String::from_utf8_lossy(kv.value()).into_owned());
+                tx.send_if_modified(|cur| {
+                    let changed = *cur != addr;
+                    if changed {
+                        tracing::info!(leader = ?addr, "pool leader");
+                        *cur = addr.clone();
+                    }
+                    changed
+                });
+            }
+            // "no leader" is an error in etcd's election API.
+            Err(e) if e.to_string().contains("no leader") => {
+                tx.send_if_modified(|cur| cur.take().is_some());
+            }
+            Err(e) => tracing::debug!(error = %e, "etcd: leader lookup failed; keeping the last"),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// A request running on the leader; cancelling it drops the stream, which aborts it there.
+#[derive(Clone)]
+pub struct Call {
+    /// The leader it runs on.
+    pub leader: Arc<str>,
+    cancel: Arc<watch::Sender<bool>>,
+}
+
+impl Call {
+    /// Ends the call (the leader aborts the request).
+    pub fn cancel(&self) {
+        self.cancel.send_replace(true);
+    }
+}
+
+/// Why the leader did not take a request.
+pub enum SubmitError {
+    /// Worth another try (no leader, leader unreachable, leader without executors).
+    Retry(tonic::Status),
+    /// The leader refused it for good.
+    Refused(tonic::Status),
+}
+
+/// Sends `req` to the current leader and streams its events.
+pub async fn submit(
+    leader: &Leader,
+    req: v1::GenerateRequest,
+) -> Result<(Call, mpsc::UnboundedReceiver<LinkEvent>), SubmitError> {
+    let Some(address) = leader.current() else {
+        return Err(SubmitError::Retry(tonic::Status::unavailable("no scheduler leads the pool")));
+    };
+    let channel = leader.channel(&address).map_err(SubmitError::Retry)?;
+    let mut client = GenerationClient::new(channel);
+    let stream = match client.generate(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown) => {
+            return Err(SubmitError::Retry(s))
+        }
+        Err(s) => return Err(SubmitError::Refused(s)),
+    };
+    let (cancel, cancelled) = watch::channel(false);
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(relay(stream, cancelled, tx));
+    Ok((Call { leader: address.into(), cancel: Arc::new(cancel) }, rx))
+}
+
+/// Forwards the leader's stream as link events until it ends, breaks, or is cancelled.
+async fn relay(
+    mut stream: tonic::Streaming<v1::GenerateEvent>,
+    mut cancelled: watch::Receiver<bool>,
+    tx: mpsc::UnboundedSender<LinkEvent>,
+) {
+    loop {
+        let msg = tokio::select! {
+            msg = stream.message() => msg,
+            _ = cancelled.wait_for(|c| *c) => return,
+        };
+        let ev = match msg {
+            Ok(Some(ev)) => ev,
+            Ok(None) | Err(_) => {
+                let _ = tx.send(LinkEvent::Failed);
+                return;
+            }
+        };
+        let mut logprobs = ev.logprobs.into_iter();
+        for &t in &ev.token_ids {
+            let _ = tx.send(LinkEvent::Token(t, logprobs.next()));
+        }
+        let reason = match v1::FinishReason::try_from(ev.finish_reason) {
+            Ok(v1::FinishReason::Unspecified) | Err(_) => continue,
+            Ok(v1::FinishReason::Stop) => {
+                FinishReason::Stop(StopCause::StopToken(ev.stop_reason.parse().unwrap_or(0)))
+            }
+            Ok(v1::FinishReason::Length) => FinishReason::Length,
+            Ok(v1::FinishReason::Abort) => FinishReason::Abort,
+            Ok(v1::FinishReason::Error) => {
+                let _ = tx.send(LinkEvent::Failed);
+                return;
+            }
+        };
+        let usage = ev.usage.unwrap_or_default();
+        let stats = FinishStats {
+            prompt_tokens: usage.prompt_tokens as usize,
+            output_tokens: usage.completion_tokens as usize,
+            prefix_hit_tokens: usage.cached_prompt_tokens as usize,
+            ..FinishStats::default()
+        };
+        let _ = tx.send(LinkEvent::Finished { reason, stats });
+        return;
+    }
+}

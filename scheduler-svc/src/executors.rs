@@ -16,13 +16,19 @@ use crate::link::LinkHandle;
 /// The live links, by executor name.
 pub struct ExecutorSet {
     links: RwLock<Vec<LinkHandle>>,
+    /// Set when this scheduler hands its work over for good (drain): nothing waits for links.
+    retired: std::sync::atomic::AtomicBool,
     /// Bumped on every change, so waiters wake up without polling.
     changed: watch::Sender<u64>,
 }
 
 impl Default for ExecutorSet {
     fn default() -> Self {
-        Self { links: RwLock::new(Vec::new()), changed: watch::channel(0).0 }
+        Self {
+            links: RwLock::new(Vec::new()),
+            retired: std::sync::atomic::AtomicBool::new(false),
+            changed: watch::channel(0).0,
+        }
     }
 }
 
@@ -36,8 +42,12 @@ impl ExecutorSet {
         self.changed.send_modify(|n| *n += 1);
     }
 
-    /// Adds a link; one with the same name is replaced and closed.
+    /// Adds a link; one with the same name is replaced and closed. A retired set closes it.
     pub fn insert(&self, link: LinkHandle) {
+        if self.is_retired() {
+            link.close("this scheduler is draining");
+            return;
+        }
         let old = {
             let mut links = self.links.write().unwrap_or_else(|e| e.into_inner());
             let old = links.iter().position(|l| l.name == link.name).map(|i| links.remove(i));
@@ -77,6 +87,18 @@ impl ExecutorSet {
         }
     }
 
+    /// Closes every link for good (drain): requests waiting for an executor give up at once,
+    /// so whoever sent them (a front) moves them elsewhere.
+    pub fn retire(&self, reason: &str) {
+        self.retired.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.clear(reason);
+        self.bump();
+    }
+
+    fn is_retired(&self) -> bool {
+        self.retired.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Whether a link named `name` is in the set and up.
     pub fn contains_alive(&self, name: &str) -> bool {
         self.alive().iter().any(|l| &*l.name == name)
@@ -102,7 +124,7 @@ impl ExecutorSet {
         let deadline = tokio::time::Instant::now() + patience;
         loop {
             let alive = self.alive();
-            if !alive.is_empty() {
+            if !alive.is_empty() || self.is_retired() {
                 return alive;
             }
             // A link dies without telling the set; re-check now and then as well.

@@ -33,14 +33,17 @@ pub struct Candidate {
     pub address: String,
 }
 
-/// Campaigns for the pool forever; while leading, runs executor discovery under the epoch and
-/// publishes `Some(epoch)` on `leading` (`None` otherwise).
+/// Campaigns for the pool until `resign` turns true; while leading, runs executor discovery
+/// under the epoch and publishes `Some(epoch)` on `leading` (`None` otherwise). Resigning
+/// (drain) closes the sessions and revokes the lease, so a standby leads at once and the
+/// fronts move their streams to it.
 pub async fn run(
     cluster: ClusterArgs,
     candidate: Candidate,
     config: SchedulerConfig,
     set: Arc<ExecutorSet>,
     leading: watch::Sender<Option<u64>>,
+    mut resign: watch::Receiver<bool>,
 ) {
     let mut client = loop {
         match cluster.client().await {
@@ -54,6 +57,9 @@ pub async fn run(
     let name = format!("/ferry/{}/scheduler/{}", cluster.cluster, candidate.pool);
     let ttl = cluster.ttl();
     loop {
+        if *resign.borrow() {
+            return;
+        }
         let lease = match client.lease_grant(ttl.as_secs() as i64, None).await {
             Ok(r) => r.id(),
             Err(e) => {
@@ -83,6 +89,10 @@ pub async fn run(
                     tracing::warn!(reason = %why, "lost the election lease while standing by");
                     break None;
                 }
+                () = resigned(&mut resign) => {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), client.lease_revoke(lease)).await;
+                    return;
+                }
             }
         };
         let Some(epoch) = epoch else { continue };
@@ -95,14 +105,32 @@ pub async fn run(
             candidate.scheduler_id.clone(),
             epoch,
         ));
-        let why = keeper.until_lost().await;
+        let why = tokio::select! {
+            why = keeper.until_lost() => why,
+            () = resigned(&mut resign) => "it resigned to drain".to_string(),
+        };
         // Stop scheduling at once: no step goes out under a leadership that may be over.
         discovery.abort();
-        set.clear(&format!("this scheduler lost its leadership: {why}"));
+        let resigning = *resign.borrow();
+        if resigning {
+            set.retire("this scheduler resigned to drain");
+        } else {
+            set.clear(&format!("this scheduler lost its leadership: {why}"));
+        }
         leading.send_replace(None);
         tracing::warn!(pool = %candidate.pool, epoch, reason = %why, "no longer leading");
         let revoke = client.lease_revoke(lease);
         let _ = tokio::time::timeout(Duration::from_secs(1), revoke).await;
+        if resigning {
+            return;
+        }
+    }
+}
+
+/// Resolves once `resign` turns true (never if its sender is gone without resigning).
+async fn resigned(resign: &mut watch::Receiver<bool>) {
+    if resign.wait_for(|r| *r).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 

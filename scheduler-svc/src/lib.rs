@@ -76,6 +76,7 @@ pub async fn run(
     };
     // With etcd, executors are driven only while this scheduler leads its pool.
     let (leading_tx, _leading) = tokio::sync::watch::channel(None);
+    let (resign_tx, resign_rx) = tokio::sync::watch::channel(false);
     let discovery = match cluster {
         Some(c) => {
             let candidate = leader::Candidate {
@@ -84,7 +85,8 @@ pub async fn run(
                 address: c.advertised(listener.local_addr()?),
             };
             let set = executors.clone();
-            Some(tokio::spawn(leader::run(c, candidate, config.clone(), set, leading_tx)))
+            let config = config.clone();
+            Some(tokio::spawn(leader::run(c, candidate, config, set, leading_tx, resign_rx)))
         }
         None => None,
     };
@@ -94,8 +96,18 @@ pub async fn run(
         config.max_queued_requests as usize,
         failover_wait,
     );
+    // Drain: a leader first resigns, handing its requests over (the fronts move their streams
+    // to the next leader); then the APIs stop and finish what they still serve.
+    let mut leader_task = discovery;
+    let shutdown = async {
+        shutdown.await;
+        let _ = resign_tx.send(true);
+        if let Some(task) = leader_task.as_mut() {
+            let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
+        }
+    };
     serve_api(front, listener, http, shutdown).await?;
-    if let Some(task) = discovery {
+    if let Some(task) = leader_task {
         task.abort();
     }
     Ok(())

@@ -254,6 +254,18 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
     }
     drop(a);
     assert_eq!(health(&sched), 200, "the survivor still serves");
+
+    // Drain: SIGTERM on an executor under load hands its requests to another one.
+    let mut b = b;
+    let c = start_executor(&etcd, "exec-c");
+    wait_ready(&sched, &[&b, &c]).await;
+    let pid = b.pid();
+    let drained = run_streams(&sched, N, MAX, 4, || signal(pid, "TERM").unwrap()).await;
+    assert_complete(&drained, MAX as usize);
+    for i in 0..N {
+        assert_eq!(drained[i].tokens, undisturbed[i].tokens, "stream {i} changed by the drain");
+    }
+    assert!(b.terminate(Duration::from_secs(30)).unwrap().success(), "drained executor exit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -442,5 +454,19 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
         assert_eq!(disturbed[i].text, undisturbed[i].text);
     }
     assert_eq!(session_owner(&exec).await.0, "s1", "the standby leads now");
-    drop(s1);
+
+    // Drain: SIGTERM on the leader resigns at once; the fronts move its streams.
+    let s0 = start_scheduler_as(&etcd, "s0");
+    let mut s1 = s1;
+    let pid = s1.pid();
+    let t = Instant::now();
+    let drained = run_streams(&front, N, MAX, 4, || signal(pid, "TERM").unwrap()).await;
+    eprintln!("32 streams through a front with the leader drained mid-way: {:?}", t.elapsed());
+    assert_complete(&drained, MAX as usize);
+    for i in 0..N {
+        assert_eq!(drained[i].tokens, undisturbed[i].tokens, "stream {i} changed by the drain");
+    }
+    assert!(s1.terminate(Duration::from_secs(30)).unwrap().success(), "drained leader exit");
+    assert_eq!(session_owner(&exec).await.0, "s0");
+    drop(s0);
 }

@@ -127,7 +127,18 @@ pub async fn submit(
     let mut client = GenerationClient::new(channel);
     let stream = match client.generate(req).await {
         Ok(s) => s.into_inner(),
-        Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown) => {
+        // A leader that is gone, going (draining cancels new calls) or not yet driving its
+        // executors: another try will find the next one.
+        Err(s)
+            if matches!(
+                s.code(),
+                tonic::Code::Unavailable
+                    | tonic::Code::Unknown
+                    | tonic::Code::Cancelled
+                    | tonic::Code::Aborted
+                    | tonic::Code::DeadlineExceeded
+            ) =>
+        {
             return Err(SubmitError::Retry(s))
         }
         Err(s) => return Err(SubmitError::Refused(s)),

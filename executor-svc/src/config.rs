@@ -10,7 +10,8 @@ use ferry_proto::v1;
 pub enum BackendKind {
     /// candle on the CPU with the quantized GGUF model.
     Cpu,
-    /// candle on a CUDA GPU (needs the `cuda` feature and a GPU at run time).
+    /// The real model on an NVIDIA GPU through cudarc (needs a build with the `cuda` feature,
+    /// and the NVIDIA driver, cuBLAS and NVRTC at run time).
     Cuda,
     /// The roofline timing simulator with deterministic tokens.
     Sim,
@@ -68,6 +69,9 @@ pub struct ExecutorConfig {
     /// Memory for the KV cache, in MiB; the number of blocks follows from it.
     #[arg(long, env = "FERRY_KV_CACHE_MIB", default_value_t = 512)]
     pub kv_cache_mib: u64,
+    /// GPU to run on with `--backend cuda`, as the driver numbers them (0 first).
+    #[arg(long, env = "FERRY_CUDA_DEVICE", default_value_t = 0)]
+    pub cuda_device: usize,
 }
 
 /// Largest block size accepted: vLLM's largest is 256 tokens.
@@ -88,6 +92,10 @@ impl ExecutorConfig {
         if self.executor_id.trim().is_empty() {
             return Err(ConfigError::ExecutorId);
         }
+        // Say so before the model is loaded, not after.
+        if self.backend == BackendKind::Cuda && !cfg!(feature = "cuda") {
+            return Err(ConfigError::NoCuda);
+        }
         Ok(())
     }
 }
@@ -104,4 +112,37 @@ pub enum ConfigError {
     /// Empty id.
     #[error("--executor-id must not be empty")]
     ExecutorId,
+    /// `--backend cuda` in a build without the CUDA backend.
+    #[error(
+        "--backend cuda: this build has no CUDA backend: rebuild with `--features cuda` \
+         (cargo build -p ferry-executor-svc --features cuda)"
+    )]
+    NoCuda,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        executor: ExecutorConfig,
+    }
+
+    fn parse(args: &[&str]) -> ExecutorConfig {
+        let argv = std::iter::once("ferry-executor").chain(args.iter().copied());
+        Cli::try_parse_from(argv).expect("valid flags").executor
+    }
+
+    #[test]
+    fn cuda_is_refused_at_start_up_only_in_builds_without_it() {
+        let config = parse(&["--backend", "cuda", "--cuda-device", "1"]);
+        assert_eq!(config.cuda_device, 1);
+        let refused = matches!(config.validate(), Err(ConfigError::NoCuda));
+        assert_eq!(refused, !cfg!(feature = "cuda"), "{:?}", config.validate());
+        assert!(parse(&["--backend", "cpu"]).validate().is_ok());
+    }
 }

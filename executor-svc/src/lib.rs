@@ -43,30 +43,13 @@ pub async fn run_in_cluster(
         c.validate()?;
     }
     let id = config.executor_id.clone();
-    let bound = listener.local_addr()?;
     let built = tokio::task::spawn_blocking(move || build(&config)).await??;
     let service = service::ExecutorService::new(built.info, built.engine);
-    let registration = match &cluster {
-        Some(c) => c.register(ferry_runtime::cluster::MemberKind::Executor, &id, bound).await?,
-        None => None,
-    };
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let serving = GrpcHost::new()
-        .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
-        .serve(listener, async move {
-            let mut rx = stop_rx;
-            let _ = rx.wait_for(|s| *s).await;
-        });
-    tokio::pin!(serving);
-    tokio::select! {
-        result = &mut serving => return Ok(result?),
-        () = shutdown => {}
-    }
-    if let Some(r) = registration {
-        r.withdraw().await;
-    }
-    let _ = stop_tx.send(true);
-    serving.await?;
+    let host =
+        GrpcHost::new().add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service));
+    let kind = ferry_runtime::cluster::MemberKind::Executor;
+    ferry_runtime::cluster::serve_registered(host, listener, cluster.as_ref(), kind, &id, shutdown)
+        .await?;
     Ok(())
 }
 
@@ -95,7 +78,9 @@ pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
     }
     let eos = model.tokenizer.eos_token_id;
     let backend: Box<dyn engine::ModelBackend> = match config.backend {
-        BackendKind::Cpu => Box::new(engine::CpuBackend::new(model.weights, block_size, num_blocks)),
+        BackendKind::Cpu => {
+            Box::new(engine::CpuBackend::new(model.weights, block_size, num_blocks))
+        }
         BackendKind::Sim => {
             let sim_model = engine::sim::SimModel::llama(
                 shape.num_layers as u32,
@@ -115,9 +100,7 @@ pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
                 engine::sim::SimClock::RealTime,
             ))
         }
-        BackendKind::Cuda => anyhow::bail!(
-            "--backend cuda is not available in this build: the CUDA backend is not written yet (see docs/ARCHITECTURE.md)"
-        ),
+        BackendKind::Cuda => cuda_backend(&model.weights, block_size, num_blocks, config)?,
     };
     let engine = actor::EngineHandle::spawn(engine::Engine::new(
         backend,
@@ -146,4 +129,27 @@ pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
         max_num_seqs: 0,
     };
     Ok(BuiltExecutor { engine, info })
+}
+
+/// The CUDA backend on `--cuda-device`; fails cleanly on a machine without the NVIDIA driver.
+#[cfg(feature = "cuda")]
+fn cuda_backend(
+    weights: &model::LlamaWeights,
+    block_size: usize,
+    num_blocks: usize,
+    config: &ExecutorConfig,
+) -> anyhow::Result<Box<dyn engine::ModelBackend>> {
+    Ok(Box::new(engine::CudaBackend::new(weights, block_size, num_blocks, config.cuda_device)?))
+}
+
+/// Without the `cuda` feature there is no CUDA backend to build (`ExecutorConfig::validate`
+/// already refuses `--backend cuda`; this covers callers of [`build`] that skip it).
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(
+    _weights: &model::LlamaWeights,
+    _block_size: usize,
+    _num_blocks: usize,
+    _config: &ExecutorConfig,
+) -> anyhow::Result<Box<dyn engine::ModelBackend>> {
+    Err(config::ConfigError::NoCuda.into())
 }

@@ -18,11 +18,27 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    run_in_cluster(config, None, listener, shutdown).await
+}
+
+/// [`run`], registered in etcd under `/ferry/<cluster>/kv/<node-id>` while it serves when
+/// `cluster` configures etcd (withdrawn first on shutdown).
+pub async fn run_in_cluster(
+    config: KvAgentConfig,
+    cluster: Option<ferry_runtime::cluster::ClusterArgs>,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     config.validate()?;
+    if let Some(c) = &cluster {
+        c.validate()?;
+    }
+    let id = config.node_id.clone();
     let service = service::KvAgentService::new(config);
-    GrpcHost::new()
-        .add_service(ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service))
-        .serve(listener, shutdown)
+    let host = GrpcHost::new()
+        .add_service(ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service));
+    let kind = ferry_runtime::cluster::MemberKind::KvAgent;
+    ferry_runtime::cluster::serve_registered(host, listener, cluster.as_ref(), kind, &id, shutdown)
         .await?;
     Ok(())
 }

@@ -395,3 +395,47 @@ async fn watch_loop(mut client: Client, prefix: String, tx: mpsc::Sender<Members
         backoff.wait().await;
     }
 }
+
+/// Why a registered service stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisteredServeError {
+    /// Hosting failed.
+    #[error(transparent)]
+    Host(#[from] crate::HostError),
+    /// The etcd client could not be built.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+}
+
+/// Serves `host` on `listener` until `shutdown`, registered in etcd as `kind`/`id` while it
+/// serves when `cluster` configures etcd. On shutdown the registration is withdrawn first
+/// (others stop sending work here and move what they had), then the host drains.
+pub async fn serve_registered(
+    host: crate::GrpcHost,
+    listener: tokio::net::TcpListener,
+    cluster: Option<&ClusterArgs>,
+    kind: MemberKind,
+    id: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), RegisteredServeError> {
+    let bound = listener.local_addr().map_err(crate::HostError::Io)?;
+    let registration = match cluster {
+        Some(c) => c.register(kind, id, bound).await?,
+        None => None,
+    };
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let serving = host.serve(listener, async move {
+        let _ = stop_rx.wait_for(|s| *s).await;
+    });
+    tokio::pin!(serving);
+    tokio::select! {
+        result = &mut serving => return Ok(result?),
+        () = shutdown => {}
+    }
+    if let Some(r) = registration {
+        r.withdraw().await;
+    }
+    let _ = stop_tx.send(true);
+    serving.await?;
+    Ok(())
+}

@@ -224,6 +224,19 @@ async fn executors_register_are_discovered_and_dropped_when_their_lease_lapses()
     assert!(etcd.keys(PREFIX).unwrap().is_empty(), "drain left the key behind");
     eprintln!("SIGTERM to exit with withdrawn key: {:?}", t.elapsed());
     assert!(wait_for(Duration::from_secs(5), || health(&sched) == 503).await.is_some());
+
+    // A KV agent registers under kv/<node> the same way, and withdraws on SIGTERM.
+    let endpoints = etcd.endpoints();
+    let args = ["--listen", "127.0.0.1:0", "--node-id", "node-a", "--etcd-endpoints", &endpoints];
+    let mut kv = Service::start("ferry-kv", &args, 1).unwrap();
+    let kv_prefix = "/ferry/default/kv/";
+    let kv_key = format!("{kv_prefix}node-a");
+    assert!(wait_for(Duration::from_secs(10), || etcd.keys(kv_prefix).unwrap()
+        == [kv_key.clone()])
+    .await
+    .is_some());
+    assert!(kv.terminate(Duration::from_secs(10)).unwrap().success());
+    assert!(etcd.keys(kv_prefix).unwrap().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

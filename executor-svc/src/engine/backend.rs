@@ -1,6 +1,6 @@
 //! The model backends behind one trait: `cpu` (the real model through the paged forward) and
-//! `sim` (the roofline timing model with deterministic tokens). A CUDA backend belongs here
-//! too; see `docs/ARCHITECTURE.md` for its state.
+//! `sim` (the roofline timing model with deterministic tokens). The `cuda` backend, the real
+//! model on a GPU, implements the same trait in `engine::cuda` (feature `cuda`).
 
 use std::time::Duration;
 
@@ -37,7 +37,9 @@ pub trait ModelBackend: Send {
     fn facts(&self) -> BackendFacts;
     /// Checks a batch without touching memory.
     fn check(&self, batch: &[SeqSlice]) -> Result<(), BatchError>;
-    /// Runs a batch (the caller has checked it).
+    /// Runs a batch (the caller has checked it). [`BatchError`] describes only bad batches: a
+    /// backend whose device fails mid-batch (the CUDA backend) panics, which ends the engine
+    /// thread and turns the executor's RPCs UNAVAILABLE.
     fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError>;
 }
 

@@ -1,13 +1,18 @@
 //! The execution engine: what turns a scheduled step into sampled tokens. `step` holds the
 //! per-request state and applies each validated `Step`; `backend` runs batches (the real model
-//! on the CPU, or the simulator). `sampling` picks each
+//! on the CPU, or the simulator); `cuda` (feature `cuda`) runs the real model on a GPU.
+//! `sampling` picks each
 //! request's next token from its logits; `sim` is the roofline timing model behind the `sim`
 //! backend, so many simulated GPUs can run on one machine (DESIGN.md section 5).
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod sampling;
 pub mod sim;
 pub mod step;
 
 pub use backend::{BackendFacts, BatchOutput, CpuBackend, ModelBackend, SimBackend};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaBackend, CudaError};
 pub use step::{Engine, EngineConfig, StepError};

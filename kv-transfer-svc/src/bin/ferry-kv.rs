@@ -15,6 +15,8 @@ struct Cli {
     log: String,
     #[command(flatten)]
     agent: KvAgentConfig,
+    #[command(flatten)]
+    cluster: ferry_runtime::cluster::ClusterArgs,
 }
 
 #[tokio::main]
@@ -24,5 +26,7 @@ async fn main() -> anyhow::Result<()> {
     cli.agent.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);
-    ferry_kv_transfer_svc::run(cli.agent, listener, ferry_runtime::shutdown_signal()).await
+    let cluster = cli.cluster.enabled().then_some(cli.cluster);
+    let stop = ferry_runtime::shutdown_signal();
+    ferry_kv_transfer_svc::run_in_cluster(cli.agent, cluster, listener, stop).await
 }

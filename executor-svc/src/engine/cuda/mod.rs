@@ -1,0 +1,269 @@
+//! The `cuda` backend: the real model on an NVIDIA GPU, through cudarc (driver API, cuBLAS,
+//! NVRTC) loaded at run time, so the build needs no CUDA toolkit and a machine without a GPU
+//! gets a clear error instead of a crash.
+//!
+//! It keeps the CPU backend's contract exactly: the same batch validation
+//! (`paged::check_geometry`, before any device memory is touched), the same KV pool geometry
+//! and block-major layout, the same forward semantics (variable-length batch mixing prefill
+//! chunks and decodes, positions from each sequence's `start`, block tables, logits only for
+//! sequences that sample, in batch order). Logits are close to the CPU's, not bit-identical:
+//! the GPU multiplies f32 activations by dequantized f32 weights, where the CPU quantizes
+//! activations to 8 bits and sums in another order.
+//!
+//! Pieces: [`probe`] finds the libraries, [`device`] opens the GPU, [`kernels`] holds the CUDA C
+//! and [`launch`] its typed launches, [`weights`] and [`cache`] own device memory, [`plan`]
+//! flattens a batch, [`forward`] runs it.
+
+pub mod cache;
+pub mod device;
+pub mod forward;
+pub mod kernels;
+pub mod launch;
+pub mod plan;
+pub mod probe;
+pub mod weights;
+
+#[cfg(test)]
+mod tests;
+
+use cudarc::cublas::result::CublasError;
+use cudarc::driver::DriverError;
+
+use self::cache::DeviceKvCache;
+use self::device::{guarded, Gpu};
+use self::forward::Scratch;
+use self::kernels::MAX_HEAD_DIM;
+use self::plan::BatchPlan;
+use self::probe::CudaLibrary;
+use self::weights::DeviceWeights;
+use super::backend::{BackendFacts, BatchOutput, ModelBackend};
+use crate::model::paged::{self, BatchError, SeqSlice};
+use crate::model::{LlamaShape, LlamaWeights};
+
+/// Why the CUDA backend could not start (or, in [`CudaBackend::run`], why the device failed).
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// The NVIDIA driver library is not installed or cannot be loaded: no usable GPU here.
+    #[error("no CUDA driver found ({file} could not be loaded: {reason}); run with --backend cpu")]
+    NoDriver {
+        /// The library file looked for.
+        file: String,
+        /// The dynamic loader's message.
+        reason: String,
+    },
+    /// The driver is there but a CUDA library the backend needs is not.
+    #[error(
+        "the CUDA driver is present but {library} is not ({file} could not be loaded: \
+         {reason}); install the CUDA 12 runtime libraries or run with --backend cpu"
+    )]
+    MissingLibrary {
+        /// Which library.
+        library: CudaLibrary,
+        /// The library file looked for.
+        file: String,
+        /// The dynamic loader's message.
+        reason: String,
+    },
+    /// The requested GPU does not exist.
+    #[error(
+        "there is no CUDA device {ordinal}: the driver sees {count} (--cuda-device counts from 0)"
+    )]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver reports.
+        count: i32,
+    },
+    /// A driver call failed.
+    #[error("CUDA driver error while {during}: {source}")]
+    Driver {
+        /// What the backend was doing.
+        during: &'static str,
+        /// The driver's error code.
+        #[source]
+        source: DriverError,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS error in {during}: {source}")]
+    Cublas {
+        /// What the backend was doing.
+        during: &'static str,
+        /// cuBLAS's status.
+        #[source]
+        source: CublasError,
+    },
+    /// NVRTC rejected the kernels.
+    #[error("compiling the CUDA kernels with NVRTC failed: {0}")]
+    Compile(String),
+    /// A CUDA library panicked (caught; see [`device::guarded`]).
+    #[error("the CUDA libraries panicked while {during}: {message}")]
+    Panicked {
+        /// What the backend was doing.
+        during: &'static str,
+        /// The panic's message.
+        message: String,
+    },
+    /// The model or pool is outside what this backend handles.
+    #[error("the CUDA backend cannot run this model: {0}")]
+    Unsupported(String),
+}
+
+impl CudaError {
+    /// Wraps a driver error with what was being done.
+    pub fn driver(during: &'static str) -> impl Fn(DriverError) -> Self + Copy {
+        move |source| Self::Driver { during, source }
+    }
+
+    /// Wraps a cuBLAS error with what was being done.
+    pub fn cublas(during: &'static str) -> impl Fn(CublasError) -> Self + Copy {
+        move |source| Self::Cublas { during, source }
+    }
+}
+
+impl std::fmt::Display for CudaLibrary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Driver => "the NVIDIA driver",
+            Self::Nvrtc => "NVRTC",
+            Self::Cublas => "cuBLAS",
+        })
+    }
+}
+
+/// Checks that the kernels can handle `shape` and that every size the kernels and cuBLAS take
+/// as `int` fits one.
+fn check_shape(shape: &LlamaShape, block_size: usize, num_blocks: usize) -> Result<(), CudaError> {
+    let s = shape;
+    if s.head_dim == 0 || s.head_dim % 2 == 1 || s.head_dim > MAX_HEAD_DIM {
+        return Err(CudaError::Unsupported(format!(
+            "head size {} (the kernels take an even size up to {MAX_HEAD_DIM})",
+            s.head_dim
+        )));
+    }
+    // (Not `is_multiple_of`: the workspace supports Rust 1.85, which lacks it.)
+    if s.num_heads == 0
+        || s.num_kv_heads == 0
+        || s.num_heads / s.num_kv_heads * s.num_kv_heads != s.num_heads
+    {
+        return Err(CudaError::Unsupported(format!(
+            "{} query heads over {} key/value heads",
+            s.num_heads, s.num_kv_heads
+        )));
+    }
+    if s.num_heads * s.head_dim != s.hidden {
+        // The kernels take the query part of a fused row, and the attention output, as
+        // `hidden` wide.
+        return Err(CudaError::Unsupported(format!(
+            "{} heads of {} do not make the hidden size {}",
+            s.num_heads, s.head_dim, s.hidden
+        )));
+    }
+    if block_size == 0 || num_blocks == 0 {
+        return Err(CudaError::Unsupported("an empty KV pool".into()));
+    }
+    let widest = [
+        s.hidden + 2 * s.kv_dim(),
+        2 * s.intermediate,
+        s.vocab_size,
+        s.num_layers,
+        block_size,
+        s.num_heads + s.num_kv_heads,
+    ];
+    if widest.iter().any(|&d| d > i32::MAX as usize) {
+        return Err(CudaError::Unsupported(format!("a dimension past i32::MAX in {shape:?}")));
+    }
+    Ok(())
+}
+
+/// The real model on a CUDA GPU.
+pub struct CudaBackend {
+    shape: LlamaShape,
+    scratch: Scratch,
+    cache: DeviceKvCache,
+    weights: DeviceWeights,
+    gpu: Gpu,
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, uploads `weights` (dequantized to f32) and allocates a KV pool of
+    /// `num_blocks` blocks of `block_size` tokens on it. Fails with [`CudaError::NoDriver`] on
+    /// a machine without the NVIDIA driver, before any CUDA call.
+    pub fn new(
+        weights: &LlamaWeights,
+        block_size: usize,
+        num_blocks: usize,
+        ordinal: usize,
+    ) -> Result<Self, CudaError> {
+        let shape = weights.shape;
+        check_shape(&shape, block_size, num_blocks)?;
+        let gpu = Gpu::open(ordinal)?;
+        let (device_weights, cache) = guarded("uploading the model", || {
+            let w = DeviceWeights::upload(&gpu.stream, weights)?;
+            let cache = DeviceKvCache::new(&gpu.stream, &shape, block_size, num_blocks)?;
+            gpu.finish()?;
+            Ok((w, cache))
+        })?;
+        tracing::info!(
+            device = %gpu.name(),
+            ordinal,
+            weight_mib = device_weights.bytes() >> 20,
+            kv_cache_mib = cache.data.num_bytes() >> 20,
+            "CUDA backend ready"
+        );
+        Ok(Self { shape, scratch: Scratch::default(), cache, weights: device_weights, gpu })
+    }
+}
+
+impl ModelBackend for CudaBackend {
+    fn facts(&self) -> BackendFacts {
+        BackendFacts {
+            shape: self.shape,
+            block_size: self.cache.block_size,
+            num_blocks: self.cache.num_blocks,
+        }
+    }
+
+    fn check(&self, batch: &[SeqSlice]) -> Result<(), BatchError> {
+        paged::check_geometry(
+            self.shape.vocab_size,
+            self.cache.block_size,
+            self.cache.num_blocks,
+            batch,
+        )
+    }
+
+    /// Runs the batch on the GPU.
+    ///
+    /// A device failure here (a faulting kernel, lost device, out of memory for a batch) ends
+    /// the engine thread with a panic, on purpose: a CUDA context that faulted is unusable, the
+    /// trait's [`BatchError`] only describes bad batches, and a stopped engine is how the
+    /// service reports an executor that can no longer serve (its RPCs turn UNAVAILABLE and the
+    /// scheduler drops it).
+    fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError> {
+        // Out-of-range blocks or tokens would be out-of-bounds device writes: check first.
+        self.check(batch)?;
+        if batch.is_empty() {
+            return Ok(BatchOutput::Logits(Vec::new()));
+        }
+        let result = BatchPlan::new(batch)
+            .map_err(|e| CudaError::Unsupported(e.to_string()))
+            .and_then(|plan| {
+                self.gpu.bind()?;
+                forward::forward(
+                    &self.gpu,
+                    &self.weights,
+                    &self.shape,
+                    &mut self.cache,
+                    &plan,
+                    &mut self.scratch,
+                )
+            });
+        match result {
+            Ok(logits) => Ok(BatchOutput::Logits(logits)),
+            Err(e) => {
+                tracing::error!(error = %e, "CUDA forward failed; stopping the engine");
+                panic!("the CUDA backend failed during a step and cannot continue: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! Tests of the CUDA backend. On a machine without a GPU (where Ferry is developed) they check
+//! that the backend fails with a clear error instead of panicking and, where the NVRTC library
+//! is installed, that the kernels compile. Where a GPU is present, they run the GPU forward
+//! against the CPU backend on the same batches; those tests skip, with a note, elsewhere.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use super::probe::{try_load, CudaLibrary};
+use super::{kernels, CudaBackend, CudaError};
+use crate::engine::backend::{BatchOutput, CpuBackend, ModelBackend};
+use crate::kernels::QWeight;
+use crate::model::llama::LayerWeights;
+use crate::model::paged::SeqSlice;
+use crate::model::{ops, LlamaShape, LlamaWeights};
+
+/// A deterministic stream of values in [-1, 1).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 =
+            self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn matrix(&mut self, rows: usize, cols: usize, scale: f32, dtype: GgmlDType) -> QWeight {
+        let values: Vec<f32> = (0..rows * cols).map(|_| self.next() * scale).collect();
+        let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+        QWeight::from_qtensor(&QTensor::quantize(&t, dtype).expect("quantize")).expect("weight")
+    }
+
+    fn norm(&mut self, width: usize) -> Vec<f32> {
+        (0..width).map(|_| 1.0 + 0.1 * self.next()).collect()
+    }
+}
+
+/// A small random Llama with grouped-query attention, in both weight formats.
+fn tiny_model() -> LlamaWeights {
+    let shape = LlamaShape {
+        num_layers: 2,
+        hidden: 64,
+        intermediate: 96,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        vocab_size: 80,
+        rope_theta: 10_000.0,
+        rms_eps: 1e-5,
+        max_model_len: 256,
+    };
+    let (h, kv, ff) = (shape.hidden, shape.kv_dim(), shape.intermediate);
+    let mut rng = Lcg(7);
+    let layers = (0..shape.num_layers)
+        .map(|_| LayerWeights {
+            attn_norm: rng.norm(h),
+            wqkv: rng.matrix(h + 2 * kv, h, 0.3, GgmlDType::Q8_0),
+            wo: rng.matrix(h, h, 0.2, GgmlDType::Q4_1),
+            ffn_norm: rng.norm(h),
+            w_gate_up: rng.matrix(2 * ff, h, 0.3, GgmlDType::Q4_1),
+            w_down: rng.matrix(h, ff, 0.2, GgmlDType::Q8_0),
+        })
+        .collect();
+    let embed = rng.matrix(shape.vocab_size, h, 1.0, GgmlDType::Q8_0);
+    LlamaWeights {
+        shape,
+        lm_head: embed.clone(),
+        embed,
+        layers,
+        norm: rng.norm(h),
+        rope_freqs: ops::rope_frequencies(shape.head_dim, shape.rope_theta),
+    }
+}
+
+#[test]
+fn without_a_driver_the_backend_returns_an_error_instead_of_panicking() {
+    if try_load(CudaLibrary::Driver).is_ok() {
+        eprintln!("skipped: a CUDA driver is installed here");
+        return;
+    }
+    let err = CudaBackend::new(&tiny_model(), 4, 16, 0).err().expect("no driver, no backend");
+    assert!(matches!(err, CudaError::NoDriver { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(message.starts_with("no CUDA driver found ("), "{message}");
+    assert!(message.contains("libcuda.so.1 could not be loaded"), "{message}");
+    assert!(message.ends_with("run with --backend cpu"), "{message}");
+}
+
+#[test]
+fn a_shape_the_kernels_cannot_hold_is_refused_before_the_gpu_is_touched() {
+    let mut w = tiny_model();
+    w.shape.head_dim = 2 * kernels::MAX_HEAD_DIM;
+    let err = CudaBackend::new(&w, 4, 16, 0).err().expect("refused");
+    assert!(matches!(err, CudaError::Unsupported(_)), "{err:?}");
+}
+
+#[test]
+fn the_kernels_compile_with_nvrtc() {
+    if let Err(reason) = try_load(CudaLibrary::Nvrtc) {
+        eprintln!("skipped: NVRTC is not installed here ({reason})");
+        return;
+    }
+    if let Err(e) = kernels::compile() {
+        panic!("{e}");
+    }
+}
+
+/// The CUDA backend on GPU 0, or `None` (with a note) where there is none.
+fn gpu_backend(w: &LlamaWeights, block_size: usize, num_blocks: usize) -> Option<CudaBackend> {
+    match CudaBackend::new(w, block_size, num_blocks, 0) {
+        Ok(b) => Some(b),
+        Err(e @ (CudaError::NoDriver { .. } | CudaError::NoDevice { .. })) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+        Err(e) => panic!("a GPU is present but the backend failed: {e}"),
+    }
+}
+
+fn logits(out: BatchOutput) -> Vec<Vec<f32>> {
+    match out {
+        BatchOutput::Logits(l) => l,
+        other => panic!("expected logits, got {other:?}"),
+    }
+}
+
+/// GPU and CPU logits agree within `tol` of the largest CPU logit's magnitude. They are not
+/// bit-identical: the CPU quantizes activations to 8 bits, the GPU multiplies f32.
+fn assert_close(gpu: &[Vec<f32>], cpu: &[Vec<f32>], tol: f32, what: &str) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: number of logit rows");
+    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        assert_eq!(g.len(), c.len(), "{what}: row {i} width");
+        let scale = c.iter().fold(1f32, |a, v| a.max(v.abs()));
+        let diff = g.iter().zip(c).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(g.iter().all(|v| v.is_finite()), "{what}: row {i} has non-finite logits");
+        assert!(diff <= tol * scale, "{what}: row {i} differs by {diff} (scale {scale})");
+    }
+}
+
+#[test]
+fn on_a_gpu_mixed_batches_match_the_cpu_backend() {
+    let w = tiny_model();
+    let (bs, blocks) = (4, 32);
+    let Some(mut gpu) = gpu_backend(&w, bs, blocks) else { return };
+    let mut cpu = CpuBackend::new(tiny_model(), bs, blocks);
+    // Scattered tables; A and B share no block.
+    let (table_a, table_b, table_c) = ([9u32, 3, 17], [4u32, 30, 1, 12], [25u32]);
+    let steps: Vec<Vec<SeqSlice>> = vec![
+        vec![
+            // A: a whole 5-token prompt; B: the first chunk of its prompt (no logits).
+            SeqSlice {
+                tokens: &[1, 5, 9, 13, 17],
+                start: 0,
+                block_table: &table_a,
+                wants_logits: true,
+            },
+            SeqSlice { tokens: &[2, 4, 6], start: 0, block_table: &table_b, wants_logits: false },
+        ],
+        vec![
+            // B's second chunk crosses a block boundary; A decodes; C is a 1-token prompt.
+            SeqSlice {
+                tokens: &[8, 10, 12, 14, 16, 18],
+                start: 3,
+                block_table: &table_b,
+                wants_logits: true,
+            },
+            SeqSlice { tokens: &[21], start: 5, block_table: &table_a, wants_logits: true },
+            SeqSlice { tokens: &[33], start: 0, block_table: &table_c, wants_logits: true },
+        ],
+        vec![
+            SeqSlice { tokens: &[40], start: 6, block_table: &table_a, wants_logits: true },
+            SeqSlice { tokens: &[41], start: 9, block_table: &table_b, wants_logits: true },
+        ],
+    ];
+    for (i, batch) in steps.iter().enumerate() {
+        gpu.check(batch).expect("valid batch");
+        let g = logits(gpu.run(batch).expect("gpu step"));
+        let c = logits(cpu.run(batch).expect("cpu step"));
+        // Measured in the CPU emulation of these kernels: within 2.2% (the CPU's 8-bit
+        // activations), and within 1e-6 of a plain f32 forward.
+        assert_close(&g, &c, 0.05, &format!("step {i}"));
+    }
+}
+
+#[test]
+fn on_a_gpu_bad_batches_are_refused_like_on_the_cpu() {
+    let w = tiny_model();
+    let Some(mut gpu) = gpu_backend(&w, 4, 8) else { return };
+    let out_of_range = [SeqSlice { tokens: &[1], start: 0, block_table: &[8], wants_logits: true }];
+    let cpu = CpuBackend::new(tiny_model(), 4, 8);
+    assert_eq!(gpu.check(&out_of_range), cpu.check(&out_of_range));
+    assert!(gpu.run(&out_of_range).is_err(), "run validates before touching the device");
+}
+
+#[test]
+fn on_a_gpu_the_real_model_greedy_decodes_like_the_cpu() {
+    let probe = gpu_backend(&tiny_model(), 4, 4);
+    if probe.is_none() {
+        return;
+    }
+    drop(probe);
+    let model = crate::model::LoadedModel::load(None).expect("the default model");
+    let prompt = model.tokenizer.encode("The capital of France is").expect("encode");
+    let (bs, blocks) = (16, 64);
+    let mut gpu = CudaBackend::new(&model.weights, bs, blocks, 0).expect("gpu backend");
+    let mut cpu = CpuBackend::new(model.weights, bs, blocks);
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let (mut toks, mut start) = (prompt.clone(), 0);
+    // Six steps, as checked without a GPU by running these kernels in a CPU emulation of
+    // CUDA: the greedy tokens were " Paris.\n\nThe answer" on both paths, and the logits
+    // within 4% of the largest (the CPU's 8-bit activations), so 10% leaves room.
+    for step in 0..6 {
+        let batch =
+            [SeqSlice { tokens: &toks[start..], start, block_table: &table, wants_logits: true }];
+        let g = logits(gpu.run(&batch).expect("gpu step"));
+        let c = logits(cpu.run(&batch).expect("cpu step"));
+        assert_close(&g, &c, 0.1, &format!("step {step}"));
+        let (tg, tc) = (ops::argmax(&g[0]), ops::argmax(&c[0]));
+        assert_eq!(tg, tc, "step {step}: greedy tokens differ");
+        start = toks.len();
+        toks.push(tc.expect("non-empty vocabulary") as u32);
+    }
+}

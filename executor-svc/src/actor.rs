@@ -29,10 +29,21 @@ enum Command {
     Stats(oneshot::Sender<EngineStats>),
 }
 
+/// What the engine thread publishes after every command, for metrics (read without a round
+/// trip to the thread).
+#[derive(Debug)]
+pub struct Published {
+    /// The activity figures as of the last command.
+    pub stats: std::sync::Mutex<EngineStats>,
+    /// Duration of each step run, seconds.
+    pub step_seconds: ferry_runtime::metrics::Histogram,
+}
+
 /// A cheap handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
+    published: std::sync::Arc<Published>,
 }
 
 fn gone() -> Status {
@@ -44,6 +55,13 @@ impl EngineHandle {
     /// handle is dropped.
     pub fn spawn(mut engine: Engine) -> std::io::Result<Self> {
         let (tx, mut rx) = mpsc::channel::<Command>(64);
+        let published = std::sync::Arc::new(Published {
+            stats: std::sync::Mutex::new(EngineStats::default()),
+            step_seconds: ferry_runtime::metrics::Histogram::new(
+                ferry_runtime::metrics::STEP_BUCKETS,
+            ),
+        });
+        let shared = published.clone();
         std::thread::Builder::new().name("ferry-engine".into()).spawn(move || {
             let (mut busy_us, mut idle_us) = (0u64, 0u64);
             // When the last step finished; idle time is counted from there to the next step.
@@ -63,6 +81,7 @@ impl EngineHandle {
                         }
                         let done = std::time::Instant::now();
                         busy_us += done.duration_since(start).as_micros() as u64;
+                        shared.step_seconds.observe(done.duration_since(start).as_secs_f64());
                         // Waiting counts as idle only while requests are held: a gap with no
                         // request is no load, not the scheduler keeping the executor waiting.
                         last_done = (engine.num_requests() > 0).then_some(done);
@@ -82,9 +101,17 @@ impl EngineHandle {
                         });
                     }
                 }
+                let now = EngineStats {
+                    num_requests: engine.num_requests() as u32,
+                    steps_executed: engine.steps_executed(),
+                    blocks_in_use: engine.blocks_in_use() as u32,
+                    busy_us,
+                    idle_us,
+                };
+                *shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = now;
             }
         })?;
-        Ok(Self { tx })
+        Ok(Self { tx, published })
     }
 
     /// Runs one step.
@@ -102,6 +129,11 @@ impl EngineHandle {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Command::Reset(reply)).await.map_err(|_| gone())?;
         rx.await.map_err(|_| gone())
+    }
+
+    /// What the engine thread last published.
+    pub fn published(&self) -> &Published {
+        &self.published
     }
 
     /// Current activity.

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod config;
 pub mod engine;
 pub mod kernels;
+pub mod metrics;
 pub mod model;
 pub mod service;
 
@@ -44,9 +45,16 @@ pub async fn run_in_cluster(
     }
     let id = config.executor_id.clone();
     let built = tokio::task::spawn_blocking(move || build(&config)).await??;
+    let metrics = std::sync::Arc::new(metrics::ExecutorMetrics {
+        model_name: built.info.model.clone(),
+        executor_id: id.clone(),
+        num_blocks: built.info.num_blocks,
+        engine: built.engine.clone(),
+    });
     let service = service::ExecutorService::new(built.info, built.engine);
-    let host =
-        GrpcHost::new().add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service));
+    let host = GrpcHost::new()
+        .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
+        .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::Executor;
     ferry_runtime::cluster::serve_registered(host, listener, cluster.as_ref(), kind, &id, shutdown)
         .await?;

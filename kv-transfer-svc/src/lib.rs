@@ -35,8 +35,10 @@ pub async fn run_in_cluster(
     }
     let id = config.node_id.clone();
     let service = service::KvAgentService::new(config);
+    let metrics = std::sync::Arc::new(service.metrics());
     let host = GrpcHost::new()
-        .add_service(ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service));
+        .add_service(ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service))
+        .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::KvAgent;
     ferry_runtime::cluster::serve_registered(host, listener, cluster.as_ref(), kind, &id, shutdown)
         .await?;

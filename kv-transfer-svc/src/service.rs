@@ -24,6 +24,33 @@ impl KvAgentService {
     }
 }
 
+/// `/metrics` of a KV agent: its store (empty until the block store lands).
+pub struct KvAgentMetrics {
+    /// The agent's configuration.
+    pub config: Arc<KvAgentConfig>,
+}
+
+impl ferry_runtime::metrics::Render for KvAgentMetrics {
+    fn render(&self, t: &mut ferry_runtime::metrics::Text) {
+        let labels = [("node", self.config.node_id.as_str())];
+        let capacity = (self.config.store_mib * 1024 * 1024) as f64;
+        t.gauge(
+            "ferry_kv_store_capacity_bytes",
+            "Host memory for the block store.",
+            &labels,
+            capacity,
+        );
+        t.gauge("ferry_kv_store_used_bytes", "Bytes of KV blocks held in the store.", &labels, 0.0);
+    }
+}
+
+impl KvAgentService {
+    /// Its metrics.
+    pub fn metrics(&self) -> KvAgentMetrics {
+        KvAgentMetrics { config: self.config.clone() }
+    }
+}
+
 fn not_yet(what: &str) -> Status {
     Status::unimplemented(format!("{what} is not available yet in this build: the block store lands with the KV transfer work"))
 }

@@ -36,6 +36,7 @@ pub struct GrpcHost {
     routes: RoutesBuilder,
     service_names: Vec<&'static str>,
     health: HealthReporter,
+    metrics: Option<std::sync::Arc<dyn crate::metrics::Render>>,
 }
 
 impl Default for GrpcHost {
@@ -50,7 +51,7 @@ impl GrpcHost {
         let (health, health_service) = tonic_health::server::health_reporter();
         let mut routes = RoutesBuilder::default();
         routes.add_service(health_service);
-        Self { routes, service_names: Vec::new(), health }
+        Self { routes, service_names: Vec::new(), health, metrics: None }
     }
 
     /// Adds a service; reflection advertises it and health reports on it by its name.
@@ -72,6 +73,12 @@ impl GrpcHost {
         self
     }
 
+    /// Serves `GET /metrics` (Prometheus text) on the same port, over HTTP/1.1 beside gRPC.
+    pub fn with_metrics(mut self, metrics: std::sync::Arc<dyn crate::metrics::Render>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
     /// The health reporter, for services that change their status while running.
     pub fn health(&self) -> HealthReporter {
         self.health.clone()
@@ -84,7 +91,7 @@ impl GrpcHost {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), HostError> {
-        let Self { mut routes, service_names, health } = self;
+        let Self { mut routes, service_names, health, metrics } = self;
         let mut v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -107,8 +114,15 @@ impl GrpcHost {
             shutdown.await;
             set_all(&health, &service_names, ServingStatus::NotServing).await;
         };
+        let mut routes = routes.routes();
+        let http1 = metrics.is_some();
+        if let Some(metrics) = metrics {
+            let router = routes.into_axum_router().merge(crate::metrics::router(metrics));
+            routes = tonic::service::Routes::from(router);
+        }
         tonic::transport::Server::builder()
-            .add_routes(routes.routes())
+            .accept_http1(http1)
+            .add_routes(routes)
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining)
             .await?;
         Ok(())

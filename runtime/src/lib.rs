@@ -8,6 +8,7 @@
 pub mod cluster;
 pub mod grpc;
 pub mod logging;
+pub mod metrics;
 pub mod shutdown;
 
 pub use grpc::{GrpcHost, HostError};

@@ -132,7 +132,8 @@ impl Wanted {
             let (scheduler_id, epoch) = (self.scheduler_id.clone(), self.epoch);
             m.connecting = Some(tokio::spawn(async move {
                 let patience = Some(Duration::from_secs(config.executor_connect_timeout));
-                let fence = crate::Fence { scheduler_id: &scheduler_id, epoch };
+                let fence =
+                    crate::Fence { scheduler_id: &scheduler_id, epoch, metrics: &set.metrics };
                 match crate::connect_patiently(&name, &url, &config, fence, patience).await {
                     Ok(link) => {
                         tracing::info!(executor = %name, address = %url, "executor session open");

@@ -12,9 +12,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::link::LinkHandle;
+use crate::metrics::SchedulerMetrics;
 
 /// The live links, by executor name.
 pub struct ExecutorSet {
+    /// What the links and the front count.
+    pub metrics: Arc<SchedulerMetrics>,
     links: RwLock<Vec<LinkHandle>>,
     /// Set when this scheduler hands its work over for good (drain): nothing waits for links.
     retired: std::sync::atomic::AtomicBool,
@@ -25,6 +28,7 @@ pub struct ExecutorSet {
 impl Default for ExecutorSet {
     fn default() -> Self {
         Self {
+            metrics: SchedulerMetrics::new(),
             links: RwLock::new(Vec::new()),
             retired: std::sync::atomic::AtomicBool::new(false),
             changed: watch::channel(0).0,

@@ -14,9 +14,11 @@ pub mod http;
 pub mod leader;
 pub mod link;
 pub mod loadgen;
+pub mod metrics;
 pub mod serve;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_runtime::cluster::ClusterArgs;
@@ -50,7 +52,8 @@ pub async fn run(
     let patience = Duration::from_secs(config.executor_connect_timeout);
     for addr in &config.executors {
         let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-        let fence = Fence { scheduler_id: &config.scheduler_id(), epoch: 0 };
+        let scheduler_id = config.scheduler_id();
+        let fence = Fence { scheduler_id: &scheduler_id, epoch: 0, metrics: &executors.metrics };
         match connect_patiently(addr, &url, &config, fence, Some(patience)).await {
             Ok(link) => executors.insert(link),
             Err(e) => tracing::error!(error = %e, "executor not connected"),
@@ -75,7 +78,8 @@ pub async fn run(
         None => Duration::ZERO,
     };
     // With etcd, executors are driven only while this scheduler leads its pool.
-    let (leading_tx, _leading) = tokio::sync::watch::channel(None);
+    let (leading_tx, leading) = tokio::sync::watch::channel(None);
+    let leading = cluster.is_some().then_some(leading);
     let (resign_tx, resign_rx) = tokio::sync::watch::channel(false);
     let discovery = match cluster {
         Some(c) => {
@@ -106,7 +110,8 @@ pub async fn run(
             let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
         }
     };
-    serve_api(front, listener, http, shutdown).await?;
+    let metrics = Arc::new(front.metrics_view(leading));
+    serve_api(front, metrics, listener, http, shutdown).await?;
     if let Some(task) = leader_task {
         task.abort();
     }
@@ -139,12 +144,14 @@ pub async fn run_front(
         config.max_queued_requests as usize,
         Duration::from_secs(config.failover_timeout),
     );
-    serve_api(front, listener, http, shutdown).await
+    let metrics = Arc::new(front.metrics_view(None));
+    serve_api(front, metrics, listener, http, shutdown).await
 }
 
 /// Serves `front` over gRPC on `listener` and HTTP on `http` until `shutdown`, then drains.
 async fn serve_api(
     front: front::GenerationService,
+    metrics: Arc<dyn ferry_runtime::metrics::Render>,
     listener: TcpListener,
     http: Option<TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send,
@@ -156,9 +163,11 @@ async fn serve_api(
             let _ = rx.wait_for(|stop| *stop).await;
         }
     };
-    let http_task = http.map(|l| tokio::spawn(http::serve(front.clone(), l, stopped())));
+    let http_task =
+        http.map(|l| tokio::spawn(http::serve(front.clone(), metrics.clone(), l, stopped())));
     let grpc = GrpcHost::new()
         .add_service(ferry_proto::v1::generation_server::GenerationServer::new(front))
+        .with_metrics(metrics)
         .serve(listener, stopped());
     tokio::pin!(grpc);
     tokio::select! {
@@ -175,11 +184,12 @@ async fn serve_api(
     Ok(())
 }
 
-/// Who opens an executor session, under which leadership epoch.
+/// Who opens an executor session, under which leadership epoch, counting into `metrics`.
 #[derive(Clone, Copy)]
 pub(crate) struct Fence<'a> {
     pub scheduler_id: &'a str,
     pub epoch: u64,
+    pub metrics: &'a std::sync::Arc<metrics::SchedulerMetrics>,
 }
 
 /// Connects to executor `name` at `url`, retrying (it may still be loading its model) until
@@ -194,7 +204,8 @@ pub(crate) async fn connect_patiently(
     let deadline = patience.map(|p| tokio::time::Instant::now() + p);
     let mut delay = Duration::from_millis(100);
     loop {
-        match link::connect(name, url, config, fence.scheduler_id, fence.epoch).await {
+        let metrics = fence.metrics.clone();
+        match link::connect(name, url, config, fence.scheduler_id, fence.epoch, metrics).await {
             Ok(link) => return Ok(link),
             Err(e) if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) => return Err(e),
             Err(e) => {

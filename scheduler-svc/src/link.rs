@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::config::SchedulerConfig;
+use crate::metrics::SchedulerMetrics;
 
 /// Steps outstanding at once: one running, one queued behind it.
 const MAX_STEPS_IN_FLIGHT: usize = 2;
@@ -85,6 +86,8 @@ pub struct LinkHandle {
     pub info: Arc<v1::ExecutorInfo>,
     /// Requests on this executor now (for the router).
     pub load: Arc<AtomicUsize>,
+    /// The core's stats as of its last step or command (for metrics).
+    stats: Arc<std::sync::Mutex<ferry_sched_core::SchedulerStats>>,
 }
 
 /// Why a link could not be set up or a command not delivered.
@@ -109,6 +112,11 @@ impl LinkHandle {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Command::Add(Box::new(sub), reply)).await.map_err(|_| LinkError::Gone)?;
         rx.await.map_err(|_| LinkError::Gone)
+    }
+
+    /// The core's gauges and counters as of its last step or command.
+    pub fn stats(&self) -> ferry_sched_core::SchedulerStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether the link's loop still runs (its executor session is up).
@@ -151,6 +159,7 @@ pub async fn connect(
     config: &SchedulerConfig,
     scheduler_id: &str,
     epoch: u64,
+    metrics: Arc<SchedulerMetrics>,
 ) -> Result<LinkHandle, LinkError> {
     let fail = |reason: String| LinkError::Connect { addr: addr.to_string(), reason };
     let mut client =
@@ -187,8 +196,14 @@ pub async fn connect(
     let load = Arc::new(AtomicUsize::new(0));
     let eos = info.eos_token_ids.clone();
     let (close_tx, close_rx) = watch::channel(None);
+    let stats = Arc::new(std::sync::Mutex::new(core.stats()));
+    metrics.sessions_opened.add(1);
     let step_loop = StepLoop {
+        last_stats: core.stats(),
         core,
+        metrics,
+        shared_stats: stats.clone(),
+        sent_at: VecDeque::new(),
         name: name.into(),
         epoch,
         session_id: hs.session_id,
@@ -201,7 +216,14 @@ pub async fn connect(
         events: Vec::new(),
     };
     tokio::spawn(step_loop.run(rx, step_tx, results, close_rx));
-    Ok(LinkHandle { name: name.into(), tx, close: Arc::new(close_tx), info: Arc::new(info), load })
+    Ok(LinkHandle {
+        name: name.into(),
+        tx,
+        close: Arc::new(close_tx),
+        info: Arc::new(info),
+        load,
+        stats,
+    })
 }
 
 struct Entry {
@@ -211,6 +233,12 @@ struct Entry {
 
 struct StepLoop {
     core: Scheduler,
+    metrics: Arc<SchedulerMetrics>,
+    /// The stats the metrics were last brought up to.
+    last_stats: ferry_sched_core::SchedulerStats,
+    shared_stats: Arc<std::sync::Mutex<ferry_sched_core::SchedulerStats>>,
+    /// When each in-flight step was sent.
+    sent_at: VecDeque<Instant>,
     name: Arc<str>,
     epoch: u64,
     session_id: u64,
@@ -264,12 +292,16 @@ impl StepLoop {
                     return self.fail_all("the executor closed the session");
                 }
                 self.in_flight_empty.push_back(empty);
+                self.sent_at.push_back(Instant::now());
                 self.idle = empty;
             }
             tokio::select! {
                 Ok(()) = close.changed() => {} // handled at the top of the loop
                 cmd = commands.recv() => match cmd {
-                    Some(cmd) => self.command(cmd),
+                    Some(cmd) => {
+                        self.command(cmd);
+                        self.publish_stats();
+                    }
                     None => return, // every handle dropped: shutting down
                 },
                 msg = results.message(), if !self.in_flight_empty.is_empty() => match msg {
@@ -277,6 +309,7 @@ impl StepLoop {
                         if let Err(e) = self.apply(&result) {
                             return self.fail_all(&e);
                         }
+                        self.publish_stats();
                     }
                     Ok(None) => return self.fail_all("the executor ended the session"),
                     Err(status) => return self.fail_all(&format!("the executor failed: {}", status.message())),
@@ -319,8 +352,21 @@ impl StepLoop {
         }
     }
 
+    /// Brings the metrics' counters and the handle's stats up to the core's.
+    fn publish_stats(&mut self) {
+        let now = self.core.stats();
+        self.metrics.add_core_deltas(&self.last_stats, &now);
+        self.last_stats = now;
+        *self.shared_stats.lock().unwrap_or_else(|e| e.into_inner()) = now;
+    }
+
     fn apply(&mut self, result: &v1::StepResult) -> Result<(), String> {
         let was_empty = self.in_flight_empty.pop_front().unwrap_or(true);
+        if let Some(sent) = self.sent_at.pop_front() {
+            if !was_empty {
+                self.metrics.step_duration.observe(sent.elapsed().as_secs_f64());
+            }
+        }
         let outcome = outcome_of(result);
         // Log-probabilities travel beside the core (which only needs the tokens), in order.
         let mut logprobs: HashMap<u64, std::vec::IntoIter<v1::PositionLogprobs>> = result

@@ -15,7 +15,7 @@ pub mod text;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_proto::v1::{self, generation_server::Generation};
 use ferry_sched_core::{FinishReason, RequestId, StopCause};
@@ -25,6 +25,7 @@ use tonic::{Request, Response, Status};
 
 use crate::executors::ExecutorSet;
 use crate::link::{LinkError, LinkEvent, LinkHandle, Submission};
+use crate::metrics::SchedulerMetrics;
 use prepare::{prepare, PrepareError, ServedModel};
 use text::TextAssembler;
 
@@ -118,6 +119,7 @@ impl Journal {
 pub struct Front {
     model: ServedModel,
     route: Route,
+    metrics: Arc<SchedulerMetrics>,
     max_live: usize,
     /// How long a request whose executor was lost waits for another one to appear.
     failover_wait: Duration,
@@ -135,9 +137,14 @@ impl GenerationService {
     /// A front serving `model` through `route`, holding at most `max_live` requests at once;
     /// a request whose executor (or scheduler) is lost waits up to `failover_wait` for another.
     pub fn new(model: ServedModel, route: Route, max_live: usize, failover_wait: Duration) -> Self {
+        let metrics = match &route {
+            Route::Local(set) => set.metrics.clone(),
+            Route::Remote(_) => SchedulerMetrics::new(),
+        };
         let front = Front {
             model,
             route,
+            metrics,
             max_live,
             failover_wait,
             next_id: AtomicU64::new(1),
@@ -149,6 +156,23 @@ impl GenerationService {
     /// The served model.
     pub fn model(&self) -> &ServedModel {
         &self.front.model
+    }
+
+    /// What `/metrics` shows for this front (and the executors it drives), with `leading`
+    /// when the process campaigns for leadership.
+    pub fn metrics_view(
+        &self,
+        leading: Option<tokio::sync::watch::Receiver<Option<u64>>>,
+    ) -> crate::metrics::MetricsView {
+        crate::metrics::MetricsView {
+            model_name: self.front.model.name.clone(),
+            metrics: self.front.metrics.clone(),
+            executors: match &self.front.route {
+                Route::Local(set) => Some(set.clone()),
+                Route::Remote(_) => None,
+            },
+            leading,
+        }
     }
 
     /// Whether requests can run now: an executor session is up (a remote front: a leader is
@@ -309,7 +333,10 @@ impl Front {
         mut assembler: TextAssembler,
         mut events: mpsc::UnboundedReceiver<LinkEvent>,
         tx: mpsc::Sender<Result<v1::GenerateEvent, Status>>,
+        arrived: Instant,
     ) {
+        let metrics = &self.metrics;
+        let mut last_token: Option<Instant> = None;
         let tok = &self.model.tokenizer;
         let prompt_len = journal.prompt.len();
         let event = |text: String, token_ids: Vec<u32>, logprobs: Option<v1::PositionLogprobs>| {
@@ -331,12 +358,20 @@ impl Front {
             };
             let out = match ev {
                 Some(LinkEvent::Token(token, logprobs)) => {
+                    let now = Instant::now();
+                    match last_token {
+                        None => metrics.ttft.observe((now - arrived).as_secs_f64()),
+                        Some(t) => metrics.itl.observe((now - t).as_secs_f64()),
+                    }
+                    last_token = Some(now);
                     journal.delivered.push(token);
                     let pushed = assembler.push(tok, token);
                     match pushed.stopped {
                         None => Ok(event(pushed.text, vec![token], logprobs)),
                         Some(stop) => {
                             placement.abort().await;
+                            metrics.finished(FinishReason::Stop(StopCause::StopToken(token)));
+                            metrics.e2e.observe(arrived.elapsed().as_secs_f64());
                             let mut last = event(pushed.text, vec![token], logprobs);
                             last.finish_reason = v1::FinishReason::Stop.into();
                             last.stop_reason = stop;
@@ -351,6 +386,11 @@ impl Front {
                     }
                 }
                 Some(LinkEvent::Finished { reason, stats }) => {
+                    metrics.finished(reason);
+                    metrics.e2e.observe(arrived.elapsed().as_secs_f64());
+                    if let Some(q) = stats.queue_time {
+                        metrics.queue_time.observe(q);
+                    }
                     let (reason, stop_reason) = finish_reason(reason);
                     let mut last = event(assembler.finish(), Vec::new(), None);
                     last.finish_reason = reason.into();
@@ -377,12 +417,14 @@ impl Front {
                                 delivered = journal.delivered.len(),
                                 "where it ran was lost: request moved"
                             );
+                            metrics.requests_moved.add(1);
                             placement = to;
                             events = rx;
                             self.set_placement(&request_id, &placement);
                             continue;
                         }
                         Err(e) => {
+                            metrics.failed();
                             let why = format!("where this request ran was lost and {e}");
                             let mut last = event(assembler.finish(), Vec::new(), None);
                             last.finish_reason = v1::FinishReason::Error.into();
@@ -410,6 +452,7 @@ impl Generation for GenerationService {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrived = Instant::now();
         let req = request.into_inner();
         let front = &self.front;
         let prepared = prepare(&front.model, &req).map_err(|e| match e {
@@ -467,7 +510,9 @@ impl Generation for GenerationService {
         }
         let assembler = TextAssembler::new(&prepared.stop, prepared.include_stop_str);
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(front.clone().pump(request_id, placement, journal, assembler, events_rx, tx));
+        let pump =
+            front.clone().pump(request_id, placement, journal, assembler, events_rx, tx, arrived);
+        tokio::spawn(pump);
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -107,8 +107,10 @@ async fn health(State(front): State<GenerationService>) -> Response {
 /// Serves the HTTP API on `listener` until `shutdown` resolves.
 pub async fn serve(
     front: GenerationService,
+    metrics: std::sync::Arc<dyn ferry_runtime::metrics::Render>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(front)).with_graceful_shutdown(shutdown).await
+    let app = router(front).merge(ferry_runtime::metrics::router(metrics));
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }

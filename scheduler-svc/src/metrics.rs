@@ -1,0 +1,207 @@
+//! The scheduler's and front's Prometheus metrics, under vLLM's names where one exists so the
+//! dashboards operators already have for vLLM work (`vllm:num_requests_running`, …), and
+//! Ferry's own (`ferry_*`) for what vLLM has no name for.
+//!
+//! Counters are fed as events happen (the step loops add the core's counter deltas after each
+//! result; the front records request latencies); gauges are read from the live links at scrape
+//! time. Every series carries `model_name`, as vLLM's do; per-executor gauges also `executor`.
+
+use std::sync::Arc;
+
+use ferry_runtime::metrics::{self, Counter, Histogram, Render, Text};
+use ferry_sched_core::{FinishReason, SchedulerStats};
+use tokio::sync::watch;
+
+use crate::executors::ExecutorSet;
+
+/// Finish reasons as vLLM's `vllm:request_success` labels them.
+const REASONS: [&str; 4] = ["stop", "length", "abort", "error"];
+
+/// Everything a scheduler process (or a front) counts.
+pub struct SchedulerMetrics {
+    /// Prefill tokens computed.
+    pub prompt_tokens: Counter,
+    /// Tokens generated.
+    pub generation_tokens: Counter,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_queries: Counter,
+    /// Of those, found.
+    pub prefix_hits: Counter,
+    /// Preemptions.
+    pub preemptions: Counter,
+    success: [Counter; 4],
+    /// Requests moved to another executor or scheduler after a failure.
+    pub requests_moved: Counter,
+    /// Executor sessions opened (first connections and reconnections).
+    pub sessions_opened: Counter,
+    /// Time to first token, seconds.
+    pub ttft: Histogram,
+    /// Time between tokens, seconds.
+    pub itl: Histogram,
+    /// Arrival to finish, seconds.
+    pub e2e: Histogram,
+    /// Arrival to first scheduled, seconds.
+    pub queue_time: Histogram,
+    /// Step sent to result applied, seconds (all executors).
+    pub step_duration: Histogram,
+}
+
+impl SchedulerMetrics {
+    /// All zero.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            prefix_queries: Counter::default(),
+            prefix_hits: Counter::default(),
+            preemptions: Counter::default(),
+            success: Default::default(),
+            requests_moved: Counter::default(),
+            sessions_opened: Counter::default(),
+            ttft: Histogram::new(metrics::TTFT_BUCKETS),
+            itl: Histogram::new(metrics::ITL_BUCKETS),
+            e2e: Histogram::new(metrics::REQUEST_BUCKETS),
+            queue_time: Histogram::new(metrics::REQUEST_BUCKETS),
+            step_duration: Histogram::new(metrics::STEP_BUCKETS),
+        })
+    }
+
+    /// Adds what the core counted between two snapshots of its stats.
+    pub fn add_core_deltas(&self, before: &SchedulerStats, after: &SchedulerStats) {
+        let d = |a: u64, b: u64| b.saturating_sub(a);
+        self.prompt_tokens.add(d(before.prompt_tokens, after.prompt_tokens));
+        self.generation_tokens.add(d(before.generation_tokens, after.generation_tokens));
+        self.prefix_queries.add(d(before.prefix_cache_queries, after.prefix_cache_queries));
+        self.prefix_hits.add(d(before.prefix_cache_hits, after.prefix_cache_hits));
+        self.preemptions.add(d(before.num_preemptions, after.num_preemptions));
+    }
+
+    /// Counts a finished request.
+    pub fn finished(&self, reason: FinishReason) {
+        let i = match reason {
+            FinishReason::Stop(_) => 0,
+            FinishReason::Length => 1,
+            FinishReason::Abort => 2,
+            FinishReason::Error | FinishReason::Transferred => 3,
+        };
+        self.success[i].add(1);
+    }
+
+    /// Counts a request that ended with an error outside the core (no executor took it).
+    pub fn failed(&self) {
+        self.success[3].add(1);
+    }
+}
+
+/// What `/metrics` shows: the counters, and gauges read from the live state.
+pub struct MetricsView {
+    /// The served model (every series' `model_name`).
+    pub model_name: String,
+    /// The counters.
+    pub metrics: Arc<SchedulerMetrics>,
+    /// The executors driven here (none for a front alone).
+    pub executors: Option<Arc<ExecutorSet>>,
+    /// Leadership, with etcd.
+    pub leading: Option<watch::Receiver<Option<u64>>>,
+}
+
+impl Render for MetricsView {
+    fn render(&self, t: &mut Text) {
+        let m = [("model_name", self.model_name.as_str())];
+        if let Some(set) = &self.executors {
+            let links = set.alive();
+            let stats: Vec<(String, SchedulerStats)> =
+                links.iter().map(|l| (l.name.to_string(), l.stats())).collect();
+            type Pick = fn(&SchedulerStats) -> f64;
+            let gauges: [(&str, &str, Pick); 3] = [
+                ("vllm:num_requests_running", "Requests running on the executor.", |s| {
+                    s.num_running as f64
+                }),
+                ("vllm:num_requests_waiting", "Requests waiting to be admitted.", |s| {
+                    s.num_waiting as f64
+                }),
+                (
+                    "vllm:kv_cache_usage_perc",
+                    "Fraction of KV cache blocks in use (1 = full).",
+                    |s| s.kv_usage,
+                ),
+            ];
+            for (name, help, pick) in gauges {
+                t.family(name, "gauge", help);
+                for (exec, s) in &stats {
+                    t.sample(name, &[m[0], ("executor", exec)], pick(s));
+                }
+            }
+            t.gauge("ferry_executors_connected", "Executor sessions up.", &m, links.len() as f64);
+        }
+        if let Some(leading) = &self.leading {
+            let epoch = *leading.borrow();
+            t.gauge(
+                "ferry_scheduler_leader",
+                "1 while this scheduler leads its pool (holds its etcd election lease).",
+                &m,
+                f64::from(u8::from(epoch.is_some())),
+            );
+            t.gauge(
+                "ferry_scheduler_epoch",
+                "The leadership epoch (election revision) while leading, else 0.",
+                &m,
+                epoch.unwrap_or(0) as f64,
+            );
+        }
+        let counters: [(&str, &str, &Counter); 7] = [
+            ("vllm:prompt_tokens", "Prefill tokens computed.", &self.metrics.prompt_tokens),
+            ("vllm:generation_tokens", "Tokens generated.", &self.metrics.generation_tokens),
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                &self.metrics.prefix_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                &self.metrics.prefix_hits,
+            ),
+            ("vllm:num_preemptions", "Requests preempted.", &self.metrics.preemptions),
+            (
+                "ferry_requests_moved",
+                "Requests moved after their executor or scheduler failed.",
+                &self.metrics.requests_moved,
+            ),
+            (
+                "ferry_executor_sessions_opened",
+                "Executor sessions opened (reconnections included).",
+                &self.metrics.sessions_opened,
+            ),
+        ];
+        for (name, help, c) in counters {
+            t.counter(name, help, &m, c.get() as f64);
+        }
+        t.family("vllm:request_success", "counter", "Finished requests by finish reason.");
+        for (reason, c) in REASONS.iter().zip(&self.metrics.success) {
+            t.sample("vllm:request_success", &[m[0], ("finished_reason", reason)], c.get() as f64);
+        }
+        let histograms: [(&str, &str, &Histogram); 5] = [
+            ("vllm:time_to_first_token_seconds", "Time to first token.", &self.metrics.ttft),
+            ("vllm:inter_token_latency_seconds", "Time between tokens.", &self.metrics.itl),
+            (
+                "vllm:e2e_request_latency_seconds",
+                "Request latency, arrival to finish.",
+                &self.metrics.e2e,
+            ),
+            (
+                "vllm:request_queue_time_seconds",
+                "Time waiting before first scheduled.",
+                &self.metrics.queue_time,
+            ),
+            (
+                "ferry_step_duration_seconds",
+                "Step sent to its result applied.",
+                &self.metrics.step_duration,
+            ),
+        ];
+        for (name, help, h) in histograms {
+            h.render(t, name, help, &m);
+        }
+    }
+}

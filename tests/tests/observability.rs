@@ -1,0 +1,215 @@
+//! Observability (issue 7): Prometheus `/metrics` on every service, in the text format and
+//! moving as requests run; health SERVING, then NOT_SERVING during a drain.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ferry_proto::v1::{self, generation_client::GenerationClient};
+use ferry_tests::{http, Service};
+use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
+
+/// A scrape, parsed: sample (`name{labels}`) → value, and each family's declared type.
+struct Scrape {
+    samples: HashMap<String, f64>,
+    types: HashMap<String, String>,
+}
+
+impl Scrape {
+    /// The sum of every sample of `name` whose labels contain all of `with`.
+    fn sum(&self, name: &str, with: &[&str]) -> f64 {
+        self.samples
+            .iter()
+            .filter(|(k, _)| {
+                let base = k.split('{').next().unwrap();
+                base == name && with.iter().all(|w| k.contains(w))
+            })
+            .map(|(_, v)| v)
+            .sum()
+    }
+}
+
+/// Fetches `/metrics` and checks it is valid Prometheus text: every line a comment or a sample
+/// `name{labels} value`, names legal, values numbers, each sample's family typed before it,
+/// histogram buckets cumulative and ending in `+Inf` equal to `_count`.
+fn scrape(addr: SocketAddr) -> Scrape {
+    let (status, body) = http(addr, "GET", "/metrics", b"").unwrap();
+    assert_eq!(status, 200, "{body}");
+    let mut samples = HashMap::new();
+    let mut types = HashMap::new();
+    for line in body.lines() {
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("TYPE name kind");
+            assert!(
+                ["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind),
+                "{line}"
+            );
+            assert!(types.insert(name.to_string(), kind.to_string()).is_none(), "dup {name}");
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            continue;
+        }
+        assert!(!line.starts_with('#'), "unknown comment: {line}");
+        let (series, value) = line.rsplit_once(' ').expect("sample has a value");
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse().unwrap_or_else(|_| panic!("bad value in {line}")),
+        };
+        let name = series.split('{').next().unwrap();
+        assert!(
+            name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad name {name}"
+        );
+        if series.contains('{') {
+            assert!(series.ends_with('}'), "unclosed labels: {line}");
+        }
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| {
+                name.strip_suffix(s).filter(|f| types.get(*f).is_some_and(|k| k == "histogram"))
+            })
+            .unwrap_or(name);
+        assert!(types.contains_key(family), "sample before its TYPE: {line}");
+        assert!(samples.insert(series.to_string(), value).is_none(), "duplicate series {series}");
+    }
+    // Histograms: buckets cumulative, +Inf == _count.
+    for (family, kind) in &types {
+        if kind != "histogram" {
+            continue;
+        }
+        let mut buckets: Vec<(f64, f64)> = samples
+            .iter()
+            .filter(|(k, _)| k.starts_with(&format!("{family}_bucket{{")))
+            .map(|(k, v)| {
+                let le = k.split("le=\"").nth(1).unwrap().split('"').next().unwrap();
+                (if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap() }, *v)
+            })
+            .collect();
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        assert!(buckets.windows(2).all(|w| w[0].1 <= w[1].1), "{family} not cumulative");
+        let count = Scrape { samples: samples.clone(), types: HashMap::new() }
+            .sum(&format!("{family}_count"), &[]);
+        assert_eq!(buckets.last().map(|b| b.1), Some(count), "{family}: +Inf != _count");
+    }
+    Scrape { samples, types }
+}
+
+#[test]
+fn metrics_use_vllm_names_and_move_as_requests_run() {
+    let svc = Service::start(
+        "ferry-scheduler",
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--kv-cache-mib",
+            "64",
+        ],
+        4,
+    )
+    .unwrap();
+    let (h, exec, kv) = (svc.addr("http"), svc.addr("executor"), svc.addr("kv"));
+    let before = scrape(h);
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "ferry_step_duration_seconds",
+    ] {
+        assert!(before.types.contains_key(name), "{name} missing");
+    }
+    let exec_before = scrape(exec);
+    for _ in 0..3 {
+        // Over two 16-token blocks, so the second and third find the first's in the cache.
+        let body = br#"{"model":"SmolLM2-135M-Instruct","prompt":"The sky over the old harbour town was grey and low that morning, and the fishing boats stayed tied up along the stone quay while the gulls","max_tokens":8,"ignore_eos":true}"#;
+        let (status, text) = http(h, "POST", "/v1/completions", body).unwrap();
+        assert_eq!(status, 200, "{text}");
+    }
+    let after = scrape(h);
+    let delta = |name: &str, with: &[&str]| after.sum(name, with) - before.sum(name, with);
+    assert_eq!(delta("vllm:generation_tokens", &[]), 24.0);
+    assert!(delta("vllm:prompt_tokens", &[]) >= 3.0);
+    assert_eq!(delta("vllm:request_success", &["finished_reason=\"length\""]), 3.0);
+    assert_eq!(delta("vllm:time_to_first_token_seconds_count", &[]), 3.0);
+    assert_eq!(delta("vllm:inter_token_latency_seconds_count", &[]), 21.0);
+    assert_eq!(delta("vllm:e2e_request_latency_seconds_count", &[]), 3.0);
+    assert_eq!(delta("vllm:request_queue_time_seconds_count", &[]), 3.0);
+    assert!(delta("ferry_step_duration_seconds_count", &[]) >= 8.0);
+    assert!(delta("vllm:prefix_cache_queries", &[]) >= 3.0);
+    assert!(delta("vllm:prefix_cache_hits", &[]) > 0.0, "the same prompt thrice hits the cache");
+    assert_eq!(after.sum("vllm:num_requests_running", &[]), 0.0);
+    assert_eq!(after.sum("vllm:kv_cache_usage_perc", &[]), 0.0);
+
+    // The executor and the KV agent serve /metrics on their gRPC ports.
+    let exec_after = scrape(exec);
+    let d = |name: &str| exec_after.sum(name, &[]) - exec_before.sum(name, &[]);
+    assert!(d("ferry_executor_steps") >= 8.0);
+    assert!(d("ferry_executor_busy_seconds") > 0.0);
+    assert!(d("ferry_executor_step_duration_seconds_count") >= 8.0);
+    assert_eq!(exec_after.sum("ferry_executor_kv_blocks_in_use", &[]), 0.0);
+    assert!(exec_after.types.contains_key("ferry_executor_idle_seconds"));
+    let kv_scrape = scrape(kv);
+    assert!(kv_scrape.sum("ferry_kv_store_capacity_bytes", &[]) > 0.0);
+    // And the scheduler's gRPC port too.
+    assert!(scrape(svc.addr("grpc")).types.contains_key("vllm:generation_tokens"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reports_not_serving_while_draining() {
+    let exec =
+        Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
+            .unwrap();
+    let target = exec.addr("grpc").to_string();
+    let args = ["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--executor", &target];
+    let mut sched = Service::start("ferry-scheduler", &args, 2).unwrap();
+    let url = format!("http://{}", sched.addr("grpc"));
+    let channel = tonic::transport::Endpoint::from_shared(url.clone()).unwrap().connect().await;
+    let mut health = HealthClient::new(channel.unwrap());
+    let check = |service: &str| tonic_health::pb::HealthCheckRequest { service: service.into() };
+    let status = health.check(check("ferry.v1.Generation")).await.unwrap().into_inner().status;
+    assert_eq!(status, ServingStatus::Serving as i32);
+    let mut watch = health.watch(check("")).await.unwrap().into_inner();
+    assert_eq!(watch.message().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
+
+    // A long request keeps the drain going while we look.
+    let mut client = GenerationClient::connect(url).await.unwrap();
+    let req = v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Prompt("Once upon a time".into())),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens: 120,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    assert!(stream.message().await.unwrap().is_some());
+    ferry_tests::signal(sched.pid(), "TERM").unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(10), watch.message()).await;
+    let status = next.expect("no health update after SIGTERM").unwrap().unwrap().status;
+    assert_eq!(status, ServingStatus::NotServing as i32);
+    drop(watch);
+    let mut tokens = 1;
+    while let Some(ev) = stream.message().await.unwrap() {
+        tokens += ev.token_ids.len();
+    }
+    assert!(tokens >= 120, "the in-flight request finished during the drain");
+    assert!(sched.terminate(Duration::from_secs(30)).unwrap().success());
+}

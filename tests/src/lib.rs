@@ -125,6 +125,21 @@ impl Drop for Service {
     }
 }
 
+/// `ferry-scheduler serve` on free ports with a KV cache of `kv_mib` MiB; it announces grpc,
+/// http, executor and kv addresses.
+pub fn start_serve(kv_mib: &str) -> Service {
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--kv-cache-mib",
+        kv_mib,
+    ];
+    Service::start("ferry-scheduler", &args, 4).expect("starting ferry-scheduler serve")
+}
+
 /// Sends a signal by name (`TERM`, `KILL`, `INT`) with the system's `kill`.
 pub fn signal(pid: u32, name: &str) -> Result<()> {
     let status = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status()?;

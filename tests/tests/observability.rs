@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use ferry_proto::v1::{self, generation_client::GenerationClient};
-use ferry_tests::{http, Service};
+use ferry_tests::{http, start_serve, Service};
 use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
 
 /// A scrape, parsed: sample (`name{labels}`) → value, and each family's declared type.
@@ -101,20 +101,7 @@ fn scrape(addr: SocketAddr) -> Scrape {
 
 #[test]
 fn metrics_use_vllm_names_and_move_as_requests_run() {
-    let svc = Service::start(
-        "ferry-scheduler",
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--kv-cache-mib",
-            "64",
-        ],
-        4,
-    )
-    .unwrap();
+    let svc = start_serve("64");
     let (h, exec, kv) = (svc.addr("http"), svc.addr("executor"), svc.addr("kv"));
     let before = scrape(h);
     for name in [

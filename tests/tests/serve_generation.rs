@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use ferry_proto::v1::{self, executor_client::ExecutorClient, generation_client::GenerationClient};
-use ferry_tests::Service;
+use ferry_tests::{start_serve, Service};
 use tonic::transport::Channel;
 
 async fn generate(
@@ -41,20 +41,6 @@ fn prompt(text: &str, max_tokens: u32) -> v1::GenerateRequest {
         stopping: Some(v1::StoppingCriteria { max_tokens, ignore_eos: true, ..Default::default() }),
         ..Default::default()
     }
-}
-
-/// `ferry-scheduler serve` on free ports with a KV cache of `kv_mib` MiB.
-fn start_serve(kv_mib: &str) -> Service {
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--kv-cache-mib",
-        kv_mib,
-    ];
-    Service::start("ferry-scheduler", &args, 4).unwrap()
 }
 
 /// Separate processes: an executor with a 64 MiB cache, and a scheduler pointed at it with

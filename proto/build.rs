@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 const PROTOS: &[&str] = &[
+    "ferry/v1/admin.proto",
     "ferry/v1/common.proto",
     "ferry/v1/generation.proto",
     "ferry/v1/executor.proto",

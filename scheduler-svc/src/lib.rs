@@ -5,6 +5,7 @@
 //! The library is everything; `ferry-scheduler` parses flags and calls [`run`] (the scheduler
 //! role) or [`serve::run`] (the whole system in one process).
 
+pub mod admin;
 pub mod bench_core;
 pub mod config;
 pub mod discovery;
@@ -96,7 +97,7 @@ pub async fn run(
     };
     let front = front::GenerationService::new(
         served,
-        front::Route::Local(executors),
+        front::Route::Local(executors.clone()),
         config.max_queued_requests as usize,
         failover_wait,
     );
@@ -111,7 +112,8 @@ pub async fn run(
         }
     };
     let metrics = Arc::new(front.metrics_view(leading));
-    serve_api(front, metrics, listener, http, shutdown).await?;
+    let admin = admin::AdminService::new(executors);
+    serve_api(front, metrics, Some(admin), listener, http, shutdown).await?;
     if let Some(task) = leader_task {
         task.abort();
     }
@@ -145,13 +147,14 @@ pub async fn run_front(
         Duration::from_secs(config.failover_timeout),
     );
     let metrics = Arc::new(front.metrics_view(None));
-    serve_api(front, metrics, listener, http, shutdown).await
+    serve_api(front, metrics, None, listener, http, shutdown).await
 }
 
 /// Serves `front` over gRPC on `listener` and HTTP on `http` until `shutdown`, then drains.
 async fn serve_api(
     front: front::GenerationService,
     metrics: Arc<dyn ferry_runtime::metrics::Render>,
+    admin: Option<admin::AdminService>,
     listener: TcpListener,
     http: Option<TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send,
@@ -165,10 +168,13 @@ async fn serve_api(
     };
     let http_task =
         http.map(|l| tokio::spawn(http::serve(front.clone(), metrics.clone(), l, stopped())));
-    let grpc = GrpcHost::new()
+    let mut host = GrpcHost::new()
         .add_service(ferry_proto::v1::generation_server::GenerationServer::new(front))
-        .with_metrics(metrics)
-        .serve(listener, stopped());
+        .with_metrics(metrics);
+    if let Some(admin) = admin {
+        host = host.add_service(ferry_proto::v1::admin_server::AdminServer::new(admin));
+    }
+    let grpc = host.serve(listener, stopped());
     tokio::pin!(grpc);
     tokio::select! {
         result = &mut grpc => result?,

@@ -72,6 +72,7 @@ enum Command {
     Add(Box<Submission>, oneshot::Sender<Result<(), AddError>>),
     Abort(RequestId),
     PrefixHit(Arc<[u32]>, oneshot::Sender<usize>),
+    Views(oneshot::Sender<Vec<ferry_sched_core::RequestView>>),
 }
 
 /// A handle to one executor's loop.
@@ -143,6 +144,15 @@ impl LinkHandle {
             return 0;
         }
         rx.await.unwrap_or(0)
+    }
+
+    /// The admin view of every request the core holds (empty if the link is gone).
+    pub async fn request_views(&self) -> Vec<ferry_sched_core::RequestView> {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::Views(reply)).await.is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
     }
 
     /// Aborts a request (a no-op if it already finished).
@@ -319,11 +329,18 @@ impl StepLoop {
     }
 
     fn command(&mut self, cmd: Command) {
-        if let Command::PrefixHit(prompt, reply) = cmd {
-            // A read: no reason to build a step.
-            let _ = reply.send(self.core.prefix_hit_tokens(&prompt, 0));
-            return;
-        }
+        // Reads: no reason to build a step.
+        let cmd = match cmd {
+            Command::PrefixHit(prompt, reply) => {
+                let _ = reply.send(self.core.prefix_hit_tokens(&prompt, 0));
+                return;
+            }
+            Command::Views(reply) => {
+                let _ = reply.send(self.core.request_views().collect());
+                return;
+            }
+            cmd => cmd,
+        };
         self.idle = false;
         match cmd {
             Command::Add(sub, reply) => {
@@ -348,7 +365,7 @@ impl StepLoop {
                     self.finish(id, LinkEvent::Finished { reason: done.reason, stats: done.stats });
                 }
             }
-            Command::PrefixHit(..) => unreachable!("answered above"),
+            Command::PrefixHit(..) | Command::Views(_) => {} // answered above
         }
     }
 

@@ -66,6 +66,7 @@ fn scheduler_serves_health_and_reflection() {
     )
     .unwrap();
     check_surface(svc.addr("grpc"), "ferry.v1.Generation", "ferry.v1.GenerateEvent");
+    check_surface(svc.addr("grpc"), "ferry.v1.Admin", "ferry.v1.AdminRequest");
     assert!(svc.terminate(GRACE).unwrap().success());
 }
 

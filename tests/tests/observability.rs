@@ -156,6 +156,26 @@ fn metrics_use_vllm_names_and_move_as_requests_run() {
     assert!(kv_scrape.sum("ferry_kv_store_capacity_bytes", &[]) > 0.0);
     // And the scheduler's gRPC port too.
     assert!(scrape(svc.addr("grpc")).types.contains_key("vllm:generation_tokens"));
+
+    // The admin view over gRPC (real grpcurl): a running request, its WorkKey, blocks and the
+    // reason for the last decision; and the executor's gauges.
+    let long = br#"{"model":"SmolLM2-135M-Instruct","prompt":"Count slowly:","max_tokens":300,"ignore_eos":true,"stream":true}"#;
+    let (status, _stream) = ferry_tests::http_open(h, "/v1/completions", long).unwrap();
+    assert_eq!(status, 200);
+    let grpc = svc.addr("grpc").to_string();
+    let listed =
+        ferry_tests::grpcurl_ok(&["-plaintext", &grpc, "ferry.v1.Admin/ListRequests"]).unwrap();
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let r = &listed["requests"][0];
+    assert_eq!(r["status"], "ACTIVE", "{listed}");
+    assert_eq!(r["workKey"], "DECODE", "{listed}");
+    assert_eq!(r["hasSlot"], true, "{listed}");
+    assert!(r["blocks"].as_u64().unwrap() >= 1, "{listed}");
+    assert!(r["lastDecision"].as_str().unwrap().starts_with("Scheduled: "), "{listed}");
+    let execs =
+        ferry_tests::grpcurl_ok(&["-plaintext", &grpc, "ferry.v1.Admin/ListExecutors"]).unwrap();
+    let execs: serde_json::Value = serde_json::from_str(&execs).unwrap();
+    assert_eq!(execs["executors"][0]["running"], 1, "{execs}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

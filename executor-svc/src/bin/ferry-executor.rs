@@ -14,9 +14,8 @@ struct Cli {
     /// Address for the gRPC API (port 0 picks a free port).
     #[arg(long, env = "FERRY_LISTEN", default_value = "127.0.0.1:50061")]
     listen: String,
-    /// Log filter (RUST_LOG syntax).
-    #[arg(long, env = "FERRY_LOG", default_value = "info")]
-    log: String,
+    #[command(flatten)]
+    log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
     executor: ExecutorConfig,
     #[command(flatten)]
@@ -97,7 +96,7 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
     }
-    ferry_runtime::logging::init(&cli.log).map_err(anyhow::Error::msg)?;
+    cli.log.init().map_err(anyhow::Error::msg)?;
     cli.executor.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);

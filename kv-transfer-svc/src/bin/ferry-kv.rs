@@ -10,9 +10,8 @@ struct Cli {
     /// Address for the gRPC API (port 0 picks a free port).
     #[arg(long, env = "FERRY_LISTEN", default_value = "127.0.0.1:50071")]
     listen: String,
-    /// Log filter (RUST_LOG syntax).
-    #[arg(long, env = "FERRY_LOG", default_value = "info")]
-    log: String,
+    #[command(flatten)]
+    log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
     agent: KvAgentConfig,
     #[command(flatten)]
@@ -22,7 +21,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    ferry_runtime::logging::init(&cli.log).map_err(anyhow::Error::msg)?;
+    cli.log.init().map_err(anyhow::Error::msg)?;
     cli.agent.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);

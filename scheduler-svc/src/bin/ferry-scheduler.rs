@@ -27,9 +27,8 @@ struct RunArgs {
     /// Address for the OpenAI-compatible HTTP API (port 0 picks a free port).
     #[arg(long, env = "FERRY_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
     http_listen: String,
-    /// Log filter (RUST_LOG syntax).
-    #[arg(long, env = "FERRY_LOG", default_value = "info")]
-    log: String,
+    #[command(flatten)]
+    log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
     scheduler: SchedulerConfig,
 }
@@ -75,7 +74,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         None => {
             let run = cli.run;
-            ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
+            run.log.init().map_err(anyhow::Error::msg)?;
             run.scheduler.validate()?;
             let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
             let (http, http_addr) = ferry_runtime::grpc::bind(&run.http_listen).await?;
@@ -88,7 +87,7 @@ async fn main() -> anyhow::Result<()> {
                 .await
         }
         Some(Command::Front { run, front }) => {
-            ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
+            run.log.init().map_err(anyhow::Error::msg)?;
             run.scheduler.validate()?;
             front.cluster.validate()?;
             let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
@@ -114,7 +113,7 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Serve { run, executor, kv_agent }) => {
-            ferry_runtime::logging::init(&run.log).map_err(anyhow::Error::msg)?;
+            run.log.init().map_err(anyhow::Error::msg)?;
             ferry_scheduler_svc::serve::run(
                 &run.listen,
                 &run.http_listen,

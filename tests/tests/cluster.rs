@@ -377,6 +377,14 @@ async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
     let (owner, epoch) = session_owner(&exec).await;
     assert_eq!(owner, "s1");
     assert!(epoch > first_epoch, "the new leader's epoch {epoch} is not above {first_epoch}");
+    let metric = |s: &Service, name: &str| -> f64 {
+        let (_, body) = http(s.addr("http"), "GET", "/metrics", b"").unwrap();
+        let line = body.lines().find(|l| l.starts_with(name)).expect(name).to_string();
+        line.rsplit_once(' ').unwrap().1.parse().unwrap()
+    };
+    assert_eq!(metric(s1, "ferry_scheduler_leader{"), 1.0);
+    assert_eq!(metric(s1, "ferry_scheduler_epoch{"), epoch as f64);
+    assert_eq!(metric(s0, "ferry_scheduler_leader{"), 0.0);
     let (status, _) = http(
         s0.addr("http"),
         "POST",

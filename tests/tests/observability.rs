@@ -154,6 +154,7 @@ fn metrics_use_vllm_names_and_move_as_requests_run() {
     assert!(exec_after.types.contains_key("ferry_executor_idle_seconds"));
     let kv_scrape = scrape(kv);
     assert!(kv_scrape.sum("ferry_kv_store_capacity_bytes", &[]) > 0.0);
+    dashboard_queries_only_exported_metrics(&[&after, &exec_after, &kv_scrape]);
     // And the scheduler's gRPC port too.
     assert!(scrape(svc.addr("grpc")).types.contains_key("vllm:generation_tokens"));
 
@@ -219,4 +220,42 @@ async fn health_reports_not_serving_while_draining() {
     }
     assert!(tokens >= 120, "the in-flight request finished during the drain");
     assert!(sched.terminate(Duration::from_secs(30)).unwrap().success());
+}
+
+/// Every metric the Grafana dashboard (`helm/dashboards/ferry.json`) queries is one the
+/// services export (a histogram's `_bucket` counts as its family).
+fn dashboard_queries_only_exported_metrics(scrapes: &[&Scrape]) {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../helm/dashboards/ferry.json");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut used = Vec::new();
+    for panel in json["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            // Metric names: identifiers that start with `vllm:` or `ferry_`.
+            let mut rest = expr;
+            while let Some(i) = rest.find("vllm:").into_iter().chain(rest.find("ferry_")).min() {
+                let name: String = rest[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+                    .collect();
+                rest = &rest[i + name.len()..];
+                used.push(name);
+            }
+        }
+    }
+    assert!(used.len() >= 16, "the dashboard queries too little: {used:?}");
+    // Exported only by schedulers that campaign through etcd (checked in tests/cluster.rs).
+    let cluster_only = ["ferry_scheduler_leader", "ferry_scheduler_epoch"];
+    for name in used {
+        let family = name.strip_suffix("_bucket").unwrap_or(&name);
+        if cluster_only.contains(&family) {
+            continue;
+        }
+        assert!(
+            scrapes.iter().any(|s| s.types.contains_key(family)),
+            "the dashboard queries {name}, which no service exports"
+        );
+    }
 }

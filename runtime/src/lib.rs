@@ -10,6 +10,7 @@ pub mod grpc;
 pub mod logging;
 pub mod metrics;
 pub mod shutdown;
+pub mod telemetry;
 
 pub use grpc::{GrpcHost, HostError};
 pub use shutdown::shutdown_signal;

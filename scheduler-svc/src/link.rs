@@ -40,6 +40,8 @@ pub enum LinkEvent {
     },
     /// The executor was lost; the request did not finish.
     Failed,
+    /// The core preempted it (it will run again).
+    Preempted,
 }
 
 /// A request for this executor.
@@ -64,6 +66,8 @@ pub struct Submission {
     pub priority: i32,
     /// How the executor samples.
     pub sampling: v1::SamplingParams,
+    /// The W3C trace context of its span, for the executor's spans (empty when untraced).
+    pub traceparent: String,
     /// Where its events go.
     pub events: mpsc::UnboundedSender<LinkEvent>,
 }
@@ -238,6 +242,7 @@ pub async fn connect(
 
 struct Entry {
     sampling: v1::SamplingParams,
+    traceparent: String,
     events: mpsc::UnboundedSender<LinkEvent>,
 }
 
@@ -287,8 +292,13 @@ impl StepLoop {
                 let step = match self.core.schedule(now) {
                     Ok(plan) => {
                         let entries = &self.entries;
+                        for id in &plan.preempted {
+                            if let Some(e) = entries.get(id) {
+                                let _ = e.events.send(LinkEvent::Preempted);
+                            }
+                        }
                         to_proto(plan, self.session_id, self.epoch, |id| {
-                            entries.get(&id).map(|e| e.sampling)
+                            entries.get(&id).map(|e| (e.sampling, e.traceparent.clone()))
                         })
                     }
                     Err(e) => return self.fail_all(&format!("scheduling failed: {e}")),
@@ -353,8 +363,12 @@ impl StepLoop {
                 req.output = sub.output;
                 let added = self.core.add_request(req);
                 if added.is_ok() {
-                    self.entries
-                        .insert(sub.id, Entry { sampling: sub.sampling, events: sub.events });
+                    let entry = Entry {
+                        sampling: sub.sampling,
+                        traceparent: sub.traceparent,
+                        events: sub.events,
+                    };
+                    self.entries.insert(sub.id, entry);
                     self.load.fetch_add(1, Ordering::Relaxed);
                 }
                 let _ = reply.send(added);
@@ -457,12 +471,13 @@ fn work_key(k: WorkKey) -> v1::WorkKey {
     }
 }
 
-/// The wire form of a plan; `sampling_of` gives each new request's sampling parameters.
+/// The wire form of a plan; `info_of` gives each new request's sampling parameters and trace
+/// context.
 pub(crate) fn to_proto(
     plan: &StepPlan,
     session_id: u64,
     epoch: u64,
-    sampling_of: impl Fn(RequestId) -> Option<v1::SamplingParams>,
+    info_of: impl Fn(RequestId) -> Option<(v1::SamplingParams, String)>,
 ) -> v1::Step {
     v1::Step {
         session_id,
@@ -471,14 +486,17 @@ pub(crate) fn to_proto(
         new_requests: plan
             .new_requests
             .iter()
-            .map(|n| v1::NewRequest {
-                id: n.id.0,
-                prompt_token_ids: n.prompt.to_vec(),
-                output_token_ids: n.output.to_vec(),
-                sampling: sampling_of(n.id),
-                block_ids: plan.blocks(n.block_ids).iter().map(|b| b.0).collect(),
-                num_computed_tokens: n.num_computed_tokens as u32,
-                traceparent: String::new(),
+            .map(|n| {
+                let (sampling, traceparent) = info_of(n.id).unzip();
+                v1::NewRequest {
+                    id: n.id.0,
+                    prompt_token_ids: n.prompt.to_vec(),
+                    output_token_ids: n.output.to_vec(),
+                    sampling,
+                    block_ids: plan.blocks(n.block_ids).iter().map(|b| b.0).collect(),
+                    num_computed_tokens: n.num_computed_tokens as u32,
+                    traceparent: traceparent.unwrap_or_default(),
+                }
             })
             .collect(),
         cached_requests: plan

@@ -17,6 +17,8 @@ struct Cli {
     #[command(flatten)]
     log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
+    trace: ferry_runtime::telemetry::TraceArgs,
+    #[command(flatten)]
     executor: ExecutorConfig,
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
@@ -97,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     }
     cli.log.init().map_err(anyhow::Error::msg)?;
+    let _telemetry = cli.trace.init("ferry-executor").map_err(anyhow::Error::msg)?;
     cli.executor.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);

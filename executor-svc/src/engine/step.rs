@@ -84,6 +84,46 @@ struct ExecRequest {
     computed: usize,
     /// Preempted and not resumed: no work until a resuming update.
     preempted: bool,
+    /// Its `execute` span (a child of the request's span at the scheduler), when traced.
+    trace: Option<RequestTrace>,
+}
+
+/// A traced request's span on this executor and what it did here.
+#[derive(Debug)]
+struct RequestTrace {
+    cx: opentelemetry::Context,
+    steps: u64,
+    tokens_computed: u64,
+}
+
+impl RequestTrace {
+    /// Opens the `execute` span under the scheduler's `traceparent`; `None` when untraced.
+    fn start(traceparent: &str, id: u64) -> Option<Self> {
+        use opentelemetry::trace::{TraceContextExt, Tracer};
+        if traceparent.is_empty() {
+            return None;
+        }
+        let parent = ferry_runtime::telemetry::from_traceparent(traceparent);
+        if !parent.span().span_context().is_sampled() {
+            return None;
+        }
+        let tracer = ferry_runtime::telemetry::tracer();
+        let span = tracer
+            .span_builder("execute")
+            .with_attributes([opentelemetry::KeyValue::new("ferry.request_id", id as i64)])
+            .start_with_context(&tracer, &parent);
+        Some(Self { cx: parent.with_span(span), steps: 0, tokens_computed: 0 })
+    }
+
+    fn end(self, how: &'static str) {
+        use opentelemetry::trace::TraceContextExt;
+        use opentelemetry::KeyValue;
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new("ferry.steps", self.steps as i64));
+        span.set_attribute(KeyValue::new("ferry.tokens_computed", self.tokens_computed as i64));
+        span.set_attribute(KeyValue::new("ferry.ended_by", how));
+        span.end();
+    }
 }
 
 impl ExecRequest {
@@ -162,7 +202,11 @@ impl Engine {
     /// Forgets every request.
     pub fn reset(&mut self) -> usize {
         let n = self.requests.len();
-        self.requests.clear();
+        for (_, r) in self.requests.drain() {
+            if let Some(t) = r.trace {
+                t.end("session reset");
+            }
+        }
         n
     }
 
@@ -194,6 +238,7 @@ impl Engine {
             self.backend.run(&batch)?
         };
         let forward_us = t0.elapsed().as_micros() as u64;
+        let step_started = std::time::SystemTime::now() - t0.elapsed();
         let t1 = Instant::now();
         let mut outputs = Vec::new();
         let mut logits = match output {
@@ -239,6 +284,7 @@ impl Engine {
             });
         }
         self.steps_executed += 1;
+        self.trace_step(step, &planned, step_started, forward_us);
         Ok(v1::StepResult {
             step_id: step.step_id,
             outputs,
@@ -249,6 +295,51 @@ impl Engine {
                 ..Default::default()
             }),
         })
+    }
+
+    /// Records a `step` span (its own trace) linked to the `execute` spans of the traced
+    /// requests in the batch, with the batch's shape; nothing when none is traced.
+    fn trace_step(
+        &mut self,
+        step: &v1::Step,
+        planned: &[Planned],
+        started: std::time::SystemTime,
+        forward_us: u64,
+    ) {
+        use opentelemetry::trace::{Link, Span, TraceContextExt, Tracer};
+        use opentelemetry::KeyValue;
+        let mut links = Vec::new();
+        let (mut prefill, mut decode) = (0i64, 0i64);
+        for p in planned {
+            let is_decode = p.n == 1 && p.start + 1 == p.total && p.start > 0;
+            if is_decode {
+                decode += 1;
+            } else {
+                prefill += p.n as i64;
+            }
+            if let Some(t) = self.requests.get_mut(&p.id).and_then(|r| r.trace.as_mut()) {
+                t.steps += 1;
+                t.tokens_computed += p.n as u64;
+                links.push(Link::with_context(t.cx.span().span_context().clone()));
+            }
+        }
+        if links.is_empty() {
+            return;
+        }
+        let tracer = ferry_runtime::telemetry::tracer();
+        let mut span = tracer
+            .span_builder("step")
+            .with_start_time(started)
+            .with_links(links)
+            .with_attributes([
+                KeyValue::new("ferry.step_id", step.step_id as i64),
+                KeyValue::new("ferry.batch_size", planned.len() as i64),
+                KeyValue::new("ferry.prefill_tokens", prefill),
+                KeyValue::new("ferry.decode_tokens", decode),
+                KeyValue::new("ferry.forward_us", forward_us as i64),
+            ])
+            .start_with_context(&tracer, &opentelemetry::Context::new());
+        span.end();
     }
 
     /// Checks the whole step against the state it would produce; changes nothing.
@@ -417,11 +508,17 @@ impl Engine {
     /// Applies the request diffs of a validated step.
     fn apply_diff(&mut self, step: &v1::Step) {
         for id in &step.finished_ids {
-            self.requests.remove(id);
+            if let Some(t) = self.requests.remove(id).and_then(|r| r.trace) {
+                t.end("finished");
+            }
         }
         for id in &step.preempted_ids {
             if let Some(r) = self.requests.get_mut(id) {
                 r.preempted = true;
+                if let Some(t) = &r.trace {
+                    use opentelemetry::trace::TraceContextExt;
+                    t.cx.span().add_event("preempted", Vec::new());
+                }
             }
         }
         for nr in &step.new_requests {
@@ -434,6 +531,7 @@ impl Engine {
                     table: nr.block_ids.clone(),
                     computed: nr.num_computed_tokens as usize,
                     preempted: false,
+                    trace: RequestTrace::start(&nr.traceparent, nr.id),
                 },
             );
         }

@@ -13,6 +13,8 @@ struct Cli {
     #[command(flatten)]
     log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
+    trace: ferry_runtime::telemetry::TraceArgs,
+    #[command(flatten)]
     agent: KvAgentConfig,
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
@@ -22,6 +24,7 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     cli.log.init().map_err(anyhow::Error::msg)?;
+    let _telemetry = cli.trace.init("ferry-kv").map_err(anyhow::Error::msg)?;
     cli.agent.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);

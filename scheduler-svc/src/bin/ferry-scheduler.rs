@@ -30,6 +30,8 @@ struct RunArgs {
     #[command(flatten)]
     log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
+    trace: ferry_runtime::telemetry::TraceArgs,
+    #[command(flatten)]
     scheduler: SchedulerConfig,
 }
 
@@ -75,6 +77,7 @@ async fn main() -> anyhow::Result<()> {
         None => {
             let run = cli.run;
             run.log.init().map_err(anyhow::Error::msg)?;
+            let _telemetry = run.trace.init("ferry-scheduler").map_err(anyhow::Error::msg)?;
             run.scheduler.validate()?;
             let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
             let (http, http_addr) = ferry_runtime::grpc::bind(&run.http_listen).await?;
@@ -88,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Some(Command::Front { run, front }) => {
             run.log.init().map_err(anyhow::Error::msg)?;
+            let _telemetry = run.trace.init("ferry-front").map_err(anyhow::Error::msg)?;
             run.scheduler.validate()?;
             front.cluster.validate()?;
             let (listener, addr) = ferry_runtime::grpc::bind(&run.listen).await?;
@@ -114,6 +118,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Some(Command::Serve { run, executor, kv_agent }) => {
             run.log.init().map_err(anyhow::Error::msg)?;
+            let _telemetry = run.trace.init("ferry-scheduler").map_err(anyhow::Error::msg)?;
             ferry_scheduler_svc::serve::run(
                 &run.listen,
                 &run.http_listen,

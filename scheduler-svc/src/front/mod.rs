@@ -11,6 +11,7 @@
 pub mod prepare;
 pub mod remote;
 pub mod text;
+pub mod trace;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,6 +29,7 @@ use crate::link::{LinkError, LinkEvent, LinkHandle, Submission};
 use crate::metrics::SchedulerMetrics;
 use prepare::{prepare, PrepareError, ServedModel};
 use text::TextAssembler;
+use trace::RequestTrace;
 
 /// Where a front sends its requests.
 pub enum Route {
@@ -66,6 +68,8 @@ impl Placement {
 /// What a request asks for, kept for as long as it streams so it can be moved.
 #[derive(Clone)]
 struct Journal {
+    /// The trace context of its `request` span (empty when untraced).
+    traceparent: String,
     prompt: Vec<u32>,
     /// Tokens delivered to the client so far.
     delivered: Vec<u32>,
@@ -110,10 +114,14 @@ impl Journal {
             ignore_eos: self.ignore_eos,
             priority: self.priority,
             sampling: self.sampling,
+            traceparent: self.traceparent.clone(),
             events,
         }
     }
 }
+
+/// What a new request's stream starts from.
+type Admitted = (Placement, Journal, TextAssembler, mpsc::UnboundedReceiver<LinkEvent>);
 
 /// Shared front state.
 pub struct Front {
@@ -182,6 +190,16 @@ impl GenerationService {
             Route::Local(set) => !set.alive().is_empty(),
             Route::Remote(leader) => leader.current().is_some(),
         }
+    }
+}
+
+/// vLLM's name for a finish reason.
+fn vllm_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop(_) => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+        FinishReason::Error | FinishReason::Transferred => "error",
     }
 }
 
@@ -292,7 +310,7 @@ impl Front {
         let deadline = tokio::time::Instant::now() + patience;
         let mut delay = Duration::from_millis(50);
         loop {
-            match remote::submit(leader, journal.continuation()).await {
+            match remote::submit(leader, journal.continuation(), &journal.traceparent).await {
                 Ok((call, rx)) => return Ok((Placement::Remote(call), rx)),
                 Err(remote::SubmitError::Refused(status)) => {
                     return Err(PlaceError::Remote(status))
@@ -306,6 +324,68 @@ impl Front {
                 }
             }
         }
+    }
+
+    /// Checks, tokenizes and places a new request; what its stream needs, or the refusal.
+    async fn admit(
+        &self,
+        req: &v1::GenerateRequest,
+        request_id: &str,
+        trace: &mut RequestTrace,
+    ) -> Result<Admitted, Status> {
+        let front = self;
+        let prepared = trace.tokenize(|| prepare(&front.model, req)).map_err(|e| match e {
+            PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
+            PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
+        })?;
+        let traceparent = trace.open_request(prepared.prompt.len());
+        let journal = Journal {
+            traceparent,
+            prompt: prepared.prompt,
+            delivered: prepared.output,
+            max_tokens: prepared.max_tokens,
+            min_tokens: prepared.min_tokens,
+            stop_token_ids: prepared.stop_token_ids,
+            ignore_eos: prepared.ignore_eos,
+            priority: prepared.priority,
+            sampling: prepared.sampling,
+        };
+        {
+            let live =
+                front.live.lock().map_err(|_| Status::internal("front state is poisoned"))?;
+            if live.contains_key(request_id) {
+                return Err(Status::already_exists(format!(
+                    "request id {request_id:?} is already live"
+                )));
+            }
+            if live.len() >= front.max_live {
+                return Err(Status::resource_exhausted(format!(
+                    "the queue is full: {} requests are running or waiting (limit {}); retry later",
+                    live.len(),
+                    front.max_live
+                )));
+            }
+        }
+        // A new request does not wait for an executor: no executor is a 503 now.
+        let (placement, events_rx) = front.place(&journal, Duration::ZERO).await?;
+        let admitted = {
+            let mut live =
+                front.live.lock().map_err(|_| Status::internal("front state is poisoned"))?;
+            let room = !live.contains_key(request_id) && live.len() < front.max_live;
+            if room {
+                live.insert(request_id.to_string(), placement.clone());
+            }
+            room
+        };
+        if !admitted {
+            placement.abort().await;
+            return Err(Status::resource_exhausted(format!(
+                "the queue is full or request id {request_id:?} became live meanwhile (limit {}); retry later",
+                front.max_live
+            )));
+        }
+        let assembler = TextAssembler::new(&prepared.stop, prepared.include_stop_str);
+        Ok((placement, journal, assembler, events_rx))
     }
 
     fn forget(&self, request_id: &str) {
@@ -334,9 +414,12 @@ impl Front {
         mut events: mpsc::UnboundedReceiver<LinkEvent>,
         tx: mpsc::Sender<Result<v1::GenerateEvent, Status>>,
         arrived: Instant,
+        trace: RequestTrace,
     ) {
         let metrics = &self.metrics;
         let mut last_token: Option<Instant> = None;
+        // How it ended, for its spans: vLLM's finish reason and the core's figures.
+        let mut ended: Option<(&'static str, Option<ferry_sched_core::FinishStats>)> = None;
         let tok = &self.model.tokenizer;
         let prompt_len = journal.prompt.len();
         let event = |text: String, token_ids: Vec<u32>, logprobs: Option<v1::PositionLogprobs>| {
@@ -353,6 +436,7 @@ impl Front {
                 ev = events.recv() => ev,
                 () = tx.closed() => {
                     placement.abort().await;
+                    ended = Some(("abort", None));
                     break;
                 }
             };
@@ -360,7 +444,10 @@ impl Front {
                 Some(LinkEvent::Token(token, logprobs)) => {
                     let now = Instant::now();
                     match last_token {
-                        None => metrics.ttft.observe((now - arrived).as_secs_f64()),
+                        None => {
+                            metrics.ttft.observe((now - arrived).as_secs_f64());
+                            trace.event("first_token", Vec::new());
+                        }
                         Some(t) => metrics.itl.observe((now - t).as_secs_f64()),
                     }
                     last_token = Some(now);
@@ -372,6 +459,7 @@ impl Front {
                             placement.abort().await;
                             metrics.finished(FinishReason::Stop(StopCause::StopToken(token)));
                             metrics.e2e.observe(arrived.elapsed().as_secs_f64());
+                            ended = Some(("stop", None));
                             let mut last = event(pushed.text, vec![token], logprobs);
                             last.finish_reason = v1::FinishReason::Stop.into();
                             last.stop_reason = stop;
@@ -385,8 +473,13 @@ impl Front {
                         }
                     }
                 }
+                Some(LinkEvent::Preempted) => {
+                    trace.event("preempted", Vec::new());
+                    continue;
+                }
                 Some(LinkEvent::Finished { reason, stats }) => {
                     metrics.finished(reason);
+                    ended = Some((vllm_reason(reason), Some(stats)));
                     metrics.e2e.observe(arrived.elapsed().as_secs_f64());
                     if let Some(q) = stats.queue_time {
                         metrics.queue_time.observe(q);
@@ -418,6 +511,16 @@ impl Front {
                                 "where it ran was lost: request moved"
                             );
                             metrics.requests_moved.add(1);
+                            trace.event(
+                                "moved",
+                                vec![
+                                    opentelemetry::KeyValue::new(
+                                        "from",
+                                        placement.name().to_string(),
+                                    ),
+                                    opentelemetry::KeyValue::new("to", to.name().to_string()),
+                                ],
+                            );
                             placement = to;
                             events = rx;
                             self.set_placement(&request_id, &placement);
@@ -425,6 +528,7 @@ impl Front {
                         }
                         Err(e) => {
                             metrics.failed();
+                            ended = Some(("error", None));
                             let why = format!("where this request ran was lost and {e}");
                             let mut last = event(assembler.finish(), Vec::new(), None);
                             last.finish_reason = v1::FinishReason::Error.into();
@@ -437,9 +541,12 @@ impl Front {
             };
             if tx.send(out).await.is_err() {
                 placement.abort().await;
+                ended = Some(("abort", None));
                 break;
             }
         }
+        let (reason, stats) = ended.unwrap_or(("abort", None));
+        trace.finish(reason, placement.name(), stats.as_ref());
         self.forget(&request_id);
     }
 }
@@ -453,65 +560,27 @@ impl Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrived = Instant::now();
+        let parent = ferry_runtime::telemetry::extract_metadata(request.metadata());
         let req = request.into_inner();
         let front = &self.front;
-        let prepared = prepare(&front.model, &req).map_err(|e| match e {
-            PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
-            PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
-        })?;
         let request_id = if req.request_id.is_empty() {
             format!("req-{}", front.next_id.fetch_add(1, Ordering::Relaxed))
         } else {
             req.request_id.clone()
         };
-        let journal = Journal {
-            prompt: prepared.prompt,
-            delivered: prepared.output,
-            max_tokens: prepared.max_tokens,
-            min_tokens: prepared.min_tokens,
-            stop_token_ids: prepared.stop_token_ids,
-            ignore_eos: prepared.ignore_eos,
-            priority: prepared.priority,
-            sampling: prepared.sampling,
+        let mut trace = RequestTrace::start(&parent, &request_id);
+        let admitted = front.admit(&req, &request_id, &mut trace).await;
+        let (placement, journal, assembler, events_rx) = match admitted {
+            Ok(a) => a,
+            Err(status) => {
+                trace.refused(status.message());
+                return Err(status);
+            }
         };
-        {
-            let live =
-                front.live.lock().map_err(|_| Status::internal("front state is poisoned"))?;
-            if live.contains_key(&request_id) {
-                return Err(Status::already_exists(format!(
-                    "request id {request_id:?} is already live"
-                )));
-            }
-            if live.len() >= front.max_live {
-                return Err(Status::resource_exhausted(format!(
-                    "the queue is full: {} requests are running or waiting (limit {}); retry later",
-                    live.len(),
-                    front.max_live
-                )));
-            }
-        }
-        // A new request does not wait for an executor: no executor is a 503 now.
-        let (placement, events_rx) = front.place(&journal, Duration::ZERO).await?;
-        let admitted = {
-            let mut live =
-                front.live.lock().map_err(|_| Status::internal("front state is poisoned"))?;
-            let room = !live.contains_key(&request_id) && live.len() < front.max_live;
-            if room {
-                live.insert(request_id.clone(), placement.clone());
-            }
-            room
-        };
-        if !admitted {
-            placement.abort().await;
-            return Err(Status::resource_exhausted(format!(
-                "the queue is full or request id {request_id:?} became live meanwhile (limit {}); retry later",
-                front.max_live
-            )));
-        }
-        let assembler = TextAssembler::new(&prepared.stop, prepared.include_stop_str);
         let (tx, rx) = mpsc::channel(64);
-        let pump =
-            front.clone().pump(request_id, placement, journal, assembler, events_rx, tx, arrived);
+        let pump = front
+            .clone()
+            .pump(request_id, placement, journal, assembler, events_rx, tx, arrived, trace);
         tokio::spawn(pump);
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -119,12 +119,19 @@ pub enum SubmitError {
 pub async fn submit(
     leader: &Leader,
     req: v1::GenerateRequest,
+    traceparent: &str,
 ) -> Result<(Call, mpsc::UnboundedReceiver<LinkEvent>), SubmitError> {
     let Some(address) = leader.current() else {
         return Err(SubmitError::Retry(tonic::Status::unavailable("no scheduler leads the pool")));
     };
     let channel = leader.channel(&address).map_err(SubmitError::Retry)?;
     let mut client = GenerationClient::new(channel);
+    let mut req = tonic::Request::new(req);
+    if let Ok(tp) = traceparent.parse() {
+        if !traceparent.is_empty() {
+            req.metadata_mut().insert("traceparent", tp);
+        }
+    }
     let stream = match client.generate(req).await {
         Ok(s) => s.into_inner(),
         // A leader that is gone, going (draining cancels new calls) or not yet driving its

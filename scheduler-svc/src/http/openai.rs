@@ -7,6 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use ferry_proto::v1::{self, generation_server::Generation};
@@ -281,9 +282,19 @@ async fn run(
     kind: Kind,
     common: &Common,
     req: v1::GenerateRequest,
+    headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
     let model = front.model().name.clone();
-    let stream = front.generate(tonic::Request::new(req)).await?.into_inner();
+    let mut call = tonic::Request::new(req);
+    // W3C trace context: the caller's `traceparent` (and `tracestate`) become the parent of
+    // this request's spans, as on the gRPC API.
+    for key in ["traceparent", "tracestate"] {
+        if let Some(v) = headers.get(key).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
+        {
+            call.metadata_mut().insert(key, v);
+        }
+    }
+    let stream = front.generate(call).await?.into_inner();
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
     let shaper = Shaper {
         kind,
@@ -376,6 +387,7 @@ fn rand_id() -> u64 {
 /// `POST /v1/completions`.
 pub async fn completions(
     State(front): State<GenerationService>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let body: CompletionBody = parse(&body)?;
@@ -396,12 +408,13 @@ pub async fn completions(
             )))
         }
     });
-    run(front, Kind::Completion, &body.common, req).await
+    run(front, Kind::Completion, &body.common, req, &headers).await
 }
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(front): State<GenerationService>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let body: ChatBody = parse(&body)?;
@@ -429,7 +442,7 @@ pub async fn chat_completions(
         .collect::<Result<Vec<_>, _>>()?;
     req.input =
         Some(v1::generate_request::Input::Chat(v1::Chat { messages, add_generation_prompt: true }));
-    run(front, Kind::Chat, &body.common, req).await
+    run(front, Kind::Chat, &body.common, req, &headers).await
 }
 
 /// `GET /v1/models`.

@@ -66,7 +66,8 @@ pub fn run(
         if core.is_drained() {
             break;
         }
-        let step = crate::link::to_proto(core.schedule(now())?, 0, 0, |_| Some(greedy));
+        let step =
+            crate::link::to_proto(core.schedule(now())?, 0, 0, |_| Some((greedy, String::new())));
         let result = engine.execute(&step)?;
         events.clear();
         core.apply_result(&crate::link::outcome_of(&result), now(), &mut events)?;

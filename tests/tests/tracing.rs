@@ -1,0 +1,201 @@
+//! Tracing (issue 7): a real OTLP/gRPC trace receiver inside the test collects the spans that a
+//! front process, a scheduler process and an executor process export for one request, and
+//! checks they form one trace under the caller's `traceparent`, parented and linked as
+//! `docs/ARCHITECTURE.md` describes.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_tests::{http, Etcd, Service};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::trace::v1::Span;
+
+/// A received span and the service that sent it.
+#[derive(Clone, Debug)]
+struct Received {
+    service: String,
+    span: Span,
+}
+
+#[derive(Clone, Default)]
+struct Collector {
+    spans: Arc<Mutex<Vec<Received>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for rs in request.into_inner().resource_spans {
+            let service = rs
+                .resource
+                .as_ref()
+                .and_then(|r| attr(&r.attributes, "service.name"))
+                .unwrap_or_default();
+            for ss in rs.scope_spans {
+                for span in ss.spans {
+                    spans.push(Received { service: service.clone(), span });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+fn attr(attrs: &[KeyValue], key: &str) -> Option<String> {
+    let v = attrs.iter().find(|kv| kv.key == key)?.value.as_ref()?.value.as_ref()?;
+    Some(match v {
+        Value::StringValue(s) => s.clone(),
+        Value::IntValue(i) => i.to_string(),
+        Value::BoolValue(b) => b.to_string(),
+        Value::DoubleValue(d) => d.to_string(),
+        other => format!("{other:?}"),
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
+    // Export quickly so the test need not wait for the default 5 s batch delay.
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let collector = Collector::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp = format!("http://{}", listener.local_addr().unwrap());
+    let server = tonic::transport::Server::builder()
+        .add_service(TraceServiceServer::new(collector.clone()))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    tokio::spawn(server);
+
+    // Three processes: an executor, a scheduler that leads the pool, a front.
+    let etcd = Etcd::start().unwrap();
+    let endpoints = etcd.endpoints();
+    let common = ["--etcd-endpoints", &endpoints, "--otlp-endpoint", &otlp];
+    let exec_args = [&["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], &common[..]].concat();
+    let _exec = Service::start("ferry-executor", &exec_args, 1).unwrap();
+    let sched_args =
+        [&["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"], &common[..]].concat();
+    let sched = Service::start("ferry-scheduler", &sched_args, 2).unwrap();
+    let front_args =
+        [&["front", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"], &common[..]]
+            .concat();
+    let front = Service::start("ferry-scheduler", &front_args, 2).unwrap();
+    for svc in [&sched, &front] {
+        let up = (0..400).any(|_| {
+            std::thread::sleep(Duration::from_millis(25));
+            http(svc.addr("http"), "GET", "/health", b"").map(|r| r.0).unwrap_or(0) == 200
+        });
+        assert!(up, "not ready");
+    }
+
+    // One request through the front's OpenAI API, under a trace the caller started.
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller_span = "00f067aa0ba902b7";
+    let body =
+        br#"{"model":"SmolLM2-135M-Instruct","prompt":"Hello","max_tokens":6,"ignore_eos":true}"#;
+    let addr = front.addr("http");
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    use std::io::{Read, Write};
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         traceparent: 00-{trace_id}-{caller_span}-01\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(body).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+
+    // Wait for every process to export the request's spans.
+    let want = ["generate", "tokenize", "request", "queue", "execute"];
+    let mut ours = Vec::new();
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        ours = collector
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| hex(&r.span.trace_id) == trace_id)
+            .cloned()
+            .collect();
+        let has = |service: &str, name: &str| {
+            ours.iter().any(|r| r.service == service && r.span.name == name)
+        };
+        if has("ferry-front", "generate")
+            && has("ferry-scheduler", "generate")
+            && has("ferry-executor", "execute")
+            && has("ferry-scheduler", "queue")
+        {
+            break;
+        }
+    }
+    let find = |service: &str, name: &str| -> Span {
+        ours.iter()
+            .find(|r| r.service == service && r.span.name == name)
+            .unwrap_or_else(|| {
+                let got: Vec<_> = ours.iter().map(|r| (&r.service, &r.span.name)).collect();
+                panic!("no {name} span from {service} in trace {trace_id}; got {got:?}")
+            })
+            .span
+            .clone()
+    };
+    for name in want {
+        assert!(ours.iter().any(|r| r.span.name == name), "no {name} span");
+    }
+    // Parents: caller → front generate → front request → scheduler generate → tokenize,
+    // request → queue, and the executor's execute under the scheduler's request.
+    let f_gen = find("ferry-front", "generate");
+    assert_eq!(hex(&f_gen.parent_span_id), caller_span);
+    let f_req = find("ferry-front", "request");
+    assert_eq!(f_req.parent_span_id, f_gen.span_id);
+    let s_gen = find("ferry-scheduler", "generate");
+    assert_eq!(s_gen.parent_span_id, f_req.span_id, "the front's context crossed to the scheduler");
+    let s_tok = find("ferry-scheduler", "tokenize");
+    assert_eq!(s_tok.parent_span_id, s_gen.span_id);
+    let s_req = find("ferry-scheduler", "request");
+    assert_eq!(s_req.parent_span_id, s_gen.span_id);
+    let queue = find("ferry-scheduler", "queue");
+    assert_eq!(queue.parent_span_id, s_req.span_id);
+    assert!(queue.end_time_unix_nano >= queue.start_time_unix_nano);
+    let exec = find("ferry-executor", "execute");
+    assert_eq!(exec.parent_span_id, s_req.span_id, "the step carried the request's context");
+    assert_eq!(attr(&exec.attributes, "ferry.steps").as_deref(), Some("6"));
+    // The finish reason and the events on the scheduler's request span.
+    assert_eq!(attr(&s_req.attributes, "ferry.finish_reason").as_deref(), Some("length"));
+    assert_eq!(attr(&f_gen.attributes, "ferry.finish_reason").as_deref(), Some("length"));
+    let events: Vec<_> = s_req.events.iter().map(|e| e.name.as_str()).collect();
+    assert!(events.contains(&"first_token") && events.contains(&"admitted"), "{events:?}");
+
+    // Step spans (their own traces) link to the execute span, with the batch's shape.
+    let steps: Vec<Span> = collector
+        .spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| r.span.name == "step")
+        .filter(|r| r.span.links.iter().any(|l| l.span_id == exec.span_id))
+        .map(|r| r.span.clone())
+        .collect();
+    assert_eq!(steps.len(), 6, "one step span per step the request took part in");
+    let first =
+        steps.iter().find(|s| attr(&s.attributes, "ferry.prefill_tokens").as_deref() != Some("0"));
+    let first = first.expect("a prefill step");
+    assert_eq!(attr(&first.attributes, "ferry.batch_size").as_deref(), Some("1"));
+    assert!(steps
+        .iter()
+        .any(|s| attr(&s.attributes, "ferry.decode_tokens").as_deref() == Some("1")));
+}

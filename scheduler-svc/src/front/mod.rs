@@ -578,10 +578,13 @@ impl Generation for GenerationService {
             }
         };
         let (tx, rx) = mpsc::channel(64);
+        // Log lines about this request carry its id and trace id.
+        let span =
+            tracing::info_span!("request", request_id = %request_id, trace_id = %trace.trace_id());
         let pump = front
             .clone()
             .pump(request_id, placement, journal, assembler, events_rx, tx, arrived, trace);
-        tokio::spawn(pump);
+        tokio::spawn(tracing::Instrument::instrument(pump, span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

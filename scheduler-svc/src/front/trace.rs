@@ -54,6 +54,16 @@ impl RequestTrace {
         tp
     }
 
+    /// The trace id, for log lines (empty when untraced).
+    pub fn trace_id(&self) -> String {
+        let cx = self.generate.span().span_context().clone();
+        if cx.is_valid() {
+            cx.trace_id().to_string()
+        } else {
+            String::new()
+        }
+    }
+
     /// The context to propagate to a scheduler (the `request` span once open).
     pub fn context(&self) -> &Context {
         self.request.as_ref().unwrap_or(&self.generate)

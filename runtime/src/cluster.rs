@@ -396,6 +396,21 @@ async fn watch_loop(mut client: Client, prefix: String, tx: mpsc::Sender<Members
     }
 }
 
+/// `ferry_etcd_registered`: whether this service's key is in etcd under a live lease.
+struct LeaseMetric(watch::Receiver<LeaseState>);
+
+impl crate::metrics::Render for LeaseMetric {
+    fn render(&self, out: &mut crate::metrics::Text) {
+        let held = *self.0.borrow() == LeaseState::Held;
+        out.gauge(
+            "ferry_etcd_registered",
+            "1 while this service's registration is in etcd under a live lease.",
+            &[],
+            f64::from(u8::from(held)),
+        );
+    }
+}
+
 /// Why a registered service stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum RegisteredServeError {
@@ -422,6 +437,10 @@ pub async fn serve_registered(
     let registration = match cluster {
         Some(c) => c.register(kind, id, bound).await?,
         None => None,
+    };
+    let host = match &registration {
+        Some(r) => host.with_metrics(std::sync::Arc::new(LeaseMetric(r.state.clone()))),
+        None => host,
     };
     let (stop_tx, mut stop_rx) = watch::channel(false);
     let serving = host.serve(listener, async move {

@@ -36,7 +36,7 @@ pub struct GrpcHost {
     routes: RoutesBuilder,
     service_names: Vec<&'static str>,
     health: HealthReporter,
-    metrics: Option<std::sync::Arc<dyn crate::metrics::Render>>,
+    metrics: Vec<std::sync::Arc<dyn crate::metrics::Render>>,
 }
 
 impl Default for GrpcHost {
@@ -51,7 +51,7 @@ impl GrpcHost {
         let (health, health_service) = tonic_health::server::health_reporter();
         let mut routes = RoutesBuilder::default();
         routes.add_service(health_service);
-        Self { routes, service_names: Vec::new(), health, metrics: None }
+        Self { routes, service_names: Vec::new(), health, metrics: Vec::new() }
     }
 
     /// Adds a service; reflection advertises it and health reports on it by its name.
@@ -73,9 +73,10 @@ impl GrpcHost {
         self
     }
 
-    /// Serves `GET /metrics` (Prometheus text) on the same port, over HTTP/1.1 beside gRPC.
+    /// Serves `GET /metrics` (Prometheus text) on the same port, over HTTP/1.1 beside gRPC;
+    /// several calls add families in order.
     pub fn with_metrics(mut self, metrics: std::sync::Arc<dyn crate::metrics::Render>) -> Self {
-        self.metrics = Some(metrics);
+        self.metrics.push(metrics);
         self
     }
 
@@ -115,9 +116,10 @@ impl GrpcHost {
             set_all(&health, &service_names, ServingStatus::NotServing).await;
         };
         let mut routes = routes.routes();
-        let http1 = metrics.is_some();
-        if let Some(metrics) = metrics {
-            let router = routes.into_axum_router().merge(crate::metrics::router(metrics));
+        let http1 = !metrics.is_empty();
+        if http1 {
+            let all = std::sync::Arc::new(crate::metrics::All(metrics));
+            let router = routes.into_axum_router().merge(crate::metrics::router(all));
             routes = tonic::service::Routes::from(router);
         }
         tonic::transport::Server::builder()

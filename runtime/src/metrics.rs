@@ -16,6 +16,17 @@ pub trait Render: Send + Sync + 'static {
     fn render(&self, out: &mut Text);
 }
 
+/// Several renderers, one after the other.
+pub struct All(pub Vec<Arc<dyn Render>>);
+
+impl Render for All {
+    fn render(&self, out: &mut Text) {
+        for r in &self.0 {
+            r.render(out);
+        }
+    }
+}
+
 /// A text-format document being written.
 #[derive(Default)]
 pub struct Text {

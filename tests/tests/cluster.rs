@@ -189,6 +189,8 @@ async fn executors_register_are_discovered_and_dropped_when_their_lease_lapses()
         wait_for(Duration::from_secs(30), || etcd.keys(PREFIX).unwrap() == [key.clone()]).await;
     assert!(registered.is_some(), "exec-a never registered");
     wait_for_session(&exec).await;
+    let (_, metrics) = http(exec.addr("grpc"), "GET", "/metrics", b"").unwrap();
+    assert!(metrics.contains("\nferry_etcd_registered 1\n"), "{metrics}");
     assert!(wait_for(Duration::from_secs(5), || health(&sched) == 200).await.is_some());
     let (status, body) = http(
         sched.addr("http"),

@@ -147,7 +147,37 @@ pub fn check_geometry(
 
 /// Runs `batch` through the model, writing each new token's keys and values into the cache.
 /// Returns the logits (`vocab` each) of the sequences that want them, in batch order.
+///
+/// The whole forward runs on a rayon worker (`install`): its ~150 parallel sections per token
+/// (5 per layer) then fork and join inside the pool, where the other workers are still spinning
+/// between sections, instead of each being injected from outside and waking sleeping threads
+/// (a futex round trip per section, which cost a decode step milliseconds).
 pub fn forward(
+    w: &LlamaWeights,
+    cache: &mut PagedKvCache,
+    batch: &[SeqSlice],
+    scratch: &mut ForwardScratch,
+) -> Result<Vec<Vec<f32>>, BatchError> {
+    if rayon::current_thread_index().is_some() {
+        return forward_in_pool(w, cache, batch, scratch);
+    }
+    pool().install(|| forward_in_pool(w, cache, batch, scratch))
+}
+
+/// The pool the forward runs in: as many threads as rayon's global pool would have.
+fn pool() -> &'static rayon::ThreadPool {
+    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("ferry-forward-{i}"))
+            .build()
+            .unwrap_or_else(|_| {
+                rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a 1-thread pool")
+            })
+    })
+}
+
+fn forward_in_pool(
     w: &LlamaWeights,
     cache: &mut PagedKvCache,
     batch: &[SeqSlice],

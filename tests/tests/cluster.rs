@@ -387,6 +387,19 @@ async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
     assert_eq!(metric(s1, "ferry_scheduler_leader{"), 1.0);
     assert_eq!(metric(s1, "ferry_scheduler_epoch{"), epoch as f64);
     assert_eq!(metric(s0, "ferry_scheduler_leader{"), 0.0);
+    // A stale leader that tried anyway, with the deposed epoch, is refused by the executor
+    // (the real grpcurl, speaking for s0), and the new leader's session is untouched.
+    let stale = ferry_tests::grpcurl(&[
+        "-plaintext",
+        "-d",
+        &format!(r#"{{"scheduler_id":"s0","epoch":{first_epoch}}}"#),
+        &exec.addr("grpc").to_string(),
+        "ferry.v1.Executor/Handshake",
+    ])
+    .unwrap();
+    let err = String::from_utf8_lossy(&stale.stderr);
+    assert!(!stale.status.success() && err.contains("stale scheduler epoch"), "{err}");
+    assert_eq!(session_owner(&exec).await, ("s1".to_string(), epoch));
     let (status, _) = http(
         s0.addr("http"),
         "POST",

@@ -26,8 +26,9 @@ pub struct Leader {
 }
 
 impl Leader {
-    /// Starts following the leader of `pool` (polling etcd's election twice a second; etcd
-    /// unreachable keeps the last answer).
+    /// Starts following the leader of `pool`: etcd's election is asked again whenever a
+    /// candidate key under the election prefix changes (a watch), and every 2 s in any case;
+    /// etcd unreachable keeps the last answer.
     pub fn follow(cluster: ClusterArgs, pool: String) -> Arc<Self> {
         let (tx, address) = watch::channel(None);
         tokio::spawn(follow_loop(cluster, pool, tx));
@@ -69,6 +70,9 @@ async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Optio
             }
         }
     };
+    // Candidates' keys live under `<name>/`; any change there may change the leader.
+    let mut changes =
+        ferry_runtime::cluster::watch_members(client.clone(), format!("{name}/"));
     loop {
         match client.leader(name.clone()).await {
             Ok(r) => {
@@ -88,7 +92,13 @@ async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Optio
             }
             Err(e) => tracing::debug!(error = %e, "etcd: leader lookup failed; keeping the last"),
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        let wait = if tx.borrow().is_some() { 2000 } else { 250 };
+        tokio::select! {
+            changed = changes.recv() => if changed.is_none() {
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+            },
+            () = tokio::time::sleep(Duration::from_millis(wait)) => {}
+        }
     }
 }
 

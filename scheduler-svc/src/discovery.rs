@@ -50,6 +50,30 @@ pub async fn run(
     }
 }
 
+/// Keeps a session open to each of the executors listed by hand (`--executor`), reconnecting
+/// (under `epoch` 0) when one is lost and comes back at the same address, until aborted.
+pub async fn run_static(
+    addresses: Vec<String>,
+    config: SchedulerConfig,
+    set: Arc<ExecutorSet>,
+    scheduler_id: String,
+) {
+    let mut wanted = Wanted { config, set, scheduler_id, epoch: 0, members: HashMap::new() };
+    let listed = addresses
+        .into_iter()
+        .map(|a| {
+            let url = if a.contains("://") { a.clone() } else { format!("http://{a}") };
+            (a, MemberInfo { address: url }.to_value())
+        })
+        .collect();
+    wanted.apply(MembershipEvent::Snapshot(listed));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        wanted.reconcile();
+    }
+}
+
 /// A registered executor and the task connecting to it, if one runs.
 struct Member {
     address: String,

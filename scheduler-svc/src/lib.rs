@@ -78,6 +78,11 @@ pub async fn run(
         Some(_) => Duration::from_secs(config.failover_timeout),
         None => Duration::ZERO,
     };
+    // Executors listed by hand are reconnected when they come back after a failure.
+    let reconnect = (!config.executors.is_empty()).then(|| {
+        let (addrs, set) = (config.executors.clone(), executors.clone());
+        tokio::spawn(discovery::run_static(addrs, config.clone(), set, config.scheduler_id()))
+    });
     // With etcd, executors are driven only while this scheduler leads its pool.
     let (leading_tx, leading) = tokio::sync::watch::channel(None);
     let leading = cluster.is_some().then_some(leading);
@@ -115,6 +120,9 @@ pub async fn run(
     let admin = admin::AdminService::new(executors);
     serve_api(front, metrics, Some(admin), listener, http, shutdown).await?;
     if let Some(task) = leader_task {
+        task.abort();
+    }
+    if let Some(task) = reconnect {
         task.abort();
     }
     Ok(())

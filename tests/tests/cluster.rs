@@ -11,6 +11,11 @@ const PREFIX: &str = "/ferry/default/executors/";
 
 /// An executor with id `id` registered in `etcd` with a 2 s lease.
 fn start_executor(etcd: &Etcd, id: &str) -> Service {
+    start_executor_with_ttl(etcd, id, "2")
+}
+
+/// [`start_executor`] with a lease of `ttl` seconds.
+fn start_executor_with_ttl(etcd: &Etcd, id: &str, ttl: &str) -> Service {
     let endpoints = etcd.endpoints();
     let args = [
         "--listen",
@@ -22,7 +27,7 @@ fn start_executor(etcd: &Etcd, id: &str) -> Service {
         "--etcd-endpoints",
         &endpoints,
         "--lease-ttl",
-        "2",
+        ttl,
     ];
     Service::start("ferry-executor", &args, 1).unwrap()
 }
@@ -33,8 +38,13 @@ fn start_scheduler(etcd: &Etcd) -> Service {
 }
 
 /// A scheduler with id `id` that campaigns for the default pool and, leading, discovers its
-/// executors through `etcd`.
+/// executors through `etcd`; its leadership lease lasts 2 s.
 fn start_scheduler_as(etcd: &Etcd, id: &str) -> Service {
+    start_scheduler_with_ttl(etcd, id, "2")
+}
+
+/// [`start_scheduler_as`] with a leadership lease of `ttl` seconds.
+fn start_scheduler_with_ttl(etcd: &Etcd, id: &str, ttl: &str) -> Service {
     let endpoints = etcd.endpoints();
     let args = [
         "--scheduler-id",
@@ -46,7 +56,7 @@ fn start_scheduler_as(etcd: &Etcd, id: &str) -> Service {
         "--etcd-endpoints",
         &endpoints,
         "--lease-ttl",
-        "2",
+        ttl,
     ];
     Service::start("ferry-scheduler", &args, 2).unwrap()
 }
@@ -307,12 +317,15 @@ async fn etcd_restarted_in_mid_load_fails_no_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_member_of_a_three_member_etcd_has_no_effect() {
     let mut etcd = Etcd::cluster(3).unwrap();
-    let sched = start_scheduler(&etcd);
-    let a = start_executor(&etcd, "exec-a");
+    // A lease longer than etcd's own re-election (about a second, more on a loaded machine):
+    // losing a member must not depose the leader. (With a 2 s lease, a slow re-election can
+    // exceed it, and the leader then rightly steps down for a moment.)
+    let sched = start_scheduler_with_ttl(&etcd, "scheduler-test", "5");
+    let a = start_executor_with_ttl(&etcd, "exec-a", "5");
     wait_for_session(&a).await;
     etcd.kill(0).unwrap();
     // Registration, discovery and serving go on through the two live members.
-    let b = start_executor(&etcd, "exec-b");
+    let b = start_executor_with_ttl(&etcd, "exec-b", "5");
     wait_ready(&sched, &[&a, &b]).await;
     let outcomes = run_streams(&sched, 8, 24, 0, || {}).await;
     assert_complete(&outcomes, 24);

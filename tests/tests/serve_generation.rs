@@ -442,7 +442,7 @@ async fn the_router_prefers_the_executor_with_the_longest_cached_prefix() {
 }
 
 #[test]
-fn a_killed_executor_fails_its_requests_instead_of_hanging_them() {
+fn a_killed_executor_fails_its_requests_and_is_taken_back_when_restarted() {
     use ferry_tests::http;
     let (exec, sched) = start_split(&[]);
     let h = sched.addr("http");
@@ -473,6 +473,19 @@ fn a_killed_executor_fails_its_requests_instead_of_hanging_them() {
     let (status, body) =
         http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":2}"#).unwrap();
     assert_eq!(status, 503, "{body}");
+    // An executor restarted at the same address is taken back without restarting the scheduler.
+    let addr = exec.addr("grpc").to_string();
+    drop(exec);
+    let _back =
+        Service::start("ferry-executor", &["--listen", &addr, "--kv-cache-mib", "64"], 1).unwrap();
+    let back = (0..300).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        http(h, "GET", "/health", b"").unwrap().0 == 200
+    });
+    assert!(back, "the scheduler did not reconnect to the restarted executor");
+    let (status, body) =
+        http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":2}"#).unwrap();
+    assert_eq!(status, 200, "{body}");
 }
 
 #[test]

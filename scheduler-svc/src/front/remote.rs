@@ -71,8 +71,7 @@ async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Optio
         }
     };
     // Candidates' keys live under `<name>/`; any change there may change the leader.
-    let mut changes =
-        ferry_runtime::cluster::watch_members(client.clone(), format!("{name}/"));
+    let mut changes = ferry_runtime::cluster::watch_members(client.clone(), format!("{name}/"));
     loop {
         match client.leader(name.clone()).await {
             Ok(r) => {

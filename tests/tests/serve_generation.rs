@@ -161,6 +161,27 @@ async fn serve_answers_over_grpc() {
         generate(&mut client, empty).await.unwrap_err().code(),
         tonic::Code::InvalidArgument
     );
+    // A continuation (prior output tokens) must stay in the vocabulary and leave something to
+    // generate; a valid one streams only the tokens after the prior ones.
+    let mut bad_token = prompt("Hi", 4);
+    bad_token.output_token_ids = vec![1, 10_000_000];
+    let err = generate(&mut client, bad_token).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("10000000") && err.message().contains("vocabulary"), "{err}");
+    let mut nothing_left = prompt("Hi", 2);
+    nothing_left.output_token_ids = vec![1, 2];
+    let err = generate(&mut client, nothing_left).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("max_tokens 2"), "{err}");
+    let mut greedy = prompt("The capital of France is", 6);
+    greedy.sampling = Some(v1::SamplingParams { temperature: 0.0, ..Default::default() });
+    let (_, whole) = generate(&mut client, greedy.clone()).await.unwrap();
+    let whole: Vec<u32> = whole.iter().flat_map(|e| e.token_ids.clone()).collect();
+    let mut continued = greedy;
+    continued.output_token_ids = whole[..2].to_vec();
+    let (_, rest) = generate(&mut client, continued).await.unwrap();
+    let rest: Vec<u32> = rest.iter().flat_map(|e| e.token_ids.clone()).collect();
+    assert_eq!(rest, whole[2..], "a continuation goes on exactly where it stopped");
 
     // A client that drops its stream mid-way aborts the request; its blocks are freed.
     let mut stream =

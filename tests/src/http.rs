@@ -16,9 +16,17 @@ pub fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Result<(
         body.len()
     );
     stream.write_all(head.as_bytes())?;
-    stream.write_all(body)?;
+    // A server may answer (413) and close before reading a large body: the write then fails,
+    // but the answer is there to read.
+    let written = stream.write_all(body);
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
+    if let Err(e) = stream.read_to_end(&mut raw) {
+        written?;
+        return Err(e.into());
+    }
+    if raw.is_empty() {
+        written?;
+    }
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, rest) = text.split_once("\r\n\r\n").context("no end of headers")?;
     let status: u16 = head.split_whitespace().nth(1).context("no status")?.parse()?;

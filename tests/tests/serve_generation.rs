@@ -300,8 +300,12 @@ fn serve_speaks_the_openai_http_api() {
     let first = lp["token_logprobs"][0].as_f64().unwrap();
     assert!(first < 0.0 && first > -5.0, "{body}");
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2, "{body}");
+    // The server answers 413 once it has read past the limit and closes; the rest of the body
+    // then meets a closed socket, which can reset the connection before the answer is read
+    // (a race in TCP, not in the server): a few attempts make the check deterministic.
     let big = vec![b'a'; 5 * 1024 * 1024];
-    assert_eq!(http(h, "POST", "/v1/completions", &big).unwrap().0, 413);
+    let too_large = (0..3).find_map(|_| http(h, "POST", "/v1/completions", &big).ok());
+    assert_eq!(too_large.map(|r| r.0), Some(413));
     // Still serving.
     let (status, body) = http(
         h,

@@ -158,6 +158,22 @@ impl ClusterArgs {
     }
 }
 
+impl ClusterArgs {
+    /// [`ClusterArgs::client`], retried every second until it can be built (a bad endpoint
+    /// is logged each time rather than ending the caller's loop).
+    pub async fn client_patiently(&self) -> Client {
+        loop {
+            match self.client().await {
+                Ok(c) => return c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "etcd client: retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+}
+
 /// Retry delays: 100 ms doubling to 2 s.
 struct Backoff(Duration);
 

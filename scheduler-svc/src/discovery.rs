@@ -26,15 +26,7 @@ pub async fn run(
     scheduler_id: String,
     epoch: u64,
 ) {
-    let client = loop {
-        match cluster.client().await {
-            Ok(c) => break c,
-            Err(e) => {
-                tracing::warn!(error = %e, "etcd client: retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    };
+    let client = cluster.client_patiently().await;
     let mut events = watch_members(client, cluster.prefix(MemberKind::Executor));
     let mut wanted = Wanted { config, set, scheduler_id, epoch, members: HashMap::new() };
     let mut tick = tokio::time::interval(Duration::from_secs(1));

@@ -45,15 +45,7 @@ pub async fn run(
     leading: watch::Sender<Option<u64>>,
     mut resign: watch::Receiver<bool>,
 ) {
-    let mut client = loop {
-        match cluster.client().await {
-            Ok(c) => break c,
-            Err(e) => {
-                tracing::warn!(error = %e, "etcd client: retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    };
+    let mut client = cluster.client_patiently().await;
     let name = format!("/ferry/{}/scheduler/{}", cluster.cluster, candidate.pool);
     let ttl = cluster.ttl();
     loop {

@@ -180,6 +180,15 @@ async fn run_streams(
     outcomes
 }
 
+/// Every stream delivered exactly the tokens (and text) of the undisturbed run.
+fn assert_same_streams(got: &[Outcome], undisturbed: &[Outcome]) {
+    assert_eq!(got.len(), undisturbed.len());
+    for (i, (g, u)) in got.iter().zip(undisturbed).enumerate() {
+        assert_eq!(g.tokens, u.tokens, "stream {i} differs from the undisturbed run");
+        assert_eq!(g.text, u.text, "stream {i}'s text differs from the undisturbed run");
+    }
+}
+
 fn assert_complete(outcomes: &[Outcome], max_tokens: usize) {
     for (i, o) in outcomes.iter().enumerate() {
         assert_eq!(o.error, "", "stream {i} failed");
@@ -270,13 +279,7 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
     let disturbed = run_streams(&sched, N, MAX, 4, || signal(pid, "KILL").unwrap()).await;
     eprintln!("32 streams with a kill -9 mid-way: {:?}", t.elapsed());
     assert_complete(&disturbed, MAX as usize);
-    for i in 0..N {
-        assert_eq!(
-            disturbed[i].tokens, undisturbed[i].tokens,
-            "stream {i} differs from the undisturbed run"
-        );
-        assert_eq!(disturbed[i].text, undisturbed[i].text);
-    }
+    assert_same_streams(&disturbed, &undisturbed);
     drop(a);
     assert_eq!(health(&sched), 200, "the survivor still serves");
 
@@ -287,9 +290,7 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
     let pid = b.pid();
     let drained = run_streams(&sched, N, MAX, 4, || signal(pid, "TERM").unwrap()).await;
     assert_complete(&drained, MAX as usize);
-    for i in 0..N {
-        assert_eq!(drained[i].tokens, undisturbed[i].tokens, "stream {i} changed by the drain");
-    }
+    assert_same_streams(&drained, &undisturbed);
     assert!(b.terminate(Duration::from_secs(30)).unwrap().success(), "drained executor exit");
 }
 
@@ -495,13 +496,7 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     let disturbed = run_streams(&front, N, MAX, 4, || signal(pid, "KILL").unwrap()).await;
     eprintln!("32 streams through a front with the leader killed mid-way: {:?}", t.elapsed());
     assert_complete(&disturbed, MAX as usize);
-    for i in 0..N {
-        assert_eq!(
-            disturbed[i].tokens, undisturbed[i].tokens,
-            "stream {i} differs from the undisturbed run"
-        );
-        assert_eq!(disturbed[i].text, undisturbed[i].text);
-    }
+    assert_same_streams(&disturbed, &undisturbed);
     assert_eq!(session_owner(&exec).await.0, "s1", "the standby leads now");
 
     // Drain: SIGTERM on the leader resigns at once; the fronts move its streams.
@@ -512,9 +507,7 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     let drained = run_streams(&front, N, MAX, 4, || signal(pid, "TERM").unwrap()).await;
     eprintln!("32 streams through a front with the leader drained mid-way: {:?}", t.elapsed());
     assert_complete(&drained, MAX as usize);
-    for i in 0..N {
-        assert_eq!(drained[i].tokens, undisturbed[i].tokens, "stream {i} changed by the drain");
-    }
+    assert_same_streams(&drained, &undisturbed);
     assert!(s1.terminate(Duration::from_secs(30)).unwrap().success(), "drained leader exit");
     assert_eq!(session_owner(&exec).await.0, "s0");
     drop(s0);

@@ -50,11 +50,18 @@ fn start_split(extra: &[&str]) -> (Service, Service) {
         Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
             .unwrap();
     let target = exec.addr("grpc").to_string();
-    let mut args =
-        vec!["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--executor", &target];
-    args.extend_from_slice(extra);
-    let sched = Service::start("ferry-scheduler", &args, 2).unwrap();
+    let sched = start_scheduler(&[&target], extra);
     (exec, sched)
+}
+
+/// A scheduler on free ports driving the executors at `targets`, with `extra` flags.
+fn start_scheduler(targets: &[&str], extra: &[&str]) -> Service {
+    let mut args = vec!["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
+    for t in targets {
+        args.extend(["--executor", t]);
+    }
+    args.extend_from_slice(extra);
+    Service::start("ferry-scheduler", &args, 2).unwrap()
 }
 
 /// Waits until the executor holds no request and no block.
@@ -388,21 +395,7 @@ fn a_full_queue_answers_429_and_no_executor_503() {
     assert_eq!(again, 200, "the queue did not free up after the clients left");
 
     // A scheduler whose executor is unreachable starts, and says 503.
-    let lonely = Service::start(
-        "ferry-scheduler",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--executor",
-            "127.0.0.1:1",
-            "--executor-connect-timeout",
-            "1",
-        ],
-        2,
-    )
-    .unwrap();
+    let lonely = start_scheduler(&["127.0.0.1:1"], &["--executor-connect-timeout", "1"]);
     let h = lonely.addr("http");
     assert_eq!(http(h, "GET", "/health", b"").unwrap().0, 503);
     let (status, body) =
@@ -426,21 +419,7 @@ async fn the_router_prefers_the_executor_with_the_longest_cached_prefix() {
     )
     .unwrap();
     let (a0, a1) = (e0.addr("grpc").to_string(), e1.addr("grpc").to_string());
-    let sched = Service::start(
-        "ferry-scheduler",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--executor",
-            &a0,
-            "--executor",
-            &a1,
-        ],
-        2,
-    )
-    .unwrap();
+    let sched = start_scheduler(&[&a0, &a1], &[]);
     let mut client =
         GenerationClient::connect(format!("http://{}", sched.addr("grpc"))).await.unwrap();
     let long = |text: &str| prompt(text, 400);

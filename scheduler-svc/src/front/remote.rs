@@ -61,15 +61,7 @@ impl Leader {
 
 async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Option<String>>) {
     let name = format!("/ferry/{}/scheduler/{pool}", cluster.cluster);
-    let mut client = loop {
-        match cluster.client().await {
-            Ok(c) => break c,
-            Err(e) => {
-                tracing::warn!(error = %e, "etcd client: retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    };
+    let mut client = cluster.client_patiently().await;
     // Candidates' keys live under `<name>/`; any change there may change the leader.
     let mut changes = ferry_runtime::cluster::watch_members(client.clone(), format!("{name}/"));
     loop {

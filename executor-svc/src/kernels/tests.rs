@@ -5,31 +5,44 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-fn q4_weight(rows: usize, cols: usize, seed: &mut u64) -> QWeight {
+/// A matrix from random GGUF-order blocks (`codes` bytes each), packed as the loader does.
+fn weight(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QWeight {
     let nblocks = rows * cols / BLOCK;
-    let mut w = QWeight { format: WeightFormat::Q4, rows, cols, d: vec![], m: vec![], q: vec![] };
+    let cb = format.code_bytes();
+    let mut d = vec![];
+    let mut m = vec![];
+    let mut q: Vec<u8> = vec![];
     for _ in 0..nblocks {
-        w.d.push(lcg(seed).abs() * 0.1);
-        w.m.push(lcg(seed) * 0.2);
-        for _ in 0..16 {
-            w.q.push((lcg(seed).abs() * 255.0) as u8);
+        match format {
+            WeightFormat::Q4 => {
+                d.push(lcg(seed).abs() * 0.1);
+                m.push(lcg(seed) * 0.2);
+                q.extend((0..16).map(|_| (lcg(seed).abs() * 255.0) as u8));
+            }
+            WeightFormat::Q8 => {
+                d.push(lcg(seed).abs() * 0.01);
+                m.push(0.0);
+                q.extend((0..32).map(|_| ((lcg(seed) * 127.0) as i8) as u8));
+            }
         }
     }
-    w
+    if format == WeightFormat::Q8 {
+        // The extreme code -128 must work too (|w| = 128 does not fit an i8).
+        q[0] = (-128i8) as u8;
+    }
+    let bpr = cols / BLOCK;
+    QWeight::pack(format, rows, cols, |r, b| {
+        let i = r * bpr + b;
+        NaturalBlock { d: d[i], m: m[i], codes: &q[i * cb..(i + 1) * cb] }
+    })
+}
+
+fn q4_weight(rows: usize, cols: usize, seed: &mut u64) -> QWeight {
+    weight(WeightFormat::Q4, rows, cols, seed)
 }
 
 fn q8_weight(rows: usize, cols: usize, seed: &mut u64) -> QWeight {
-    let nblocks = rows * cols / BLOCK;
-    let mut w = QWeight { format: WeightFormat::Q8, rows, cols, d: vec![], m: vec![], q: vec![] };
-    for _ in 0..nblocks {
-        w.d.push(lcg(seed).abs() * 0.01);
-        for _ in 0..32 {
-            w.q.push(((lcg(seed) * 127.0) as i8) as u8);
-        }
-    }
-    // The extreme code -128 must work too (|w| = 128 does not fit an i8).
-    w.q[0] = (-128i8) as u8;
-    w
+    weight(WeightFormat::Q8, rows, cols, seed)
 }
 
 fn check_against_f32(w: &QWeight, rows: usize, seed: &mut u64) {
@@ -45,7 +58,9 @@ fn check_against_f32(w: &QWeight, rows: usize, seed: &mut u64) {
             let exact: f32 =
                 x[r * w.cols..(r + 1) * w.cols].iter().zip(&wrow).map(|(a, b)| a * b).sum();
             let norm: f32 = wrow.iter().map(|v| v.abs()).sum::<f32>() / w.cols as f32;
-            let tol = 0.01 * norm * (w.cols as f32).sqrt() + 1e-4;
+            // 16-bit activations: errors of about 2^-16 of the block maximum per element (8-bit
+            // ones would be 256 times larger and fail this).
+            let tol = 2e-4 * norm * (w.cols as f32).sqrt() + 1e-5;
             let got = out[r * w.rows + o];
             assert!((got - exact).abs() < tol, "r{r} o{o}: {got} vs {exact} (tol {tol})");
             // The portable path is bit-identical to whatever path matmul took.
@@ -79,4 +94,142 @@ fn results_do_not_depend_on_the_batch() {
             assert_eq!(out_one[o].to_bits(), out_all[r * 200 + o].to_bits(), "row {r} col {o}");
         }
     }
+}
+
+/// Every kernel this CPU can run gives the portable path's bits, for every tile shape (1 to
+/// 17 rows, whole and padded column groups, both formats).
+#[test]
+fn every_kernel_gives_the_same_bits() {
+    let mut seed = 5;
+    let mut kernels = vec![Kernel::Portable];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if let Some(isa) = x86::detect() {
+            kernels.push(Kernel::X86(x86::Isa::Avx2));
+            if isa == x86::Isa::Vnni {
+                kernels.push(Kernel::X86(x86::Isa::Vnni));
+            }
+        }
+    }
+    for w in
+        [q4_weight(77, 160, &mut seed), q8_weight(61, 96, &mut seed), q4_weight(40, 64, &mut seed)]
+    {
+        for rows in [1, 2, 3, 4, 5, 7, 8, 9, 13, 17] {
+            let x: Vec<f32> = (0..rows * w.cols).map(|_| lcg(&mut seed) * 3.0).collect();
+            let mut acts = QActs::default();
+            acts.quantize(&x, rows, w.cols);
+            let mut expected = vec![0f32; rows * w.rows];
+            matmul_with(&acts, &w, &mut expected, Kernel::Portable);
+            for &k in &kernels[1..] {
+                let mut got = vec![f32::NAN; rows * w.rows];
+                matmul_with(&acts, &w, &mut got, k);
+                for (i, (a, b)) in got.iter().zip(&expected).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{k:?} {:?} rows {rows}: element {i}",
+                        w.format
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Packing keeps every block: rows read back in GGUF order, also through `concat`.
+#[test]
+fn packing_round_trips() {
+    let mut seed = 3;
+    for format in [WeightFormat::Q4, WeightFormat::Q8] {
+        let a = weight(format, 13, 64, &mut seed);
+        let b = weight(format, 6, 64, &mut seed);
+        let both = QWeight::concat(&[&a, &b]).expect("same format and width");
+        assert_eq!(both.rows, 19);
+        let (mut x, mut y) = (vec![0f32; 64], vec![0f32; 64]);
+        for r in 0..19 {
+            both.dequantize_row(r, &mut x);
+            if r < 13 {
+                a.dequantize_row(r, &mut y)
+            } else {
+                b.dequantize_row(r - 13, &mut y)
+            }
+            assert_eq!(x, y, "{format:?} row {r}");
+        }
+    }
+}
+
+/// Against the GGUF-order source blocks, not the packed copy: the product equals the exact
+/// (f64) product of the dequantized weights and the quantized activations up to float
+/// rounding, so no packing mistake can hide behind a consistent read-back.
+#[test]
+fn products_equal_the_exact_product_of_the_source_blocks() {
+    let mut seed = 9;
+    for format in [WeightFormat::Q4, WeightFormat::Q8] {
+        let (rows, cols, n) = (21, 96, 3);
+        let bpr = cols / BLOCK;
+        let cb = format.code_bytes();
+        let d: Vec<f32> = (0..rows * bpr).map(|_| lcg(&mut seed).abs() * 0.1).collect();
+        let m: Vec<f32> = (0..rows * bpr).map(|_| lcg(&mut seed) * 0.2).collect();
+        let q: Vec<u8> =
+            (0..rows * bpr * cb).map(|_| (lcg(&mut seed).abs() * 255.0) as u8).collect();
+        let w = QWeight::pack(format, rows, cols, |r, b| {
+            let i = r * bpr + b;
+            NaturalBlock { d: d[i], m: m[i], codes: &q[i * cb..(i + 1) * cb] }
+        });
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
+        let mut acts = QActs::default();
+        acts.quantize(&x, n, cols);
+        let mut out = vec![0f32; n * rows];
+        matmul(&acts, &w, &mut out);
+        for r in 0..n {
+            for o in 0..rows {
+                let (mut exact, mut size) = (0f64, 0f64);
+                for b in 0..bpr {
+                    let i = o * bpr + b;
+                    let codes = &q[i * cb..(i + 1) * cb];
+                    for e in 0..BLOCK {
+                        let wv = match format {
+                            WeightFormat::Q4 => {
+                                let c = if e < 16 { codes[e] & 0x0F } else { codes[e - 16] >> 4 };
+                                f64::from(d[i]) * f64::from(c) + f64::from(m[i])
+                            }
+                            WeightFormat::Q8 => f64::from(d[i]) * f64::from(codes[e] as i8),
+                        };
+                        let xb = r * bpr + b;
+                        let xv = f64::from(acts.d[xb]) * f64::from(acts.code(xb, e));
+                        exact += wv * xv;
+                        size += (wv * xv).abs();
+                    }
+                }
+                let got = f64::from(out[r * rows + o]);
+                assert!(
+                    (got - exact).abs() <= 1e-5 * size,
+                    "{format:?} r{r} o{o}: {got} vs {exact}"
+                );
+            }
+        }
+    }
+}
+
+/// The 16-bit split keeps both bytes in [-127, 127] and reconstructs every code, at the block
+/// maximum, at zero and in between; an all-zero block gets scale zero.
+#[test]
+fn activation_codes_split_into_two_bytes_exactly() {
+    let mut seed = 1;
+    let mut x: Vec<f32> = (0..4 * BLOCK).map(|_| lcg(&mut seed) * 50.0).collect();
+    x[3] = 50.0;
+    x[40] = -50.0;
+    x[2 * BLOCK..3 * BLOCK].fill(0.0);
+    let mut acts = QActs::default();
+    acts.quantize(&x, 1, 4 * BLOCK);
+    assert_eq!(acts.d[2], 0.0);
+    assert!(acts.q.iter().all(|b| *b >= -127));
+    for (i, v) in x.iter().enumerate() {
+        let (b, e) = (i / BLOCK, i % BLOCK);
+        let code = acts.code(b, e);
+        assert!(code.abs() <= ACT_MAX as i32);
+        assert!((acts.d[b] * code as f32 - v).abs() <= acts.d[b] * 0.5001, "element {i}");
+    }
+    assert_eq!(acts.code(0, 3), ACT_MAX as i32);
+    assert_eq!(acts.code(1, 8), -(ACT_MAX as i32));
 }

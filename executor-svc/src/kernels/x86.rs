@@ -1,15 +1,16 @@
 //! The x86-64 kernels, chosen at run time: AVX-512 VNNI (`vpdpbusd`, on 256-bit registers) where
-//! the CPU has it, else AVX2 (`maddubs` + `madd`). Both produce the same eight integer lane sums
-//! per block (lane `j` = elements `4j..4j+4`) as the portable path, and the float accumulation
-//! per lane is one fused multiply-add by `d_w · d_x`, so all three give identical results.
+//! the CPU has it, else AVX2 (`maddubs` + `madd`). Both compute each block's exact integer dot
+//! product for eight interleaved columns at once (one 32-bit lane per column), then scale and
+//! accumulate all eight in one fused multiply-add, the same operations per output as the
+//! portable path, so all three give identical results.
 //!
-//! Tiles of `R` rows × `C` columns share each loaded weight block across rows and each
-//! activation block across columns; the operations per output element do not depend on the
-//! tile, so tiling changes speed, never results.
+//! Tiles of `R` rows × `CG` column groups share each loaded weight register across rows and
+//! each broadcast activation across groups; the operations per output element do not depend on
+//! the tile, so tiling changes speed, never results.
 
 use std::arch::x86_64::*;
 
-use super::{reduce_lanes, OutPtr, QActs, QWeight, WeightFormat, BLOCK};
+use super::{store_group, OutPtr, QActs, QWeight, WeightFormat, BLOCK, GROUP};
 
 /// Which x86 kernel the CPU can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,10 +28,7 @@ pub fn detect() -> Option<Isa> {
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             return None;
         }
-        if std::env::var_os("FERRY_NO_VNNI").is_none()
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512vl")
-        {
+        if std::env::var_os("FERRY_NO_VNNI").is_none() && has_vnni() {
             Some(Isa::Vnni)
         } else {
             Some(Isa::Avx2)
@@ -38,81 +36,71 @@ pub fn detect() -> Option<Isa> {
     })
 }
 
-/// Computes columns `cols` of every row with the kernel for `isa`.
+/// Whether this CPU has AVX-512 VNNI with 256-bit forms.
+pub fn has_vnni() -> bool {
+    is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+}
+
+/// Computes the columns of groups `groups`, for every row, with the kernel for `isa`.
 ///
 /// # Safety
-/// `isa` must have been detected on this CPU; `out` as in `super::matmul_cols`.
-pub unsafe fn matmul_cols(
+/// `isa` must have been detected on this CPU; `out` as in `super::matmul_groups`.
+pub unsafe fn matmul_groups(
     isa: Isa,
     x: &QActs,
     w: &QWeight,
-    cols: std::ops::Range<usize>,
+    groups: std::ops::Range<usize>,
     out: OutPtr,
 ) {
     let q8 = w.format == WeightFormat::Q8;
     unsafe {
         match (isa, q8) {
-            (Isa::Vnni, false) => tiles::<true, false>(x, w, cols, out),
-            (Isa::Vnni, true) => tiles::<true, true>(x, w, cols, out),
-            (Isa::Avx2, false) => tiles::<false, false>(x, w, cols, out),
-            (Isa::Avx2, true) => tiles::<false, true>(x, w, cols, out),
+            (Isa::Vnni, false) => tiles::<true, false>(x, w, groups, out),
+            (Isa::Vnni, true) => tiles::<true, true>(x, w, groups, out),
+            (Isa::Avx2, false) => tiles::<false, false>(x, w, groups, out),
+            (Isa::Avx2, true) => tiles::<false, true>(x, w, groups, out),
         }
     }
 }
 
-/// Walks `cols` × rows in tiles: 4 rows × 2 columns, or 1 row × 4 columns for a single row.
+/// Walks rows × groups in tiles: for a single row, four groups at a time (32 columns, eight
+/// independent integer sums); for more rows, blocks of up to 8 rows (VNNI: 32 registers) or
+/// 4 rows (AVX2: 16 registers) against one group.
 #[inline(always)]
 unsafe fn tiles<const VNNI: bool, const Q8: bool>(
     x: &QActs,
     w: &QWeight,
-    cols: std::ops::Range<usize>,
+    groups: std::ops::Range<usize>,
     out: OutPtr,
 ) {
     unsafe {
         if x.rows == 1 {
-            let mut c = cols.start;
-            while c + 4 <= cols.end {
-                tile::<VNNI, Q8, 1, 4>(x, 0, w, c, out);
-                c += 4;
+            let mut g = groups.start;
+            while g + 4 <= groups.end {
+                tile::<VNNI, Q8, 1, 4>(x, 0, w, g, out);
+                g += 4;
             }
-            while c < cols.end {
-                tile::<VNNI, Q8, 1, 1>(x, 0, w, c, out);
-                c += 1;
+            while g < groups.end {
+                tile::<VNNI, Q8, 1, 1>(x, 0, w, g, out);
+                g += 1;
             }
             return;
         }
+        let max_rows = if VNNI { 8 } else { 4 };
         let mut r = 0;
-        // With AVX-512's 32 vector registers, 8 rows × 2 columns (16 accumulators) share each
-        // loaded weight block across twice as many rows (prefill ~15 % faster, measured).
-        if VNNI {
-            while x.rows - r >= 8 {
-                let mut c = cols.start;
-                while c + 2 <= cols.end {
-                    tile::<VNNI, Q8, 8, 2>(x, r, w, c, out);
-                    c += 2;
-                }
-                if c < cols.end {
-                    tile::<VNNI, Q8, 8, 1>(x, r, w, c, out);
-                }
-                r += 8;
-            }
-        }
         while r < x.rows {
-            let rows = (x.rows - r).min(4);
-            let mut c = cols.start;
-            while c < cols.end {
-                let two = c + 2 <= cols.end;
-                match (rows, two) {
-                    (4, true) => tile::<VNNI, Q8, 4, 2>(x, r, w, c, out),
-                    (3, true) => tile::<VNNI, Q8, 3, 2>(x, r, w, c, out),
-                    (2, true) => tile::<VNNI, Q8, 2, 2>(x, r, w, c, out),
-                    (1, true) => tile::<VNNI, Q8, 1, 2>(x, r, w, c, out),
-                    (4, false) => tile::<VNNI, Q8, 4, 1>(x, r, w, c, out),
-                    (3, false) => tile::<VNNI, Q8, 3, 1>(x, r, w, c, out),
-                    (2, false) => tile::<VNNI, Q8, 2, 1>(x, r, w, c, out),
-                    _ => tile::<VNNI, Q8, 1, 1>(x, r, w, c, out),
+            let rows = (x.rows - r).min(max_rows);
+            for g in groups.clone() {
+                match rows {
+                    8 => tile::<VNNI, Q8, 8, 1>(x, r, w, g, out),
+                    7 => tile::<VNNI, Q8, 7, 1>(x, r, w, g, out),
+                    6 => tile::<VNNI, Q8, 6, 1>(x, r, w, g, out),
+                    5 => tile::<VNNI, Q8, 5, 1>(x, r, w, g, out),
+                    4 => tile::<VNNI, Q8, 4, 1>(x, r, w, g, out),
+                    3 => tile::<VNNI, Q8, 3, 1>(x, r, w, g, out),
+                    2 => tile::<VNNI, Q8, 2, 1>(x, r, w, g, out),
+                    _ => tile::<VNNI, Q8, 1, 1>(x, r, w, g, out),
                 }
-                c += if two { 2 } else { 1 };
             }
             r += rows;
         }
@@ -121,117 +109,125 @@ unsafe fn tiles<const VNNI: bool, const Q8: bool>(
 
 /// Dispatches one tile to the function compiled for the instruction set.
 #[inline(always)]
-unsafe fn tile<const VNNI: bool, const Q8: bool, const R: usize, const C: usize>(
+unsafe fn tile<const VNNI: bool, const Q8: bool, const R: usize, const CG: usize>(
     x: &QActs,
     r0: usize,
     w: &QWeight,
-    c0: usize,
+    g0: usize,
     out: OutPtr,
 ) {
     unsafe {
         if VNNI {
-            tile_vnni::<Q8, R, C>(x, r0, w, c0, out)
+            tile_vnni::<Q8, R, CG>(x, r0, w, g0, out)
         } else {
-            tile_avx2::<Q8, R, C>(x, r0, w, c0, out)
-        }
-    }
-}
-
-/// Loads weight block `wb` as 32 bytes: Q4 codes unpacked to 0..15, Q8 codes as they are.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn load_weights<const Q8: bool>(p: *const u8) -> __m256i {
-    unsafe {
-        if Q8 {
-            _mm256_loadu_si256(p.cast())
-        } else {
-            let packed = _mm_loadu_si128(p.cast());
-            let low = _mm_set1_epi8(0x0F);
-            let lo = _mm_and_si128(packed, low);
-            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-            _mm256_set_m128i(hi, lo)
+            tile_avx2::<Q8, R, CG>(x, r0, w, g0, out)
         }
     }
 }
 
 macro_rules! tile_fn {
-    ($name:ident, $features:literal, $int_dot:ident) => {
+    ($name:ident, $features:literal, $prep:ident, $int_dot:ident, $unbias:expr) => {
+        /// One tile: rows `r0 .. r0 + R` × column groups `g0 .. g0 + CG`.
         #[target_feature(enable = $features)]
-        unsafe fn $name<const Q8: bool, const R: usize, const C: usize>(
+        unsafe fn $name<const Q8: bool, const R: usize, const CG: usize>(
             x: &QActs,
             r0: usize,
             w: &QWeight,
-            c0: usize,
+            g0: usize,
             out: OutPtr,
         ) {
             let bpr = w.cols / BLOCK;
-            let wbytes = if Q8 { 32 } else { 16 };
-            debug_assert!((c0 + C) * bpr <= w.d.len() && (r0 + R) * bpr <= x.d.len());
+            let gbytes = GROUP * if Q8 { 32 } else { 16 };
+            debug_assert!((g0 + CG) * bpr * GROUP <= w.d.len() && (r0 + R) * bpr <= x.d.len());
             // SAFETY (whole body): every pointer below stays inside the tile's rows and
-            // columns, which the caller keeps within `x.rows` and `w.rows`. Rows and columns
-            // are addressed from one base pointer each plus a stride, to keep registers free.
+            // groups, which the caller keeps within `x.rows` and the weight's groups.
             unsafe {
-                let wq = w.q.as_ptr().add(c0 * bpr * wbytes);
-                let wd = w.d.as_ptr().add(c0 * bpr);
-                let xq = x.q.as_ptr().add(r0 * bpr * BLOCK);
+                let wq = w.q.as_ptr().add(g0 * bpr * gbytes);
+                let wd = w.d.as_ptr().add(g0 * bpr * GROUP);
+                let wm = w.m.as_ptr().wrapping_add(g0 * bpr * GROUP);
+                // Per block of an activation row: 8 dwords of high bytes, then 8 of low bytes.
+                let xq = x.q.as_ptr().add(r0 * bpr * 2 * BLOCK).cast::<i32>();
                 let xd = x.d.as_ptr().add(r0 * bpr);
-                let xl = x.lane_sums.as_ptr().add(r0 * bpr * 8);
-                let mut acc = [[_mm256_setzero_ps(); C]; R];
+                let xs = x.s.as_ptr().add(r0 * bpr);
+                let xb = x.bias.as_ptr().add(r0 * bpr);
+                let nibble = _mm256_set1_epi8(0x0F);
+                let mut acc = [[_mm256_setzero_ps(); CG]; R];
                 for b in 0..bpr {
-                    let mut wv = [_mm256_setzero_si256(); C];
-                    let mut dw = [_mm256_setzero_ps(); C];
-                    for c in 0..C {
-                        wv[c] = load_weights::<Q8>(wq.add((c * bpr + b) * wbytes));
-                        dw[c] = _mm256_broadcast_ss(&*wd.add(c * bpr + b));
+                    // Integer sums against the high and the low activation bytes.
+                    let mut hi = [[_mm256_setzero_si256(); CG]; R];
+                    let mut lo = [[_mm256_setzero_si256(); CG]; R];
+                    for t in 0..4 {
+                        // Weight registers pairing with activation dwords `t` and `t + 4`.
+                        let mut wa = [_mm256_setzero_si256(); CG];
+                        let mut wb = [_mm256_setzero_si256(); CG];
+                        for c in 0..CG {
+                            let p = wq.add((c * bpr + b) * gbytes);
+                            if Q8 {
+                                wa[c] = $prep(_mm256_loadu_si256(p.add(32 * t).cast()));
+                                wb[c] = $prep(_mm256_loadu_si256(p.add(32 * (t + 4)).cast()));
+                            } else {
+                                let packed = _mm256_loadu_si256(p.add(32 * t).cast());
+                                wa[c] = _mm256_and_si256(packed, nibble);
+                                wb[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+                            }
+                        }
+                        for r in 0..R {
+                            let row = xq.add((r * bpr + b) * (2 * BLOCK / 4));
+                            let ha = _mm256_set1_epi32(*row.add(t));
+                            let hb = _mm256_set1_epi32(*row.add(t + 4));
+                            let la = _mm256_set1_epi32(*row.add(t + 8));
+                            let lb = _mm256_set1_epi32(*row.add(t + 12));
+                            for c in 0..CG {
+                                let h = $int_dot::<Q8>(hi[r][c], wa[c], ha);
+                                hi[r][c] = $int_dot::<Q8>(h, wb[c], hb);
+                                let l = $int_dot::<Q8>(lo[r][c], wa[c], la);
+                                lo[r][c] = $int_dot::<Q8>(l, wb[c], lb);
+                            }
+                        }
+                    }
+                    let mut dw = [_mm256_setzero_ps(); CG];
+                    let mut mw = [_mm256_setzero_ps(); CG];
+                    for c in 0..CG {
+                        dw[c] = _mm256_loadu_ps(wd.add((c * bpr + b) * GROUP));
+                        if !Q8 {
+                            mw[c] = _mm256_loadu_ps(wm.add((c * bpr + b) * GROUP));
+                        }
                     }
                     for r in 0..R {
-                        let xv = _mm256_loadu_si256(xq.add((r * bpr + b) * BLOCK).cast());
-                        let xs = if Q8 {
-                            _mm256_loadu_si256(xl.add((r * bpr + b) * 8).cast())
-                        } else {
-                            _mm256_setzero_si256()
-                        };
-                        let dx = _mm256_broadcast_ss(&*xd.add(r * bpr + b));
-                        for c in 0..C {
-                            let p = $int_dot::<Q8>(wv[c], xv, xs);
+                        let dx = _mm256_set1_ps(*xd.add(r * bpr + b));
+                        for c in 0..CG {
+                            // 255·hi + lo, exactly.
+                            let h = hi[r][c];
+                            let mut i = _mm256_add_epi32(
+                                _mm256_sub_epi32(_mm256_slli_epi32(h, 8), h),
+                                lo[r][c],
+                            );
+                            if Q8 && $unbias {
+                                i = _mm256_sub_epi32(i, _mm256_set1_epi32(*xb.add(r * bpr + b)));
+                            }
                             acc[r][c] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(p),
+                                _mm256_cvtepi32_ps(i),
                                 _mm256_mul_ps(dw[c], dx),
                                 acc[r][c],
                             );
+                            if !Q8 {
+                                let s = _mm256_set1_ps(*xs.add(r * bpr + b));
+                                acc[r][c] = _mm256_fmadd_ps(mw[c], s, acc[r][c]);
+                            }
                         }
                     }
                 }
-                // The Q4 minimum's share, Σ_b m·s, in eight lanes over blocks: plain multiply
-                // then add, exactly as `super::min_term` does.
-                let full = bpr / 8 * 8;
                 for r in 0..R {
-                    for c in 0..C {
-                        let (row, col) = (r0 + r, c0 + c);
-                        let mut lanes = [0f32; 8];
-                        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][c]);
-                        let mut min = 0.0;
-                        if !Q8 {
-                            let m = w.m.as_ptr().add(col * bpr);
-                            let s = x.s.as_ptr().add(row * bpr);
-                            let mut am = _mm256_setzero_ps();
-                            let mut b = 0;
-                            while b < full {
-                                let prod = _mm256_mul_ps(
-                                    _mm256_loadu_ps(m.add(b)),
-                                    _mm256_loadu_ps(s.add(b)),
-                                );
-                                am = _mm256_add_ps(am, prod);
-                                b += 8;
-                            }
-                            let mut ml = [0f32; 8];
-                            _mm256_storeu_ps(ml.as_mut_ptr(), am);
-                            for l in 0..bpr - full {
-                                ml[l] += *m.add(full + l) * *s.add(full + l);
-                            }
-                            min = reduce_lanes(ml);
+                    for c in 0..CG {
+                        let g = g0 + c;
+                        if (g + 1) * GROUP <= w.rows {
+                            let dst = out.0.add((r0 + r) * w.rows + g * GROUP);
+                            _mm256_storeu_ps(dst, acc[r][c]);
+                        } else {
+                            let mut sums = [0f32; GROUP];
+                            _mm256_storeu_ps(sums.as_mut_ptr(), acc[r][c]);
+                            store_group(w, r0 + r, g, &sums, out);
                         }
-                        *out.0.add(row * w.rows + col) = reduce_lanes(lanes) + min;
                     }
                 }
             }
@@ -239,32 +235,40 @@ macro_rules! tile_fn {
     };
 }
 
-/// Lane sums with `vpdpbusd`. Q8 weights are signed, so they are biased to unsigned
-/// (`w + 128`) and `128 · Σx` per lane is taken back off: exact integer arithmetic.
-#[inline]
-#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
-unsafe fn dot_vnni<const Q8: bool>(w: __m256i, x: __m256i, x_lane_sums: __m256i) -> __m256i {
-    if Q8 {
-        let biased = _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN));
-        let raw = _mm256_dpbusd_epi32(_mm256_setzero_si256(), biased, x);
-        _mm256_sub_epi32(raw, _mm256_slli_epi32(x_lane_sums, 7))
-    } else {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
-    }
-}
-
-/// Lane sums with `maddubs` + `madd`. For Q8, `maddubs` needs an unsigned operand: |w| times x
-/// carrying w's sign (no saturation: 2 · 128 · 127 < 32768).
+/// VNNI takes Q8 codes as stored (`+128`, unsigned) and subtracts `128 · Σx` afterwards.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn dot_avx2<const Q8: bool>(w: __m256i, x: __m256i, _x_lane_sums: __m256i) -> __m256i {
+fn keep(w: __m256i) -> __m256i {
+    w
+}
+
+/// AVX2 turns Q8 codes back to signed bytes, for `maddubs`'s sign trick.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn to_signed(w: __m256i) -> __m256i {
+    _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN))
+}
+
+/// `acc + Σ` of four byte products per lane with `vpdpbusd` (weights unsigned).
+#[inline]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+fn dot_vnni<const Q8: bool>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(acc, w, x)
+}
+
+/// `acc + Σ` of four byte products per lane with `maddubs` + `madd`. For Q8 (signed weights),
+/// `maddubs` needs an unsigned operand: |w| times x carrying w's sign (no saturation:
+/// 2 · 128 · 127 < 32768).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn dot_avx2<const Q8: bool>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
     let p16 = if Q8 {
-        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+        _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
     } else {
         _mm256_maddubs_epi16(w, x)
     };
-    _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+    _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
 }
 
-tile_fn!(tile_vnni, "avx2,fma,avx512vnni,avx512vl", dot_vnni);
-tile_fn!(tile_avx2, "avx2,fma", dot_avx2);
+tile_fn!(tile_vnni, "avx2,fma,avx512vnni,avx512vl", keep, dot_vnni, true);
+tile_fn!(tile_avx2, "avx2,fma", to_signed, dot_avx2, false);

@@ -6,6 +6,7 @@
 //! between nodes as one slice.
 
 use super::llama::LlamaShape;
+use super::ops::KvRun;
 
 /// KV memory for `num_blocks` blocks of `block_size` tokens.
 #[derive(Debug)]
@@ -67,6 +68,22 @@ impl PagedKvCache {
     pub fn read(&self, layer: usize, kv: usize, (block, slot): (usize, usize)) -> &[f32] {
         let o = self.offset(block, layer, kv, slot);
         &self.data[o..o + self.kv_dim]
+    }
+
+    /// Positions `pos ..` to the end of `pos`'s block, for `layer`: keys and values, all KV
+    /// heads, one position every `kv_dim` floats.
+    #[inline]
+    pub fn run(&self, layer: usize, table: &[u32], pos: usize) -> KvRun<'_> {
+        let (block, slot) = self.locate(table, pos);
+        let len = self.block_size - slot;
+        let ko = self.offset(block, layer, 0, slot);
+        let vo = self.offset(block, layer, 1, slot);
+        KvRun {
+            keys: &self.data[ko..ko + len * self.kv_dim],
+            values: &self.data[vo..vo + len * self.kv_dim],
+            stride: self.kv_dim,
+            len,
+        }
     }
 
     /// The raw contents of one block (for KV transfer).

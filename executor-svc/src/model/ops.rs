@@ -95,29 +95,43 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
 }
 
+/// Keys and values of consecutive cached positions: position `first + i` at `i · stride` in
+/// both slices, for `i < len`.
+#[derive(Clone, Copy, Debug)]
+pub struct KvRun<'a> {
+    /// Keys, from the run's first position on.
+    pub keys: &'a [f32],
+    /// Values, laid out like the keys.
+    pub values: &'a [f32],
+    /// Floats from one position to the next.
+    pub stride: usize,
+    /// Positions in the run.
+    pub len: usize,
+}
+
 /// Causal attention of one query head over `n_ctx` cached positions:
-/// `out = softmax(q·Kᵀ · scale) · V`, where `key(p)` and `value(p)` return position `p`'s
-/// head vectors. `scores` is scratch space. Both forwards call this, visiting positions in
-/// order, so their results are identical however the cache is laid out.
-pub fn attend<'a, K, V>(
+/// `out = softmax(q·Kᵀ · scale) · V`. `run(p)` gives the run of positions starting at `p`
+/// (a paged cache: to the end of `p`'s block; a contiguous one: to the end), with the head's
+/// vectors at offset `lane` of each position. `scores` is scratch space. Both forwards call
+/// this, visiting positions in order, so their results are identical however the cache is laid
+/// out.
+#[allow(clippy::too_many_arguments)]
+pub fn attend<'a>(
     q: &[f32],
     n_ctx: usize,
-    key: K,
-    value: V,
+    lane: usize,
+    run: impl Fn(usize) -> KvRun<'a>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
-) where
-    K: Fn(usize) -> &'a [f32],
-    V: Fn(usize) -> &'a [f32],
-{
+) {
     #[cfg(target_arch = "x86_64")]
     if simd::available() {
         // SAFETY: AVX was detected at run time.
-        unsafe { simd::attend(q, n_ctx, key, value, scale, scores, out) };
+        unsafe { simd::attend(q, n_ctx, lane, run, scale, scores, out) };
         return;
     }
-    attend_with(q, n_ctx, key, value, scale, scores, out, dot, axpy);
+    attend_with(q, n_ctx, lane, run, scale, scores, out, dot, axpy);
 }
 
 /// `out += weight · v`, element-wise, multiply then add.
@@ -128,25 +142,46 @@ fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
     }
 }
 
+/// Calls `f(position, row)` for each of the `n_ctx` positions in order, where `row` is the
+/// position's slice (keys or values, chosen by `pick`) from offset `lane` on.
+#[inline(always)]
+fn each_position<'a>(
+    n_ctx: usize,
+    lane: usize,
+    run: &impl Fn(usize) -> KvRun<'a>,
+    pick: impl Fn(&KvRun<'a>) -> &'a [f32],
+    mut f: impl FnMut(usize, &'a [f32]),
+) {
+    let mut p = 0;
+    while p < n_ctx {
+        let r = run(p);
+        let len = r.len.min(n_ctx - p).max(1);
+        let rows = pick(&r);
+        for i in 0..len {
+            f(p + i, &rows[i * r.stride + lane..]);
+        }
+        p += len;
+    }
+}
+
 /// The attention steps, generic over the two vector primitives.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn attend_with<'a, K, V>(
+fn attend_with<'a>(
     q: &[f32],
     n_ctx: usize,
-    key: K,
-    value: V,
+    lane: usize,
+    run: impl Fn(usize) -> KvRun<'a>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
     dot: impl Fn(&[f32], &[f32]) -> f32,
     axpy: impl Fn(&mut [f32], f32, &[f32]),
-) where
-    K: Fn(usize) -> &'a [f32],
-    V: Fn(usize) -> &'a [f32],
-{
+) {
+    let hd = q.len();
     scores.clear();
-    scores.extend((0..n_ctx).map(|p| dot(q, key(p)) * scale));
+    scores.resize(n_ctx, 0.0);
+    each_position(n_ctx, lane, &run, |r| r.keys, |p, key| scores[p] = dot(q, &key[..hd]) * scale);
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
     for s in scores.iter_mut() {
@@ -155,9 +190,13 @@ fn attend_with<'a, K, V>(
     }
     let inv = 1.0 / sum;
     out.fill(0.0);
-    for (p, s) in scores.iter().enumerate() {
-        axpy(out, s * inv, value(p));
-    }
+    each_position(
+        n_ctx,
+        lane,
+        &run,
+        |r| r.values,
+        |p, value| axpy(out, scores[p] * inv, &value[..hd]),
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -218,23 +257,21 @@ mod simd {
     /// # Safety
     /// The CPU must support AVX.
     #[target_feature(enable = "avx")]
-    pub unsafe fn attend<'a, K, V>(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend<'a>(
         q: &[f32],
         n_ctx: usize,
-        key: K,
-        value: V,
+        lane: usize,
+        run: impl Fn(usize) -> super::KvRun<'a>,
         scale: f32,
         scores: &mut Vec<f32>,
         out: &mut [f32],
-    ) where
-        K: Fn(usize) -> &'a [f32],
-        V: Fn(usize) -> &'a [f32],
-    {
+    ) {
         super::attend_with(
             q,
             n_ctx,
-            key,
-            value,
+            lane,
+            run,
             scale,
             scores,
             out,

@@ -222,12 +222,11 @@ fn forward_in_pool(
             let (r, head) = (i / s.num_heads, i % s.num_heads);
             let (seq, pos) = rows[r];
             let table = batch[seq].block_table;
-            let lanes = (head / group) * hd..(head / group + 1) * hd;
             attend(
                 &q[r * h + head * hd..r * h + (head + 1) * hd],
                 pos + 1,
-                |p| &cache_ref.read(l, 0, cache_ref.locate(table, p))[lanes.clone()],
-                |p| &cache_ref.read(l, 1, cache_ref.locate(table, p))[lanes.clone()],
+                (head / group) * hd,
+                |p| cache_ref.run(l, table, p),
                 scale,
                 scores,
                 out,

@@ -3,7 +3,7 @@
 //! favours being obviously right over being fast.
 
 use super::llama::LlamaWeights;
-use super::ops::{attend, linear, rms_norm, rope, silu_mul, split_qkv};
+use super::ops::{attend, linear, rms_norm, rope, silu_mul, split_qkv, KvRun};
 use crate::kernels::QActs;
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
@@ -66,12 +66,16 @@ pub fn forward(
         for i in 0..n {
             for head in 0..s.num_heads {
                 let kvh = head / group;
-                let span = |p: usize| p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd;
                 attend(
                     &q[i * h + head * hd..i * h + (head + 1) * hd],
                     start + i + 1,
-                    |p| &keys[span(p)],
-                    |p| &values[span(p)],
+                    kvh * hd,
+                    |p| KvRun {
+                        keys: &keys[p * kv_dim..],
+                        values: &values[p * kv_dim..],
+                        stride: kv_dim,
+                        len: keys.len() / kv_dim - p,
+                    },
                     scale,
                     &mut scores,
                     &mut attn[i * h + head * hd..i * h + (head + 1) * hd],

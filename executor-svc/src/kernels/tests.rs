@@ -1,5 +1,10 @@
 use super::*;
 
+/// An f32 that f16 holds exactly (weights' scales are f16 in GGUF).
+fn h(v: f32) -> f32 {
+    half::f16::from_f32(v).to_f32()
+}
+
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
@@ -15,12 +20,12 @@ fn weight(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QWe
     for _ in 0..nblocks {
         match format {
             WeightFormat::Q4 => {
-                d.push(lcg(seed).abs() * 0.1);
-                m.push(lcg(seed) * 0.2);
+                d.push(h(lcg(seed).abs() * 0.1));
+                m.push(h(lcg(seed) * 0.2));
                 q.extend((0..16).map(|_| (lcg(seed).abs() * 255.0) as u8));
             }
             WeightFormat::Q8 => {
-                d.push(lcg(seed).abs() * 0.01);
+                d.push(h(lcg(seed).abs() * 0.01));
                 m.push(0.0);
                 q.extend((0..32).map(|_| ((lcg(seed) * 127.0) as i8) as u8));
             }
@@ -168,8 +173,8 @@ fn products_equal_the_exact_product_of_the_source_blocks() {
         let (rows, cols, n) = (21, 96, 3);
         let bpr = cols / BLOCK;
         let cb = format.code_bytes();
-        let d: Vec<f32> = (0..rows * bpr).map(|_| lcg(&mut seed).abs() * 0.1).collect();
-        let m: Vec<f32> = (0..rows * bpr).map(|_| lcg(&mut seed) * 0.2).collect();
+        let d: Vec<f32> = (0..rows * bpr).map(|_| h(lcg(&mut seed).abs() * 0.1)).collect();
+        let m: Vec<f32> = (0..rows * bpr).map(|_| h(lcg(&mut seed) * 0.2)).collect();
         let q: Vec<u8> =
             (0..rows * bpr * cb).map(|_| (lcg(&mut seed).abs() * 255.0) as u8).collect();
         let w = QWeight::pack(format, rows, cols, |r, b| {
@@ -232,4 +237,26 @@ fn activation_codes_split_into_two_bytes_exactly() {
     }
     assert_eq!(acts.code(0, 3), ACT_MAX as i32);
     assert_eq!(acts.code(1, 8), -(ACT_MAX as i32));
+}
+
+/// The AVX2 build of the quantizer gives the portable build's codes and scales.
+#[test]
+fn quantization_is_the_same_with_and_without_avx2() {
+    let mut seed = 23;
+    let x: Vec<f32> = (0..6 * 96).map(|_| lcg(&mut seed) * 7.0).collect();
+    let mut plain = QActs::default();
+    plain.quantize(&x, 6, 96);
+    quantize_blocks(&mut plain, &x);
+    #[cfg(target_arch = "x86_64")]
+    if x86::detect().is_some() {
+        let mut fast = plain.clone();
+        fast.q.fill(0);
+        // SAFETY: AVX2 was detected; the buffers are sized by the `quantize` above.
+        unsafe { x86::quantize(&mut fast, &x) };
+        assert_eq!(fast.q, plain.q);
+        assert_eq!(fast.bias, plain.bias);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fast.d), bits(&plain.d));
+        assert_eq!(bits(&fast.s), bits(&plain.s));
+    }
 }

@@ -15,9 +15,9 @@ use super::{store_group, OutPtr, QActs, QWeight, WeightFormat, BLOCK, GROUP};
 /// Which x86 kernel the CPU can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX2 + FMA.
+    /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX2 + FMA + AVX-512 VNNI/VL.
+    /// AVX2 + FMA + F16C + AVX-512 VNNI/VL.
     Vnni,
 }
 
@@ -25,7 +25,10 @@ pub enum Isa {
 pub fn detect() -> Option<Isa> {
     static ISA: std::sync::OnceLock<Option<Isa>> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
             return None;
         }
         if std::env::var_os("FERRY_NO_VNNI").is_none() && has_vnni() {
@@ -39,6 +42,15 @@ pub fn detect() -> Option<Isa> {
 /// Whether this CPU has AVX-512 VNNI with 256-bit forms.
 pub fn has_vnni() -> bool {
     is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+}
+
+/// [`super::quantize_blocks`] compiled with AVX2, where it vectorises.
+///
+/// # Safety
+/// The CPU must support AVX2; `acts`' buffers are sized for `x`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize(acts: &mut QActs, x: &[f32]) {
+    super::quantize_blocks(acts, x);
 }
 
 /// Computes the columns of groups `groups`, for every row, with the kernel for `isa`.
@@ -188,9 +200,12 @@ macro_rules! tile_fn {
                     let mut dw = [_mm256_setzero_ps(); CG];
                     let mut mw = [_mm256_setzero_ps(); CG];
                     for c in 0..CG {
-                        dw[c] = _mm256_loadu_ps(wd.add((c * bpr + b) * GROUP));
+                        dw[c] =
+                            _mm256_cvtph_ps(_mm_loadu_si128(wd.add((c * bpr + b) * GROUP).cast()));
                         if !Q8 {
-                            mw[c] = _mm256_loadu_ps(wm.add((c * bpr + b) * GROUP));
+                            mw[c] = _mm256_cvtph_ps(_mm_loadu_si128(
+                                wm.add((c * bpr + b) * GROUP).cast(),
+                            ));
                         }
                     }
                     for r in 0..R {
@@ -270,5 +285,5 @@ fn dot_avx2<const Q8: bool>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
     _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
 }
 
-tile_fn!(tile_vnni, "avx2,fma,avx512vnni,avx512vl", keep, dot_vnni, true);
-tile_fn!(tile_avx2, "avx2,fma", to_signed, dot_avx2, false);
+tile_fn!(tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", keep, dot_vnni, true);
+tile_fn!(tile_avx2, "avx2,fma,f16c", to_signed, dot_avx2, false);

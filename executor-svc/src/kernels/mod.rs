@@ -332,14 +332,16 @@ impl QActs {
         self.d.resize(nblocks, 0.0);
         self.s.resize(nblocks, 0.0);
         self.bias.resize(nblocks, 0);
-        #[cfg(target_arch = "x86_64")]
-        if x86::detect().is_some() {
-            // SAFETY: AVX2 was detected at run time.
-            unsafe { x86::quantize(self, x) };
-            return;
-        }
-        quantize_blocks(self, x);
+        // Blocks are independent: large batches (prefill) split them over the pool.
+        const PER_TASK: usize = 64;
+        x.par_chunks(PER_TASK * BLOCK)
+            .zip(self.q.par_chunks_mut(PER_TASK * 2 * BLOCK))
+            .zip(self.d.par_chunks_mut(PER_TASK))
+            .zip(self.s.par_chunks_mut(PER_TASK))
+            .zip(self.bias.par_chunks_mut(PER_TASK))
+            .for_each(|((((x, q), d), s), bias)| quantize_blocks(x, QBlocks { q, d, s, bias }));
     }
+
     /// The 16-bit code of element `e` of block `b` (blocks numbered over all rows).
     #[inline]
     fn code(&self, b: usize, e: usize) -> i32 {
@@ -348,12 +350,31 @@ impl QActs {
     }
 }
 
+/// Destination slices for a run of quantized blocks (parts of a [`QActs`]' buffers).
+struct QBlocks<'a> {
+    q: &'a mut [i8],
+    d: &'a mut [f32],
+    s: &'a mut [f32],
+    bias: &'a mut [i32],
+}
+
+/// Quantizes the blocks of `x` into `out`, with the AVX2 build where the CPU has it.
+fn quantize_blocks(x: &[f32], out: QBlocks) {
+    #[cfg(target_arch = "x86_64")]
+    if x86::detect().is_some() {
+        // SAFETY: AVX2 was detected at run time.
+        unsafe { x86::quantize(x, out) };
+        return;
+    }
+    quantize_scalar(x, out);
+}
+
 /// The quantization proper, written so that it vectorises where the caller enables AVX2 (the
 /// operations are the same either way, so are the codes): per block, `d = max|x| / ACT_MAX`,
 /// codes rounded to nearest (ties to even), split into `hi = round(code / 255)` (exact: an
 /// integer code is never within 0.002 of a tie) and `lo = code - 255·hi`.
 #[inline(always)]
-fn quantize_blocks(acts: &mut QActs, x: &[f32]) {
+fn quantize_scalar(x: &[f32], acts: QBlocks) {
     for (b, block) in x.chunks_exact(BLOCK).enumerate() {
         let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / ACT_MAX;

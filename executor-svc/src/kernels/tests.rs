@@ -239,24 +239,33 @@ fn activation_codes_split_into_two_bytes_exactly() {
     assert_eq!(acts.code(1, 8), -(ACT_MAX as i32));
 }
 
-/// The AVX2 build of the quantizer gives the portable build's codes and scales.
+/// The AVX2 build of the quantizer gives the portable build's codes and scales, and the
+/// parallel split over blocks changes nothing.
 #[test]
 fn quantization_is_the_same_with_and_without_avx2() {
     let mut seed = 23;
-    let x: Vec<f32> = (0..6 * 96).map(|_| lcg(&mut seed) * 7.0).collect();
-    let mut plain = QActs::default();
-    plain.quantize(&x, 6, 96);
-    quantize_blocks(&mut plain, &x);
+    let x: Vec<f32> = (0..40 * 96).map(|_| lcg(&mut seed) * 7.0).collect();
+    let mut split = QActs::default();
+    split.quantize(&x, 40, 96);
+    let mut plain = split.clone();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    fn out(a: &mut QActs) -> QBlocks<'_> {
+        QBlocks { q: &mut a.q, d: &mut a.d, s: &mut a.s, bias: &mut a.bias }
+    }
+    quantize_scalar(&x, out(&mut plain));
+    let same = |a: &QActs, b: &QActs| {
+        assert_eq!(a.q, b.q);
+        assert_eq!(a.bias, b.bias);
+        assert_eq!(bits(&a.d), bits(&b.d));
+        assert_eq!(bits(&a.s), bits(&b.s));
+    };
+    same(&split, &plain);
     #[cfg(target_arch = "x86_64")]
     if x86::detect().is_some() {
         let mut fast = plain.clone();
         fast.q.fill(0);
-        // SAFETY: AVX2 was detected; the buffers are sized by the `quantize` above.
-        unsafe { x86::quantize(&mut fast, &x) };
-        assert_eq!(fast.q, plain.q);
-        assert_eq!(fast.bias, plain.bias);
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&fast.d), bits(&plain.d));
-        assert_eq!(bits(&fast.s), bits(&plain.s));
+        // SAFETY: AVX2 was detected.
+        unsafe { x86::quantize(&x, out(&mut fast)) };
+        same(&fast, &plain);
     }
 }

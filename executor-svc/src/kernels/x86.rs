@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{store_group, OutPtr, QActs, QWeight, WeightFormat, BLOCK, GROUP};
+use super::{store_group, OutPtr, QActs, QBlocks, QWeight, WeightFormat, BLOCK, GROUP};
 
 /// Which x86 kernel the CPU can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,13 +44,13 @@ pub fn has_vnni() -> bool {
     is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
 }
 
-/// [`super::quantize_blocks`] compiled with AVX2, where it vectorises.
+/// [`super::quantize_scalar`] compiled with AVX2, where it vectorises.
 ///
 /// # Safety
-/// The CPU must support AVX2; `acts`' buffers are sized for `x`.
+/// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn quantize(acts: &mut QActs, x: &[f32]) {
-    super::quantize_blocks(acts, x);
+pub unsafe fn quantize(x: &[f32], out: QBlocks) {
+    super::quantize_scalar(x, out);
 }
 
 /// Computes the columns of groups `groups`, for every row, with the kernel for `isa`.

@@ -11,6 +11,12 @@ pub fn linear(acts: &QActs, w: &QWeight) -> Vec<f32> {
     out
 }
 
+/// `acts · wᵀ` into `out` (resized to `acts.rows × w.rows`; its allocation is reused).
+pub fn linear_into(acts: &QActs, w: &QWeight, out: &mut Vec<f32>) {
+    out.resize(acts.rows * w.rows, 0.0);
+    matmul(acts, w, out);
+}
+
 /// RMS-normalises each row of `x` (width `weight.len()`) and scales it by `weight`, in place.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     let width = weight.len();
@@ -41,12 +47,21 @@ pub fn rope(head: &mut [f32], pos: usize, freqs: &[f32]) {
 
 /// From rows of `[gate | up]` (each `width` wide), `silu(gate) · up` per row.
 pub fn silu_mul(fused: &[f32], width: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(fused.len() / 2);
-    for row in fused.chunks_exact(2 * width) {
-        let (gate, up) = row.split_at(width);
-        out.extend(gate.iter().zip(up).map(|(g, u)| g / (1.0 + (-g).exp()) * u));
-    }
+    let mut out = Vec::new();
+    silu_mul_into(fused, width, &mut out);
     out
+}
+
+/// [`silu_mul`] into `out` (its allocation reused), rows in parallel.
+pub fn silu_mul_into(fused: &[f32], width: usize, out: &mut Vec<f32>) {
+    use rayon::prelude::*;
+    out.resize(fused.len() / 2, 0.0);
+    out.par_chunks_mut(width).zip(fused.par_chunks(2 * width)).for_each(|(dst, row)| {
+        let (gate, up) = row.split_at(width);
+        for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
+            *d = g / (1.0 + (-g).exp()) * u;
+        }
+    });
 }
 
 /// Splits rows of `[q | k | v]` into three row-major matrices of widths `q_width` and `kv_width`.

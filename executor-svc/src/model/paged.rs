@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::kv_cache::PagedKvCache;
 use super::llama::LlamaWeights;
-use super::ops::{attend, linear, rms_norm, rope, silu_mul, split_qkv};
+use super::ops::{attend, linear, linear_into, rms_norm, rope, silu_mul_into};
 use crate::kernels::QActs;
 
 /// One sequence's part of a batch.
@@ -84,10 +84,23 @@ pub enum BatchError {
     },
 }
 
-/// Buffers reused across steps.
+/// Buffers reused across layers and steps: a prefill batch's intermediates are tens of MB,
+/// and fresh allocations of that size come from the kernel page by page, zeroed, every layer.
 #[derive(Debug, Default)]
 pub struct ForwardScratch {
     acts: QActs,
+    /// Normalised hidden states.
+    hn: Vec<f32>,
+    /// Rows of `[q | k | v]`.
+    qkv: Vec<f32>,
+    /// Attention output.
+    attn: Vec<f32>,
+    /// Output of the attention or down projection, before the residual add.
+    proj: Vec<f32>,
+    /// Rows of `[gate | up]`.
+    gate_up: Vec<f32>,
+    /// `silu(gate) · up`.
+    act: Vec<f32>,
 }
 
 /// Checks `batch` against the cache and the model; nothing is touched.
@@ -199,31 +212,32 @@ fn forward_in_pool(
     }
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let acts = &mut scratch.acts;
+    let ForwardScratch { acts, hn, qkv, attn, proj, gate_up, act } = scratch;
+    let qkv_width = h + 2 * kv_dim;
     for (l, layer) in w.layers.iter().enumerate() {
-        let mut hn = x.clone();
-        rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
-        acts.quantize(&hn, n, h);
-        let (mut q, mut k, v) = split_qkv(&linear(acts, &layer.wqkv), h, kv_dim);
+        hn.clone_from(&x);
+        rms_norm(hn, &layer.attn_norm, s.rms_eps);
+        acts.quantize(hn, n, h);
+        linear_into(acts, &layer.wqkv, qkv);
         for (r, &(seq, pos)) in rows.iter().enumerate() {
-            for head in q[r * h..(r + 1) * h].chunks_exact_mut(hd) {
-                rope(head, pos, &w.rope_freqs);
-            }
-            for head in k[r * kv_dim..(r + 1) * kv_dim].chunks_exact_mut(hd) {
+            let row = &mut qkv[r * qkv_width..(r + 1) * qkv_width];
+            // Rotate the query and key heads (adjacent in the row) in place.
+            for head in row[..h + kv_dim].chunks_exact_mut(hd) {
                 rope(head, pos, &w.rope_freqs);
             }
             let at = cache.locate(batch[seq].block_table, pos);
-            cache.write(l, at, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]);
+            cache.write(l, at, &row[h..h + kv_dim], &row[h + kv_dim..]);
         }
-        let mut attn = vec![0f32; n * h];
+        attn.resize(n * h, 0.0);
         let cache_ref: &PagedKvCache = cache;
+        let qkv_ref: &[f32] = qkv;
         // One task per (token, query head): enough parallelism even for a single decode.
         attn.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (i, out)| {
             let (r, head) = (i / s.num_heads, i % s.num_heads);
             let (seq, pos) = rows[r];
             let table = batch[seq].block_table;
             attend(
-                &q[r * h + head * hd..r * h + (head + 1) * hd],
+                &qkv_ref[r * qkv_width + head * hd..r * qkv_width + (head + 1) * hd],
                 pos + 1,
                 (head / group) * hd,
                 |p| cache_ref.run(l, table, p),
@@ -232,16 +246,17 @@ fn forward_in_pool(
                 out,
             );
         });
-        acts.quantize(&attn, n, h);
-        let o = linear(acts, &layer.wo);
-        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-        let mut hn = x.clone();
-        rms_norm(&mut hn, &layer.ffn_norm, s.rms_eps);
-        acts.quantize(&hn, n, h);
-        let gate = silu_mul(&linear(acts, &layer.w_gate_up), s.intermediate);
-        acts.quantize(&gate, n, s.intermediate);
-        let down = linear(acts, &layer.w_down);
-        x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+        acts.quantize(attn, n, h);
+        linear_into(acts, &layer.wo, proj);
+        x.iter_mut().zip(proj.iter()).for_each(|(a, b)| *a += b);
+        hn.clone_from(&x);
+        rms_norm(hn, &layer.ffn_norm, s.rms_eps);
+        acts.quantize(hn, n, h);
+        linear_into(acts, &layer.w_gate_up, gate_up);
+        silu_mul_into(gate_up, s.intermediate, act);
+        acts.quantize(act, n, s.intermediate);
+        linear_into(acts, &layer.w_down, proj);
+        x.iter_mut().zip(proj.iter()).for_each(|(a, b)| *a += b);
     }
     // Final norm and the output head, for the last token of each sequence that samples.
     let mut last = Vec::new();

@@ -244,7 +244,11 @@ fn activation_codes_split_into_two_bytes_exactly() {
 #[test]
 fn quantization_is_the_same_with_and_without_avx2() {
     let mut seed = 23;
-    let x: Vec<f32> = (0..40 * 96).map(|_| lcg(&mut seed) * 7.0).collect();
+    let mut x: Vec<f32> = (0..40 * 96).map(|_| lcg(&mut seed) * 7.0).collect();
+    // A block whose scale is exactly 1, with ties for both roundings, and an all-zero block.
+    let ties = [32512.0, 2.5, -3.5, 127.5, -127.5, 0.5, -0.5, 382.0, -382.0, 637.0, 32511.5];
+    x[..ties.len()].copy_from_slice(&ties);
+    x[32..64].fill(0.0);
     let mut split = QActs::default();
     split.quantize(&x, 40, 96);
     let mut plain = split.clone();

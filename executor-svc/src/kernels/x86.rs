@@ -44,13 +44,67 @@ pub fn has_vnni() -> bool {
     is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
 }
 
-/// [`super::quantize_scalar`] compiled with AVX2, where it vectorises.
+/// [`super::quantize_scalar`] in AVX2, the same operations lane by lane: `max|x|` (exact in
+/// any order), `round(v · inv)` to nearest even, the clamp, `round(code / 255)`, integer
+/// `lo` and sums.
 ///
 /// # Safety
-/// The CPU must support AVX2.
+/// The CPU must support AVX2; `out` holds `x.len() / 32` blocks.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn quantize(x: &[f32], out: QBlocks) {
-    super::quantize_scalar(x, out);
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let (lim, base) = (_mm256_set1_ps(super::ACT_MAX), _mm256_set1_ps(255.0));
+    // After the two packs, dwords hold elements [0-3, 8-11, 16-19, 24-27, 4-7, ...].
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, block) in x.chunks_exact(BLOCK).enumerate() {
+        // SAFETY: `block` has 32 floats; block `b`'s 64 code bytes lie inside `out.q`.
+        unsafe {
+            let v: [__m256; 4] =
+                std::array::from_fn(|i| _mm256_loadu_ps(block.as_ptr().add(8 * i)));
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+                _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+            );
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+            let d = amax / super::ACT_MAX;
+            let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let mut hi = [_mm256_setzero_si256(); 4];
+            let mut lo = [_mm256_setzero_si256(); 4];
+            let mut sum = _mm256_setzero_si256();
+            for i in 0..4 {
+                let code = _mm256_round_ps::<NEAREST>(_mm256_mul_ps(v[i], inv));
+                let code = _mm256_min_ps(
+                    _mm256_max_ps(code, _mm256_sub_ps(_mm256_setzero_ps(), lim)),
+                    lim,
+                );
+                let high =
+                    _mm256_cvtps_epi32(_mm256_round_ps::<NEAREST>(_mm256_div_ps(code, base)));
+                let code = _mm256_cvtps_epi32(code);
+                hi[i] = high;
+                lo[i] = _mm256_sub_epi32(code, _mm256_sub_epi32(_mm256_slli_epi32(high, 8), high));
+                sum = _mm256_add_epi32(sum, code);
+            }
+            let pack = |r: [__m256i; 4]| {
+                let p = _mm256_packs_epi16(
+                    _mm256_packs_epi32(r[0], r[1]),
+                    _mm256_packs_epi32(r[2], r[3]),
+                );
+                _mm256_permutevar8x32_epi32(p, order)
+            };
+            let q = out.q.as_mut_ptr().add(b * 2 * BLOCK);
+            _mm256_storeu_si256(q.cast(), pack(hi));
+            _mm256_storeu_si256(q.add(BLOCK).cast(), pack(lo));
+            let s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+            let s = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
+            out.d[b] = d;
+            out.s[b] = d * s as f32;
+            out.bias[b] = 128 * s;
+        }
+    }
 }
 
 /// Computes the columns of groups `groups`, for every row, with the kernel for `isa`.

@@ -189,6 +189,33 @@ fn assert_same_streams(got: &[Outcome], undisturbed: &[Outcome]) {
     }
 }
 
+/// The fault tests' streams: this many at once, each this many tokens long.
+const STREAMS: usize = 32;
+const STREAM_TOKENS: u32 = 40;
+
+/// The fault tests' streams run undisturbed against `target`: the reference that every
+/// disturbed run must equal.
+async fn undisturbed_streams(target: &Service) -> Vec<Outcome> {
+    let outcomes = run_streams(target, STREAMS, STREAM_TOKENS, 0, || {}).await;
+    assert_complete(&outcomes, STREAM_TOKENS as usize);
+    outcomes
+}
+
+/// The same streams again with `fault` injected once every stream has tokens: all complete,
+/// each with exactly the undisturbed tokens and text.
+async fn streams_survive(
+    target: &Service,
+    undisturbed: &[Outcome],
+    what: &str,
+    fault: impl FnOnce(),
+) {
+    let t = Instant::now();
+    let outcomes = run_streams(target, STREAMS, STREAM_TOKENS, 4, fault).await;
+    eprintln!("{STREAMS} streams {what}: {:?}", t.elapsed());
+    assert_complete(&outcomes, STREAM_TOKENS as usize);
+    assert_same_streams(&outcomes, undisturbed);
+}
+
 fn assert_complete(outcomes: &[Outcome], max_tokens: usize) {
     for (i, o) in outcomes.iter().enumerate() {
         assert_eq!(o.error, "", "stream {i} failed");
@@ -262,24 +289,18 @@ async fn executors_register_are_discovered_and_dropped_when_their_lease_lapses()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_executor_loses_no_request_and_changes_no_token() {
-    const N: usize = 32;
-    const MAX: u32 = 40;
     let etcd = Etcd::start().unwrap();
     let sched = start_scheduler(&etcd);
     let a = start_executor(&etcd, "exec-a");
     let b = start_executor(&etcd, "exec-b");
     wait_ready(&sched, &[&a, &b]).await;
 
-    let undisturbed = run_streams(&sched, N, MAX, 0, || {}).await;
-    assert_complete(&undisturbed, MAX as usize);
+    let undisturbed = undisturbed_streams(&sched).await;
 
     // Same requests; once every stream has tokens, one executor dies (kill -9).
-    let t = Instant::now();
     let pid = a.pid();
-    let disturbed = run_streams(&sched, N, MAX, 4, || signal(pid, "KILL").unwrap()).await;
-    eprintln!("32 streams with a kill -9 mid-way: {:?}", t.elapsed());
-    assert_complete(&disturbed, MAX as usize);
-    assert_same_streams(&disturbed, &undisturbed);
+    let kill = || signal(pid, "KILL").unwrap();
+    streams_survive(&sched, &undisturbed, "with a kill -9 mid-way", kill).await;
     drop(a);
     assert_eq!(health(&sched), 200, "the survivor still serves");
 
@@ -288,9 +309,8 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
     let c = start_executor(&etcd, "exec-c");
     wait_ready(&sched, &[&b, &c]).await;
     let pid = b.pid();
-    let drained = run_streams(&sched, N, MAX, 4, || signal(pid, "TERM").unwrap()).await;
-    assert_complete(&drained, MAX as usize);
-    assert_same_streams(&drained, &undisturbed);
+    let term = || signal(pid, "TERM").unwrap();
+    streams_survive(&sched, &undisturbed, "with an executor drained mid-way", term).await;
     assert!(b.terminate(Duration::from_secs(30)).unwrap().success(), "drained executor exit");
 }
 
@@ -477,8 +497,6 @@ fn start_front(etcd: &Etcd) -> Service {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_leader_scheduler_breaks_no_stream() {
-    const N: usize = 32;
-    const MAX: u32 = 40;
     let etcd = Etcd::start().unwrap();
     let exec = start_executor(&etcd, "exec-a");
     let s0 = start_scheduler_as(&etcd, "s0");
@@ -487,27 +505,20 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     let front = start_front(&etcd);
     assert!(wait_for(Duration::from_secs(10), || health(&front) == 200).await.is_some());
 
-    let undisturbed = run_streams(&front, N, MAX, 0, || {}).await;
-    assert_complete(&undisturbed, MAX as usize);
+    let undisturbed = undisturbed_streams(&front).await;
 
     // Same requests through the front; once every stream has tokens, the leader dies.
-    let t = Instant::now();
     let pid = s0.pid();
-    let disturbed = run_streams(&front, N, MAX, 4, || signal(pid, "KILL").unwrap()).await;
-    eprintln!("32 streams through a front with the leader killed mid-way: {:?}", t.elapsed());
-    assert_complete(&disturbed, MAX as usize);
-    assert_same_streams(&disturbed, &undisturbed);
+    let kill = || signal(pid, "KILL").unwrap();
+    streams_survive(&front, &undisturbed, "through a front, leader killed mid-way", kill).await;
     assert_eq!(session_owner(&exec).await.0, "s1", "the standby leads now");
 
     // Drain: SIGTERM on the leader resigns at once; the fronts move its streams.
     let s0 = start_scheduler_as(&etcd, "s0");
     let mut s1 = s1;
     let pid = s1.pid();
-    let t = Instant::now();
-    let drained = run_streams(&front, N, MAX, 4, || signal(pid, "TERM").unwrap()).await;
-    eprintln!("32 streams through a front with the leader drained mid-way: {:?}", t.elapsed());
-    assert_complete(&drained, MAX as usize);
-    assert_same_streams(&drained, &undisturbed);
+    let term = || signal(pid, "TERM").unwrap();
+    streams_survive(&front, &undisturbed, "through a front, leader drained mid-way", term).await;
     assert!(s1.terminate(Duration::from_secs(30)).unwrap().success(), "drained leader exit");
     assert_eq!(session_owner(&exec).await.0, "s0");
     drop(s0);

@@ -127,6 +127,9 @@ pub enum ConfigError {
     /// A block count or block size so large that block ids would not fit in 32 bits.
     #[error("num_blocks ({0}) does not fit in a 32-bit block id")]
     TooManyBlocks(usize),
+    /// A model length past 32 bits (token counts per request are kept in 32 bits).
+    #[error("max_model_len ({0}) does not fit in 32 bits (at most {max})", max = u32::MAX)]
+    ModelTooLong(usize),
 }
 
 impl SchedulerConfig {
@@ -162,6 +165,9 @@ impl SchedulerConfig {
         }
         if self.num_blocks >= u32::MAX as usize {
             return Err(ConfigError::TooManyBlocks(self.num_blocks));
+        }
+        if u32::try_from(self.max_model_len).is_err() {
+            return Err(ConfigError::ModelTooLong(self.max_model_len));
         }
         Ok(())
     }
@@ -199,7 +205,11 @@ mod tests {
         assert!(matches!(bad.validate(), Err(ConfigError::BudgetBelowSeqs { .. })));
         let bad = SchedulerConfig { max_steps_in_flight: 0, ..base.clone() };
         assert!(matches!(bad.validate(), Err(ConfigError::StepsInFlight { .. })));
-        let bad = SchedulerConfig { max_steps_in_flight: MAX_STEPS_IN_FLIGHT + 1, ..base };
+        let bad = SchedulerConfig { max_steps_in_flight: MAX_STEPS_IN_FLIGHT + 1, ..base.clone() };
         assert!(matches!(bad.validate(), Err(ConfigError::StepsInFlight { .. })));
+        let bad = SchedulerConfig { max_model_len: u32::MAX as usize + 1, ..base };
+        let err = bad.validate().unwrap_err();
+        assert_eq!(err, ConfigError::ModelTooLong(u32::MAX as usize + 1));
+        assert!(err.to_string().contains("at most 4294967295"), "{err}");
     }
 }

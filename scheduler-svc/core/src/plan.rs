@@ -181,10 +181,11 @@ impl StepPlan {
         Span { start, len: hashes.len() as u32 }
     }
 
-    pub(crate) fn push_tokens(&mut self, a: &[TokenId], b: &[TokenId]) -> Span {
+    pub(crate) fn push_tokens(&mut self, parts: &[&[TokenId]]) -> Span {
         let start = self.tokens.len() as u32;
-        self.tokens.extend_from_slice(a);
-        self.tokens.extend_from_slice(b);
-        Span { start, len: (a.len() + b.len()) as u32 }
+        for part in parts {
+            self.tokens.extend_from_slice(part);
+        }
+        Span { start, len: self.tokens.len() as u32 - start }
     }
 }

@@ -184,11 +184,11 @@ pub struct RequestTimes {
 /// What the executor knows about a request (the step protocol sends diffs against this).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct ExecutorView {
+    /// Blocks of its table the executor has been sent (`u32`: a table never holds more blocks
+    /// than the pool, whose ids are `u32`; keeps [`Request`] in three lines).
+    pub(crate) sent_blocks: u32,
     /// The executor has been sent this request.
     pub(crate) known: bool,
-    /// Blocks of its table the executor has been sent (`u32`: a table never holds more blocks
-    /// than the pool, whose ids are `u32`; keeps the hot part of [`Request`] in four lines).
-    pub(crate) sent_blocks: u32,
     /// Preempted since last scheduled: send the whole state again.
     pub(crate) needs_resume: bool,
 }
@@ -234,12 +234,18 @@ pub(crate) enum TransferState {
 /// Output tokens reserved at admission at most (16 KiB); longer outputs grow past it as usual.
 pub(crate) const OUTPUT_RESERVE_CAP: usize = 4096;
 
-/// A small set of token ids, inline up to four (EOS and stop ids are checked for every sampled
-/// token: keeping them inline avoids a pointer chase per token).
+/// A small set of token ids, inline up to four (a stop-filter hit reads it: keeping the ids
+/// inline saves a second pointer chase after the one to the cold part).
 #[derive(Debug, Clone)]
 pub(crate) enum TokenSet {
     Inline { len: u8, ids: [TokenId; 4] },
     Heap(Box<[TokenId]>),
+}
+
+/// The bit a token sets in a request's stop filter (see [`Request::stop_filter`]).
+#[inline]
+fn filter_bit(token: TokenId) -> u32 {
+    1 << (token % 32)
 }
 
 impl TokenSet {
@@ -263,27 +269,56 @@ impl TokenSet {
 }
 
 /// The core's record of one request: the state a decode step reads or writes for every running
-/// request, in four cache lines.
+/// request, in three cache lines.
 ///
 /// Why this shape: a step visits every running request twice (schedule, apply), so at 16 k
-/// running requests the per-step cost is the number of cache lines each visit touches. The
-/// fields every decode step uses are packed first (`repr(C)`, 64-byte aligned, so they are
-/// exactly lines 0–3); everything else — admission and preemption bookkeeping, transfers,
-/// timestamps, block hashes (touched once per filled block) — is in [`RequestCold`] behind a
-/// pointer. With no cold field left inline, the niche `Option<Request>` stores its tag in is in
-/// a hot line too, so the slab's "live" check costs no extra line (before the split it read a
-/// timestamp's tag five lines in).
+/// running requests, where the records no longer fit in L2, the per-step cost is the number of
+/// cache lines each visit touches. The fields are grouped by pass (`repr(C)`, 64-byte aligned,
+/// so they are exactly lines 0–2):
+/// - line 0 is read by both passes (token buffers and progress, flags);
+/// - line 1 by both too (stop rules and lifecycle for applying a token; block table and executor
+///   diff for scheduling one);
+/// - line 2 only by the step builder and the victim scan (id, step marks, ranks).
+///
+/// So applying a result touches two lines per request and building a step three. What a
+/// decode step writes is in lines 0 and 2; line 1 changes only when a block is added or
+/// registered, so it mostly stays clean and is not written back. Everything else — the EOS and
+/// stop ids (read only when the one-word stop filter says the token may be one), admission and
+/// transfer bookkeeping, timestamps, block hashes (touched once per filled block) — is in
+/// [`RequestCold`] behind a pointer. The niche `Option<Request>` stores its tag in
+/// is in line 0, so the slab's "live" check costs no extra line.
 #[derive(Debug, Clone)]
 #[repr(C, align(64))]
 pub(crate) struct Request {
-    // --- line 0: token buffers ---
+    // --- line 0: token buffers and progress (both passes) ---
     pub(crate) output: Vec<TokenId>,
-    pub(crate) block_table: Vec<BlockId>,
     pub(crate) prompt: Arc<[TokenId]>,
-    // --- line 1: token progress and step membership ---
     pub(crate) num_computed: usize,
     pub(crate) placeholders: usize,
-    pub(crate) max_tokens: usize,
+    /// Built steps not yet applied that reference this request (at most two per step in
+    /// flight, and at most [`crate::MAX_STEPS_IN_FLIGHT`] steps are).
+    pub(crate) inflight_refs: u16,
+    pub(crate) decision: Decision,
+    pub(crate) ignore_eos: bool,
+    pub(crate) prefill_only: bool,
+    pub(crate) has_slot: bool,
+    pub(crate) finish_reported: bool,
+    // --- line 1: lifecycle and stop rules (apply); block table and executor diff (schedule) ---
+    pub(crate) block_table: Vec<BlockId>,
+    pub(crate) status: RequestStatus,
+    /// One bit per EOS or stop token id, by id mod 32: a sampled token whose bit is clear stops
+    /// nothing, so the id sets in the cold part are read only for the few tokens that may.
+    pub(crate) stop_filter: u32,
+    /// `u32`: at most `max_model_len`, which the config keeps within 32 bits.
+    pub(crate) max_tokens: u32,
+    pub(crate) min_tokens: u32,
+    /// Leading blocks of the table registered in the prefix cache.
+    pub(crate) num_registered: u32,
+    pub(crate) exec: ExecutorView,
+    pub(crate) num_preemptions: u32,
+    pub(crate) priority: i32,
+    // --- line 2: step marks and ranks (schedule, victim scan) ---
+    pub(crate) id: RequestId,
     /// Step during whose build it was last looked at (guards against double scheduling).
     pub(crate) visited_step: u64,
     /// Last built step that referenced it (its blocks are fenced until that step is applied).
@@ -294,39 +329,24 @@ pub(crate) struct Request {
     /// Victim rank inputs (read for every running request when a victim is picked).
     pub(crate) admit_seq: u64,
     pub(crate) arrival_seq: u64,
-    // --- line 2: step record, executor diff, lifecycle ---
-    pub(crate) id: RequestId,
-    pub(crate) min_tokens: usize,
-    /// Blocks appended to its table during the step being built (valid only while scheduled
-    /// in it).
-    pub(crate) new_blocks_this_step: usize,
-    /// Leading blocks of the table registered in the prefix cache.
-    pub(crate) num_registered: usize,
-    pub(crate) exec: ExecutorView,
+    pub(crate) cold: Box<RequestCold>,
     /// Index of its entry in the step being built (valid only while scheduled in it).
     pub(crate) sched_index: u32,
-    /// Built steps not yet applied that reference this request.
-    pub(crate) inflight_refs: u32,
-    pub(crate) status: RequestStatus,
-    pub(crate) num_preemptions: u32,
-    pub(crate) priority: i32,
-    // --- line 3: stop rules, flags ---
-    pub(crate) eos_token_ids: TokenSet,
-    pub(crate) stop_token_ids: TokenSet,
-    pub(crate) decision: Decision,
-    pub(crate) ignore_eos: bool,
-    pub(crate) prefill_only: bool,
-    pub(crate) has_slot: bool,
-    pub(crate) finish_reported: bool,
-    pub(crate) cold: Box<RequestCold>,
+    /// Blocks appended to its table during the step being built (valid only while scheduled
+    /// in it).
+    pub(crate) new_blocks_this_step: u32,
 }
 
-/// The part of a request a decode step does not touch (see [`Request`]).
+/// The part of a request a decode step does not touch (see [`Request`]). Its first line holds
+/// what hashing a filled block reads (the hash chain and the salt).
 #[derive(Debug, Clone)]
+#[repr(C)]
 pub(crate) struct RequestCold {
     /// Hashes of the full blocks of `prompt ++ output` (only with prefix caching).
     pub(crate) block_hashes: Vec<BlockHash>,
     pub(crate) salt: u64,
+    pub(crate) eos_token_ids: TokenSet,
+    pub(crate) stop_token_ids: TokenSet,
     /// Position in the active set while it holds a slot and is `Active`.
     pub(crate) active_pos: u32,
     /// Position in the set of waiting requests holding blocks.
@@ -340,17 +360,21 @@ pub(crate) struct RequestCold {
 }
 
 impl Request {
+    /// A record for a validated request (`max_tokens` within `max_model_len`, which the config
+    /// keeps within 32 bits).
     pub(crate) fn new(req: NewRequest, arrival_seq: u64, block_size: usize) -> Self {
         // Sized for the whole request up front so growing never reallocates inside a step.
         let max_blocks = (req.prompt.len() + req.max_tokens).div_ceil(block_size);
+        let stop_filter =
+            req.eos_token_ids.iter().chain(&req.stop_token_ids).fold(0, |f, &t| f | filter_bit(t));
+        let to_u32 = |n: usize| u32::try_from(n).expect("validated: within max_model_len");
         Request {
             id: req.id,
             prompt: req.prompt.into(),
             output: req.output,
-            max_tokens: req.max_tokens,
-            min_tokens: req.min_tokens,
-            eos_token_ids: TokenSet::new(req.eos_token_ids),
-            stop_token_ids: TokenSet::new(req.stop_token_ids),
+            max_tokens: to_u32(req.max_tokens),
+            min_tokens: to_u32(req.min_tokens),
+            stop_filter,
             ignore_eos: req.ignore_eos,
             prefill_only: req.kv_export.is_some(),
             status: RequestStatus::Waiting,
@@ -374,6 +398,8 @@ impl Request {
             decision: Decision::Queued,
             cold: Box::new(RequestCold {
                 block_hashes: Vec::new(),
+                eos_token_ids: TokenSet::new(req.eos_token_ids),
+                stop_token_ids: TokenSet::new(req.stop_token_ids),
                 salt: req.cache_salt,
                 active_pos: u32::MAX,
                 holder_pos: u32::MAX,
@@ -391,10 +417,22 @@ impl Request {
     /// and, since running requests advance in lockstep, tends to hit all of them in one step.
     /// Done at admission, not at arrival, so a long waiting queue holds no output buffers.
     pub(crate) fn reserve_output(&mut self) {
-        let want = self.max_tokens.min(OUTPUT_RESERVE_CAP);
+        let want = (self.max_tokens as usize).min(OUTPUT_RESERVE_CAP);
         if self.output.capacity() < want {
             self.output.reserve_exact(want - self.output.len());
         }
+    }
+
+    /// Leading blocks of the table registered in the prefix cache.
+    #[inline]
+    pub(crate) fn registered(&self) -> usize {
+        self.num_registered as usize
+    }
+
+    /// Set the number of registered leading blocks (at most the table's length).
+    #[inline]
+    pub(crate) fn set_registered(&mut self, blocks: usize) {
+        self.num_registered = u32::try_from(blocks).expect("a table holds at most num_blocks");
     }
 
     /// Prompt plus output tokens whose values are known.
@@ -424,7 +462,7 @@ impl Request {
     /// `max_tokens`, the model length, or (prefill-only) the first token.
     pub(crate) fn output_capped(&self, max_model_len: usize) -> bool {
         let produced = self.output.len() + self.placeholders;
-        produced >= self.max_tokens
+        produced >= self.max_tokens as usize
             || self.num_tokens() + self.placeholders >= max_model_len
             || (self.prefill_only && produced >= 1)
     }
@@ -453,17 +491,20 @@ impl Request {
     /// The stop rule after appending the last output token (vLLM v1 `check_stop` order: length
     /// first, then `min_tokens`, then EOS unless ignored, then stop token ids).
     pub(crate) fn check_stop(&self, max_model_len: usize) -> Option<FinishReason> {
-        if self.num_tokens() >= max_model_len || self.output.len() >= self.max_tokens {
+        if self.num_tokens() >= max_model_len || self.output.len() >= self.max_tokens as usize {
             return Some(FinishReason::Length);
         }
-        if self.output.len() < self.min_tokens {
+        if self.output.len() < self.min_tokens as usize {
             return None;
         }
         let last = *self.output.last()?;
-        if !self.ignore_eos && self.eos_token_ids.contains(last) {
+        if self.stop_filter & filter_bit(last) == 0 {
+            return None;
+        }
+        if !self.ignore_eos && self.cold.eos_token_ids.contains(last) {
             return Some(FinishReason::Stop(StopCause::Eos(last)));
         }
-        if self.stop_token_ids.contains(last) {
+        if self.cold.stop_token_ids.contains(last) {
             return Some(FinishReason::Stop(StopCause::StopToken(last)));
         }
         None
@@ -501,11 +542,34 @@ mod tests {
     }
 
     #[test]
-    fn hot_part_is_four_cache_lines() {
-        use std::mem::{align_of, size_of};
+    fn record_is_three_cache_lines() {
+        use std::mem::{align_of, offset_of, size_of};
         assert_eq!(align_of::<Request>(), 64);
-        assert_eq!(size_of::<Request>(), 256, "a decode step should touch 4 lines per request");
+        assert_eq!(size_of::<Request>(), 192, "a step should touch at most 3 lines per request");
+        // What applying a token reads is in lines 0 and 1; line 2 starts with the id.
+        assert_eq!(offset_of!(Request, block_table), 64);
+        assert!(offset_of!(Request, exec) < 128);
+        assert_eq!(offset_of!(Request, id), 128);
         assert_eq!(size_of::<Option<Request>>(), size_of::<Request>(), "the slab uses a niche");
+    }
+
+    #[test]
+    fn stop_filter_only_skips_tokens_that_cannot_stop() {
+        // 41 shares 9's filter bit (41 mod 32 = 9) but is not an EOS id; 37 shares 5's.
+        let mut r = req(10);
+        assert_eq!(r.stop_filter, [9, 7, 1, 2, 4, 5].iter().fold(0, |f, &t| f | filter_bit(t)));
+        for (token, want) in [
+            (41, None),
+            (37, None),
+            (5, Some(FinishReason::Stop(StopCause::StopToken(5)))),
+            (9, Some(FinishReason::Stop(StopCause::Eos(9)))),
+        ] {
+            r.output.clear();
+            r.output.push(token);
+            assert_eq!(r.check_stop(100), want, "token {token}");
+        }
+        let plain = Request::new(NewRequest::new(RequestId(2), vec![1], 4, Timestamp(0)), 0, 4);
+        assert_eq!(plain.stop_filter, 0, "no stop ids: every token skips the id sets");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::error::ApplyError;
 use crate::outcome::{RequestEvent, StepOutcome};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, RequestStatus, TransferState};
-use crate::types::{Timestamp, TransferId};
+use crate::types::{RequestId, Timestamp, TransferId};
 
 use super::Scheduler;
 
@@ -37,7 +37,7 @@ impl Scheduler {
             for s in &outcome.sampled {
                 let idx = *self.by_id.get(&s.id).expect("validated: id is live");
                 self.req_mut(idx).placeholders -= 1;
-                self.append_token(idx, s.token, now, events);
+                self.append_token(idx, s.id, s.token, now, events);
             }
         }
         // One pass over the step's requests. Each still holds this step's reference until its
@@ -45,12 +45,12 @@ impl Scheduler {
         let mut sampled = outcome.sampled.iter();
         for k in 0..record.entries.len() {
             self.prefetch_for_apply(&record.entries, k);
-            let super::RecordEntry { idx, samples, .. } = record.entries[k];
+            let super::RecordEntry { idx, id, samples } = record.entries[k];
             if in_plan_order && samples {
                 // The usual case: tokens in plan order, so the record names each slot.
                 let s = sampled.next().expect("validated: one token per sampling entry");
                 self.req_mut(idx).placeholders -= 1;
-                self.append_token(idx, s.token, now, events);
+                self.append_token(idx, id, s.token, now, events);
             }
             self.req_mut(idx).inflight_refs -= 1;
             self.requeue(idx);
@@ -61,14 +61,15 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Prefetch what applying `entries[k + AHEAD]` will touch: its request's lines now, and the
-    /// tail of its `output` buffer (a separate allocation, the costliest miss of the loop) once
-    /// the request's first line, which holds the buffer's address, has had time to arrive.
+    /// Prefetch what applying `entries[k + AHEAD]` will touch: its request's first two lines
+    /// (all that applying a token reads) now, and the tail of its `output` buffer (a separate
+    /// allocation, the costliest miss of the loop) once the request's first line, which holds
+    /// the buffer's address, has had time to arrive.
     #[inline]
     fn prefetch_for_apply(&self, entries: &[super::RecordEntry], k: usize) {
         const AHEAD: usize = 8;
         if let Some(e) = entries.get(k + 2 * AHEAD) {
-            self.prefetch_request(e.idx);
+            self.prefetch_request_lines(e.idx, &[0, 1]);
         }
         if let Some(e) = entries.get(k + AHEAD) {
             if let Some(r) = &self.slab[e.idx as usize] {
@@ -167,10 +168,12 @@ impl Scheduler {
         Ok(false)
     }
 
-    /// Append a sampled token to a live request and run its stop rules.
+    /// Append a sampled token to live request `idx` (named `id`, passed in so that applying a
+    /// token reads only the request's first two lines) and run its stop rules.
     fn append_token(
         &mut self,
         idx: u32,
+        id: RequestId,
         token: u32,
         now: Timestamp,
         events: &mut Vec<RequestEvent>,
@@ -184,7 +187,8 @@ impl Scheduler {
         if r.output.len() == 1 {
             r.cold.times.first_token.get_or_insert(now);
         }
-        let (id, index) = (r.id, r.output.len() - 1);
+        debug_assert_eq!(r.id, id, "the record names the request in its slot");
+        let index = r.output.len() - 1;
         let prefill_only = r.prefill_only;
         let stop = r.check_stop(max_model_len);
         self.counters.generation_tokens += 1;
@@ -266,10 +270,10 @@ impl Scheduler {
                 r.update_block_hashes(bs);
                 let full =
                     (r.num_computed / bs).min(r.block_table.len()).min(r.cold.block_hashes.len());
-                for b in r.num_registered..full {
+                for b in r.registered()..full {
                     self.pool.register(r.block_table[b], r.cold.block_hashes[b]);
                 }
-                r.num_registered = r.num_registered.max(full);
+                r.set_registered(r.registered().max(full));
             }
         } else {
             self.release_blocks(idx, 0);

@@ -195,7 +195,7 @@ impl Scheduler {
             let Some(r) = slot else { continue };
             let idx = i as u32;
             let want = refs.get(&idx).copied().unwrap_or(0);
-            if r.inflight_refs != want {
+            if u32::from(r.inflight_refs) != want {
                 return fail(
                     0,
                     format!("{} inflight_refs {} but {want} records", r.id, r.inflight_refs),

@@ -312,9 +312,15 @@ impl Scheduler {
     /// Prefetch the hot lines of `idx`'s request (a hint: no effect on behaviour).
     #[inline]
     fn prefetch_request(&self, idx: u32) {
+        self.prefetch_request_lines(idx, &[0, 1, 2]);
+    }
+
+    /// Prefetch cache lines `lines` of `idx`'s record (see [`Request`]'s layout).
+    #[inline]
+    fn prefetch_request_lines(&self, idx: u32, lines: &[usize]) {
         if let Some(slot) = self.slab.get(idx as usize) {
             let r: *const u8 = (slot as *const Option<Request>).cast();
-            for line in 0..std::mem::size_of::<Request>() / 64 {
+            for &line in lines {
                 prefetch(r.wrapping_add(64 * line));
             }
         }
@@ -387,7 +393,7 @@ impl Scheduler {
             tail.clear();
             tail.extend(r.block_table.drain(keep..).rev());
             r.num_computed = r.num_computed.min(keep * bs);
-            r.num_registered = r.num_registered.min(keep);
+            r.set_registered(r.registered().min(keep));
             r.exec.sent_blocks = r.exec.sent_blocks.min(keep as u32);
         }
         if fenced {
@@ -507,9 +513,11 @@ impl Scheduler {
     /// make its id reusable.
     fn try_retire(&mut self, idx: u32) {
         let r = self.req(idx);
+        if !r.status.is_finished() {
+            return; // the usual case, decided by line 1 alone
+        }
         let reported = r.finish_reported || !r.exec.known;
-        if !r.status.is_finished() || !reported || r.inflight_refs > 0 || r.cold.transfer.is_some()
-        {
+        if !reported || r.inflight_refs > 0 || r.cold.transfer.is_some() {
             return;
         }
         debug_assert!(r.block_table.is_empty(), "retiring {} with blocks: leak", r.id);

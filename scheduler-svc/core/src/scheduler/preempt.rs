@@ -45,7 +45,7 @@ impl Scheduler {
     /// Victim rank of a running request: larger is preempted first.
     fn victim_rank(&self, r: &Request) -> (u8, i64, i64) {
         let near_completion = self.cfg.preemption_policy == PreemptionPolicy::LeastWorkDone
-            && r.output.len() * 20 >= r.max_tokens * 19;
+            && r.output.len() * 20 >= r.max_tokens as usize * 19;
         let protected = r.num_preemptions >= self.cfg.max_preemptions || near_completion;
         let tier = u8::from(!protected);
         match self.cfg.preemption_policy {
@@ -158,7 +158,7 @@ impl Scheduler {
             if work.samples_token {
                 r.placeholders -= 1;
             }
-            let n = r.new_blocks_this_step;
+            let n = r.new_blocks_this_step as usize;
             r.new_blocks_this_step = 0;
             let keep = r.block_table.len() - n;
             tail.clear();

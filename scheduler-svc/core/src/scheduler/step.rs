@@ -171,7 +171,7 @@ impl Scheduler {
             let r = self.req_mut(idx);
             debug_assert_ne!(r.last_step, step, "scheduled twice in one step");
             r.block_table.extend_from_slice(&blocks);
-            r.new_blocks_this_step = blocks.len();
+            r.new_blocks_this_step = u32::try_from(blocks.len()).expect("at most num_blocks");
             r.num_computed += n;
             let samples = r.num_computed == r.num_tokens() + r.placeholders;
             if samples {
@@ -185,7 +185,7 @@ impl Scheduler {
             let followup = !r.exec.known
                 || r.exec.needs_resume
                 || r.block_table.len() > r.exec.sent_blocks as usize
-                || (caching && r.num_computed.min(r.num_tokens()) / bs > r.num_registered);
+                || (caching && r.num_computed.min(r.num_tokens()) / bs > r.registered());
             (r.id, samples, followup)
         };
         self.scratch_blocks = blocks;
@@ -305,7 +305,7 @@ impl Scheduler {
             let first_admission = self.req(idx).cold.times.first_scheduled.is_none();
             let r = self.req_mut(idx);
             r.num_computed = plan.computed;
-            r.num_registered = plan.hit_blocks;
+            r.set_registered(plan.hit_blocks);
             if first_admission {
                 r.cold.prefix_hit_tokens = plan.computed;
             }
@@ -375,7 +375,7 @@ impl Scheduler {
             debug_assert!(ok, "import blocks checked free");
             let r = self.req_mut(idx);
             r.block_table.extend_from_slice(&blocks);
-            r.num_registered = hit_blocks;
+            r.set_registered(hit_blocks);
             r.decision = Decision::Importing;
             let (tid, _) = r.cold.transfer.expect("a queued import has a transfer");
             r.cold.transfer = Some((tid, TransferState::Importing));
@@ -447,13 +447,13 @@ impl Scheduler {
             self.diff_for_executor(idx, tokens);
             let r = self.slab[idx as usize].as_mut().expect("scheduled request is live");
             let full = r.num_computed.min(r.num_tokens()) / bs;
-            if self.cfg.enable_prefix_caching && full > r.num_registered {
+            if self.cfg.enable_prefix_caching && full > r.registered() {
                 r.update_block_hashes(bs);
                 let upto = full.min(r.block_table.len()).min(r.cold.block_hashes.len());
-                for &h in &r.cold.block_hashes[r.num_registered.min(upto)..upto] {
+                for &h in &r.cold.block_hashes[r.registered().min(upto)..upto] {
                     self.pool.prefetch_register(h);
                 }
-                prefetch(r.block_table.as_ptr().wrapping_add(r.num_registered));
+                prefetch(r.block_table.as_ptr().wrapping_add(r.registered()));
                 self.plan_followups[to_register] = idx;
                 to_register += 1;
             }
@@ -463,27 +463,32 @@ impl Scheduler {
             let r = self.slab[idx as usize].as_mut().expect("scheduled request is live");
             let full = r.num_computed.min(r.num_tokens()) / bs;
             let upto = full.min(r.block_table.len()).min(r.cold.block_hashes.len());
-            for b in r.num_registered..upto {
+            for b in r.registered()..upto {
                 self.pool.register(r.block_table[b], r.cold.block_hashes[b]);
             }
-            r.num_registered = r.num_registered.max(upto);
+            r.set_registered(r.registered().max(upto));
         }
         self.plan_followups.truncate(to_register);
         let mut record = self.building.take().expect("finalize ends a build");
         // Drop rolled-back entries (tombstoned with zero tokens) from plan and record alike.
-        let mut w = 0;
-        let mut total = 0;
-        for i in 0..self.plan.scheduled.len() {
-            let work = self.plan.scheduled[i];
-            if work.num_tokens > 0 {
-                self.plan.scheduled[w] = work;
-                record.entries[w] = record.entries[i];
-                total += work.num_tokens;
-                w += 1;
+        // Only a preemption rolls work back, so a step without one skips the pass (at 16 k
+        // running requests both lists have left L2 by now).
+        if self.step_preempted {
+            let mut w = 0;
+            for i in 0..self.plan.scheduled.len() {
+                let work = self.plan.scheduled[i];
+                if work.num_tokens > 0 {
+                    self.plan.scheduled[w] = work;
+                    record.entries[w] = record.entries[i];
+                    w += 1;
+                }
             }
+            self.plan.scheduled.truncate(w);
+            record.entries.truncate(w);
         }
-        self.plan.scheduled.truncate(w);
-        record.entries.truncate(w);
+        debug_assert!(self.plan.scheduled.iter().all(|w| w.num_tokens > 0), "tombstone left");
+        // Every scheduled token was taken from the budget, and a rollback gave its tokens back.
+        let total = self.cfg.max_num_batched_tokens - self.budget;
         for k in 0..self.plan_kv_slots.len() {
             let idx = self.plan_kv_slots[k];
             let r = self.req_mut(idx);
@@ -550,7 +555,7 @@ impl Scheduler {
         } else if r.exec.needs_resume {
             let id = r.id;
             let block_ids = self.plan.push_blocks(&r.block_table);
-            let tokens = self.plan.push_tokens(&r.prompt, &r.output);
+            let tokens = self.plan.push_tokens(&[&r.prompt, &r.output]);
             self.plan.cached_requests.push(CachedRequestData {
                 id,
                 resumed: true,

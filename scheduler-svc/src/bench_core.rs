@@ -52,14 +52,16 @@ pub fn run(args: &BenchCoreArgs) -> anyhow::Result<()> {
             .collect();
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
+        // The last column shows whether a step's cost grows linearly with the running requests.
         println!(
-            "{:<16} {:>8} {:>8} {:>12} {:>12}",
-            "scenario", "running", "waiting", "median_us", "p99_us"
+            "{:<16} {:>8} {:>8} {:>12} {:>12} {:>18}",
+            "scenario", "running", "waiting", "median_us", "p99_us", "median_ns/running"
         );
         for r in &rows {
+            let per_running = r.median_us * 1e3 / r.running.max(1) as f64;
             println!(
-                "{:<16} {:>8} {:>8} {:>12.1} {:>12.1}",
-                r.scenario, r.running, r.waiting, r.median_us, r.p99_us
+                "{:<16} {:>8} {:>8} {:>12.1} {:>12.1} {:>18.1}",
+                r.scenario, r.running, r.waiting, r.median_us, r.p99_us, per_running
             );
         }
     }

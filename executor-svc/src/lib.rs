@@ -19,32 +19,19 @@ use tokio::net::TcpListener;
 
 pub use config::{BackendKind, ExecutorConfig, Role};
 
-/// Serves the executor's gRPC API on `listener` until `shutdown` resolves. Loads the model
-/// first (the default one, obtained when missing, unless `config.model` names a file).
+/// Serves the executor's gRPC API for `model` on `listener` until `shutdown` resolves; with
+/// `cluster`, registered in etcd under `/ferry/<cluster>/executors/<executor-id>` once the
+/// weights are loaded and the service answers. On shutdown the registration is withdrawn first,
+/// so the scheduler moves this executor's requests away while the service drains.
 pub async fn run(
     config: ExecutorConfig,
-    listener: TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    run_in_cluster(config, None, listener, shutdown).await
-}
-
-/// [`run`], registered in etcd under `/ferry/<cluster>/executors/<executor-id>` once the model
-/// is loaded and the service answers, when `cluster` configures etcd. On shutdown the
-/// registration is withdrawn first, so the scheduler moves this executor's requests away
-/// while the service drains.
-pub async fn run_in_cluster(
-    config: ExecutorConfig,
+    model: std::sync::Arc<ferry_model::ModelFile>,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    config.validate()?;
-    if let Some(c) = &cluster {
-        c.validate()?;
-    }
     let id = config.executor_id.clone();
-    let built = tokio::task::spawn_blocking(move || build(&config)).await??;
+    let built = tokio::task::spawn_blocking(move || build(&config, model)).await??;
     let metrics = std::sync::Arc::new(metrics::ExecutorMetrics {
         model_name: built.info.model.clone(),
         executor_id: id.clone(),
@@ -69,10 +56,14 @@ pub struct BuiltExecutor {
     pub info: ferry_proto::v1::ExecutorInfo,
 }
 
-/// Loads the model and starts the engine thread (blocking: call it off the async runtime).
-pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
+/// Loads `model`'s weights and starts the engine thread (blocking: call it off the async
+/// runtime).
+pub fn build(
+    config: &ExecutorConfig,
+    model: std::sync::Arc<ferry_model::ModelFile>,
+) -> anyhow::Result<BuiltExecutor> {
     use ferry_proto::v1;
-    let model = model::LoadedModel::load(config.model.as_deref())?;
+    let model = model::LoadedModel::load(model)?;
     let shape = model.weights.shape;
     let block_size = config.block_size as usize;
     let budget = config.kv_cache_mib * 1024 * 1024;
@@ -84,7 +75,7 @@ pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
             model::PagedKvCache::bytes_per_token(&shape)
         );
     }
-    let eos = model.tokenizer.eos_token_id;
+    let eos = model.file.tokenizer.eos_token_id;
     let backend: Box<dyn engine::ModelBackend> = match config.backend {
         BackendKind::Cpu => {
             Box::new(engine::CpuBackend::new(model.weights, block_size, num_blocks))
@@ -116,8 +107,8 @@ pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
     ))?;
     let info = v1::ExecutorInfo {
         executor_id: config.executor_id.clone(),
-        model: model.name.clone(),
-        model_fingerprint: model.fingerprint.clone(),
+        model: model.file.name.clone(),
+        model_fingerprint: model.file.fingerprint.clone(),
         block_size: config.block_size,
         num_blocks: num_blocks as u32,
         max_model_len: shape.max_model_len as u32,
@@ -131,10 +122,9 @@ pub fn build(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
             num_kv_heads: shape.num_kv_heads as u32,
             head_dim: shape.head_dim as u32,
             dtype: v1::KvDtype::F32.into(),
-            model_fingerprint: model.fingerprint,
+            model_fingerprint: model.file.fingerprint.clone(),
         }),
         kv_agent_address: String::new(),
-        max_num_seqs: 0,
     };
     Ok(BuiltExecutor { engine, info })
 }

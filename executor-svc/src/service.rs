@@ -82,6 +82,15 @@ impl Executor for ExecutorService {
                 self.info.model, req.expected_model
             )));
         }
+        if !req.expected_fingerprint.is_empty()
+            && req.expected_fingerprint != self.info.model_fingerprint
+        {
+            return Err(Status::failed_precondition(format!(
+                "this executor runs model {:?} with fingerprint {}, but the scheduler tokenizes \
+                 for a model with fingerprint {}: give both the same model file",
+                self.info.model, self.info.model_fingerprint, req.expected_fingerprint
+            )));
+        }
         let session_id = {
             let mut state = self.state()?;
             if req.epoch < state.epoch {

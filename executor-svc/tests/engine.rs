@@ -4,32 +4,28 @@
 
 use std::sync::{Arc, OnceLock};
 
-use candle_core::quantized::gguf_file;
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
-use ferry_executor_svc::model::{default_model_path, ChatMessage, LlamaWeights, Tokenizer};
+use ferry_executor_svc::model::LoadedModel;
+use ferry_model::{ChatMessage, ModelFile, Tokenizer};
 use ferry_proto::v1;
 
 const BS: u32 = 8;
 const BLOCKS: u32 = 256;
 
-fn shared() -> &'static (Tokenizer, Arc<std::path::PathBuf>) {
-    static S: OnceLock<(Tokenizer, Arc<std::path::PathBuf>)> = OnceLock::new();
-    S.get_or_init(|| {
-        let path = default_model_path().expect("default model");
-        let mut f = std::fs::File::open(&path).unwrap();
-        let content = gguf_file::Content::read(&mut f).unwrap();
-        (Tokenizer::from_gguf(&content).unwrap(), Arc::new(path))
-    })
+fn shared() -> &'static Arc<ModelFile> {
+    static S: OnceLock<Arc<ModelFile>> = OnceLock::new();
+    S.get_or_init(|| Arc::new(ModelFile::open(None).expect("the default model")))
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    &shared().tokenizer
 }
 
 fn engine() -> Engine {
-    let (tok, path) = shared();
-    let mut f = std::fs::File::open(path.as_ref()).unwrap();
-    let content = gguf_file::Content::read(&mut f).unwrap();
-    let weights = LlamaWeights::load(&content, &mut f).unwrap();
+    let model = LoadedModel::load(shared().clone()).expect("the default model's weights");
     Engine::new(
-        Box::new(CpuBackend::new(weights, BS as usize, BLOCKS as usize)),
-        EngineConfig { eos_token_id: tok.eos_token_id },
+        Box::new(CpuBackend::new(model.weights, BS as usize, BLOCKS as usize)),
+        EngineConfig { eos_token_id: tokenizer().eos_token_id },
     )
 }
 
@@ -121,7 +117,7 @@ impl Driver {
 }
 
 fn req(id: u64, text: &str, sampling: v1::SamplingParams) -> Req {
-    let toks = shared().0.encode(text).unwrap();
+    let toks = tokenizer().encode(text).unwrap();
     Req {
         id,
         prompt_len: toks.len(),
@@ -143,7 +139,7 @@ fn generated(r: &Req) -> Vec<u32> {
 
 #[test]
 fn greedy_chat_through_the_engine_answers_paris() {
-    let tok = &shared().0;
+    let tok = tokenizer();
     let messages = vec![
         ChatMessage { role: "system".into(), content: "You are a helpful assistant.".into() },
         ChatMessage { role: "user".into(), content: "What is the capital of France?".into() },

@@ -4,12 +4,10 @@
 
 use std::sync::OnceLock;
 
-use candle_core::quantized::gguf_file;
 use ferry_executor_svc::model::paged::{forward, BatchError, ForwardScratch, SeqSlice};
 use ferry_executor_svc::model::reference::{self, ContiguousCache};
-use ferry_executor_svc::model::{
-    default_model_path, ops::argmax, LlamaWeights, PagedKvCache, Tokenizer,
-};
+use ferry_executor_svc::model::{ops::argmax, LlamaWeights, LoadedModel, PagedKvCache};
+use ferry_model::Tokenizer;
 
 const BS: usize = 4;
 
@@ -21,13 +19,9 @@ struct Model {
 fn model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = default_model_path().expect("default model");
-        let mut file = std::fs::File::open(path).unwrap();
-        let content = gguf_file::Content::read(&mut file).unwrap();
-        Model {
-            tok: Tokenizer::from_gguf(&content).unwrap(),
-            w: LlamaWeights::load(&content, &mut file).unwrap(),
-        }
+        let model = LoadedModel::open(None).expect("the default model");
+        let file = std::sync::Arc::try_unwrap(model.file).expect("the only reference");
+        Model { tok: file.tokenizer, w: model.weights }
     })
 }
 

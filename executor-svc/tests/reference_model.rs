@@ -1,17 +1,14 @@
 //! The real default model, through the reference forward, greedy: it knows that Paris is the
 //! capital of France (the check that the model is really there and loaded right).
 
-use candle_core::quantized::gguf_file;
 use ferry_executor_svc::model::reference::{forward, ContiguousCache};
-use ferry_executor_svc::model::{
-    default_model_path, ops::argmax, ChatMessage, LlamaWeights, Tokenizer,
-};
+use ferry_executor_svc::model::{ops::argmax, LlamaWeights, LoadedModel};
+use ferry_model::{ChatMessage, Tokenizer};
 
 fn load() -> (Tokenizer, LlamaWeights) {
-    let path = default_model_path().expect("default model");
-    let mut file = std::fs::File::open(path).unwrap();
-    let content = gguf_file::Content::read(&mut file).unwrap();
-    (Tokenizer::from_gguf(&content).unwrap(), LlamaWeights::load(&content, &mut file).unwrap())
+    let model = LoadedModel::open(None).expect("the default model");
+    let file = std::sync::Arc::try_unwrap(model.file).expect("the only reference");
+    (file.tokenizer, model.weights)
 }
 
 fn greedy(w: &LlamaWeights, tok: &Tokenizer, prompt: &[u32], max: usize) -> String {

@@ -12,27 +12,15 @@ use tokio::net::TcpListener;
 
 pub use config::KvAgentConfig;
 
-/// Serves the agent's gRPC API on `listener` until `shutdown` resolves.
+/// Serves the agent's gRPC API on `listener` until `shutdown` resolves; with `cluster`,
+/// registered in etcd under `/ferry/<cluster>/kv/<node-id>` while it serves (withdrawn first
+/// on shutdown). `config` and `cluster` are checked by the caller, at start-up.
 pub async fn run(
-    config: KvAgentConfig,
-    listener: TcpListener,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    run_in_cluster(config, None, listener, shutdown).await
-}
-
-/// [`run`], registered in etcd under `/ferry/<cluster>/kv/<node-id>` while it serves when
-/// `cluster` configures etcd (withdrawn first on shutdown).
-pub async fn run_in_cluster(
     config: KvAgentConfig,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    config.validate()?;
-    if let Some(c) = &cluster {
-        c.validate()?;
-    }
     let id = config.node_id.clone();
     let service = service::KvAgentService::new(config);
     let metrics = std::sync::Arc::new(service.metrics());

@@ -13,6 +13,8 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use tokio::sync::{mpsc, watch};
 
+use crate::backoff::Backoff;
+
 /// The flags every clustered service takes. Without `--etcd-endpoints`, services run
 /// statically (addresses given by hand) as before.
 #[derive(Clone, Debug, clap::Args)]
@@ -162,32 +164,22 @@ impl ClusterArgs {
     /// [`ClusterArgs::client`], retried every second until it can be built (a bad endpoint
     /// is logged each time rather than ending the caller's loop).
     pub async fn client_patiently(&self) -> Client {
+        let mut backoff = etcd_backoff();
         loop {
             match self.client().await {
                 Ok(c) => return c,
                 Err(e) => {
                     tracing::warn!(error = %e, "etcd client: retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    backoff.wait().await;
                 }
             }
         }
     }
 }
 
-/// Retry delays: 100 ms doubling to 2 s.
-struct Backoff(Duration);
-
-impl Backoff {
-    fn new() -> Self {
-        Backoff(Duration::from_millis(100))
-    }
-    async fn wait(&mut self) {
-        tokio::time::sleep(self.0).await;
-        self.0 = (self.0 * 2).min(Duration::from_secs(2));
-    }
-    fn reset(&mut self) {
-        self.0 = Duration::from_millis(100);
-    }
+/// How calls to etcd are retried: 100 ms doubling to 2 s, for ever.
+pub fn etcd_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(2))
 }
 
 /// Whether a registration is in etcd now.
@@ -249,7 +241,7 @@ async fn keep_registered(
     mut stop: watch::Receiver<bool>,
     state: watch::Sender<LeaseState>,
 ) {
-    let mut backoff = Backoff::new();
+    let mut backoff = etcd_backoff();
     let ttl_secs = ttl.as_secs().max(1) as i64;
     loop {
         if *stop.borrow() {
@@ -260,13 +252,13 @@ async fn keep_registered(
             Ok(r) => r.id(),
             Err(e) => {
                 tracing::debug!(%key, error = %e, "etcd: lease grant failed; retrying");
-                tokio::select! { () = backoff.wait() => continue, _ = stop.changed() => return }
+                tokio::select! { _ = backoff.wait() => continue, _ = stop.changed() => return }
             }
         };
         let put = client.put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease)));
         if let Err(e) = put.await {
             tracing::debug!(%key, error = %e, "etcd: registration failed; retrying");
-            tokio::select! { () = backoff.wait() => continue, _ = stop.changed() => return }
+            tokio::select! { _ = backoff.wait() => continue, _ = stop.changed() => return }
         }
         let kept = keep_alive(&mut client, lease, ttl, &mut stop, &state).await;
         state.send_replace(LeaseState::Lost);
@@ -279,7 +271,7 @@ async fn keep_registered(
             KeepAlive::Lapsed(why) => {
                 tracing::warn!(%key, reason = %why, "etcd registration lost; registering again");
                 backoff.reset();
-                tokio::select! { () = backoff.wait() => {}, _ = stop.changed() => return }
+                tokio::select! { _ = backoff.wait() => {}, _ = stop.changed() => return }
             }
         }
     }
@@ -343,7 +335,7 @@ pub fn watch_members(client: Client, prefix: String) -> mpsc::Receiver<Membershi
 }
 
 async fn watch_loop(mut client: Client, prefix: String, tx: mpsc::Sender<MembershipEvent>) {
-    let mut backoff = Backoff::new();
+    let mut backoff = etcd_backoff();
     let strip = |k: &[u8]| String::from_utf8_lossy(&k[prefix.len().min(k.len())..]).into_owned();
     loop {
         if tx.is_closed() {

@@ -5,6 +5,7 @@
 //! Servers here take a bound `TcpListener` and a shutdown future, never a fixed port or a
 //! global, so tests start them on port 0.
 
+pub mod backoff;
 pub mod cluster;
 pub mod grpc;
 pub mod logging;
@@ -12,5 +13,6 @@ pub mod metrics;
 pub mod shutdown;
 pub mod telemetry;
 
+pub use backoff::Backoff;
 pub use grpc::{GrpcHost, HostError};
 pub use shutdown::shutdown_signal;

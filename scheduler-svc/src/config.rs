@@ -1,31 +1,41 @@
-//! The scheduler's configuration: every field a flag (vLLM's name where one exists) and a
-//! `FERRY_…` environment variable, checked once at start-up.
+//! The scheduler's and the front's configuration: flags (vLLM's names where one exists, each
+//! also a `FERRY_…` environment variable), resolved once at start-up into checked settings.
+//!
+//! The pipeline, in one place: clap parses [`SchedulerArgs`] and [`FrontArgs`]; `resolve`
+//! checks every rule — cross-field ones included, by asking the scheduling core itself whether
+//! it would run with these values — and returns [`SchedulerSettings`] / [`FrontSettings`],
+//! which exist only when valid. A bad flag is an error that names the flag, before anything
+//! binds or loads. When an executor handshakes, [`SchedulerSettings::core_config`] — the one
+//! function that builds the core's configuration — adds what that executor stated (block size,
+//! block count, model length).
+
+use std::time::Duration;
 
 use clap::Args;
+use ferry_proto::v1;
+use ferry_sched_core as core;
 
-/// Everything a scheduler needs to start.
+/// Steps outstanding at once per executor: one running, one queued behind it (asynchronous
+/// scheduling), so the executor never waits for the scheduler.
+pub const MAX_STEPS_IN_FLIGHT: usize = 2;
+
+/// Flags of the scheduling role: how each executor's core schedules, and how this scheduler
+/// finds and keeps its executors.
 #[derive(Clone, Debug, Args)]
-pub struct SchedulerConfig {
-    /// Executor addresses to schedule for (repeatable), until discovery through etcd.
-    #[arg(long = "executor", env = "FERRY_EXECUTORS", value_delimiter = ',')]
-    pub executors: Vec<String>,
+pub struct SchedulerArgs {
     /// Most requests that hold an admission slot at once, per executor.
     #[arg(long, env = "FERRY_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: u32,
-    /// Most tokens one step may compute, per executor.
+    /// Most tokens one step may compute, per executor (at least --max-num-seqs, so every
+    /// running request can get a token each step).
     #[arg(long, env = "FERRY_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
     pub max_num_batched_tokens: u32,
-    /// Most requests the front holds at once (running and queued, all executors); past it new
-    /// requests are refused with 429 / RESOURCE_EXHAUSTED.
-    #[arg(long, env = "FERRY_MAX_QUEUED_REQUESTS", default_value_t = 4096)]
-    pub max_queued_requests: u32,
-    /// How long start-up keeps trying to reach each executor, in seconds.
+    /// Split long prompts into chunks that share steps with decodes.
+    #[arg(long, env = "FERRY_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_chunked_prefill: bool,
+    /// How long start-up keeps trying to reach each listed executor, in seconds.
     #[arg(long, env = "FERRY_EXECUTOR_CONNECT_TIMEOUT", default_value_t = 60)]
     pub executor_connect_timeout: u64,
-    /// With etcd: how long a request whose executor was lost waits for another to take it,
-    /// in seconds (without etcd it moves only to an executor already up).
-    #[arg(long, env = "FERRY_FAILOVER_TIMEOUT", default_value_t = 30)]
-    pub failover_timeout: u64,
     /// The pool this scheduler leads (with etcd: one leader per pool, the others stand by).
     #[arg(long, env = "FERRY_POOL", default_value = "default")]
     pub pool: String,
@@ -33,56 +43,313 @@ pub struct SchedulerConfig {
     /// (default `scheduler-<pid>`).
     #[arg(long = "scheduler-id", env = "FERRY_SCHEDULER_ID")]
     pub scheduler_id: Option<String>,
-    /// Split long prompts into chunks that share steps with decodes.
-    #[arg(long, env = "FERRY_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = clap::ArgAction::Set)]
-    pub enable_chunked_prefill: bool,
 }
 
-impl SchedulerConfig {
-    /// The configuration with every flag at its default (environment variables still apply),
-    /// from the same declarations the command line uses.
-    pub fn from_defaults() -> Result<Self, clap::Error> {
-        use clap::{Args, FromArgMatches};
-        let cmd = Self::augment_args(clap::Command::new("ferry-scheduler"));
-        Self::from_arg_matches(&cmd.try_get_matches_from(["ferry-scheduler"])?)
-    }
+/// Executors listed by hand (without etcd, or beside it).
+#[derive(Clone, Debug, Args)]
+pub struct ExecutorListArgs {
+    /// Executor addresses to schedule for (repeatable, or comma-separated): `host:port` or a
+    /// URL.
+    #[arg(long = "executor", env = "FERRY_EXECUTORS", value_delimiter = ',')]
+    pub executors: Vec<String>,
+}
 
-    /// This scheduler's id.
-    pub fn scheduler_id(&self) -> String {
-        self.scheduler_id.clone().unwrap_or_else(|| format!("scheduler-{}", std::process::id()))
-    }
-
-    /// Checks what clap's types cannot, naming the limit.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.max_num_seqs == 0 {
-            return Err(ConfigError::MaxNumSeqs);
-        }
-        if self.max_queued_requests == 0 {
-            return Err(ConfigError::MaxQueued);
-        }
-        if self.max_num_batched_tokens == 0 {
-            return Err(ConfigError::MaxNumBatchedTokens);
-        }
-        if let Some(bad) = self.executors.iter().find(|a| a.trim().is_empty()) {
-            return Err(ConfigError::Executor(bad.clone()));
-        }
-        Ok(())
+impl ExecutorListArgs {
+    /// The listed executors as `(name, url)`: the name is the address as given.
+    pub fn resolve(&self) -> Result<Vec<(String, String)>, ConfigError> {
+        self.executors
+            .iter()
+            .map(|a| {
+                let a = a.trim();
+                if a.is_empty() || a.contains(char::is_whitespace) {
+                    return Err(ConfigError::Address { flag: "executor", value: a.to_string() });
+                }
+                let url = if a.contains("://") { a.to_string() } else { format!("http://{a}") };
+                Ok((a.to_string(), url))
+            })
+            .collect()
     }
 }
 
-/// A configuration value out of range.
-#[derive(Debug, thiserror::Error)]
+/// Flags of the front: the client-facing limits.
+#[derive(Clone, Debug, Args)]
+pub struct FrontArgs {
+    /// Most requests the front holds at once (running and queued, all executors); past it new
+    /// requests are refused with 429 / RESOURCE_EXHAUSTED.
+    #[arg(long, env = "FERRY_MAX_QUEUED_REQUESTS", default_value_t = 4096)]
+    pub max_queued_requests: u32,
+    /// How long a request whose executor (or scheduler) was lost waits for another to take
+    /// it, in seconds (without etcd it moves only to an executor already up).
+    #[arg(long, env = "FERRY_FAILOVER_TIMEOUT", default_value_t = 30)]
+    pub failover_timeout: u64,
+}
+
+/// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
+pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+
+/// The scheduling role's settings, checked.
+#[derive(Clone, Debug)]
+pub struct SchedulerSettings {
+    /// Who this scheduler is (executors show it as their session's owner).
+    pub scheduler_id: String,
+    /// The pool it schedules.
+    pub pool: String,
+    /// How long a connection to a listed or discovered executor is retried.
+    pub connect_timeout: Duration,
+    /// The core's policy, with placeholder executor geometry (see [`Self::core_config`]).
+    policy: core::SchedulerConfig,
+}
+
+/// The front's settings, checked.
+#[derive(Clone, Copy, Debug)]
+pub struct FrontSettings {
+    /// Most requests held at once.
+    pub max_live: usize,
+    /// How long a request whose executor or scheduler was lost waits for another.
+    pub failover_wait: Duration,
+}
+
+/// A flag value, or a combination, that Ferry will not run with. Each message names the
+/// flags involved and the limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    /// No slots.
-    #[error("--max-num-seqs must be at least 1")]
-    MaxNumSeqs,
-    /// No room for requests.
-    #[error("--max-queued-requests must be at least 1")]
-    MaxQueued,
-    /// No token budget.
-    #[error("--max-num-batched-tokens must be at least 1")]
-    MaxNumBatchedTokens,
-    /// Empty executor address.
-    #[error("--executor {0:?} is not an address")]
-    Executor(String),
+    /// A count that must be positive is zero.
+    #[error("--{flag} must be at least 1")]
+    Zero {
+        /// The flag, without its dashes.
+        flag: &'static str,
+    },
+    /// The step budget cannot give every admitted request a token.
+    #[error(
+        "--max-num-batched-tokens ({budget}) must be at least --max-num-seqs ({seqs}), so \
+         every running request can get a token in each step"
+    )]
+    BudgetBelowSeqs {
+        /// `--max-num-batched-tokens`.
+        budget: usize,
+        /// `--max-num-seqs`.
+        seqs: usize,
+    },
+    /// A timeout out of range.
+    #[error("--{flag} must be between 1 and {MAX_TIMEOUT_SECS} seconds, got {got}")]
+    Timeout {
+        /// The flag, without its dashes.
+        flag: &'static str,
+        /// The value given.
+        got: u64,
+    },
+    /// A name that is empty or has characters that cannot go in an etcd key.
+    #[error(
+        "--{flag} {value:?} must be non-empty and contain only letters, digits, '-', '_' and '.'"
+    )]
+    Name {
+        /// The flag, without its dashes.
+        flag: &'static str,
+        /// The value given.
+        value: String,
+    },
+    /// An address that cannot be one.
+    #[error("--{flag} {value:?} is not an address (host:port or a URL)")]
+    Address {
+        /// The flag, without its dashes.
+        flag: &'static str,
+        /// The value given.
+        value: String,
+    },
+    /// An executor's handshake stated a geometry the core cannot run with.
+    #[error("executor {executor}: {source}")]
+    Executor {
+        /// The executor's id.
+        executor: String,
+        /// What the core refused.
+        #[source]
+        source: core::ConfigError,
+    },
+}
+
+/// What an executor's handshake contributes to its core's configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExecutorGeometry {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in its KV pool.
+    pub num_blocks: usize,
+    /// Largest prompt + output.
+    pub max_model_len: usize,
+}
+
+impl From<&v1::ExecutorInfo> for ExecutorGeometry {
+    fn from(info: &v1::ExecutorInfo) -> Self {
+        Self {
+            block_size: info.block_size as usize,
+            num_blocks: info.num_blocks as usize,
+            max_model_len: info.max_model_len as usize,
+        }
+    }
+}
+
+/// Checks a `--pool` value (it becomes an etcd key segment).
+pub fn check_pool(pool: &str) -> Result<(), ConfigError> {
+    check_name("pool", pool)
+}
+
+fn check_name(flag: &'static str, value: &str) -> Result<(), ConfigError> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if value.is_empty() || !value.chars().all(ok) {
+        return Err(ConfigError::Name { flag, value: value.to_string() });
+    }
+    Ok(())
+}
+
+fn check_timeout(flag: &'static str, secs: u64) -> Result<Duration, ConfigError> {
+    if !(1..=MAX_TIMEOUT_SECS).contains(&secs) {
+        return Err(ConfigError::Timeout { flag, got: secs });
+    }
+    Ok(Duration::from_secs(secs))
+}
+
+/// The flag behind one of the core's policy fields.
+fn flag_of(field: &str) -> &'static str {
+    match field {
+        "max_num_seqs" => "max-num-seqs",
+        "max_num_batched_tokens" => "max-num-batched-tokens",
+        _ => "an internal setting",
+    }
+}
+
+impl SchedulerArgs {
+    /// Checks every rule, the core's own included, and returns the settings.
+    pub fn resolve(&self) -> Result<SchedulerSettings, ConfigError> {
+        check_name("pool", &self.pool)?;
+        let scheduler_id = self
+            .scheduler_id
+            .clone()
+            .unwrap_or_else(|| format!("scheduler-{}", std::process::id()));
+        check_name("scheduler-id", &scheduler_id)?;
+        let connect_timeout =
+            check_timeout("executor-connect-timeout", self.executor_connect_timeout)?;
+        let policy = core::SchedulerConfig {
+            max_num_seqs: self.max_num_seqs as usize,
+            max_num_batched_tokens: self.max_num_batched_tokens as usize,
+            enable_chunked_prefill: self.enable_chunked_prefill,
+            max_steps_in_flight: MAX_STEPS_IN_FLIGHT,
+            ..core::SchedulerConfig::default()
+        };
+        // The core's default geometry is valid, so whatever the core refuses here is a flag's.
+        policy.validate().map_err(|e| match e {
+            core::ConfigError::Zero { field } => ConfigError::Zero { flag: flag_of(field) },
+            core::ConfigError::BudgetBelowSeqs { max_num_batched_tokens, max_num_seqs } => {
+                ConfigError::BudgetBelowSeqs { budget: max_num_batched_tokens, seqs: max_num_seqs }
+            }
+            other => ConfigError::Executor { executor: "(defaults)".into(), source: other },
+        })?;
+        Ok(SchedulerSettings { scheduler_id, pool: self.pool.clone(), connect_timeout, policy })
+    }
+}
+
+impl FrontArgs {
+    /// Checks the front's flags and returns its settings.
+    pub fn resolve(&self) -> Result<FrontSettings, ConfigError> {
+        if self.max_queued_requests == 0 {
+            return Err(ConfigError::Zero { flag: "max-queued-requests" });
+        }
+        Ok(FrontSettings {
+            max_live: self.max_queued_requests as usize,
+            failover_wait: check_timeout("failover-timeout", self.failover_timeout)?,
+        })
+    }
+}
+
+impl SchedulerSettings {
+    /// The core's configuration for the executor `executor_id` with `geometry` (from its
+    /// handshake): the flags' policy plus what the executor stated. Refused when the executor
+    /// stated something the core cannot run with (no blocks, say).
+    pub fn core_config(
+        &self,
+        executor_id: &str,
+        geometry: ExecutorGeometry,
+    ) -> Result<core::SchedulerConfig, ConfigError> {
+        let config = core::SchedulerConfig {
+            block_size: geometry.block_size,
+            num_blocks: geometry.num_blocks,
+            max_model_len: geometry.max_model_len,
+            ..self.policy.clone()
+        };
+        config.validate().map_err(|source| ConfigError::Executor {
+            executor: executor_id.to_string(),
+            source,
+        })?;
+        Ok(config)
+    }
+
+    /// Most requests holding an admission slot at once, per executor.
+    pub fn max_num_seqs(&self) -> usize {
+        self.policy.max_num_seqs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        scheduler: SchedulerArgs,
+        #[command(flatten)]
+        front: FrontArgs,
+    }
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("x").chain(args.iter().copied())).expect("parses")
+    }
+
+    #[test]
+    fn every_bad_flag_is_refused_with_its_name() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+            (&["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1"),
+            (
+                &["--max-num-seqs", "64", "--max-num-batched-tokens", "32"],
+                "--max-num-batched-tokens (32) must be at least --max-num-seqs (64)",
+            ),
+            (&["--executor-connect-timeout", "0"], "--executor-connect-timeout must be between"),
+            (&["--pool", "a/b"], "--pool \"a/b\" must be non-empty"),
+            (&["--scheduler-id", ""], "--scheduler-id \"\" must be non-empty"),
+        ];
+        let listed = ExecutorListArgs { executors: vec!["127.0.0.1:5".into(), " ".into()] };
+        let err = listed.resolve().unwrap_err();
+        assert!(err.to_string().contains("--executor \"\" is not an address"), "{err}");
+        for (args, want) in cases {
+            let err = parse(args).scheduler.resolve().expect_err("refused");
+            assert!(err.to_string().contains(want), "{args:?}: {err}");
+        }
+        let front: &[(&[&str], &str)] = &[
+            (&["--max-queued-requests", "0"], "--max-queued-requests must be at least 1"),
+            (&["--failover-timeout", "0"], "--failover-timeout must be between 1 and 86400"),
+        ];
+        for (args, want) in front {
+            let err = parse(args).front.resolve().expect_err("refused");
+            assert!(err.to_string().contains(want), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_core_config_is_the_flags_plus_the_executor_geometry() {
+        let cli = parse(&["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]);
+        let settings = cli.scheduler.resolve().unwrap();
+        let geometry = ExecutorGeometry { block_size: 16, num_blocks: 100, max_model_len: 2048 };
+        let core = settings.core_config("e", geometry).unwrap();
+        assert_eq!((core.max_num_seqs, core.max_num_batched_tokens), (8, 64));
+        assert_eq!((core.block_size, core.num_blocks, core.max_model_len), (16, 100, 2048));
+        assert_eq!(core.max_steps_in_flight, MAX_STEPS_IN_FLIGHT);
+        let broken = ExecutorGeometry { num_blocks: 0, ..geometry };
+        let err = settings.core_config("gpu-a", broken).unwrap_err();
+        assert!(
+            err.to_string().starts_with("executor gpu-a: num_blocks must be at least 1"),
+            "{err}"
+        );
+    }
 }

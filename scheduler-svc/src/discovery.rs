@@ -12,23 +12,43 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_runtime::cluster::{watch_members, ClusterArgs, MemberInfo, MemberKind, MembershipEvent};
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
 use tokio::task::JoinHandle;
 
-use crate::config::SchedulerConfig;
 use crate::executors::ExecutorSet;
+use crate::link::{LinkError, LinkHandle, SessionOpener};
 
-/// Keeps `set` equal to the executors registered in etcd until aborted, opening sessions as
-/// `scheduler_id` under fencing `epoch`.
-pub async fn run(
-    cluster: ClusterArgs,
-    config: SchedulerConfig,
-    set: Arc<ExecutorSet>,
-    scheduler_id: String,
-    epoch: u64,
-) {
+/// How long an executor that refused a session (another model, say) waits before it is asked
+/// again: a refusal is not fixed by asking every second, but may be by a restart.
+const REFUSED_RETRY: Duration = Duration::from_secs(10);
+
+/// Keeps `set` equal to the executors registered in etcd until aborted, opening sessions with
+/// `opener` (which carries the leadership epoch).
+pub async fn run(cluster: ClusterArgs, opener: SessionOpener, set: Arc<ExecutorSet>) {
     let client = cluster.client_patiently().await;
-    let mut events = watch_members(client, cluster.prefix(MemberKind::Executor));
-    let mut wanted = Wanted { config, set, scheduler_id, epoch, members: HashMap::new() };
+    let events = watch_members(client, cluster.prefix(MemberKind::Executor));
+    reconcile_loop(Wanted::new(connector(opener), set), events).await;
+}
+
+/// Opens a session to executor `(name, url)`: through a [`SessionOpener`] in service, a fake
+/// in tests.
+type Connect =
+    Arc<dyn Fn(String, String) -> BoxFuture<'static, Result<LinkHandle, LinkError>> + Send + Sync>;
+
+fn connector(opener: SessionOpener) -> Connect {
+    Arc::new(move |name, url| {
+        let opener = opener.clone();
+        Box::pin(async move { opener.open_patiently(&name, &url).await })
+    })
+}
+
+/// Applies membership `events` to `wanted` and reconciles on every change and every second,
+/// until the events end.
+async fn reconcile_loop(
+    mut wanted: Wanted,
+    mut events: tokio::sync::mpsc::Receiver<MembershipEvent>,
+) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
@@ -42,21 +62,18 @@ pub async fn run(
     }
 }
 
-/// Keeps a session open to each of the executors listed by hand (`--executor`), reconnecting
-/// (under `epoch` 0) when one is lost and comes back at the same address, until aborted.
+/// Keeps a session open to each of the executors listed by hand (`--executor`, as
+/// `(name, url)`), reconnecting when one is lost and comes back at the same address, until
+/// aborted.
 pub async fn run_static(
-    addresses: Vec<String>,
-    config: SchedulerConfig,
+    listed: Vec<(String, String)>,
+    opener: SessionOpener,
     set: Arc<ExecutorSet>,
-    scheduler_id: String,
 ) {
-    let mut wanted = Wanted { config, set, scheduler_id, epoch: 0, members: HashMap::new() };
-    let listed = addresses
+    let mut wanted = Wanted::new(connector(opener), set);
+    let listed = listed
         .into_iter()
-        .map(|a| {
-            let url = if a.contains("://") { a.clone() } else { format!("http://{a}") };
-            (a, MemberInfo { address: url }.to_value())
-        })
+        .map(|(name, url)| (name, MemberInfo { address: url }.to_value()))
         .collect();
     wanted.apply(MembershipEvent::Snapshot(listed));
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -69,18 +86,24 @@ pub async fn run_static(
 /// A registered executor and the task connecting to it, if one runs.
 struct Member {
     address: String,
-    connecting: Option<JoinHandle<()>>,
+    /// The task opening a session, while one runs; it answers when the executor refused.
+    connecting: Option<JoinHandle<Option<tokio::time::Instant>>>,
+    /// When the executor last refused a session: not asked again for [`REFUSED_RETRY`].
+    refused_at: Option<tokio::time::Instant>,
 }
 
+/// The executors that should have a live link, and the links being opened to them.
 struct Wanted {
-    config: SchedulerConfig,
+    connect: Connect,
     set: Arc<ExecutorSet>,
-    scheduler_id: String,
-    epoch: u64,
     members: HashMap<String, Member>,
 }
 
 impl Wanted {
+    fn new(connect: Connect, set: Arc<ExecutorSet>) -> Self {
+        Self { connect, set, members: HashMap::new() }
+    }
+
     fn apply(&mut self, ev: MembershipEvent) {
         match ev {
             MembershipEvent::Snapshot(list) => {
@@ -120,7 +143,8 @@ impl Wanted {
             }
             self.set.remove(&name, "it registered again at a new address");
         }
-        self.members.insert(name, Member { address: info.address, connecting: None });
+        self.members
+            .insert(name, Member { address: info.address, connecting: None, refused_at: None });
     }
 
     fn forget(&mut self, name: &str) {
@@ -134,32 +158,128 @@ impl Wanted {
     }
 
     /// Starts a connection to every wanted executor without a live link or a connection under
-    /// way.
+    /// way (an executor that refused waits [`REFUSED_RETRY`] before it is asked again).
     fn reconcile(&mut self) {
+        let now = tokio::time::Instant::now();
         for (name, m) in &mut self.members {
-            if m.connecting.as_ref().is_some_and(|t| !t.is_finished()) {
+            if let Some(task) = m.connecting.take_if(|t| t.is_finished()) {
+                if let Some(Ok(Some(at))) = task.now_or_never() {
+                    m.refused_at = Some(at);
+                }
+            }
+            if m.connecting.is_some() || self.set.contains_alive(name) {
                 continue;
             }
-            if self.set.contains_alive(name) {
+            if m.refused_at.is_some_and(|at| now < at + REFUSED_RETRY) {
                 continue;
             }
-            let (name, url, config, set) =
-                (name.clone(), m.address.clone(), self.config.clone(), self.set.clone());
-            let (scheduler_id, epoch) = (self.scheduler_id.clone(), self.epoch);
+            let (name, url, set) = (name.clone(), m.address.clone(), self.set.clone());
+            let opening = (self.connect)(name.clone(), url.clone());
             m.connecting = Some(tokio::spawn(async move {
-                let patience = Some(Duration::from_secs(config.executor_connect_timeout));
-                let fence =
-                    crate::Fence { scheduler_id: &scheduler_id, epoch, metrics: &set.metrics };
-                match crate::connect_patiently(&name, &url, &config, fence, patience).await {
+                match opening.await {
                     Ok(link) => {
                         tracing::info!(executor = %name, address = %url, "executor session open");
                         set.insert(link);
+                        None
+                    }
+                    Err(e @ LinkError::Refused { .. }) => {
+                        tracing::error!(executor = %name, error = %e, "executor refused the session");
+                        Some(tokio::time::Instant::now())
                     }
                     Err(e) => {
-                        tracing::warn!(executor = %name, error = %e, "executor not reachable")
+                        tracing::warn!(executor = %name, error = %e, "executor not reachable");
+                        None
                     }
                 }
             }));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use ferry_runtime::cluster::{MemberInfo, MembershipEvent};
+
+    use super::{reconcile_loop, Connect, Wanted};
+    use crate::executors::ExecutorSet;
+    use crate::link::fake::{fake_link, FakeExecutor, TokenFn};
+    use crate::link::LinkError;
+
+    /// A connector that opens fake links, except to `refuser`, which refuses; it counts the
+    /// attempts per executor and keeps the fake executors.
+    struct Fakes {
+        attempts: Mutex<HashMap<String, usize>>,
+        executors: Mutex<HashMap<String, FakeExecutor>>,
+    }
+
+    fn connector(set: &Arc<ExecutorSet>, fakes: &Arc<Fakes>) -> Connect {
+        let (set, fakes) = (set.clone(), fakes.clone());
+        let token: TokenFn = Arc::new(|_, pos| 100 + pos as u32);
+        Arc::new(move |name: String, url: String| {
+            *fakes.attempts.lock().unwrap().entry(name.clone()).or_default() += 1;
+            let result = if name == "refuser" {
+                Err(LinkError::Refused { addr: url, reason: "another model".into() })
+            } else {
+                let (link, exec) = fake_link(&name, token.clone(), set.metrics.clone());
+                fakes.executors.lock().unwrap().insert(name, exec);
+                Ok(link)
+            };
+            Box::pin(async move { result })
+        })
+    }
+
+    fn member(name: &str) -> (String, String) {
+        (name.to_string(), MemberInfo { address: format!("http://{name}:1") }.to_value())
+    }
+
+    /// Waits (in paused time) until `cond` holds, failing after a minute.
+    async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !cond() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reconcile_connects_members_reconnects_lost_ones_and_backs_off_refusals() {
+        let set = ExecutorSet::new();
+        let fakes = Arc::new(Fakes { attempts: Mutex::default(), executors: Mutex::default() });
+        let (events, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(reconcile_loop(Wanted::new(connector(&set, &fakes), set.clone()), rx));
+        let attempts = |name: &str| fakes.attempts.lock().unwrap().get(name).copied().unwrap_or(0);
+        let names = || {
+            let mut n = set.names();
+            n.sort();
+            n
+        };
+        events
+            .send(MembershipEvent::Snapshot(vec![member("a"), member("b"), member("refuser")]))
+            .await
+            .unwrap();
+        until("a and b are connected", || names() == ["a", "b"]).await;
+        until("the refuser was asked", || attempts("refuser") == 1).await;
+
+        // A session that breaks while its executor stays registered is opened again.
+        fakes.executors.lock().unwrap()["a"].kill();
+        until("a is connected again", || attempts("a") == 2 && names() == ["a", "b"]).await;
+
+        // A refusal is not retried every second, but after a pause.
+        let refused_at = tokio::time::Instant::now();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(attempts("refuser"), 1, "asked again within 5 s of a refusal");
+        until("the refuser is asked again", || attempts("refuser") == 2).await;
+        assert!(refused_at.elapsed() >= Duration::from_secs(9), "{:?}", refused_at.elapsed());
+
+        // A deregistered executor's link is closed and leaves the set.
+        let b = set.alive().into_iter().find(|l| &*l.name == "b").unwrap();
+        events.send(MembershipEvent::Delete("b".into())).await.unwrap();
+        until("b is gone", || names() == ["a"]).await;
+        assert!(!b.is_alive(), "its session was closed");
+        assert_eq!(attempts("b"), 1, "a deregistered executor is not reconnected");
     }
 }

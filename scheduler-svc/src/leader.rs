@@ -5,22 +5,29 @@
 //! executor session carries it: an executor refuses a scheduler older than the newest it has
 //! seen, so a deposed leader cannot disturb its successor.
 //!
-//! A leader stops scheduling at once — closes every executor session and stops discovery —
-//! when etcd says its lease is gone (expired or revoked), or when it could not refresh the
-//! lease for a whole TTL (etcd unreachable: a standby may be elected once the lease lapses, so
-//! this leader must assume it has been). Its requests wait in the front and move on once
+//! A leader stops scheduling at once — closes every executor session and stops driving — when
+//! etcd says its lease is gone (expired or revoked), or when it could not refresh the lease for
+//! a whole TTL (etcd unreachable: a standby may be elected once the lease lapses, so this
+//! leader must assume it has been). Its requests wait in the front and move on once
 //! leadership (its own, re-won, or nobody's) lets executors be reached again. Then it
 //! campaigns again.
+//!
+//! The election's logic is written against [`Election`], which etcd implements
+//! ([`EtcdElection`]); tests drive it with a scripted election in paused time.
 
+use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use etcd_client::Client;
-use ferry_runtime::cluster::ClusterArgs;
+use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper as EtcdKeeper};
+use ferry_runtime::cluster::{etcd_backoff, ClusterArgs};
+use ferry_runtime::Backoff;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
-use crate::config::SchedulerConfig;
 use crate::executors::ExecutorSet;
+use crate::link::SessionOpener;
 
 /// Who this scheduler is in the election.
 #[derive(Clone, Debug)]
@@ -33,48 +40,104 @@ pub struct Candidate {
     pub address: String,
 }
 
-/// Campaigns for the pool until `resign` turns true; while leading, runs executor discovery
-/// under the epoch and publishes `Some(epoch)` on `leading` (`None` otherwise). Resigning
-/// (drain) closes the sessions and revokes the lease, so a standby leads at once and the
-/// fronts move their streams to it.
+/// What leadership needs of a coordination service. Each call may fail (the service is
+/// unreachable); the logic in [`lead`] decides what a failure means.
+pub trait Election: Clone + Send + Sync + 'static {
+    /// A new lease of `ttl`.
+    fn grant(&mut self, ttl: Duration) -> impl Future<Output = Result<i64, String>> + Send;
+    /// Campaigns for `name` with `value` under `lease`; `Some(epoch)` once elected, `None` if
+    /// the call ended without a decision (it is then made again).
+    fn campaign(
+        &mut self,
+        name: &str,
+        value: &str,
+        lease: i64,
+    ) -> impl Future<Output = Result<Option<u64>, String>> + Send;
+    /// Refreshes `lease`: `Ok(true)` while it lives, `Ok(false)` once the service says it
+    /// expired or was revoked.
+    fn refresh(&mut self, lease: i64) -> impl Future<Output = Result<bool, String>> + Send;
+    /// Revokes `lease` (best effort).
+    fn revoke(&mut self, lease: i64) -> impl Future<Output = ()> + Send;
+}
+
+/// Campaigns for `candidate`'s pool in etcd until `resign` turns true; while leading, drives
+/// the executors it discovers (sessions under the epoch) and publishes `Some(epoch)` on
+/// `leading` (`None` otherwise). Resigning (drain) closes the sessions and revokes the lease,
+/// so a standby leads at once and the fronts move their streams to it.
 pub async fn run(
     cluster: ClusterArgs,
     candidate: Candidate,
-    config: SchedulerConfig,
+    opener: SessionOpener,
+    set: Arc<ExecutorSet>,
+    leading: watch::Sender<Option<u64>>,
+    resign: watch::Receiver<bool>,
+) {
+    let client = cluster.client_patiently().await;
+    let election = EtcdElection { client, keep_alive: None };
+    let name = format!("/ferry/{}/scheduler/{}", cluster.cluster, candidate.pool);
+    let ttl = cluster.ttl();
+    let drive = {
+        let set = set.clone();
+        move |epoch: u64| -> JoinHandle<()> {
+            let opener = opener.at_epoch(epoch);
+            tokio::spawn(crate::discovery::run(cluster.clone(), opener, set.clone()))
+        }
+    };
+    lead(Seat { election, name, candidate, ttl }, drive, set, leading, resign).await;
+}
+
+/// One candidacy: the election, the pool's election name, who runs and the lease TTL.
+pub struct Seat<E> {
+    /// The coordination service.
+    pub election: E,
+    /// The election's name (`/ferry/<cluster>/scheduler/<pool>`).
+    pub name: String,
+    /// Who campaigns.
+    pub candidate: Candidate,
+    /// The lease's time to live.
+    pub ttl: Duration,
+}
+
+/// The election loop: campaign, lead (running `drive(epoch)` while leading), step down when
+/// the lease is lost, campaign again; until `resign`.
+pub async fn lead<E: Election>(
+    seat: Seat<E>,
+    drive: impl Fn(u64) -> JoinHandle<()>,
     set: Arc<ExecutorSet>,
     leading: watch::Sender<Option<u64>>,
     mut resign: watch::Receiver<bool>,
 ) {
-    let mut client = cluster.client_patiently().await;
-    let name = format!("/ferry/{}/scheduler/{}", cluster.cluster, candidate.pool);
-    let ttl = cluster.ttl();
+    let Seat { mut election, name, candidate, ttl } = seat;
+    // Paces lease grants after failures, and campaigns after a leadership was lost, so an
+    // election that keeps failing is not retried in a tight loop.
+    let mut backoff = etcd_backoff();
     loop {
         if *resign.borrow() {
             return;
         }
-        let lease = match client.lease_grant(ttl.as_secs() as i64, None).await {
-            Ok(r) => r.id(),
+        let lease = match election.grant(ttl).await {
+            Ok(lease) => lease,
             Err(e) => {
-                tracing::debug!(error = %e, "etcd: lease for the election failed; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                tracing::debug!(error = %e, "election: lease grant failed; retrying");
+                backoff.wait().await;
                 continue;
             }
         };
-        let mut keeper = LeaseKeeper::new(client.clone(), lease, ttl);
-        // Campaign while keeping the lease alive; a campaign call times out with the client's
-        // request timeout and is simply made again (same lease: same candidacy).
+        backoff.reset();
+        let mut keeper = LeaseKeeper::new(election.clone(), lease, ttl);
+        // Campaign while keeping the lease alive; a campaign call that ends without a decision
+        // (etcd's request timeout) is simply made again (same lease: same candidacy).
+        let mut retry = etcd_backoff();
         let epoch = loop {
-            let mut campaigner = client.clone();
-            let campaign = campaigner.campaign(name.clone(), candidate.address.clone(), lease);
+            let mut campaigner = election.clone();
+            let campaign = campaigner.campaign(&name, &candidate.address, lease);
             tokio::select! {
                 won = campaign => match won {
-                    Ok(r) => match r.leader() {
-                        Some(key) => break Some(key.rev() as u64),
-                        None => continue,
-                    },
+                    Ok(Some(epoch)) => break Some(epoch),
+                    Ok(None) => retry.reset(),
                     Err(e) => {
-                        tracing::debug!(error = %e, "etcd: campaign interrupted; campaigning again");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        tracing::debug!(error = %e, "election: campaign interrupted; campaigning again");
+                        retry.wait().await;
                     }
                 },
                 why = keeper.until_lost() => {
@@ -82,7 +145,7 @@ pub async fn run(
                     break None;
                 }
                 () = resigned(&mut resign) => {
-                    let _ = tokio::time::timeout(Duration::from_secs(1), client.lease_revoke(lease)).await;
+                    let _ = tokio::time::timeout(Duration::from_secs(1), election.revoke(lease)).await;
                     return;
                 }
             }
@@ -90,19 +153,14 @@ pub async fn run(
         let Some(epoch) = epoch else { continue };
         tracing::info!(pool = %candidate.pool, epoch, "leading the pool");
         leading.send_replace(Some(epoch));
-        let discovery = tokio::spawn(crate::discovery::run(
-            cluster.clone(),
-            config.clone(),
-            set.clone(),
-            candidate.scheduler_id.clone(),
-            epoch,
-        ));
+        let led_since = Instant::now();
+        let driving = drive(epoch);
         let why = tokio::select! {
             why = keeper.until_lost() => why,
             () = resigned(&mut resign) => "it resigned to drain".to_string(),
         };
         // Stop scheduling at once: no step goes out under a leadership that may be over.
-        discovery.abort();
+        driving.abort();
         let resigning = *resign.borrow();
         if resigning {
             set.retire("this scheduler resigned to drain");
@@ -111,10 +169,16 @@ pub async fn run(
         }
         leading.send_replace(None);
         tracing::warn!(pool = %candidate.pool, epoch, reason = %why, "no longer leading");
-        let revoke = client.lease_revoke(lease);
-        let _ = tokio::time::timeout(Duration::from_secs(1), revoke).await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), election.revoke(lease)).await;
         if resigning {
             return;
+        }
+        if led_since.elapsed() >= ttl {
+            backoff.reset();
+        }
+        tokio::select! {
+            _ = backoff.wait() => {}
+            () = resigned(&mut resign) => return,
         }
     }
 }
@@ -127,53 +191,254 @@ async fn resigned(resign: &mut watch::Receiver<bool>) {
 }
 
 /// Keeps one lease alive and says when it is lost.
-struct LeaseKeeper {
-    client: Client,
+struct LeaseKeeper<E> {
+    election: E,
     lease: i64,
     ttl: Duration,
     last_ok: Instant,
 }
 
-impl LeaseKeeper {
-    fn new(client: Client, lease: i64, ttl: Duration) -> Self {
-        Self { client, lease, ttl, last_ok: Instant::now() }
+impl<E: Election> LeaseKeeper<E> {
+    fn new(election: E, lease: i64, ttl: Duration) -> Self {
+        Self { election, lease, ttl, last_ok: Instant::now() }
     }
 
-    /// Refreshes the lease every third of its TTL; returns why it is lost: etcd answered that
-    /// it expired (or was revoked), or no refresh succeeded for a whole TTL.
+    /// Refreshes the lease every third of its TTL; returns why it is lost: the service
+    /// answered that it expired (or was revoked), or no refresh succeeded for a whole TTL.
     async fn until_lost(&mut self) -> String {
         let period = self.ttl / 3;
-        let mut stream = None;
+        let mut retry =
+            Backoff::new(Duration::from_millis(100), period.max(Duration::from_millis(100)));
         loop {
-            if self.last_ok.elapsed() >= self.ttl {
+            let left = (self.last_ok + self.ttl).saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return format!("no lease refresh succeeded for {:?} (etcd unreachable)", self.ttl);
             }
-            if stream.is_none() {
-                match self.client.lease_keep_alive(self.lease).await {
-                    Ok(s) => stream = Some(s),
-                    Err(e) => {
-                        tracing::debug!(error = %e, "etcd: keep-alive stream failed; retrying");
-                        tokio::time::sleep(period.min(Duration::from_millis(300))).await;
-                        continue;
-                    }
-                }
-            }
-            let (keeper, responses) = stream.as_mut().expect("set above");
-            let refreshed = async {
-                keeper.keep_alive().await?;
-                responses.message().await
-            };
-            match tokio::time::timeout(period, refreshed).await {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => {
+            match tokio::time::timeout(period.min(left), self.election.refresh(self.lease)).await {
+                Ok(Ok(true)) => {
                     self.last_ok = Instant::now();
+                    retry.reset();
                     tokio::time::sleep(period).await;
                 }
-                Ok(Ok(Some(_))) => return "etcd says the lease expired or was revoked".into(),
-                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
-                    stream = None;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                Ok(Ok(false)) => return "etcd says the lease expired or was revoked".into(),
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "election: lease refresh failed; retrying");
+                    let left = (self.last_ok + self.ttl).saturating_duration_since(Instant::now());
+                    tokio::select! {
+                        _ = retry.wait() => {}
+                        () = tokio::time::sleep(left) => {}
+                    }
                 }
+                Err(_) => {} // timed out: try again (the deadline check comes first)
             }
         }
+    }
+}
+
+/// An open keep-alive stream for one lease: etcd's sender half and its answers.
+type KeepAliveStream = Arc<tokio::sync::Mutex<(EtcdKeeper, LeaseKeepAliveStream)>>;
+
+/// [`Election`] on etcd's election and lease APIs.
+#[derive(Clone)]
+pub struct EtcdElection {
+    client: Client,
+    /// The open keep-alive stream and the lease it refreshes.
+    keep_alive: Option<(i64, KeepAliveStream)>,
+}
+
+impl Election for EtcdElection {
+    async fn grant(&mut self, ttl: Duration) -> Result<i64, String> {
+        let secs = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX);
+        Ok(self.client.lease_grant(secs, None).await.map_err(|e| e.to_string())?.id())
+    }
+
+    async fn campaign(
+        &mut self,
+        name: &str,
+        value: &str,
+        lease: i64,
+    ) -> Result<Option<u64>, String> {
+        let r = self.client.campaign(name, value, lease).await.map_err(|e| e.to_string())?;
+        Ok(r.leader().map(|key| u64::try_from(key.rev()).unwrap_or(0)))
+    }
+
+    async fn refresh(&mut self, lease: i64) -> Result<bool, String> {
+        if self.keep_alive.as_ref().is_none_or(|(l, _)| *l != lease) {
+            let stream = self.client.lease_keep_alive(lease).await.map_err(|e| e.to_string())?;
+            self.keep_alive = Some((lease, Arc::new(tokio::sync::Mutex::new(stream))));
+        }
+        let (_, stream) = self.keep_alive.as_ref().expect("set above");
+        let stream = stream.clone();
+        let mut guard = stream.lock().await;
+        let (keeper, responses) = &mut *guard;
+        let answer = async {
+            keeper.keep_alive().await?;
+            responses.message().await
+        };
+        match answer.await {
+            Ok(Some(r)) => Ok(r.ttl() > 0),
+            Ok(None) | Err(_) => {
+                drop(guard);
+                self.keep_alive = None;
+                Err("the keep-alive stream broke".into())
+            }
+        }
+    }
+
+    async fn revoke(&mut self, lease: i64) {
+        let _ = self.client.lease_revoke(lease).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use tokio::sync::watch;
+    use tokio::time::Instant;
+
+    use super::{lead, Candidate, Election, Seat};
+    use crate::executors::ExecutorSet;
+    use crate::link::fake::{fake_link, FakeExecutor};
+
+    /// What the scripted election does and saw.
+    #[derive(Default)]
+    struct Script {
+        /// Refreshes fail (etcd unreachable) while set.
+        unreachable: bool,
+        /// etcd answers that the lease expired while set.
+        expired: bool,
+        /// Campaigns after the first wait while set (a standby keeps the seat).
+        hold_seat: bool,
+        grants: u64,
+        campaigns: u64,
+        revoked: Vec<i64>,
+        last_ok: Option<Instant>,
+    }
+
+    #[derive(Clone, Default)]
+    struct Scripted(Arc<Mutex<Script>>);
+
+    impl Election for Scripted {
+        async fn grant(&mut self, _ttl: Duration) -> Result<i64, String> {
+            let mut s = self.0.lock().unwrap();
+            s.grants += 1;
+            Ok(i64::try_from(s.grants).unwrap())
+        }
+
+        async fn campaign(&mut self, _: &str, _: &str, _lease: i64) -> Result<Option<u64>, String> {
+            let n = {
+                let mut s = self.0.lock().unwrap();
+                s.campaigns += 1;
+                s.campaigns
+            };
+            if n > 1 && self.0.lock().unwrap().hold_seat {
+                std::future::pending::<()>().await;
+            }
+            Ok(Some(6 + n)) // the first win is epoch 7
+        }
+
+        async fn refresh(&mut self, _lease: i64) -> Result<bool, String> {
+            let mut s = self.0.lock().unwrap();
+            if s.unreachable {
+                return Err("etcd unreachable".into());
+            }
+            if s.expired {
+                return Ok(false);
+            }
+            s.last_ok = Some(Instant::now());
+            Ok(true)
+        }
+
+        async fn revoke(&mut self, lease: i64) {
+            self.0.lock().unwrap().revoked.push(lease);
+        }
+    }
+
+    const TTL: Duration = Duration::from_secs(3);
+
+    /// The fake executors the leader drove, kept alive for the test.
+    type Driven = Arc<Mutex<Vec<FakeExecutor>>>;
+
+    /// Starts `lead` on `script`; while leading, a fake executor link is driven (as discovery
+    /// would open one). Returns the leadership's epoch and the resign switch.
+    fn start(
+        script: &Scripted,
+        set: &Arc<ExecutorSet>,
+    ) -> (watch::Receiver<Option<u64>>, watch::Sender<bool>, Driven) {
+        let seat = Seat {
+            election: script.clone(),
+            name: "/ferry/test/scheduler/default".into(),
+            candidate: Candidate {
+                pool: "default".into(),
+                scheduler_id: "s".into(),
+                address: "a".into(),
+            },
+            ttl: TTL,
+        };
+        let (leading_tx, leading) = watch::channel(None);
+        let (resign_tx, resign) = watch::channel(false);
+        let executors = Arc::new(Mutex::new(Vec::new()));
+        let drive = {
+            let (set, executors) = (set.clone(), executors.clone());
+            move |epoch: u64| {
+                let (link, exec) =
+                    fake_link(&format!("e{epoch}"), Arc::new(|_, p| p as u32), set.metrics.clone());
+                set.insert(link);
+                executors.lock().unwrap().push(exec);
+                tokio::spawn(std::future::pending::<()>())
+            }
+        };
+        tokio::spawn(lead(seat, drive, set.clone(), leading_tx, resign));
+        (leading, resign_tx, executors)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_that_cannot_refresh_for_a_ttl_steps_down_and_campaigns_again() {
+        let script = Scripted::default();
+        script.0.lock().unwrap().hold_seat = true;
+        let set = ExecutorSet::new();
+        let (mut leading, _resign, _execs) = start(&script, &set);
+        leading.wait_for(|l| *l == Some(7)).await.unwrap();
+        assert_eq!(set.names(), ["e7"], "it drives its executors while leading");
+        let link = set.alive().pop().unwrap();
+        // Let it refresh a few times, then etcd goes away.
+        tokio::time::sleep(TTL * 2).await;
+        assert_eq!(*leading.borrow(), Some(7), "refreshes keep the leadership");
+        script.0.lock().unwrap().unreachable = true;
+        leading.wait_for(Option::is_none).await.unwrap();
+        let lost_at = Instant::now();
+        let last_ok = script.0.lock().unwrap().last_ok.unwrap();
+        assert_eq!(lost_at - last_ok, TTL, "it steps down exactly one TTL after the last refresh");
+        assert!(set.names().is_empty() && !link.is_alive(), "its sessions are closed at once");
+        // It campaigns again on a new lease (and waits: another holds the seat now).
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let s = script.0.lock().unwrap();
+        assert_eq!((s.grants, s.campaigns), (2, 2), "a new lease and a new campaign");
+        assert_eq!(s.revoked, [1], "the lost lease was revoked");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_expired_lease_ends_the_leadership_at_once_and_resigning_retires_the_set() {
+        let script = Scripted::default();
+        let set = ExecutorSet::new();
+        let (mut leading, resign, _execs) = start(&script, &set);
+        leading.wait_for(|l| *l == Some(7)).await.unwrap();
+        let asked = Instant::now();
+        script.0.lock().unwrap().expired = true;
+        leading.wait_for(Option::is_none).await.unwrap();
+        assert!(asked.elapsed() <= TTL / 3, "no waiting out the TTL: {:?}", asked.elapsed());
+        // It is elected again, under a newer epoch, once etcd keeps its lease again.
+        script.0.lock().unwrap().expired = false;
+        let epoch = leading.wait_for(|l| l.is_some_and(|e| e > 7)).await.unwrap().unwrap();
+        assert_eq!(set.names(), [format!("e{epoch}")]);
+        // Resigning hands over: the set is retired, the lease revoked, the loop ends.
+        resign.send(true).unwrap();
+        leading.wait_for(Option::is_none).await.unwrap();
+        let late = fake_link("late", Arc::new(|_, p| p as u32), set.metrics.clone()).0;
+        set.insert(late.clone());
+        assert!(!late.is_alive(), "a retired set takes no new link");
+        assert_eq!(script.0.lock().unwrap().revoked, [1, 2]);
     }
 }

@@ -2,11 +2,15 @@
 //! pure scheduling core (`ferry-sched-core`) per connected executor, and the glue that streams
 //! each step to its executor.
 //!
-//! The library is everything; `ferry-scheduler` parses flags and calls [`run`] (the scheduler
-//! role) or [`serve::run`] (the whole system in one process).
+//! The library is everything; `ferry-scheduler` parses flags, resolves them ([`config`]) and
+//! calls [`run`] (the scheduling role, with its own front) or [`run_front`] (a front alone);
+//! `ferry serve` calls [`run`] beside an executor in the same process.
+//!
+//! Following a request by file: `http/` (OpenAI JSON) → `front/` (prepare, place, stream) →
+//! `link/` (the step loop that owns an executor's core, and the wire forms) → the executor →
+//! back through `link/step_loop.rs` to `front/stream.rs`.
 
 pub mod admin;
-pub mod bench_core;
 pub mod config;
 pub mod discovery;
 pub mod executors;
@@ -14,48 +18,61 @@ pub mod front;
 pub mod http;
 pub mod leader;
 pub mod link;
-pub mod loadgen;
 pub mod metrics;
-pub mod serve;
+pub mod request;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_model::ModelFile;
 use ferry_runtime::cluster::ClusterArgs;
 use ferry_runtime::GrpcHost;
 use tokio::net::TcpListener;
 
-pub use config::SchedulerConfig;
+use config::{FrontSettings, SchedulerSettings};
 use executors::ExecutorSet;
+use front::prepare::ServedModel;
+use link::SessionOpener;
 
-/// Serves the scheduler's gRPC API (the front's `Generation` service) on `listener`, and the
-/// OpenAI HTTP API on `http` when given, until `shutdown` resolves. `model` is the GGUF whose
-/// tokenizer the front uses (the default model when `None`). With `cluster`, executors are
-/// discovered through etcd as well as taken from `config.executors`.
+/// What the scheduling role runs with, checked at start-up.
+#[derive(Clone, Debug)]
+pub struct SchedulerRole {
+    /// How it schedules and who it is.
+    pub scheduler: SchedulerSettings,
+    /// Its front's limits.
+    pub front: FrontSettings,
+    /// Executors listed by hand, as `(name, url)`.
+    pub listed: Vec<(String, String)>,
+    /// etcd, for discovery and leadership (validated); `None` for a static set-up.
+    pub cluster: Option<ClusterArgs>,
+}
+
+/// Where a service listens.
+pub struct Listeners {
+    /// The gRPC API (and `/metrics`).
+    pub grpc: TcpListener,
+    /// The OpenAI HTTP API, when served.
+    pub http: Option<TcpListener>,
+}
+
+/// Serves the scheduling role for `model` — its front's gRPC API on `listeners.grpc` and the
+/// OpenAI HTTP API on `listeners.http` — until `shutdown` resolves, driving the executors it
+/// lists, and with etcd those it discovers while it leads its pool.
 pub async fn run(
-    config: SchedulerConfig,
-    model: Option<PathBuf>,
-    cluster: Option<ClusterArgs>,
-    listener: TcpListener,
-    http: Option<TcpListener>,
+    role: SchedulerRole,
+    model: Arc<ModelFile>,
+    listeners: Listeners,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    config.validate()?;
-    if let Some(c) = &cluster {
-        c.validate()?;
-    }
-    let (name, tokenizer, max_model_len) = tokio::task::spawn_blocking(move || {
-        ferry_executor_svc::model::load_tokenizer(model.as_deref()).map_err(anyhow::Error::from)
-    })
-    .await??;
     let executors = ExecutorSet::new();
-    let patience = Duration::from_secs(config.executor_connect_timeout);
-    for addr in &config.executors {
-        let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-        let scheduler_id = config.scheduler_id();
-        let fence = Fence { scheduler_id: &scheduler_id, epoch: 0, metrics: &executors.metrics };
-        match connect_patiently(addr, &url, &config, fence, Some(patience)).await {
+    let opener = SessionOpener {
+        settings: Arc::new(role.scheduler.clone()),
+        fingerprint: model.fingerprint.as_str().into(),
+        epoch: 0,
+        metrics: executors.metrics.clone(),
+    };
+    for (name, url) in &role.listed {
+        match opener.open_patiently(name, url).await {
             Ok(link) => executors.insert(link),
             Err(e) => tracing::error!(error = %e, "executor not connected"),
         }
@@ -71,44 +88,44 @@ pub async fn run(
                 .min(l.info.max_model_len as usize)
         })
         .min();
-    let max_model_len = cache_limit.map_or(max_model_len, |c| c.min(max_model_len));
-    let served = front::prepare::ServedModel { name, tokenizer, max_model_len };
+    let model_len = model.shape.max_model_len;
+    let served = ServedModel {
+        file: model,
+        max_model_len: cache_limit.map_or(model_len, |c| c.min(model_len)),
+    };
     // Statically listed executors never come back once lost; discovered ones may.
-    let failover_wait = match &cluster {
-        Some(_) => Duration::from_secs(config.failover_timeout),
-        None => Duration::ZERO,
+    let front_settings = match &role.cluster {
+        Some(_) => role.front,
+        None => FrontSettings { failover_wait: Duration::ZERO, ..role.front },
     };
     // Executors listed by hand are reconnected when they come back after a failure.
-    let reconnect = (!config.executors.is_empty()).then(|| {
-        let (addrs, set) = (config.executors.clone(), executors.clone());
-        tokio::spawn(discovery::run_static(addrs, config.clone(), set, config.scheduler_id()))
+    let reconnect = (!role.listed.is_empty()).then(|| {
+        let (listed, set) = (role.listed.clone(), executors.clone());
+        tokio::spawn(discovery::run_static(listed, opener.clone(), set))
     });
     // With etcd, executors are driven only while this scheduler leads its pool.
     let (leading_tx, leading) = tokio::sync::watch::channel(None);
-    let leading = cluster.is_some().then_some(leading);
+    let leading = role.cluster.is_some().then_some(leading);
     let (resign_tx, resign_rx) = tokio::sync::watch::channel(false);
-    let discovery = match cluster {
+    let mut leader_task = match role.cluster {
         Some(c) => {
             let candidate = leader::Candidate {
-                pool: config.pool.clone(),
-                scheduler_id: config.scheduler_id(),
-                address: c.advertised(listener.local_addr()?),
+                pool: role.scheduler.pool.clone(),
+                scheduler_id: role.scheduler.scheduler_id.clone(),
+                address: c.advertised(listeners.grpc.local_addr()?),
             };
             let set = executors.clone();
-            let config = config.clone();
-            Some(tokio::spawn(leader::run(c, candidate, config, set, leading_tx, resign_rx)))
+            Some(tokio::spawn(leader::run(c, candidate, opener, set, leading_tx, resign_rx)))
         }
         None => None,
     };
     let front = front::GenerationService::new(
         served,
         front::Route::Local(executors.clone()),
-        config.max_queued_requests as usize,
-        failover_wait,
+        front_settings,
     );
     // Drain: a leader first resigns, handing its requests over (the fronts move their streams
     // to the next leader); then the APIs stop and finish what they still serve.
-    let mut leader_task = discovery;
     let shutdown = async {
         shutdown.await;
         let _ = resign_tx.send(true);
@@ -118,7 +135,7 @@ pub async fn run(
     };
     let metrics = Arc::new(front.metrics_view(leading));
     let admin = admin::AdminService::new(executors);
-    serve_api(front, metrics, Some(admin), listener, http, shutdown).await?;
+    serve_api(front, metrics, Some(admin), listeners, shutdown).await?;
     if let Some(task) = leader_task {
         task.abort();
     }
@@ -128,34 +145,23 @@ pub async fn run(
     Ok(())
 }
 
-/// A front in its own process: the OpenAI HTTP and `Generation` gRPC APIs, sending every
-/// request to the leader scheduler of `config.pool` (found through etcd) and moving streams to
+/// A front in its own process for `model`: the OpenAI HTTP and `Generation` gRPC APIs, sending
+/// every request to the leader scheduler of `pool` (found through etcd) and moving streams to
 /// the next leader when one fails.
 pub async fn run_front(
-    config: SchedulerConfig,
-    model: Option<PathBuf>,
+    settings: FrontSettings,
+    pool: String,
     cluster: ClusterArgs,
-    listener: TcpListener,
-    http: Option<TcpListener>,
+    model: Arc<ModelFile>,
+    listeners: Listeners,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    config.validate()?;
-    cluster.validate()?;
-    anyhow::ensure!(cluster.enabled(), "a front needs --etcd-endpoints to find its scheduler");
-    let (name, tokenizer, max_model_len) = tokio::task::spawn_blocking(move || {
-        ferry_executor_svc::model::load_tokenizer(model.as_deref()).map_err(anyhow::Error::from)
-    })
-    .await??;
-    let served = front::prepare::ServedModel { name, tokenizer, max_model_len };
-    let leader = front::remote::Leader::follow(cluster, config.pool.clone());
-    let front = front::GenerationService::new(
-        served,
-        front::Route::Remote(leader),
-        config.max_queued_requests as usize,
-        Duration::from_secs(config.failover_timeout),
-    );
+    let max_model_len = model.shape.max_model_len;
+    let served = ServedModel { file: model, max_model_len };
+    let leader = front::remote::Leader::follow(cluster, pool);
+    let front = front::GenerationService::new(served, front::Route::Remote(leader), settings);
     let metrics = Arc::new(front.metrics_view(None));
-    serve_api(front, metrics, None, listener, http, shutdown).await
+    serve_api(front, metrics, None, listeners, shutdown).await
 }
 
 /// Serves `front` over gRPC on `listener` and HTTP on `http` until `shutdown`, then drains.
@@ -163,10 +169,10 @@ async fn serve_api(
     front: front::GenerationService,
     metrics: Arc<dyn ferry_runtime::metrics::Render>,
     admin: Option<admin::AdminService>,
-    listener: TcpListener,
-    http: Option<TcpListener>,
+    listeners: Listeners,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    let Listeners { grpc: listener, http } = listeners;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -196,37 +202,4 @@ async fn serve_api(
         task.await??;
     }
     Ok(())
-}
-
-/// Who opens an executor session, under which leadership epoch, counting into `metrics`.
-#[derive(Clone, Copy)]
-pub(crate) struct Fence<'a> {
-    pub scheduler_id: &'a str,
-    pub epoch: u64,
-    pub metrics: &'a std::sync::Arc<metrics::SchedulerMetrics>,
-}
-
-/// Connects to executor `name` at `url`, retrying (it may still be loading its model) until
-/// `patience` runs out, or forever when `None`.
-pub(crate) async fn connect_patiently(
-    name: &str,
-    url: &str,
-    config: &SchedulerConfig,
-    fence: Fence<'_>,
-    patience: Option<Duration>,
-) -> Result<link::LinkHandle, link::LinkError> {
-    let deadline = patience.map(|p| tokio::time::Instant::now() + p);
-    let mut delay = Duration::from_millis(100);
-    loop {
-        let metrics = fence.metrics.clone();
-        match link::connect(name, url, config, fence.scheduler_id, fence.epoch, metrics).await {
-            Ok(link) => return Ok(link),
-            Err(e) if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) => return Err(e),
-            Err(e) => {
-                tracing::debug!(error = %e, "executor not reachable yet, retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(1));
-            }
-        }
-    }
 }

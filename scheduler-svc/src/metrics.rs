@@ -76,20 +76,45 @@ impl SchedulerMetrics {
         self.preemptions.add(d(before.num_preemptions, after.num_preemptions));
     }
 
-    /// Counts a finished request.
-    pub fn finished(&self, reason: FinishReason) {
-        let i = match reason {
-            FinishReason::Stop(_) => 0,
-            FinishReason::Length => 1,
-            FinishReason::Abort => 2,
-            FinishReason::Error | FinishReason::Transferred => 3,
-        };
-        self.success[i].add(1);
+    /// Counts a request that ended for `label`.
+    pub fn finished(&self, label: FinishLabel) {
+        self.success[label as usize].add(1);
     }
+}
 
-    /// Counts a request that ended with an error outside the core (no executor took it).
-    pub fn failed(&self) {
-        self.success[3].add(1);
+/// How a request ended, in vLLM's words (`vllm:request_success_total{finished_reason}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishLabel {
+    /// An EOS, a stop token or a stop string.
+    Stop = 0,
+    /// `max_tokens` or the model's length.
+    Length = 1,
+    /// The client went away or asked to abort.
+    Abort = 2,
+    /// It could not be run (its executor was lost and none took it, or an error).
+    Error = 3,
+}
+
+impl FinishLabel {
+    /// vLLM's label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishLabel::Stop => "stop",
+            FinishLabel::Length => "length",
+            FinishLabel::Abort => "abort",
+            FinishLabel::Error => "error",
+        }
+    }
+}
+
+impl From<FinishReason> for FinishLabel {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop(_) => FinishLabel::Stop,
+            FinishReason::Length => FinishLabel::Length,
+            FinishReason::Abort => FinishLabel::Abort,
+            FinishReason::Error | FinishReason::Transferred => FinishLabel::Error,
+        }
     }
 }
 

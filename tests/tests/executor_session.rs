@@ -1,21 +1,15 @@
 //! A real `ferry-executor` process driven over its gRPC session the way a scheduler drives it:
 //! handshake, a step stream that prefills and decodes the real model, a bad step refused with
-//! INVALID_ARGUMENT, a newer epoch taking over and a stale one refused.
+//! INVALID_ARGUMENT, a newer epoch taking over and a stale one refused, a scheduler that
+//! tokenizes for another model refused.
 
 use std::time::Duration;
 
-use candle_core::quantized::gguf_file;
-use ferry_executor_svc::model::{default_model_path, Tokenizer};
+use ferry_model::ModelFile;
 use ferry_proto::v1::{self, executor_client::ExecutorClient};
 use ferry_tests::Service;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-
-fn tokenizer() -> Tokenizer {
-    let path = default_model_path().unwrap();
-    let mut f = std::fs::File::open(path).unwrap();
-    Tokenizer::from_gguf(&gguf_file::Content::read(&mut f).unwrap()).unwrap()
-}
 
 fn prefill_then_decode(session_id: u64, epoch: u64, prompt: &[u32], step_id: u64) -> v1::Step {
     v1::Step {
@@ -41,7 +35,8 @@ fn prefill_then_decode(session_id: u64, epoch: u64, prompt: &[u32], step_id: u64
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_runs_the_model_and_refuses_bad_steps() {
-    let tok = tokenizer();
+    let model = ModelFile::open(None).unwrap();
+    let tok = &model.tokenizer;
     let svc =
         Service::start("ferry-executor", &["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"], 1)
             .unwrap();
@@ -51,12 +46,14 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             scheduler_id: "test".into(),
             epoch: 3,
             expected_model: String::new(),
+            expected_fingerprint: model.fingerprint.clone(),
         })
         .await
         .unwrap()
         .into_inner();
     let info = hs.info.unwrap();
     assert_eq!(info.model, "SmolLM2-135M-Instruct");
+    assert_eq!(info.model_fingerprint, model.fingerprint);
     assert!(info.num_blocks > 8, "{info:?}");
     assert_eq!(info.eos_token_ids, vec![tok.eos_token_id]);
 
@@ -105,6 +102,7 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             scheduler_id: "new".into(),
             epoch: 4,
             expected_model: String::new(),
+            expected_fingerprint: String::new(),
         })
         .await
         .unwrap()
@@ -114,10 +112,25 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             scheduler_id: "old".into(),
             epoch: 3,
             expected_model: String::new(),
+            expected_fingerprint: String::new(),
         })
         .await
         .unwrap_err();
     assert_eq!(stale.code(), tonic::Code::FailedPrecondition);
+    // A scheduler tokenizing for another model is refused, whatever its epoch, and the
+    // session stays the current one.
+    let other_model = client
+        .handshake(v1::HandshakeRequest {
+            scheduler_id: "other-model".into(),
+            epoch: 5,
+            expected_model: String::new(),
+            expected_fingerprint: "0123456789abcdef".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(other_model.code(), tonic::Code::FailedPrecondition);
+    let why = other_model.message();
+    assert!(why.contains(&model.fingerprint) && why.contains("0123456789abcdef"), "{why}");
     let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
     assert_eq!(
         (described.num_requests, described.session_id, described.scheduler_id.as_str()),

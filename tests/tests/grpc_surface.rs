@@ -73,7 +73,7 @@ fn scheduler_serves_health_and_reflection() {
 #[test]
 fn serve_hosts_every_part_in_one_process() {
     let mut svc = Service::start(
-        "ferry-scheduler",
+        "ferry",
         &["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
         4,
     )
@@ -110,30 +110,97 @@ fn stale_epoch_is_refused() {
     assert!(err.contains("FailedPrecondition") && err.contains("stale scheduler epoch 4"), "{err}");
 }
 
+/// Every invalid flag, and every invalid combination, is refused at start-up: a non-zero exit,
+/// the flags named, and nothing bound (no address announced).
 #[test]
-fn bad_flags_exit_non_zero_with_a_clear_message() {
-    for (bin, args, needle) in [
+fn bad_flags_exit_non_zero_naming_the_flags() {
+    let listen = ["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
+    let sched = |extra: &[&'static str]| [&listen[..], extra].concat();
+    let serve = |extra: &[&'static str]| [&["serve"][..], &listen[..], extra].concat();
+    let cases: Vec<(&str, Vec<&str>, &str)> = vec![
         ("ferry-executor", vec!["--block-size", "12"], "--block-size 12 is invalid"),
+        ("ferry-executor", vec!["--kv-cache-mib", "0"], "--kv-cache-mib must be at least 1"),
+        ("ferry-executor", vec!["--executor-id", " "], "--executor-id must not be empty"),
+        ("ferry-executor", vec!["--lease-ttl", "1"], "--lease-ttl must be between 2 and 3600"),
         ("ferry-executor", vec!["--no-such-flag"], "unexpected argument"),
         ("ferry-kv", vec!["--store-mib", "lots"], "invalid value"),
-        ("ferry-scheduler", vec!["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+        ("ferry-kv", vec!["--store-mib", "0"], "--store-mib must be at least 1"),
+        ("ferry-kv", vec!["--node-id", ""], "--node-id must not be empty"),
+        ("ferry-kv", vec!["--cluster", "a/b"], "--cluster \"a/b\" must be non-empty"),
+        ("ferry-scheduler", sched(&["--max-num-seqs", "0"]), "--max-num-seqs must be at least 1"),
+        (
+            "ferry-scheduler",
+            sched(&["--max-num-seqs", "300", "--max-num-batched-tokens", "256"]),
+            "--max-num-batched-tokens (256) must be at least --max-num-seqs (300)",
+        ),
+        (
+            "ferry-scheduler",
+            sched(&["--max-queued-requests", "0"]),
+            "--max-queued-requests must be at least 1",
+        ),
+        (
+            "ferry-scheduler",
+            sched(&["--failover-timeout", "0"]),
+            "--failover-timeout must be between 1",
+        ),
+        (
+            "ferry-scheduler",
+            sched(&["--executor-connect-timeout", "0"]),
+            "--executor-connect-timeout must be between 1",
+        ),
+        ("ferry-scheduler", sched(&["--pool", "a b"]), "--pool \"a b\" must be non-empty"),
+        ("ferry-scheduler", sched(&["--executor", ","]), "--executor \"\" is not an address"),
+        ("ferry-scheduler", sched(&["--lease-ttl", "0"]), "--lease-ttl must be between 2 and 3600"),
         (
             "ferry-scheduler",
             vec!["--listen", "not-an-address", "--http-listen", "127.0.0.1:0"],
             "not-an-address",
         ),
-    ] {
+        (
+            "ferry-scheduler",
+            [&["front"][..], &listen[..]].concat(),
+            "a front needs --etcd-endpoints",
+        ),
+        (
+            "ferry-scheduler",
+            [&["front"][..], &listen[..], &["--etcd-endpoints", "127.0.0.1:1", "--pool", ""]]
+                .concat(),
+            "--pool \"\" must be non-empty",
+        ),
+        (
+            "ferry",
+            serve(&["--max-num-seqs", "64", "--max-num-batched-tokens", "32"]),
+            "--max-num-batched-tokens (32) must be at least --max-num-seqs (64)",
+        ),
+        ("ferry", serve(&["--block-size", "0"]), "--block-size 0 is invalid"),
+        ("ferry", serve(&["--kv-cache-mib", "0"]), "--kv-cache-mib must be at least 1"),
+        ("ferry", serve(&["--store-mib", "0"]), "--store-mib must be at least 1"),
+        (
+            "ferry",
+            serve(&["--max-queued-requests", "0"]),
+            "--max-queued-requests must be at least 1",
+        ),
+        ("ferry", serve(&["--backend", "gpu"]), "invalid value 'gpu' for '--backend"),
+    ];
+    for (bin, args, needle) in cases {
         let out = Command::new(binary(bin).unwrap()).args(&args).output().unwrap();
         assert!(!out.status.success(), "{bin} {args:?} should fail");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{bin} {args:?}: expected {needle:?} in:\n{err}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if needle != "not-an-address" {
+            assert!(
+                !stdout.contains(" listening "),
+                "{bin} {args:?} bound before refusing:\n{stdout}"
+            );
+        }
     }
 }
 
 #[test]
 fn bench_core_prints_json_rows() {
-    let out = Command::new(binary("ferry-scheduler").unwrap())
-        .args(["bench-core", "--quick", "--json", "--filter", "decode"])
+    let out = Command::new(binary("ferry-bench").unwrap())
+        .args(["core", "--quick", "--json", "--filter", "decode"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -1,4 +1,4 @@
-//! `ferry-scheduler serve` — front, scheduler, executor and KV agent in one process — answering
+//! `ferry serve` — front, scheduler, executor and KV agent in one process — answering
 //! real requests over gRPC: the France question, stop strings, greedy determinism under
 //! concurrency, bad input refused with the right code, and an aborted stream freeing its KV.
 
@@ -336,7 +336,7 @@ fn serve_speaks_the_openai_http_api() {
     {
         let json = dir.join(format!("{name}.json"));
         let mut args: Vec<String> = [
-            "bench-serve",
+            "serve",
             "--requests",
             "4",
             "--concurrency",
@@ -351,7 +351,7 @@ fn serve_speaks_the_openai_http_api() {
         .collect();
         args.extend(extra);
         args.extend(["--json".to_string(), json.display().to_string()]);
-        let out = std::process::Command::new(ferry_tests::binary("ferry-scheduler").unwrap())
+        let out = std::process::Command::new(ferry_tests::binary("ferry-bench").unwrap())
             .args(&args)
             .output()
             .unwrap();
@@ -461,8 +461,7 @@ fn a_killed_executor_fails_its_requests_and_is_taken_back_when_restarted() {
     assert_eq!(status, 200);
     ferry_tests::signal(exec.pid(), "KILL").unwrap();
     // Its stream ends (with an error event) instead of hanging.
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut &stream, &mut rest).unwrap();
+    let rest = stream.read_rest().unwrap();
     assert!(rest.contains("\"finish_reason\":\"error\"") || rest.contains("error"), "{rest}");
     // The scheduler says so: health and new requests answer 503.
     let mut health = 0;
@@ -497,11 +496,40 @@ fn sigterm_lets_in_flight_requests_finish_before_exiting() {
     let mut svc = start_serve("64");
     let h = svc.addr("http");
     let body = br#"{"prompt":"Count:","max_tokens":120,"ignore_eos":true,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}"#;
-    let (status, mut stream) = ferry_tests::http_open(h, "/v1/completions", body).unwrap();
+    let (status, stream) = ferry_tests::http_open(h, "/v1/completions", body).unwrap();
     assert_eq!(status, 200);
     ferry_tests::signal(svc.pid(), "TERM").unwrap();
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stream, &mut rest).unwrap();
+    let rest = stream.read_rest().unwrap();
     assert!(rest.contains(r#""completion_tokens":120"#), "the in-flight request was cut: {rest}");
     assert!(svc.terminate(std::time::Duration::from_secs(30)).unwrap().success());
+}
+
+/// A scheduler that tokenizes for one model and an executor that runs another: the executor
+/// refuses the session (fingerprints differ), and the scheduler serves nothing with it — 503,
+/// never text from the wrong vocabulary.
+#[test]
+fn a_scheduler_and_an_executor_with_different_models_refuse_each_other() {
+    use ferry_tests::http;
+    // Another model file: the default one with bytes appended (same header, another size, so
+    // another fingerprint).
+    let dir = ferry_tests::TempDir::new("other-model").unwrap();
+    let other = dir.0.join("other.gguf");
+    std::fs::copy(ferry_model::default_model_path().unwrap(), &other).unwrap();
+    let mut f = std::fs::OpenOptions::new().append(true).open(&other).unwrap();
+    std::io::Write::write_all(&mut f, &[0u8; 64]).unwrap();
+    drop(f);
+    let (exec, sched) = start_split(&["--model", other.to_str().unwrap()]);
+    let h = sched.addr("http");
+    assert_eq!(http(h, "GET", "/health", b"").unwrap().0, 503, "no executor may be in use");
+    let (status, body) =
+        http(h, "POST", "/v1/completions", br#"{"prompt":"hi","max_tokens":1}"#).unwrap();
+    assert_eq!(status, 503, "{body}");
+    // The executor opened no session for it.
+    let described = ferry_tests::grpcurl_ok(&[
+        "-plaintext",
+        &exec.addr("grpc").to_string(),
+        "ferry.v1.Executor/Describe",
+    ])
+    .unwrap();
+    assert!(!described.contains("sessionId"), "{described}");
 }

@@ -105,19 +105,12 @@ async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
     let caller_span = "00f067aa0ba902b7";
     let body =
         br#"{"model":"SmolLM2-135M-Instruct","prompt":"Hello","max_tokens":6,"ignore_eos":true}"#;
-    let addr = front.addr("http");
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    use std::io::{Read, Write};
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         traceparent: 00-{trace_id}-{caller_span}-01\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).unwrap();
-    stream.write_all(body).unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let traceparent = format!("00-{trace_id}-{caller_span}-01");
+    let headers = [("traceparent", traceparent.as_str())];
+    let (status, response) =
+        ferry_tests::http_with(front.addr("http"), "POST", "/v1/completions", &headers, body)
+            .unwrap();
+    assert_eq!(status, 200, "{response}");
 
     // Wait for every process to export the request's spans.
     let want = ["generate", "tokenize", "request", "queue", "execute"];

@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use ferry_executor_svc::bench::{self, BenchOptions};
-use ferry_executor_svc::model::LoadedModel;
+use ferry_executor_svc::model::{LoadedModel, ModelFile};
 use ferry_executor_svc::ExecutorConfig;
 
 /// Ferry's model executor.
@@ -51,13 +51,13 @@ fn run_bench(
     opts: BenchOptions,
     json: bool,
 ) -> anyhow::Result<()> {
-    let model = LoadedModel::load(model)?;
+    let model = LoadedModel::open(model)?;
     let kv_bytes = ferry_executor_svc::model::PagedKvCache::bytes_per_token(&model.weights.shape);
     if !json {
         println!(
             "model {} ({}); KV cache {kv_bytes} bytes per cached token",
-            model.name,
-            model.path.display()
+            model.file.name,
+            model.file.path.display()
         );
         println!("{:<28} {:>6} {:>12} {:>14}", "scenario", "batch", "tokens/s", "median step ms");
     }
@@ -98,14 +98,18 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
     }
+    cli.executor.validate()?;
+    cli.cluster.validate()?;
     cli.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = cli.trace.init("ferry-executor").map_err(anyhow::Error::msg)?;
-    cli.executor.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);
+    let path = cli.executor.model.clone();
+    let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
     let cluster = cli.cluster.enabled().then_some(cli.cluster);
-    ferry_executor_svc::run_in_cluster(
+    ferry_executor_svc::run(
         cli.executor,
+        std::sync::Arc::new(model),
         cluster,
         listener,
         ferry_runtime::shutdown_signal(),

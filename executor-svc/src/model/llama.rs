@@ -1,29 +1,19 @@
-//! The Llama architecture as a GGUF file describes it: its shape from the `llama.*` metadata
-//! and its weights, dequantized once at load into the layout the forward passes use.
+//! The Llama architecture's weights as a GGUF file holds them, loaded once into the layout the
+//! forward passes use (the shape comes from `ferry-model`, which reads the header).
 //!
 //! GGUF stores Q and K projections permuted for llama.cpp's rotary embedding, which rotates
 //! *adjacent* pairs (x[2i], x[2i+1]); the forwards here use that convention too.
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
+pub use ferry_model::LlamaShape;
 
 use crate::kernels::{KernelError, QWeight};
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    /// A metadata key is missing or has the wrong type.
-    #[error("GGUF metadata {key}: {reason}")]
-    Metadata {
-        /// The key.
-        key: String,
-        /// What was wrong.
-        reason: String,
-    },
-    /// Not a Llama model.
-    #[error("unsupported architecture {0:?} (only llama is supported)")]
-    Architecture(String),
-    /// The shape is inconsistent.
+    /// A tensor's shape differs from what the model's shape implies.
     #[error("inconsistent model shape: {0}")]
     Shape(String),
     /// Reading or converting a tensor failed.
@@ -47,100 +37,6 @@ pub enum LoadError {
     /// Reading the file failed.
     #[error("reading the model: {0}")]
     Io(#[from] std::io::Error),
-}
-
-/// The dimensions of a Llama model.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LlamaShape {
-    /// Transformer blocks.
-    pub num_layers: usize,
-    /// Residual width.
-    pub hidden: usize,
-    /// Feed-forward width.
-    pub intermediate: usize,
-    /// Query heads.
-    pub num_heads: usize,
-    /// Key/value heads (grouped-query attention).
-    pub num_kv_heads: usize,
-    /// Size of one head.
-    pub head_dim: usize,
-    /// Vocabulary size.
-    pub vocab_size: usize,
-    /// Rotary embedding base.
-    pub rope_theta: f32,
-    /// RMS norm epsilon.
-    pub rms_eps: f32,
-    /// Longest context the model was trained for.
-    pub max_model_len: usize,
-}
-
-impl LlamaShape {
-    /// Reads the shape from `llama.*` metadata.
-    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, LoadError> {
-        let md = &content.metadata;
-        let get = |key: &str| {
-            md.get(key)
-                .ok_or_else(|| LoadError::Metadata { key: key.into(), reason: "missing".into() })
-        };
-        let wrap = |key: &str| {
-            let key = key.to_string();
-            move |e: candle_core::Error| LoadError::Metadata {
-                key: key.clone(),
-                reason: e.to_string(),
-            }
-        };
-        let arch =
-            get("general.architecture")?.to_string().map_err(wrap("general.architecture"))?;
-        if arch != "llama" {
-            return Err(LoadError::Architecture(arch.clone()));
-        }
-        let u = |key: &str| -> Result<usize, LoadError> {
-            Ok(get(key)?.to_u32().map_err(wrap(key))? as usize)
-        };
-        let hidden = u("llama.embedding_length")?;
-        let num_heads = u("llama.attention.head_count")?;
-        let num_kv_heads = match md.get("llama.attention.head_count_kv") {
-            Some(v) => v.to_u32().map_err(wrap("llama.attention.head_count_kv"))? as usize,
-            None => num_heads,
-        };
-        let vocab_size = match md.get("llama.vocab_size") {
-            Some(v) => v.to_u32().map_err(wrap("llama.vocab_size"))? as usize,
-            None => {
-                get("tokenizer.ggml.tokens")?.to_vec().map_err(wrap("tokenizer.ggml.tokens"))?.len()
-            }
-        };
-        let rope_theta = match md.get("llama.rope.freq_base") {
-            Some(v) => v.to_f32().map_err(wrap("llama.rope.freq_base"))?,
-            None => 10_000.0,
-        };
-        let shape = Self {
-            num_layers: u("llama.block_count")?,
-            hidden,
-            intermediate: u("llama.feed_forward_length")?,
-            num_heads,
-            num_kv_heads,
-            head_dim: hidden.checked_div(num_heads).unwrap_or(0),
-            vocab_size,
-            rope_theta,
-            rms_eps: get("llama.attention.layer_norm_rms_epsilon")?
-                .to_f32()
-                .map_err(wrap("llama.attention.layer_norm_rms_epsilon"))?,
-            max_model_len: u("llama.context_length")?,
-        };
-        if num_heads == 0
-            || num_kv_heads == 0
-            || hidden % num_heads != 0
-            || num_heads % num_kv_heads != 0
-        {
-            return Err(LoadError::Shape(format!("{shape:?}")));
-        }
-        Ok(shape)
-    }
-
-    /// Width of the K (or V) projection: kv_heads × head_dim.
-    pub fn kv_dim(&self) -> usize {
-        self.num_kv_heads * self.head_dim
-    }
 }
 
 /// One transformer block's weights. Matrices are `[out, in]` in their GGUF quantization.
@@ -178,13 +74,13 @@ pub struct LlamaWeights {
 }
 
 impl LlamaWeights {
-    /// Loads every tensor of `content` from `reader`: matrices keep their quantized blocks,
-    /// norm weights become f32.
+    /// Loads every tensor of `content` from `reader` for a model of `shape`: matrices keep
+    /// their quantized blocks, norm weights become f32.
     pub fn load<R: std::io::Read + std::io::Seek>(
+        shape: LlamaShape,
         content: &gguf_file::Content,
         reader: &mut R,
     ) -> Result<Self, LoadError> {
-        let shape = LlamaShape::from_gguf(content)?;
         let device = Device::Cpu;
         let mut read = |name: &str, dims: &[usize]| {
             let t = content

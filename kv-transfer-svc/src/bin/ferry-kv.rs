@@ -23,12 +23,13 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    cli.agent.validate()?;
+    cli.cluster.validate()?;
     cli.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = cli.trace.init("ferry-kv").map_err(anyhow::Error::msg)?;
-    cli.agent.validate()?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);
     let cluster = cli.cluster.enabled().then_some(cli.cluster);
     let stop = ferry_runtime::shutdown_signal();
-    ferry_kv_transfer_svc::run_in_cluster(cli.agent, cluster, listener, stop).await
+    ferry_kv_transfer_svc::run(cli.agent, cluster, listener, stop).await
 }

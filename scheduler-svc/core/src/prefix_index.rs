@@ -158,7 +158,7 @@ mod tests {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             // Few distinct keys, some sharing home slots, so runs wrap and shift.
             let key = BlockHash((x >> 58) | ((x >> 40 & 1) << 63));
-            if x % 3 == 0 || model.len() >= 64 {
+            if x.is_multiple_of(3) || model.len() >= 64 {
                 assert_eq!(idx.remove(key), model.remove(&key));
             } else {
                 let inserted = idx.insert_if_absent(key, BlockId(step));

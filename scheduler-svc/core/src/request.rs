@@ -78,8 +78,9 @@ pub struct KvImport {
 pub struct NewRequest {
     /// Caller-chosen id, unique among live requests.
     pub id: RequestId,
-    /// Prompt tokens (non-empty, shorter than the model's maximum length).
-    pub prompt: Vec<TokenId>,
+    /// Prompt tokens (non-empty, shorter than the model's maximum length), shared with the
+    /// caller rather than copied.
+    pub prompt: Arc<[TokenId]>,
     /// Maximum output tokens (at least one; prompt + max_tokens ≤ max_model_len).
     pub max_tokens: usize,
     /// Output tokens before EOS or stop tokens may stop the request.
@@ -112,10 +113,15 @@ pub struct NewRequest {
 
 impl NewRequest {
     /// A plain request with default stop rules, priority 0 and no salt.
-    pub fn new(id: RequestId, prompt: Vec<TokenId>, max_tokens: usize, arrival: Timestamp) -> Self {
+    pub fn new(
+        id: RequestId,
+        prompt: impl Into<Arc<[TokenId]>>,
+        max_tokens: usize,
+        arrival: Timestamp,
+    ) -> Self {
         NewRequest {
             id,
-            prompt,
+            prompt: prompt.into(),
             max_tokens,
             min_tokens: 0,
             eos_token_ids: Vec::new(),
@@ -370,7 +376,7 @@ impl Request {
         let to_u32 = |n: usize| u32::try_from(n).expect("validated: within max_model_len");
         Request {
             id: req.id,
-            prompt: req.prompt.into(),
+            prompt: req.prompt,
             output: req.output,
             max_tokens: to_u32(req.max_tokens),
             min_tokens: to_u32(req.min_tokens),

@@ -1,34 +1,13 @@
 //! Checking a client's request and turning it into what the scheduler needs: tokens, limits,
 //! stop rules and sampling parameters. Every refusal says what was wrong and the limit.
 
-use ferry_executor_svc::engine::sampling::SamplingParams;
-use ferry_executor_svc::model::{ChatMessage, Tokenizer};
+use std::sync::Arc;
+
+use ferry_model::sampling::SamplingParams;
+use ferry_model::{ChatMessage, ModelFile};
 use ferry_proto::v1;
 
-/// A request that passed every check.
-#[derive(Debug)]
-pub struct Prepared {
-    /// Prompt tokens.
-    pub prompt: Vec<u32>,
-    /// Tokens a continuation already delivered (count toward `max_tokens`).
-    pub output: Vec<u32>,
-    /// Most tokens to generate.
-    pub max_tokens: usize,
-    /// Fewest tokens before EOS or a stop token may end it.
-    pub min_tokens: usize,
-    /// Stop strings.
-    pub stop: Vec<String>,
-    /// Stop token ids.
-    pub stop_token_ids: Vec<u32>,
-    /// Keep going past EOS.
-    pub ignore_eos: bool,
-    /// Return the matched stop string.
-    pub include_stop_str: bool,
-    /// Sampling, as sent to the executor.
-    pub sampling: v1::SamplingParams,
-    /// Lower runs first.
-    pub priority: i32,
-}
+use crate::request::RequestSpec;
 
 /// Why a request was refused.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -47,29 +26,38 @@ pub enum PrepareError {
 }
 
 /// The model a front serves.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ServedModel {
-    /// Name clients use.
-    pub name: String,
-    /// Its tokenizer and chat template.
-    pub tokenizer: Tokenizer,
-    /// Largest prompt + output.
+    /// The model file: name, fingerprint, tokenizer and chat template.
+    pub file: Arc<ModelFile>,
+    /// Largest prompt + output accepted: the model's, capped to what the smallest executor's
+    /// KV cache holds for one request.
     pub max_model_len: usize,
+}
+
+impl ServedModel {
+    /// The name clients use.
+    pub fn name(&self) -> &str {
+        &self.file.name
+    }
 }
 
 /// Most stop strings per request (as vLLM's OpenAI server has no limit, this one is generous).
 pub const MAX_STOP_STRINGS: usize = 16;
 
-/// Checks `req` against `model`.
-pub fn prepare(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Prepared, PrepareError> {
+/// Checks `req` against `model`; the spec comes back without a trace context.
+pub fn prepare(
+    model: &ServedModel,
+    req: &v1::GenerateRequest,
+) -> Result<RequestSpec, PrepareError> {
     let invalid = |m: String| PrepareError::Invalid(m);
-    if !req.model.is_empty() && req.model != model.name {
+    if !req.model.is_empty() && req.model != model.name() {
         return Err(PrepareError::UnknownModel {
             asked: req.model.clone(),
-            served: model.name.clone(),
+            served: model.name().to_string(),
         });
     }
-    let tok = &model.tokenizer;
+    let tok = &model.file.tokenizer;
     let prompt = match &req.input {
         Some(v1::generate_request::Input::Prompt(text)) => {
             tok.encode(text).map_err(|e| invalid(format!("prompt: {e}")))?
@@ -146,9 +134,9 @@ pub fn prepare(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Prepare
     }
     let sampling = req.sampling.unwrap_or_default();
     SamplingParams::from_proto(&sampling, 0).validate().map_err(|e| invalid(e.to_string()))?;
-    Ok(Prepared {
-        prompt,
-        output,
+    Ok(RequestSpec {
+        prompt: prompt.into(),
+        prior_output: output,
         max_tokens,
         min_tokens: stopping.min_tokens as usize,
         stop: stopping.stop,
@@ -157,5 +145,6 @@ pub fn prepare(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Prepare
         include_stop_str: stopping.include_stop_str_in_output,
         sampling,
         priority: req.priority,
+        traceparent: String::new(),
     })
 }

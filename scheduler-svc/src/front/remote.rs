@@ -8,7 +8,7 @@
 //! next leader. The scheduler computes nothing twice that the client saw, and seeded or greedy
 //! sampling continues exactly (DESIGN.md §7).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use ferry_proto::v1::{self, generation_client::GenerationClient};
@@ -93,17 +93,32 @@ async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Optio
     }
 }
 
-/// A request running on the leader; cancelling it drops the stream, which aborts it there.
+/// A request running on the leader.
 #[derive(Clone)]
 pub struct Call {
     /// The leader it runs on.
     pub leader: Arc<str>,
+    client: GenerationClient<Channel>,
+    /// The leader's id for the request, from its first event.
+    remote_id: Arc<OnceLock<String>>,
     cancel: Arc<watch::Sender<bool>>,
 }
 
 impl Call {
-    /// Ends the call (the leader aborts the request).
-    pub fn cancel(&self) {
+    /// Aborts the request on the leader, whose stream then ends with the request's account
+    /// (an abort with its usage). If the leader does not take the abort (it never said the
+    /// request's id, or it is unreachable), the call is dropped instead, which aborts it there
+    /// too, without an account.
+    pub async fn abort(&self) {
+        if let Some(id) = self.remote_id.get() {
+            let mut client = self.client.clone();
+            let abort = client.abort(v1::AbortRequest { request_id: id.clone() });
+            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(1), abort).await {
+                if r.into_inner().found {
+                    return;
+                }
+            }
+        }
         self.cancel.send_replace(true);
     }
 }
@@ -127,6 +142,7 @@ pub async fn submit(
     };
     let channel = leader.channel(&address).map_err(SubmitError::Retry)?;
     let mut client = GenerationClient::new(channel);
+    let caller = client.clone();
     let mut req = tonic::Request::new(req);
     if let Ok(tp) = traceparent.parse() {
         if !traceparent.is_empty() {
@@ -153,13 +169,16 @@ pub async fn submit(
     };
     let (cancel, cancelled) = watch::channel(false);
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(relay(stream, cancelled, tx));
-    Ok((Call { leader: address.into(), cancel: Arc::new(cancel) }, rx))
+    let remote_id = Arc::new(OnceLock::new());
+    tokio::spawn(relay(stream, remote_id.clone(), cancelled, tx));
+    let call = Call { leader: address.into(), client: caller, remote_id, cancel: Arc::new(cancel) };
+    Ok((call, rx))
 }
 
 /// Forwards the leader's stream as link events until it ends, breaks, or is cancelled.
 async fn relay(
     mut stream: tonic::Streaming<v1::GenerateEvent>,
+    remote_id: Arc<OnceLock<String>>,
     mut cancelled: watch::Receiver<bool>,
     tx: mpsc::UnboundedSender<LinkEvent>,
 ) {
@@ -175,6 +194,9 @@ async fn relay(
                 return;
             }
         };
+        if remote_id.get().is_none() && !ev.request_id.is_empty() {
+            let _ = remote_id.set(ev.request_id.clone());
+        }
         let mut logprobs = ev.logprobs.into_iter();
         for &t in &ev.token_ids {
             let _ = tx.send(LinkEvent::Token(t, logprobs.next()));

@@ -2,7 +2,7 @@
 //! never splits a UTF-8 character, and stop strings — text that could still be the start of a
 //! stop string is held back until it cannot, so a client never sees part of one.
 
-use ferry_executor_svc::model::{IncrementalDecoder, Tokenizer};
+use ferry_model::{IncrementalDecoder, Tokenizer};
 
 /// Text produced by one token.
 #[derive(Debug, Default, PartialEq, Eq)]

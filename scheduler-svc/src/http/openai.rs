@@ -201,7 +201,7 @@ struct Shaper {
 
 impl Shaper {
     fn token_text(&self, id: u32) -> String {
-        self.front.model().tokenizer.decode(&[id])
+        self.front.model().file.tokenizer.decode(&[id])
     }
 
     /// Logprobs of one event, in the endpoint's shape.
@@ -284,7 +284,7 @@ async fn run(
     req: v1::GenerateRequest,
     headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
-    let model = front.model().name.clone();
+    let model = front.model().name().to_string();
     let mut call = tonic::Request::new(req);
     // W3C trace context: the caller's `traceparent` (and `tracestate`) become the parent of
     // this request's spans, as on the gRPC API.
@@ -450,7 +450,7 @@ pub async fn models(State(front): State<GenerationService>) -> Response {
     let m = front.model();
     let body = json!({
         "object": "list",
-        "data": [{ "id": m.name, "object": "model", "created": 0, "owned_by": "ferry", "max_model_len": m.max_model_len }],
+        "data": [{ "id": m.name(), "object": "model", "created": 0, "owned_by": "ferry", "max_model_len": m.max_model_len }],
     });
     ([("content-type", "application/json")], body.to_string()).into_response()
 }

@@ -199,8 +199,8 @@ fn on_a_gpu_the_real_model_greedy_decodes_like_the_cpu() {
         return;
     }
     drop(probe);
-    let model = crate::model::LoadedModel::load(None).expect("the default model");
-    let prompt = model.tokenizer.encode("The capital of France is").expect("encode");
+    let model = crate::model::LoadedModel::open(None).expect("the default model");
+    let prompt = model.file.tokenizer.encode("The capital of France is").expect("encode");
     let (bs, blocks) = (16, 64);
     let mut gpu = CudaBackend::new(&model.weights, bs, blocks, 0).expect("gpu backend");
     let mut cpu = CpuBackend::new(model.weights, bs, blocks);

@@ -1,7 +1,7 @@
 //! The pieces a draw is made of: the position-keyed uniform number, rank keys for top-k and
 //! top-p selection, the inverse CDF, and a vectorisable exponential.
 
-use super::params::SamplingError;
+use ferry_model::sampling::SamplingError;
 
 /// A 64-bit hash of (seed, position): the counter-based generator behind every draw. SplitMix64's
 /// finaliser applied twice; for a fixed seed, distinct positions give distinct hashes.

@@ -34,13 +34,12 @@
 //! long-lived `Sampler` does not allocate in the steady state.
 
 mod draw;
-mod params;
 #[cfg(test)]
 mod tests;
 
 use draw::*;
 pub use draw::{position_hash, position_uniform};
-pub use params::*;
+pub use ferry_model::sampling::*;
 
 /// Samples one token with a throwaway [`Sampler`]; prefer a long-lived `Sampler` on hot paths.
 pub fn sample(

@@ -188,7 +188,7 @@ mod tests {
         })
         .unwrap();
         for id in 1..=3u64 {
-            let prompt = (0..2 * id as u32).collect();
+            let prompt: Vec<u32> = (0..2 * id as u32).collect();
             let mut r = NewRequest::new(RequestId(id), prompt, 40, Timestamp(0));
             r.priority = 1;
             core.add_request(r).unwrap();

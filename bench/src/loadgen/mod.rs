@@ -1,4 +1,4 @@
-//! `ferry-scheduler bench-serve`: a load generator for any OpenAI-compatible endpoint (Ferry,
+//! `ferry-bench serve`: a load generator for any OpenAI-compatible endpoint (Ferry,
 //! vLLM, llama.cpp's server). N streaming completion requests at a fixed concurrency, or
 //! arriving as a Poisson process, with prompt and output lengths drawn from ranges or read from
 //! a JSONL dataset. Reports throughput, time to first token, time per output token,
@@ -75,6 +75,9 @@ pub struct LoadArgs {
     /// With --in-process: KV cache memory in MiB.
     #[arg(long, default_value_t = 512)]
     pub kv_cache_mib: u64,
+    /// With --in-process: the scheduling flags, as `ferry-scheduler` takes them.
+    #[command(flatten)]
+    pub scheduler: ferry_scheduler_svc::config::SchedulerArgs,
 }
 
 /// One request of the workload.
@@ -259,12 +262,12 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
     anyhow::ensure!(args.rate.is_none_or(|r| r > 0.0), "--rate must be positive");
     let jobs = workload(&args)?;
     if args.in_process {
-        // The scheduler's own defaults (and FERRY_* environment), as `ferry-scheduler` takes them.
-        let config = crate::config::SchedulerConfig::from_defaults()?;
+        let settings = args.scheduler.resolve()?;
         let (concurrency, kv) = (args.concurrency, args.kv_cache_mib);
-        let report =
-            tokio::task::spawn_blocking(move || inprocess::run(jobs, concurrency, &config, kv, 16))
-                .await??;
+        let report = tokio::task::spawn_blocking(move || {
+            inprocess::run(jobs, concurrency, &settings, kv, 16)
+        })
+        .await??;
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
         }
@@ -276,6 +279,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
     let start = Instant::now();
     let mut rng = Rng(args.seed ^ 0xA5A5);
     let target = Arc::new(args.target.clone());
+    let client = crate::http::HttpClient::default();
     let model = args.model.clone();
     let rate = args.rate;
     tokio::spawn(async move {
@@ -292,9 +296,9 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
                 "stream_options": { "include_usage": true },
             })
             .to_string();
-            let (tx, target) = (tx.clone(), target.clone());
+            let (tx, target, client) = (tx.clone(), target.clone(), client.clone());
             tokio::spawn(async move {
-                let result = stream_completion(&target, "/v1/completions", &body).await;
+                let result = stream_completion(&client, &target, "/v1/completions", body).await;
                 drop(permit);
                 let _ = tx.send(result);
             });

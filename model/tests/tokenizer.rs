@@ -1,13 +1,32 @@
-//! The tokenizer and chat template read from the real default model's GGUF metadata.
+//! The tokenizer and chat template read from the real default model's GGUF metadata, and what
+//! the header says of the model.
 
-use candle_core::quantized::gguf_file;
-use ferry_executor_svc::model::{default_model_path, ChatMessage, IncrementalDecoder, Tokenizer};
+use ferry_model::{ChatMessage, IncrementalDecoder, ModelFile, Tokenizer};
+
+fn model() -> ModelFile {
+    ModelFile::open(None).expect("the default model")
+}
 
 fn tokenizer() -> Tokenizer {
-    let path = default_model_path().expect("default model");
-    let mut file = std::fs::File::open(path).unwrap();
-    let content = gguf_file::Content::read(&mut file).unwrap();
-    Tokenizer::from_gguf(&content).unwrap()
+    model().tokenizer
+}
+
+#[test]
+fn the_header_gives_the_shape_name_and_a_stable_fingerprint() {
+    let m = model();
+    assert_eq!(m.name, "SmolLM2-135M-Instruct");
+    let s = m.shape;
+    assert_eq!((s.num_layers, s.hidden, s.num_heads, s.num_kv_heads), (30, 576, 9, 3));
+    assert_eq!(
+        (s.intermediate, s.head_dim, s.vocab_size, s.max_model_len),
+        (1536, 64, 49152, 8192)
+    );
+    // The fingerprint depends on the file alone, and differs for another file.
+    assert_eq!(m.fingerprint, model().fingerprint);
+    assert_eq!(m.fingerprint.len(), 16);
+    let mut other = ferry_model::GgufHeader::open(&m.path).unwrap();
+    other.tensors.pop();
+    assert_ne!(ferry_model::fingerprint(&other), m.fingerprint);
 }
 
 #[test]

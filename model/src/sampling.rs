@@ -1,4 +1,8 @@
 //! What a request asks of its sampler, and the checks that keep bad values out.
+//!
+//! Here rather than in the executor because both ends need it: the front refuses a request
+//! with a bad value before it is placed, and the executor checks every value again before it
+//! samples (a scheduler is not trusted to have checked).
 
 use ferry_proto::v1;
 
@@ -126,24 +130,28 @@ impl SamplingParams {
         self.temperature == 0.0 || self.top_k == 1
     }
 
-    pub(super) fn repetition_on(&self) -> bool {
+    /// Whether the repetition penalty changes anything.
+    pub fn repetition_on(&self) -> bool {
         self.repetition_penalty != 0.0 && self.repetition_penalty != 1.0
     }
 
-    pub(super) fn additive_on(&self) -> bool {
+    /// Whether the presence or frequency penalty changes anything.
+    pub fn additive_on(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
-    pub(super) fn top_k_on(&self, vocab: usize) -> bool {
+    /// Whether top-k leaves out any of a `vocab`-token vocabulary.
+    pub fn top_k_on(&self, vocab: usize) -> bool {
         self.top_k > 0 && (self.top_k as usize) < vocab
     }
 
-    pub(super) fn top_p_on(&self) -> bool {
+    /// Whether top-p can leave out any token.
+    pub fn top_p_on(&self) -> bool {
         self.top_p > 0.0 && self.top_p < 1.0
     }
 }
 
-pub(super) fn check(
+fn check(
     param: &'static str,
     value: f32,
     lo: f32,

@@ -1,4 +1,4 @@
-//! `ferry-scheduler bench-core`: the scheduling core's cost per step (one `schedule` plus one
+//! `ferry-bench core`: the scheduling core's cost per step (one `schedule` plus one
 //! `apply_result`), median and p99, per scenario. `--json` prints an array of rows
 //! (`scenario`, `running`, `waiting`, `median_us`, `p99_us`) to compare across versions.
 

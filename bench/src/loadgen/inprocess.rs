@@ -5,72 +5,88 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
 use ferry_executor_svc::model::{LoadedModel, PagedKvCache};
 use ferry_proto::v1;
-use ferry_sched_core::{self as core, RequestEvent, RequestId, Scheduler, Timestamp};
+use ferry_sched_core::{RequestEvent, RequestId, Scheduler, Timestamp};
+use ferry_scheduler_svc::config::{ExecutorGeometry, SchedulerSettings};
+use ferry_scheduler_svc::link::wire;
+use ferry_scheduler_svc::request::RequestSpec;
 
 use super::{Job, Report};
-use crate::config::SchedulerConfig;
 
-/// Runs `jobs` at `concurrency` through core + engine in this thread; `kv_cache_mib` and
-/// `block_size` size the cache as an executor would.
+/// Runs `jobs` at `concurrency` through core + engine in this thread, the core configured from
+/// `settings` as a scheduler configures it; `kv_cache_mib` and `block_size` size the cache as
+/// an executor would.
 pub fn run(
     jobs: Vec<Job>,
     concurrency: usize,
-    config: &SchedulerConfig,
+    settings: &SchedulerSettings,
     kv_cache_mib: u64,
     block_size: usize,
 ) -> anyhow::Result<Report> {
-    let model = LoadedModel::load(None)?;
+    let model = LoadedModel::open(None)?;
     let shape = model.weights.shape;
     let num_blocks =
         PagedKvCache::blocks_for_budget(&shape, block_size, kv_cache_mib * 1024 * 1024);
-    let eos = model.tokenizer.eos_token_id;
+    let tokenizer = &model.file.tokenizer;
+    let eos = tokenizer.eos_token_id;
     let prompts: Vec<(Vec<u32>, u64)> = jobs
         .iter()
-        .map(|j| Ok((model.tokenizer.encode(&j.prompt)?, j.max_tokens)))
+        .map(|j| Ok((tokenizer.encode(&j.prompt)?, j.max_tokens)))
         .collect::<anyhow::Result<_>>()?;
     let mut engine = Engine::new(
         Box::new(CpuBackend::new(model.weights, block_size, num_blocks)),
         EngineConfig { eos_token_id: eos },
     );
-    let mut core = Scheduler::new(core::SchedulerConfig {
+    let geometry = ExecutorGeometry {
         block_size,
         num_blocks,
         max_model_len: shape.max_model_len.min(num_blocks * block_size),
-        max_num_seqs: config.max_num_seqs as usize,
-        max_num_batched_tokens: config.max_num_batched_tokens as usize,
-        enable_chunked_prefill: config.enable_chunked_prefill,
-        max_steps_in_flight: 1,
-        ..core::SchedulerConfig::default()
-    })?;
+    };
+    let mut core = Scheduler::new(settings.core_config("in-process", geometry)?)?;
     let start = Instant::now();
     let now = || Timestamp(start.elapsed().as_nanos() as u64);
     let mut pending: VecDeque<(u64, (Vec<u32>, u64))> =
         prompts.into_iter().enumerate().map(|(i, p)| (i as u64 + 1, p)).collect();
     let (mut live, mut completed, mut output_tokens, mut prompt_tokens) =
         (0usize, 0usize, 0u64, 0u64);
-    let greedy = v1::SamplingParams::default();
+    // Greedy, as the served runs ask for (temperature 0).
+    let spec = RequestSpec {
+        prompt: Arc::from(Vec::new()),
+        prior_output: Vec::new(),
+        max_tokens: 0,
+        min_tokens: 0,
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+        stop: Vec::new(),
+        include_stop_str: false,
+        priority: 0,
+        sampling: v1::SamplingParams::default(),
+        traceparent: String::new(),
+    };
     let mut events = Vec::new();
     loop {
         while live < concurrency {
             let Some((id, (prompt, max_tokens))) = pending.pop_front() else { break };
             prompt_tokens += prompt.len() as u64;
-            let mut req = core::NewRequest::new(RequestId(id), prompt, max_tokens as usize, now());
-            req.ignore_eos = true;
-            req.eos_token_ids = vec![eos];
-            core.add_request(req)?;
+            let spec = RequestSpec {
+                prompt: prompt.into(),
+                max_tokens: max_tokens as usize,
+                ..spec.clone()
+            };
+            core.add_request(spec.to_core(RequestId(id), Vec::new(), &[eos], now()))?;
             live += 1;
         }
         if core.is_drained() {
             break;
         }
-        let step =
-            crate::link::to_proto(core.schedule(now())?, 0, 0, |_| Some((greedy, String::new())));
+        let step = wire::to_proto(core.schedule(now())?, 0, 0, |_| Some(&spec));
         let result = engine.execute(&step)?;
         events.clear();
-        core.apply_result(&crate::link::outcome_of(&result), now(), &mut events)?;
+        core.apply_result(&wire::outcome_of(&result), now(), &mut events)?;
         for ev in &events {
             match ev {
                 RequestEvent::Token { .. } => output_tokens += 1,

@@ -8,13 +8,14 @@
 
 use std::collections::HashMap;
 
-use candle_core::quantized::gguf_file;
 use minijinja::Environment;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+use crate::gguf::{GgufHeader, Value};
 
 /// Why a tokenizer could not be built or used.
 #[derive(Debug, thiserror::Error)]
@@ -76,70 +77,70 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
-fn meta<'a>(
-    c: &'a gguf_file::Content,
-    key: &'static str,
-) -> Result<&'a gguf_file::Value, TokenizerError> {
-    c.metadata.get(key).ok_or(TokenizerError::Metadata { key, reason: "missing".into() })
+fn meta<'a>(header: &'a GgufHeader, key: &'static str) -> Result<&'a Value, TokenizerError> {
+    header.get(key).ok_or(TokenizerError::Metadata { key, reason: "missing".into() })
 }
 
-fn bad(key: &'static str) -> impl Fn(candle_core::Error) -> TokenizerError {
-    move |e| TokenizerError::Metadata { key, reason: e.to_string() }
+fn bad(key: &'static str, want: &str, got: &Value) -> TokenizerError {
+    TokenizerError::Metadata { key, reason: format!("expected {want}, found {}", got.type_name()) }
+}
+
+/// `key`'s value as an array of strings.
+fn strings(header: &GgufHeader, key: &'static str) -> Result<Vec<String>, TokenizerError> {
+    let v = meta(header, key)?;
+    let items = v.as_array().ok_or_else(|| bad(key, "an array of strings", v))?;
+    items
+        .iter()
+        .map(|item| item.as_str().map(str::to_string).ok_or_else(|| bad(key, "a string", item)))
+        .collect()
 }
 
 impl Tokenizer {
     /// Builds the tokenizer from a GGUF file's metadata.
-    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, TokenizerError> {
-        let model = meta(content, "tokenizer.ggml.model")?
-            .to_string()
-            .map_err(bad("tokenizer.ggml.model"))?;
+    pub fn from_gguf(header: &GgufHeader) -> Result<Self, TokenizerError> {
+        let key = "tokenizer.ggml.model";
+        let model = meta(header, key)?;
+        let model = model.as_str().ok_or_else(|| bad(key, "a string", model))?;
         if model != "gpt2" {
-            return Err(TokenizerError::Unsupported(model.clone()));
+            return Err(TokenizerError::Unsupported(model.to_string()));
         }
-        let tokens: Vec<String> = meta(content, "tokenizer.ggml.tokens")?
-            .to_vec()
-            .map_err(bad("tokenizer.ggml.tokens"))?
-            .iter()
-            .map(|v| v.to_string().cloned())
-            .collect::<Result<_, _>>()
-            .map_err(bad("tokenizer.ggml.tokens"))?;
-        let types: Vec<i32> = match content.metadata.get("tokenizer.ggml.token_type") {
-            Some(v) => v
-                .to_vec()
-                .map_err(bad("tokenizer.ggml.token_type"))?
-                .iter()
-                .map(|t| t.to_i32())
-                .collect::<Result<_, _>>()
-                .map_err(bad("tokenizer.ggml.token_type"))?,
+        let tokens = strings(header, "tokenizer.ggml.tokens")?;
+        let types: Vec<i32> = match header.get("tokenizer.ggml.token_type") {
+            Some(v) => {
+                let key = "tokenizer.ggml.token_type";
+                let items = v.as_array().ok_or_else(|| bad(key, "an array", v))?;
+                items
+                    .iter()
+                    .map(|t| t.as_i32().ok_or_else(|| bad(key, "an integer", t)))
+                    .collect::<Result<_, _>>()?
+            }
             None => vec![1; tokens.len()],
         };
-        let merges: Vec<(String, String)> = meta(content, "tokenizer.ggml.merges")?
-            .to_vec()
-            .map_err(bad("tokenizer.ggml.merges"))?
-            .iter()
+        if types.len() != tokens.len() {
+            return Err(TokenizerError::Metadata {
+                key: "tokenizer.ggml.token_type",
+                reason: format!("{} types for {} tokens", types.len(), tokens.len()),
+            });
+        }
+        let merges: Vec<(String, String)> = strings(header, "tokenizer.ggml.merges")?
+            .into_iter()
             .map(|m| {
-                let m = m.to_string()?;
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| candle_core::Error::Msg(format!("merge {m:?} has no space")))
+                m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| {
+                    TokenizerError::Metadata {
+                        key: "tokenizer.ggml.merges",
+                        reason: format!("merge {m:?} has no space"),
+                    }
+                })
             })
-            .collect::<Result<_, _>>()
-            .map_err(bad("tokenizer.ggml.merges"))?;
-        let eos_token_id = meta(content, "tokenizer.ggml.eos_token_id")?
-            .to_u32()
-            .map_err(bad("tokenizer.ggml.eos_token_id"))?;
-        let bos_token_id =
-            content.metadata.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok());
-        let add_bos = content
-            .metadata
-            .get("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.to_bool().ok())
-            .unwrap_or(false);
-        let chat_template = content
-            .metadata
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.to_string().ok())
-            .cloned();
+            .collect::<Result<_, _>>()?;
+        let key = "tokenizer.ggml.eos_token_id";
+        let eos = meta(header, key)?;
+        let eos_token_id = eos.as_u32().ok_or_else(|| bad(key, "a token id", eos))?;
+        let bos_token_id = header.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u32);
+        let add_bos =
+            header.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        let chat_template =
+            header.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string);
 
         let vocab: tokenizers::models::bpe::Vocab =
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();

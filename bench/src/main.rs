@@ -1,0 +1,32 @@
+//! `ferry-bench`: parse flags, run one benchmark, print its figures.
+
+use clap::{Parser, Subcommand};
+
+/// Ferry's benchmarks.
+#[derive(Debug, Parser)]
+#[command(name = "ferry-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The scheduling core: cost of one schedule + apply per step, per scenario.
+    Core(ferry_bench::core::BenchCoreArgs),
+    /// Load-test an OpenAI-compatible endpoint: throughput, TTFT, TPOT, ITL, end-to-end latency.
+    Serve(Box<ferry_bench::loadgen::LoadArgs>),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Core(args) => ferry_bench::core::run(&args),
+        Command::Serve(args) => {
+            let report = ferry_bench::loadgen::run(*args).await?;
+            ferry_bench::loadgen::print(&report);
+            anyhow::ensure!(report.failed == 0, "{} requests failed", report.failed);
+            Ok(())
+        }
+    }
+}

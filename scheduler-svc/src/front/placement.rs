@@ -1,0 +1,170 @@
+//! Where a request runs, and how the front picks it: an executor link of this process (the
+//! longest cached prefix first, then the lightest load — DESIGN.md §2's router), or the pool's
+//! leader scheduler for a front in its own process.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_runtime::Backoff;
+use ferry_sched_core::RequestId;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::remote;
+use super::{Front, Route};
+use crate::link::{LinkError, LinkEvent, LinkHandle, Submission};
+use crate::request::RequestSpec;
+
+/// Where a live request runs.
+#[derive(Clone)]
+pub(crate) enum Placement {
+    /// On an executor link of this process, under a core id.
+    Link {
+        /// The link.
+        link: LinkHandle,
+        /// The request's id in that link's core.
+        id: RequestId,
+    },
+    /// On the leader scheduler.
+    Remote(remote::Call),
+}
+
+impl Placement {
+    /// Aborts the request where it runs (a no-op if it already ended). Its final account
+    /// (a `Finished` event) still reaches the stream.
+    pub(crate) async fn abort(&self) {
+        match self {
+            Placement::Link { link, id } => link.abort(*id).await,
+            Placement::Remote(call) => call.abort().await,
+        }
+    }
+
+    /// The executor's or the leader's name.
+    pub(crate) fn name(&self) -> &str {
+        match self {
+            Placement::Link { link, .. } => &link.name,
+            Placement::Remote(call) => &call.leader,
+        }
+    }
+}
+
+/// Why a request could not be placed.
+pub(crate) enum PlaceError {
+    /// No executor is up.
+    NoExecutor,
+    /// The executor refused it (bad for that executor: too long for its cache, …).
+    Refused(String),
+    /// The leader scheduler refused it, or none answered in time.
+    Remote(Status),
+}
+
+impl From<PlaceError> for Status {
+    fn from(e: PlaceError) -> Status {
+        match e {
+            PlaceError::NoExecutor => Status::unavailable("no executor is connected"),
+            PlaceError::Refused(why) => Status::invalid_argument(why),
+            PlaceError::Remote(status) => status,
+        }
+    }
+}
+
+impl std::fmt::Display for PlaceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlaceError::NoExecutor => write!(f, "no other executor is up"),
+            PlaceError::Refused(why) => write!(f, "no other executor took it: {why}"),
+            PlaceError::Remote(s) => write!(f, "no scheduler took it: {}", s.message()),
+        }
+    }
+}
+
+/// A placement and the channel its events arrive on.
+pub(crate) type Placed = (Placement, mpsc::UnboundedReceiver<LinkEvent>);
+
+impl Front {
+    /// The executor for a sequence: the longest cached prefix first, then the lightest load,
+    /// then the first listed.
+    async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
+        if alive.len() <= 1 {
+            return alive.first().cloned();
+        }
+        let tokens: Arc<[u32]> = tokens.into();
+        let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
+        let hits = futures_util::future::join_all(asks).await;
+        let score = |k: usize| {
+            (
+                hits[k],
+                std::cmp::Reverse(alive[k].load.load(Ordering::Relaxed)),
+                std::cmp::Reverse(k),
+            )
+        };
+        (0..alive.len()).max_by_key(|k| score(*k)).map(|k| alive[k].clone())
+    }
+
+    /// Places `spec` with `delivered` tokens already generated on an executor up now, or one
+    /// that comes up within `patience`; an executor that turns out to be gone is skipped.
+    pub(crate) async fn place(
+        &self,
+        spec: &Arc<RequestSpec>,
+        delivered: &[u32],
+        patience: Duration,
+    ) -> Result<Placed, PlaceError> {
+        let executors = match &self.route {
+            Route::Local(set) => set,
+            Route::Remote(leader) => return place_remote(leader, spec, delivered, patience).await,
+        };
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let alive = executors.wait_alive(left).await;
+            let mut sequence = spec.prompt.to_vec();
+            sequence.extend_from_slice(delivered);
+            let Some(link) = Self::pick(&alive, &sequence).await else {
+                return Err(PlaceError::NoExecutor);
+            };
+            let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+            let (events_tx, events_rx) = mpsc::unbounded_channel();
+            let submission = Submission {
+                id,
+                spec: spec.clone(),
+                output: delivered.to_vec(),
+                events: events_tx,
+            };
+            match link.add(submission).await {
+                Ok(Ok(())) => return Ok((Placement::Link { link, id }, events_rx)),
+                Ok(Err(e)) => return Err(PlaceError::Refused(e.to_string())),
+                Err(LinkError::Gone | LinkError::Connect { .. } | LinkError::Refused { .. }) => {
+                    // It died between the pick and the add: try the others.
+                    link.close("its loop stopped");
+                    if tokio::time::Instant::now() >= deadline && executors.alive().is_empty() {
+                        return Err(PlaceError::NoExecutor);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sends `spec` (with `delivered` tokens) to the leader scheduler, retrying (no leader, leader
+/// unreachable or without executors) until `patience` runs out.
+async fn place_remote(
+    leader: &remote::Leader,
+    spec: &RequestSpec,
+    delivered: &[u32],
+    patience: Duration,
+) -> Result<Placed, PlaceError> {
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(500))
+        .with_patience(Some(patience));
+    loop {
+        match remote::submit(leader, spec.to_remote(delivered), &spec.traceparent).await {
+            Ok((call, rx)) => return Ok((Placement::Remote(call), rx)),
+            Err(remote::SubmitError::Refused(status)) => return Err(PlaceError::Remote(status)),
+            Err(remote::SubmitError::Retry(status)) => {
+                if !backoff.wait().await {
+                    return Err(PlaceError::Remote(status));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! One request's stream at the front: it turns the events of wherever the request runs into
+//! the client's `GenerateEvent`s, one method per event — a token, the end, a loss — and moves
+//! the request when where it ran is lost.
+//!
+//! Invariants:
+//! - the client sees each generated token once, in order, whatever moves happened: the stream
+//!   journals the tokens it delivered, and a move places the continuation (prompt plus those
+//!   tokens as prior output), whose sampling continues exactly (draws depend on seed and
+//!   position only);
+//! - the stream ends with exactly one final event (a finish reason, usage, or an error), or
+//!   with the client gone; either way the request is aborted where it ran (so its blocks are
+//!   freed) and leaves the front's live table.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1;
+use ferry_sched_core::{FinishReason, FinishStats, StopCause};
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::placement::Placement;
+use super::text::TextAssembler;
+use super::trace::RequestTrace;
+use super::Front;
+use crate::link::LinkEvent;
+use crate::metrics::FinishLabel;
+use crate::request::RequestSpec;
+
+/// How long a stream that matched a stop string waits for the scheduler's account of the
+/// request (its cached prompt tokens) after aborting it. Locally this is one message between
+/// tasks; a remote leader answers within a round trip. Past it, usage says 0 cached tokens.
+const STOP_ACCOUNT_WAIT: Duration = Duration::from_secs(2);
+
+/// Where a stream's client events go.
+pub(crate) type ClientTx = mpsc::Sender<Result<v1::GenerateEvent, Status>>;
+
+/// How a stream ended, for its spans.
+struct Ending {
+    label: FinishLabel,
+    stats: Option<FinishStats>,
+}
+
+impl Ending {
+    fn abort() -> Self {
+        Self { label: FinishLabel::Abort, stats: None }
+    }
+}
+
+/// One live request's stream.
+pub(crate) struct RequestStream {
+    front: Arc<Front>,
+    request_id: String,
+    spec: Arc<RequestSpec>,
+    /// Tokens generated so far (the spec's prior output first): the journal a move resubmits.
+    delivered: Vec<u32>,
+    placement: Placement,
+    events: mpsc::UnboundedReceiver<LinkEvent>,
+    assembler: TextAssembler,
+    client: ClientTx,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    trace: RequestTrace,
+}
+
+impl RequestStream {
+    /// A stream for `spec`, placed at `placement` whose events arrive on `events`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        front: Arc<Front>,
+        request_id: String,
+        spec: Arc<RequestSpec>,
+        placement: Placement,
+        events: mpsc::UnboundedReceiver<LinkEvent>,
+        client: ClientTx,
+        arrived: Instant,
+        trace: RequestTrace,
+    ) -> Self {
+        let assembler = TextAssembler::new(&spec.stop, spec.include_stop_str);
+        let delivered = spec.prior_output.clone();
+        Self {
+            front,
+            request_id,
+            spec,
+            delivered,
+            placement,
+            events,
+            assembler,
+            client,
+            arrived,
+            last_token: None,
+            trace,
+        }
+    }
+
+    /// Streams until the request ends or the client leaves.
+    pub(crate) async fn run(mut self) {
+        let ending = loop {
+            let event = tokio::select! {
+                ev = self.events.recv() => ev,
+                () = self.client.closed() => break self.client_gone().await,
+            };
+            let ended = match event {
+                Some(LinkEvent::Token(token, logprobs)) => self.on_token(token, logprobs).await,
+                Some(LinkEvent::Preempted) => {
+                    self.trace.event("preempted", Vec::new());
+                    None
+                }
+                Some(LinkEvent::Finished { reason, stats }) => {
+                    Some(self.on_finished(reason, stats).await)
+                }
+                Some(LinkEvent::Failed) | None => self.on_lost().await,
+            };
+            if let Some(ending) = ended {
+                break ending;
+            }
+        };
+        let Self { front, request_id, placement, trace, .. } = self;
+        trace.finish(ending.label.as_str(), placement.name(), ending.stats.as_ref());
+        front.forget(&request_id);
+    }
+
+    fn event(
+        &self,
+        text: String,
+        token_ids: Vec<u32>,
+        logprobs: Option<v1::PositionLogprobs>,
+    ) -> v1::GenerateEvent {
+        v1::GenerateEvent {
+            request_id: self.request_id.clone(),
+            text,
+            token_ids,
+            logprobs: logprobs.into_iter().collect(),
+            ..Default::default()
+        }
+    }
+
+    fn usage(&self, cached: usize) -> v1::Usage {
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        v1::Usage {
+            prompt_tokens: count(self.spec.prompt.len()),
+            completion_tokens: count(self.delivered.len()),
+            cached_prompt_tokens: count(cached),
+        }
+    }
+
+    /// Sends `event`; the client gone means the request is aborted.
+    async fn send(&mut self, event: v1::GenerateEvent) -> Option<Ending> {
+        if self.client.send(Ok(event)).await.is_err() {
+            return Some(self.client_gone().await);
+        }
+        None
+    }
+
+    /// A generated token: time it, journal it, and send its text — or, if it completes a stop
+    /// string, end the request there.
+    async fn on_token(
+        &mut self,
+        token: u32,
+        logprobs: Option<v1::PositionLogprobs>,
+    ) -> Option<Ending> {
+        let now = Instant::now();
+        let metrics = &self.front.metrics;
+        match self.last_token {
+            None => {
+                metrics.ttft.observe((now - self.arrived).as_secs_f64());
+                self.trace.event("first_token", Vec::new());
+            }
+            Some(t) => metrics.itl.observe((now - t).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+        self.delivered.push(token);
+        let pushed = self.assembler.push(&self.front.model.file.tokenizer, token);
+        let event = self.event(pushed.text, vec![token], logprobs);
+        match pushed.stopped {
+            None => self.send(event).await,
+            Some(stop) => Some(self.on_stop_string(event, stop).await),
+        }
+    }
+
+    /// The text matched stop string `stop` with the token in `last`: abort the request where
+    /// it runs, take its account (cached prompt tokens) and finish with `stop`.
+    async fn on_stop_string(&mut self, mut last: v1::GenerateEvent, stop: String) -> Ending {
+        self.placement.abort().await;
+        let stats = self.account_after_abort().await;
+        let metrics = &self.front.metrics;
+        metrics.finished(FinishLabel::Stop);
+        metrics.e2e.observe(self.arrived.elapsed().as_secs_f64());
+        last.finish_reason = v1::FinishReason::Stop.into();
+        last.stop_reason = stop;
+        last.usage = Some(self.usage(stats.map_or(0, |s| s.prefix_hit_tokens)));
+        let _ = self.client.send(Ok(last)).await;
+        Ending { label: FinishLabel::Stop, stats }
+    }
+
+    /// After an abort, the scheduler's final account of the request: its `Finished` event
+    /// (tokens generated after the stop are dropped). `None` if where it ran was lost
+    /// meanwhile or did not answer within [`STOP_ACCOUNT_WAIT`].
+    async fn account_after_abort(&mut self) -> Option<FinishStats> {
+        let account = async {
+            loop {
+                match self.events.recv().await {
+                    Some(LinkEvent::Finished { stats, .. }) => return Some(stats),
+                    Some(LinkEvent::Token(..) | LinkEvent::Preempted) => {}
+                    Some(LinkEvent::Failed) | None => return None,
+                }
+            }
+        };
+        tokio::time::timeout(STOP_ACCOUNT_WAIT, account).await.ok().flatten()
+    }
+
+    /// The scheduler finished the request: send what text is held and the final event.
+    async fn on_finished(&mut self, reason: FinishReason, stats: FinishStats) -> Ending {
+        let metrics = &self.front.metrics;
+        metrics.finished(reason.into());
+        metrics.e2e.observe(self.arrived.elapsed().as_secs_f64());
+        if let Some(q) = stats.queue_time {
+            metrics.queue_time.observe(q);
+        }
+        let text = self.assembler.finish();
+        let mut last = self.event(text, Vec::new(), None);
+        let (finish_reason, stop_reason) = wire_finish(reason);
+        last.finish_reason = finish_reason.into();
+        last.stop_reason = stop_reason;
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        last.usage = Some(v1::Usage {
+            prompt_tokens: count(stats.prompt_tokens),
+            completion_tokens: count(stats.output_tokens),
+            cached_prompt_tokens: count(stats.prefix_hit_tokens),
+        });
+        let _ = self.client.send(Ok(last)).await;
+        Ending { label: reason.into(), stats: Some(stats) }
+    }
+
+    /// Where the request ran was lost: place the continuation elsewhere (waiting up to the
+    /// failover timeout for somewhere to appear), or end the stream with the error.
+    async fn on_lost(&mut self) -> Option<Ending> {
+        let moved = tokio::select! {
+            moved = self.front.place(&self.spec, &self.delivered, self.front.settings.failover_wait) => moved,
+            () = self.client.closed() => return Some(self.client_gone().await),
+        };
+        match moved {
+            Ok((to, events)) => {
+                tracing::warn!(
+                    request = %self.request_id,
+                    from = %self.placement.name(),
+                    to = %to.name(),
+                    delivered = self.delivered.len(),
+                    "where it ran was lost: request moved"
+                );
+                self.front.metrics.requests_moved.add(1);
+                self.trace.event(
+                    "moved",
+                    vec![
+                        opentelemetry::KeyValue::new("from", self.placement.name().to_string()),
+                        opentelemetry::KeyValue::new("to", to.name().to_string()),
+                    ],
+                );
+                self.placement = to;
+                self.events = events;
+                self.front.set_placement(&self.request_id, &self.placement);
+                None
+            }
+            Err(e) => {
+                self.front.metrics.finished(FinishLabel::Error);
+                let text = self.assembler.finish();
+                let mut last = self.event(text, Vec::new(), None);
+                last.finish_reason = v1::FinishReason::Error.into();
+                last.error = format!("where this request ran was lost and {e}");
+                let _ = self.client.send(Ok(last)).await;
+                Some(Ending { label: FinishLabel::Error, stats: None })
+            }
+        }
+    }
+
+    /// The client went away: abort the request where it runs.
+    async fn client_gone(&mut self) -> Ending {
+        self.placement.abort().await;
+        Ending::abort()
+    }
+}
+
+/// The wire's finish reason and `stop_reason` (the stop token's id) for the core's reason.
+fn wire_finish(reason: FinishReason) -> (v1::FinishReason, String) {
+    match reason {
+        FinishReason::Stop(StopCause::Eos(t) | StopCause::StopToken(t)) => {
+            (v1::FinishReason::Stop, t.to_string())
+        }
+        FinishReason::Length => (v1::FinishReason::Length, String::new()),
+        FinishReason::Abort => (v1::FinishReason::Abort, String::new()),
+        FinishReason::Error | FinishReason::Transferred => (v1::FinishReason::Error, String::new()),
+    }
+}

@@ -1,0 +1,136 @@
+//! The front over fake executors, in paused time: a stream whose executor is lost moves to
+//! another with the tokens it delivered and goes on exactly; a stop string split across tokens
+//! is held back until it matches, and the stop reports the request's cached prompt tokens.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use ferry_model::ModelFile;
+use ferry_proto::v1::{self, generation_server::Generation};
+use tokio_stream::StreamExt;
+use tonic::Request;
+
+use super::prepare::ServedModel;
+use super::{GenerationService, Route};
+use crate::config::FrontSettings;
+use crate::executors::ExecutorSet;
+use crate::link::fake::{fake_link, gated_link, FakeExecutor, TokenFn};
+use crate::link::LinkHandle;
+
+fn model() -> Arc<ModelFile> {
+    static MODEL: OnceLock<Arc<ModelFile>> = OnceLock::new();
+    MODEL.get_or_init(|| Arc::new(ModelFile::open(None).expect("the default model"))).clone()
+}
+
+fn front(set: &Arc<ExecutorSet>) -> GenerationService {
+    let served = ServedModel { file: model(), max_model_len: 512 };
+    let settings = FrontSettings { max_live: 16, failover_wait: Duration::from_secs(5) };
+    GenerationService::new(served, Route::Local(set.clone()), settings)
+}
+
+fn request(prompt: &[u32], max_tokens: u32, stop: &[&str]) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::PromptTokenIds(v1::TokenIds {
+            ids: prompt.to_vec(),
+        })),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens,
+            ignore_eos: true,
+            stop: stop.iter().map(|s| (*s).to_string()).collect(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Every event of a stream until it ends.
+async fn events(svc: &GenerationService, req: v1::GenerateRequest) -> Vec<v1::GenerateEvent> {
+    let mut stream = svc.generate(Request::new(req)).await.expect("admitted").into_inner();
+    let mut all = Vec::new();
+    while let Some(ev) = stream.next().await {
+        all.push(ev.expect("no error status"));
+    }
+    all
+}
+
+fn links(
+    set: &Arc<ExecutorSet>,
+    names: &[&str],
+    token: &TokenFn,
+) -> Vec<(LinkHandle, FakeExecutor)> {
+    names
+        .iter()
+        .map(|n| {
+            let (link, exec) = fake_link(n, token.clone(), set.metrics.clone());
+            set.insert(link.clone());
+            (link, exec)
+        })
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_whose_executor_is_lost_moves_with_its_tokens_and_goes_on_exactly() {
+    let set = ExecutorSet::new();
+    let by_position: TokenFn = Arc::new(|_, pos| 100 + pos as u32);
+    // Executor A answers three steps and then dies; B is healthy.
+    let (gate_tx, gate) = tokio::sync::watch::channel(3);
+    let (a, a_exec) = gated_link("a", by_position.clone(), set.metrics.clone(), gate);
+    set.insert(a);
+    let _b = links(&set, &["b"], &by_position);
+    let svc = front(&set);
+    let mut stream =
+        svc.generate(Request::new(request(&[10, 11, 12, 13], 10, &[]))).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    while tokens.len() < 3 {
+        let ev = stream.next().await.unwrap().unwrap();
+        tokens.extend(ev.token_ids);
+    }
+    assert_eq!(tokens, [104, 105, 106], "A ran the first three");
+    a_exec.kill();
+    drop(gate_tx);
+    let mut last = None;
+    while let Some(ev) = stream.next().await {
+        let ev = ev.unwrap();
+        tokens.extend(&ev.token_ids);
+        last = Some(ev);
+    }
+    let expected: Vec<u32> = (104..114).collect();
+    assert_eq!(tokens, expected, "each token once, in order, as an undisturbed run");
+    let last = last.unwrap();
+    assert_eq!(last.finish_reason(), v1::FinishReason::Length, "{last:?}");
+    let usage = last.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (4, 10));
+    assert_eq!(set.metrics.requests_moved.get(), 1, "the stream moved once");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stop_string_split_across_tokens_is_held_back_and_reports_cached_tokens() {
+    let tok = &model().tokenizer;
+    let hello = tok.encode(" Hello").unwrap();
+    let world = tok.encode(" world").unwrap();
+    assert_eq!((hello.len(), world.len()), (1, 1), "each is one token");
+    let prompt: Vec<u32> = (300..316).collect();
+    let (p, h, w) = (prompt.len(), hello[0], world[0]);
+    // The output spells " Hello world world …".
+    let script: TokenFn = Arc::new(move |_, pos| if pos == p { h } else { w });
+    let set = ExecutorSet::new();
+    let _links = links(&set, &["e"], &script);
+    let svc = front(&set);
+    // A first request fills the prefix cache with the prompt's blocks.
+    let first = events(&svc, request(&prompt, 2, &[])).await;
+    assert_eq!(first.last().unwrap().finish_reason(), v1::FinishReason::Length);
+    // "o w" spans the two tokens: after " Hello" only " Hel" may be sent.
+    let evs = events(&svc, request(&prompt, 20, &["o w"])).await;
+    let texts: Vec<&str> = evs.iter().map(|e| e.text.as_str()).collect();
+    assert_eq!(texts, [" Hel", "l"], "the text that could begin the stop string was held back");
+    let last = evs.last().unwrap();
+    assert_eq!(last.finish_reason(), v1::FinishReason::Stop);
+    assert_eq!(last.stop_reason, "o w");
+    let usage = last.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (16, 2));
+    assert_eq!(usage.cached_prompt_tokens, 12, "the scheduler's account of the cached prefix");
+    // The stop aborted the request where it ran: nothing is left on the executor.
+    for link in set.alive() {
+        assert_eq!(link.load.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+}

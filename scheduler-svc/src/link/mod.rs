@@ -1,0 +1,190 @@
+//! One executor, driven: a handle to the task that owns that executor's scheduling core
+//! ([`step_loop`]), how a session to an executor is opened ([`open`]), and the step protocol's
+//! wire forms ([`wire`]) (DESIGN.md §2–§4).
+//!
+//! The core is owned by the loop's task alone; the front and the admin view talk to it through
+//! [`LinkHandle`], whose commands travel over a channel. A link whose loop stopped is dead for
+//! good: its requests heard [`LinkEvent::Failed`], and a new session is a new link.
+
+#[cfg(test)]
+pub(crate) mod fake;
+mod open;
+mod step_loop;
+#[cfg(test)]
+pub(crate) mod tests;
+pub mod wire;
+
+pub use open::SessionOpener;
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+use ferry_proto::v1;
+use ferry_sched_core::{AddError, FinishReason, FinishStats, RequestId};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::request::RequestSpec;
+
+/// What a request's stream hears.
+#[derive(Debug, Clone)]
+pub enum LinkEvent {
+    /// A sampled token, with its log-probabilities when the request asked for them.
+    Token(u32, Option<v1::PositionLogprobs>),
+    /// The end.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Final counters.
+        stats: FinishStats,
+    },
+    /// The executor was lost; the request did not finish.
+    Failed,
+    /// The core preempted it (it will run again).
+    Preempted,
+}
+
+/// A request for this executor.
+#[derive(Debug)]
+pub struct Submission {
+    /// Core id (unique per link).
+    pub id: RequestId,
+    /// What the client asked for.
+    pub spec: Arc<RequestSpec>,
+    /// Tokens already generated and delivered (a continuation, or a request moved here after a
+    /// failure); they count against `max_tokens`.
+    pub output: Vec<u32>,
+    /// Where its events go.
+    pub events: mpsc::UnboundedSender<LinkEvent>,
+}
+
+/// What the handle asks of the loop.
+enum Command {
+    Add(Box<Submission>, oneshot::Sender<Result<(), AddError>>),
+    Abort(RequestId),
+    PrefixHit(Arc<[u32]>, oneshot::Sender<usize>),
+    Views(oneshot::Sender<Vec<ferry_sched_core::RequestView>>),
+}
+
+/// A handle to one executor's loop.
+#[derive(Clone)]
+pub struct LinkHandle {
+    /// The executor's name (its id in etcd, or its address when listed by hand).
+    pub name: Arc<str>,
+    tx: mpsc::Sender<Command>,
+    /// Set to a reason to stop the loop: its requests fail (and the front moves them).
+    close: Arc<watch::Sender<Option<String>>>,
+    /// What the executor said in the handshake.
+    pub info: Arc<v1::ExecutorInfo>,
+    /// Requests on this executor now (for the router).
+    pub load: Arc<AtomicUsize>,
+    /// The core's stats as of its last step or command (for metrics).
+    stats: Arc<std::sync::Mutex<ferry_sched_core::SchedulerStats>>,
+}
+
+/// Why a link could not be set up or a command not delivered.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The executor did not answer.
+    #[error("executor {addr}: {reason}")]
+    Connect {
+        /// Its address.
+        addr: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The executor refused the session for a reason another try cannot fix (another model, a
+    /// stale epoch, a geometry the core cannot use).
+    #[error("executor {addr} refused the session: {reason}")]
+    Refused {
+        /// Its address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// The link's task has stopped (its executor is gone).
+    #[error("the executor's scheduling loop has stopped")]
+    Gone,
+}
+
+impl LinkHandle {
+    /// Starts the step loop of a session with an executor described by `info`: `core` schedules
+    /// for it, steps go out on `steps` and results come back on `results`.
+    fn start<R>(
+        core: ferry_sched_core::Scheduler,
+        session: step_loop::SessionId,
+        info: v1::ExecutorInfo,
+        metrics: Arc<crate::metrics::SchedulerMetrics>,
+        steps: mpsc::Sender<v1::Step>,
+        results: R,
+    ) -> Self
+    where
+        R: tokio_stream::Stream<Item = Result<v1::StepResult, tonic::Status>>
+            + Send
+            + Unpin
+            + 'static,
+    {
+        let (tx, rx) = mpsc::channel(1024);
+        let (close_tx, close_rx) = watch::channel(None);
+        let load = Arc::new(AtomicUsize::new(0));
+        let stats = Arc::new(std::sync::Mutex::new(core.stats()));
+        let published =
+            step_loop::Published::new(load.clone(), stats.clone(), metrics, core.stats());
+        let name = session.name.clone();
+        let step_loop =
+            step_loop::StepLoop::new(core, session, info.eos_token_ids.clone(), published);
+        tokio::spawn(step_loop.run(rx, steps, results, close_rx));
+        LinkHandle { name, tx, close: Arc::new(close_tx), info: Arc::new(info), load, stats }
+    }
+
+    /// Submits a request; the core's refusal comes back as an error.
+    pub async fn add(&self, sub: Submission) -> Result<Result<(), AddError>, LinkError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Add(Box::new(sub), reply)).await.map_err(|_| LinkError::Gone)?;
+        rx.await.map_err(|_| LinkError::Gone)
+    }
+
+    /// The core's gauges and counters as of its last step or command.
+    pub fn stats(&self) -> ferry_sched_core::SchedulerStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the link's loop still runs (its executor session is up).
+    pub fn is_alive(&self) -> bool {
+        !self.tx.is_closed() && self.close.borrow().is_none()
+    }
+
+    /// Stops the loop: the session ends and every request on it gets [`LinkEvent::Failed`].
+    pub fn close(&self, reason: &str) {
+        self.close.send_if_modified(|r| {
+            let first = r.is_none();
+            if first {
+                *r = Some(reason.to_string());
+            }
+            first
+        });
+    }
+
+    /// How many leading tokens of `prompt` this executor's cache would serve now (0 if the
+    /// link is gone).
+    pub async fn prefix_hit(&self, prompt: Arc<[u32]>) -> usize {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::PrefixHit(prompt, reply)).await.is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
+    }
+
+    /// The admin view of every request the core holds (empty if the link is gone).
+    pub async fn request_views(&self) -> Vec<ferry_sched_core::RequestView> {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::Views(reply)).await.is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// Aborts a request (a no-op if it already finished).
+    pub async fn abort(&self, id: RequestId) {
+        let _ = self.tx.send(Command::Abort(id)).await;
+    }
+}

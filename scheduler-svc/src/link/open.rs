@@ -1,0 +1,104 @@
+//! Opening a session to an executor: the handshake (under this scheduler's id and leadership
+//! epoch, for the model it tokenizes for), the core configured from the flags and the
+//! executor's answer, and the step loop started on the session's streams.
+//!
+//! A refusal that another try cannot fix — the executor runs another model, or states a
+//! geometry the core cannot use — is [`LinkError::Refused`] and is not retried; anything else
+//! (not up yet, still loading) is retried with the runtime's backoff until the patience given
+//! runs out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_proto::v1::{self, executor_client::ExecutorClient};
+use ferry_runtime::Backoff;
+use ferry_sched_core::Scheduler;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::step_loop::SessionId;
+use super::{LinkError, LinkHandle};
+use crate::config::{SchedulerSettings, MAX_STEPS_IN_FLIGHT};
+use crate::metrics::SchedulerMetrics;
+
+/// What opening a session takes: who this scheduler is, under which epoch, for which model.
+#[derive(Clone)]
+pub struct SessionOpener {
+    /// The scheduler's settings (its id, the core's policy, the connect patience).
+    pub settings: Arc<SchedulerSettings>,
+    /// The fingerprint of the model this scheduler's front tokenizes for; executors running
+    /// another model refuse the handshake.
+    pub fingerprint: Arc<str>,
+    /// The leadership epoch (0 without etcd).
+    pub epoch: u64,
+    /// Where the links count.
+    pub metrics: Arc<SchedulerMetrics>,
+}
+
+impl SessionOpener {
+    /// The same, under leadership `epoch`.
+    #[must_use]
+    pub fn at_epoch(&self, epoch: u64) -> Self {
+        Self { epoch, ..self.clone() }
+    }
+
+    /// Opens a session to executor `name` at `url`, retrying what may succeed later until the
+    /// settings' connect timeout runs out.
+    pub async fn open_patiently(&self, name: &str, url: &str) -> Result<LinkHandle, LinkError> {
+        let patience = Some(self.settings.connect_timeout);
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1))
+            .with_patience(patience);
+        loop {
+            match self.open(name, url).await {
+                Ok(link) => return Ok(link),
+                Err(e @ LinkError::Refused { .. }) => return Err(e),
+                Err(e) => {
+                    tracing::debug!(error = %e, "executor not reachable yet, retrying");
+                    if !backoff.wait().await {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One attempt at opening a session to executor `name` at `url`.
+    pub async fn open(&self, name: &str, url: &str) -> Result<LinkHandle, LinkError> {
+        let unreachable = |reason: String| LinkError::Connect { addr: url.to_string(), reason };
+        let refused = |reason: String| LinkError::Refused { addr: url.to_string(), reason };
+        let mut client = ExecutorClient::connect(url.to_string())
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        let hs = client
+            .handshake(v1::HandshakeRequest {
+                scheduler_id: self.settings.scheduler_id.clone(),
+                epoch: self.epoch,
+                expected_model: String::new(),
+                expected_fingerprint: self.fingerprint.to_string(),
+            })
+            .await
+            .map_err(|s| {
+                let why = format!("handshake: {}", s.message());
+                match s.code() {
+                    tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument => refused(why),
+                    _ => unreachable(why),
+                }
+            })?
+            .into_inner();
+        let info = hs.info.ok_or_else(|| unreachable("handshake without executor info".into()))?;
+        let config = self
+            .settings
+            .core_config(&info.executor_id, (&info).into())
+            .map_err(|e| refused(e.to_string()))?;
+        let core = Scheduler::new(config).map_err(|e| refused(format!("scheduler: {e}")))?;
+        let (step_tx, step_rx) = mpsc::channel(MAX_STEPS_IN_FLIGHT + 1);
+        let results = client
+            .session(ReceiverStream::new(step_rx))
+            .await
+            .map_err(|s| unreachable(format!("session: {}", s.message())))?
+            .into_inner();
+        self.metrics.sessions_opened.add(1);
+        let session = SessionId { name: name.into(), epoch: self.epoch, session_id: hs.session_id };
+        Ok(LinkHandle::start(core, session, info, self.metrics.clone(), step_tx, results))
+    }
+}

@@ -1,0 +1,282 @@
+//! The task that drives one executor: it owns that executor's scheduling core and loops —
+//! build a step, send it, apply results in order, pass token events to the requests' streams
+//! (DESIGN.md §2–§4).
+//!
+//! Event-driven: it builds steps while the core has work and fewer than
+//! [`MAX_STEPS_IN_FLIGHT`] are outstanding (so the executor never waits for the scheduler), and
+//! otherwise sleeps until a command or a result arrives — no polling.
+//!
+//! Invariants:
+//! - results are applied in the order the steps went out (the executor answers in order, and a
+//!   result for a step not in flight is an error that ends the loop);
+//! - every request the core holds has an entry here, with its spec and its stream, until the
+//!   core reports it finished or the loop ends; when the loop ends, for whatever reason, every
+//!   request still here hears [`LinkEvent::Failed`], so its front moves it — none is lost;
+//! - `load` is the number of entries (the router reads it).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferry_proto::v1;
+use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Timestamp};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::{Stream, StreamExt};
+
+use super::wire;
+use super::{Command, LinkEvent};
+use crate::config::MAX_STEPS_IN_FLIGHT;
+use crate::metrics::SchedulerMetrics;
+use crate::request::RequestSpec;
+
+/// A request on this executor: what the link needs beside the core's own record.
+struct Entry {
+    spec: Arc<RequestSpec>,
+    events: mpsc::UnboundedSender<LinkEvent>,
+}
+
+/// A step sent and not yet answered.
+struct InFlight {
+    sent_at: Instant,
+    /// It carried nothing (an empty step only keeps the pipeline's order).
+    empty: bool,
+}
+
+/// Which session the steps belong to.
+pub(super) struct SessionId {
+    /// The executor's name, for logs.
+    pub name: Arc<str>,
+    /// The leadership epoch the session was opened under.
+    pub epoch: u64,
+    /// The executor's session id.
+    pub session_id: u64,
+}
+
+/// Where the loop publishes what others read: the router's load, the admin view's stats and
+/// the Prometheus counters.
+pub(super) struct Published {
+    pub load: Arc<AtomicUsize>,
+    pub stats: Arc<std::sync::Mutex<SchedulerStats>>,
+    pub metrics: Arc<SchedulerMetrics>,
+    /// The stats the metrics were last brought up to.
+    last: SchedulerStats,
+}
+
+impl Published {
+    pub(super) fn new(
+        load: Arc<AtomicUsize>,
+        stats: Arc<std::sync::Mutex<SchedulerStats>>,
+        metrics: Arc<SchedulerMetrics>,
+        initial: SchedulerStats,
+    ) -> Self {
+        Self { load, stats, metrics, last: initial }
+    }
+
+    /// Brings the metrics' counters and the handle's stats up to `now`.
+    fn update(&mut self, now: SchedulerStats) {
+        self.metrics.add_core_deltas(&self.last, &now);
+        self.last = now;
+        *self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
+    }
+}
+
+/// One executor's loop.
+pub(super) struct StepLoop {
+    core: Scheduler,
+    session: SessionId,
+    /// The executor's end-of-sequence ids, for the core's stop checks.
+    eos: Vec<u32>,
+    entries: HashMap<RequestId, Entry>,
+    in_flight: VecDeque<InFlight>,
+    /// The last step built carried nothing: wait for news before building another.
+    idle: bool,
+    /// The core's clock starts with the loop.
+    start: Instant,
+    published: Published,
+    /// Reused for each result's events.
+    events: Vec<RequestEvent>,
+}
+
+impl StepLoop {
+    pub(super) fn new(
+        core: Scheduler,
+        session: SessionId,
+        eos: Vec<u32>,
+        published: Published,
+    ) -> Self {
+        Self {
+            core,
+            session,
+            eos,
+            entries: HashMap::new(),
+            in_flight: VecDeque::new(),
+            idle: false,
+            start: Instant::now(),
+            published,
+            events: Vec::new(),
+        }
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp(u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// Runs until the session ends, `close` gives a reason, or every handle is dropped.
+    pub(super) async fn run<R>(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        steps: mpsc::Sender<v1::Step>,
+        mut results: R,
+        mut close: watch::Receiver<Option<String>>,
+    ) where
+        R: Stream<Item = Result<v1::StepResult, tonic::Status>> + Unpin,
+    {
+        loop {
+            if let Some(reason) = close.borrow_and_update().clone() {
+                return self.fail_all(&reason);
+            }
+            while !self.idle
+                && !self.core.is_drained()
+                && self.in_flight.len() < MAX_STEPS_IN_FLIGHT
+            {
+                let step = match self.build_step() {
+                    Ok(step) => step,
+                    Err(why) => return self.fail_all(&why),
+                };
+                let empty = wire::is_empty(&step);
+                if steps.send(step).await.is_err() {
+                    return self.fail_all("the executor closed the session");
+                }
+                self.in_flight.push_back(InFlight { sent_at: Instant::now(), empty });
+                self.idle = empty;
+            }
+            tokio::select! {
+                Ok(()) = close.changed() => {} // handled at the top of the loop
+                cmd = commands.recv() => match cmd {
+                    Some(cmd) => {
+                        self.command(cmd);
+                        self.published.update(self.core.stats());
+                    }
+                    None => return, // every handle dropped: shutting down
+                },
+                // Polled even with nothing in flight, so an idle link notices at once that its
+                // executor died (the stream ends or fails) instead of at its next step.
+                msg = results.next() => match msg {
+                    Some(Ok(result)) => {
+                        if let Err(e) = self.apply(&result) {
+                            return self.fail_all(&e);
+                        }
+                        self.published.update(self.core.stats());
+                    }
+                    None => return self.fail_all("the executor ended the session"),
+                    Some(Err(status)) => {
+                        return self.fail_all(&format!("the executor failed: {}", status.message()))
+                    }
+                },
+            }
+        }
+    }
+
+    /// Schedules the next step and tells preempted requests' streams.
+    fn build_step(&mut self) -> Result<v1::Step, String> {
+        let now = self.now();
+        let plan = self.core.schedule(now).map_err(|e| format!("scheduling failed: {e}"))?;
+        let entries = &self.entries;
+        for id in &plan.preempted {
+            if let Some(e) = entries.get(id) {
+                let _ = e.events.send(LinkEvent::Preempted);
+            }
+        }
+        let s = &self.session;
+        Ok(wire::to_proto(plan, s.session_id, s.epoch, |id| entries.get(&id).map(|e| &*e.spec)))
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            // Reads: no reason to build a step.
+            Command::PrefixHit(prompt, reply) => {
+                let _ = reply.send(self.core.prefix_hit_tokens(&prompt, 0));
+            }
+            Command::Views(reply) => {
+                let _ = reply.send(self.core.request_views().collect());
+            }
+            Command::Add(sub, reply) => {
+                self.idle = false;
+                let now = self.now();
+                let req = sub.spec.to_core(sub.id, sub.output, &self.eos, now);
+                let added = self.core.add_request(req);
+                if added.is_ok() {
+                    self.entries.insert(sub.id, Entry { spec: sub.spec, events: sub.events });
+                    self.published.load.fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = reply.send(added);
+            }
+            Command::Abort(id) => {
+                self.idle = false;
+                let now = self.now();
+                if let Ok(done) = self.core.abort(id, now) {
+                    self.finish(id, LinkEvent::Finished { reason: done.reason, stats: done.stats });
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, result: &v1::StepResult) -> Result<(), String> {
+        let Some(sent) = self.in_flight.pop_front() else {
+            return Err(format!("the executor answered step {} that was not sent", result.step_id));
+        };
+        if !sent.empty {
+            self.published.metrics.step_duration.observe(sent.sent_at.elapsed().as_secs_f64());
+        }
+        let outcome = wire::outcome_of(result);
+        // Log-probabilities travel beside the core (which only needs the tokens), in order.
+        let mut logprobs: HashMap<u64, std::slice::Iter<'_, v1::PositionLogprobs>> = result
+            .outputs
+            .iter()
+            .filter(|o| !o.logprobs.is_empty())
+            .map(|o| (o.id, o.logprobs.iter()))
+            .collect();
+        let now = self.now();
+        let mut events = std::mem::take(&mut self.events);
+        events.clear();
+        self.core
+            .apply_result(&outcome, now, &mut events)
+            .map_err(|e| format!("applying step {}: {e}", result.step_id))?;
+        for ev in &events {
+            match ev {
+                &RequestEvent::Token { id, token, .. } => {
+                    if let Some(e) = self.entries.get(&id) {
+                        let lp = logprobs.get_mut(&id.0).and_then(Iterator::next).cloned();
+                        let _ = e.events.send(LinkEvent::Token(token, lp));
+                    }
+                }
+                RequestEvent::Finished(done) => self.finish(
+                    done.id,
+                    LinkEvent::Finished { reason: done.reason, stats: done.stats },
+                ),
+                RequestEvent::Imported { .. } | RequestEvent::ExportStarted { .. } => {}
+            }
+        }
+        self.events = events;
+        if !sent.empty {
+            self.idle = false;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, id: RequestId, event: LinkEvent) {
+        if let Some(e) = self.entries.remove(&id) {
+            let _ = e.events.send(event);
+            self.published.load.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    fn fail_all(&mut self, why: &str) {
+        tracing::error!(executor = %self.session.name, reason = why, "executor link stopped");
+        for (_, e) in self.entries.drain() {
+            let _ = e.events.send(LinkEvent::Failed);
+        }
+        self.published.load.store(0, Ordering::Relaxed);
+    }
+}

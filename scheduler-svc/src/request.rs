@@ -1,0 +1,86 @@
+//! One request as the front accepted it: checked, tokenized, with its limits, stop rules and
+//! sampling parameters. It is built once (`front::prepare`) and then shared, never copied: the
+//! front's stream holds it to move the request after a failure, the executor link holds it to
+//! send sampling parameters with the request's first step, and the scheduling core gets its
+//! prompt as the same `Arc`.
+//!
+//! What changes while a request streams — the tokens delivered so far — is not here: it lives
+//! in the front's stream ([`crate::front::stream`]), and travels with each (re)placement.
+
+use std::sync::Arc;
+
+use ferry_proto::v1;
+use ferry_sched_core as core;
+
+/// What a client asked for, checked.
+#[derive(Debug, Clone)]
+pub struct RequestSpec {
+    /// Prompt tokens (non-empty, shorter than the served model length).
+    pub prompt: Arc<[u32]>,
+    /// Tokens generated before this request reached the front (a continuation from another
+    /// front or a client); they count toward `max_tokens`.
+    pub prior_output: Vec<u32>,
+    /// Most tokens to generate, `prior_output` included.
+    pub max_tokens: usize,
+    /// Fewest tokens before EOS or a stop token may end it.
+    pub min_tokens: usize,
+    /// Token ids that end it (besides the model's EOS, unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past EOS.
+    pub ignore_eos: bool,
+    /// Strings that end it; the front matches them in the detokenized text.
+    pub stop: Vec<String>,
+    /// Return the matched stop string at the end of the text.
+    pub include_stop_str: bool,
+    /// Lower runs first.
+    pub priority: i32,
+    /// How the executor samples.
+    pub sampling: v1::SamplingParams,
+    /// The W3C trace context of its `request` span, for the executors' spans (empty when
+    /// untraced).
+    pub traceparent: String,
+}
+
+impl RequestSpec {
+    /// The request for the scheduling core under `id`, with `output` the tokens already
+    /// delivered (they are recomputed as part of the sequence) and `eos` the executor's EOS
+    /// ids.
+    pub fn to_core(
+        &self,
+        id: core::RequestId,
+        output: Vec<u32>,
+        eos: &[u32],
+        now: core::Timestamp,
+    ) -> core::NewRequest {
+        let mut req = core::NewRequest::new(id, self.prompt.clone(), self.max_tokens, now);
+        req.min_tokens = self.min_tokens;
+        req.eos_token_ids = eos.to_vec();
+        req.stop_token_ids.clone_from(&self.stop_token_ids);
+        req.ignore_eos = self.ignore_eos;
+        req.priority = self.priority;
+        req.output = output;
+        req
+    }
+
+    /// The request for another scheduler (a front in its own process sends its requests to the
+    /// leader this way), with `delivered` the tokens already generated. Stop strings stay with
+    /// the front, which applies them.
+    pub fn to_remote(&self, delivered: &[u32]) -> v1::GenerateRequest {
+        v1::GenerateRequest {
+            input: Some(v1::generate_request::Input::PromptTokenIds(v1::TokenIds {
+                ids: self.prompt.to_vec(),
+            })),
+            output_token_ids: delivered.to_vec(),
+            sampling: Some(self.sampling),
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: u32::try_from(self.max_tokens).unwrap_or(u32::MAX),
+                min_tokens: u32::try_from(self.min_tokens).unwrap_or(u32::MAX),
+                stop_token_ids: self.stop_token_ids.clone(),
+                ignore_eos: self.ignore_eos,
+                ..Default::default()
+            }),
+            priority: self.priority,
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! `ferry`: `ferry serve` runs the whole system in one process. Parse and check the flags (a bad
+//! one exits non-zero, naming it), bind, read the model once, run until SIGTERM or Ctrl-C.
+
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use ferry_model::ModelFile;
+
+/// Ferry, all in one process.
+#[derive(Debug, Parser)]
+#[command(name = "ferry", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    #[command(flatten)]
+    log: ferry_runtime::logging::LogArgs,
+    #[command(flatten)]
+    trace: ferry_runtime::telemetry::TraceArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The whole system in one process: front, scheduler, one executor and a KV agent, with
+    /// the default model (obtained when missing) unless --model names one.
+    Serve(ferry::ServeArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let Command::Serve(args) = cli.command;
+    let config = args.resolve()?;
+    cli.log.init().map_err(anyhow::Error::msg)?;
+    let _telemetry = cli.trace.init("ferry").map_err(anyhow::Error::msg)?;
+    let (bound, addrs) = ferry::bind(&args.listen, &args.http_listen).await?;
+    for (kind, addr) in [
+        ("grpc", addrs.grpc),
+        ("http", addrs.http),
+        ("executor", addrs.executor),
+        ("kv", addrs.kv_agent),
+    ] {
+        ferry_runtime::grpc::announce("ferry", kind, addr);
+    }
+    let path = args.executor.model.clone();
+    let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+    ferry::run(config, Arc::new(model), bound, ferry_runtime::shutdown_signal()).await
+}

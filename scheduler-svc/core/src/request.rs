@@ -78,8 +78,11 @@ pub struct KvImport {
 pub struct NewRequest {
     /// Caller-chosen id, unique among live requests.
     pub id: RequestId,
-    /// Prompt tokens (non-empty, shorter than the model's maximum length).
-    pub prompt: Vec<TokenId>,
+    /// Prompt tokens (non-empty, shorter than the model's maximum length). Shared, not copied:
+    /// the core keeps this `Arc` and hands it on to the executor in the step plan
+    /// ([`crate::NewRequestData::prompt`]), so a caller that already holds the prompt in an
+    /// `Arc` adds a request without copying its tokens.
+    pub prompt: Arc<[TokenId]>,
     /// Maximum output tokens (at least one; prompt + max_tokens ≤ max_model_len).
     pub max_tokens: usize,
     /// Output tokens before EOS or stop tokens may stop the request.
@@ -111,11 +114,18 @@ pub struct NewRequest {
 }
 
 impl NewRequest {
-    /// A plain request with default stop rules, priority 0 and no salt.
-    pub fn new(id: RequestId, prompt: Vec<TokenId>, max_tokens: usize, arrival: Timestamp) -> Self {
+    /// A plain request with default stop rules, priority 0 and no salt. `prompt` is anything
+    /// that becomes an `Arc<[TokenId]>`: an `Arc` is shared as is, a `Vec` or a slice is
+    /// copied once into a new one.
+    pub fn new(
+        id: RequestId,
+        prompt: impl Into<Arc<[TokenId]>>,
+        max_tokens: usize,
+        arrival: Timestamp,
+    ) -> Self {
         NewRequest {
             id,
-            prompt,
+            prompt: prompt.into(),
             max_tokens,
             min_tokens: 0,
             eos_token_ids: Vec::new(),
@@ -370,7 +380,7 @@ impl Request {
         let to_u32 = |n: usize| u32::try_from(n).expect("validated: within max_model_len");
         Request {
             id: req.id,
-            prompt: req.prompt.into(),
+            prompt: req.prompt,
             output: req.output,
             max_tokens: to_u32(req.max_tokens),
             min_tokens: to_u32(req.min_tokens),

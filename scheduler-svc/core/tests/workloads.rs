@@ -196,7 +196,7 @@ fn priority_chunked_preemption_livelock_regression_drains() {
                             while rng.pct(50) {
                                 step += 1;
                             }
-                            let prompt =
+                            let prompt: Vec<u32> =
                                 (0..rng.range(1, 11)).map(|_| rng.range(1, 59) as u32).collect();
                             let mut req = NewRequest::new(
                                 RequestId(i),

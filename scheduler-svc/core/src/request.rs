@@ -58,6 +58,7 @@ pub enum RequestStatus {
 
 impl RequestStatus {
     /// True once finished.
+    #[must_use]
     pub fn is_finished(self) -> bool {
         matches!(self, RequestStatus::Finished(_))
     }
@@ -83,7 +84,7 @@ pub struct NewRequest {
     /// ([`crate::NewRequestData::prompt`]), so a caller that already holds the prompt in an
     /// `Arc` adds a request without copying its tokens.
     pub prompt: Arc<[TokenId]>,
-    /// Maximum output tokens (at least one; prompt + max_tokens ≤ max_model_len).
+    /// Maximum output tokens (at least one; prompt + `max_tokens` ≤ `max_model_len`).
     pub max_tokens: usize,
     /// Output tokens before EOS or stop tokens may stop the request.
     pub min_tokens: usize,

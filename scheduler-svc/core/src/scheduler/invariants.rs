@@ -80,7 +80,7 @@ impl Scheduler {
         Ok(())
     }
 
-    /// 2. at most one pending WorkKey per request, index and queues agree, only Active requests
+    /// 2. at most one pending `WorkKey` per request, index and queues agree, only Active requests
     ///    have pending work; 3. Waiting requests are exactly the waiting queue, and queued
     ///    imports exactly the import queue.
     fn check_queues(&self) -> Result<(), InvariantViolation> {
@@ -98,13 +98,10 @@ impl Scheduler {
         }
         let mut waiting = 0;
         for (idx, r) in self.requests.iter() {
-            let in_waiting = self.waiting.contains(idx);
+            let queued = self.waiting.contains(idx);
             let is_waiting = r.status == RequestStatus::Waiting;
-            if in_waiting != is_waiting {
-                return fail(
-                    3,
-                    format!("{} {:?} but in waiting queue: {in_waiting}", r.id, r.status),
-                );
+            if queued != is_waiting {
+                return fail(3, format!("{} {:?} but in waiting queue: {queued}", r.id, r.status));
             }
             waiting += usize::from(is_waiting);
             if is_waiting && self.work.pending(idx).is_some() {

@@ -78,6 +78,7 @@ pub struct RequestView {
 
 impl Scheduler {
     /// Current gauges and counters.
+    #[must_use]
     pub fn stats(&self) -> SchedulerStats {
         let n = self.pool.num_blocks();
         let c = &self.counters;
@@ -103,6 +104,7 @@ impl Scheduler {
     }
 
     /// The admin view of one request (`None` once retired).
+    #[must_use]
     pub fn request_view(&self, id: RequestId) -> Option<RequestView> {
         let idx = self.requests.index_of(id)?;
         Some(self.view_of(idx, &self.requests[idx]))
@@ -130,18 +132,21 @@ impl Scheduler {
     }
 
     /// A request's timestamps so far (arrival, first scheduled, first token, preemptions).
+    #[must_use]
     pub fn request_times(&self, id: RequestId) -> Option<&RequestTimes> {
         let idx = self.requests.index_of(id)?;
         Some(&self.requests[idx].cold.times)
     }
 
     /// A request's block table (block ids in token order).
+    #[must_use]
     pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
         let idx = self.requests.index_of(id)?;
         Some(&self.requests[idx].block_table)
     }
 
     /// Hashes of a request's full blocks computed so far (the names the KV transfer uses).
+    #[must_use]
     pub fn block_hashes(&self, id: RequestId) -> Option<&[BlockHash]> {
         let idx = self.requests.index_of(id)?;
         Some(&self.requests[idx].cold.block_hashes)
@@ -150,6 +155,7 @@ impl Scheduler {
     /// How many leading tokens of `prompt` (under `salt`) this cache would serve as a prefix
     /// hit right now: full blocks only, never the last token (the router's placement signal).
     /// Allocation-free; does not touch the hit counters.
+    #[must_use]
     pub fn prefix_hit_tokens(&self, prompt: &[TokenId], salt: u64) -> usize {
         if !self.cfg.enable_prefix_caching || prompt.is_empty() {
             return 0;

@@ -3,9 +3,9 @@
 //! Why here: the fields that move together (computed tokens, output placeholders, block table,
 //! block hashes) live in one record so the step builder and the result path update them with
 //! the same helpers; the record is split in a hot part and a cold one by how often a decode
-//! step touches a field (see [`Request`]). Status is lifecycle only; pending work lives in `work_queues`, admission in
-//! the slot counter — the three are separate on purpose (a finished request may still hold its
-//! slot while an in-flight step references it).
+//! step touches a field (see [`Request`]). Status is lifecycle only; pending work lives in
+//! `work_queues`, admission in the slot counter — the three are separate on purpose (a finished
+//! request may still hold its slot while an in-flight step references it).
 //!
 //! Token accounting (vLLM v1): `num_computed` counts tokens whose KV is computed *or scheduled*
 //! in a built step; `placeholders` counts tokens a built step will sample whose value has not
@@ -205,7 +205,7 @@ pub(crate) struct ExecutorView {
 }
 
 /// A step or none, in 8 bytes instead of `Option<StepId>`'s 16 (steps are numbered from 1, so
-/// 0 is free to mean none); it keeps the hot part of [`Request`] in four lines.
+/// 0 is free to mean none); it helps keep [`Request`] in three lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct StepMark(u64);
 

@@ -181,7 +181,7 @@ impl Driver {
         self.prompt.clear();
         self.prompt.extend((0..len).map(|i| (id as u32).wrapping_mul(31).wrapping_add(i as u32)));
         let mut req =
-            NewRequest::new(RequestId(id), self.prompt.clone(), self.max_tokens, self.now());
+            NewRequest::new(RequestId(id), self.prompt.as_slice(), self.max_tokens, self.now());
         req.ignore_eos = true;
         self.core.add_request(req).expect("bench scenarios only add valid requests");
     }

@@ -21,12 +21,13 @@ const ROOT: u64 = 0x243f_6a88_85a3_08d3;
 
 #[inline]
 fn fold_mul(a: u64, b: u64) -> u64 {
-    let m = (a as u128).wrapping_mul(b as u128);
+    let m = u128::from(a).wrapping_mul(u128::from(b));
     (m as u64) ^ ((m >> 64) as u64)
 }
 
 /// Hash of the block holding `tokens` whose predecessor block has hash `parent` (`None` for the
 /// first block), under `salt`.
+#[must_use]
 pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: u64) -> BlockHash {
     // The same fold as `hash_block_iter`, over the slice's token pairs directly (this runs once
     // per filled block of every running request, so it is on the step path).
@@ -43,6 +44,7 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: u64) -> Block
 }
 
 /// [`hash_block`] over tokens given by an iterator (no copy when a block spans two buffers).
+#[must_use]
 pub fn hash_block_iter(
     parent: Option<BlockHash>,
     tokens: impl IntoIterator<Item = u32>,

@@ -134,6 +134,12 @@ pub enum ConfigError {
 
 impl SchedulerConfig {
     /// Check the configuration; the core only runs with a valid one.
+    ///
+    /// # Errors
+    ///
+    /// The first [`ConfigError`] found: a size that must be non-zero is zero, the step budget is
+    /// below `max_num_seqs`, `max_steps_in_flight` is out of range, or a count would not fit
+    /// the core's 32-bit fields.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let nonzero = [
             ("block_size", self.block_size),
@@ -174,6 +180,7 @@ impl SchedulerConfig {
 
     /// Blocks needed to hold `tokens` tokens of KV.
     #[inline]
+    #[must_use]
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }

@@ -65,7 +65,7 @@ pub enum AddError {
     NeverFits {
         /// Request.
         id: RequestId,
-        /// Blocks for prompt + max_tokens.
+        /// Blocks for prompt + `max_tokens`.
         blocks_needed: usize,
         /// Blocks in the pool.
         num_blocks: usize,

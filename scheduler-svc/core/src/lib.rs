@@ -2,8 +2,9 @@
 //! requests run on one executor and which KV-cache blocks they use.
 //!
 //! Why a crate of its own: it has no I/O, no async runtime and no clock (time is passed in),
-//! and the crate boundary lets the compiler enforce that. The service layer owns one
-//! [`Scheduler`] per executor and drives it:
+//! and the crate boundary lets the compiler enforce that (likewise no `unsafe` outside the
+//! one-instruction prefetch hint in `prefetch`). The service layer owns one [`Scheduler`] per
+//! executor and drives it:
 //!
 //! ```
 //! use ferry_sched_core::*;
@@ -28,21 +29,44 @@
 //! (asynchronous scheduling) with blocks fenced until the step that used them is applied;
 //! `check_invariants()` verifies the whole state and tests call it after every step.
 
+// `unsafe_code` is forbidden in every module but `prefetch`, whose head says why it needs one
+// `unsafe` block and why that block is sound. A crate-level `forbid` could not be relaxed for
+// one module, so it is put on each `mod` instead; the crate-level `deny` covers this file and
+// any module added without the attribute.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+#[forbid(unsafe_code)]
 pub mod bench;
+#[forbid(unsafe_code)]
 mod block_hash;
+#[forbid(unsafe_code)]
 mod block_pool;
+#[forbid(unsafe_code)]
 mod config;
+#[forbid(unsafe_code)]
 mod error;
+#[forbid(unsafe_code)]
 mod lists;
+#[forbid(unsafe_code)]
 mod outcome;
+#[forbid(unsafe_code)]
 mod plan;
+#[allow(unsafe_code)]
 mod prefetch;
+#[forbid(unsafe_code)]
 mod prefix_index;
+#[forbid(unsafe_code)]
 mod request;
+#[forbid(unsafe_code)]
 mod scheduler;
+#[forbid(unsafe_code)]
 mod slots;
+#[forbid(unsafe_code)]
 mod types;
+#[forbid(unsafe_code)]
 mod waiting;
+#[forbid(unsafe_code)]
 mod work_queues;
 
 pub use block_hash::{extend_block_hashes, hash_block, BlockHash};

@@ -136,21 +136,25 @@ pub struct StepPlan {
 
 impl StepPlan {
     /// Block ids of a span.
+    #[must_use]
     pub fn blocks(&self, span: Span) -> &[BlockId] {
         &self.block_ids[span.range()]
     }
 
     /// Tokens of a span.
+    #[must_use]
     pub fn tokens_of(&self, span: Span) -> &[TokenId] {
         &self.tokens[span.range()]
     }
 
     /// Block hashes of a span.
+    #[must_use]
     pub fn hashes(&self, span: Span) -> &[BlockHash] {
         &self.block_hashes[span.range()]
     }
 
     /// True if the step carries no work and no KV operation (it may still report finished ids).
+    #[must_use]
     pub fn is_idle(&self) -> bool {
         self.scheduled.is_empty() && self.kv_ops.is_empty()
     }

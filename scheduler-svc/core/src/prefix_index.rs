@@ -70,7 +70,7 @@ impl PrefixIndex {
     /// Ask for the cache line `hash`'s home slot is in (see the module doc).
     #[inline]
     pub(crate) fn prefetch(&self, hash: BlockHash) {
-        prefetch(&self.slots[self.home(hash.0)]);
+        prefetch(&raw const self.slots[self.home(hash.0)]);
     }
 
     /// The block registered under `hash`.
@@ -155,7 +155,7 @@ mod tests {
         let mut model = HashMap::new();
         let mut x = 1u64;
         for step in 0..20_000u32 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
             // Few distinct keys, some sharing home slots, so runs wrap and shift.
             let key = BlockHash((x >> 58) | ((x >> 40 & 1) << 63));
             if x.is_multiple_of(3) || model.len() >= 64 {

@@ -3,9 +3,9 @@
 //! Why here: the fields that move together (computed tokens, output placeholders, block table,
 //! block hashes) live in one record so the step builder and the result path update them with
 //! the same helpers; the record is split in a hot part and a cold one by how often a decode
-//! step touches a field (see [`Request`]). Status is lifecycle only; pending work lives in `work_queues`, admission in
-//! the slot counter — the three are separate on purpose (a finished request may still hold its
-//! slot while an in-flight step references it).
+//! step touches a field (see [`Request`]). Status is lifecycle only; pending work lives in
+//! `work_queues`, admission in the slot counter — the three are separate on purpose (a finished
+//! request may still hold its slot while an in-flight step references it).
 //!
 //! Token accounting (vLLM v1): `num_computed` counts tokens whose KV is computed *or scheduled*
 //! in a built step; `placeholders` counts tokens a built step will sample whose value has not
@@ -58,6 +58,7 @@ pub enum RequestStatus {
 
 impl RequestStatus {
     /// True once finished.
+    #[must_use]
     pub fn is_finished(self) -> bool {
         matches!(self, RequestStatus::Finished(_))
     }
@@ -78,10 +79,12 @@ pub struct KvImport {
 pub struct NewRequest {
     /// Caller-chosen id, unique among live requests.
     pub id: RequestId,
-    /// Prompt tokens (non-empty, shorter than the model's maximum length), shared with the
-    /// caller rather than copied.
+    /// Prompt tokens (non-empty, shorter than the model's maximum length). Shared, not copied:
+    /// the core keeps this `Arc` and hands it on to the executor in the step plan
+    /// ([`crate::NewRequestData::prompt`]), so a caller that already holds the prompt in an
+    /// `Arc` adds a request without copying its tokens.
     pub prompt: Arc<[TokenId]>,
-    /// Maximum output tokens (at least one; prompt + max_tokens ≤ max_model_len).
+    /// Maximum output tokens (at least one; prompt + `max_tokens` ≤ `max_model_len`).
     pub max_tokens: usize,
     /// Output tokens before EOS or stop tokens may stop the request.
     pub min_tokens: usize,
@@ -112,7 +115,9 @@ pub struct NewRequest {
 }
 
 impl NewRequest {
-    /// A plain request with default stop rules, priority 0 and no salt.
+    /// A plain request with default stop rules, priority 0 and no salt. `prompt` is anything
+    /// that becomes an `Arc<[TokenId]>`: an `Arc` is shared as is, a `Vec` or a slice is
+    /// copied once into a new one.
     pub fn new(
         id: RequestId,
         prompt: impl Into<Arc<[TokenId]>>,
@@ -200,7 +205,7 @@ pub(crate) struct ExecutorView {
 }
 
 /// A step or none, in 8 bytes instead of `Option<StepId>`'s 16 (steps are numbered from 1, so
-/// 0 is free to mean none); it keeps the hot part of [`Request`] in four lines.
+/// 0 is free to mean none); it helps keep [`Request`] in three lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct StepMark(u64);
 

@@ -37,6 +37,7 @@ pub struct BlockId(pub u32);
 impl BlockId {
     /// The block's index as a `usize`, for indexing per-block arrays.
     #[inline]
+    #[must_use]
     pub fn index(self) -> usize {
         self.0 as usize
     }
@@ -62,6 +63,7 @@ pub struct Timestamp(pub u64);
 
 impl Timestamp {
     /// A timestamp from seconds since the origin (negative or NaN clamps to zero).
+    #[must_use]
     pub fn from_secs_f64(secs: f64) -> Self {
         if secs.is_nan() || secs <= 0.0 {
             Timestamp(0)
@@ -71,11 +73,13 @@ impl Timestamp {
     }
 
     /// Seconds since the origin.
+    #[must_use]
     pub fn as_secs_f64(self) -> f64 {
         self.0 as f64 / 1e9
     }
 
     /// Seconds from `earlier` to `self`, zero if `earlier` is later.
+    #[must_use]
     pub fn secs_since(self, earlier: Timestamp) -> f64 {
         self.0.saturating_sub(earlier.0) as f64 / 1e9
     }

@@ -13,6 +13,7 @@
 //! bucket in the map; `len()` is the sum of bucket lengths.
 
 use std::collections::BTreeMap;
+use std::ops::Bound::{Excluded, Unbounded};
 
 use crate::lists::Lists;
 
@@ -110,7 +111,6 @@ impl WaitingQueue {
         }
         let list = self.lists.list_of(slot)?;
         let key = self.bucket_priority[list as usize];
-        use std::ops::Bound::{Excluded, Unbounded};
         let (_, &next_list) = self.buckets.range((Excluded(key), Unbounded)).next()?;
         self.lists.front(next_list)
     }

@@ -2,8 +2,8 @@
 //!
 //! Why: the step builder takes work by kind (decodes first, then prompt chunks), and a request's
 //! pending work must be found and removed in O(1) when it is preempted, aborted or finished.
-//! The queues are intrusive lists keyed by the request's slab index; the list an element is in
-//! is the index "request → pending WorkKey".
+//! The queues are intrusive lists keyed by the request's arena entry; the list an element is in
+//! is the index "request → pending `WorkKey`".
 //!
 //! Invariants kept: a request has at most one pending `WorkKey` (it is in at most one queue);
 //! the index and the queues agree by construction (see `lists`).
@@ -45,6 +45,7 @@ impl WorkKey {
     }
 
     /// True for the prompt kinds.
+    #[must_use]
     pub fn is_prompt(self) -> bool {
         matches!(self, WorkKey::Prompt | WorkKey::PromptChunk)
     }

@@ -353,6 +353,17 @@ fn drain_is_checked() {
 }
 
 #[test]
+fn a_shared_prompt_reaches_the_executor_without_a_copy() {
+    let mut h = Harness::new(small_cfg());
+    let prompt: std::sync::Arc<[u32]> = tokens(1, 6).into();
+    h.add(NewRequest::new(RequestId(1), prompt.clone(), 3, Timestamp(0)));
+    let plan = h.schedule();
+    assert!(std::sync::Arc::ptr_eq(&plan.new_requests[0].prompt, &prompt), "same allocation");
+    h.apply(&Harness::outcome(&plan, 7));
+    h.drain(7, 20);
+}
+
+#[test]
 fn a_moved_request_continues_from_its_prior_output() {
     let mut h = Harness::new(small_cfg());
     let mut r = req(1, tokens(1, 6), 5);

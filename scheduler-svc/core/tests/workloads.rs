@@ -116,13 +116,13 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
 
 fn run_seed(seed: u64) -> Result<common::Report, String> {
     let (cfg, arrivals, opts) = random_case(seed);
-    run(cfg.clone(), &arrivals, &opts).map_err(|e| format!("seed {seed}: {e}\nconfig: {cfg:?}"))
+    run(&cfg, &arrivals, &opts).map_err(|e| format!("seed {seed}: {e}\nconfig: {cfg:?}"))
 }
 
 #[test]
 fn random_workloads_keep_invariants_and_drain() {
     let mut failures = Vec::new();
-    for &seed in REGRESSION_SEEDS.iter() {
+    for &seed in REGRESSION_SEEDS {
         if let Err(e) = run_seed(seed) {
             failures.push(e);
         }
@@ -210,7 +210,7 @@ fn priority_chunked_preemption_livelock_regression_drains() {
                         })
                         .collect();
                     let opts = SimOpts { eos_pct: 0, max_steps: 2_000, seed, ..SimOpts::default() };
-                    let report = run(cfg, &arrivals, &opts).unwrap_or_else(|e| {
+                    let report = run(&cfg, &arrivals, &opts).unwrap_or_else(|e| {
                         panic!("seed {seed} {mode:?} in_flight {in_flight} blocks {blocks}: {e}")
                     });
                     assert_eq!(report.finished.len(), 10);
@@ -223,13 +223,13 @@ fn priority_chunked_preemption_livelock_regression_drains() {
 
 /// Prints one seed's configuration and outcome (`FERRY_CORE_SEED=n cargo test explain -- --ignored --nocapture`).
 #[test]
-#[ignore]
+#[ignore = "a debugging aid that prints one seed's run; see its doc"]
 fn explain_seed() {
     let seed = std::env::var("FERRY_CORE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     let (cfg, arrivals, opts) = random_case(seed);
     eprintln!("{cfg:?}\n{opts:?}");
     let total: usize = arrivals.iter().map(|a| a.req.prompt.len() + a.req.max_tokens).sum();
     eprintln!("{} requests, {total} prompt+max tokens", arrivals.len());
-    let r = run(cfg, &arrivals, &opts);
+    let r = run(&cfg, &arrivals, &opts);
     eprintln!("{:?}", r.map(|r| (r.steps, r.preemptions, r.tokens)));
 }

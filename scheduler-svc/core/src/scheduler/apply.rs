@@ -13,11 +13,18 @@ use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, RequestStatus, TransferState};
 use crate::types::{RequestId, Timestamp, TransferId};
 
+use super::inflight::RecordEntry;
 use super::Scheduler;
 
 impl Scheduler {
     /// Apply the executor's result for the oldest in-flight step; events go to `events`
     /// (appended, not cleared).
+    ///
+    /// # Errors
+    ///
+    /// [`ApplyError`] if the result does not match the oldest step in flight (another step,
+    /// a token missing, unexpected or twice, an unknown transfer); nothing changes then, so a
+    /// corrected result can be applied.
     pub fn apply_result(
         &mut self,
         outcome: &StepOutcome,
@@ -25,18 +32,16 @@ impl Scheduler {
         events: &mut Vec<RequestEvent>,
     ) -> Result<(), ApplyError> {
         let in_plan_order = self.validate_outcome(outcome)?;
-        let mut record = self.inflight.pop_front().expect("validated: a step is in flight");
-        let step = record.step_id;
-        self.last_applied = step.0;
-        self.release_fence(step);
+        let record = self.steps.pop_oldest().expect("validated: a step is in flight");
+        self.fences.lift_through(record.step_id, &mut self.pool);
         // Transfers first: none of them belongs to a request that samples in this step.
         for kv in &outcome.kv_results {
             self.resolve_transfer(kv.transfer_id, kv.ok, now, events);
         }
         if !in_plan_order {
             for s in &outcome.sampled {
-                let idx = *self.by_id.get(&s.id).expect("validated: id is live");
-                self.req_mut(idx).placeholders -= 1;
+                let idx = self.requests.index_of(s.id).expect("validated: id is live");
+                self.requests[idx].placeholders -= 1;
                 self.append_token(idx, s.id, s.token, now, events);
             }
         }
@@ -45,19 +50,18 @@ impl Scheduler {
         let mut sampled = outcome.sampled.iter();
         for k in 0..record.entries.len() {
             self.prefetch_for_apply(&record.entries, k);
-            let super::RecordEntry { idx, id, samples } = record.entries[k];
+            let RecordEntry { idx, id, samples } = record.entries[k];
             if in_plan_order && samples {
                 // The usual case: tokens in plan order, so the record names each slot.
                 let s = sampled.next().expect("validated: one token per sampling entry");
-                self.req_mut(idx).placeholders -= 1;
+                self.requests[idx].placeholders -= 1;
                 self.append_token(idx, id, s.token, now, events);
             }
-            self.req_mut(idx).inflight_refs -= 1;
+            self.requests[idx].inflight_refs -= 1;
             self.requeue(idx);
             self.try_retire(idx);
         }
-        record.recycle();
-        self.spare_records.push(record);
+        self.steps.recycle(record);
         Ok(())
     }
 
@@ -66,20 +70,22 @@ impl Scheduler {
     /// allocation, the costliest miss of the loop) once the request's first line, which holds
     /// the buffer's address, has had time to arrive.
     #[inline]
-    fn prefetch_for_apply(&self, entries: &[super::RecordEntry], k: usize) {
+    fn prefetch_for_apply(&self, entries: &[RecordEntry], k: usize) {
         const AHEAD: usize = 8;
         if let Some(e) = entries.get(k + 2 * AHEAD) {
-            self.prefetch_request_lines(e.idx, &[0, 1]);
+            self.requests.prefetch_lines(e.idx, &[0, 1]);
         }
-        if let Some(e) = entries.get(k + AHEAD) {
-            if let Some(r) = &self.slab[e.idx as usize] {
-                prefetch(r.output.as_ptr().wrapping_add(r.output.len()));
-            }
+        if let Some(r) = entries.get(k + AHEAD).and_then(|e| self.requests.get(e.idx)) {
+            prefetch(r.output.as_ptr().wrapping_add(r.output.len()));
         }
     }
 
     /// Report the end of a KV transfer outside a step result (deadline, dead agent). Call it
     /// only when the executor no longer touches the transfer's blocks.
+    ///
+    /// # Errors
+    ///
+    /// [`ApplyError::UnknownTransfer`] if no transfer with this id is in progress.
     pub fn kv_transfer_finished(
         &mut self,
         transfer_id: TransferId,
@@ -95,9 +101,9 @@ impl Scheduler {
     }
 
     fn transfer_in_progress(&self, tid: TransferId) -> bool {
-        self.transfers.get(&tid).is_some_and(|&idx| {
+        self.transfers.request_of(tid).is_some_and(|idx| {
             matches!(
-                self.req(idx).cold.transfer,
+                self.requests[idx].cold.transfer,
                 Some((t, TransferState::Importing | TransferState::Exporting)) if t == tid
             )
         })
@@ -107,11 +113,11 @@ impl Scheduler {
     /// true if the sampled tokens are in plan order (the fast path).
     fn validate_outcome(&mut self, outcome: &StepOutcome) -> Result<bool, ApplyError> {
         let step = outcome.step_id;
-        let Some(front) = self.inflight.front() else {
+        let Some(front) = self.steps.oldest() else {
             return Err(ApplyError::UnknownStep(step));
         };
         if front.step_id != step {
-            if self.inflight.iter().any(|r| r.step_id == step) {
+            if self.steps.contains(step) {
                 return Err(ApplyError::OutOfOrder { got: step, expected: front.step_id });
             }
             return Err(ApplyError::UnknownStep(step));
@@ -122,7 +128,7 @@ impl Scheduler {
                 return Err(ApplyError::UnknownTransfer(kv.transfer_id));
             }
         }
-        let record = self.inflight.front().expect("checked above");
+        let record = self.steps.oldest().expect("checked above");
         if outcome.sampled.len() == record.samples {
             let sampling = record.entries.iter().filter(|e| e.samples);
             let in_order = sampling.zip(&outcome.sampled).all(|(e, s)| e.id == s.id);
@@ -132,25 +138,17 @@ impl Scheduler {
         }
         // Any order: two marks per attempt, "expected to sample" and "seen"; a fresh epoch
         // each time so a rejected attempt leaves nothing behind.
-        self.outcome_epoch += 2;
-        let expected = self.outcome_epoch;
-        let seen = expected + 1;
-        let record = self.inflight.front().expect("checked above");
-        for e in &record.entries {
-            if e.samples {
-                self.slab[e.idx as usize]
-                    .as_mut()
-                    .expect("in-flight entries are live")
-                    .cold
-                    .outcome_mark = expected;
-            }
+        let (expected, seen) = self.steps.next_outcome_epoch();
+        let record = self.steps.oldest().expect("checked above");
+        for e in record.entries.iter().filter(|e| e.samples) {
+            self.requests[e.idx].cold.outcome_mark = expected;
         }
         let want = record.samples;
         for s in &outcome.sampled {
-            let Some(&idx) = self.by_id.get(&s.id) else {
+            let Some(idx) = self.requests.index_of(s.id) else {
                 return Err(ApplyError::UnexpectedToken { step, id: s.id });
             };
-            let r = self.req_mut(idx);
+            let r = &mut self.requests[idx];
             if r.cold.outcome_mark == seen {
                 return Err(ApplyError::DuplicateToken { step, id: s.id });
             }
@@ -179,7 +177,7 @@ impl Scheduler {
         events: &mut Vec<RequestEvent>,
     ) {
         let max_model_len = self.cfg.max_model_len;
-        let r = self.req_mut(idx);
+        let r = &mut self.requests[idx];
         if !matches!(r.status, RequestStatus::Active | RequestStatus::Waiting) {
             return; // finished (or aborted) since the step was built: drop it
         }
@@ -204,12 +202,11 @@ impl Scheduler {
     /// A prefill-only request's prompt is done: it becomes `Transferring`, keeps slot and
     /// blocks, and its export op goes out with the next step.
     fn start_transfer_out(&mut self, idx: u32, events: &mut Vec<RequestEvent>) {
-        debug_assert_eq!(self.req(idx).status, RequestStatus::Active);
+        debug_assert_eq!(self.requests[idx].status, RequestStatus::Active);
         self.work.remove(idx);
         self.unset_active(idx);
-        self.exports_pending.push(idx);
-        self.transferring += 1;
-        let r = self.req_mut(idx);
+        self.transfers.queue_export(idx);
+        let r = &mut self.requests[idx];
         let (tid, _) = r.cold.transfer.expect("a prefill-only request has its export id reserved");
         r.status = RequestStatus::Transferring;
         r.cold.transfer = Some((tid, TransferState::ExportQueued));
@@ -226,17 +223,17 @@ impl Scheduler {
         now: Timestamp,
         events: &mut Vec<RequestEvent>,
     ) {
-        let idx = self.transfers.remove(&tid).expect("validated: transfer in progress");
-        let (_, state) =
-            self.req_mut(idx).cold.transfer.take().expect("validated: transfer in progress");
-        let aborted = self.req(idx).status.is_finished();
+        let idx = self.transfers.release(tid).expect("validated: transfer in progress");
+        let r = &mut self.requests[idx];
+        let (_, state) = r.cold.transfer.take().expect("validated: transfer in progress");
+        let aborted = r.status.is_finished();
         match state {
             TransferState::Importing => {
-                self.importing -= 1;
+                self.transfers.import_ended();
                 if aborted {
                     self.release_blocks(idx, 0);
                 } else {
-                    let id = self.req(idx).id;
+                    let id = self.requests[idx].id;
                     events.push(RequestEvent::Imported { id, transfer_id: tid, ok });
                     self.finish_import(idx, ok, now);
                 }
@@ -264,7 +261,7 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         if ok {
             let caching = self.cfg.enable_prefix_caching;
-            let r = self.slab[idx as usize].as_mut().expect("live importing request");
+            let r = &mut self.requests[idx];
             r.num_computed = r.cold.import_tokens;
             if caching {
                 r.update_block_hashes(bs);
@@ -278,14 +275,15 @@ impl Scheduler {
         } else {
             self.release_blocks(idx, 0);
         }
-        let priority = self.req(idx).priority;
-        self.req_mut(idx).status = RequestStatus::Waiting;
+        let r = &mut self.requests[idx];
+        let priority = r.priority;
+        r.status = RequestStatus::Waiting;
         if ok && self.slots.has_free() {
             self.activate(idx, now);
-            self.req_mut(idx).decision = Decision::Admitted;
+            self.requests[idx].decision = Decision::Admitted;
             self.requeue(idx);
         } else {
-            self.req_mut(idx).decision = Decision::Queued;
+            self.requests[idx].decision = Decision::Queued;
             self.waiting.push_front(idx, priority);
             self.sync_holder(idx);
         }

@@ -2,17 +2,24 @@
 //! schedule and every apply.
 //!
 //! Why a full recount instead of trusting counters: each check recomputes from first
-//! principles (walk the slab, the queues, the block tables, the fences) and compares with
-//! what the incremental code maintains, so a bookkeeping bug anywhere shows up at the first
-//! step it happens. O(requests + blocks): for tests and debugging, not the hot path.
+//! principles (walk the arena, the queues, the block tables, the fences, the step records) and
+//! compares with what the incremental code maintains, so a bookkeeping bug anywhere shows up at
+//! the first step it happens. O(requests + blocks): for tests and debugging, not the hot path.
+//!
+//! Two layers: each part checks its own rules (`RequestArena`, `WorkQueues`, `WaitingQueue`,
+//! `BlockPool`, `BlockFences`, `InflightSteps`, `KvTransfers`, `StepDraft` each have a
+//! `check`), and this module checks what no part can see alone: that the parts agree with each
+//! other and with every request's record (reference counts = block tables + fences, in-flight
+//! references = step records, transfer states = the transfer map and queues).
 
 use rustc_hash::FxHashMap;
 use thiserror::Error;
 
 use crate::request::{RequestStatus, TransferState};
+use crate::types::BlockId;
 use crate::work_queues::WorkKey;
 
-use super::{Scheduler, IMPORT_QUEUE};
+use super::Scheduler;
 
 /// A broken invariant, with the number of the rule (DESIGN §3) and a description.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -28,13 +35,23 @@ fn fail<T>(rule: u8, detail: impl Into<String>) -> Result<T, InvariantViolation>
     Err(InvariantViolation { rule, detail: detail.into() })
 }
 
+/// Tag a part's own check with the rule it belongs to.
+fn rule(rule: u8) -> impl Fn(String) -> InvariantViolation {
+    move |detail| InvariantViolation { rule, detail }
+}
+
 impl Scheduler {
-    /// Check every invariant of the current state.
+    /// Check every invariant of the current state: each part's own (arena, queues, pool,
+    /// fences, steps in flight, transfers, the last plan), then how the parts agree.
+    ///
+    /// # Errors
+    ///
+    /// The first [`InvariantViolation`] found.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.check_slots()?;
         self.check_queues()?;
         self.check_blocks()?;
-        self.check_plan()?;
+        self.draft.check(self.cfg.max_num_batched_tokens).map_err(rule(5))?;
         self.check_bookkeeping()
     }
 
@@ -42,7 +59,7 @@ impl Scheduler {
     ///    Transferring or unretired Finished request.
     fn check_slots(&self) -> Result<(), InvariantViolation> {
         let mut held = 0;
-        for r in self.slab.iter().flatten() {
+        for (_, r) in self.requests.iter() {
             match (r.status, r.has_slot) {
                 (RequestStatus::Active, false) => {
                     return fail(1, format!("{} is Active without a slot", r.id))
@@ -63,15 +80,15 @@ impl Scheduler {
         Ok(())
     }
 
-    /// 2. at most one pending WorkKey per request, index and queues agree, only Active requests
-    ///    have pending work; 3. Waiting requests are exactly the waiting queue.
+    /// 2. at most one pending `WorkKey` per request, index and queues agree, only Active requests
+    ///    have pending work; 3. Waiting requests are exactly the waiting queue, and queued
+    ///    imports exactly the import queue.
     fn check_queues(&self) -> Result<(), InvariantViolation> {
-        self.work.check().map_err(|d| InvariantViolation { rule: 2, detail: d })?;
-        self.waiting.check().map_err(|d| InvariantViolation { rule: 3, detail: d })?;
-        self.imports.check().map_err(|d| InvariantViolation { rule: 3, detail: d })?;
+        self.work.check().map_err(rule(2))?;
+        self.waiting.check().map_err(rule(3))?;
         for key in WorkKey::ALL {
             for idx in self.work.iter(key) {
-                let Some(r) = &self.slab[idx as usize] else {
+                let Some(r) = self.requests.get(idx) else {
                     return fail(2, format!("{key:?} queue holds a retired entry"));
                 };
                 if r.status != RequestStatus::Active {
@@ -80,23 +97,18 @@ impl Scheduler {
             }
         }
         let mut waiting = 0;
-        for (i, slot) in self.slab.iter().enumerate() {
-            let Some(r) = slot else { continue };
-            let idx = i as u32;
-            let in_waiting = self.waiting.contains(idx);
+        for (idx, r) in self.requests.iter() {
+            let queued = self.waiting.contains(idx);
             let is_waiting = r.status == RequestStatus::Waiting;
-            if in_waiting != is_waiting {
-                return fail(
-                    3,
-                    format!("{} {:?} but in waiting queue: {in_waiting}", r.id, r.status),
-                );
+            if queued != is_waiting {
+                return fail(3, format!("{} {:?} but in waiting queue: {queued}", r.id, r.status));
             }
             waiting += usize::from(is_waiting);
             if is_waiting && self.work.pending(idx).is_some() {
                 return fail(3, format!("{} waiting with pending work", r.id));
             }
             let queued_import = matches!(r.cold.transfer, Some((_, TransferState::ImportQueued)));
-            if queued_import != self.imports.list_of(idx).is_some_and(|l| l == IMPORT_QUEUE) {
+            if queued_import != self.transfers.is_import_queued(idx) {
                 return fail(3, format!("{} import queue membership disagrees", r.id));
             }
         }
@@ -106,14 +118,15 @@ impl Scheduler {
         Ok(())
     }
 
-    /// 4. free + held = total; each block's count = tables holding it + fence holds;
-    /// 6. computed tokens fit the table.
+    /// 4. free + held = total; each block's count = tables holding it + fence holds, and every
+    ///    fence waits for a step in flight; 6. computed tokens fit the table.
     fn check_blocks(&self) -> Result<(), InvariantViolation> {
-        self.pool.check().map_err(|d| InvariantViolation { rule: 4, detail: d })?;
+        self.pool.check().map_err(rule(4))?;
+        self.fences.check().map_err(rule(4))?;
         let n = self.pool.num_blocks();
         let mut holds = vec![0u32; n];
         let bs = self.cfg.block_size;
-        for r in self.slab.iter().flatten() {
+        for (_, r) in self.requests.iter() {
             for b in &r.block_table {
                 holds[b.index()] += 1;
             }
@@ -132,21 +145,17 @@ impl Scheduler {
                 return fail(6, format!("{} computed past its tokens", r.id));
             }
         }
-        let mut fenced = 0;
-        for (_, blocks) in &self.fence {
-            for b in blocks {
-                holds[b.index()] += 1;
+        for (step, b) in self.fences.iter() {
+            if !self.steps.in_flight(Some(step)) {
+                return fail(4, format!("block {} fenced by {step}, which is applied", b.0));
             }
-            fenced += blocks.len();
-        }
-        if fenced != self.fenced_blocks {
-            return fail(4, format!("fence holds {fenced}, counter {}", self.fenced_blocks));
+            holds[b.index()] += 1;
         }
         let mut held = 0;
-        for (i, &h) in holds.iter().enumerate() {
-            let rc = self.pool.ref_count(crate::types::BlockId(i as u32));
+        for (b, &h) in (0u32..).map(BlockId).zip(&holds) {
+            let rc = self.pool.ref_count(b);
             if rc != h {
-                return fail(4, format!("block {i}: ref_cnt {rc} but {h} holders"));
+                return fail(4, format!("block {}: ref_cnt {rc} but {h} holders", b.0));
             }
             held += usize::from(h > 0);
         }
@@ -156,44 +165,20 @@ impl Scheduler {
         Ok(())
     }
 
-    /// 5. the last plan's tokens ≤ budget and = sum over the batch; one entry per request.
-    fn check_plan(&self) -> Result<(), InvariantViolation> {
-        let sum: usize = self.plan.scheduled.iter().map(|w| w.num_tokens).sum();
-        if sum != self.plan.total_tokens {
-            return fail(5, format!("total_tokens {} != sum {sum}", self.plan.total_tokens));
-        }
-        if sum > self.cfg.max_num_batched_tokens {
-            return fail(5, format!("{sum} tokens > budget {}", self.cfg.max_num_batched_tokens));
-        }
-        let mut ids: Vec<_> = self.plan.scheduled.iter().map(|w| w.id).collect();
-        ids.sort_unstable();
-        if ids.windows(2).any(|w| w[0] == w[1]) {
-            return fail(5, "a request is scheduled twice in one step");
-        }
-        Ok(())
-    }
-
-    /// Internal bookkeeping: id map, active/holder sets, in-flight references, transfers.
+    /// Internal bookkeeping: the arena and its id index, active/holder sets, in-flight
+    /// references, transfers.
     fn check_bookkeeping(&self) -> Result<(), InvariantViolation> {
-        let live = self.slab.iter().flatten().count();
-        if live != self.by_id.len() {
-            return fail(0, format!("{live} entries, {} ids", self.by_id.len()));
-        }
-        for (id, &idx) in &self.by_id {
-            if self.slab[idx as usize].as_ref().map(|r| r.id) != Some(*id) {
-                return fail(0, format!("{id} maps to the wrong entry"));
-            }
-        }
+        self.requests.check().map_err(rule(0))?;
+        self.steps.check(self.cfg.max_steps_in_flight).map_err(rule(0))?;
+        self.transfers.check(self.cfg.max_kv_fetches).map_err(rule(0))?;
         let mut refs: FxHashMap<u32, u32> = FxHashMap::default();
-        for rec in &self.inflight {
+        for rec in self.steps.iter() {
             for e in &rec.entries {
                 *refs.entry(e.idx).or_default() += 1;
             }
         }
-        let mut importing = 0;
-        for (i, slot) in self.slab.iter().enumerate() {
-            let Some(r) = slot else { continue };
-            let idx = i as u32;
+        let (mut importing, mut transferring, mut with_transfer) = (0, 0, 0);
+        for (idx, r) in self.requests.iter() {
             let want = refs.get(&idx).copied().unwrap_or(0);
             if u32::from(r.inflight_refs) != want {
                 return fail(
@@ -218,30 +203,48 @@ impl Scheduler {
                 return fail(0, format!("{} Receiving without an import", r.id));
             }
             if let Some((tid, state)) = r.cold.transfer {
-                if self.transfers.get(&tid) != Some(&idx) {
+                if self.transfers.request_of(tid) != Some(idx) {
                     return fail(0, format!("{} transfer {tid} not mapped", r.id));
                 }
                 importing += usize::from(state == TransferState::Importing);
+                with_transfer += 1;
+                let queued = self.transfers.exports_pending().contains(&idx);
+                if queued != (state == TransferState::ExportQueued) {
+                    return fail(0, format!("{} export {tid} {state:?}, pending: {queued}", r.id));
+                }
             }
-            if r.status == RequestStatus::Transferring && !r.has_slot {
-                return fail(1, format!("{} Transferring without its slot", r.id));
+            if r.status == RequestStatus::Transferring {
+                transferring += 1;
+                if !r.has_slot {
+                    return fail(1, format!("{} Transferring without its slot", r.id));
+                }
             }
         }
-        if importing != self.importing || importing > self.cfg.max_kv_fetches {
-            return fail(0, format!("{importing} imports in progress, counter {}", self.importing));
+        if importing != self.transfers.importing() {
+            return fail(
+                0,
+                format!("{importing} imports in progress, counter {}", self.transfers.importing()),
+            );
         }
-        if self.transfers.len()
-            != self.slab.iter().flatten().filter(|r| r.cold.transfer.is_some()).count()
-        {
+        if transferring != self.transfers.transferring() {
+            return fail(
+                0,
+                format!(
+                    "{transferring} requests Transferring, counter {}",
+                    self.transfers.transferring()
+                ),
+            );
+        }
+        if self.transfers.len() != with_transfer {
             return fail(0, "transfer map has entries without a request");
         }
         for (pos, &idx) in self.active.iter().enumerate() {
-            if self.req(idx).cold.active_pos as usize != pos {
+            if self.requests[idx].cold.active_pos as usize != pos {
                 return fail(0, "active set back-index broken");
             }
         }
         for (pos, &idx) in self.holders.iter().enumerate() {
-            if self.req(idx).cold.holder_pos as usize != pos {
+            if self.requests[idx].cold.holder_pos as usize != pos {
                 return fail(0, "holder set back-index broken");
             }
         }
@@ -250,27 +253,32 @@ impl Scheduler {
 
     /// True when nothing is left: no request, no step in flight, no slot, no held block (cached
     /// free blocks aside), empty queues.
+    #[must_use]
     pub fn is_drained(&self) -> bool {
         self.check_drained().is_ok()
     }
 
     /// 7. at drain: no slots, no held blocks, empty queues — with what is left if not.
+    ///
+    /// # Errors
+    ///
+    /// An [`InvariantViolation`] of rule 7 naming what is left.
     pub fn check_drained(&self) -> Result<(), InvariantViolation> {
-        if !self.by_id.is_empty() {
-            return fail(7, format!("{} requests not retired", self.by_id.len()));
+        if !self.requests.is_empty() {
+            return fail(7, format!("{} requests not retired", self.requests.len()));
         }
-        if !self.inflight.is_empty() {
-            return fail(7, format!("{} steps in flight", self.inflight.len()));
+        if !self.steps.is_empty() {
+            return fail(7, format!("{} steps in flight", self.steps.len()));
         }
         if self.slots.held() != 0 {
             return fail(7, format!("{} slots held", self.slots.held()));
         }
         let held = self.pool.num_blocks() - self.pool.num_free();
-        if held != 0 || self.fenced_blocks != 0 {
-            return fail(7, format!("{held} blocks held, {} fenced", self.fenced_blocks));
+        if held != 0 || self.fences.fenced() != 0 {
+            return fail(7, format!("{held} blocks held, {} fenced", self.fences.fenced()));
         }
         let queued: usize = WorkKey::ALL.iter().map(|&k| self.work.len(k)).sum();
-        if queued != 0 || self.waiting.len() != 0 || self.imports.len(IMPORT_QUEUE) != 0 {
+        if queued != 0 || self.waiting.len() != 0 || self.transfers.queued_imports() != 0 {
             return fail(7, "queues not empty");
         }
         Ok(())

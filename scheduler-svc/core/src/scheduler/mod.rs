@@ -1,68 +1,68 @@
 //! The scheduler: owns every request, queue, slot and block of one executor and turns them into
 //! step plans.
 //!
-//! Why split in files: this module holds the state and the transitions every path shares
-//! (add, abort, finish, retire, block release with fences); `step` builds a step, `preempt`
-//! frees blocks for a running request, `apply` folds a step result back in, `invariants`
-//! checks the whole state, `view` exposes stats and per-request listings.
+//! State, split by how long it lives (each part in its own module, with its invariants in its
+//! head and a `check` that `check_invariants` calls):
+//! - for the scheduler's lifetime: the configuration, the [`BlockPool`], the admission slots,
+//!   the work queues and the waiting queue, the active and holder sets, the counters;
+//! - per request, from `add_request` until it retires: its record in the [`RequestArena`]
+//!   (`arena`), addressed by the `u32` entry every queue, set and step record holds;
+//! - until a KV transfer is reported: [`KvTransfers`] (`transfers`): transfer id → request,
+//!   the import queue, the exports due in the next step, the in-progress counts;
+//! - until a step's result is applied: [`InflightSteps`] (`inflight`), the record of each step
+//!   sent and the step numbering, and [`BlockFences`] (`fences`), the blocks released while a
+//!   step that may use them is in flight;
+//! - until the next step is built: the finished requests whose finish it reports
+//!   (`to_report`);
+//! - for one `schedule()` call: [`StepDraft`] (`draft`), the plan being built with its record,
+//!   token budget and scratch lists (the plan itself stays readable until the next call).
+//!
+//! The parts are fields of [`Scheduler`], not nested in each other, so a transition can hold
+//! a request from the arena and the draft (or the pool, or the fences) at once without copying
+//! through a scratch buffer; the transitions themselves are methods on `Scheduler`, by path:
+//! this module holds the ones every path shares (add, abort, finish, retire, block release),
+//! `step` builds a step, `preempt` frees blocks for a running request, `apply` folds a step
+//! result back in, `invariants` checks the whole state (each part's own rules, then how the
+//! parts agree), `view` exposes stats and per-request listings.
 //!
 //! Life of a request: `Waiting` (or `Receiving`) → admitted into a slot → `Active` with at most
 //! one pending `WorkKey` → `Finished` (or `Transferring` → `Finished`) → *retired* once its
-//! finish was reported to the executor and no in-flight step references it; only then is its
-//! slot released and its id reusable.
+//! finish was reported to the executor, no in-flight step references it and no KV transfer is
+//! in progress; only then is its slot released, its arena entry freed and its id reusable.
 //!
 //! Fences: a block released while a built-but-unapplied step may still read or write it is not
-//! returned to the pool until that step's result is applied (`fence`), so an executor running
-//! step N never sees a block reused by step N+1.
+//! returned to the pool until that step's result is applied (see `fences`), so an executor
+//! running step N never sees a block reused by step N+1.
 
 mod apply;
+mod arena;
+mod draft;
+mod fences;
+mod inflight;
 mod invariants;
 mod preempt;
 mod step;
+mod transfers;
 mod view;
-
-use std::collections::VecDeque;
-
-use rustc_hash::FxHashMap;
 
 use crate::block_pool::BlockPool;
 use crate::config::{ConfigError, PreemptionPolicy, SchedulerConfig};
 use crate::error::{AbortError, AddError};
-use crate::lists::Lists;
 use crate::outcome::{FinishStats, FinishedRequest};
-use crate::plan::StepPlan;
-use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, NewRequest, Request, RequestStatus, TransferState};
 use crate::slots::AdmissionSlots;
-use crate::types::{BlockId, RequestId, StepId, Timestamp, TokenId, TransferId};
+use crate::types::{RequestId, Timestamp};
 use crate::waiting::WaitingQueue;
 use crate::work_queues::WorkQueues;
 
+use arena::RequestArena;
+use draft::StepDraft;
+use fences::BlockFences;
+use inflight::InflightSteps;
+use transfers::KvTransfers;
+
 pub use invariants::InvariantViolation;
 pub use view::{RequestView, SchedulerStats};
-
-const IMPORT_QUEUE: u32 = 0;
-
-/// One request referenced by a built step.
-#[derive(Debug, Clone, Copy)]
-struct RecordEntry {
-    /// Slab index (valid while the step is in flight: the request cannot retire before).
-    idx: u32,
-    /// The request's id, to match the result without touching the request.
-    id: RequestId,
-    /// The step samples a token for it.
-    samples: bool,
-}
-
-/// One built step whose result has not been applied yet.
-#[derive(Debug, Default)]
-struct StepRecord {
-    step_id: StepId,
-    /// Every request the step references: first its scheduled work, in plan order (parallel
-    /// to `StepPlan::scheduled`), then the requests with a KV op.
-    entries: Vec<RecordEntry>,
-    samples: usize,
-}
 
 /// Monotonic counters for metrics (vLLM-style names in the service layer).
 #[derive(Debug, Clone, Copy, Default)]
@@ -80,135 +80,105 @@ struct Counters {
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    slab: Vec<Option<Request>>,
-    free_entries: Vec<u32>,
-    by_id: FxHashMap<RequestId, u32>,
+    /// Every live request, by arena entry (the `u32` every queue and set below holds).
+    requests: RequestArena,
+    /// Pending work of `Active` requests, one queue per `WorkKey`.
     work: WorkQueues,
+    /// `Waiting` requests in admission order.
     waiting: WaitingQueue,
-    imports: Lists,
-    /// `Active` requests (victim candidates), with `Request::active_pos` as back-index.
+    /// `Active` requests (victim candidates), with `RequestCold::active_pos` as back-index.
     active: Vec<u32>,
-    /// `Waiting` requests holding blocks (reclaim candidates), `Request::holder_pos` back-index.
+    /// `Waiting` requests holding blocks (reclaim candidates), `RequestCold::holder_pos`
+    /// back-index.
     holders: Vec<u32>,
     slots: AdmissionSlots,
     pool: BlockPool,
-    fence: VecDeque<(StepId, Vec<BlockId>)>,
-    fenced_blocks: usize,
-    spare_block_vecs: Vec<Vec<BlockId>>,
-    inflight: VecDeque<StepRecord>,
-    spare_records: Vec<StepRecord>,
-    transfers: FxHashMap<TransferId, u32>,
-    transferring: usize,
-    importing: usize,
+    /// Released blocks an unapplied step may still use.
+    fences: BlockFences,
+    /// Steps built and not applied, and the step numbering.
+    steps: InflightSteps,
+    /// Transfer ids, queued imports, pending exports.
+    transfers: KvTransfers,
+    /// The step being built (and, between calls, the last plan).
+    draft: StepDraft,
+    /// Finished requests the executor knows, to be reported by the next step.
     to_report: Vec<u32>,
-    exports_pending: Vec<u32>,
-    plan: StepPlan,
-    /// The record of the step being built (entries parallel to `plan.scheduled`).
-    building: Option<StepRecord>,
-    /// Scheduled requests whose executor diff or prefix-cache registration is due at finalize.
-    plan_followups: Vec<u32>,
-    /// Requests given a KV op in the step being built.
-    plan_kv_slots: Vec<u32>,
-    next_step: u64,
-    last_applied: u64,
+    /// Arrival and admission order, the victim ranks' tie-breakers.
     arrival_seq: u64,
     admit_seq: u64,
-    outcome_epoch: u64,
-    budget: usize,
-    step_preempted: bool,
-    step_blocked: bool,
     counters: Counters,
-    scratch_blocks: Vec<BlockId>,
-    /// The shared empty token list new requests without prior output carry (no allocation).
-    empty_tokens: std::sync::Arc<[TokenId]>,
 }
 
 impl Scheduler {
-    /// A scheduler with an empty cache; fails on an invalid configuration.
+    /// A scheduler with an empty cache.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] if the configuration is invalid (see [`SchedulerConfig::validate`]).
     pub fn new(cfg: SchedulerConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         Ok(Scheduler {
             pool: BlockPool::new(cfg.num_blocks, cfg.enable_prefix_caching),
             slots: AdmissionSlots::new(cfg.max_num_seqs),
             waiting: WaitingQueue::new(cfg.preemption_policy == PreemptionPolicy::Priority),
+            draft: StepDraft::new(cfg.max_num_batched_tokens),
             cfg,
-            slab: Vec::new(),
-            free_entries: Vec::new(),
-            by_id: FxHashMap::default(),
+            requests: RequestArena::default(),
             work: WorkQueues::new(),
-            imports: Lists::new(1),
             active: Vec::new(),
             holders: Vec::new(),
-            fence: VecDeque::new(),
-            fenced_blocks: 0,
-            spare_block_vecs: Vec::new(),
-            inflight: VecDeque::new(),
-            spare_records: Vec::new(),
-            transfers: FxHashMap::default(),
-            transferring: 0,
-            importing: 0,
+            fences: BlockFences::default(),
+            steps: InflightSteps::default(),
+            transfers: KvTransfers::default(),
             to_report: Vec::new(),
-            exports_pending: Vec::new(),
-            plan: StepPlan::default(),
-            building: None,
-            plan_followups: Vec::new(),
-            plan_kv_slots: Vec::new(),
-            next_step: 0,
-            last_applied: 0,
             arrival_seq: 0,
             admit_seq: 0,
-            outcome_epoch: 0,
-            budget: 0,
-            step_preempted: false,
-            step_blocked: false,
             counters: Counters::default(),
-            scratch_blocks: Vec::new(),
-            empty_tokens: std::sync::Arc::from(Vec::new()),
         })
     }
 
     /// The configuration in force.
+    #[must_use]
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
     }
 
     /// True while a request with this id exists (not yet retired); its id is not reusable.
+    #[must_use]
     pub fn contains(&self, id: RequestId) -> bool {
-        self.by_id.contains_key(&id)
+        self.requests.contains(id)
     }
 
     /// Add a request. It enters `Waiting`, or `Receiving` if it has a KV import.
+    ///
+    /// # Errors
+    ///
+    /// [`AddError`] if the request is malformed, could never run on this cache, or reuses a
+    /// live request id or transfer id; nothing is added then.
     pub fn add_request(&mut self, req: NewRequest) -> Result<(), AddError> {
         self.validate_new(&req)?;
         self.arrival_seq += 1;
         let import = req.kv_import;
-        let req_export = req.kv_export;
+        let export = req.kv_export;
         let priority = req.priority;
-        let id = req.id;
         let mut r = Request::new(req, self.arrival_seq, self.cfg.block_size);
-        let idx = match self.free_entries.pop() {
-            Some(i) => i,
-            None => {
-                self.slab.push(None);
-                (self.slab.len() - 1) as u32
-            }
-        };
         if let Some(imp) = import {
             r.status = RequestStatus::Receiving;
             r.cold.transfer = Some((imp.transfer_id, TransferState::ImportQueued));
             r.cold.import_tokens = imp.num_tokens;
             r.decision = Decision::ImportQueued;
-            self.transfers.insert(imp.transfer_id, idx);
-            self.imports.push_back(IMPORT_QUEUE, idx);
-        } else if let Some(tid) = req_export {
+        } else if let Some(tid) = export {
             r.cold.transfer = Some((tid, TransferState::ExportPlanned));
-            self.transfers.insert(tid, idx);
-            self.waiting.push_back(idx, priority);
+        }
+        let idx = self.requests.insert(r);
+        if let Some(imp) = import {
+            self.transfers.queue_import(imp.transfer_id, idx);
         } else {
+            if let Some(tid) = export {
+                self.transfers.reserve_export(tid, idx);
+            }
             self.waiting.push_back(idx, priority);
         }
-        self.slab[idx as usize] = Some(r);
-        self.by_id.insert(id, idx);
         Ok(())
     }
 
@@ -246,7 +216,7 @@ impl Scheduler {
         if !req.output.is_empty() && (req.kv_import.is_some() || req.kv_export.is_some()) {
             return Err(AddError::OutputWithTransfer(id));
         }
-        if self.by_id.contains_key(&id) {
+        if self.requests.contains(id) {
             return Err(AddError::DuplicateId(id));
         }
         // KV is computed for every token but the last sampled one.
@@ -275,7 +245,7 @@ impl Scheduler {
         }
         let transfer_ids = req.kv_import.map(|i| i.transfer_id).into_iter().chain(req.kv_export);
         for transfer_id in transfer_ids {
-            if self.transfers.contains_key(&transfer_id) {
+            if self.transfers.contains(transfer_id) {
                 return Err(AddError::DuplicateTransfer { id, transfer_id });
             }
         }
@@ -285,9 +255,13 @@ impl Scheduler {
     /// Abort a request in any state, also with a step in flight. Its resources are released
     /// (blocks behind the fence of the in-flight step; a KV transfer in progress keeps its
     /// blocks until reported) and its id becomes reusable once it retires.
+    ///
+    /// # Errors
+    ///
+    /// [`AbortError`] if no live request has this id or it has already finished.
     pub fn abort(&mut self, id: RequestId, now: Timestamp) -> Result<FinishedRequest, AbortError> {
-        let &idx = self.by_id.get(&id).ok_or(AbortError::Unknown(id))?;
-        if self.req(idx).status.is_finished() {
+        let idx = self.requests.index_of(id).ok_or(AbortError::Unknown(id))?;
+        if self.requests[idx].status.is_finished() {
             return Err(AbortError::AlreadyFinished(id));
         }
         Ok(self.finish(idx, FinishReason::Abort, now))
@@ -295,82 +269,46 @@ impl Scheduler {
 
     // ---- shared helpers -------------------------------------------------------------------
 
-    #[inline]
-    fn req(&self, idx: u32) -> &Request {
-        self.slab[idx as usize]
-            .as_ref()
-            .expect("slab index held by a queue or record names a live entry")
-    }
-
-    #[inline]
-    fn req_mut(&mut self, idx: u32) -> &mut Request {
-        self.slab[idx as usize]
-            .as_mut()
-            .expect("slab index held by a queue or record names a live entry")
-    }
-
-    /// Prefetch the hot lines of `idx`'s request (a hint: no effect on behaviour).
-    #[inline]
-    fn prefetch_request(&self, idx: u32) {
-        self.prefetch_request_lines(idx, &[0, 1, 2]);
-    }
-
-    /// Prefetch cache lines `lines` of `idx`'s record (see [`Request`]'s layout).
-    #[inline]
-    fn prefetch_request_lines(&self, idx: u32, lines: &[usize]) {
-        if let Some(slot) = self.slab.get(idx as usize) {
-            let r: *const u8 = (slot as *const Option<Request>).cast();
-            for &line in lines {
-                prefetch(r.wrapping_add(64 * line));
-            }
-        }
-    }
-
-    #[inline]
-    fn in_flight(&self, step: Option<StepId>) -> bool {
-        step.is_some_and(|s| s.0 > self.last_applied)
-    }
-
     /// True if `idx` has work in the step being built.
     #[inline]
     fn scheduled_in_build(&self, idx: u32) -> bool {
-        self.building.is_some() && self.req(idx).last_step.get() == Some(StepId(self.next_step))
+        self.draft.is_open() && self.requests[idx].last_step.get() == Some(self.draft.step())
     }
 
     fn set_active(&mut self, idx: u32) {
-        let pos = self.active.len() as u32;
+        let pos = u32::try_from(self.active.len()).expect("arena entries are u32");
         self.active.push(idx);
-        self.req_mut(idx).cold.active_pos = pos;
+        self.requests[idx].cold.active_pos = pos;
     }
 
     fn unset_active(&mut self, idx: u32) {
-        let pos = self.req(idx).cold.active_pos;
+        let pos = self.requests[idx].cold.active_pos;
         if pos == u32::MAX {
             return;
         }
         self.active.swap_remove(pos as usize);
         if let Some(&moved) = self.active.get(pos as usize) {
-            self.req_mut(moved).cold.active_pos = pos;
+            self.requests[moved].cold.active_pos = pos;
         }
-        self.req_mut(idx).cold.active_pos = u32::MAX;
+        self.requests[idx].cold.active_pos = u32::MAX;
     }
 
     /// Keep `holders` = waiting requests with a non-empty block table.
     fn sync_holder(&mut self, idx: u32) {
-        let r = self.req(idx);
+        let r = &self.requests[idx];
         let should = r.status == RequestStatus::Waiting && !r.block_table.is_empty();
         let is = r.cold.holder_pos != u32::MAX;
         if should && !is {
-            let pos = self.holders.len() as u32;
+            let pos = u32::try_from(self.holders.len()).expect("arena entries are u32");
             self.holders.push(idx);
-            self.req_mut(idx).cold.holder_pos = pos;
+            self.requests[idx].cold.holder_pos = pos;
         } else if !should && is {
             let pos = r.cold.holder_pos;
             self.holders.swap_remove(pos as usize);
             if let Some(&moved) = self.holders.get(pos as usize) {
-                self.req_mut(moved).cold.holder_pos = pos;
+                self.requests[moved].cold.holder_pos = pos;
             }
-            self.req_mut(idx).cold.holder_pos = u32::MAX;
+            self.requests[idx].cold.holder_pos = u32::MAX;
         }
     }
 
@@ -380,109 +318,65 @@ impl Scheduler {
     fn release_blocks(&mut self, idx: u32, keep: usize) -> usize {
         let bs = self.cfg.block_size;
         debug_assert!(!self.scheduled_in_build(idx), "release of a request scheduled in this step");
-        let fenced = self.in_flight(self.req(idx).last_step.get());
-        let step = self.req(idx).last_step.get();
-        let mut freed_now = 0;
-        let mut tail = std::mem::take(&mut self.scratch_blocks);
-        {
-            let r = self.req_mut(idx);
-            if r.block_table.len() <= keep {
-                self.scratch_blocks = tail;
-                return 0;
-            }
-            tail.clear();
-            tail.extend(r.block_table.drain(keep..).rev());
-            r.num_computed = r.num_computed.min(keep * bs);
-            r.set_registered(r.registered().min(keep));
-            r.exec.sent_blocks = r.exec.sent_blocks.min(keep as u32);
+        let r = &mut self.requests[idx];
+        if r.block_table.len() <= keep {
+            return 0;
         }
-        if fenced {
-            let step = step.expect("in_flight implies a step");
-            // One bucket per step, ordered by step (fences drain from the front).
-            let pos = match self.fence.iter().position(|(s, _)| *s >= step) {
-                Some(p) if self.fence[p].0 == step => p,
-                Some(p) => {
-                    let v = self.spare_block_vecs.pop().unwrap_or_default();
-                    self.fence.insert(p, (step, v));
-                    p
-                }
-                None => {
-                    let v = self.spare_block_vecs.pop().unwrap_or_default();
-                    self.fence.push_back((step, v));
-                    self.fence.len() - 1
-                }
-            };
-            let bucket = &mut self.fence[pos].1;
-            bucket.extend_from_slice(&tail);
-            self.fenced_blocks += tail.len();
+        r.num_computed = r.num_computed.min(keep * bs);
+        r.set_registered(r.registered().min(keep));
+        r.exec.sent_blocks = r.exec.sent_blocks.min(keep as u32);
+        let step = r.last_step.get();
+        let tail = r.block_table.drain(keep..).rev();
+        let mut freed_now = 0;
+        if self.steps.in_flight(step) {
+            self.fences.hold(step.expect("in_flight implies a step"), tail);
         } else {
-            for &b in &tail {
+            for b in tail {
                 self.pool.release(b);
                 if self.pool.ref_count(b) == 0 {
                     freed_now += 1;
                 }
             }
         }
-        self.scratch_blocks = tail;
         self.sync_holder(idx);
         freed_now
-    }
-
-    /// Return fenced blocks of every step up to `step` to the pool.
-    fn release_fence(&mut self, step: StepId) {
-        while let Some((s, _)) = self.fence.front() {
-            if *s > step {
-                break;
-            }
-            let (_, mut blocks) = self.fence.pop_front().expect("front exists");
-            for &b in &blocks {
-                self.pool.release(b);
-            }
-            self.fenced_blocks -= blocks.len();
-            blocks.clear();
-            self.spare_block_vecs.push(blocks);
-        }
     }
 
     /// Move a request to `Finished(reason)`: drop its pending work, queue position and active
     /// membership, release its blocks (unless a KV transfer in progress still uses them) and
     /// queue its finish for the executor. It keeps its slot until it retires.
     fn finish(&mut self, idx: u32, reason: FinishReason, now: Timestamp) -> FinishedRequest {
-        let was = self.req(idx).status;
+        let was = self.requests[idx].status;
         debug_assert!(!was.is_finished(), "finishing a finished request");
         if was == RequestStatus::Transferring {
-            self.transferring -= 1;
+            self.transfers.left_transferring();
         }
         self.work.remove(idx);
         self.waiting.remove(idx);
-        self.imports.remove(idx);
         self.unset_active(idx);
-        let transfer = self.req(idx).cold.transfer;
-        match transfer {
+        let r = &mut self.requests[idx];
+        match r.cold.transfer {
             Some((
                 tid,
                 TransferState::ImportQueued
                 | TransferState::ExportPlanned
                 | TransferState::ExportQueued,
             )) => {
-                self.transfers.remove(&tid);
-                self.exports_pending.retain(|&i| i != idx);
-                self.req_mut(idx).cold.transfer = None;
+                // Not started: nothing on the executor uses its blocks yet.
+                self.transfers.cancel(tid, idx);
+                r.cold.transfer = None;
             }
             Some((_, TransferState::Importing | TransferState::Exporting)) | None => {}
         }
-        {
-            let r = self.req_mut(idx);
-            r.status = RequestStatus::Finished(reason);
-            r.decision = Decision::Finished;
-            r.cold.times.finished = Some(now);
-        }
+        r.status = RequestStatus::Finished(reason);
+        r.decision = Decision::Finished;
+        r.cold.times.finished = Some(now);
         // Blocks under an in-progress transfer stay until the transfer is reported.
-        if self.req(idx).cold.transfer.is_none() {
+        if r.cold.transfer.is_none() {
             self.release_blocks(idx, 0);
         }
         self.sync_holder(idx);
-        if self.req(idx).exec.known {
+        if self.requests[idx].exec.known {
             self.to_report.push(idx);
         }
         self.counters.finished += 1;
@@ -492,7 +386,7 @@ impl Scheduler {
     }
 
     fn finished_record(&self, idx: u32, reason: FinishReason, now: Timestamp) -> FinishedRequest {
-        let r = self.req(idx);
+        let r = &self.requests[idx];
         let arrival = r.cold.times.arrival;
         FinishedRequest {
             id: r.id,
@@ -512,7 +406,7 @@ impl Scheduler {
     /// Retire a finished request once nothing references it: release its slot, free its entry,
     /// make its id reusable.
     fn try_retire(&mut self, idx: u32) {
-        let r = self.req(idx);
+        let r = &self.requests[idx];
         if !r.status.is_finished() {
             return; // the usual case, decided by line 1 alone
         }
@@ -526,13 +420,10 @@ impl Scheduler {
             "retiring {} still queued",
             r.id
         );
-        let id = r.id;
         if r.has_slot {
             self.slots.release();
         }
-        self.by_id.remove(&id);
-        self.slab[idx as usize] = None;
-        self.free_entries.push(idx);
+        self.requests.remove(idx);
     }
 
     /// Make a request `Active` in a free slot (caller checked one is free).
@@ -541,15 +432,12 @@ impl Scheduler {
         debug_assert!(got, "activate without a free slot");
         self.waiting.remove(idx);
         self.admit_seq += 1;
-        let seq = self.admit_seq;
-        {
-            let r = self.req_mut(idx);
-            r.status = RequestStatus::Active;
-            r.has_slot = true;
-            r.admit_seq = seq;
-            r.cold.times.first_scheduled.get_or_insert(now);
-            r.reserve_output();
-        }
+        let r = &mut self.requests[idx];
+        r.status = RequestStatus::Active;
+        r.has_slot = true;
+        r.admit_seq = self.admit_seq;
+        r.cold.times.first_scheduled.get_or_insert(now);
+        r.reserve_output();
         self.sync_holder(idx);
         self.set_active(idx);
     }
@@ -558,21 +446,16 @@ impl Scheduler {
     fn deactivate_to_waiting(&mut self, idx: u32) {
         self.work.remove(idx);
         self.unset_active(idx);
-        let (has_slot, priority) = {
-            let r = self.req(idx);
-            (r.has_slot, r.priority)
-        };
-        if has_slot {
+        let r = &mut self.requests[idx];
+        if r.has_slot {
             self.slots.release();
         }
-        {
-            let r = self.req_mut(idx);
-            r.has_slot = false;
-            r.status = RequestStatus::Waiting;
-            if r.exec.known {
-                r.exec.needs_resume = true;
-            }
+        r.has_slot = false;
+        r.status = RequestStatus::Waiting;
+        if r.exec.known {
+            r.exec.needs_resume = true;
         }
+        let priority = r.priority;
         self.waiting.push_front(idx, priority);
         self.sync_holder(idx);
     }
@@ -584,11 +467,11 @@ impl Drop for Scheduler {
         // is a leak that `check_invariants` would also report.
         if cfg!(debug_assertions) && !std::thread::panicking() {
             let held = self.pool.num_blocks() - self.pool.num_free();
-            let in_tables: usize = self.slab.iter().flatten().map(|r| r.block_table.len()).sum();
+            let in_tables: usize = self.requests.iter().map(|(_, r)| r.block_table.len()).sum();
             debug_assert!(
-                held <= in_tables + self.fenced_blocks,
+                held <= in_tables + self.fences.fenced(),
                 "{held} blocks held but only {} in tables/fences: leak",
-                in_tables + self.fenced_blocks
+                in_tables + self.fences.fenced()
             );
         }
     }

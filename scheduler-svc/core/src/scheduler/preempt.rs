@@ -69,7 +69,8 @@ impl Scheduler {
             if free >= need {
                 return Room::Ready;
             }
-            if self.fenced_blocks > 0 && free + self.fenced_blocks >= need {
+            let fenced = self.fences.fenced();
+            if fenced > 0 && free + fenced >= need {
                 return Room::FenceWait;
             }
             if let Some(holder) = self.worst_holder_except(idx) {
@@ -90,15 +91,15 @@ impl Scheduler {
             .iter()
             .copied()
             .filter(|&h| h != except)
-            .max_by_key(|&h| self.victim_rank(self.req(h)))
+            .max_by_key(|&h| self.victim_rank(&self.requests[h]))
     }
 
     /// Take up to `blocks` blocks from the tail of waiting holder `holder`'s table; it will
     /// recompute the lost tail when admitted. Not a preemption (it already lost its slot).
     pub(super) fn reclaim(&mut self, holder: u32, blocks: usize) {
-        let keep = self.req(holder).block_table.len().saturating_sub(blocks);
+        let keep = self.requests[holder].block_table.len().saturating_sub(blocks);
         self.release_blocks(holder, keep);
-        self.req_mut(holder).decision = Decision::Reclaimed;
+        self.requests[holder].decision = Decision::Reclaimed;
     }
 
     /// The running request to preempt for `requester` (possibly itself).
@@ -106,8 +107,8 @@ impl Scheduler {
         self.active
             .iter()
             .copied()
-            .filter(|&i| i == requester || !Self::unpreemptable(self.req(i)))
-            .max_by_key(|&i| self.victim_rank(self.req(i)))
+            .filter(|&i| i == requester || !Self::unpreemptable(&self.requests[i]))
+            .max_by_key(|&i| self.victim_rank(&self.requests[i]))
             .unwrap_or(requester)
     }
 
@@ -120,19 +121,12 @@ impl Scheduler {
         if recompute {
             self.release_blocks(idx, 0);
         }
-        {
-            let r = self.req_mut(idx);
-            r.num_preemptions += 1;
-            r.cold.times.preemptions.push(now);
-            r.decision = if recompute { Decision::Preempted } else { Decision::Yielded };
-        }
-        let r = self.req(idx);
-        if r.exec.known {
-            let id = r.id;
-            self.plan.preempted.push(id);
-        }
+        let r = &mut self.requests[idx];
+        r.num_preemptions += 1;
+        r.cold.times.preemptions.push(now);
+        r.decision = if recompute { Decision::Preempted } else { Decision::Yielded };
+        self.draft.preempted(r.exec.known.then_some(r.id));
         self.counters.preemptions += 1;
-        self.step_preempted = true;
     }
 
     /// Undo the work scheduled for `idx` in the step being built, if any.
@@ -140,36 +134,24 @@ impl Scheduler {
         if !self.scheduled_in_build(idx) {
             return;
         }
-        let pos = self.req(idx).sched_index as usize;
-        let work = self.plan.scheduled[pos];
-        self.plan.scheduled[pos].num_tokens = 0; // tombstone, compacted at finalize
-        let record = self.building.as_mut().expect("scheduled_in_build implies building");
-        record.samples -= usize::from(work.samples_token);
-        self.budget += work.num_tokens;
+        let work = self.draft.rollback(self.requests[idx].sched_index);
         if work.work.is_prompt() {
             self.counters.prompt_tokens -= work.num_tokens as u64;
         }
-        let mut tail = std::mem::take(&mut self.scratch_blocks);
-        let new_blocks = {
-            let r = self.slab[idx as usize].as_mut().expect("scheduled request is live");
-            r.last_step = r.prev_last_step;
-            r.inflight_refs -= 1;
-            r.num_computed -= work.num_tokens;
-            if work.samples_token {
-                r.placeholders -= 1;
-            }
-            let n = r.new_blocks_this_step as usize;
-            r.new_blocks_this_step = 0;
-            let keep = r.block_table.len() - n;
-            tail.clear();
-            tail.extend(r.block_table.drain(keep..));
-            tail
-        };
+        let r = &mut self.requests[idx];
+        r.last_step = r.prev_last_step;
+        r.inflight_refs -= 1;
+        r.num_computed -= work.num_tokens;
+        if work.samples_token {
+            r.placeholders -= 1;
+        }
+        let n = r.new_blocks_this_step as usize;
+        r.new_blocks_this_step = 0;
+        let keep = r.block_table.len() - n;
         // Never sent to the executor: straight back to the pool.
-        for &b in &new_blocks {
+        for b in r.block_table.drain(keep..) {
             self.pool.release(b);
         }
-        self.scratch_blocks = new_blocks;
     }
 }
 
@@ -204,11 +186,11 @@ mod tests {
     }
 
     fn idx(core: &Scheduler, id: u64) -> u32 {
-        core.by_id[&RequestId(id)]
+        core.requests.index_of(RequestId(id)).unwrap()
     }
 
     fn victim(core: &Scheduler, requester: u64) -> u64 {
-        core.req(core.pick_victim(idx(core, requester))).id.0
+        core.requests[core.pick_victim(idx(core, requester))].id.0
     }
 
     #[test]
@@ -216,15 +198,15 @@ mod tests {
         let mut core = running(PreemptionPolicy::Fcfs);
         assert_eq!(victim(&core, 1), 3, "latest admitted");
         let three = idx(&core, 3);
-        core.req_mut(three).num_preemptions = 2;
+        core.requests[three].num_preemptions = 2;
         assert_eq!(victim(&core, 1), 2, "3 is protected now");
         for id in [1, 2] {
             let i = idx(&core, id);
-            core.req_mut(i).num_preemptions = 2;
+            core.requests[i].num_preemptions = 2;
         }
         assert_eq!(victim(&core, 1), 3, "among protected requests the policy decides again");
         let one = idx(&core, 1);
-        core.req_mut(one).num_preemptions = 0;
+        core.requests[one].num_preemptions = 0;
         assert_eq!(victim(&core, 1), 1, "an unprotected requester gives way to itself");
     }
 
@@ -233,7 +215,7 @@ mod tests {
         let mut core = running(PreemptionPolicy::Priority);
         assert_eq!(victim(&core, 1), 3, "same priority: latest arrival");
         let one = idx(&core, 1);
-        core.req_mut(one).priority = 7;
+        core.requests[one].priority = 7;
         assert_eq!(victim(&core, 2), 1);
     }
 
@@ -242,7 +224,7 @@ mod tests {
         let mut core = running(PreemptionPolicy::LeastWorkDone);
         assert_eq!(victim(&core, 3), 1, "fewest computed tokens");
         let one = idx(&core, 1);
-        core.req_mut(one).output = vec![9; 38]; // 38 of 40: within 5 %
+        core.requests[one].output = vec![9; 38]; // 38 of 40: within 5 %
         assert_eq!(victim(&core, 3), 2);
     }
 
@@ -250,7 +232,7 @@ mod tests {
     fn a_prefill_only_request_with_its_prompt_done_is_never_a_victim() {
         let mut core = running(PreemptionPolicy::Fcfs);
         let three = idx(&core, 3);
-        core.req_mut(three).prefill_only = true;
+        core.requests[three].prefill_only = true;
         assert_eq!(victim(&core, 1), 2);
     }
 }

@@ -5,11 +5,12 @@
 //! mutate scheduling state, so it all lives behind `&self`.
 
 use crate::block_hash::hash_block;
-use crate::request::{Decision, RequestStatus};
-use crate::types::{RequestId, TokenId};
+use crate::block_hash::BlockHash;
+use crate::request::{Decision, Request, RequestStatus, RequestTimes};
+use crate::types::{BlockId, RequestId, TokenId};
 use crate::work_queues::WorkKey;
 
-use super::{Scheduler, IMPORT_QUEUE};
+use super::Scheduler;
 
 /// Gauges and counters for metrics (the vLLM metric each one feeds, where one exists).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -77,47 +78,44 @@ pub struct RequestView {
 
 impl Scheduler {
     /// Current gauges and counters.
+    #[must_use]
     pub fn stats(&self) -> SchedulerStats {
         let n = self.pool.num_blocks();
         let c = &self.counters;
-        let receiving = self.imports.len(IMPORT_QUEUE) + self.importing;
+        let receiving = self.transfers.queued_imports() + self.transfers.importing();
         SchedulerStats {
             num_running: self.active.len(),
             num_waiting: self.waiting.len(),
             num_receiving: receiving,
-            num_transferring: self.transferring,
+            num_transferring: self.transfers.transferring(),
             slots_held: self.slots.held(),
             kv_usage: (n - self.pool.num_free()) as f64 / n as f64,
             cached_free_blocks: self.pool.num_cached_free(),
-            fenced_blocks: self.fenced_blocks,
+            fenced_blocks: self.fences.fenced(),
             prefix_cache_queries: c.prefix_queries,
             prefix_cache_hits: c.prefix_hits,
             num_preemptions: c.preemptions,
             prompt_tokens: c.prompt_tokens,
             generation_tokens: c.generation_tokens,
             steps: c.steps,
-            steps_in_flight: self.inflight.len(),
+            steps_in_flight: self.steps.len(),
             requests_finished: c.finished,
         }
     }
 
     /// The admin view of one request (`None` once retired).
+    #[must_use]
     pub fn request_view(&self, id: RequestId) -> Option<RequestView> {
-        let &idx = self.by_id.get(&id)?;
-        Some(self.view_of(idx))
+        let idx = self.requests.index_of(id)?;
+        Some(self.view_of(idx, &self.requests[idx]))
     }
 
-    /// Every live request, in slab order (O(requests); for the admin listing).
+    /// Every live request, in arena entry order (O(requests); for the admin listing).
     pub fn request_views(&self) -> impl Iterator<Item = RequestView> + '_ {
-        self.slab
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.is_some())
-            .map(|(i, _)| self.view_of(i as u32))
+        self.requests.iter().map(|(idx, r)| self.view_of(idx, r))
     }
 
-    fn view_of(&self, idx: u32) -> RequestView {
-        let r = self.req(idx);
+    fn view_of(&self, idx: u32, r: &Request) -> RequestView {
         RequestView {
             id: r.id,
             status: r.status,
@@ -134,26 +132,30 @@ impl Scheduler {
     }
 
     /// A request's timestamps so far (arrival, first scheduled, first token, preemptions).
-    pub fn request_times(&self, id: RequestId) -> Option<&crate::request::RequestTimes> {
-        let &idx = self.by_id.get(&id)?;
-        Some(&self.req(idx).cold.times)
+    #[must_use]
+    pub fn request_times(&self, id: RequestId) -> Option<&RequestTimes> {
+        let idx = self.requests.index_of(id)?;
+        Some(&self.requests[idx].cold.times)
     }
 
     /// A request's block table (block ids in token order).
-    pub fn block_table(&self, id: RequestId) -> Option<&[crate::types::BlockId]> {
-        let &idx = self.by_id.get(&id)?;
-        Some(&self.req(idx).block_table)
+    #[must_use]
+    pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
+        let idx = self.requests.index_of(id)?;
+        Some(&self.requests[idx].block_table)
     }
 
     /// Hashes of a request's full blocks computed so far (the names the KV transfer uses).
-    pub fn block_hashes(&self, id: RequestId) -> Option<&[crate::block_hash::BlockHash]> {
-        let &idx = self.by_id.get(&id)?;
-        Some(&self.req(idx).cold.block_hashes)
+    #[must_use]
+    pub fn block_hashes(&self, id: RequestId) -> Option<&[BlockHash]> {
+        let idx = self.requests.index_of(id)?;
+        Some(&self.requests[idx].cold.block_hashes)
     }
 
     /// How many leading tokens of `prompt` (under `salt`) this cache would serve as a prefix
     /// hit right now: full blocks only, never the last token (the router's placement signal).
     /// Allocation-free; does not touch the hit counters.
+    #[must_use]
     pub fn prefix_hit_tokens(&self, prompt: &[TokenId], salt: u64) -> usize {
         if !self.cfg.enable_prefix_caching || prompt.is_empty() {
             return 0;

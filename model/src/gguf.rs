@@ -109,7 +109,7 @@ pub struct TensorInfo {
     pub name: String,
     /// Its dimensions, innermost first (GGUF's order).
     pub dims: Vec<u64>,
-    /// The GGML type code (0 = F32, 1 = F16, 2 = Q4_0, 3 = Q4_1, 8 = Q8_0, …).
+    /// The GGML type code (0 = F32, 1 = F16, 2 = `Q4_0`, 3 = `Q4_1`, 8 = `Q8_0`, …).
     pub ggml_type: u32,
     /// Offset of its data from the start of the data section.
     pub offset: u64,

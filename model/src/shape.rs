@@ -81,13 +81,12 @@ impl LlamaShape {
         let hidden = u("llama.embedding_length")?;
         let num_heads = u("llama.attention.head_count")?;
         let num_kv_heads = optional_u("llama.attention.head_count_kv")?.unwrap_or(num_heads);
-        let vocab_size = match optional_u("llama.vocab_size")? {
-            Some(n) => n,
-            None => {
-                let key = "tokenizer.ggml.tokens";
-                let tokens = required(header, key)?;
-                tokens.as_array().ok_or_else(|| wrong_type(key, "an array", tokens))?.len()
-            }
+        let vocab_size = if let Some(n) = optional_u("llama.vocab_size")? {
+            n
+        } else {
+            let key = "tokenizer.ggml.tokens";
+            let tokens = required(header, key)?;
+            tokens.as_array().ok_or_else(|| wrong_type(key, "an array", tokens))?.len()
         };
         let rope_theta = match header.get("llama.rope.freq_base") {
             Some(v) => float(v, "llama.rope.freq_base")?,
@@ -116,7 +115,7 @@ impl LlamaShape {
         Ok(shape)
     }
 
-    /// Width of the K (or V) projection: kv_heads × head_dim.
+    /// Width of the K (or V) projection: `kv_heads` × `head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }

@@ -73,7 +73,7 @@ impl std::fmt::Debug for Tokenizer {
         f.debug_struct("Tokenizer")
             .field("vocab_size", &self.token_bytes.len())
             .field("eos_token_id", &self.eos_token_id)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 

@@ -349,7 +349,7 @@ async fn watch_loop(mut client: Client, prefix: String, tx: mpsc::Sender<Members
                     .iter()
                     .map(|kv| (strip(kv.key()), String::from_utf8_lossy(kv.value()).into_owned()))
                     .collect::<Vec<_>>();
-                (members, r.header().map_or(0, |h| h.revision()))
+                (members, r.header().map_or(0, etcd_client::ResponseHeader::revision))
             }
             Err(e) => {
                 tracing::debug!(%prefix, error = %e, "etcd: listing members failed; retrying");

@@ -4,7 +4,7 @@
 //! registered too, so `grpcurl list`, `describe` and calls work without `.proto` files.
 //!
 //! Health follows the service's life: each hosted service (and the overall "" entry) is
-//! SERVING once the listener is up, and NOT_SERVING from the moment shutdown begins, so load
+//! SERVING once the listener is up, and `NOT_SERVING` from the moment shutdown begins, so load
 //! balancers stop sending work while in-flight work drains.
 
 use std::future::Future;
@@ -55,6 +55,7 @@ impl GrpcHost {
     }
 
     /// Adds a service; reflection advertises it and health reports on it by its name.
+    #[must_use]
     pub fn add_service<S>(mut self, service: S) -> Self
     where
         S: Service<
@@ -75,6 +76,7 @@ impl GrpcHost {
 
     /// Serves `GET /metrics` (Prometheus text) on the same port, over HTTP/1.1 beside gRPC;
     /// several calls add families in order.
+    #[must_use]
     pub fn with_metrics(mut self, metrics: std::sync::Arc<dyn crate::metrics::Render>) -> Self {
         self.metrics.push(metrics);
         self
@@ -85,7 +87,7 @@ impl GrpcHost {
         self.health.clone()
     }
 
-    /// Serves on `listener` until `shutdown` resolves, then reports NOT_SERVING and stops
+    /// Serves on `listener` until `shutdown` resolves, then reports `NOT_SERVING` and stops
     /// accepting; in-flight calls finish before this returns.
     pub async fn serve(
         self,

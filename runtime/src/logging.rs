@@ -18,7 +18,7 @@ pub enum LogFormat {
 /// The logging flags every binary takes.
 #[derive(Clone, Debug, clap::Args)]
 pub struct LogArgs {
-    /// Log filter (RUST_LOG syntax).
+    /// Log filter (`RUST_LOG` syntax).
     #[arg(long, env = "FERRY_LOG", default_value = "info")]
     pub log: String,
     /// Log line format.

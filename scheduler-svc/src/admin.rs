@@ -1,5 +1,5 @@
 //! `ferry.v1.Admin`: the operators' view of a scheduler — every request its cores hold, with
-//! status, pending WorkKey, blocks, preemptions and the last scheduling decision (and why), and
+//! status, pending `WorkKey`, blocks, preemptions and the last scheduling decision (and why), and
 //! each executor's scheduling gauges. Read-only; each listing asks every step loop once.
 
 use std::sync::Arc;

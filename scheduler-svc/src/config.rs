@@ -75,7 +75,7 @@ impl ExecutorListArgs {
 #[derive(Clone, Debug, Args)]
 pub struct FrontArgs {
     /// Most requests the front holds at once (running and queued, all executors); past it new
-    /// requests are refused with 429 / RESOURCE_EXHAUSTED.
+    /// requests are refused with 429 / `RESOURCE_EXHAUSTED`.
     #[arg(long, env = "FERRY_MAX_QUEUED_REQUESTS", default_value_t = 4096)]
     pub max_queued_requests: u32,
     /// How long a request whose executor (or scheduler) was lost waits for another to take

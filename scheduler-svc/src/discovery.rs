@@ -238,7 +238,7 @@ mod tests {
 
     /// Waits (in paused time) until `cond` holds, failing after a minute.
     async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let deadline = tokio::time::Instant::now() + Duration::from_mins(1);
         while !cond() {
             assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
             tokio::time::sleep(Duration::from_millis(10)).await;

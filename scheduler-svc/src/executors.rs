@@ -53,7 +53,7 @@ impl ExecutorSet {
             return;
         }
         let old = {
-            let mut links = self.links.write().unwrap_or_else(|e| e.into_inner());
+            let mut links = self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner);
             let old = links.iter().position(|l| l.name == link.name).map(|i| links.remove(i));
             links.push(link);
             old
@@ -67,7 +67,7 @@ impl ExecutorSet {
     /// Removes and closes the link named `name` (its requests fail over); false if absent.
     pub fn remove(&self, name: &str, reason: &str) -> bool {
         let old = {
-            let mut links = self.links.write().unwrap_or_else(|e| e.into_inner());
+            let mut links = self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner);
             links.iter().position(|l| &*l.name == name).map(|i| links.remove(i))
         };
         match old {
@@ -82,7 +82,9 @@ impl ExecutorSet {
 
     /// Removes and closes every link (their requests wait in the front for new ones).
     pub fn clear(&self, reason: &str) {
-        let old = std::mem::take(&mut *self.links.write().unwrap_or_else(|e| e.into_inner()));
+        let old = std::mem::take(
+            &mut *self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
         for link in &old {
             link.close(reason);
         }
@@ -111,7 +113,7 @@ impl ExecutorSet {
     /// The links that are up, in insertion order; dead ones are dropped from the set.
     pub fn alive(&self) -> Vec<LinkHandle> {
         let (alive, pruned) = {
-            let mut links = self.links.write().unwrap_or_else(|e| e.into_inner());
+            let mut links = self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner);
             let before = links.len();
             links.retain(LinkHandle::is_alive);
             (links.clone(), links.len() != before)

@@ -83,7 +83,8 @@ pub async fn run(
             tokio::spawn(crate::discovery::run(cluster.clone(), opener, set.clone()))
         }
     };
-    lead(Seat { election, name, candidate, ttl }, drive, set, leading, resign).await;
+    // Boxed: the election loop's state is large, and this future lives in a spawned task.
+    Box::pin(lead(Seat { election, name, candidate, ttl }, drive, set, leading, resign)).await;
 }
 
 /// One candidacy: the election, the pool's election name, who runs and the lease TTL.
@@ -275,13 +276,12 @@ impl Election for EtcdElection {
             keeper.keep_alive().await?;
             responses.message().await
         };
-        match answer.await {
-            Ok(Some(r)) => Ok(r.ttl() > 0),
-            Ok(None) | Err(_) => {
-                drop(guard);
-                self.keep_alive = None;
-                Err("the keep-alive stream broke".into())
-            }
+        if let Ok(Some(r)) = answer.await {
+            Ok(r.ttl() > 0)
+        } else {
+            drop(guard);
+            self.keep_alive = None;
+            Err("the keep-alive stream broke".into())
         }
     }
 

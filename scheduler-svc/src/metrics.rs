@@ -134,10 +134,10 @@ impl Render for MetricsView {
     fn render(&self, t: &mut Text) {
         let m = [("model_name", self.model_name.as_str())];
         if let Some(set) = &self.executors {
+            type Pick = fn(&SchedulerStats) -> f64;
             let links = set.alive();
             let stats: Vec<(String, SchedulerStats)> =
                 links.iter().map(|l| (l.name.to_string(), l.stats())).collect();
-            type Pick = fn(&SchedulerStats) -> f64;
             let gauges: [(&str, &str, Pick); 3] = [
                 ("vllm:num_requests_running", "Requests running on the executor.", |s| {
                     s.num_running as f64

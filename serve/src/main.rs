@@ -43,5 +43,6 @@ async fn main() -> anyhow::Result<()> {
     }
     let path = args.executor.model.clone();
     let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
-    ferry::run(config, Arc::new(model), bound, ferry_runtime::shutdown_signal()).await
+    // Boxed: every part's state together is large for `main`'s stack frame.
+    Box::pin(ferry::run(config, Arc::new(model), bound, ferry_runtime::shutdown_signal())).await
 }

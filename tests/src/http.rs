@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use ferry_bench::http::{HttpClient, Response};
 
 /// How long one call may take before the test fails instead of hanging.
-const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+const CALL_TIMEOUT: Duration = Duration::from_mins(2);
 
 fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();

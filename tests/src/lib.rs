@@ -17,7 +17,7 @@ pub use etcd::Etcd;
 pub use http::{http, http_open, http_with, OpenStream};
 
 /// How long a binary may take to announce its address.
-const START_TIMEOUT: Duration = Duration::from_secs(60);
+const START_TIMEOUT: Duration = Duration::from_mins(1);
 
 /// The directory holding the workspace's binaries: `FERRY_BIN_DIR`, or the target profile dir
 /// this test executable was built into (`target/<profile>/deps/..`).
@@ -99,11 +99,10 @@ impl Service {
 
     /// The announced address of `kind`.
     pub fn addr(&self, kind: &str) -> SocketAddr {
-        self.addrs
-            .iter()
-            .find(|(k, _)| k == kind)
-            .map(|(_, a)| *a)
-            .unwrap_or_else(|| panic!("no {kind} address announced; got {:?}", self.addrs))
+        self.addrs.iter().find(|(k, _)| k == kind).map_or_else(
+            || panic!("no {kind} address announced; got {:?}", self.addrs),
+            |(_, a)| *a,
+        )
     }
 
     /// Sends SIGTERM and waits up to `grace` for a clean exit; returns the exit status.

@@ -99,7 +99,7 @@ async fn wait_for_session(exec: &Service) {
 }
 
 fn health(sched: &Service) -> u16 {
-    http(sched.addr("http"), "GET", "/health", b"").map(|r| r.0).unwrap_or(0)
+    http(sched.addr("http"), "GET", "/health", b"").map_or(0, |r| r.0)
 }
 
 /// The request of stream `i`: greedy for even `i`, seeded sampling for odd `i`.

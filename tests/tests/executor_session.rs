@@ -1,7 +1,10 @@
 //! A real `ferry-executor` process driven over its gRPC session the way a scheduler drives it:
 //! handshake, a step stream that prefills and decodes the real model, a bad step refused with
-//! INVALID_ARGUMENT, a newer epoch taking over and a stale one refused, a scheduler that
+//! `INVALID_ARGUMENT`, a newer epoch taking over and a stale one refused, a scheduler that
 //! tokenizes for another model refused.
+
+// Each test is one end-to-end scenario, read top to bottom; splitting one would scatter it.
+#![allow(clippy::too_many_lines)]
 
 use std::time::Duration;
 

@@ -1,5 +1,5 @@
 //! Observability (issue 7): Prometheus `/metrics` on every service, in the text format and
-//! moving as requests run; health SERVING, then NOT_SERVING during a drain.
+//! moving as requests run; health SERVING, then `NOT_SERVING` during a drain.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -2,6 +2,9 @@
 //! real requests over gRPC: the France question, stop strings, greedy determinism under
 //! concurrency, bad input refused with the right code, and an aborted stream freeing its KV.
 
+// Each test is one end-to-end scenario, read top to bottom; splitting one would scatter it.
+#![allow(clippy::too_many_lines)]
+
 use std::time::Duration;
 
 use ferry_proto::v1::{self, executor_client::ExecutorClient, generation_client::GenerationClient};
@@ -332,7 +335,7 @@ fn serve_speaks_the_openai_http_api() {
         ("in-process", vec!["--in-process", "--kv-cache-mib", "64"]),
     ]
     .iter()
-    .map(|(n, e)| (*n, e.iter().map(|s| s.to_string()).collect::<Vec<_>>()))
+    .map(|(n, e)| (*n, e.iter().map(std::string::ToString::to_string).collect::<Vec<_>>()))
     {
         let json = dir.join(format!("{name}.json"));
         let mut args: Vec<String> = [
@@ -347,7 +350,7 @@ fn serve_speaks_the_openai_http_api() {
             "4",
         ]
         .iter()
-        .map(|s| s.to_string())
+        .map(std::string::ToString::to_string)
         .collect();
         args.extend(extra);
         args.extend(["--json".to_string(), json.display().to_string()]);

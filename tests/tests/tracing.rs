@@ -3,6 +3,9 @@
 //! checks they form one trace under the caller's `traceparent`, parented and linked as
 //! `docs/ARCHITECTURE.md` describes.
 
+// Each test is one end-to-end scenario, read top to bottom; splitting one would scatter it.
+#![allow(clippy::too_many_lines)]
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,7 +67,11 @@ fn attr(attrs: &[KeyValue], key: &str) -> Option<String> {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    bytes.iter().fold(String::new(), |mut s, b| {
+        use std::fmt::Write;
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +102,7 @@ async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
     for svc in [&sched, &front] {
         let up = (0..400).any(|_| {
             std::thread::sleep(Duration::from_millis(25));
-            http(svc.addr("http"), "GET", "/health", b"").map(|r| r.0).unwrap_or(0) == 200
+            http(svc.addr("http"), "GET", "/health", b"").map_or(0, |r| r.0) == 200
         });
         assert!(up, "not ready");
     }

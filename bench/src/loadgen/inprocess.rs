@@ -15,13 +15,13 @@ use ferry_scheduler_svc::config::{ExecutorGeometry, SchedulerSettings};
 use ferry_scheduler_svc::link::wire;
 use ferry_scheduler_svc::request::RequestSpec;
 
-use super::{Job, Report};
+use super::{Job, Percentiles, Report};
 
 /// Runs `jobs` at `concurrency` through core + engine in this thread, the core configured from
 /// `settings` as a scheduler configures it; `kv_cache_mib` and `block_size` size the cache as
 /// an executor would.
 pub fn run(
-    jobs: Vec<Job>,
+    jobs: &[Job],
     concurrency: usize,
     settings: &SchedulerSettings,
     kv_cache_mib: u64,
@@ -107,10 +107,10 @@ pub fn run(
         requests_per_s: completed as f64 / duration,
         prompt_tokens,
         output_tokens,
-        ttft: Default::default(),
-        tpot: Default::default(),
-        itl: Default::default(),
-        e2e: Default::default(),
+        ttft: Percentiles::default(),
+        tpot: Percentiles::default(),
+        itl: Percentiles::default(),
+        e2e: Percentiles::default(),
         errors: Vec::new(),
     })
 }

@@ -56,10 +56,10 @@ pub struct LoadArgs {
     /// Prompt length in common English words (about one token each), MIN:MAX.
     #[arg(long, default_value = "130:300")]
     pub prompt_len: Span,
-    /// Output tokens per request (sent as max_tokens with ignore_eos), MIN:MAX.
+    /// Output tokens per request (sent as `max_tokens` with `ignore_eos`), MIN:MAX.
     #[arg(long, default_value = "128")]
     pub output_len: Span,
-    /// JSONL dataset of {"prompt": ..., "max_tokens": ...} lines instead of generated prompts.
+    /// JSONL dataset of {"prompt": ..., "`max_tokens"`: ...} lines instead of generated prompts.
     #[arg(long)]
     pub dataset: Option<PathBuf>,
     /// Seed of the generated workload.
@@ -265,7 +265,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
         let settings = args.scheduler.resolve()?;
         let (concurrency, kv) = (args.concurrency, args.kv_cache_mib);
         let report = tokio::task::spawn_blocking(move || {
-            inprocess::run(jobs, concurrency, &settings, kv, 16)
+            inprocess::run(&jobs, concurrency, &settings, kv, 16)
         })
         .await??;
         if let Some(path) = &args.json {
@@ -335,7 +335,9 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
             done.iter()
                 .filter(|o| o.output_tokens > 1)
                 .filter_map(|o| {
-                    o.ttft.map(|t| (o.e2e - t).as_secs_f64() / (o.output_tokens - 1) as f64)
+                    o.ttft.map(|t| {
+                        o.e2e.checked_sub(t).unwrap().as_secs_f64() / (o.output_tokens - 1) as f64
+                    })
                 })
                 .collect(),
         ),

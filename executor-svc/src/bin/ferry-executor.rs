@@ -48,7 +48,7 @@ enum Command {
 
 fn run_bench(
     model: Option<&std::path::Path>,
-    opts: BenchOptions,
+    opts: &BenchOptions,
     json: bool,
 ) -> anyhow::Result<()> {
     let model = LoadedModel::open(model)?;
@@ -61,7 +61,7 @@ fn run_bench(
         );
         println!("{:<28} {:>6} {:>12} {:>14}", "scenario", "batch", "tokens/s", "median step ms");
     }
-    let rows = bench::run(&model.weights, &opts, |r| {
+    let rows = bench::run(&model.weights, opts, |r| {
         if !json {
             println!(
                 "{:<28} {:>6} {:>12.1} {:>14.2}",
@@ -87,7 +87,7 @@ async fn main() -> anyhow::Result<()> {
         return tokio::task::spawn_blocking(move || {
             run_bench(
                 model.as_deref(),
-                BenchOptions {
+                &BenchOptions {
                     batches,
                     decode_steps: steps,
                     prefill_reps,

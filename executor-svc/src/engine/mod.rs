@@ -6,7 +6,10 @@
 //! backend, so many simulated GPUs can run on one machine (DESIGN.md section 5).
 
 pub mod backend;
+// CUDA through cudarc: kernel launches, cuBLAS calls and dynamic library loading are `unsafe`
+// by their nature; each call site states the invariant it relies on.
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 pub mod cuda;
 pub mod sampling;
 pub mod sim;

@@ -53,7 +53,7 @@ pub struct SimHardware {
     pub bandwidth_efficiency: f64,
     /// Fixed cost of a step (scheduling, launches, sampling), in microseconds.
     pub overhead_us: f64,
-    /// GPU-to-GPU bandwidth per direction (NVLink or PCIe), in GB/s; used when tp > 1.
+    /// GPU-to-GPU bandwidth per direction (`NVLink` or `PCIe`), in GB/s; used when tp > 1.
     pub interconnect_gbps: f64,
     /// Fixed latency of one all-reduce, in microseconds; used when tp > 1.
     pub allreduce_latency_us: f64,
@@ -75,7 +75,7 @@ pub enum SimConfigError {
 }
 
 impl SimHardware {
-    /// NVIDIA A100 SXM 80 GB: 312 TFLOP/s, 2039 GB/s, NVLink 3 (300 GB/s per direction).
+    /// NVIDIA A100 SXM 80 GB: 312 TFLOP/s, 2039 GB/s, `NVLink` 3 (300 GB/s per direction).
     pub fn a100_80g() -> Self {
         Self {
             tflops: 312.0,
@@ -90,7 +90,7 @@ impl SimHardware {
         }
     }
 
-    /// NVIDIA H100 SXM 80 GB: 989 TFLOP/s, 3350 GB/s, NVLink 4 (450 GB/s per direction).
+    /// NVIDIA H100 SXM 80 GB: 989 TFLOP/s, 3350 GB/s, `NVLink` 4 (450 GB/s per direction).
     pub fn h100_80g() -> Self {
         Self {
             tflops: 989.0,
@@ -105,7 +105,7 @@ impl SimHardware {
         }
     }
 
-    /// NVIDIA L4 24 GB: 121 TFLOP/s, 300 GB/s, PCIe 4 x16 between GPUs (~25 GB/s usable).
+    /// NVIDIA L4 24 GB: 121 TFLOP/s, 300 GB/s, `PCIe` 4 x16 between GPUs (~25 GB/s usable).
     pub fn l4() -> Self {
         Self {
             tflops: 121.0,
@@ -121,6 +121,7 @@ impl SimHardware {
     }
 
     /// The same GPUs, `tensor_parallel` of them per model replica.
+    #[must_use]
     pub fn with_tensor_parallel(self, tensor_parallel: u32) -> Self {
         Self { tensor_parallel, ..self }
     }
@@ -168,7 +169,7 @@ pub struct SimModel {
     pub num_layers: u32,
     /// Residual stream width.
     pub hidden: u32,
-    /// MLP width (each of gate, up and down in a SwiGLU MLP).
+    /// MLP width (each of gate, up and down in a `SwiGLU` MLP).
     pub intermediate: u32,
     /// Query heads.
     pub num_heads: u32,
@@ -185,8 +186,8 @@ pub struct SimModel {
 }
 
 impl SimModel {
-    /// A Llama-architecture model (SwiGLU MLP, grouped-query attention, untied LM head) with
-    /// weights of `bytes_per_weight` bytes each (2 for bf16, ~0.56 for Q4_1) and a bf16 KV
+    /// A Llama-architecture model (`SwiGLU` MLP, grouped-query attention, untied LM head) with
+    /// weights of `bytes_per_weight` bytes each (2 for bf16, ~0.56 for `Q4_1`) and a bf16 KV
     /// cache. Set `weight_bytes` afterwards for tied embeddings or a measured file size.
     pub fn llama(
         num_layers: u32,

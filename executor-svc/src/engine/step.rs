@@ -342,7 +342,10 @@ impl Engine {
         span.end();
     }
 
-    /// Checks the whole step against the state it would produce; changes nothing.
+    /// Checks the whole step against the state it would produce; changes nothing. One function:
+    /// its checks build one picture of the step (which ids are new, resumed, finished) that
+    /// each later check reads, and it reads top to bottom in the order a step is applied.
+    #[allow(clippy::too_many_lines)]
     fn validate(&self, step: &v1::Step) -> Result<Vec<Planned>, StepError> {
         if !step.kv_ops.is_empty() {
             return Err(StepError::KvOpsUnsupported(step.kv_ops.len()));
@@ -538,7 +541,7 @@ impl Engine {
         for cu in &step.cached_requests {
             let r = self.requests.get_mut(&cu.id).expect("validated: cached requests are live");
             if cu.resumed {
-                r.table = cu.new_block_ids.clone();
+                r.table.clone_from(&cu.new_block_ids);
                 r.preempted = false;
                 r.computed = cu.num_computed_tokens as usize;
             } else {

@@ -9,7 +9,7 @@
 //! signed bytes, `x = 255·hi + lo`, so the integer products still run on byte instructions
 //! (`vpdpbusd`, `maddubs`), at twice the integer work and the same weight traffic.
 //!
-//! Why this and not candle's `QMatMul` or an f32 GEMM: candle's Q4_1 path runs at about
+//! Why this and not candle's `QMatMul` or an f32 GEMM: candle's `Q4_1` path runs at about
 //! 9 GFLOP/s on this model's shapes and f32 weights are memory-bound at batch 1 (540 MB read
 //! per token). Integer block dots read under 100 MB per token and vectorise well.
 //!
@@ -29,6 +29,12 @@
 //! batch, and the reference forward, which uses these same kernels, can be compared bit for
 //! bit.
 
+// `inline(always)` on the block and tile helpers: each is a loop body that must fuse into its
+// caller's `#[target_feature]` context, or the intrinsics it calls are not inlined (measured:
+// 2-3x slower per product without it). The views (`QBlocks`, `OutPtr`) go by value because
+// each worker thread owns its part.
+#![allow(clippy::inline_always, clippy::needless_pass_by_value)]
+
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -47,9 +53,9 @@ pub const GROUP: usize = 8;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
     /// 4-bit unsigned codes with a scale and a minimum per block: `w = d·q + m`
-    /// (GGUF Q4_1; Q4_0 maps onto it with `m = -8d`).
+    /// (GGUF `Q4_1`; `Q4_0` maps onto it with `m = -8d`).
     Q4,
-    /// 8-bit signed codes with a scale per block: `w = d·q` (GGUF Q8_0).
+    /// 8-bit signed codes with a scale per block: `w = d·q` (GGUF `Q8_0`).
     Q8,
 }
 
@@ -126,7 +132,7 @@ pub struct NaturalBlock<'a> {
 
 impl QWeight {
     /// Packs a matrix from its blocks in GGUF order, given as `block(row, b)`. Scales and
-    /// minimums are kept as f16, as GGUF stores them (Q4_0's `-8d` is exact in f16 too).
+    /// minimums are kept as f16, as GGUF stores them (`Q4_0`'s `-8d` is exact in f16 too).
     pub fn pack<'a>(
         format: WeightFormat,
         rows: usize,
@@ -176,7 +182,7 @@ impl QWeight {
         w
     }
 
-    /// Takes a GGUF tensor's blocks (Q4_0, Q4_1, Q8_0) and packs them.
+    /// Takes a GGUF tensor's blocks (`Q4_0`, `Q4_1`, `Q8_0`) and packs them.
     pub fn from_qtensor(t: &QTensor) -> Result<Self, KernelError> {
         let dims = t.shape().dims().to_vec();
         let [rows, cols] = dims[..] else { return Err(KernelError::Shape(dims)) };
@@ -323,6 +329,8 @@ pub struct QActs {
 impl QActs {
     /// Quantizes `x` (`rows × cols`, row-major) into `self`, reusing its buffers.
     pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+        /// Blocks per task when a large batch (prefill) is split over the pool.
+        const PER_TASK: usize = 64;
         debug_assert_eq!(x.len(), rows * cols);
         debug_assert_eq!(cols % BLOCK, 0);
         let nblocks = rows * cols / BLOCK;
@@ -333,7 +341,6 @@ impl QActs {
         self.s.resize(nblocks, 0.0);
         self.bias.resize(nblocks, 0);
         // Blocks are independent: large batches (prefill) split them over the pool.
-        const PER_TASK: usize = 64;
         x.par_chunks(PER_TASK * BLOCK)
             .zip(self.q.par_chunks_mut(PER_TASK * 2 * BLOCK))
             .zip(self.d.par_chunks_mut(PER_TASK))

@@ -6,7 +6,7 @@ fn h(v: f32) -> f32 {
 }
 
 fn lcg(seed: &mut u64) -> f32 {
-    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
@@ -154,9 +154,9 @@ fn packing_round_trips() {
         for r in 0..19 {
             both.dequantize_row(r, &mut x);
             if r < 13 {
-                a.dequantize_row(r, &mut y)
+                a.dequantize_row(r, &mut y);
             } else {
-                b.dequantize_row(r - 13, &mut y)
+                b.dequantize_row(r - 13, &mut y);
             }
             assert_eq!(x, y, "{format:?} row {r}");
         }
@@ -241,6 +241,11 @@ fn activation_codes_split_into_two_bytes_exactly() {
 
 /// The AVX2 build of the quantizer gives the portable build's codes and scales, and the
 /// parallel split over blocks changes nothing.
+/// The output view over `a`'s buffers.
+fn out(a: &mut QActs) -> QBlocks<'_> {
+    QBlocks { q: &mut a.q, d: &mut a.d, s: &mut a.s, bias: &mut a.bias }
+}
+
 #[test]
 fn quantization_is_the_same_with_and_without_avx2() {
     let mut seed = 23;
@@ -253,9 +258,6 @@ fn quantization_is_the_same_with_and_without_avx2() {
     split.quantize(&x, 40, 96);
     let mut plain = split.clone();
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    fn out(a: &mut QActs) -> QBlocks<'_> {
-        QBlocks { q: &mut a.q, d: &mut a.d, s: &mut a.s, bias: &mut a.bias }
-    }
     quantize_scalar(&x, out(&mut plain));
     let same = |a: &QActs, b: &QActs| {
         assert_eq!(a.q, b.q);

@@ -8,7 +8,25 @@
 //! each broadcast activation across groups; the operations per output element do not depend on
 //! the tile, so tiling changes speed, never results.
 
-use std::arch::x86_64::*;
+// See the kernels' module head for `inline(always)` and the views passed by value. Byte
+// buffers are read four bytes at a time through `i32` pointers, always with `read_unaligned`
+// (a byte buffer has no 4-byte alignment to rely on).
+#![allow(clippy::inline_always, clippy::needless_pass_by_value, clippy::cast_ptr_alignment)]
+
+use std::arch::x86_64::{
+    __m256, __m256i, _mm256_abs_epi8, _mm256_add_epi32, _mm256_and_ps, _mm256_and_si256,
+    _mm256_castps256_ps128, _mm256_castsi256_ps, _mm256_castsi256_si128, _mm256_cvtepi32_ps,
+    _mm256_cvtph_ps, _mm256_cvtps_epi32, _mm256_div_ps, _mm256_dpbusd_epi32, _mm256_extractf128_ps,
+    _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
+    _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_max_ps, _mm256_min_ps, _mm256_mul_ps,
+    _mm256_packs_epi16, _mm256_packs_epi32, _mm256_permutevar8x32_epi32, _mm256_round_ps,
+    _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setr_epi32,
+    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_sign_epi8, _mm256_slli_epi32,
+    _mm256_srli_epi16, _mm256_storeu_ps, _mm256_storeu_si256, _mm256_sub_epi32, _mm256_sub_ps,
+    _mm256_xor_si256, _mm_add_epi32, _mm_cvtsi128_si32, _mm_cvtss_f32, _mm_loadu_si128, _mm_max_ps,
+    _mm_max_ss, _mm_movehdup_ps, _mm_movehl_ps, _mm_shuffle_epi32, _MM_FROUND_NO_EXC,
+    _MM_FROUND_TO_NEAREST_INT,
+};
 
 use super::{store_group, OutPtr, QActs, QBlocks, QWeight, WeightFormat, BLOCK, GROUP};
 
@@ -184,9 +202,9 @@ unsafe fn tile<const VNNI: bool, const Q8: bool, const R: usize, const CG: usize
 ) {
     unsafe {
         if VNNI {
-            tile_vnni::<Q8, R, CG>(x, r0, w, g0, out)
+            tile_vnni::<Q8, R, CG>(x, r0, w, g0, out);
         } else {
-            tile_avx2::<Q8, R, CG>(x, r0, w, g0, out)
+            tile_avx2::<Q8, R, CG>(x, r0, w, g0, out);
         }
     }
 }
@@ -239,10 +257,10 @@ macro_rules! tile_fn {
                         }
                         for r in 0..R {
                             let row = xq.add((r * bpr + b) * (2 * BLOCK / 4));
-                            let ha = _mm256_set1_epi32(*row.add(t));
-                            let hb = _mm256_set1_epi32(*row.add(t + 4));
-                            let la = _mm256_set1_epi32(*row.add(t + 8));
-                            let lb = _mm256_set1_epi32(*row.add(t + 12));
+                            let ha = _mm256_set1_epi32(row.add(t).read_unaligned());
+                            let hb = _mm256_set1_epi32(row.add(t + 4).read_unaligned());
+                            let la = _mm256_set1_epi32(row.add(t + 8).read_unaligned());
+                            let lb = _mm256_set1_epi32(row.add(t + 12).read_unaligned());
                             for c in 0..CG {
                                 let h = $int_dot::<Q8>(hi[r][c], wa[c], ha);
                                 hi[r][c] = $int_dot::<Q8>(h, wb[c], hb);

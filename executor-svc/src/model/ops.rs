@@ -1,5 +1,5 @@
 //! The small numeric kernels both forwards share, on row-major `f32` slices: RMS norm, the
-//! rotary embedding (adjacent-pair convention of GGUF Llama), SiLU gating, and the product
+//! rotary embedding (adjacent-pair convention of GGUF Llama), `SiLU` gating, and the product
 //! against a quantized `[out, in]` weight.
 
 use crate::kernels::{matmul, QActs, QWeight};
@@ -158,7 +158,9 @@ fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
 }
 
 /// Calls `f(position, row)` for each of the `n_ctx` positions in order, where `row` is the
-/// position's slice (keys or values, chosen by `pick`) from offset `lane` on.
+/// position's slice (keys or values, chosen by `pick`) from offset `lane` on. Always inlined:
+/// its closure must fuse into the `#[target_feature]` caller for the intrinsics to inline.
+#[allow(clippy::inline_always)]
 #[inline(always)]
 fn each_position<'a>(
     n_ctx: usize,
@@ -192,8 +194,9 @@ fn softmax_unnormalized(scores: &mut [f32]) -> f32 {
     1.0 / sum
 }
 
-/// The attention steps, generic over the two vector primitives.
-#[allow(clippy::too_many_arguments)]
+/// The attention steps, generic over the two vector primitives (always inlined into each
+/// instantiation's `#[target_feature]` context, for the same reason as `each_position`).
+#[allow(clippy::too_many_arguments, clippy::inline_always)]
 #[inline(always)]
 fn attend_with<'a>(
     q: &[f32],
@@ -225,7 +228,10 @@ fn attend_with<'a>(
 mod simd {
     //! AVX versions of [`super::dot`] and [`super::axpy`]: the same lanes, the same plain
     //! multiplies and adds (no fused multiply-add), so the same results.
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::{
+        __m256, _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_permute2f128_ps,
+        _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps,
+    };
 
     pub fn available() -> bool {
         static AVX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -408,7 +414,9 @@ mod tests {
     fn simd_attention_matches_the_portable_loop_bit_for_bit() {
         let mut seed = 17u64;
         let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
         };
         for hd in [64, 48] {

@@ -46,12 +46,11 @@ impl WaitingQueue {
         if let Some(&list) = self.buckets.get(&key) {
             return list;
         }
-        let list = match self.free_lists.pop() {
-            Some(list) => list,
-            None => {
-                self.bucket_priority.push(key);
-                self.lists.add_list()
-            }
+        let list = if let Some(list) = self.free_lists.pop() {
+            list
+        } else {
+            self.bucket_priority.push(key);
+            self.lists.add_list()
         };
         self.bucket_priority[list as usize] = key;
         self.buckets.insert(key, list);

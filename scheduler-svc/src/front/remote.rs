@@ -42,7 +42,7 @@ impl Leader {
 
     /// A channel to the leader at `address` (one, shared, per leader).
     fn channel(&self, address: &str) -> Result<Channel, tonic::Status> {
-        let mut cached = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cached = self.channel.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((a, ch)) = cached.as_ref() {
             if a == address {
                 return Ok(ch.clone());
@@ -72,7 +72,7 @@ async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Optio
                     let changed = *cur != addr;
                     if changed {
                         tracing::info!(leader = ?addr, "pool leader");
-                        *cur = addr.clone();
+                        cur.clone_from(&addr);
                     }
                     changed
                 });
@@ -187,12 +187,9 @@ async fn relay(
             msg = stream.message() => msg,
             _ = cancelled.wait_for(|c| *c) => return,
         };
-        let ev = match msg {
-            Ok(Some(ev)) => ev,
-            Ok(None) | Err(_) => {
-                let _ = tx.send(LinkEvent::Failed);
-                return;
-            }
+        let Ok(Some(ev)) = msg else {
+            let _ = tx.send(LinkEvent::Failed);
+            return;
         };
         if remote_id.get().is_none() && !ev.request_id.is_empty() {
             let _ = remote_id.set(ev.request_id.clone());

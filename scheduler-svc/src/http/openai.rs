@@ -138,7 +138,7 @@ fn generate_request(
             // OpenAI's default temperature is 1.
             temperature: c.temperature.unwrap_or(1.0),
             top_p: c.top_p.unwrap_or(1.0),
-            top_k: c.top_k.filter(|k| *k > 0).map_or(0, |k| k.min(u32::MAX as i64) as u32),
+            top_k: c.top_k.filter(|k| *k > 0).map_or(0, |k| k.min(i64::from(u32::MAX)) as u32),
             min_p: c.min_p.unwrap_or(0.0),
             seed: c.seed,
             repetition_penalty: c.repetition_penalty.unwrap_or(1.0),

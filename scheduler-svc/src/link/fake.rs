@@ -11,7 +11,7 @@ use ferry_sched_core::{Scheduler, SchedulerConfig};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::step_loop::SessionId;
+use super::step_loop::Session;
 use super::LinkHandle;
 use crate::metrics::SchedulerMetrics;
 
@@ -100,7 +100,7 @@ pub(crate) fn raw_link(
     let core = Scheduler::new(config).expect("a valid test configuration");
     let (step_tx, step_rx) = mpsc::channel(crate::config::MAX_STEPS_IN_FLIGHT + 1);
     let (result_tx, result_rx) = mpsc::channel(8);
-    let session = SessionId { name: name.into(), epoch: 0, session_id: 1 };
+    let session = Session { name: name.into(), epoch: 0, id: 1 };
     let results = ReceiverStream::new(result_rx);
     let link = LinkHandle::start(core, session, info, metrics, step_tx, results);
     (link, step_rx, result_tx)

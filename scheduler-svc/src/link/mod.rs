@@ -111,7 +111,7 @@ impl LinkHandle {
     /// for it, steps go out on `steps` and results come back on `results`.
     fn start<R>(
         core: ferry_sched_core::Scheduler,
-        session: step_loop::SessionId,
+        session: step_loop::Session,
         info: v1::ExecutorInfo,
         metrics: Arc<crate::metrics::SchedulerMetrics>,
         steps: mpsc::Sender<v1::Step>,
@@ -145,7 +145,7 @@ impl LinkHandle {
 
     /// The core's gauges and counters as of its last step or command.
     pub fn stats(&self) -> ferry_sched_core::SchedulerStats {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+        *self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether the link's loop still runs (its executor session is up).

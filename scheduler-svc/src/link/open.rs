@@ -16,7 +16,7 @@ use ferry_sched_core::Scheduler;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::step_loop::SessionId;
+use super::step_loop::Session;
 use super::{LinkError, LinkHandle};
 use crate::config::{SchedulerSettings, MAX_STEPS_IN_FLIGHT};
 use crate::metrics::SchedulerMetrics;
@@ -98,7 +98,7 @@ impl SessionOpener {
             .map_err(|s| unreachable(format!("session: {}", s.message())))?
             .into_inner();
         self.metrics.sessions_opened.add(1);
-        let session = SessionId { name: name.into(), epoch: self.epoch, session_id: hs.session_id };
+        let session = Session { name: name.into(), epoch: self.epoch, id: hs.session_id };
         Ok(LinkHandle::start(core, session, info, self.metrics.clone(), step_tx, results))
     }
 }

@@ -44,13 +44,13 @@ struct InFlight {
 }
 
 /// Which session the steps belong to.
-pub(super) struct SessionId {
+pub(super) struct Session {
     /// The executor's name, for logs.
     pub name: Arc<str>,
     /// The leadership epoch the session was opened under.
     pub epoch: u64,
-    /// The executor's session id.
-    pub session_id: u64,
+    /// The executor's id for the session.
+    pub id: u64,
 }
 
 /// Where the loop publishes what others read: the router's load, the admin view's stats and
@@ -84,7 +84,7 @@ impl Published {
 /// One executor's loop.
 pub(super) struct StepLoop {
     core: Scheduler,
-    session: SessionId,
+    session: Session,
     /// The executor's end-of-sequence ids, for the core's stop checks.
     eos: Vec<u32>,
     entries: HashMap<RequestId, Entry>,
@@ -101,7 +101,7 @@ pub(super) struct StepLoop {
 impl StepLoop {
     pub(super) fn new(
         core: Scheduler,
-        session: SessionId,
+        session: Session,
         eos: Vec<u32>,
         published: Published,
     ) -> Self {
@@ -189,7 +189,7 @@ impl StepLoop {
             }
         }
         let s = &self.session;
-        Ok(wire::to_proto(plan, s.session_id, s.epoch, |id| entries.get(&id).map(|e| &*e.spec)))
+        Ok(wire::to_proto(plan, s.id, s.epoch, |id| entries.get(&id).map(|e| &*e.spec)))
     }
 
     fn command(&mut self, cmd: Command) {

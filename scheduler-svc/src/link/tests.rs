@@ -95,7 +95,7 @@ async fn at_most_two_steps_are_in_flight() {
     assert!(second.step_id > first.step_id);
     // No third step until a result comes back (paused time: the timeout elapses at once if
     // nothing can arrive).
-    let third = tokio::time::timeout(Duration::from_secs(60), steps.recv()).await;
+    let third = tokio::time::timeout(Duration::from_mins(1), steps.recv()).await;
     assert!(third.is_err(), "a third step went out with two unanswered: {third:?}");
     let answer = |step: &v1::Step, token: Option<u32>| v1::StepResult {
         step_id: step.step_id,
@@ -106,7 +106,7 @@ async fn at_most_two_steps_are_in_flight() {
         ..Default::default()
     };
     results.send(Ok(answer(&first, Some(1000)))).await.unwrap();
-    let third = tokio::time::timeout(Duration::from_secs(60), steps.recv()).await;
+    let third = tokio::time::timeout(Duration::from_mins(1), steps.recv()).await;
     assert!(third.is_ok_and(|s| s.is_some()), "a result makes room for the next step");
 }
 
@@ -140,7 +140,7 @@ async fn an_idle_link_notices_its_executor_died() {
     drain(&mut a).await;
     assert!(link.is_alive());
     exec.kill();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let deadline = tokio::time::Instant::now() + Duration::from_mins(1);
     while link.is_alive() {
         assert!(tokio::time::Instant::now() < deadline, "the dead executor went unnoticed");
         tokio::time::sleep(Duration::from_millis(10)).await;

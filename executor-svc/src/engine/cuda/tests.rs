@@ -120,7 +120,7 @@ fn gpu_backend(w: &LlamaWeights, block_size: usize, num_blocks: usize) -> Option
 fn logits(out: BatchOutput) -> Vec<Vec<f32>> {
     match out {
         BatchOutput::Logits(l) => l,
-        other => panic!("expected logits, got {other:?}"),
+        other @ BatchOutput::Synthetic { .. } => panic!("expected logits, got {other:?}"),
     }
 }
 

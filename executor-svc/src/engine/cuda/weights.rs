@@ -70,7 +70,7 @@ impl DeviceWeights {
     /// dequantized matrix at a time.
     pub fn upload(stream: &Arc<CudaStream>, w: &LlamaWeights) -> Result<Self, CudaError> {
         let vector = |v: &[f32]| stream.clone_htod(v).map_err(CudaError::driver("copying weights"));
-        let matrix = |q: &QWeight| upload_matrix(stream, q, dequantize(q));
+        let matrix = |q: &QWeight| upload_matrix(stream, q, &dequantize(q));
         let layers = w
             .layers
             .iter()
@@ -90,9 +90,9 @@ impl DeviceWeights {
         // A model with tied embeddings loads the same tensor twice; keep one copy on the GPU.
         let tied = embed_host.len() == head_host.len()
             && embed_host.iter().zip(&head_host).all(|(a, b)| a.to_bits() == b.to_bits());
-        let lm_head = if tied { None } else { Some(upload_matrix(stream, &w.lm_head, head_host)?) };
+        let lm_head = if tied { None } else { Some(upload_matrix(stream, &w.lm_head, &head_host)?) };
         Ok(Self {
-            embed: upload_matrix(stream, &w.embed, embed_host)?,
+            embed: upload_matrix(stream, &w.embed, &embed_host)?,
             lm_head,
             norm: vector(&w.norm)?,
             layers,
@@ -133,8 +133,8 @@ pub fn dequantize(w: &QWeight) -> Vec<f32> {
 fn upload_matrix(
     stream: &Arc<CudaStream>,
     q: &QWeight,
-    host: Vec<f32>,
+    host: &[f32],
 ) -> Result<DeviceMatrix, CudaError> {
-    let data = stream.clone_htod(&host).map_err(CudaError::driver("copying weights"))?;
+    let data = stream.clone_htod(host).map_err(CudaError::driver("copying weights"))?;
     Ok(DeviceMatrix { data, rows: q.rows, cols: q.cols })
 }

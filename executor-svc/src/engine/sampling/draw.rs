@@ -3,7 +3,7 @@
 
 use ferry_model::sampling::SamplingError;
 
-/// A 64-bit hash of (seed, position): the counter-based generator behind every draw. SplitMix64's
+/// A 64-bit hash of (seed, position): the counter-based generator behind every draw. `SplitMix64`'s
 /// finaliser applied twice; for a fixed seed, distinct positions give distinct hashes.
 pub fn position_hash(seed: u64, position: u64) -> u64 {
     splitmix64(splitmix64(seed) ^ position)
@@ -182,7 +182,7 @@ pub(super) fn mass_at_least(weights: &[f32], floor: f32) -> f64 {
         .sum()
 }
 
-/// The sum of a block of weights, in lanes (each lane sums at most DRAW_BLOCK / LANES values
+/// The sum of a block of weights, in lanes (each lane sums at most `DRAW_BLOCK` / LANES values
 /// in f32, so precision is not at risk).
 pub(super) fn block_sum(block: &[f32]) -> f64 {
     let mut lanes = [0.0f32; LANES];

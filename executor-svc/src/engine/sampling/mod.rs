@@ -37,7 +37,10 @@ mod draw;
 #[cfg(test)]
 mod tests;
 
-use draw::*;
+use draw::{
+    argmax, exp_nonpositive, inverse_cdf, key_value, log_sum_exp, max_logit, nucleus_cutoff,
+    top_k_keys, top_n,
+};
 pub use draw::{position_hash, position_uniform};
 pub use ferry_model::sampling::*;
 
@@ -217,7 +220,7 @@ impl Sampler {
             // Every nucleus token is among `keys` (see `nucleus_cutoff`): rebuild the weights
             // from those at or above the cutoff instead of a pass over the vocabulary.
             let cutoff = nucleus_cutoff(weights, params.top_p, &mut self.keys);
-            weights.iter_mut().for_each(|w| *w = 0.0);
+            weights.fill(0.0);
             for &key in self.keys.iter().filter(|&&key| key >= cutoff) {
                 weights[!(key as u32) as usize] = key_value(key);
             }

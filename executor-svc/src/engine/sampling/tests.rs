@@ -1,3 +1,4 @@
+use super::draw::{rank_key, DRAW_BLOCK};
 use super::*;
 use ferry_proto::v1;
 

@@ -39,15 +39,12 @@ impl RequestArena {
     pub(crate) fn insert(&mut self, request: Request) -> u32 {
         debug_assert!(!self.by_id.contains_key(&request.id), "{} added twice", request.id);
         let id = request.id;
-        let idx = match self.free.pop() {
-            Some(i) => {
-                self.slab[i as usize] = Some(request);
-                i
-            }
-            None => {
-                self.slab.push(Some(request));
-                u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 live requests")
-            }
+        let idx = if let Some(i) = self.free.pop() {
+            self.slab[i as usize] = Some(request);
+            i
+        } else {
+            self.slab.push(Some(request));
+            u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 live requests")
         };
         self.by_id.insert(id, idx);
         idx

@@ -112,7 +112,10 @@ fn check(core: &Scheduler, when: &str, step: u64) -> Result<(), String> {
     core.check_invariants().map_err(|e| format!("step {step} after {when}: {e}"))
 }
 
-/// Drive `cfg` through `arrivals` with a simulated executor until drained.
+/// Drive `cfg` through `arrivals` with a simulated executor until drained. One function: it
+/// reads top to bottom as one step's phases (arrivals, aborts, schedule, execute, apply, check),
+/// which sharing a dozen locals between helpers would obscure.
+#[allow(clippy::too_many_lines)]
 pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Result<Report, String> {
     let mut core = Scheduler::new(cfg.clone()).map_err(|e| format!("config: {e}"))?;
     let mut rng = Rng::new(opts.seed.wrapping_mul(7919));

@@ -90,7 +90,8 @@ impl DeviceWeights {
         // A model with tied embeddings loads the same tensor twice; keep one copy on the GPU.
         let tied = embed_host.len() == head_host.len()
             && embed_host.iter().zip(&head_host).all(|(a, b)| a.to_bits() == b.to_bits());
-        let lm_head = if tied { None } else { Some(upload_matrix(stream, &w.lm_head, &head_host)?) };
+        let lm_head =
+            if tied { None } else { Some(upload_matrix(stream, &w.lm_head, &head_host)?) };
         Ok(Self {
             embed: upload_matrix(stream, &w.embed, &embed_host)?,
             lm_head,

@@ -4,7 +4,7 @@
 
 use ferry_sched_core::bench::{self, BenchOptions};
 
-/// Flags of `bench-core`.
+/// Flags of `ferry-bench core`.
 #[derive(Debug, clap::Args)]
 pub struct BenchCoreArgs {
     /// Print JSON rows instead of a table.

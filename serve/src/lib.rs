@@ -38,6 +38,12 @@ pub struct ServeArgs {
     /// The embedded KV agent.
     #[command(flatten)]
     pub kv_agent: KvAgentConfig,
+    /// Logs.
+    #[command(flatten)]
+    pub log: ferry_runtime::logging::LogArgs,
+    /// Traces.
+    #[command(flatten)]
+    pub trace: ferry_runtime::telemetry::TraceArgs,
 }
 
 /// `ferry serve`'s flags, checked.

@@ -12,10 +12,6 @@ use ferry_model::ModelFile;
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    #[command(flatten)]
-    log: ferry_runtime::logging::LogArgs,
-    #[command(flatten)]
-    trace: ferry_runtime::telemetry::TraceArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -30,8 +26,8 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let Command::Serve(args) = cli.command;
     let config = args.resolve()?;
-    cli.log.init().map_err(anyhow::Error::msg)?;
-    let _telemetry = cli.trace.init("ferry").map_err(anyhow::Error::msg)?;
+    args.log.init().map_err(anyhow::Error::msg)?;
+    let _telemetry = args.trace.init("ferry").map_err(anyhow::Error::msg)?;
     let (bound, addrs) = ferry::bind(&args.listen, &args.http_listen).await?;
     for (kind, addr) in [
         ("grpc", addrs.grpc),

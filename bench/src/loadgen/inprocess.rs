@@ -1,6 +1,6 @@
 //! The baseline for the service path's cost: the same workload driven through the scheduling
 //! core and the executor engine directly, in one thread, with no gRPC, HTTP or tasks between
-//! them. `bench-serve --in-process` reports it in the same shape as a served run.
+//! them. `ferry-bench serve --in-process` reports it in the same shape as a served run.
 
 use std::collections::VecDeque;
 use std::time::Instant;

@@ -35,7 +35,7 @@ impl std::str::FromStr for Span {
     }
 }
 
-/// Flags of `bench-serve`.
+/// Flags of `ferry-bench serve`.
 #[derive(Debug, clap::Args)]
 pub struct LoadArgs {
     /// Server address, HOST:PORT.

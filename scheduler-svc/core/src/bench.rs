@@ -4,7 +4,7 @@
 //! This is the one module of the core that reads `std::time::Instant` — for measurement only,
 //! around the calls it times; no scheduling decision ever sees it (the scheduler itself still
 //! gets a virtual `Timestamp`). It lives in the library so the service binary can expose it
-//! (`ferry-scheduler bench-core`) and a smoke test can keep it from rotting.
+//! (`ferry-bench core`) and a smoke test can keep it from rotting.
 //!
 //! Each iteration times `schedule()` and `apply_result()` and adds the two; building the
 //! simulated executor's result (one sampled token per sampling entry) and replacing finished

@@ -17,10 +17,10 @@
 //! there is no target feature to check. Callers form addresses with `wrapping_add`, which is
 //! defined for any pointer, and never read through them.
 //!
-//! The measurement that keeps it: with the hints compiled out, the core's bench (`ferry-bench core`,
-//! median step time, ten runs alternating with the hinted build on a 2-core VM) ran a decode
-//! step about 5 % slower at 1024 and 4096 running requests and 14 % slower at 16 384 (768 →
-//! 897 µs; p99 962 → 1379 µs); below 1024 the two are within noise.
+//! The measurement that keeps it: with the hints compiled out, the core's bench (`ferry-bench
+//! core`, median step time, ten runs alternating with the hinted build on a 2-core VM) ran a
+//! decode step about 5 % slower at 1024 and 4096 running requests and 14 % slower at 16 384
+//! (768 → 897 µs; p99 962 → 1379 µs); below 1024 the two are within noise.
 
 /// Ask for the cache line holding `p` (any address, even dangling: it is only a hint). Always
 /// inlined: it is one instruction, and a call would cost more than the hint saves.

@@ -80,6 +80,11 @@ impl SchedulerMetrics {
     pub fn finished(&self, label: FinishLabel) {
         self.success[label as usize].add(1);
     }
+
+    /// Requests that ended for `label` so far.
+    pub fn finished_count(&self, label: FinishLabel) -> u64 {
+        self.success[label as usize].get()
+    }
 }
 
 /// How a request ended, in vLLM's words (`vllm:request_success_total{finished_reason}`).

@@ -276,6 +276,7 @@ impl RequestStream {
     /// The client went away: abort the request where it runs.
     async fn client_gone(&mut self) -> Ending {
         self.placement.abort().await;
+        self.front.metrics.finished(FinishLabel::Abort);
         Ending::abort()
     }
 }

@@ -134,3 +134,23 @@ async fn a_stop_string_split_across_tokens_is_held_back_and_reports_cached_token
         assert_eq!(link.load.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_leaves_aborts_its_request_and_is_counted() {
+    let set = ExecutorSet::new();
+    let (gate_tx, gate) = tokio::sync::watch::channel(1);
+    let (link, _exec) = gated_link("e", Arc::new(|_, p| 100 + p as u32), set.metrics.clone(), gate);
+    set.insert(link.clone());
+    let svc = front(&set);
+    let mut stream =
+        svc.generate(Request::new(request(&[1, 2, 3, 4], 50, &[]))).await.unwrap().into_inner();
+    assert_eq!(stream.next().await.unwrap().unwrap().token_ids, [104]);
+    drop(stream);
+    let deadline = tokio::time::Instant::now() + Duration::from_mins(1);
+    while link.load.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the request was never aborted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(set.metrics.finished_count(crate::metrics::FinishLabel::Abort), 1);
+    drop(gate_tx);
+}

@@ -63,9 +63,10 @@ impl RequestSpec {
     }
 
     /// The request for another scheduler (a front in its own process sends its requests to the
-    /// leader this way), with `delivered` the tokens already generated. Stop strings stay with
-    /// the front, which applies them.
-    pub fn to_remote(&self, delivered: &[u32]) -> v1::GenerateRequest {
+    /// leader this way), with `delivered` the tokens already generated, tokenized for the model
+    /// with `fingerprint` (the scheduler refuses it if it serves another). Stop strings stay
+    /// with the front, which applies them.
+    pub fn to_remote(&self, delivered: &[u32], fingerprint: &str) -> v1::GenerateRequest {
         v1::GenerateRequest {
             input: Some(v1::generate_request::Input::PromptTokenIds(v1::TokenIds {
                 ids: self.prompt.to_vec(),
@@ -80,6 +81,7 @@ impl RequestSpec {
                 ..Default::default()
             }),
             priority: self.priority,
+            model_fingerprint: fingerprint.to_string(),
             ..Default::default()
         }
     }

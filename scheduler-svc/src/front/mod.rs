@@ -148,6 +148,7 @@ impl Front {
     ) -> Result<(Arc<RequestSpec>, Placed), Status> {
         let mut spec = trace.tokenize(|| prepare(&self.model, req)).map_err(|e| match e {
             PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
+            PrepareError::OtherModel { .. } => Status::failed_precondition(e.to_string()),
             PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
         })?;
         spec.traceparent = trace.open_request(spec.prompt.len());

@@ -112,7 +112,10 @@ impl Front {
     ) -> Result<Placed, PlaceError> {
         let executors = match &self.route {
             Route::Local(set) => set,
-            Route::Remote(leader) => return place_remote(leader, spec, delivered, patience).await,
+            Route::Remote(leader) => {
+                let fingerprint = &self.model.file.fingerprint;
+                return place_remote(leader, spec, delivered, fingerprint, patience).await;
+            }
         };
         let deadline = tokio::time::Instant::now() + patience;
         loop {
@@ -146,18 +149,22 @@ impl Front {
     }
 }
 
-/// Sends `spec` (with `delivered` tokens) to the leader scheduler, retrying (no leader, leader
-/// unreachable or without executors) until `patience` runs out.
+/// Sends `spec` (with `delivered` tokens, tokenized for the model with `fingerprint`) to the
+/// leader scheduler, retrying (no leader, leader unreachable or without executors) until
+/// `patience` runs out.
 async fn place_remote(
     leader: &remote::Leader,
     spec: &RequestSpec,
     delivered: &[u32],
+    fingerprint: &str,
     patience: Duration,
 ) -> Result<Placed, PlaceError> {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(500))
         .with_patience(Some(patience));
     loop {
-        match remote::submit(leader, spec.to_remote(delivered), &spec.traceparent).await {
+        match remote::submit(leader, spec.to_remote(delivered, fingerprint), &spec.traceparent)
+            .await
+        {
             Ok((call, rx)) => return Ok((Placement::Remote(call), rx)),
             Err(remote::SubmitError::Refused(status)) => return Err(PlaceError::Remote(status)),
             Err(remote::SubmitError::Retry(status)) => {

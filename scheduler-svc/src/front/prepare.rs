@@ -20,6 +20,20 @@ pub enum PrepareError {
         /// Served.
         served: String,
     },
+    /// The caller tokenized for another model (its fingerprint differs).
+    #[error(
+        "the request was tokenized for the model with fingerprint {asked}, but this scheduler \
+         serves {served:?} with fingerprint {fingerprint}: give the front and the scheduler the \
+         same model file"
+    )]
+    OtherModel {
+        /// The caller's fingerprint.
+        asked: String,
+        /// The served model's name.
+        served: String,
+        /// Its fingerprint.
+        fingerprint: String,
+    },
     /// Anything else the client got wrong.
     #[error("{0}")]
     Invalid(String),
@@ -45,20 +59,29 @@ impl ServedModel {
 /// Most stop strings per request (as vLLM's OpenAI server has no limit, this one is generous).
 pub const MAX_STOP_STRINGS: usize = 16;
 
-/// Checks `req` against `model`; the spec comes back without a trace context.
-pub fn prepare(
-    model: &ServedModel,
-    req: &v1::GenerateRequest,
-) -> Result<RequestSpec, PrepareError> {
-    let invalid = |m: String| PrepareError::Invalid(m);
+/// Refuses a request for another model than `model`, by name or by fingerprint.
+fn check_model(model: &ServedModel, req: &v1::GenerateRequest) -> Result<(), PrepareError> {
     if !req.model.is_empty() && req.model != model.name() {
         return Err(PrepareError::UnknownModel {
             asked: req.model.clone(),
             served: model.name().to_string(),
         });
     }
+    if !req.model_fingerprint.is_empty() && req.model_fingerprint != model.file.fingerprint {
+        return Err(PrepareError::OtherModel {
+            asked: req.model_fingerprint.clone(),
+            served: model.name().to_string(),
+            fingerprint: model.file.fingerprint.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// The prompt's tokens: text tokenized, token ids checked, or a chat rendered and tokenized.
+fn prompt_tokens(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Vec<u32>, PrepareError> {
+    let invalid = |m: String| PrepareError::Invalid(m);
     let tok = &model.file.tokenizer;
-    let prompt = match &req.input {
+    Ok(match &req.input {
         Some(v1::generate_request::Input::Prompt(text)) => {
             tok.encode(text).map_err(|e| invalid(format!("prompt: {e}")))?
         }
@@ -86,7 +109,18 @@ pub fn prepare(
             tok.encode(&text).map_err(|e| invalid(format!("chat: {e}")))?
         }
         None => return Err(invalid("no input: give a prompt, prompt_token_ids or a chat".into())),
-    };
+    })
+}
+
+/// Checks `req` against `model`; the spec comes back without a trace context.
+pub fn prepare(
+    model: &ServedModel,
+    req: &v1::GenerateRequest,
+) -> Result<RequestSpec, PrepareError> {
+    let invalid = |m: String| PrepareError::Invalid(m);
+    check_model(model, req)?;
+    let tok = &model.file.tokenizer;
+    let prompt = prompt_tokens(model, req)?;
     if prompt.is_empty() {
         return Err(invalid("the prompt is empty".into()));
     }

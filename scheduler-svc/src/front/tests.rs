@@ -154,3 +154,20 @@ async fn a_client_that_leaves_aborts_its_request_and_is_counted() {
     assert_eq!(set.metrics.finished_count(crate::metrics::FinishLabel::Abort), 1);
     drop(gate_tx);
 }
+
+#[tokio::test(start_paused = true)]
+async fn token_ids_from_a_front_of_another_model_are_refused() {
+    let set = ExecutorSet::new();
+    let token: TokenFn = Arc::new(|_, p| 100 + p as u32);
+    let _links = links(&set, &["e"], &token);
+    let svc = front(&set);
+    let mut other = request(&[1, 2, 3], 2, &[]);
+    other.model_fingerprint = "0123456789abcdef".into();
+    let refused = svc.generate(Request::new(other)).await.expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(refused.message().contains("0123456789abcdef"), "{}", refused.message());
+    let mut same = request(&[1, 2, 3], 2, &[]);
+    same.model_fingerprint = model().fingerprint.clone();
+    let evs = events(&svc, same).await;
+    assert_eq!(evs.last().unwrap().finish_reason(), v1::FinishReason::Length);
+}

@@ -134,6 +134,7 @@ fn generate_request(
         model: c.model.clone().unwrap_or_default(),
         input: None,
         output_token_ids: Vec::new(),
+        model_fingerprint: String::new(),
         sampling: Some(v1::SamplingParams {
             // OpenAI's default temperature is 1.
             temperature: c.temperature.unwrap_or(1.0),

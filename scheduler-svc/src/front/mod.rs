@@ -207,7 +207,7 @@ impl Generation for GenerationService {
             req.request_id.clone()
         };
         let mut trace = RequestTrace::start(&parent, &request_id);
-        let (spec, (placement, events)) = match front.admit(&req, &request_id, &mut trace).await {
+        let (spec, placed) = match front.admit(&req, &request_id, &mut trace).await {
             Ok(a) => a,
             Err(status) => {
                 trace.refused(status.message());
@@ -218,16 +218,8 @@ impl Generation for GenerationService {
         // Log lines about this request carry its id and trace id.
         let span =
             tracing::info_span!("request", request_id = %request_id, trace_id = %trace.trace_id());
-        let stream = RequestStream::new(
-            front.clone(),
-            request_id,
-            spec,
-            placement,
-            events,
-            tx,
-            arrived,
-            trace,
-        );
+        let stream =
+            RequestStream::new(front.clone(), request_id, spec, placed, tx, arrived, trace);
         tokio::spawn(tracing::Instrument::instrument(stream.run(), span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -19,7 +19,7 @@ use ferry_sched_core::{FinishReason, FinishStats, StopCause};
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use super::placement::Placement;
+use super::placement::{Placed, Placement};
 use super::text::TextAssembler;
 use super::trace::RequestTrace;
 use super::Front;
@@ -64,14 +64,13 @@ pub(crate) struct RequestStream {
 }
 
 impl RequestStream {
-    /// A stream for `spec`, placed at `placement` whose events arrive on `events`.
-    #[allow(clippy::too_many_arguments)]
+    /// A stream for `spec`, `placed` where it runs (its events arrive there), answering
+    /// `client`.
     pub(crate) fn new(
         front: Arc<Front>,
         request_id: String,
         spec: Arc<RequestSpec>,
-        placement: Placement,
-        events: mpsc::UnboundedReceiver<LinkEvent>,
+        (placement, events): Placed,
         client: ClientTx,
         arrived: Instant,
         trace: RequestTrace,

@@ -16,12 +16,15 @@ enum Command {
     Core(ferry_bench::core::BenchCoreArgs),
     /// Load-test an OpenAI-compatible endpoint: throughput, TTFT, TPOT, ITL, end-to-end latency.
     Serve(Box<ferry_bench::loadgen::LoadArgs>),
+    /// KV block transfer between agents, against plain TCP on loopback.
+    Kv(ferry_bench::kv::KvBenchArgs),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Core(args) => ferry_bench::core::run(&args),
+        Command::Kv(args) => ferry_bench::kv::run(&args).await.map(|_| ()),
         Command::Serve(args) => {
             let report = ferry_bench::loadgen::run(*args).await?;
             ferry_bench::loadgen::print(&report);

@@ -4,8 +4,14 @@
 //!
 //! The library is everything; `ferry-kv` only parses flags and calls [`run`].
 
+pub mod agent;
 pub mod config;
+pub mod data;
+pub mod frames;
+pub mod layout;
+pub mod peers;
 pub mod service;
+pub mod store;
 
 use ferry_runtime::GrpcHost;
 use tokio::net::TcpListener;
@@ -22,13 +28,38 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let id = config.node_id.clone();
-    let service = service::KvAgentService::new(config);
+    let capacity = usize::try_from(config.store_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+    let agent = agent::Agent::new(id.clone(), capacity);
+    // Transfers nobody read before their deadline end (and give their blocks back).
+    let reaper = {
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+            loop {
+                tick.tick().await;
+                agent.reap();
+            }
+        })
+    };
+    let side = data::side_channel(agent.clone());
+    let service = service::KvAgentService::new(agent);
     let metrics = std::sync::Arc::new(service.metrics());
-    let host = GrpcHost::new()
-        .add_service(ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service))
-        .with_metrics(metrics);
+    let server = ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service)
+        .max_decoding_message_size(frames::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(frames::MAX_MESSAGE_BYTES);
+    let host =
+        GrpcHost::new().bulk().with_side_channel(side).add_service(server).with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::KvAgent;
-    ferry_runtime::cluster::serve_registered(host, listener, cluster.as_ref(), kind, &id, shutdown)
-        .await?;
+    let served = ferry_runtime::cluster::serve_registered(
+        host,
+        listener,
+        cluster.as_ref(),
+        kind,
+        &id,
+        shutdown,
+    )
+    .await;
+    reaper.abort();
+    served?;
     Ok(())
 }

@@ -1,109 +1,172 @@
-//! The `ferry.v1.KvTransfer` gRPC service.
-//!
-//! Today it describes the agent; the block store and the mover arrive with the KV transfer
-//! work, and until then their calls answer UNIMPLEMENTED with a message that says so.
+//! The `ferry.v1.KvTransfer` gRPC service over an [`Agent`]: the executor-facing `Put` and
+//! `Get`, the agent-to-agent `Push`, and `Cancel`, `Lookup`, `Describe`. Every bad request is
+//! refused with a status that says what was wrong, and leaves the store as it was.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ferry_proto::v1::{self, kv_transfer_server::KvTransfer};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::config::KvAgentConfig;
+use crate::agent::{first_header, Agent, Failure};
+use crate::frames::MAX_TRANSFER_ID;
 
 /// The agent's gRPC face.
 #[derive(Clone)]
 pub struct KvAgentService {
-    config: Arc<KvAgentConfig>,
+    agent: Arc<Agent>,
 }
 
 impl KvAgentService {
-    /// A service for an agent configured by `config`.
-    pub fn new(config: KvAgentConfig) -> Self {
-        Self { config: Arc::new(config) }
+    /// The service over `agent`.
+    pub fn new(agent: Arc<Agent>) -> Self {
+        Self { agent }
+    }
+
+    /// Its metrics.
+    pub fn metrics(&self) -> KvAgentMetrics {
+        KvAgentMetrics { agent: self.agent.clone() }
     }
 }
 
-/// `/metrics` of a KV agent: its store (empty until the block store lands).
+/// `/metrics` of a KV agent: its store and its transfers.
 pub struct KvAgentMetrics {
-    /// The agent's configuration.
-    pub config: Arc<KvAgentConfig>,
+    agent: Arc<Agent>,
 }
 
 impl ferry_runtime::metrics::Render for KvAgentMetrics {
     fn render(&self, t: &mut ferry_runtime::metrics::Text) {
-        let labels = [("node", self.config.node_id.as_str())];
-        let capacity = (self.config.store_mib * 1024 * 1024) as f64;
+        let a = &self.agent;
+        let labels = [("node", a.node_id.as_str())];
+        let d = a.describe();
         t.gauge(
             "ferry_kv_store_capacity_bytes",
             "Host memory for the block store.",
             &labels,
-            capacity,
+            d.capacity_bytes as f64,
         );
-        t.gauge("ferry_kv_store_used_bytes", "Bytes of KV blocks held in the store.", &labels, 0.0);
+        t.gauge(
+            "ferry_kv_store_used_bytes",
+            "Bytes of KV blocks held in the store.",
+            &labels,
+            d.bytes as f64,
+        );
+        t.gauge(
+            "ferry_kv_store_pinned_bytes",
+            "Bytes held by transfers in progress.",
+            &labels,
+            a.pinned_bytes() as f64,
+        );
+        t.gauge("ferry_kv_store_blocks", "KV blocks held in the store.", &labels, d.blocks as f64);
+        t.gauge(
+            "ferry_kv_transfers_in_progress",
+            "Transfers arriving or being forwarded.",
+            &labels,
+            f64::from(d.transfers_in_progress),
+        );
+        t.counter(
+            "ferry_kv_store_hits",
+            "Blocks asked for (reads, lookups) and found.",
+            &labels,
+            d.hits as f64,
+        );
+        t.counter(
+            "ferry_kv_store_misses",
+            "Blocks asked for and not found.",
+            &labels,
+            d.misses as f64,
+        );
+        t.counter(
+            "ferry_kv_received_bytes",
+            "Block bytes received.",
+            &labels,
+            d.bytes_received as f64,
+        );
+        t.counter("ferry_kv_sent_bytes", "Block bytes sent.", &labels, d.bytes_sent as f64);
+        let c = &a.counters;
+        t.counter(
+            "ferry_kv_transfers_received",
+            "Transfers received whole.",
+            &labels,
+            c.transfers_received.load(Ordering::Relaxed) as f64,
+        );
+        t.counter(
+            "ferry_kv_transfer_receive_seconds",
+            "Time spent receiving whole transfers (with ferry_kv_transfers_received, the mean).",
+            &labels,
+            c.transfer_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        );
+        t.family("ferry_kv_transfer_failures", "counter", "Transfers that failed, by reason.");
+        for (i, f) in Failure::ALL.iter().enumerate() {
+            let l = [("node", a.node_id.as_str()), ("reason", f.label())];
+            t.sample(
+                "ferry_kv_transfer_failures",
+                &l,
+                c.failures[i].load(Ordering::Relaxed) as f64,
+            );
+        }
     }
-}
-
-impl KvAgentService {
-    /// Its metrics.
-    pub fn metrics(&self) -> KvAgentMetrics {
-        KvAgentMetrics { config: self.config.clone() }
-    }
-}
-
-fn not_yet(what: &str) -> Status {
-    Status::unimplemented(format!("{what} is not available yet in this build: the block store lands with the KV transfer work"))
 }
 
 #[tonic::async_trait]
 impl KvTransfer for KvAgentService {
     async fn put(
         &self,
-        _request: Request<Streaming<v1::BlockFrame>>,
+        request: Request<Streaming<v1::BlockFrame>>,
     ) -> Result<Response<v1::TransferReceipt>, Status> {
-        Err(not_yet("Put"))
+        let mut frames = request.into_inner();
+        let header = first_header(&mut frames).await?;
+        let receipt = match header.destination {
+            Some(_) => self.agent.forward(header, frames).await?,
+            None => self.agent.receive_put(header, frames).await?,
+        };
+        Ok(Response::new(receipt))
     }
 
     async fn push(
         &self,
-        _request: Request<Streaming<v1::BlockFrame>>,
+        request: Request<Streaming<v1::BlockFrame>>,
     ) -> Result<Response<v1::TransferReceipt>, Status> {
-        Err(not_yet("Push"))
+        Ok(Response::new(self.agent.receive_push(request.into_inner()).await?))
     }
 
     type GetStream = ReceiverStream<Result<v1::BlockFrame, Status>>;
 
     async fn get(
         &self,
-        _request: Request<v1::GetBlocksRequest>,
+        request: Request<v1::GetBlocksRequest>,
     ) -> Result<Response<Self::GetStream>, Status> {
-        Err(not_yet("Get"))
+        let frames = self.agent.read(request.into_inner())?;
+        Ok(Response::new(ReceiverStream::new(frames)))
     }
 
     async fn cancel(
         &self,
-        _request: Request<v1::CancelTransferRequest>,
+        request: Request<v1::CancelTransferRequest>,
     ) -> Result<Response<v1::CancelTransferResponse>, Status> {
-        Ok(Response::new(v1::CancelTransferResponse { found: false }))
+        let req = request.into_inner();
+        if req.transfer_id.is_empty() || req.transfer_id.len() > MAX_TRANSFER_ID {
+            return Err(Status::invalid_argument(format!(
+                "transfer_id must be 1 to {MAX_TRANSFER_ID} bytes, got {}",
+                req.transfer_id.len()
+            )));
+        }
+        let found = self.agent.cancel(&req.transfer_id, &req.reason);
+        Ok(Response::new(v1::CancelTransferResponse { found }))
     }
 
     async fn lookup(
         &self,
         request: Request<v1::LookupRequest>,
     ) -> Result<Response<v1::LookupResponse>, Status> {
-        // The store is empty until blocks can be put into it.
-        let asked = request.into_inner().block_hashes.len();
-        Ok(Response::new(v1::LookupResponse { present: vec![false; asked], prefix_blocks: 0 }))
+        Ok(Response::new(self.agent.lookup(&request.into_inner())?))
     }
 
     async fn describe(
         &self,
         _request: Request<v1::DescribeKvAgentRequest>,
     ) -> Result<Response<v1::KvAgentDescription>, Status> {
-        Ok(Response::new(v1::KvAgentDescription {
-            node_id: self.config.node_id.clone(),
-            capacity_bytes: self.config.store_mib * 1024 * 1024,
-            ..Default::default()
-        }))
+        Ok(Response::new(self.agent.describe()))
     }
 }

@@ -37,7 +37,21 @@ pub struct GrpcHost {
     service_names: Vec<&'static str>,
     health: HealthReporter,
     metrics: Vec<std::sync::Arc<dyn crate::metrics::Render>>,
+    /// HTTP/2 flow-control windows for bulk data, when set.
+    bulk: bool,
+    /// A raw protocol sharing the port, if any.
+    side: Option<crate::side_channel::SideChannel>,
 }
+
+/// HTTP/2 flow-control windows for services that move bulk data (KV blocks): a stream may have
+/// this much in flight before the receiver must read it. The defaults (64 KiB) cap a loopback
+/// stream far below what the memory copies allow.
+pub const BULK_STREAM_WINDOW: u32 = 16 << 20;
+/// The connection-wide window for bulk services (several streams at once).
+pub const BULK_CONNECTION_WINDOW: u32 = 64 << 20;
+/// HTTP/2 frames of up to 1 MiB for bulk services (the default, 16 KiB, cuts a 2 MiB chunk
+/// into 128 frames).
+pub const BULK_FRAME_SIZE: u32 = 1 << 20;
 
 impl Default for GrpcHost {
     fn default() -> Self {
@@ -51,7 +65,14 @@ impl GrpcHost {
         let (health, health_service) = tonic_health::server::health_reporter();
         let mut routes = RoutesBuilder::default();
         routes.add_service(health_service);
-        Self { routes, service_names: Vec::new(), health, metrics: Vec::new() }
+        Self {
+            routes,
+            service_names: Vec::new(),
+            health,
+            metrics: Vec::new(),
+            bulk: false,
+            side: None,
+        }
     }
 
     /// Adds a service; reflection advertises it and health reports on it by its name.
@@ -71,6 +92,21 @@ impl GrpcHost {
     {
         self.service_names.push(S::NAME);
         self.routes.add_service(service);
+        self
+    }
+
+    /// Large HTTP/2 flow-control windows, for a service that moves bulk data.
+    #[must_use]
+    pub fn bulk(mut self) -> Self {
+        self.bulk = true;
+        self
+    }
+
+    /// Shares the port with a raw protocol: connections that open with `side.magic` go to its
+    /// handler (see [`crate::side_channel`]).
+    #[must_use]
+    pub fn with_side_channel(mut self, side: crate::side_channel::SideChannel) -> Self {
+        self.side = Some(side);
         self
     }
 
@@ -94,7 +130,7 @@ impl GrpcHost {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), HostError> {
-        let Self { mut routes, service_names, health, metrics } = self;
+        let Self { mut routes, service_names, health, metrics, bulk, side } = self;
         let mut v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -124,11 +160,22 @@ impl GrpcHost {
             let router = routes.into_axum_router().merge(crate::metrics::router(all));
             routes = tonic::service::Routes::from(router);
         }
-        tonic::transport::Server::builder()
-            .accept_http1(http1)
-            .add_routes(routes)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining)
-            .await?;
+        let mut server = tonic::transport::Server::builder();
+        if bulk {
+            server = server
+                .initial_stream_window_size(BULK_STREAM_WINDOW)
+                .initial_connection_window_size(BULK_CONNECTION_WINDOW)
+                .max_frame_size(BULK_FRAME_SIZE)
+                .tcp_nodelay(true);
+        }
+        let server = server.accept_http1(http1).add_routes(routes);
+        if let Some(side) = side {
+            let incoming = crate::side_channel::split(listener, side);
+            server.serve_with_incoming_shutdown(incoming, draining).await?;
+        } else {
+            let incoming = TcpListenerStream::new(listener);
+            server.serve_with_incoming_shutdown(incoming, draining).await?;
+        }
         Ok(())
     }
 }

@@ -11,6 +11,7 @@ pub mod grpc;
 pub mod logging;
 pub mod metrics;
 pub mod shutdown;
+pub mod side_channel;
 pub mod telemetry;
 
 pub use backoff::Backoff;

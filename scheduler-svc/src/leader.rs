@@ -45,19 +45,32 @@ pub struct Candidate {
 pub trait Election: Clone + Send + Sync + 'static {
     /// A new lease of `ttl`.
     fn grant(&mut self, ttl: Duration) -> impl Future<Output = Result<i64, String>> + Send;
-    /// Campaigns for `name` with `value` under `lease`; `Some(epoch)` once elected, `None` if
-    /// the call ended without a decision (it is then made again).
+    /// Campaigns for `name` with `value` under `lease`; `Some` once elected, `None` if the call
+    /// ended without a decision (it is then made again).
     fn campaign(
         &mut self,
         name: &str,
         value: &str,
         lease: i64,
-    ) -> impl Future<Output = Result<Option<u64>, String>> + Send;
+    ) -> impl Future<Output = Result<Option<Elected>, String>> + Send;
+    /// Resolves, with the reason, once the service says the leadership `elected` names is over
+    /// (its election key is gone: the lease was revoked or expired). Never resolves while it
+    /// cannot tell (the lease keeper decides then).
+    fn deposed(&mut self, elected: &Elected) -> impl Future<Output = String> + Send;
     /// Refreshes `lease`: `Ok(true)` while it lives, `Ok(false)` once the service says it
     /// expired or was revoked.
     fn refresh(&mut self, lease: i64) -> impl Future<Output = Result<bool, String>> + Send;
     /// Revokes `lease` (best effort).
     fn revoke(&mut self, lease: i64) -> impl Future<Output = ()> + Send;
+}
+
+/// A won election: the epoch (the election key's revision) and the key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Elected {
+    /// The leadership epoch.
+    pub epoch: u64,
+    /// The election key that holds it.
+    pub key: Vec<u8>,
 }
 
 /// Campaigns for `candidate`'s pool in etcd until `resign` turns true; while leading, drives
@@ -134,7 +147,7 @@ pub async fn lead<E: Election>(
             let campaign = campaigner.campaign(&name, &candidate.address, lease);
             tokio::select! {
                 won = campaign => match won {
-                    Ok(Some(epoch)) => break Some(epoch),
+                    Ok(Some(elected)) => break Some(elected),
                     Ok(None) => retry.reset(),
                     Err(e) => {
                         tracing::debug!(error = %e, "election: campaign interrupted; campaigning again");
@@ -151,13 +164,16 @@ pub async fn lead<E: Election>(
                 }
             }
         };
-        let Some(epoch) = epoch else { continue };
+        let Some(elected) = epoch else { continue };
+        let epoch = elected.epoch;
         tracing::info!(pool = %candidate.pool, epoch, "leading the pool");
         leading.send_replace(Some(epoch));
         let led_since = Instant::now();
         let driving = drive(epoch);
+        let mut watcher = election.clone();
         let why = tokio::select! {
             why = keeper.until_lost() => why,
+            why = watcher.deposed(&elected) => why,
             () = resigned(&mut resign) => "it resigned to drain".to_string(),
         };
         // Stop scheduling at once: no step goes out under a leadership that may be over.
@@ -258,9 +274,32 @@ impl Election for EtcdElection {
         name: &str,
         value: &str,
         lease: i64,
-    ) -> Result<Option<u64>, String> {
+    ) -> Result<Option<Elected>, String> {
         let r = self.client.campaign(name, value, lease).await.map_err(|e| e.to_string())?;
-        Ok(r.leader().map(|key| u64::try_from(key.rev()).unwrap_or(0)))
+        Ok(r.leader().map(|key| Elected {
+            epoch: u64::try_from(key.rev()).unwrap_or(0),
+            key: key.key().to_vec(),
+        }))
+    }
+
+    async fn deposed(&mut self, elected: &Elected) -> String {
+        // Every event on the key since it was created: a delete that already happened is seen.
+        let start = i64::try_from(elected.epoch).unwrap_or(0);
+        let options = etcd_client::WatchOptions::new().with_start_revision(start);
+        let watched = self.client.watch(elected.key.clone(), Some(options)).await;
+        let Ok(mut events) = watched else { return std::future::pending().await };
+        loop {
+            match events.message().await {
+                Ok(Some(r)) => {
+                    if r.events().iter().any(|e| e.event_type() == etcd_client::EventType::Delete) {
+                        return "its election key was deleted (its lease was revoked or expired)"
+                            .to_string();
+                    }
+                }
+                // The watch broke (etcd unreachable): the lease keeper decides.
+                Ok(None) | Err(_) => return std::future::pending().await,
+            }
+        }
     }
 
     async fn refresh(&mut self, lease: i64) -> Result<bool, String> {
@@ -298,7 +337,7 @@ mod tests {
     use tokio::sync::watch;
     use tokio::time::Instant;
 
-    use super::{lead, Candidate, Election, Seat};
+    use super::{lead, Candidate, Elected, Election, Seat};
     use crate::executors::ExecutorSet;
     use crate::link::fake::{fake_link, FakeExecutor};
 
@@ -327,7 +366,12 @@ mod tests {
             Ok(i64::try_from(s.grants).unwrap())
         }
 
-        async fn campaign(&mut self, _: &str, _: &str, _lease: i64) -> Result<Option<u64>, String> {
+        async fn campaign(
+            &mut self,
+            _: &str,
+            _: &str,
+            _lease: i64,
+        ) -> Result<Option<Elected>, String> {
             let n = {
                 let mut s = self.0.lock().unwrap();
                 s.campaigns += 1;
@@ -336,7 +380,12 @@ mod tests {
             if n > 1 && self.0.lock().unwrap().hold_seat {
                 std::future::pending::<()>().await;
             }
-            Ok(Some(6 + n)) // the first win is epoch 7
+            // The first win is epoch 7.
+            Ok(Some(Elected { epoch: 6 + n, key: Vec::new() }))
+        }
+
+        async fn deposed(&mut self, _elected: &Elected) -> String {
+            std::future::pending().await
         }
 
         async fn refresh(&mut self, _lease: i64) -> Result<bool, String> {

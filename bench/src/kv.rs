@@ -1,0 +1,311 @@
+//! `ferry-bench kv`: how fast KV blocks move between agents, against a plain TCP sender and
+//! receiver moving the same bytes in the same run (the ceiling on this machine).
+//!
+//! Five paths, each timed from the first byte sent to the last byte stored:
+//! - `tcp`: one TCP connection on loopback, the receiver reading into one reused buffer (the
+//!   transport alone: the ceiling);
+//! - `tcp-store`: the same, the receiver reading each block into a new buffer it keeps (what
+//!   any store must do, the fair baseline for one);
+//! - `push`: agent to agent as agents do it, over the destination's data channel (chunked,
+//!   CRC32C checked, stored);
+//! - `grpc-push`: the same through the gRPC `Push` (for tools; shown for comparison);
+//! - `put+push`: an executor's export through its node's agent (a data-channel `Put` with a
+//!   destination; the relay checks every chunk) on to the destination agent;
+//! - `whole`: the same, with the importing executor reading each block from its agent as it
+//!   arrives into a pool of its own: one executor's KV pool to another's.
+//!
+//! The agents run in this process on loopback, like the TCP pair, so all three share the same
+//! cores.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use ferry_kv_transfer_svc::agent::unix_deadline;
+use ferry_kv_transfer_svc::frames::{chunks, header_frame, read_header, Header};
+use ferry_kv_transfer_svc::{peers, KvAgentConfig};
+use ferry_proto::v1::{self, block_frame::Frame};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+
+/// Flags of `ferry-bench kv`.
+#[derive(Debug, clap::Args)]
+pub struct KvBenchArgs {
+    /// Megabytes moved per run.
+    #[arg(long, default_value_t = 512)]
+    pub mib: usize,
+    /// Tokens per block of the layout moved (SmolLM2-135M's shape: 30 layers, 3 KV heads of
+    /// 64, f32: 46 080 bytes per token).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Runs of each path, alternating.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One path's runs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KvBenchRow {
+    /// `tcp`, `tcp-store`, `push`, `grpc-push`, `put+push` or `whole`.
+    pub path: &'static str,
+    /// MB/s of each run.
+    pub mb_per_s: Vec<f64>,
+    /// The median run against the median `tcp` run.
+    pub ratio_to_tcp: f64,
+}
+
+fn layout(block_size: u32) -> v1::KvLayout {
+    v1::KvLayout {
+        num_layers: 30,
+        block_size,
+        num_kv_heads: 3,
+        head_dim: 64,
+        dtype: v1::KvDtype::F32.into(),
+        model_fingerprint: "bench".into(),
+    }
+}
+
+/// The header of transfer `tid`: `blocks` blocks with hashes of their own (a transfer whose
+/// blocks were already stored would skip the store's work and flatter the figure).
+fn header(tid: &str, blocks: usize, block_size: u32, destination: Option<String>) -> Header {
+    let base = tid.bytes().fold(0u64, |h, b| h.wrapping_mul(131).wrapping_add(u64::from(b))) << 20;
+    read_header(v1::BlockFrame {
+        frame: Some(Frame::Header(v1::TransferHeader {
+            transfer_id: tid.into(),
+            layout: Some(layout(block_size)),
+            block_hashes: (1..=blocks as u64).map(|i| base + i).collect(),
+            destination_agent: destination.unwrap_or_default(),
+            deadline_unix_ms: unix_deadline(std::time::Duration::from_secs(600)),
+        })),
+    })
+    .expect("a valid bench header")
+}
+
+fn frames(h: &Header, block: &Bytes) -> Vec<v1::BlockFrame> {
+    std::iter::once(header_frame(h))
+        .chain((0..h.hashes.len()).flat_map(|i| chunks(i, block).collect::<Vec<_>>()))
+        .collect()
+}
+
+async fn start_agent(
+    node: &str,
+    store_mib: u64,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<String> {
+    let (listener, addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
+    let config = KvAgentConfig { node_id: node.into(), store_mib };
+    let mut stop = stop.clone();
+    tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, async move {
+        let _ = stop.wait_for(|s| *s).await;
+    }));
+    Ok(addr.to_string())
+}
+
+/// Moves `blocks` blocks of `block` over plain TCP on loopback; MB/s. The receiver reads into
+/// one reused buffer, or (`store`) into a new buffer per block that it keeps, as a store does.
+async fn tcp(blocks: usize, block: &Bytes, store: bool) -> anyhow::Result<f64> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let len = block.len();
+    let receiver = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await?;
+        let mut buf = vec![0u8; len];
+        let mut kept = Vec::new();
+        let mut got = 0;
+        for _ in 0..blocks {
+            if store {
+                let mut fresh = bytes::BytesMut::with_capacity(len);
+                while fresh.len() < len {
+                    if conn.read_buf(&mut fresh).await? == 0 {
+                        anyhow::bail!("tcp: the sender stopped early");
+                    }
+                }
+                kept.push(fresh.freeze());
+            } else {
+                conn.read_exact(&mut buf).await?;
+            }
+            got += 1;
+        }
+        anyhow::Ok(got)
+    });
+    let start = Instant::now();
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.set_nodelay(true)?;
+    for _ in 0..blocks {
+        conn.write_all(block).await?;
+    }
+    conn.flush().await?;
+    let got = receiver.await??;
+    anyhow::ensure!(got == blocks, "tcp: {got} of {blocks} blocks");
+    Ok((blocks * len) as f64 / start.elapsed().as_secs_f64() / 1e6)
+}
+
+/// Pushes `blocks` blocks straight to the agent at `to`, over its data channel or (`grpc`) its
+/// gRPC `Push`; MB/s.
+async fn push(
+    tid: &str,
+    to: &str,
+    blocks: usize,
+    block: &Bytes,
+    block_size: u32,
+    grpc: bool,
+) -> anyhow::Result<f64> {
+    let h = header(tid, blocks, block_size, None);
+    let all = frames(&h, block);
+    let start = Instant::now();
+    let receipt = if grpc {
+        peers::client(to)?.push(tokio_stream::iter(all)).await?.into_inner()
+    } else {
+        let (rx, fed) = feed(all);
+        let ((), pushed) = tokio::join!(fed, ferry_kv_transfer_svc::data::push(to, rx));
+        pushed?
+    };
+    anyhow::ensure!(receipt.bytes == h.total_bytes(), "push: {receipt:?}");
+    Ok(h.total_bytes() as f64 / start.elapsed().as_secs_f64() / 1e6)
+}
+
+/// Feeds `all` into a channel for a data-channel sender.
+fn feed(
+    all: Vec<v1::BlockFrame>,
+) -> (tokio::sync::mpsc::Receiver<v1::BlockFrame>, impl std::future::Future<Output = ()>) {
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let fed = async move {
+        for f in all {
+            if tx.send(f).await.is_err() {
+                break;
+            }
+        }
+    };
+    (rx, fed)
+}
+
+/// An export as an executor makes it: `blocks` blocks put to its agent at `via`, which pushes
+/// them on to `to`; MB/s. With `read`, a reader at `to` (the importing executor) takes each
+/// block as it arrives and copies it into its own pool, and the time runs until it has all:
+/// the whole path from one executor's pool to the other's.
+async fn export(
+    tid: &str,
+    via: &str,
+    to: &str,
+    blocks: usize,
+    block: &Bytes,
+    block_size: u32,
+    read: bool,
+) -> anyhow::Result<f64> {
+    let h = header(tid, blocks, block_size, Some(to.to_string()));
+    let (rx, fed) = feed(frames(&h, block));
+    let request = v1::GetBlocksRequest {
+        transfer_id: tid.to_string(),
+        layout: Some(h.layout.layout.clone()),
+        block_hashes: h.hashes.clone(),
+        deadline_unix_ms: unix_deadline(std::time::Duration::from_secs(600)),
+    };
+    let start = Instant::now();
+    let reader = async {
+        if !read {
+            return anyhow::Ok(0usize);
+        }
+        let mut pool = vec![0u8; blocks * block.len()];
+        let mut chunks = ferry_kv_transfer_svc::data::get(to, &request).await?;
+        let mut at = 0;
+        while let Some(chunk) = chunks.recv().await {
+            let c = chunk?;
+            pool[at..at + c.data.len()].copy_from_slice(&c.data);
+            at += c.data.len();
+        }
+        Ok(at)
+    };
+    let sender =
+        ferry_kv_transfer_svc::data::send_blocks(via, ferry_kv_transfer_svc::data::Op::Put, rx);
+    let ((), receipt, read_bytes) = tokio::join!(fed, sender, reader);
+    let receipt = receipt?;
+    anyhow::ensure!(receipt.bytes == h.total_bytes(), "put: {receipt:?}");
+    if read {
+        anyhow::ensure!(read_bytes? as u64 == h.total_bytes(), "the reader got every byte");
+    }
+    Ok(h.total_bytes() as f64 / start.elapsed().as_secs_f64() / 1e6)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// Runs the bench and prints its rows.
+pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
+    anyhow::ensure!(args.mib > 0 && args.rounds > 0, "--mib and --rounds must be at least 1");
+    let block_bytes = 30 * 2 * args.block_size as usize * 3 * 64 * 4;
+    let block: Bytes = (0..block_bytes).map(|i| (i * 7) as u8).collect::<Vec<u8>>().into();
+    let blocks = (args.mib << 20).div_ceil(block_bytes);
+    // Room for one transfer's blocks at a time: each unread one is cancelled right after its
+    // run, which takes its blocks out again.
+    let store_mib = (args.mib + 64) as u64;
+    let (stop_tx, stop) = watch::channel(false);
+    let a = start_agent("bench-a", store_mib, &stop).await?;
+    let b = start_agent("bench-b", store_mib, &stop).await?;
+    let done = |tid: String| {
+        let b = b.clone();
+        async move {
+            let reason = "bench run done".to_string();
+            let cancel = v1::CancelTransferRequest { transfer_id: tid, reason };
+            peers::client(&b)?.cancel(cancel).await?;
+            anyhow::Ok(())
+        }
+    };
+    let bs = args.block_size;
+    let (mut t, mut ts, mut p, mut g, mut pp, mut whole) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 0..=args.rounds {
+        // Round 0 warms up (connections, allocator, page cache) and is not counted.
+        let keep = round > 0;
+        let tid = |path: &str| format!("{path}-{round}");
+        let r = tcp(blocks, &block, false).await?;
+        keep.then(|| t.push(r));
+        let r = tcp(blocks, &block, true).await?;
+        keep.then(|| ts.push(r));
+        let r = push(&tid("push"), &b, blocks, &block, bs, false).await?;
+        done(tid("push")).await?;
+        keep.then(|| p.push(r));
+        let r = push(&tid("grpc"), &b, blocks, &block, bs, true).await?;
+        done(tid("grpc")).await?;
+        keep.then(|| g.push(r));
+        let r = export(&tid("put"), &a, &b, blocks, &block, bs, false).await?;
+        done(tid("put")).await?;
+        keep.then(|| pp.push(r));
+        let r = export(&tid("whole"), &a, &b, blocks, &block, bs, true).await?;
+        keep.then(|| whole.push(r));
+    }
+    let _ = stop_tx.send(true);
+    let base = median(&t);
+    let rows = vec![
+        KvBenchRow { path: "tcp-store", ratio_to_tcp: median(&ts) / base, mb_per_s: ts },
+        KvBenchRow { path: "tcp", ratio_to_tcp: 1.0, mb_per_s: t },
+        KvBenchRow { path: "push", ratio_to_tcp: median(&p) / base, mb_per_s: p },
+        KvBenchRow { path: "grpc-push", ratio_to_tcp: median(&g) / base, mb_per_s: g },
+        KvBenchRow { path: "put+push", ratio_to_tcp: median(&pp) / base, mb_per_s: pp },
+        KvBenchRow { path: "whole", ratio_to_tcp: median(&whole) / base, mb_per_s: whole },
+    ];
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "{} MiB per run in blocks of {block_bytes} bytes ({} tokens)",
+            args.mib, args.block_size
+        );
+        println!("{:<10} {:>12} {:>10}  runs (MB/s)", "path", "median MB/s", "vs tcp");
+        for r in &rows {
+            let runs: Vec<String> = r.mb_per_s.iter().map(|x| format!("{x:.0}")).collect();
+            println!(
+                "{:<10} {:>12.0} {:>10.2}  {}",
+                r.path,
+                median(&r.mb_per_s),
+                r.ratio_to_tcp,
+                runs.join(" ")
+            );
+        }
+    }
+    Ok(rows)
+}

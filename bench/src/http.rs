@@ -36,7 +36,11 @@ impl Default for HttpClient {
     fn default() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        Self { inner: Client::builder(TokioExecutor::new()).build(connector) }
+        // No pooled connections: each request gets its own, as a client fleet's would, and a
+        // connection the server closed (after a 413, say) is never reused.
+        let inner =
+            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(connector);
+        Self { inner }
     }
 }
 

@@ -72,6 +72,10 @@ pub struct ExecutorConfig {
     /// GPU to run on with `--backend cuda`, as the driver numbers them (0 first).
     #[arg(long, env = "FERRY_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
+    /// This node's KV agent (`host:port`): KV exports and imports go through it. Without one,
+    /// the executor refuses steps with KV operations.
+    #[arg(long = "kv-agent", env = "FERRY_KV_AGENT")]
+    pub kv_agent: Option<String>,
 }
 
 /// Largest block size accepted: vLLM's largest is 256 tokens.
@@ -91,6 +95,15 @@ impl ExecutorConfig {
         }
         if self.executor_id.trim().is_empty() {
             return Err(ConfigError::ExecutorId);
+        }
+        if let Some(a) = &self.kv_agent {
+            let hostport = a.split_once("://").map_or(a.as_str(), |(_, rest)| rest);
+            if hostport
+                .rsplit_once(':')
+                .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+            {
+                return Err(ConfigError::KvAgent(a.clone()));
+            }
         }
         // Say so before the model is loaded, not after.
         if self.backend == BackendKind::Cuda && !cfg!(feature = "cuda") {
@@ -112,6 +125,9 @@ pub enum ConfigError {
     /// Empty id.
     #[error("--executor-id must not be empty")]
     ExecutorId,
+    /// A KV agent address that is not one.
+    #[error("--kv-agent {0:?} is not an address (host:port)")]
+    KvAgent(String),
     /// `--backend cuda` in a build without the CUDA backend.
     #[error(
         "--backend cuda: this build has no CUDA backend: rebuild with `--features cuda` \

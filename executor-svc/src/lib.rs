@@ -104,10 +104,25 @@ pub fn build(
         }
         BackendKind::Cuda => cuda_backend(&model.weights, block_size, num_blocks, config)?,
     };
-    let engine = actor::EngineHandle::spawn(engine::Engine::new(
-        backend,
-        engine::EngineConfig { eos_token_id: eos },
-    ))?;
+    let kv_layout = v1::KvLayout {
+        num_layers: shape.num_layers as u32,
+        block_size: config.block_size,
+        num_kv_heads: shape.num_kv_heads as u32,
+        head_dim: shape.head_dim as u32,
+        dtype: v1::KvDtype::F32.into(),
+        model_fingerprint: model.file.fingerprint.clone(),
+    };
+    let kv_port = match &config.kv_agent {
+        Some(agent) => Some(engine::kv::KvPort {
+            agent: agent.clone(),
+            runtime: tokio::runtime::Handle::try_current()
+                .map_err(|e| anyhow::anyhow!("KV transfers need the async runtime: {e}"))?,
+            layout: kv_layout.clone(),
+        }),
+        None => None,
+    };
+    let engine = engine::Engine::new(backend, engine::EngineConfig { eos_token_id: eos });
+    let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
         executor_id: config.executor_id.clone(),
         model: model.file.name.clone(),
@@ -119,15 +134,8 @@ pub fn build(
         eos_token_ids: vec![eos],
         role: v1::ExecutorRole::from(config.role).into(),
         backend: v1::Backend::from(config.backend).into(),
-        kv_layout: Some(v1::KvLayout {
-            num_layers: shape.num_layers as u32,
-            block_size: config.block_size,
-            num_kv_heads: shape.num_kv_heads as u32,
-            head_dim: shape.head_dim as u32,
-            dtype: v1::KvDtype::F32.into(),
-            model_fingerprint: model.file.fingerprint.clone(),
-        }),
-        kv_agent_address: String::new(),
+        kv_layout: Some(kv_layout),
+        kv_agent_address: config.kv_agent.clone().unwrap_or_default(),
     };
     Ok(BuiltExecutor { engine, info })
 }

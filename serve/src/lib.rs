@@ -109,6 +109,9 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let executor_url = format!("http://{}", bound.executor.local_addr()?);
+    // The embedded executor's KV transfers go through the embedded agent.
+    let mut executor = config.executor;
+    executor.kv_agent = Some(bound.kv_agent.local_addr()?.to_string());
     let role = SchedulerRole {
         scheduler: config.scheduler,
         front: config.front,
@@ -123,7 +126,7 @@ pub async fn run(
     let parts = async {
         tokio::try_join!(
             ferry_executor_svc::run(
-                config.executor,
+                executor,
                 model.clone(),
                 None,
                 bound.executor,

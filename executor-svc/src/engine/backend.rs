@@ -41,6 +41,33 @@ pub trait ModelBackend: Send {
     /// backend whose device fails mid-batch (the CUDA backend) panics, which ends the engine
     /// thread and turns the executor's RPCs UNAVAILABLE.
     fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError>;
+    /// Copies KV block `block` (checked in range) into `out`, in the transfer layout (f32,
+    /// little-endian, `layers × {K,V} × block_size × kv_dim`).
+    fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String>;
+    /// Writes `data` (the transfer layout) into KV block `block`.
+    fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String>;
+}
+
+/// `floats` as little-endian bytes into `out` (its length is checked).
+pub fn floats_to_bytes(floats: &[f32], out: &mut [u8]) -> Result<(), String> {
+    if out.len() != floats.len() * 4 {
+        return Err(format!("a block is {} bytes, not {}", floats.len() * 4, out.len()));
+    }
+    for (f, b) in floats.iter().zip(out.chunks_exact_mut(4)) {
+        b.copy_from_slice(&f.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// Little-endian `bytes` into `floats` (lengths checked).
+pub fn bytes_to_floats(bytes: &[u8], floats: &mut [f32]) -> Result<(), String> {
+    if bytes.len() != floats.len() * 4 {
+        return Err(format!("a block is {} bytes, not {}", floats.len() * 4, bytes.len()));
+    }
+    for (f, b) in floats.iter_mut().zip(bytes.chunks_exact(4)) {
+        *f = f32::from_le_bytes(b.try_into().expect("chunks of 4"));
+    }
+    Ok(())
 }
 
 /// The real model on the CPU.
@@ -74,6 +101,20 @@ impl ModelBackend for CpuBackend {
     fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError> {
         paged::forward(&self.weights, &mut self.cache, batch, &mut self.scratch)
             .map(BatchOutput::Logits)
+    }
+
+    fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String> {
+        if block >= self.cache.num_blocks {
+            return Err(format!("block {block} is out of range"));
+        }
+        floats_to_bytes(self.cache.block(block), out)
+    }
+
+    fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String> {
+        if block >= self.cache.num_blocks {
+            return Err(format!("block {block} is out of range"));
+        }
+        bytes_to_floats(data, self.cache.block_mut(block))
     }
 }
 
@@ -126,5 +167,23 @@ impl ModelBackend for SimBackend {
             std::thread::sleep(sleep);
         }
         Ok(BatchOutput::Synthetic { duration })
+    }
+
+    /// The simulator holds no KV: a block reads as zeros (of the real size, so transfers move
+    /// the real number of bytes).
+    fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String> {
+        if block >= self.num_blocks {
+            return Err(format!("block {block} is out of range"));
+        }
+        out.fill(0);
+        Ok(())
+    }
+
+    /// The simulator holds no KV: an imported block is dropped.
+    fn write_block(&mut self, block: usize, _data: &[u8]) -> Result<(), String> {
+        if block >= self.num_blocks {
+            return Err(format!("block {block} is out of range"));
+        }
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ pub mod backend;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod cuda;
+pub mod kv;
 pub mod sampling;
 pub mod sim;
 pub mod step;

@@ -68,9 +68,9 @@ pub enum StepError {
     /// The batch does not fit the KV pool or the model.
     #[error(transparent)]
     Batch(#[from] BatchError),
-    /// KV import/export is not available on this executor yet.
-    #[error("KV operations are not supported by this executor yet ({0} in the step)")]
-    KvOpsUnsupported(usize),
+    /// A KV operation is refused.
+    #[error(transparent)]
+    Kv(#[from] super::kv::KvOpError),
 }
 
 /// What the engine keeps per request.
@@ -156,6 +156,30 @@ pub struct Engine {
     steps_executed: u64,
     /// Scratch: token ids gathered per scheduled request.
     gathered: Vec<Vec<u32>>,
+    /// KV transfers (exports and imports through the node's agent) in progress.
+    kv: super::kv::KvOps,
+}
+
+/// The requests' tables as a step leaves them, for checking its KV operations.
+struct StepTables<'a> {
+    requests: &'a HashMap<u64, ExecRequest>,
+    finished: &'a HashSet<u64>,
+    updated: &'a HashMap<u64, Vec<u32>>,
+    held: HashSet<u32>,
+}
+
+impl super::kv::RequestTables for StepTables<'_> {
+    fn table(&self, id: u64) -> Option<&[u32]> {
+        if let Some(t) = self.updated.get(&id) {
+            return Some(t);
+        }
+        let live = !self.finished.contains(&id);
+        self.requests.get(&id).filter(|_| live).map(|r| r.table.as_slice())
+    }
+
+    fn holds(&self, block: u32) -> bool {
+        self.held.contains(&block)
+    }
 }
 
 /// The prospective state of one scheduled request, computed before anything changes.
@@ -176,7 +200,20 @@ impl Engine {
             sampler: Sampler::new(),
             steps_executed: 0,
             gathered: Vec::new(),
+            kv: super::kv::KvOps::new(None),
         }
+    }
+
+    /// The same engine, carrying out KV operations through `port` (its node's agent).
+    #[must_use]
+    pub fn with_kv(mut self, port: Option<super::kv::KvPort>) -> Self {
+        self.kv = super::kv::KvOps::new(port);
+        self
+    }
+
+    /// KV transfers in progress.
+    pub fn kv_in_progress(&self) -> usize {
+        self.kv.in_progress()
     }
 
     /// The backend's facts.
@@ -199,8 +236,9 @@ impl Engine {
         self.steps_executed
     }
 
-    /// Forgets every request.
+    /// Forgets every request and ends every KV transfer in progress.
     pub fn reset(&mut self) -> usize {
+        self.kv.reset();
         let n = self.requests.len();
         for (_, r) in self.requests.drain() {
             if let Some(t) = r.trace {
@@ -214,6 +252,10 @@ impl Engine {
     pub fn execute(&mut self, step: &v1::Step) -> Result<v1::StepResult, StepError> {
         let planned = self.validate(step)?;
         self.apply_diff(step);
+        self.kv.start(&step.kv_ops, self.backend.as_mut());
+        // Imports that arrived are written now, before this step's forward (which does not
+        // read them: their requests are scheduled only once the import is reported).
+        let kv_results = self.kv.finish(self.backend.as_mut());
         let t0 = Instant::now();
         // Gather the tokens each scheduled request computes.
         self.gathered.resize_with(planned.len(), Vec::new);
@@ -288,7 +330,7 @@ impl Engine {
         Ok(v1::StepResult {
             step_id: step.step_id,
             outputs,
-            kv_results: Vec::new(),
+            kv_results,
             timing: Some(v1::StepTiming {
                 forward_us,
                 sample_us: t1.elapsed().as_micros() as u64,
@@ -347,9 +389,6 @@ impl Engine {
     /// each later check reads, and it reads top to bottom in the order a step is applied.
     #[allow(clippy::too_many_lines)]
     fn validate(&self, step: &v1::Step) -> Result<Vec<Planned>, StepError> {
-        if !step.kv_ops.is_empty() {
-            return Err(StepError::KvOpsUnsupported(step.kv_ops.len()));
-        }
         let facts = self.backend.facts();
         let finished: HashSet<u64> = step.finished_ids.iter().copied().collect();
         let live = |id: &u64| self.requests.contains_key(id) && !finished.contains(id);
@@ -490,6 +529,22 @@ impl Engine {
                 declared: u64::from(step.total_num_tokens),
                 actual: sum,
             });
+        }
+        if !step.kv_ops.is_empty() {
+            let held = self
+                .requests
+                .iter()
+                .filter(|(id, _)| !finished.contains(id) && !tables.contains_key(id))
+                .flat_map(|(_, r)| r.table.iter().copied())
+                .chain(tables.values().flatten().copied())
+                .collect();
+            let view = StepTables {
+                requests: &self.requests,
+                finished: &finished,
+                updated: &tables,
+                held,
+            };
+            self.kv.validate(&step.kv_ops, facts.num_blocks, &view)?;
         }
         // The batch against the KV pool: coverage, ranges, no block written by two requests.
         // Token ids were checked when they arrived, so placeholders stand in for them here.

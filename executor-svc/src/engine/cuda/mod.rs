@@ -266,4 +266,40 @@ impl ModelBackend for CudaBackend {
             }
         }
     }
+
+    /// Device to host: the block's floats, then as bytes.
+    fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String> {
+        let range = self.block_range(block)?;
+        self.gpu.bind().map_err(|e| e.to_string())?;
+        let floats = self
+            .gpu
+            .stream
+            .clone_dtoh(&self.cache.data.slice(range))
+            .map_err(|e| format!("copying block {block} from the GPU: {e}"))?;
+        crate::engine::backend::floats_to_bytes(&floats, out)
+    }
+
+    /// Host to device: the bytes as floats, into the block.
+    fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String> {
+        let range = self.block_range(block)?;
+        let mut floats = vec![0f32; range.len()];
+        crate::engine::backend::bytes_to_floats(data, &mut floats)?;
+        self.gpu.bind().map_err(|e| e.to_string())?;
+        let mut dst = self.cache.data.slice_mut(range);
+        self.gpu
+            .stream
+            .memcpy_htod(&floats, &mut dst)
+            .map_err(|e| format!("copying block {block} to the GPU: {e}"))
+    }
+}
+
+impl CudaBackend {
+    /// The floats of block `block` in the device cache.
+    fn block_range(&self, block: usize) -> Result<std::ops::Range<usize>, String> {
+        if block >= self.cache.num_blocks {
+            return Err(format!("block {block} is out of range"));
+        }
+        let len = self.cache.data.len() / self.cache.num_blocks;
+        Ok(block * len..(block + 1) * len)
+    }
 }

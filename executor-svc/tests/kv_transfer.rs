@@ -1,0 +1,257 @@
+//! KV operations on the real model, through two real KV agents: a prompt computed on one
+//! engine is exported, imported into another engine's blocks, and the second engine decodes
+//! from it exactly as the first would have; a failed import writes nothing and says why; steps
+//! with bad KV operations are refused whole.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use ferry_executor_svc::engine::kv::KvPort;
+use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
+use ferry_executor_svc::model::LoadedModel;
+use ferry_kv_transfer_svc::agent::unix_deadline;
+use ferry_model::ModelFile;
+use ferry_proto::v1::{self, kv_operation::Op};
+
+const BS: u32 = 4;
+const BLOCKS: u32 = 64;
+
+fn model() -> &'static Arc<ModelFile> {
+    static M: OnceLock<Arc<ModelFile>> = OnceLock::new();
+    M.get_or_init(|| Arc::new(ModelFile::open(None).expect("the default model")))
+}
+
+fn layout() -> v1::KvLayout {
+    let s = model().shape;
+    v1::KvLayout {
+        num_layers: s.num_layers as u32,
+        block_size: BS,
+        num_kv_heads: s.num_kv_heads as u32,
+        head_dim: s.head_dim as u32,
+        dtype: v1::KvDtype::F32.into(),
+        model_fingerprint: model().fingerprint.clone(),
+    }
+}
+
+fn engine(agent: Option<&str>) -> Engine {
+    let weights = LoadedModel::load(model().clone()).unwrap().weights;
+    let port = agent.map(|a| KvPort {
+        agent: a.to_string(),
+        runtime: tokio::runtime::Handle::current(),
+        layout: layout(),
+    });
+    Engine::new(
+        Box::new(CpuBackend::new(weights, BS as usize, BLOCKS as usize)),
+        EngineConfig { eos_token_id: model().tokenizer.eos_token_id },
+    )
+    .with_kv(port)
+}
+
+async fn agent(node: &str) -> String {
+    let (listener, addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await.unwrap();
+    let config = ferry_kv_transfer_svc::KvAgentConfig { node_id: node.into(), store_mib: 64 };
+    tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, std::future::pending()));
+    addr.to_string()
+}
+
+/// An engine under test: it numbers the steps and keeps every KV result it reports (a
+/// transfer may end, and be reported, in any later step — even the next one).
+struct Exec {
+    engine: Engine,
+    last_step: u64,
+    reported: Vec<v1::KvOperationResult>,
+}
+
+impl Exec {
+    fn new(agent: Option<&str>) -> Self {
+        Self { engine: engine(agent), last_step: 0, reported: Vec::new() }
+    }
+
+    /// Runs `step` (numbered here), telling the runtime this thread blocks while it runs.
+    fn step(&mut self, mut step: v1::Step) -> Result<v1::StepResult, String> {
+        self.last_step += 1;
+        step.step_id = self.last_step;
+        let result = tokio::task::block_in_place(|| self.engine.execute(&step))
+            .map_err(|e| e.to_string())?;
+        self.reported.extend(result.kv_results.iter().cloned());
+        Ok(result)
+    }
+
+    /// A step with only `ops`.
+    fn kv(&mut self, ops: Vec<v1::KvOperation>) -> Result<v1::StepResult, String> {
+        self.step(v1::Step { kv_ops: ops, ..Default::default() })
+    }
+
+    /// Sends empty steps until the KV operation `tid` has been reported; its result.
+    async fn until_reported(&mut self, tid: &str) -> v1::KvOperationResult {
+        for _ in 0..1000 {
+            if let Some(done) = self.reported.iter().find(|k| k.transfer_id == tid) {
+                return done.clone();
+            }
+            self.step(v1::Step::default()).unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "KV operation {tid} was never reported ({} in progress)",
+            self.engine.kv_in_progress()
+        );
+    }
+}
+
+fn prompt_step(
+    id: u64,
+    prompt: &[u32],
+    output: &[u32],
+    blocks: &[u32],
+    computed: usize,
+) -> v1::Step {
+    let n = prompt.len() + output.len() - computed;
+    v1::Step {
+        new_requests: vec![v1::NewRequest {
+            id,
+            prompt_token_ids: prompt.to_vec(),
+            output_token_ids: output.to_vec(),
+            block_ids: blocks.to_vec(),
+            num_computed_tokens: computed as u32,
+            ..Default::default()
+        }],
+        work: vec![v1::ScheduledWork {
+            id,
+            key: v1::WorkKey::PromptChunk.into(),
+            num_tokens: n as u32,
+            draft_token_ids: vec![],
+        }],
+        total_num_tokens: n as u32,
+        ..Default::default()
+    }
+}
+
+fn decode_step(id: u64, new_block: Option<u32>) -> v1::Step {
+    v1::Step {
+        cached_requests: new_block
+            .map(|b| v1::CachedRequestUpdate { id, new_block_ids: vec![b], ..Default::default() })
+            .into_iter()
+            .collect(),
+        work: vec![v1::ScheduledWork {
+            id,
+            key: v1::WorkKey::Decode.into(),
+            num_tokens: 1,
+            draft_token_ids: vec![],
+        }],
+        total_num_tokens: 1,
+        ..Default::default()
+    }
+}
+
+fn token(result: &v1::StepResult) -> u32 {
+    result.outputs[0].token_ids[0]
+}
+
+fn hashes(n: usize) -> Vec<u64> {
+    (0..n as u64).map(|i| 0xabc0 + i).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_computed_on_one_engine_decodes_on_another_from_its_moved_kv() {
+    let (a, b) = (agent("node-p").await, agent("node-d").await);
+    let mut p = Exec::new(Some(&a));
+    let mut d = Exec::new(Some(&b));
+    let prompt = model()
+        .tokenizer
+        .encode("The capital of France is Paris, and the capital of Italy is")
+        .unwrap();
+    assert!(prompt.len() > 8, "at least two full blocks");
+    // Full blocks only, leaving at least one token to compute on D.
+    let full = (prompt.len() - 1) / BS as usize;
+    // P computes the prompt and samples the first token.
+    let p_blocks: Vec<u32> = (0..=(prompt.len().div_ceil(BS as usize) as u32)).collect();
+    let first = token(&p.step(prompt_step(7, &prompt, &[], &p_blocks, 0)).unwrap());
+    // Its full blocks go to D's agent, while D is already waiting for them in blocks of its
+    // own, scattered.
+    let d_blocks: Vec<u32> = (0..full as u32).map(|i| 40 - 3 * i).collect();
+    let import = v1::KvOperation {
+        transfer_id: "t-7".into(),
+        deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        op: Some(Op::Import(v1::KvImport {
+            request_id: 7,
+            block_ids: d_blocks.clone(),
+            block_hashes: hashes(full),
+        })),
+    };
+    d.kv(vec![import]).unwrap();
+    let export = v1::KvOperation {
+        transfer_id: "t-7".into(),
+        deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        op: Some(Op::Export(v1::KvExport {
+            request_id: 7,
+            block_ids: p_blocks[..full].to_vec(),
+            block_hashes: hashes(full),
+            destination_agent: b.clone(),
+        })),
+    };
+    p.kv(vec![export]).unwrap();
+    let exported = p.until_reported("t-7").await;
+    assert!(exported.ok, "{exported:?}");
+    let imported = d.until_reported("t-7").await;
+    assert!(imported.ok, "{imported:?}");
+    assert_eq!(imported.bytes, exported.bytes);
+    // D computes the rest of the prompt and the first token, then both decode: same tokens.
+    let mut table = d_blocks.clone();
+    table.extend([50, 51]);
+    let on_d = d.step(prompt_step(7, &prompt, &[first], &table, full * BS as usize)).unwrap();
+    let mut d_tokens = vec![token(&on_d)];
+    let mut p_tokens = vec![token(&p.step(decode_step(7, None)).unwrap())];
+    let p_next = p_blocks.len() as u32 + 1;
+    for i in 0..6 {
+        let grow = i == 2;
+        d_tokens.push(token(&d.step(decode_step(7, grow.then_some(52))).unwrap()));
+        p_tokens.push(token(&p.step(decode_step(7, grow.then_some(p_next))).unwrap()));
+    }
+    assert_eq!(d_tokens, p_tokens, "decoding from the moved KV is decoding from the computed KV");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
+    let b = agent("node-d").await;
+    let mut d = Exec::new(Some(&b));
+    // An import of a transfer that never comes: it fails at its deadline, with the reason.
+    let import = |tid: &str, blocks: Vec<u32>, hashes: Vec<u64>| v1::KvOperation {
+        transfer_id: tid.into(),
+        deadline_unix_ms: unix_deadline(Duration::from_millis(400)),
+        op: Some(Op::Import(v1::KvImport {
+            request_id: 9,
+            block_ids: blocks,
+            block_hashes: hashes,
+        })),
+    };
+    d.kv(vec![import("t-never", vec![3, 4], hashes(2))]).unwrap();
+    let failed = d.until_reported("t-never").await;
+    assert!(!failed.ok && failed.error.contains("deadline"), "{failed:?}");
+    // Refused whole, each saying why.
+    d.step(prompt_step(1, &[1, 2, 3, 4, 5, 6], &[], &[0, 1], 0)).unwrap();
+    let export = |tid: &str, request_id: u64, block: u32| v1::KvOperation {
+        transfer_id: tid.into(),
+        op: Some(Op::Export(v1::KvExport {
+            request_id,
+            block_ids: vec![block],
+            block_hashes: hashes(1),
+            destination_agent: b.clone(),
+        })),
+        ..Default::default()
+    };
+    let cases = [
+        (import("t-a", vec![1], hashes(1)), "block 1 is in use"),
+        (import("t-b", vec![999], hashes(1)), "out of range"),
+        (import("t-c", vec![5, 6], hashes(1)), "1 block hashes for 2 blocks"),
+        (export("t-d", 42, 0), "request 42 is not live"),
+        (export("t-e", 1, 9), "block 9 is not request 1's"),
+    ];
+    for (op, needle) in cases {
+        let err = d.kv(vec![op]).unwrap_err();
+        assert!(err.contains(needle), "{err:?} should say {needle:?}");
+    }
+    assert_eq!(d.engine.kv_in_progress(), 0, "nothing was started by a refused step");
+    // Without an agent, any KV operation is refused.
+    let err = Exec::new(None).kv(vec![import("t-x", vec![2], hashes(1))]).unwrap_err();
+    assert!(err.contains("no KV agent"), "{err}");
+}

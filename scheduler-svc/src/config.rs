@@ -82,6 +82,15 @@ pub struct FrontArgs {
     /// it, in seconds (without etcd it moves only to an executor already up).
     #[arg(long, env = "FERRY_FAILOVER_TIMEOUT", default_value_t = 30)]
     pub failover_timeout: u64,
+    /// Prefill/decode disaggregation: a prompt with at least this many tokens not cached on
+    /// the decode executor is prefilled on a prefill-role executor and its KV moved to the
+    /// decode executor (needs both roles up, each with a KV agent). 0 turns it off.
+    #[arg(long, env = "FERRY_DISAGGREGATION_MIN_TOKENS", default_value_t = 256)]
+    pub disaggregation_min_tokens: u32,
+    /// How long a KV transfer between executors may take, in seconds; past it the decode
+    /// executor recomputes the prompt instead.
+    #[arg(long, env = "FERRY_KV_TRANSFER_TIMEOUT", default_value_t = 30)]
+    pub kv_transfer_timeout: u64,
 }
 
 /// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
@@ -107,6 +116,10 @@ pub struct FrontSettings {
     pub max_live: usize,
     /// How long a request whose executor or scheduler was lost waits for another.
     pub failover_wait: Duration,
+    /// Least uncached prompt tokens for prefill/decode disaggregation; `None`: off.
+    pub disaggregation_min_tokens: Option<usize>,
+    /// How long a KV transfer may take.
+    pub kv_transfer_timeout: Duration,
 }
 
 /// A flag value, or a combination, that Ferry will not run with. Each message names the
@@ -256,6 +269,9 @@ impl FrontArgs {
         Ok(FrontSettings {
             max_live: self.max_queued_requests as usize,
             failover_wait: check_timeout("failover-timeout", self.failover_timeout)?,
+            disaggregation_min_tokens: (self.disaggregation_min_tokens > 0)
+                .then_some(self.disaggregation_min_tokens as usize),
+            kv_transfer_timeout: check_timeout("kv-transfer-timeout", self.kv_transfer_timeout)?,
         })
     }
 }

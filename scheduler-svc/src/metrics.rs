@@ -44,6 +44,18 @@ pub struct SchedulerMetrics {
     pub queue_time: Histogram,
     /// Step sent to result applied, seconds (all executors).
     pub step_duration: Histogram,
+    /// KV transfers (exports and imports) an executor reported done.
+    pub kv_transfers: Counter,
+    /// KV transfers an executor reported failed.
+    pub kv_transfer_failures: Counter,
+    /// Bytes of KV the executors reported moved.
+    pub kv_transfer_bytes: Counter,
+    /// Duration of each KV transfer an executor reported done, seconds.
+    pub kv_transfer_seconds: Histogram,
+    /// Requests prefilled on a prefill executor and handed to a decode executor.
+    pub disaggregated: Counter,
+    /// Of those, handoffs whose decode executor recomputed the prompt (the KV did not arrive).
+    pub handoffs_recomputed: Counter,
 }
 
 impl SchedulerMetrics {
@@ -63,7 +75,24 @@ impl SchedulerMetrics {
             e2e: Histogram::new(metrics::REQUEST_BUCKETS),
             queue_time: Histogram::new(metrics::REQUEST_BUCKETS),
             step_duration: Histogram::new(metrics::STEP_BUCKETS),
+            kv_transfers: Counter::default(),
+            kv_transfer_failures: Counter::default(),
+            kv_transfer_bytes: Counter::default(),
+            kv_transfer_seconds: Histogram::new(metrics::REQUEST_BUCKETS),
+            disaggregated: Counter::default(),
+            handoffs_recomputed: Counter::default(),
         })
+    }
+
+    /// Counts a KV transfer an executor reported ended.
+    pub fn kv_transfer(&self, result: &ferry_proto::v1::KvOperationResult) {
+        if result.ok {
+            self.kv_transfers.add(1);
+            self.kv_transfer_bytes.add(result.bytes);
+            self.kv_transfer_seconds.observe(result.duration_us as f64 / 1e6);
+        } else {
+            self.kv_transfer_failures.add(1);
+        }
     }
 
     /// Adds what the core counted between two snapshots of its stats.
@@ -138,6 +167,15 @@ pub struct MetricsView {
 impl Render for MetricsView {
     fn render(&self, t: &mut Text) {
         let m = [("model_name", self.model_name.as_str())];
+        self.render_executors(t, &m);
+        self.render_leadership(t, &m);
+        self.render_totals(t, &m);
+    }
+}
+
+impl MetricsView {
+    /// Per-executor gauges, read from the live links.
+    fn render_executors(&self, t: &mut Text, m: &[(&str, &str); 1]) {
         if let Some(set) = &self.executors {
             type Pick = fn(&SchedulerStats) -> f64;
             let links = set.alive();
@@ -162,24 +200,32 @@ impl Render for MetricsView {
                     t.sample(name, &[m[0], ("executor", exec)], pick(s));
                 }
             }
-            t.gauge("ferry_executors_connected", "Executor sessions up.", &m, links.len() as f64);
+            t.gauge("ferry_executors_connected", "Executor sessions up.", m, links.len() as f64);
         }
+    }
+
+    /// Whether this process leads its pool, and under which epoch.
+    fn render_leadership(&self, t: &mut Text, m: &[(&str, &str); 1]) {
         if let Some(leading) = &self.leading {
             let epoch = *leading.borrow();
             t.gauge(
                 "ferry_scheduler_leader",
                 "1 while this scheduler leads its pool (holds its etcd election lease).",
-                &m,
+                m,
                 f64::from(u8::from(epoch.is_some())),
             );
             t.gauge(
                 "ferry_scheduler_epoch",
                 "The leadership epoch (election revision) while leading, else 0.",
-                &m,
+                m,
                 epoch.unwrap_or(0) as f64,
             );
         }
-        let counters: [(&str, &str, &Counter); 7] = [
+    }
+
+    /// Counters and histograms.
+    fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
+        let counters: [(&str, &str, &Counter); 12] = [
             ("vllm:prompt_tokens", "Prefill tokens computed.", &self.metrics.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated.", &self.metrics.generation_tokens),
             (
@@ -203,15 +249,40 @@ impl Render for MetricsView {
                 "Executor sessions opened (reconnections included).",
                 &self.metrics.sessions_opened,
             ),
+            (
+                "ferry_kv_transfers",
+                "KV transfers (exports and imports) executors reported done.",
+                &self.metrics.kv_transfers,
+            ),
+            (
+                "ferry_kv_transfer_failures",
+                "KV transfers executors reported failed.",
+                &self.metrics.kv_transfer_failures,
+            ),
+            (
+                "ferry_kv_transfer_bytes",
+                "Bytes of KV executors reported moved.",
+                &self.metrics.kv_transfer_bytes,
+            ),
+            (
+                "ferry_requests_disaggregated",
+                "Requests prefilled on a prefill executor and handed to a decode executor.",
+                &self.metrics.disaggregated,
+            ),
+            (
+                "ferry_handoffs_recomputed",
+                "Handoffs whose decode executor recomputed the prompt (its KV did not arrive).",
+                &self.metrics.handoffs_recomputed,
+            ),
         ];
         for (name, help, c) in counters {
-            t.counter(name, help, &m, c.get() as f64);
+            t.counter(name, help, m, c.get() as f64);
         }
         t.family("vllm:request_success", "counter", "Finished requests by finish reason.");
         for (reason, c) in REASONS.iter().zip(&self.metrics.success) {
             t.sample("vllm:request_success", &[m[0], ("finished_reason", reason)], c.get() as f64);
         }
-        let histograms: [(&str, &str, &Histogram); 5] = [
+        let histograms: [(&str, &str, &Histogram); 6] = [
             ("vllm:time_to_first_token_seconds", "Time to first token.", &self.metrics.ttft),
             ("vllm:inter_token_latency_seconds", "Time between tokens.", &self.metrics.itl),
             (
@@ -229,9 +300,14 @@ impl Render for MetricsView {
                 "Step sent to its result applied.",
                 &self.metrics.step_duration,
             ),
+            (
+                "ferry_kv_transfer_seconds",
+                "Duration of each KV transfer an executor reported done.",
+                &self.metrics.kv_transfer_seconds,
+            ),
         ];
         for (name, help, h) in histograms {
-            h.render(t, name, help, &m);
+            h.render(t, name, help, m);
         }
     }
 }

@@ -43,16 +43,26 @@ pub struct RequestSpec {
 
 impl RequestSpec {
     /// The request for the scheduling core under `id`, with `output` the tokens already
-    /// delivered (they are recomputed as part of the sequence) and `eos` the executor's EOS
-    /// ids.
+    /// delivered (they are recomputed as part of the sequence, unless `transfer` imports
+    /// their prompt's KV), `eos` the executor's EOS ids and its part in a KV transfer.
     pub fn to_core(
         &self,
         id: core::RequestId,
         output: Vec<u32>,
         eos: &[u32],
+        transfer: Option<&crate::link::TransferPlan>,
         now: core::Timestamp,
     ) -> core::NewRequest {
+        use crate::link::TransferPlan;
         let mut req = core::NewRequest::new(id, self.prompt.clone(), self.max_tokens, now);
+        match transfer {
+            Some(TransferPlan::Export { transfer_id, .. }) => req.kv_export = Some(*transfer_id),
+            Some(TransferPlan::Import { transfer_id, tokens, .. }) => {
+                req.kv_import =
+                    Some(core::KvImport { transfer_id: *transfer_id, num_tokens: *tokens });
+            }
+            None => {}
+        }
         req.min_tokens = self.min_tokens;
         req.eos_token_ids = eos.to_vec();
         req.stop_token_ids.clone_from(&self.stop_token_ids);

@@ -1,7 +1,9 @@
 //! `ferry serve`: the whole system in one process on loopback with no etcd — the front (gRPC
 //! and OpenAI HTTP) and the scheduler on the addresses the user gives, an executor and a KV
 //! agent on free loopback ports. This is the embedded default the README's first command
-//! starts.
+//! starts. With `--disaggregate`, a second executor that only prefills runs beside the first,
+//! each with its own KV agent: long prompts are prefilled there and their KV moved, agent to
+//! agent over loopback TCP, to the first (prefill/decode disaggregation on one machine).
 //!
 //! The model is read once and shared: the front tokenizes with the same `ModelFile` whose
 //! weights the executor loads, so the two cannot disagree (and the default model is fetched
@@ -10,7 +12,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use ferry_executor_svc::ExecutorConfig;
+use ferry_executor_svc::{ExecutorConfig, Role};
 use ferry_kv_transfer_svc::KvAgentConfig;
 use ferry_model::ModelFile;
 use ferry_scheduler_svc::config::{FrontArgs, FrontSettings, SchedulerArgs, SchedulerSettings};
@@ -38,6 +40,10 @@ pub struct ServeArgs {
     /// The embedded KV agent.
     #[command(flatten)]
     pub kv_agent: KvAgentConfig,
+    /// Also run a prefill-only executor with its own KV agent; the first executor decodes
+    /// (prefill/decode disaggregation, for prompts of at least --disaggregation-min-tokens).
+    #[arg(long, env = "FERRY_DISAGGREGATE")]
+    pub disaggregate: bool,
     /// Logs.
     #[command(flatten)]
     pub log: ferry_runtime::logging::LogArgs,
@@ -80,25 +86,94 @@ pub struct ServeAddrs {
     pub executor: SocketAddr,
     /// The embedded KV agent.
     pub kv_agent: SocketAddr,
+    /// With `--disaggregate`: the prefill executor and its KV agent.
+    pub prefill: Option<(SocketAddr, SocketAddr)>,
 }
 
-/// Binds every part: the front's APIs at `listen` and `http_listen`, the executor and the KV
-/// agent on free loopback ports.
-pub async fn bind(listen: &str, http_listen: &str) -> anyhow::Result<(Bound, ServeAddrs)> {
+impl ServeAddrs {
+    /// Each part's kind and address, for the startup announcements.
+    pub fn parts(&self) -> Vec<(&'static str, SocketAddr)> {
+        let mut parts = vec![
+            ("grpc", self.grpc),
+            ("http", self.http),
+            ("executor", self.executor),
+            ("kv", self.kv_agent),
+        ];
+        if let Some((executor, kv)) = self.prefill {
+            parts.extend([("prefill-executor", executor), ("prefill-kv", kv)]);
+        }
+        parts
+    }
+}
+
+/// Binds every part: the front's APIs at `listen` and `http_listen`, the executors and the
+/// KV agents on free loopback ports (a second pair with `disaggregate`).
+pub async fn bind(
+    listen: &str,
+    http_listen: &str,
+    disaggregate: bool,
+) -> anyhow::Result<(Bound, ServeAddrs)> {
     let (grpc, grpc_addr) = ferry_runtime::grpc::bind(listen).await?;
     let (http, http_addr) = ferry_runtime::grpc::bind(http_listen).await?;
-    let (executor, executor_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
-    let (kv_agent, kv_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
-    let addrs =
-        ServeAddrs { grpc: grpc_addr, http: http_addr, executor: executor_addr, kv_agent: kv_addr };
-    Ok((Bound { front: Listeners { grpc, http: Some(http) }, executor, kv_agent }, addrs))
+    let node = || async {
+        let (executor, executor_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
+        let (kv_agent, kv_addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
+        anyhow::Ok((Node { executor, kv_agent }, (executor_addr, kv_addr)))
+    };
+    let (main, (executor_addr, kv_addr)) = node().await?;
+    let (prefill, prefill_addrs) = if disaggregate {
+        let (n, a) = node().await?;
+        (Some(n), Some(a))
+    } else {
+        (None, None)
+    };
+    let addrs = ServeAddrs {
+        grpc: grpc_addr,
+        http: http_addr,
+        executor: executor_addr,
+        kv_agent: kv_addr,
+        prefill: prefill_addrs,
+    };
+    Ok((Bound { front: Listeners { grpc, http: Some(http) }, main, prefill }, addrs))
 }
 
 /// The bound listeners of every part.
 pub struct Bound {
     front: Listeners,
+    main: Node,
+    prefill: Option<Node>,
+}
+
+/// One executor and its node's KV agent, bound.
+struct Node {
     executor: tokio::net::TcpListener,
     kv_agent: tokio::net::TcpListener,
+}
+
+impl Node {
+    /// Runs the executor `config` (its transfers through this node's agent) and the agent
+    /// until `stop`.
+    async fn run(
+        self,
+        mut config: ExecutorConfig,
+        agent: KvAgentConfig,
+        model: Arc<ModelFile>,
+        stop: watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        config.kv_agent = Some(self.kv_agent.local_addr()?.to_string());
+        tokio::try_join!(
+            ferry_executor_svc::run(config, model, None, self.executor, stopped(stop.clone())),
+            ferry_kv_transfer_svc::run(agent, None, self.kv_agent, stopped(stop)),
+        )?;
+        Ok(())
+    }
+
+    fn url(&self) -> anyhow::Result<String> {
+        Ok(format!("http://{}", self.executor.local_addr()?))
+    }
 }
 
 /// Runs every part for `model` until `shutdown` resolves; they drain together.
@@ -108,37 +183,42 @@ pub async fn run(
     bound: Bound,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    let executor_url = format!("http://{}", bound.executor.local_addr()?);
-    // The embedded executor's KV transfers go through the embedded agent.
+    let mut listed = vec![(bound.main.url()?, bound.main.url()?)];
     let mut executor = config.executor;
-    executor.kv_agent = Some(bound.kv_agent.local_addr()?.to_string());
-    let role = SchedulerRole {
-        scheduler: config.scheduler,
-        front: config.front,
-        listed: vec![(executor_url.clone(), executor_url)],
-        cluster: None,
+    let prefill = match &bound.prefill {
+        Some(node) => {
+            listed.push((node.url()?, node.url()?));
+            let mut prefill = executor.clone();
+            prefill.executor_id = format!("{}-prefill", executor.executor_id);
+            prefill.role = Role::Prefill;
+            if executor.role == Role::Both {
+                executor.role = Role::Decode;
+            }
+            Some(prefill)
+        }
+        None => None,
     };
+    let role =
+        SchedulerRole { scheduler: config.scheduler, front: config.front, listed, cluster: None };
     // One stop signal fans out to every part, so they drain together.
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
+    let agent = config.kv_agent;
     let parts = async {
+        let prefill_node = async {
+            match (bound.prefill, prefill) {
+                (Some(node), Some(config)) => {
+                    Box::pin(node.run(config, agent.clone(), model.clone(), stop_rx.clone())).await
+                }
+                _ => Ok(()),
+            }
+        };
         tokio::try_join!(
-            ferry_executor_svc::run(
-                executor,
-                model.clone(),
-                None,
-                bound.executor,
-                stopped(stop_rx.clone())
-            ),
-            ferry_kv_transfer_svc::run(
-                config.kv_agent,
-                None,
-                bound.kv_agent,
-                stopped(stop_rx.clone())
-            ),
-            ferry_scheduler_svc::run(role, model, bound.front, stopped(stop_rx.clone())),
+            bound.main.run(executor, agent.clone(), model.clone(), stop_rx.clone()),
+            prefill_node,
+            ferry_scheduler_svc::run(role, model.clone(), bound.front, stopped(stop_rx.clone())),
         )
     };
     tokio::pin!(parts);

@@ -16,8 +16,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// The whole system in one process: front, scheduler, one executor and a KV agent, with
-    /// the default model (obtained when missing) unless --model names one.
+    /// The whole system in one process: front, scheduler, one executor and a KV agent (two of
+    /// each with --disaggregate), with the default model (obtained when missing) unless
+    /// --model names one.
     Serve(ferry::ServeArgs),
 }
 
@@ -28,13 +29,8 @@ async fn main() -> anyhow::Result<()> {
     let config = args.resolve()?;
     args.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = args.trace.init("ferry").map_err(anyhow::Error::msg)?;
-    let (bound, addrs) = ferry::bind(&args.listen, &args.http_listen).await?;
-    for (kind, addr) in [
-        ("grpc", addrs.grpc),
-        ("http", addrs.http),
-        ("executor", addrs.executor),
-        ("kv", addrs.kv_agent),
-    ] {
+    let (bound, addrs) = ferry::bind(&args.listen, &args.http_listen, args.disaggregate).await?;
+    for (kind, addr) in addrs.parts() {
         ferry_runtime::grpc::announce("ferry", kind, addr);
     }
     let path = args.executor.model.clone();

@@ -34,8 +34,22 @@ impl Etcd {
         Self::cluster(1)
     }
 
-    /// Starts a cluster of `n` members and waits until every member answers.
+    /// Starts a cluster of `n` members and waits until every member answers. A free port can be
+    /// taken by another process between choosing it and etcd binding it (tests run in
+    /// parallel), so a start whose member exits is tried again on new ports.
     pub fn cluster(n: usize) -> Result<Self> {
+        let mut last = None;
+        for _ in 0..3 {
+            match Self::try_cluster(n) {
+                Ok(etcd) => return Ok(etcd),
+                Err(e) if e.to_string().contains("exited") => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.expect("three attempts"))
+    }
+
+    fn try_cluster(n: usize) -> Result<Self> {
         let token = format!("ferry-test-{}-{}", std::process::id(), free_port()?);
         let mut members = Vec::new();
         for i in 0..n {
@@ -79,17 +93,24 @@ impl Etcd {
             .args(["--log-level", "error", "--logger", "zap"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(m.dir.with_extension("log"))?)
             .spawn()
             .context("starting etcd (scripts/setup installs Debian's etcd-server)")?;
         self.members[i].child = Some(child);
         Ok(())
     }
 
-    fn wait_healthy(&self, i: usize) -> Result<()> {
+    fn wait_healthy(&mut self, i: usize) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(20);
         let ep = self.member_endpoint(i);
         loop {
+            let m = &mut self.members[i];
+            if let Some(status) = m.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                m.child = None;
+                let log = std::fs::read_to_string(m.dir.with_extension("log")).unwrap_or_default();
+                let tail: String = log.lines().rev().take(3).collect::<Vec<_>>().join(" / ");
+                bail!("etcd member {i} at {ep} exited ({status}): {tail}");
+            }
             let ok = Command::new("etcdctl")
                 .args(["--endpoints", &ep, "--command-timeout=1s", "endpoint", "health"])
                 .env("ETCDCTL_API", "3")
@@ -162,6 +183,7 @@ impl Drop for Etcd {
                 let _ = child.wait();
             }
             let _ = std::fs::remove_dir_all(&m.dir);
+            let _ = std::fs::remove_file(m.dir.with_extension("log"));
         }
     }
 }

@@ -13,6 +13,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 mod etcd;
 mod http;
+pub mod streams;
 pub use etcd::Etcd;
 pub use http::{http, http_open, http_with, OpenStream};
 
@@ -117,6 +118,21 @@ impl Service {
                 bail!("process {} did not exit within {grace:?} of SIGTERM", self.child.id());
             }
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits up to 10 s for the process to exit (after a signal); its exit status, or `None`
+    /// if it still runs.
+    pub fn wait_exit(&mut self) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 

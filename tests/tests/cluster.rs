@@ -4,7 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use ferry_proto::v1::{self, executor_client::ExecutorClient, generation_client::GenerationClient};
+use ferry_proto::v1::{self, executor_client::ExecutorClient};
+use ferry_tests::streams::{
+    assert_complete, assert_same_streams, metric, run_streams, wait_for, Outcome,
+};
 use ferry_tests::{http, signal, Etcd, Service};
 
 const PREFIX: &str = "/ferry/default/executors/";
@@ -61,18 +64,6 @@ fn start_scheduler_with_ttl(etcd: &Etcd, id: &str, ttl: &str) -> Service {
     Service::start("ferry-scheduler", &args, 2).unwrap()
 }
 
-/// Polls `cond` every 50 ms for up to `limit`; returns how long it took, or `None`.
-async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return Some(start.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    None
-}
-
 /// Waits until `sched` drives every executor in `execs` (each has its session, and the
 /// scheduler has put them in rotation).
 async fn wait_ready(sched: &Service, execs: &[&Service]) {
@@ -120,73 +111,9 @@ fn request(i: usize, max_tokens: u32) -> v1::GenerateRequest {
     }
 }
 
-/// What one stream delivered: its token ids, its text, how it ended.
-#[derive(Debug, Clone, PartialEq)]
-struct Outcome {
-    tokens: Vec<u32>,
-    text: String,
-    finish: i32,
-    error: String,
-}
-
-/// Runs `n` streams at once against `sched`; `after_first_tokens` runs once every stream has
-/// delivered at least `k` tokens (the fault to inject).
-async fn run_streams(
-    sched: &Service,
-    n: usize,
-    max_tokens: u32,
-    k: usize,
-    after_first_tokens: impl FnOnce(),
-) -> Vec<Outcome> {
-    let url = format!("http://{}", sched.addr("grpc"));
-    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
-    let mut tasks = Vec::new();
-    for i in 0..n {
-        let url = url.clone();
-        let progress = progress_tx.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut client = GenerationClient::connect(url).await.unwrap();
-            let mut stream = client.generate(request(i, max_tokens)).await.unwrap().into_inner();
-            let mut out =
-                Outcome { tokens: vec![], text: String::new(), finish: 0, error: String::new() };
-            let mut reported = false;
-            while let Some(ev) = stream.message().await.unwrap() {
-                out.tokens.extend(&ev.token_ids);
-                out.text.push_str(&ev.text);
-                if ev.finish_reason != 0 {
-                    out.finish = ev.finish_reason;
-                    out.error = ev.error;
-                }
-                if !reported && out.tokens.len() >= k {
-                    reported = true;
-                    let _ = progress.send(i);
-                }
-            }
-            if !reported {
-                let _ = progress.send(i);
-            }
-            out
-        }));
-    }
-    drop(progress_tx);
-    for _ in 0..n {
-        progress_rx.recv().await;
-    }
-    after_first_tokens();
-    let mut outcomes = Vec::new();
-    for t in tasks {
-        outcomes.push(t.await.unwrap());
-    }
-    outcomes
-}
-
-/// Every stream delivered exactly the tokens (and text) of the undisturbed run.
-fn assert_same_streams(got: &[Outcome], undisturbed: &[Outcome]) {
-    assert_eq!(got.len(), undisturbed.len());
-    for (i, (g, u)) in got.iter().zip(undisturbed).enumerate() {
-        assert_eq!(g.tokens, u.tokens, "stream {i} differs from the undisturbed run");
-        assert_eq!(g.text, u.text, "stream {i}'s text differs from the undisturbed run");
-    }
+/// Streams `0..n`'s requests.
+fn requests(n: usize, max_tokens: u32) -> Vec<v1::GenerateRequest> {
+    (0..n).map(|i| request(i, max_tokens)).collect()
 }
 
 /// The fault tests' streams: this many at once, each this many tokens long.
@@ -196,7 +123,8 @@ const STREAM_TOKENS: u32 = 40;
 /// The fault tests' streams run undisturbed against `target`: the reference that every
 /// disturbed run must equal.
 async fn undisturbed_streams(target: &Service) -> Vec<Outcome> {
-    let outcomes = run_streams(target, STREAMS, STREAM_TOKENS, 0, || {}).await;
+    let outcomes =
+        run_streams(target.addr("grpc"), requests(STREAMS, STREAM_TOKENS), 0, || {}).await;
     assert_complete(&outcomes, STREAM_TOKENS as usize);
     outcomes
 }
@@ -210,18 +138,11 @@ async fn streams_survive(
     fault: impl FnOnce(),
 ) {
     let t = Instant::now();
-    let outcomes = run_streams(target, STREAMS, STREAM_TOKENS, 4, fault).await;
+    let outcomes =
+        run_streams(target.addr("grpc"), requests(STREAMS, STREAM_TOKENS), 4, fault).await;
     eprintln!("{STREAMS} streams {what}: {:?}", t.elapsed());
     assert_complete(&outcomes, STREAM_TOKENS as usize);
     assert_same_streams(&outcomes, undisturbed);
-}
-
-fn assert_complete(outcomes: &[Outcome], max_tokens: usize) {
-    for (i, o) in outcomes.iter().enumerate() {
-        assert_eq!(o.error, "", "stream {i} failed");
-        assert_eq!(o.finish, v1::FinishReason::Length as i32, "stream {i}: {o:?}");
-        assert_eq!(o.tokens.len(), max_tokens, "stream {i} has missing or repeated tokens");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -320,7 +241,7 @@ async fn etcd_restarted_in_mid_load_fails_no_request() {
     let sched = start_scheduler(&etcd);
     let exec = start_executor(&etcd, "exec-a");
     wait_ready(&sched, &[&exec]).await;
-    let outcomes = run_streams(&sched, 8, 48, 2, || {
+    let outcomes = run_streams(sched.addr("grpc"), requests(8, 48), 2, || {
         etcd.kill(0).unwrap();
         std::thread::sleep(Duration::from_millis(1500));
         etcd.restart(0).unwrap();
@@ -350,7 +271,7 @@ async fn a_dead_member_of_a_three_member_etcd_has_no_effect() {
     // Registration, discovery and serving go on through the two live members.
     let b = start_executor_with_ttl(&etcd, "exec-b", "5");
     wait_ready(&sched, &[&a, &b]).await;
-    let outcomes = run_streams(&sched, 8, 24, 0, || {}).await;
+    let outcomes = run_streams(sched.addr("grpc"), requests(8, 24), 0, || {}).await;
     assert_complete(&outcomes, 24);
     let mut keys = etcd_keys_via_live_member(&etcd);
     keys.sort();
@@ -415,11 +336,7 @@ async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
     let (owner, epoch) = session_owner(&exec).await;
     assert_eq!(owner, "s1");
     assert!(epoch > first_epoch, "the new leader's epoch {epoch} is not above {first_epoch}");
-    let metric = |s: &Service, name: &str| -> f64 {
-        let (_, body) = http(s.addr("http"), "GET", "/metrics", b"").unwrap();
-        let line = body.lines().find(|l| l.starts_with(name)).expect(name).to_string();
-        line.rsplit_once(' ').unwrap().1.parse().unwrap()
-    };
+    let metric = |s: &Service, name: &str| metric(s.addr("http"), name);
     assert_eq!(metric(s1, "ferry_scheduler_leader{"), 1.0);
     assert_eq!(metric(s1, "ferry_scheduler_epoch{"), epoch as f64);
     assert_eq!(metric(s0, "ferry_scheduler_leader{"), 0.0);

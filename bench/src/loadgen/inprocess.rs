@@ -77,13 +77,13 @@ pub fn run(
                 max_tokens: max_tokens as usize,
                 ..spec.clone()
             };
-            core.add_request(spec.to_core(RequestId(id), Vec::new(), &[eos], now()))?;
+            core.add_request(spec.to_core(RequestId(id), Vec::new(), &[eos], None, now()))?;
             live += 1;
         }
         if core.is_drained() {
             break;
         }
-        let step = wire::to_proto(core.schedule(now())?, 0, 0, |_| Some(&spec));
+        let step = wire::to_proto(core.schedule(now())?, 0, 0, 0, |_| Some((&spec, None)));
         let result = engine.execute(&step)?;
         events.clear();
         core.apply_result(&wire::outcome_of(&result), now(), &mut events)?;

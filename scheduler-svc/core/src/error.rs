@@ -54,8 +54,8 @@ pub enum AddError {
         /// Its `max_tokens`.
         max_tokens: usize,
     },
-    /// Prior output tokens with a KV import or export (a moved request is recomputed).
-    #[error("request {0}: prior output tokens cannot be combined with a KV transfer")]
+    /// Prior output tokens with a KV export (a prefill-only request is new).
+    #[error("request {0}: prior output tokens cannot be combined with a KV export")]
     OutputWithTransfer(RequestId),
     /// A live request already has this id.
     #[error("request {0}: id already in use")]

@@ -265,6 +265,40 @@ fn a_prefill_only_request_exports_its_kv_and_finishes_transferred() {
 }
 
 #[test]
+fn a_prefill_only_request_done_with_its_first_token_exports_nothing() {
+    let mut h = Harness::new(small_cfg());
+    let mut done = export_req(1, 55);
+    done.max_tokens = 1;
+    h.add(done);
+    let (_, events) = h.step(5);
+    assert_eq!(finishes(&events)[0].reason, FinishReason::Length);
+    assert!(!events.iter().any(|e| matches!(e, RequestEvent::ExportStarted { .. })));
+    let p2 = h.schedule();
+    assert!(p2.kv_ops.is_empty(), "no export for a finished request");
+    h.apply(&kv_outcome(&p2, &[]));
+    h.drain(5, 5);
+    // Its transfer id was released with it.
+    h.add(export_req(2, 55));
+}
+
+#[test]
+fn a_continuation_with_prior_output_imports_its_prompt_and_computes_the_rest() {
+    let mut h = Harness::new(small_cfg());
+    let mut moved = import_req(1, 77, 9, 8);
+    moved.output = vec![4242];
+    moved.max_tokens = 5;
+    h.add(moved);
+    let p1 = h.schedule();
+    assert!(matches!(p1.kv_ops[0], KvOp::Import { num_tokens: 8, .. }));
+    h.apply(&kv_outcome(&p1, &[(77, true)]));
+    let (p2, _) = h.step(5);
+    assert_eq!(p2.new_requests[0].num_computed_tokens, 8);
+    assert_eq!(&*p2.new_requests[0].output, [4242], "the prior output goes to the executor");
+    assert_eq!(p2.scheduled[0].num_tokens, 2, "the last prompt token and the prior output one");
+    h.drain(5, 20);
+}
+
+#[test]
 fn a_failed_export_finishes_with_error() {
     let mut h = Harness::new(small_cfg());
     h.add(export_req(1, 55));

@@ -13,6 +13,7 @@
 //! placed again; seeded sampling and greedy decoding continue exactly, so the client sees one
 //! stream with no repeated and no missing token.
 
+mod disagg;
 pub mod placement;
 pub mod prepare;
 pub mod remote;
@@ -25,7 +26,7 @@ pub mod trace;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ferry_proto::v1::{self, generation_server::Generation};
 use tokio::sync::mpsc;
@@ -56,6 +57,8 @@ pub struct Front {
     metrics: Arc<SchedulerMetrics>,
     settings: FrontSettings,
     next_id: AtomicU64,
+    /// The next KV transfer id (prefill/decode handoffs).
+    next_transfer: AtomicU64,
     /// Live requests by client request id, and where each runs now.
     live: Mutex<HashMap<String, Placement>>,
 }
@@ -79,6 +82,7 @@ impl GenerationService {
             metrics,
             settings,
             next_id: AtomicU64::new(1),
+            next_transfer: disagg::transfer_ids(),
             live: Mutex::default(),
         };
         Self { front: Arc::new(front) }
@@ -145,7 +149,7 @@ impl Front {
         req: &v1::GenerateRequest,
         request_id: &str,
         trace: &mut RequestTrace,
-    ) -> Result<(Arc<RequestSpec>, Placed), Status> {
+    ) -> Result<(Arc<RequestSpec>, Placed, Option<disagg::Handoff>), Status> {
         let mut spec = trace.tokenize(|| prepare(&self.model, req)).map_err(|e| match e {
             PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
             PrepareError::OtherModel { .. } => Status::failed_precondition(e.to_string()),
@@ -155,7 +159,7 @@ impl Front {
         let spec = Arc::new(spec);
         self.check_room(request_id)?;
         // A new request does not wait for an executor: no executor is a 503 now.
-        let (placement, events) = self.place(&spec, &spec.prior_output, Duration::ZERO).await?;
+        let ((placement, events), handoff) = self.place_new(&spec).await?;
         let admitted = {
             let mut live = self.live()?;
             let room = !live.contains_key(request_id) && live.len() < self.settings.max_live;
@@ -171,7 +175,7 @@ impl Front {
                 self.settings.max_live
             )));
         }
-        Ok((spec, (placement, events)))
+        Ok((spec, (placement, events), handoff))
     }
 
     fn forget(&self, request_id: &str) {
@@ -207,7 +211,7 @@ impl Generation for GenerationService {
             req.request_id.clone()
         };
         let mut trace = RequestTrace::start(&parent, &request_id);
-        let (spec, placed) = match front.admit(&req, &request_id, &mut trace).await {
+        let (spec, placed, handoff) = match front.admit(&req, &request_id, &mut trace).await {
             Ok(a) => a,
             Err(status) => {
                 trace.refused(status.message());
@@ -219,7 +223,8 @@ impl Generation for GenerationService {
         let span =
             tracing::info_span!("request", request_id = %request_id, trace_id = %trace.trace_id());
         let stream =
-            RequestStream::new(front.clone(), request_id, spec, placed, tx, arrived, trace);
+            RequestStream::new(front.clone(), request_id, spec, placed, tx, arrived, trace)
+                .with_handoff(handoff);
         tokio::spawn(tracing::Instrument::instrument(stream.run(), span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }

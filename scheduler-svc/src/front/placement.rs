@@ -13,7 +13,7 @@ use tonic::Status;
 
 use super::remote;
 use super::{Front, Route};
-use crate::link::{LinkError, LinkEvent, LinkHandle, Submission};
+use crate::link::{LinkError, LinkEvent, LinkHandle, Submission, TransferPlan};
 use crate::request::RequestSpec;
 
 /// Where a live request runs.
@@ -84,8 +84,11 @@ pub(crate) type Placed = (Placement, mpsc::UnboundedReceiver<LinkEvent>);
 
 impl Front {
     /// The executor for a sequence: the longest cached prefix first, then the lightest load,
-    /// then the first listed.
-    async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
+    /// then the first listed. Prefill-only executors are used only when no other is up.
+    pub(super) async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
+        let decoders: Vec<LinkHandle> =
+            alive.iter().filter(|l| !super::disagg::prefill_only(l)).cloned().collect();
+        let alive = if decoders.is_empty() { alive } else { &decoders };
         if alive.len() <= 1 {
             return alive.first().cloned();
         }
@@ -126,24 +129,42 @@ impl Front {
             let Some(link) = Self::pick(&alive, &sequence).await else {
                 return Err(PlaceError::NoExecutor);
             };
-            let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-            let (events_tx, events_rx) = mpsc::unbounded_channel();
-            let submission = Submission {
-                id,
-                spec: spec.clone(),
-                output: delivered.to_vec(),
-                events: events_tx,
-            };
-            match link.add(submission).await {
-                Ok(Ok(())) => return Ok((Placement::Link { link, id }, events_rx)),
-                Ok(Err(e)) => return Err(PlaceError::Refused(e.to_string())),
-                Err(LinkError::Gone | LinkError::Connect { .. } | LinkError::Refused { .. }) => {
+            match self.submit(&link, spec, delivered, None).await {
+                Err(PlaceError::NoExecutor) => {
                     // It died between the pick and the add: try the others.
-                    link.close("its loop stopped");
                     if tokio::time::Instant::now() >= deadline && executors.alive().is_empty() {
                         return Err(PlaceError::NoExecutor);
                     }
                 }
+                placed => return placed,
+            }
+        }
+    }
+
+    /// Adds `spec` (with `delivered` tokens, and its part in a KV transfer) to `link`'s core;
+    /// `NoExecutor` if the link turned out to be gone (it is closed then).
+    pub(crate) async fn submit(
+        &self,
+        link: &LinkHandle,
+        spec: &Arc<RequestSpec>,
+        delivered: &[u32],
+        transfer: Option<TransferPlan>,
+    ) -> Result<Placed, PlaceError> {
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let submission = Submission {
+            id,
+            spec: spec.clone(),
+            output: delivered.to_vec(),
+            transfer,
+            events: events_tx,
+        };
+        match link.add(submission).await {
+            Ok(Ok(())) => Ok((Placement::Link { link: link.clone(), id }, events_rx)),
+            Ok(Err(e)) => Err(PlaceError::Refused(e.to_string())),
+            Err(LinkError::Gone | LinkError::Connect { .. } | LinkError::Refused { .. }) => {
+                link.close("its loop stopped");
+                Err(PlaceError::NoExecutor)
             }
         }
     }

@@ -9,7 +9,11 @@
 //!   position only);
 //! - the stream ends with exactly one final event (a finish reason, usage, or an error), or
 //!   with the client gone; either way the request is aborted where it ran (so its blocks are
-//!   freed) and leaves the front's live table.
+//!   freed) and leaves the front's live table;
+//! - a disaggregated request (`disagg.rs`) is one stream across two placements: the prefill
+//!   half's events count until its export starts, the decode half's after; the prefill half
+//!   is then only watched, so that a failed export cancels the transfer (the decode executor
+//!   recomputes instead of waiting out the timeout).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +23,7 @@ use ferry_sched_core::{FinishReason, FinishStats, StopCause};
 use tokio::sync::mpsc;
 use tonic::Status;
 
+use super::disagg::{self, Handoff};
 use super::placement::{Placed, Placement};
 use super::text::TextAssembler;
 use super::trace::RequestTrace;
@@ -56,6 +61,10 @@ pub(crate) struct RequestStream {
     delivered: Vec<u32>,
     placement: Placement,
     events: mpsc::UnboundedReceiver<LinkEvent>,
+    /// A disaggregated request's decode half, until its prefill half's export starts.
+    handoff: Option<Handoff>,
+    /// A disaggregated request's prefill half while its export runs.
+    exporting: Option<Exporting>,
     assembler: TextAssembler,
     client: ClientTx,
     arrived: Instant,
@@ -84,6 +93,8 @@ impl RequestStream {
             delivered,
             placement,
             events,
+            handoff: None,
+            exporting: None,
             assembler,
             client,
             arrived,
@@ -92,14 +103,29 @@ impl RequestStream {
         }
     }
 
+    /// The stream of a request placed as the prefill half of `handoff` (if any).
+    pub(crate) fn with_handoff(mut self, handoff: Option<Handoff>) -> Self {
+        self.handoff = handoff;
+        self
+    }
+
     /// Streams until the request ends or the client leaves.
     pub(crate) async fn run(mut self) {
         let ending = loop {
             let event = tokio::select! {
                 ev = self.events.recv() => ev,
+                ev = next_export_event(&mut self.exporting) => {
+                    self.on_export_event(ev.as_ref());
+                    continue;
+                }
                 () = self.client.closed() => break self.client_gone().await,
             };
             let ended = match event {
+                Some(LinkEvent::ExportStarted) => self.hand_off().await,
+                Some(LinkEvent::Imported(ok)) => {
+                    self.on_imported(ok);
+                    None
+                }
                 Some(LinkEvent::Token(token, logprobs)) => self.on_token(token, logprobs).await,
                 Some(LinkEvent::Preempted) => {
                     self.trace.event("preempted", Vec::new());
@@ -180,6 +206,7 @@ impl RequestStream {
     /// The text matched stop string `stop` with the token in `last`: abort the request where
     /// it runs, take its account (cached prompt tokens) and finish with `stop`.
     async fn on_stop_string(&mut self, mut last: v1::GenerateEvent, stop: String) -> Ending {
+        self.stop_export("the request ended at a stop string").await;
         self.placement.abort().await;
         let stats = self.account_after_abort().await;
         let metrics = &self.front.metrics;
@@ -200,7 +227,12 @@ impl RequestStream {
             loop {
                 match self.events.recv().await {
                     Some(LinkEvent::Finished { stats, .. }) => return Some(stats),
-                    Some(LinkEvent::Token(..) | LinkEvent::Preempted) => {}
+                    Some(
+                        LinkEvent::Token(..)
+                        | LinkEvent::Preempted
+                        | LinkEvent::ExportStarted
+                        | LinkEvent::Imported(_),
+                    ) => {}
                     Some(LinkEvent::Failed) | None => return None,
                 }
             }
@@ -234,6 +266,15 @@ impl RequestStream {
     /// Where the request ran was lost: place the continuation elsewhere (waiting up to the
     /// failover timeout for somewhere to appear), or end the stream with the error.
     async fn on_lost(&mut self) -> Option<Ending> {
+        // A handoff in progress is off: the continuation is recomputed wherever it lands.
+        self.handoff = None;
+        self.stop_export("the decode executor was lost").await;
+        self.relocate().await
+    }
+
+    /// Places the continuation anew (waiting up to the failover timeout for an executor), or
+    /// ends the stream with the error.
+    async fn relocate(&mut self) -> Option<Ending> {
         let moved = tokio::select! {
             moved = self.front.place(&self.spec, &self.delivered, self.front.settings.failover_wait) => moved,
             () = self.client.closed() => return Some(self.client_gone().await),
@@ -274,9 +315,115 @@ impl RequestStream {
 
     /// The client went away: abort the request where it runs.
     async fn client_gone(&mut self) -> Ending {
+        self.stop_export("the client went away").await;
         self.placement.abort().await;
         self.front.metrics.finished(FinishLabel::Abort);
         Ending::abort()
+    }
+}
+
+/// A disaggregated request's prefill half while its export runs: its placement, its events,
+/// and the transfer to cancel at the decode node's agent if the export fails.
+struct Exporting {
+    placement: Placement,
+    events: mpsc::UnboundedReceiver<LinkEvent>,
+    handoff: Handoff,
+}
+
+/// The next event of the prefill half being watched; never, if none is.
+async fn next_export_event(exporting: &mut Option<Exporting>) -> Option<LinkEvent> {
+    match exporting {
+        Some(e) => e.events.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+impl RequestStream {
+    /// The prefill half's export started: submit the continuation, importing the prompt's
+    /// KV, to the decode executor, and watch the prefill half until the export ends. If the
+    /// decode executor is gone or refuses it, cancel the transfer and place the continuation
+    /// as a move does (recomputed).
+    async fn hand_off(&mut self) -> Option<Ending> {
+        let handoff = self.handoff.take()?;
+        let to = handoff.decode.clone();
+        let submitted =
+            self.front.submit(&to, &self.spec, &self.delivered, Some(handoff.import_plan())).await;
+        let (placement, events) = match submitted {
+            Ok(placed) => placed,
+            Err(e) => {
+                tracing::warn!(
+                    request = %self.request_id,
+                    decode = %to.name,
+                    error = %e,
+                    "the decode executor did not take the continuation; it is recomputed elsewhere"
+                );
+                disagg::cancel_transfer(handoff.agent(), handoff.transfer_id, "no decode side");
+                self.front.metrics.handoffs_recomputed.add(1);
+                self.trace.event("handoff_failed", Vec::new());
+                return self.relocate().await;
+            }
+        };
+        self.front.metrics.disaggregated.add(1);
+        self.trace.event(
+            "handed_off",
+            vec![
+                opentelemetry::KeyValue::new("prefill", self.placement.name().to_string()),
+                opentelemetry::KeyValue::new("decode", placement.name().to_string()),
+                opentelemetry::KeyValue::new("transfer_id", handoff.transfer_id.0.to_string()),
+                opentelemetry::KeyValue::new("import_tokens", handoff.import_tokens as i64),
+            ],
+        );
+        let prefill = std::mem::replace(&mut self.placement, placement);
+        let prefill_events = std::mem::replace(&mut self.events, events);
+        self.exporting = Some(Exporting { placement: prefill, events: prefill_events, handoff });
+        self.front.set_placement(&self.request_id, &self.placement);
+        None
+    }
+
+    /// The decode half's import ended: with the KV, or without (it recomputes).
+    fn on_imported(&mut self, ok: bool) {
+        if ok {
+            self.trace.event("kv_imported", Vec::new());
+        } else {
+            self.front.metrics.handoffs_recomputed.add(1);
+            self.trace.event("kv_import_failed", Vec::new());
+        }
+    }
+
+    /// An event of the prefill half while its export runs: the export is done (the prefill
+    /// request finished `Transferred`), or it failed or its executor was lost — then the
+    /// transfer is cancelled at the decode node, whose import fails and recomputes.
+    fn on_export_event(&mut self, event: Option<&LinkEvent>) {
+        let failed = match event {
+            Some(LinkEvent::Finished { reason: FinishReason::Transferred, .. }) => None,
+            Some(LinkEvent::Finished { reason, .. }) => {
+                Some(format!("the export ended {}", FinishLabel::from(*reason).as_str()))
+            }
+            Some(LinkEvent::Failed) | None => Some("the prefill executor was lost".to_string()),
+            Some(_) => return,
+        };
+        let Some(exporting) = self.exporting.take() else { return };
+        match failed {
+            None => self.trace.event("kv_exported", Vec::new()),
+            Some(why) => {
+                tracing::warn!(request = %self.request_id, transfer = exporting.handoff.transfer_id.0, %why, "KV export failed; the decode side recomputes");
+                disagg::cancel_transfer(
+                    exporting.handoff.agent(),
+                    exporting.handoff.transfer_id,
+                    &why,
+                );
+                self.trace.event("kv_export_failed", Vec::new());
+            }
+        }
+    }
+
+    /// Stops watching the prefill half (the request ends or moves): aborts it and cancels its
+    /// transfer.
+    async fn stop_export(&mut self, why: &str) {
+        if let Some(exporting) = self.exporting.take() {
+            exporting.placement.abort().await;
+            disagg::cancel_transfer(exporting.handoff.agent(), exporting.handoff.transfer_id, why);
+        }
     }
 }
 

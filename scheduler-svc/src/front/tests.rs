@@ -24,7 +24,12 @@ fn model() -> Arc<ModelFile> {
 
 fn front(set: &Arc<ExecutorSet>) -> GenerationService {
     let served = ServedModel { file: model(), max_model_len: 512 };
-    let settings = FrontSettings { max_live: 16, failover_wait: Duration::from_secs(5) };
+    let settings = FrontSettings {
+        max_live: 16,
+        failover_wait: Duration::from_secs(5),
+        disaggregation_min_tokens: None,
+        kv_transfer_timeout: Duration::from_secs(5),
+    };
     GenerationService::new(served, Route::Local(set.clone()), settings)
 }
 

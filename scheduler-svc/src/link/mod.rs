@@ -41,6 +41,37 @@ pub enum LinkEvent {
     Failed,
     /// The core preempted it (it will run again).
     Preempted,
+    /// Its prompt is done here and its KV export starts (a prefill-only request); it finishes
+    /// `Transferred` once the export is done, or with an error if it failed.
+    ExportStarted,
+    /// Its KV import ended: with the KV (`true`) it decodes from it, without it recomputes.
+    Imported(bool),
+}
+
+/// A request's part in a KV transfer (prefill/decode disaggregation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferPlan {
+    /// Prefill here, then export the prompt's KV through `transfer_id` to the `destination`
+    /// agent.
+    Export {
+        /// The transfer.
+        transfer_id: ferry_sched_core::TransferId,
+        /// The decode node's agent.
+        destination: String,
+        /// How long the export may take once it starts.
+        timeout: std::time::Duration,
+    },
+    /// Import the KV of the first `tokens` prompt tokens through `transfer_id` from this node's
+    /// agent, then compute the rest.
+    Import {
+        /// The transfer.
+        transfer_id: ferry_sched_core::TransferId,
+        /// Prompt tokens the import covers (whole blocks).
+        tokens: usize,
+        /// How long the import may wait for the KV once it starts; past it the prompt is
+        /// recomputed.
+        timeout: std::time::Duration,
+    },
 }
 
 /// A request for this executor.
@@ -53,6 +84,8 @@ pub struct Submission {
     /// Tokens already generated and delivered (a continuation, or a request moved here after a
     /// failure); they count against `max_tokens`.
     pub output: Vec<u32>,
+    /// Its part in a KV transfer, if any.
+    pub transfer: Option<TransferPlan>,
     /// Where its events go.
     pub events: mpsc::UnboundedSender<LinkEvent>,
 }

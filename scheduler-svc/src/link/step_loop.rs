@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::{Stream, StreamExt};
 
 use super::wire;
-use super::{Command, LinkEvent};
+use super::{Command, LinkEvent, TransferPlan};
 use crate::config::MAX_STEPS_IN_FLIGHT;
 use crate::metrics::SchedulerMetrics;
 use crate::request::RequestSpec;
@@ -33,8 +33,13 @@ use crate::request::RequestSpec;
 /// A request on this executor: what the link needs beside the core's own record.
 struct Entry {
     spec: Arc<RequestSpec>,
+    transfer: Option<TransferPlan>,
     events: mpsc::UnboundedSender<LinkEvent>,
 }
+
+/// How often an otherwise idle loop asks the executor for news while KV transfers are in
+/// progress (their ends are reported only in step results).
+const TRANSFER_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// A step sent and not yet answered.
 struct InFlight {
@@ -151,8 +156,13 @@ impl StepLoop {
                 self.in_flight.push_back(InFlight { sent_at: Instant::now(), empty });
                 self.idle = empty;
             }
+            let stats = self.core.stats();
+            let transfers = stats.num_receiving + stats.num_transferring > 0;
             tokio::select! {
                 Ok(()) = close.changed() => {} // handled at the top of the loop
+                () = tokio::time::sleep(TRANSFER_POLL), if self.idle && transfers => {
+                    self.idle = false;
+                }
                 cmd = commands.recv() => match cmd {
                     Some(cmd) => {
                         self.command(cmd);
@@ -189,7 +199,11 @@ impl StepLoop {
             }
         }
         let s = &self.session;
-        Ok(wire::to_proto(plan, s.id, s.epoch, |id| entries.get(&id).map(|e| &*e.spec)))
+        let info = |id| entries.get(&id).map(|e: &Entry| (&*e.spec, e.transfer.as_ref()));
+        let now_unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        Ok(wire::to_proto(plan, s.id, s.epoch, now_unix_ms, info))
     }
 
     fn command(&mut self, cmd: Command) {
@@ -204,10 +218,13 @@ impl StepLoop {
             Command::Add(sub, reply) => {
                 self.idle = false;
                 let now = self.now();
-                let req = sub.spec.to_core(sub.id, sub.output, &self.eos, now);
+                let req =
+                    sub.spec.to_core(sub.id, sub.output, &self.eos, sub.transfer.as_ref(), now);
                 let added = self.core.add_request(req);
                 if added.is_ok() {
-                    self.entries.insert(sub.id, Entry { spec: sub.spec, events: sub.events });
+                    let entry =
+                        Entry { spec: sub.spec, transfer: sub.transfer, events: sub.events };
+                    self.entries.insert(sub.id, entry);
                     self.published.load.fetch_add(1, Ordering::Relaxed);
                 }
                 let _ = reply.send(added);
@@ -230,6 +247,12 @@ impl StepLoop {
             self.published.metrics.step_duration.observe(sent.sent_at.elapsed().as_secs_f64());
         }
         let outcome = wire::outcome_of(result);
+        for k in &result.kv_results {
+            self.published.metrics.kv_transfer(k);
+            if !k.ok {
+                tracing::warn!(executor = %self.session.name, transfer = %k.transfer_id, error = %k.error, "KV transfer failed");
+            }
+        }
         // Log-probabilities travel beside the core (which only needs the tokens), in order.
         let mut logprobs: HashMap<u64, std::slice::Iter<'_, v1::PositionLogprobs>> = result
             .outputs
@@ -255,11 +278,22 @@ impl StepLoop {
                     done.id,
                     LinkEvent::Finished { reason: done.reason, stats: done.stats },
                 ),
-                RequestEvent::Imported { .. } | RequestEvent::ExportStarted { .. } => {}
+                &RequestEvent::ExportStarted { id, .. } => {
+                    if let Some(e) = self.entries.get(&id) {
+                        let _ = e.events.send(LinkEvent::ExportStarted);
+                    }
+                }
+                &RequestEvent::Imported { id, ok, .. } => {
+                    if let Some(e) = self.entries.get(&id) {
+                        let _ = e.events.send(LinkEvent::Imported(ok));
+                    }
+                }
             }
         }
         self.events = events;
-        if !sent.empty {
+        // A transfer that ended changes what the next step says (a finished export is
+        // forgotten, an import's request computes), even when it answers an empty step.
+        if !sent.empty || !result.kv_results.is_empty() {
             self.idle = false;
         }
         Ok(())

@@ -38,7 +38,7 @@ async fn submit(
     spec: Arc<RequestSpec>,
 ) -> mpsc::UnboundedReceiver<LinkEvent> {
     let (events, rx) = mpsc::unbounded_channel();
-    let sub = Submission { id: RequestId(id), spec, output: Vec::new(), events };
+    let sub = Submission { id: RequestId(id), spec, output: Vec::new(), transfer: None, events };
     link.add(sub).await.expect("the loop runs").expect("the core takes it");
     rx
 }
@@ -128,7 +128,13 @@ async fn a_lost_executor_fails_every_request_it_held() {
     assert_eq!(link.load.load(Ordering::Relaxed), 0);
     // The loop has stopped: the link is dead for good, and says so.
     let (events, _rx) = mpsc::unbounded_channel();
-    let again = Submission { id: RequestId(3), spec: spec(&[1], 1), output: Vec::new(), events };
+    let again = Submission {
+        id: RequestId(3),
+        spec: spec(&[1], 1),
+        output: Vec::new(),
+        transfer: None,
+        events,
+    };
     assert!(link.add(again).await.is_err());
     assert!(!link.is_alive());
 }

@@ -3,11 +3,21 @@
 //! state, no decisions.
 
 use ferry_proto::v1;
-use ferry_sched_core::{self as core, RequestId, SampledToken, StepOutcome, StepPlan, WorkKey};
+use ferry_sched_core::{
+    self as core, KvOp, KvResult, RequestId, SampledToken, StepOutcome, StepPlan, TransferId,
+    WorkKey,
+};
 
+use super::TransferPlan;
 use crate::request::RequestSpec;
 
-/// The core's view of an executor's result: the sampled tokens, in order.
+/// What the wire form of a plan needs to know of a request beside the core: its spec, and its
+/// part in a KV transfer.
+pub type RequestInfo<'a> = (&'a RequestSpec, Option<&'a TransferPlan>);
+
+/// The core's view of an executor's result: the sampled tokens, in order, and the KV
+/// transfers that ended (a transfer id this scheduler did not issue is dropped: the core would
+/// refuse the whole result for it).
 pub fn outcome_of(result: &v1::StepResult) -> StepOutcome {
     let sampled = result
         .outputs
@@ -16,7 +26,15 @@ pub fn outcome_of(result: &v1::StepResult) -> StepOutcome {
             o.token_ids.iter().map(move |t| SampledToken { id: RequestId(o.id), token: *t })
         })
         .collect();
-    StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results: Vec::new() }
+    let kv_results = result
+        .kv_results
+        .iter()
+        .filter_map(|k| {
+            let transfer_id = TransferId(k.transfer_id.parse().ok()?);
+            Some(KvResult { transfer_id, ok: k.ok })
+        })
+        .collect();
+    StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results }
 }
 
 fn work_key(k: WorkKey) -> v1::WorkKey {
@@ -41,15 +59,18 @@ pub fn is_empty(step: &v1::Step) -> bool {
         && step.cached_requests.is_empty()
         && step.finished_ids.is_empty()
         && step.preempted_ids.is_empty()
+        && step.kv_ops.is_empty()
 }
 
-/// The wire form of `plan` in session `session_id` under `epoch`; `spec_of` gives each new
-/// request's spec (sampling parameters and trace context).
+/// The wire form of `plan` in session `session_id` under `epoch`; `info_of` gives each
+/// request's spec (sampling parameters and trace context) and its transfer plan (an export's
+/// destination, a transfer's timeout, counted from `now_unix_ms`).
 pub fn to_proto<'a>(
     plan: &StepPlan,
     session_id: u64,
     epoch: u64,
-    spec_of: impl Fn(RequestId) -> Option<&'a RequestSpec>,
+    now_unix_ms: u64,
+    info_of: impl Fn(RequestId) -> Option<RequestInfo<'a>>,
 ) -> v1::Step {
     v1::Step {
         session_id,
@@ -59,7 +80,7 @@ pub fn to_proto<'a>(
             .new_requests
             .iter()
             .map(|n| {
-                let spec = spec_of(n.id);
+                let spec = info_of(n.id).map(|(s, _)| s);
                 v1::NewRequest {
                     id: n.id.0,
                     prompt_token_ids: n.prompt.to_vec(),
@@ -93,7 +114,52 @@ pub fn to_proto<'a>(
             .collect(),
         finished_ids: plan.finished.iter().map(|id| id.0).collect(),
         preempted_ids: plan.preempted.iter().map(|id| id.0).collect(),
-        kv_ops: Vec::new(),
+        kv_ops: plan.kv_ops.iter().map(|op| kv_op(plan, op, now_unix_ms, &info_of)).collect(),
         total_num_tokens: wire_u32(plan.total_tokens),
+    }
+}
+
+/// The wire form of one KV operation; the destination and timeout come from the request's
+/// transfer plan (an op for a request without one goes out with neither, and the executor
+/// refuses it). The deadline is the timeout from now: a transfer's clock starts when its
+/// operation is issued, not while its request waited in a queue.
+fn kv_op<'a>(
+    plan: &StepPlan,
+    op: &KvOp,
+    now_unix_ms: u64,
+    info_of: &impl Fn(RequestId) -> Option<RequestInfo<'a>>,
+) -> v1::KvOperation {
+    let deadline = |id| match info_of(id).and_then(|(_, t)| t) {
+        Some(TransferPlan::Export { timeout, .. } | TransferPlan::Import { timeout, .. }) => {
+            now_unix_ms.saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
+        }
+        None => 0,
+    };
+    match *op {
+        KvOp::Export { id, transfer_id, block_ids, block_hashes, .. } => {
+            let destination = match info_of(id).and_then(|(_, t)| t) {
+                Some(TransferPlan::Export { destination, .. }) => destination.clone(),
+                _ => String::new(),
+            };
+            v1::KvOperation {
+                transfer_id: transfer_id.0.to_string(),
+                deadline_unix_ms: deadline(id),
+                op: Some(v1::kv_operation::Op::Export(v1::KvExport {
+                    request_id: id.0,
+                    block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),
+                    block_hashes: plan.hashes(block_hashes).iter().map(|h| h.0).collect(),
+                    destination_agent: destination,
+                })),
+            }
+        }
+        KvOp::Import { id, transfer_id, block_ids, block_hashes, .. } => v1::KvOperation {
+            transfer_id: transfer_id.0.to_string(),
+            deadline_unix_ms: deadline(id),
+            op: Some(v1::kv_operation::Op::Import(v1::KvImport {
+                request_id: id.0,
+                block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),
+                block_hashes: plan.hashes(block_hashes).iter().map(|h| h.0).collect(),
+            })),
+        },
     }
 }

@@ -191,11 +191,13 @@ impl Scheduler {
         let stop = r.check_stop(max_model_len);
         self.counters.generation_tokens += 1;
         events.push(RequestEvent::Token { id, token, index });
-        if prefill_only {
-            self.start_transfer_out(idx, events);
-        } else if let Some(reason) = stop {
+        if let Some(reason) = stop {
+            // Done with its first token (EOS, a stop token, max_tokens 1): nothing to hand on,
+            // a prefill-only request included (its export id is released).
             let done = self.finish(idx, reason, now);
             events.push(RequestEvent::Finished(Box::new(done)));
+        } else if prefill_only {
+            self.start_transfer_out(idx, events);
         }
     }
 

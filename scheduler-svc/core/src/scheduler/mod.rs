@@ -213,7 +213,9 @@ impl Scheduler {
                 max_tokens: req.max_tokens,
             });
         }
-        if !req.output.is_empty() && (req.kv_import.is_some() || req.kv_export.is_some()) {
+        // A continuation may import its prompt's KV (a disaggregated request moves to its
+        // decode executor with the first token); a prefill-only request is always new.
+        if !req.output.is_empty() && req.kv_export.is_some() {
             return Err(AddError::OutputWithTransfer(id));
         }
         if self.requests.contains(id) {

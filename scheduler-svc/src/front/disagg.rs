@@ -1,0 +1,191 @@
+//! Prefill/decode disaggregation (DESIGN.md §6): a long prompt is prefilled on a prefill-role
+//! executor, its KV moves to a decode executor's node, and the request continues there.
+//!
+//! The front places the prefill half — a prefill-only request ([`TransferPlan::Export`]) —
+//! and keeps a [`Handoff`]: the decode executor it chose, the transfer id, and how many prompt
+//! tokens the import covers. The prefill executor samples the first token (the client sees it
+//! at once) and starts the export; when its link says so, the stream submits the continuation
+//! — prompt plus first token as prior output, [`TransferPlan::Import`] — to the decode
+//! executor, whose core reads the blocks from its own node's agent as they arrive and computes
+//! the rest. So the export and the decode executor's queueing overlap.
+//!
+//! Every failure on the way ends in recomputation, never in a lost request: an export that
+//! fails (or a prefill executor that dies) cancels the transfer at the decode node's agent, so
+//! the import there fails at once and the decode executor prefills the prompt itself; a decode
+//! executor that is gone or refuses the continuation sends it to another executor, as any move
+//! does; an import past its timeout recomputes too.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ferry_proto::v1;
+use ferry_sched_core::TransferId;
+
+use super::placement::{PlaceError, Placed};
+use super::{Front, Route};
+use crate::link::{LinkHandle, TransferPlan};
+use crate::request::RequestSpec;
+
+/// Whether `link`'s executor only prefills (it never gets a request to decode).
+pub(crate) fn prefill_only(link: &LinkHandle) -> bool {
+    link.info.role() == v1::ExecutorRole::Prefill
+}
+
+/// Whether `link`'s executor has a KV agent (it can take part in transfers).
+fn has_agent(link: &LinkHandle) -> bool {
+    !link.info.kv_agent_address.is_empty()
+}
+
+/// The decode half of a disaggregated request, chosen when its prefill half was placed.
+#[derive(Clone)]
+pub(crate) struct Handoff {
+    /// Where the request continues.
+    pub decode: LinkHandle,
+    /// The transfer carrying the prompt's KV to the decode node's agent.
+    pub transfer_id: TransferId,
+    /// Prompt tokens the import covers (whole blocks, fewer than the prompt).
+    pub import_tokens: usize,
+    /// How long each side of the transfer may take.
+    pub timeout: Duration,
+}
+
+impl Handoff {
+    /// The decode node's agent.
+    pub fn agent(&self) -> &str {
+        &self.decode.info.kv_agent_address
+    }
+
+    /// The continuation's part: import the prompt's KV.
+    pub fn import_plan(&self) -> TransferPlan {
+        TransferPlan::Import {
+            transfer_id: self.transfer_id,
+            tokens: self.import_tokens,
+            timeout: self.timeout,
+        }
+    }
+}
+
+/// Transfer ids unique across the front's restarts: the start time in milliseconds, shifted
+/// past a counter.
+pub(crate) fn transfer_ids() -> AtomicU64 {
+    let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    AtomicU64::new(ms << 20)
+}
+
+/// How many of a `prompt_len`-token prompt's tokens an import covers on an executor with
+/// `block_size`-token blocks: its whole blocks, short of the last token (the decode executor
+/// computes at least that one, with the first output token, to go on sampling). 0: none.
+pub(crate) fn import_tokens(prompt_len: usize, block_size: usize) -> usize {
+    if block_size == 0 {
+        return 0;
+    }
+    prompt_len.saturating_sub(1) / block_size * block_size
+}
+
+impl Front {
+    /// Places a new request: disaggregated when a prefill executor and a decode executor are
+    /// up and the prompt's uncached part on the decode executor is long enough, else whole.
+    pub(crate) async fn place_new(
+        &self,
+        spec: &Arc<RequestSpec>,
+    ) -> Result<(Placed, Option<Handoff>), PlaceError> {
+        if let Some((prefill, handoff)) = self.plan_handoff(spec).await {
+            let export = TransferPlan::Export {
+                transfer_id: handoff.transfer_id,
+                destination: handoff.agent().to_string(),
+                timeout: handoff.timeout,
+            };
+            match self.submit(&prefill, spec, &[], Some(export)).await {
+                Ok(placed) => return Ok((placed, Some(handoff))),
+                Err(e) => tracing::debug!(
+                    executor = %prefill.name,
+                    error = %e,
+                    "the prefill executor did not take the request; it runs whole"
+                ),
+            }
+        }
+        Ok((self.place(spec, &spec.prior_output, Duration::ZERO).await?, None))
+    }
+
+    /// The prefill executor and the handoff for `spec`, if it is worth disaggregating: a
+    /// decode executor first (the longest cached prefix, then the lightest load), then the
+    /// least-loaded prefill executor whose KV blocks it accepts.
+    async fn plan_handoff(&self, spec: &RequestSpec) -> Option<(LinkHandle, Handoff)> {
+        let min_tokens = self.settings.disaggregation_min_tokens?;
+        let Route::Local(set) = &self.route else { return None };
+        if !spec.prior_output.is_empty() || spec.prompt.len() < min_tokens {
+            return None;
+        }
+        let alive = set.alive();
+        let prefill: Vec<&LinkHandle> =
+            alive.iter().filter(|l| prefill_only(l) && has_agent(l)).collect();
+        if prefill.is_empty() {
+            return None;
+        }
+        let decoders: Vec<LinkHandle> = alive
+            .iter()
+            .filter(|l| !prefill_only(l) && has_agent(l))
+            .filter(|d| prefill.iter().any(|p| p.info.kv_layout == d.info.kv_layout))
+            .cloned()
+            .collect();
+        let decode = Self::pick(&decoders, &spec.prompt).await?;
+        let cached = decode.prefix_hit(spec.prompt.clone()).await;
+        if spec.prompt.len() - cached.min(spec.prompt.len()) < min_tokens {
+            return None; // mostly cached where it would decode: prefilling there is cheaper
+        }
+        let import_tokens = import_tokens(spec.prompt.len(), decode.info.block_size as usize);
+        if import_tokens == 0 {
+            return None;
+        }
+        let prefill = prefill
+            .into_iter()
+            .filter(|p| p.info.kv_layout == decode.info.kv_layout && p.name != decode.name)
+            .min_by_key(|p| p.load.load(Ordering::Relaxed))?
+            .clone();
+        let transfer_id = TransferId(self.next_transfer.fetch_add(1, Ordering::Relaxed));
+        let handoff = Handoff {
+            decode,
+            transfer_id,
+            import_tokens,
+            timeout: self.settings.kv_transfer_timeout,
+        };
+        Some((prefill, handoff))
+    }
+}
+
+/// Cancels transfer `transfer_id` at the agent at `agent` (best effort, in the background): a
+/// decode executor waiting for its KV fails the import at once and recomputes.
+pub(crate) fn cancel_transfer(agent: &str, transfer_id: TransferId, reason: &str) {
+    let (agent, reason) = (agent.to_string(), reason.to_string());
+    tokio::spawn(async move {
+        let request = v1::CancelTransferRequest { transfer_id: transfer_id.0.to_string(), reason };
+        let call = async {
+            let mut client =
+                v1::kv_transfer_client::KvTransferClient::connect(format!("http://{agent}"))
+                    .await
+                    .map_err(|e| e.to_string())?;
+            client.cancel(request).await.map_err(|s| s.message().to_string())
+        };
+        match tokio::time::timeout(Duration::from_secs(5), call).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(%agent, transfer = transfer_id.0, error = %e, "cancel failed");
+            }
+            Err(_) => tracing::debug!(%agent, transfer = transfer_id.0, "cancel timed out"),
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::import_tokens;
+
+    #[test]
+    fn an_import_covers_whole_blocks_short_of_the_last_prompt_token() {
+        assert_eq!(import_tokens(33, 16), 32);
+        assert_eq!(import_tokens(32, 16), 16, "the last token is computed on the decode side");
+        assert_eq!(import_tokens(16, 16), 0);
+        assert_eq!(import_tokens(1000, 0), 0);
+    }
+}

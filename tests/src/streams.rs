@@ -1,0 +1,124 @@
+//! Many generation streams at once, with a fault injected mid-way, and the checks the fault
+//! tests share: every stream complete, and token for token what an undisturbed run delivered.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use ferry_proto::v1::{self, generation_client::GenerationClient};
+
+/// What one stream delivered: its token ids, its text, how it ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// Token ids, in order.
+    pub tokens: Vec<u32>,
+    /// Text, in order.
+    pub text: String,
+    /// The final event's finish reason.
+    pub finish: i32,
+    /// The final event's error.
+    pub error: String,
+}
+
+/// Runs `requests` as streams at once against the gRPC front at `grpc`; `fault` runs once
+/// every stream has delivered at least `k` tokens (or ended).
+pub async fn run_streams(
+    grpc: SocketAddr,
+    requests: Vec<v1::GenerateRequest>,
+    k: usize,
+    fault: impl FnOnce(),
+) -> Vec<Outcome> {
+    let n = requests.len();
+    run_streams_until(grpc, requests, (n, k), fault).await
+}
+
+/// [`run_streams`], with `fault` run once `m` streams have delivered at least `k` tokens (or
+/// ended).
+pub async fn run_streams_until(
+    grpc: SocketAddr,
+    requests: Vec<v1::GenerateRequest>,
+    (m, k): (usize, usize),
+    fault: impl FnOnce(),
+) -> Vec<Outcome> {
+    let url = format!("http://{grpc}");
+    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
+    let mut tasks = Vec::new();
+    for (i, req) in requests.into_iter().enumerate() {
+        let url = url.clone();
+        let progress = progress_tx.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut client = GenerationClient::connect(url).await.unwrap();
+            let mut stream = client.generate(req).await.unwrap().into_inner();
+            let mut out =
+                Outcome { tokens: vec![], text: String::new(), finish: 0, error: String::new() };
+            let mut reported = false;
+            while let Some(ev) = stream.message().await.unwrap() {
+                out.tokens.extend(&ev.token_ids);
+                out.text.push_str(&ev.text);
+                if ev.finish_reason != 0 {
+                    out.finish = ev.finish_reason;
+                    out.error = ev.error;
+                }
+                if !reported && out.tokens.len() >= k {
+                    reported = true;
+                    let _ = progress.send(i);
+                }
+            }
+            if !reported {
+                let _ = progress.send(i);
+            }
+            out
+        }));
+    }
+    drop(progress_tx);
+    for _ in 0..m {
+        progress_rx.recv().await;
+    }
+    fault();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.unwrap());
+    }
+    outcomes
+}
+
+/// Every stream delivered exactly the tokens (and text) of the undisturbed run.
+pub fn assert_same_streams(got: &[Outcome], undisturbed: &[Outcome]) {
+    assert_eq!(got.len(), undisturbed.len());
+    for (i, (g, u)) in got.iter().zip(undisturbed).enumerate() {
+        assert_eq!(g.tokens, u.tokens, "stream {i} differs from the undisturbed run");
+        assert_eq!(g.text, u.text, "stream {i}'s text differs from the undisturbed run");
+    }
+}
+
+/// Every stream ended without error at its `max_tokens` (`ignore_eos` requests).
+pub fn assert_complete(outcomes: &[Outcome], max_tokens: usize) {
+    for (i, o) in outcomes.iter().enumerate() {
+        assert_eq!(o.error, "", "stream {i} failed");
+        assert_eq!(o.finish, v1::FinishReason::Length as i32, "stream {i}: {o:?}");
+        assert_eq!(o.tokens.len(), max_tokens, "stream {i} has missing or repeated tokens");
+    }
+}
+
+/// Polls `cond` every 50 ms for up to `limit`; returns how long it took, or `None`.
+pub async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// The value of the first sample of `/metrics` at `http` whose line starts with `name`
+/// (include the `{` to match a series exactly).
+pub fn metric(http: SocketAddr, name: &str) -> f64 {
+    let (_, body) = crate::http(http, "GET", "/metrics", b"").unwrap();
+    let line = body
+        .lines()
+        .find(|l| l.starts_with(name))
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+        .to_string();
+    line.rsplit_once(' ').unwrap().1.parse().unwrap()
+}

@@ -1,0 +1,251 @@
+//! Prefill/decode disaggregation as real processes (issue 14): a prefill executor and a decode
+//! executor, each with its own KV agent, and a scheduler that prefills long prompts on the
+//! first and decodes on the second. The streams equal those of one executor token for token;
+//! each fault — the prefill executor, the prefill node's agent or the decode executor killed
+//! with SIGKILL under load — ends with every stream complete and exact, and nothing left held:
+//! no request or block on a surviving executor, no transfer or pinned block in an agent.
+
+use std::time::Duration;
+
+use ferry_proto::v1::{self, executor_client::ExecutorClient};
+use ferry_tests::streams::{
+    assert_complete, assert_same_streams, metric, run_streams, run_streams_until, wait_for, Outcome,
+};
+use ferry_tests::{signal, start_serve, Service};
+
+/// Prompts at least this long (in tokens, uncached on the decode side) are disaggregated.
+const MIN_TOKENS: &str = "64";
+/// Tokens each stream generates.
+const MAX_TOKENS: u32 = 16;
+
+/// One node: a KV agent and an executor with `role` whose transfers go through it.
+struct Node {
+    agent: Service,
+    executor: Service,
+}
+
+impl Node {
+    fn start(role: &str) -> Self {
+        let agent = Service::start(
+            "ferry-kv",
+            &["--listen", "127.0.0.1:0", "--node-id", role, "--store-mib", "256"],
+            1,
+        )
+        .unwrap();
+        let kv = agent.addr("grpc").to_string();
+        let executor = Service::start(
+            "ferry-executor",
+            &[
+                "--listen",
+                "127.0.0.1:0",
+                "--executor-id",
+                role,
+                "--role",
+                role,
+                "--kv-agent",
+                &kv,
+                "--kv-cache-mib",
+                "256",
+            ],
+            1,
+        )
+        .unwrap();
+        Self { agent, executor }
+    }
+}
+
+/// A prefill node, a decode node and a scheduler driving both.
+struct Cluster {
+    prefill: Node,
+    decode: Node,
+    scheduler: Service,
+}
+
+impl Cluster {
+    async fn start() -> Self {
+        let (prefill, decode) = (Node::start("prefill"), Node::start("decode"));
+        let args = [
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--executor",
+            &prefill.executor.addr("grpc").to_string(),
+            "--executor",
+            &decode.executor.addr("grpc").to_string(),
+            "--disaggregation-min-tokens",
+            MIN_TOKENS,
+            "--kv-transfer-timeout",
+            "10",
+        ];
+        let scheduler = Service::start("ferry-scheduler", &args, 2).unwrap();
+        let http = scheduler.addr("http");
+        let both_up = wait_for(Duration::from_mins(1), || {
+            ferry_tests::http(http, "GET", "/metrics", b"").is_ok_and(|(_, body)| {
+                body.lines().filter(|l| l.starts_with("vllm:num_requests_running{")).count() == 2
+            })
+        });
+        assert!(both_up.await.is_some(), "the scheduler never drove both executors");
+        Self { prefill, decode, scheduler }
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        metric(self.scheduler.addr("http"), name)
+    }
+}
+
+/// Stream `i`'s request: a prompt of ~150 tokens of its own (no two share a first block),
+/// greedy for even `i` and seeded sampling at temperature 0.8 for odd `i`.
+fn request(i: usize) -> v1::GenerateRequest {
+    let sampling = if i.is_multiple_of(2) {
+        v1::SamplingParams { temperature: 0.0, ..Default::default() }
+    } else {
+        v1::SamplingParams { temperature: 0.8, seed: Some(7000 + i as u64), ..Default::default() }
+    };
+    let town = ["Amber", "Birch", "Cedar", "Dune", "Elm", "Fern"][i % 6];
+    let prompt = format!(
+        "Chronicle {i} of {town}. {}Tell what happened next in {town}.",
+        format!("In year {i} the people of {town} built a bridge, a mill and a school. ").repeat(8)
+    );
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Prompt(prompt)),
+        sampling: Some(sampling),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens: MAX_TOKENS,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn requests(n: usize) -> Vec<v1::GenerateRequest> {
+    (0..n).map(request).collect()
+}
+
+/// The streams on one executor (`ferry serve`): the reference.
+async fn reference(n: usize) -> Vec<Outcome> {
+    let serve = start_serve("256");
+    let outcomes = run_streams(serve.addr("grpc"), requests(n), 0, || {}).await;
+    assert_complete(&outcomes, MAX_TOKENS as usize);
+    outcomes
+}
+
+/// Waits until the executor at `exec` holds no request and no block.
+async fn assert_executor_idle(exec: &Service) {
+    let mut client =
+        ExecutorClient::connect(format!("http://{}", exec.addr("grpc"))).await.unwrap();
+    let mut last = None;
+    for _ in 0..400 {
+        let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+        if d.num_requests == 0 && d.blocks_in_use == 0 {
+            return;
+        }
+        last = Some(d);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("executor {} still holds work: {last:?}", exec.addr("grpc"));
+}
+
+/// Waits until the agent has no transfer in progress and no block pinned.
+async fn assert_agent_idle(agent: &Service) {
+    let addr = agent.addr("grpc");
+    let idle = wait_for(Duration::from_secs(15), || {
+        metric(addr, "ferry_kv_transfers_in_progress{") == 0.0
+            && metric(addr, "ferry_kv_store_pinned_bytes{") == 0.0
+    });
+    assert!(idle.await.is_some(), "agent {addr} still holds a transfer or pinned blocks");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_streams_equal_one_executor_token_for_token() {
+    const STREAMS: usize = 32;
+    let expected = reference(STREAMS).await;
+    let cluster = Cluster::start().await;
+    let got = run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+
+    // Every one was prefilled on P and decoded on D from the moved KV: 32 exports and 32
+    // imports done, none failed, none recomputed.
+    assert_eq!(cluster.metric("ferry_requests_disaggregated{"), STREAMS as f64);
+    assert_eq!(cluster.metric("ferry_handoffs_recomputed{"), 0.0);
+    assert_eq!(cluster.metric("ferry_kv_transfers{"), 2.0 * STREAMS as f64);
+    assert_eq!(cluster.metric("ferry_kv_transfer_failures{"), 0.0);
+    assert!(cluster.metric("ferry_kv_transfer_bytes{") > 0.0);
+    let received = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_received_bytes{");
+    assert!(received > 0.0, "the decode node's agent received no KV");
+    for node in [&cluster.prefill, &cluster.decode] {
+        assert_executor_idle(&node.executor).await;
+        assert_agent_idle(&node.agent).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_executor_killed_under_load_loses_no_stream() {
+    const STREAMS: usize = 16;
+    let expected = reference(STREAMS).await;
+    let mut cluster = Cluster::start().await;
+    let pid = cluster.prefill.executor.pid();
+    // Killed once the first stream has its first token: some prompts are done on P and
+    // handed to D, the others were waiting on P.
+    let got = run_streams_until(cluster.scheduler.addr("grpc"), requests(STREAMS), (1, 1), || {
+        signal(pid, "KILL").unwrap();
+    })
+    .await;
+    assert!(cluster.prefill.executor.wait_exit().is_some(), "the prefill executor still runs");
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    assert!(
+        cluster.metric("ferry_requests_moved{") > 0.0,
+        "no request was waiting on the prefill executor when it died"
+    );
+    assert_executor_idle(&cluster.decode.executor).await;
+    for agent in [&cluster.prefill.agent, &cluster.decode.agent] {
+        assert_agent_idle(agent).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_prefill_agent_makes_the_decode_executor_recompute() {
+    const STREAMS: usize = 8;
+    let expected = reference(STREAMS).await;
+    let mut cluster = Cluster::start().await;
+    signal(cluster.prefill.agent.pid(), "KILL").unwrap();
+    assert!(cluster.prefill.agent.wait_exit().is_some(), "the prefill agent still runs");
+    let got = run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    // Each export failed at once (its agent is gone); the transfer was cancelled at the decode
+    // node, whose import failed and recomputed the prompt.
+    assert_eq!(cluster.metric("ferry_requests_disaggregated{"), STREAMS as f64);
+    assert_eq!(cluster.metric("ferry_handoffs_recomputed{"), STREAMS as f64);
+    assert!(cluster.metric("ferry_kv_transfer_failures{") >= STREAMS as f64);
+    for node in [&cluster.prefill, &cluster.decode] {
+        assert_executor_idle(&node.executor).await;
+    }
+    assert_agent_idle(&cluster.decode.agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_executor_killed_mid_stream_moves_its_streams() {
+    const STREAMS: usize = 8;
+    let expected = reference(STREAMS).await;
+    let mut cluster = Cluster::start().await;
+    let pid = cluster.decode.executor.pid();
+    // Killed once every stream has 4 tokens: all are decoding on D from moved KV.
+    let got = run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 4, || {
+        signal(pid, "KILL").unwrap();
+    })
+    .await;
+    assert!(cluster.decode.executor.wait_exit().is_some(), "the decode executor still runs");
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    assert_eq!(cluster.metric("ferry_requests_disaggregated{"), STREAMS as f64);
+    // Every stream still decoding on D moved (to P, the only executor left, recomputed there).
+    assert!(cluster.metric("ferry_requests_moved{") > 0.0, "no stream moved");
+    assert_executor_idle(&cluster.prefill.executor).await;
+    for agent in [&cluster.prefill.agent, &cluster.decode.agent] {
+        assert_agent_idle(agent).await;
+    }
+}

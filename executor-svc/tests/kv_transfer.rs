@@ -227,6 +227,20 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
     d.kv(vec![import("t-never", vec![3, 4], hashes(2))]).unwrap();
     let failed = d.until_reported("t-never").await;
     assert!(!failed.ok && failed.error.contains("deadline"), "{failed:?}");
+    // An agent that takes the connection and never answers: the executor gives up at the
+    // deadline on its own.
+    let stalled = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut e = Exec::new(Some(&stalled.local_addr().unwrap().to_string()));
+    let _held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = stalled.accept().await {
+            held.push(conn);
+        }
+    });
+    e.kv(vec![import("t-stalled", vec![3, 4], hashes(2))]).unwrap();
+    let failed = e.until_reported("t-stalled").await;
+    assert!(!failed.ok && failed.error.contains("deadline passed"), "{failed:?}");
+    assert_eq!(e.engine.kv_in_progress(), 0);
     // Refused whole, each saying why.
     d.step(prompt_step(1, &[1, 2, 3, 4, 5, 6], &[], &[0, 1], 0)).unwrap();
     let export = |tid: &str, request_id: u64, block: u32| v1::KvOperation {
@@ -237,7 +251,7 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
             block_hashes: hashes(1),
             destination_agent: b.clone(),
         })),
-        ..Default::default()
+        deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
     };
     let cases = [
         (import("t-a", vec![1], hashes(1)), "block 1 is in use"),
@@ -245,6 +259,7 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
         (import("t-c", vec![5, 6], hashes(1)), "1 block hashes for 2 blocks"),
         (export("t-d", 42, 0), "request 42 is not live"),
         (export("t-e", 1, 9), "block 9 is not request 1's"),
+        (v1::KvOperation { deadline_unix_ms: 0, ..export("t-f", 1, 0) }, "no deadline"),
     ];
     for (op, needle) in cases {
         let err = d.kv(vec![op]).unwrap_err();

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use ferry_proto::v1::KvFailure;
 use ferry_runtime::metrics::{self, Counter, Histogram, Render, Text};
 use ferry_sched_core::{FinishReason, SchedulerStats};
 use tokio::sync::watch;
@@ -46,8 +47,8 @@ pub struct SchedulerMetrics {
     pub step_duration: Histogram,
     /// KV transfers (exports and imports) an executor reported done.
     pub kv_transfers: Counter,
-    /// KV transfers an executor reported failed.
-    pub kv_transfer_failures: Counter,
+    /// KV transfers an executor reported failed, by [`KV_FAILURES`] index.
+    pub kv_transfer_failures: [Counter; KV_FAILURES.len()],
     /// Bytes of KV the executors reported moved.
     pub kv_transfer_bytes: Counter,
     /// Duration of each KV transfer an executor reported done, seconds.
@@ -76,7 +77,7 @@ impl SchedulerMetrics {
             queue_time: Histogram::new(metrics::REQUEST_BUCKETS),
             step_duration: Histogram::new(metrics::STEP_BUCKETS),
             kv_transfers: Counter::default(),
-            kv_transfer_failures: Counter::default(),
+            kv_transfer_failures: Default::default(),
             kv_transfer_bytes: Counter::default(),
             kv_transfer_seconds: Histogram::new(metrics::REQUEST_BUCKETS),
             disaggregated: Counter::default(),
@@ -91,7 +92,9 @@ impl SchedulerMetrics {
             self.kv_transfer_bytes.add(result.bytes);
             self.kv_transfer_seconds.observe(result.duration_us as f64 / 1e6);
         } else {
-            self.kv_transfer_failures.add(1);
+            let reason =
+                KV_FAILURES.iter().position(|(f, _)| *f as i32 == result.failure).unwrap_or(0);
+            self.kv_transfer_failures[reason].add(1);
         }
     }
 
@@ -115,6 +118,20 @@ impl SchedulerMetrics {
         self.success[label as usize].get()
     }
 }
+
+/// Why a KV transfer failed, as `ferry_kv_transfer_failures{reason}` labels it (`other`: an
+/// executor that did not say).
+pub const KV_FAILURES: [(KvFailure, &str); 9] = [
+    (KvFailure::Unspecified, "other"),
+    (KvFailure::Deadline, "deadline"),
+    (KvFailure::Cancelled, "cancelled"),
+    (KvFailure::Checksum, "checksum"),
+    (KvFailure::AgentUnavailable, "agent_unavailable"),
+    (KvFailure::Layout, "layout"),
+    (KvFailure::StoreFull, "store_full"),
+    (KvFailure::Malformed, "malformed"),
+    (KvFailure::Executor, "executor"),
+];
 
 /// How a request ended, in vLLM's words (`vllm:request_success_total{finished_reason}`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -225,7 +242,7 @@ impl MetricsView {
 
     /// Counters and histograms.
     fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        let counters: [(&str, &str, &Counter); 12] = [
+        let counters: [(&str, &str, &Counter); 11] = [
             ("vllm:prompt_tokens", "Prefill tokens computed.", &self.metrics.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated.", &self.metrics.generation_tokens),
             (
@@ -255,11 +272,6 @@ impl MetricsView {
                 &self.metrics.kv_transfers,
             ),
             (
-                "ferry_kv_transfer_failures",
-                "KV transfers executors reported failed.",
-                &self.metrics.kv_transfer_failures,
-            ),
-            (
                 "ferry_kv_transfer_bytes",
                 "Bytes of KV executors reported moved.",
                 &self.metrics.kv_transfer_bytes,
@@ -277,6 +289,14 @@ impl MetricsView {
         ];
         for (name, help, c) in counters {
             t.counter(name, help, m, c.get() as f64);
+        }
+        t.family(
+            "ferry_kv_transfer_failures",
+            "counter",
+            "KV transfers executors reported failed, by reason.",
+        );
+        for ((_, reason), c) in KV_FAILURES.iter().zip(&self.metrics.kv_transfer_failures) {
+            t.sample("ferry_kv_transfer_failures", &[m[0], ("reason", reason)], c.get() as f64);
         }
         t.family("vllm:request_success", "counter", "Finished requests by finish reason.");
         for (reason, c) in REASONS.iter().zip(&self.metrics.success) {

@@ -13,6 +13,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 mod etcd;
 mod http;
+pub mod proxy;
 pub mod streams;
 pub use etcd::Etcd;
 pub use http::{http, http_open, http_with, OpenStream};

@@ -111,14 +111,22 @@ pub async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option
     None
 }
 
-/// The value of the first sample of `/metrics` at `http` whose line starts with `name`
-/// (include the `{` to match a series exactly).
+/// The sum of the samples of family `name` in `/metrics` at `http`. `name{` matches the
+/// labelled family exactly; `name{a="b",c="d"` only the samples with those labels.
 pub fn metric(http: SocketAddr, name: &str) -> f64 {
     let (_, body) = crate::http(http, "GET", "/metrics", b"").unwrap();
-    let line = body
+    let (family, labels) = name.split_once('{').map_or((name, ""), |(f, l)| (f, l));
+    let wanted: Vec<&str> = labels.split(',').filter(|l| !l.is_empty()).collect();
+    let values: Vec<f64> = body
         .lines()
-        .find(|l| l.starts_with(name))
-        .unwrap_or_else(|| panic!("no {name} in /metrics"))
-        .to_string();
-    line.rsplit_once(' ').unwrap().1.parse().unwrap()
+        .filter(|l| {
+            l.strip_prefix(family).is_some_and(|rest| {
+                (rest.starts_with('{') || (!name.contains('{') && rest.starts_with(' ')))
+                    && wanted.iter().all(|w| rest.contains(w))
+            })
+        })
+        .map(|l| l.rsplit_once(' ').unwrap().1.parse().unwrap())
+        .collect();
+    assert!(!values.is_empty(), "no {name} in /metrics");
+    values.iter().sum()
 }

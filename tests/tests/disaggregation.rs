@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use ferry_proto::v1::{self, executor_client::ExecutorClient};
+use ferry_tests::proxy::CorruptingProxy;
 use ferry_tests::streams::{
     assert_complete, assert_same_streams, metric, run_streams, run_streams_until, wait_for, Outcome,
 };
@@ -22,35 +23,47 @@ const MAX_TOKENS: u32 = 16;
 struct Node {
     agent: Service,
     executor: Service,
+    /// A proxy that corrupts pushes to this node's agent, when the node has one (the
+    /// executor names the proxy as its agent, so other nodes push through it).
+    proxy: Option<CorruptingProxy>,
+}
+
+/// How a test's cluster differs from the plain one.
+#[derive(Default)]
+struct Options {
+    /// `--kv-transfer-timeout` (seconds); 10 by default.
+    timeout: Option<&'static str>,
+    /// Extra arguments of the decode executor.
+    decode_args: &'static [&'static str],
+    /// Put a [`CorruptingProxy`] in front of the decode node's agent.
+    corrupt_pushes_to_decode: bool,
 }
 
 impl Node {
-    fn start(role: &str) -> Self {
+    fn start(role: &str, extra: &[&str], corrupting: bool) -> Self {
         let agent = Service::start(
             "ferry-kv",
             &["--listen", "127.0.0.1:0", "--node-id", role, "--store-mib", "256"],
             1,
         )
         .unwrap();
-        let kv = agent.addr("grpc").to_string();
-        let executor = Service::start(
-            "ferry-executor",
-            &[
-                "--listen",
-                "127.0.0.1:0",
-                "--executor-id",
-                role,
-                "--role",
-                role,
-                "--kv-agent",
-                &kv,
-                "--kv-cache-mib",
-                "256",
-            ],
-            1,
-        )
-        .unwrap();
-        Self { agent, executor }
+        let proxy = corrupting.then(|| CorruptingProxy::start(agent.addr("grpc")).unwrap());
+        let kv = proxy.as_ref().map_or(agent.addr("grpc"), CorruptingProxy::addr).to_string();
+        let mut args = vec![
+            "--listen",
+            "127.0.0.1:0",
+            "--executor-id",
+            role,
+            "--role",
+            role,
+            "--kv-agent",
+            &kv,
+            "--kv-cache-mib",
+            "256",
+        ];
+        args.extend(extra);
+        let executor = Service::start("ferry-executor", &args, 1).unwrap();
+        Self { agent, executor, proxy }
     }
 }
 
@@ -63,7 +76,12 @@ struct Cluster {
 
 impl Cluster {
     async fn start() -> Self {
-        let (prefill, decode) = (Node::start("prefill"), Node::start("decode"));
+        Self::start_with(Options::default()).await
+    }
+
+    async fn start_with(options: Options) -> Self {
+        let prefill = Node::start("prefill", &[], false);
+        let decode = Node::start("decode", options.decode_args, options.corrupt_pushes_to_decode);
         let args = [
             "--listen",
             "127.0.0.1:0",
@@ -76,7 +94,7 @@ impl Cluster {
             "--disaggregation-min-tokens",
             MIN_TOKENS,
             "--kv-transfer-timeout",
-            "10",
+            options.timeout.unwrap_or("10"),
         ];
         let scheduler = Service::start("ferry-scheduler", &args, 2).unwrap();
         let http = scheduler.addr("http");
@@ -248,4 +266,78 @@ async fn a_decode_executor_killed_mid_stream_moves_its_streams() {
     for agent in [&cluster.prefill.agent, &cluster.decode.agent] {
         assert_agent_idle(agent).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_prefill_agent_fails_its_transfers_at_the_deadline_and_nothing_waits_longer() {
+    const STREAMS: usize = 8;
+    let expected = reference(STREAMS).await;
+    let cluster = Cluster::start_with(Options { timeout: Some("2"), ..Options::default() }).await;
+    // The prefill node's agent stops answering (its connections stay open): every export
+    // hangs until the executor gives up at the deadline, and the decode node's agent fails
+    // the import waiting for those blocks at the same deadline.
+    let stalled = cluster.prefill.agent.pid();
+    signal(stalled, "STOP").unwrap();
+    let got = run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}).await;
+    signal(stalled, "CONT").unwrap();
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    assert_eq!(cluster.metric("ferry_requests_disaggregated{"), STREAMS as f64);
+    assert_eq!(cluster.metric("ferry_handoffs_recomputed{"), STREAMS as f64);
+    assert_eq!(cluster.metric("ferry_kv_transfers{"), 0.0, "no transfer got through");
+    let deadline = cluster.metric("ferry_kv_transfer_failures{reason=\"deadline\"");
+    assert!(deadline >= STREAMS as f64, "{deadline} transfers failed at their deadline");
+    // Once it runs again, the agent finds only transfers past their deadline: it drops them.
+    for node in [&cluster.prefill, &cluster.decode] {
+        assert_executor_idle(&node.executor).await;
+        assert_agent_idle(&node.agent).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_chunk_is_caught_by_its_checksum_and_the_prompt_recomputed() {
+    const STREAMS: usize = 8;
+    let expected = reference(STREAMS).await;
+    let cluster =
+        Cluster::start_with(Options { corrupt_pushes_to_decode: true, ..Options::default() }).await;
+    let got = run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    let proxy = cluster.decode.proxy.as_ref().unwrap();
+    assert_eq!(proxy.corrupted(), STREAMS, "one corrupted push per request");
+    // The decode node's agent refused each push at its first chunk; nothing corrupted was
+    // stored or read, and every prompt was computed again on the decode executor.
+    let agent = cluster.decode.agent.addr("grpc");
+    assert_eq!(
+        metric(agent, "ferry_kv_transfer_failures{node=\"decode\",reason=\"checksum\""),
+        8.0
+    );
+    assert_eq!(cluster.metric("ferry_handoffs_recomputed{"), STREAMS as f64);
+    assert_eq!(cluster.metric("ferry_kv_transfers{"), 0.0);
+    assert!(cluster.metric("ferry_kv_transfer_failures{reason=\"checksum\"") >= 1.0);
+    for node in [&cluster.prefill, &cluster.decode] {
+        assert_executor_idle(&node.executor).await;
+        assert_agent_idle(&node.agent).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_executor_with_another_layout_is_never_sent_kv() {
+    const STREAMS: usize = 8;
+    let expected = reference(STREAMS).await;
+    // 32-token blocks on the decode side, 16 on the prefill side: no block moves between them.
+    let options = Options { decode_args: &["--block-size", "32"], ..Options::default() };
+    let cluster = Cluster::start_with(options).await;
+    let got = run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    assert_eq!(cluster.metric("ferry_requests_disaggregated{"), 0.0);
+    assert_eq!(cluster.metric("ferry_kv_transfers{"), 0.0);
+    assert_eq!(cluster.metric("ferry_kv_transfer_failures{"), 0.0);
+    for node in [&cluster.prefill, &cluster.decode] {
+        assert_executor_idle(&node.executor).await;
+        assert_agent_idle(&node.agent).await;
+    }
+    let received = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_received_bytes{");
+    assert_eq!(received, 0.0, "nothing was written across layouts");
 }

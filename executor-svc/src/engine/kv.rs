@@ -56,8 +56,40 @@ pub enum KvOpError {
 
 /// A finished transfer, from its task.
 enum Done {
-    Export { transfer_id: String, result: Result<u64, String> },
-    Import { transfer_id: String, result: Result<Vec<Bytes>, String> },
+    Export { transfer_id: String, result: Result<u64, Failed> },
+    Import { transfer_id: String, result: Result<Vec<Bytes>, Failed> },
+}
+
+/// Why a transfer failed: the reason metrics count, and what happened.
+#[derive(Debug)]
+struct Failed {
+    kind: v1::KvFailure,
+    message: String,
+}
+
+impl Failed {
+    fn new(kind: v1::KvFailure, message: String) -> Self {
+        Self { kind, message }
+    }
+
+    /// An agent's answer, classified by its code (`what` says which step failed).
+    fn of_status(what: &str, s: &tonic::Status) -> Self {
+        use tonic::Code;
+        let kind = match s.code() {
+            Code::DeadlineExceeded => v1::KvFailure::Deadline,
+            Code::Cancelled => v1::KvFailure::Cancelled,
+            Code::InvalidArgument | Code::DataLoss if s.message().contains("CRC32C") => {
+                v1::KvFailure::Checksum
+            }
+            Code::FailedPrecondition => v1::KvFailure::Layout,
+            Code::ResourceExhausted => v1::KvFailure::StoreFull,
+            Code::Unavailable | Code::Unknown | Code::Internal | Code::Aborted => {
+                v1::KvFailure::AgentUnavailable
+            }
+            _ => v1::KvFailure::Malformed,
+        };
+        Self::new(kind, format!("{what}: {}", s.message()))
+    }
 }
 
 /// A transfer in progress.
@@ -134,6 +166,11 @@ impl KvOps {
                     frames::MAX_TRANSFER_ID
                 )));
             }
+            if op.deadline_unix_ms == 0 {
+                return Err(bad(
+                    "no deadline: every KV operation needs deadline_unix_ms (Unix ms)".into(),
+                ));
+            }
             if self.running.contains_key(tid) || !ids.insert(tid.clone()) {
                 return Err(bad("the transfer is already in progress".into()));
             }
@@ -202,11 +239,14 @@ impl KvOps {
             let (task, blocks) = match &op.op {
                 Some(KvOp::Export(e)) => {
                     let n = e.block_hashes.len();
-                    let copied: Result<Vec<Bytes>, String> = e.block_ids[..n]
+                    let copied: Result<Vec<Bytes>, Failed> = e.block_ids[..n]
                         .iter()
                         .map(|&b| {
                             let mut buf = vec![0u8; layout.block_bytes];
-                            backend.read_block(b as usize, &mut buf).map(|()| Bytes::from(buf))
+                            backend
+                                .read_block(b as usize, &mut buf)
+                                .map(|()| Bytes::from(buf))
+                                .map_err(|e| Failed::new(v1::KvFailure::Executor, e))
                         })
                         .collect();
                     let header = Header {
@@ -217,9 +257,10 @@ impl KvOps {
                         deadline_unix_ms: op.deadline_unix_ms,
                     };
                     let agent = port.agent.clone();
+                    let deadline = op.deadline_unix_ms;
                     let task = port.runtime.spawn(async move {
                         let result = match copied {
-                            Ok(blocks) => export(&agent, header, blocks).await,
+                            Ok(blocks) => by(deadline, export(&agent, header, blocks)).await,
                             Err(e) => Err(e),
                         };
                         let _ = done.send(Done::Export { transfer_id: tid, result });
@@ -235,8 +276,9 @@ impl KvOps {
                     };
                     let (agent, n) = (port.agent.clone(), i.block_ids.len());
                     let block_bytes = layout.block_bytes;
+                    let deadline = op.deadline_unix_ms;
                     let task = port.runtime.spawn(async move {
-                        let result = import(&agent, &request, n, block_bytes).await;
+                        let result = by(deadline, import(&agent, &request, n, block_bytes)).await;
                         let _ = done.send(Done::Import { transfer_id: tid, result });
                     });
                     (task, i.block_ids.clone())
@@ -259,7 +301,9 @@ impl KvOps {
                     let written = result.and_then(|blocks| {
                         let mut bytes = 0u64;
                         for (&b, data) in t.blocks.iter().zip(&blocks) {
-                            backend.write_block(b as usize, data)?;
+                            backend
+                                .write_block(b as usize, data)
+                                .map_err(|e| Failed::new(v1::KvFailure::Executor, e))?;
                             bytes += data.len() as u64;
                         }
                         Ok(bytes)
@@ -277,13 +321,15 @@ impl KvOps {
                     error: String::new(),
                     bytes,
                     duration_us,
+                    failure: v1::KvFailure::Unspecified.into(),
                 },
-                Err(error) => v1::KvOperationResult {
+                Err(failed) => v1::KvOperationResult {
                     transfer_id: tid,
                     ok: false,
-                    error,
+                    error: failed.message,
                     bytes: 0,
                     duration_us,
+                    failure: failed.kind.into(),
                 },
             });
         }
@@ -299,9 +345,27 @@ impl KvOps {
     }
 }
 
+/// `transfer`, failed if it has not ended by `deadline_unix_ms` (a stalled agent or peer must
+/// not hold a transfer's blocks, nor its request, past the deadline the scheduler set).
+async fn by<T>(
+    deadline_unix_ms: u64,
+    transfer: impl std::future::Future<Output = Result<T, Failed>>,
+) -> Result<T, Failed> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let left = std::time::Duration::from_millis(deadline_unix_ms.saturating_sub(now_ms));
+    tokio::time::timeout(left, transfer).await.unwrap_or_else(|_| {
+        Err(Failed::new(
+            v1::KvFailure::Deadline,
+            format!("deadline passed ({} ms after the operation started)", left.as_millis()),
+        ))
+    })
+}
+
 /// Puts `blocks` to the agent at `agent`, which pushes them to the header's destination; the
 /// bytes moved.
-async fn export(agent: &str, header: Header, blocks: Vec<Bytes>) -> Result<u64, String> {
+async fn export(agent: &str, header: Header, blocks: Vec<Bytes>) -> Result<u64, Failed> {
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let feed = async move {
         if tx.send(frames::header_frame(&header)).await.is_err() {
@@ -316,7 +380,7 @@ async fn export(agent: &str, header: Header, blocks: Vec<Bytes>) -> Result<u64, 
         }
     };
     let ((), sent) = tokio::join!(feed, data::send_blocks(agent, Op::Put, rx));
-    let receipt = sent.map_err(|s| format!("export: {}", s.message()))?;
+    let receipt = sent.map_err(|s| Failed::of_status("export", &s))?;
     Ok(receipt.bytes)
 }
 
@@ -326,27 +390,31 @@ async fn import(
     request: &v1::GetBlocksRequest,
     n: usize,
     block_bytes: usize,
-) -> Result<Vec<Bytes>, String> {
+) -> Result<Vec<Bytes>, Failed> {
+    let malformed = |m: String| Failed::new(v1::KvFailure::Malformed, m);
     let mut chunks =
-        data::get(agent, request).await.map_err(|s| format!("import: {}", s.message()))?;
+        data::get(agent, request).await.map_err(|s| Failed::of_status("import", &s))?;
     let mut blocks = Vec::with_capacity(n);
     let mut current = bytes::BytesMut::new();
     while let Some(chunk) = chunks.recv().await {
-        let c = chunk.map_err(|s| format!("import: {}", s.message()))?;
+        let c = chunk.map_err(|s| Failed::of_status("import", &s))?;
         if c.block_index as usize != blocks.len() || c.offset != current.len() as u64 {
-            return Err(format!(
+            return Err(malformed(format!(
                 "import: chunk for block {} at {} out of order",
                 c.block_index, c.offset
-            ));
+            )));
         }
         if crc32c::crc32c(&c.data) != c.crc32c {
-            return Err(format!("import: CRC32C mismatch in block {}", c.block_index));
+            return Err(Failed::new(
+                v1::KvFailure::Checksum,
+                format!("import: CRC32C mismatch in block {}", c.block_index),
+            ));
         }
         if current.len() + c.data.len() > block_bytes {
-            return Err(format!(
+            return Err(malformed(format!(
                 "import: block {} is longer than {block_bytes} bytes",
                 c.block_index
-            ));
+            )));
         }
         if current.is_empty() && c.data.len() == block_bytes {
             blocks.push(c.data);
@@ -358,7 +426,7 @@ async fn import(
         }
     }
     if blocks.len() != n {
-        return Err(format!("import: {} of {n} blocks arrived", blocks.len()));
+        return Err(malformed(format!("import: {} of {n} blocks arrived", blocks.len())));
     }
     Ok(blocks)
 }

@@ -1,14 +1,18 @@
 //! `ferry.v1.Admin`: the operators' view of a scheduler — every request its cores hold, with
 //! status, pending `WorkKey`, blocks, preemptions and the last scheduling decision (and why), and
-//! each executor's scheduling gauges. Read-only; each listing asks every step loop once.
+//! each executor's scheduling gauges, and the KV transfers between executors (both sides of
+//! each, joined). Read-only; each listing asks every step loop once.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use ferry_proto::v1::{self, admin_server::Admin};
 use ferry_sched_core::{Decision, RequestStatus, RequestView, WorkKey};
 use tonic::{Request, Response, Status};
 
 use crate::executors::ExecutorSet;
+use crate::link::transfers::{Phase, TransferSide};
 
 /// The admin service over the executors this process drives.
 #[derive(Clone)]
@@ -82,6 +86,73 @@ fn to_proto(executor: &str, v: &RequestView) -> v1::AdminRequest {
     }
 }
 
+fn phase(p: &Phase) -> String {
+    match p {
+        Phase::Planned => "PLANNED".into(),
+        Phase::InProgress => "IN_PROGRESS".into(),
+        Phase::Done => "DONE".into(),
+        Phase::Failed(reason) => format!("FAILED({reason})"),
+        Phase::Abandoned => "ABANDONED".into(),
+    }
+}
+
+/// Transfers from their sides (each executor's), joined by transfer id; newest first.
+fn transfers(sides: Vec<(Arc<str>, TransferSide)>) -> Vec<v1::AdminTransfer> {
+    let mut by_id: HashMap<u64, Vec<(Arc<str>, TransferSide)>> = HashMap::new();
+    for (executor, side) in sides {
+        by_id.entry(side.transfer_id).or_default().push((executor, side));
+    }
+    let mut out: Vec<(Instant, v1::AdminTransfer)> = by_id
+        .into_iter()
+        .map(|(tid, sides)| {
+            let since = sides.iter().map(|(_, s)| s.since).min().expect("one side at least");
+            let ended: Option<Vec<Instant>> = sides.iter().map(|(_, s)| s.ended).collect();
+            let issued = sides.iter().filter_map(|(_, s)| s.issued).min();
+            let phases: Vec<&Phase> = sides.iter().map(|(_, s)| &s.phase).collect();
+            let state = if ended.is_none() {
+                "IN_PROGRESS"
+            } else if phases.iter().any(|p| matches!(p, Phase::Failed(_))) {
+                "FAILED"
+            } else if phases.iter().any(|p| **p == Phase::Abandoned) {
+                "ABANDONED"
+            } else {
+                "DONE"
+            };
+            let mut t = v1::AdminTransfer {
+                transfer_id: tid.to_string(),
+                state: state.into(),
+                age_seconds: since.elapsed().as_secs_f64(),
+                seconds: ended.and_then(|e| e.into_iter().max()).map_or(0.0, |end| {
+                    end.saturating_duration_since(issued.unwrap_or(since)).as_secs_f64()
+                }),
+                ..Default::default()
+            };
+            let mut errors = Vec::new();
+            for (executor, s) in &sides {
+                t.request_id = s.request.to_string();
+                t.blocks = t.blocks.max(s.blocks);
+                t.bytes = t.bytes.max(s.bytes);
+                if s.export {
+                    t.source = executor.to_string();
+                    t.source_state = phase(&s.phase);
+                    t.destination_agent.clone_from(&s.destination_agent);
+                } else {
+                    t.destination = executor.to_string();
+                    t.destination_state = phase(&s.phase);
+                }
+                if !s.error.is_empty() {
+                    let side = if s.export { "export" } else { "import" };
+                    errors.push(format!("{side}: {}", s.error));
+                }
+            }
+            t.error = errors.join("; ");
+            (since, t)
+        })
+        .collect();
+    out.sort_by_key(|(since, _)| std::cmp::Reverse(*since));
+    out.into_iter().map(|(_, t)| t).collect()
+}
+
 #[tonic::async_trait]
 impl Admin for AdminService {
     async fn list_requests(
@@ -98,6 +169,17 @@ impl Admin for AdminService {
             requests.extend(views.iter().map(|v| to_proto(&link.name, v)));
         }
         Ok(Response::new(v1::ListRequestsResponse { requests }))
+    }
+
+    async fn list_transfers(
+        &self,
+        _request: Request<v1::ListTransfersRequest>,
+    ) -> Result<Response<v1::ListTransfersResponse>, Status> {
+        let mut sides = Vec::new();
+        for link in self.executors.alive() {
+            sides.extend(link.transfers().await.into_iter().map(|t| (link.name.clone(), t)));
+        }
+        Ok(Response::new(v1::ListTransfersResponse { transfers: transfers(sides) }))
     }
 
     async fn list_executors(
@@ -124,5 +206,60 @@ impl Admin for AdminService {
             })
             .collect();
         Ok(Response::new(v1::ListExecutorsResponse { executors }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn side(tid: u64, export: bool, phase: Phase, ended: bool) -> TransferSide {
+        let now = Instant::now();
+        TransferSide {
+            transfer_id: tid,
+            request: "req-1".into(),
+            export,
+            destination_agent: if export { "10.0.0.2:7000".into() } else { String::new() },
+            blocks: 4,
+            bytes: 4096,
+            error: match &phase {
+                Phase::Failed(r) => format!("{r} happened"),
+                _ => String::new(),
+            },
+            phase,
+            since: now,
+            issued: Some(now),
+            ended: ended.then_some(now),
+        }
+    }
+
+    #[test]
+    fn a_transfer_joins_its_two_sides_and_is_over_only_when_both_are() {
+        let (p, d): (Arc<str>, Arc<str>) = ("p".into(), "d".into());
+        let got = transfers(vec![
+            // 1: exported, import still running.
+            (p.clone(), side(1, true, Phase::Done, true)),
+            (d.clone(), side(1, false, Phase::InProgress, false)),
+            // 2: the export failed, the import was then cancelled.
+            (p.clone(), side(2, true, Phase::Failed("deadline".into()), true)),
+            (d.clone(), side(2, false, Phase::Failed("cancelled".into()), true)),
+            // 3: both done.
+            (p, side(3, true, Phase::Done, true)),
+            (d, side(3, false, Phase::Done, true)),
+        ]);
+        let by_id = |id: &str| got.iter().find(|t| t.transfer_id == id).unwrap();
+        let t1 = by_id("1");
+        assert_eq!(
+            (t1.state.as_str(), t1.destination_state.as_str()),
+            ("IN_PROGRESS", "IN_PROGRESS")
+        );
+        assert_eq!((t1.source.as_str(), t1.destination.as_str()), ("p", "d"));
+        assert_eq!(t1.destination_agent, "10.0.0.2:7000");
+        let t2 = by_id("2");
+        assert_eq!(t2.state, "FAILED");
+        assert_eq!(t2.source_state, "FAILED(deadline)");
+        assert_eq!(t2.error, "export: deadline happened; import: cancelled happened");
+        assert_eq!(by_id("3").state, "DONE");
+        assert_eq!(got.len(), 3);
     }
 }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use ferry_proto::v1::{self, executor_client::ExecutorClient};
+use ferry_proto::v1::{self, admin_client::AdminClient, executor_client::ExecutorClient};
 use ferry_tests::proxy::CorruptingProxy;
 use ferry_tests::streams::{
     assert_complete, assert_same_streams, metric, run_streams, run_streams_until, wait_for, Outcome,
@@ -110,6 +110,13 @@ impl Cluster {
     fn metric(&self, name: &str) -> f64 {
         metric(self.scheduler.addr("http"), name)
     }
+
+    /// The scheduler's admin view of the KV transfers.
+    async fn transfers(&self) -> Vec<v1::AdminTransfer> {
+        let addr = format!("http://{}", self.scheduler.addr("grpc"));
+        let mut admin = AdminClient::connect(addr).await.unwrap();
+        admin.list_transfers(v1::ListTransfersRequest {}).await.unwrap().into_inner().transfers
+    }
 }
 
 /// Stream `i`'s request: a prompt of ~150 tokens of its own (no two share a first block),
@@ -193,6 +200,16 @@ async fn disaggregated_streams_equal_one_executor_token_for_token() {
     assert!(cluster.metric("ferry_kv_transfer_bytes{") > 0.0);
     let received = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_received_bytes{");
     assert!(received > 0.0, "the decode node's agent received no KV");
+    // The admin view shows each transfer from both sides: exported by P, imported by D.
+    let transfers = cluster.transfers().await;
+    assert_eq!(transfers.len(), STREAMS, "{transfers:#?}");
+    let (p, d) = (cluster.prefill.executor.addr("grpc"), cluster.decode.executor.addr("grpc"));
+    for t in &transfers {
+        assert_eq!((t.state.as_str(), t.source_state.as_str()), ("DONE", "DONE"), "{t:?}");
+        assert_eq!(t.destination_state, "DONE", "{t:?}");
+        assert_eq!((t.source.as_str(), t.destination.as_str()), (&*p.to_string(), &*d.to_string()));
+        assert!(t.bytes > 0 && t.blocks > 0 && t.request_id.starts_with("req-"), "{t:?}");
+    }
     for node in [&cluster.prefill, &cluster.decode] {
         assert_executor_idle(&node.executor).await;
         assert_agent_idle(&node.agent).await;
@@ -287,6 +304,13 @@ async fn a_stalled_prefill_agent_fails_its_transfers_at_the_deadline_and_nothing
     assert_eq!(cluster.metric("ferry_kv_transfers{"), 0.0, "no transfer got through");
     let deadline = cluster.metric("ferry_kv_transfer_failures{reason=\"deadline\"");
     assert!(deadline >= STREAMS as f64, "{deadline} transfers failed at their deadline");
+    let transfers = cluster.transfers().await;
+    assert_eq!(transfers.len(), STREAMS);
+    for t in &transfers {
+        assert_eq!(t.state, "FAILED", "{t:?}");
+        assert_eq!(t.source_state, "FAILED(deadline)", "{t:?}");
+        assert!(t.error.contains("deadline"), "{t:?}");
+    }
     // Once it runs again, the agent finds only transfers past their deadline: it drops them.
     for node in [&cluster.prefill, &cluster.decode] {
         assert_executor_idle(&node.executor).await;

@@ -44,6 +44,8 @@ pub(crate) struct Handoff {
     pub decode: LinkHandle,
     /// The transfer carrying the prompt's KV to the decode node's agent.
     pub transfer_id: TransferId,
+    /// The client's id of the request.
+    pub request: Arc<str>,
     /// Prompt tokens the import covers (whole blocks, fewer than the prompt).
     pub import_tokens: usize,
     /// How long each side of the transfer may take.
@@ -60,6 +62,7 @@ impl Handoff {
     pub fn import_plan(&self) -> TransferPlan {
         TransferPlan::Import {
             transfer_id: self.transfer_id,
+            request: self.request.clone(),
             tokens: self.import_tokens,
             timeout: self.timeout,
         }
@@ -89,10 +92,12 @@ impl Front {
     pub(crate) async fn place_new(
         &self,
         spec: &Arc<RequestSpec>,
+        request_id: &str,
     ) -> Result<(Placed, Option<Handoff>), PlaceError> {
-        if let Some((prefill, handoff)) = self.plan_handoff(spec).await {
+        if let Some((prefill, handoff)) = self.plan_handoff(spec, request_id).await {
             let export = TransferPlan::Export {
                 transfer_id: handoff.transfer_id,
+                request: handoff.request.clone(),
                 destination: handoff.agent().to_string(),
                 timeout: handoff.timeout,
             };
@@ -111,7 +116,11 @@ impl Front {
     /// The prefill executor and the handoff for `spec`, if it is worth disaggregating: a
     /// decode executor first (the longest cached prefix, then the lightest load), then the
     /// least-loaded prefill executor whose KV blocks it accepts.
-    async fn plan_handoff(&self, spec: &RequestSpec) -> Option<(LinkHandle, Handoff)> {
+    async fn plan_handoff(
+        &self,
+        spec: &RequestSpec,
+        request_id: &str,
+    ) -> Option<(LinkHandle, Handoff)> {
         let min_tokens = self.settings.disaggregation_min_tokens?;
         let Route::Local(set) = &self.route else { return None };
         if !spec.prior_output.is_empty() || spec.prompt.len() < min_tokens {
@@ -147,6 +156,7 @@ impl Front {
         let handoff = Handoff {
             decode,
             transfer_id,
+            request: request_id.into(),
             import_tokens,
             timeout: self.settings.kv_transfer_timeout,
         };

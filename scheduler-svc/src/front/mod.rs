@@ -159,7 +159,7 @@ impl Front {
         let spec = Arc::new(spec);
         self.check_room(request_id)?;
         // A new request does not wait for an executor: no executor is a 503 now.
-        let ((placement, events), handoff) = self.place_new(&spec).await?;
+        let ((placement, events), handoff) = self.place_new(&spec, request_id).await?;
         let admitted = {
             let mut live = self.live()?;
             let room = !live.contains_key(request_id) && live.len() < self.settings.max_live;

@@ -12,6 +12,7 @@ mod open;
 mod step_loop;
 #[cfg(test)]
 pub(crate) mod tests;
+pub mod transfers;
 pub mod wire;
 
 pub use open::SessionOpener;
@@ -56,6 +57,8 @@ pub enum TransferPlan {
     Export {
         /// The transfer.
         transfer_id: ferry_sched_core::TransferId,
+        /// The client's id of its request (for the admin view).
+        request: Arc<str>,
         /// The decode node's agent.
         destination: String,
         /// How long the export may take once it starts.
@@ -66,6 +69,8 @@ pub enum TransferPlan {
     Import {
         /// The transfer.
         transfer_id: ferry_sched_core::TransferId,
+        /// The client's id of its request (for the admin view).
+        request: Arc<str>,
         /// Prompt tokens the import covers (whole blocks).
         tokens: usize,
         /// How long the import may wait for the KV once it starts; past it the prompt is
@@ -96,6 +101,7 @@ enum Command {
     Abort(RequestId),
     PrefixHit(Arc<[u32]>, oneshot::Sender<usize>),
     Views(oneshot::Sender<Vec<ferry_sched_core::RequestView>>),
+    Transfers(oneshot::Sender<Vec<transfers::TransferSide>>),
 }
 
 /// A handle to one executor's loop.
@@ -163,8 +169,9 @@ impl LinkHandle {
         let published =
             step_loop::Published::new(load.clone(), stats.clone(), metrics, core.stats());
         let name = session.name.clone();
-        let step_loop =
-            step_loop::StepLoop::new(core, session, info.eos_token_ids.clone(), published);
+        let block_bytes = transfers::block_bytes(info.kv_layout.as_ref());
+        let eos = info.eos_token_ids.clone();
+        let step_loop = step_loop::StepLoop::new(core, session, eos, block_bytes, published);
         tokio::spawn(step_loop.run(rx, steps, results, close_rx));
         LinkHandle { name, tx, close: Arc::new(close_tx), info: Arc::new(info), load, stats }
     }
@@ -211,6 +218,16 @@ impl LinkHandle {
     pub async fn request_views(&self) -> Vec<ferry_sched_core::RequestView> {
         let (reply, rx) = oneshot::channel();
         if self.tx.send(Command::Views(reply)).await.is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// This executor's side of each KV transfer in progress or recently ended (empty if the
+    /// link is gone).
+    pub async fn transfers(&self) -> Vec<transfers::TransferSide> {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::Transfers(reply)).await.is_err() {
             return Vec::new();
         }
         rx.await.unwrap_or_default()

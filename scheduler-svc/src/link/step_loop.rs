@@ -24,6 +24,7 @@ use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Times
 use tokio::sync::{mpsc, watch};
 use tokio_stream::{Stream, StreamExt};
 
+use super::transfers::Transfers;
 use super::wire;
 use super::{Command, LinkEvent, TransferPlan};
 use crate::config::MAX_STEPS_IN_FLIGHT;
@@ -101,6 +102,10 @@ pub(super) struct StepLoop {
     published: Published,
     /// Reused for each result's events.
     events: Vec<RequestEvent>,
+    /// This executor's side of each KV transfer, for the admin view.
+    transfers: Transfers,
+    /// Bytes of one of the executor's KV blocks.
+    block_bytes: u64,
 }
 
 impl StepLoop {
@@ -108,6 +113,7 @@ impl StepLoop {
         core: Scheduler,
         session: Session,
         eos: Vec<u32>,
+        block_bytes: u64,
         published: Published,
     ) -> Self {
         Self {
@@ -120,6 +126,8 @@ impl StepLoop {
             start: Instant::now(),
             published,
             events: Vec::new(),
+            transfers: Transfers::default(),
+            block_bytes,
         }
     }
 
@@ -203,7 +211,9 @@ impl StepLoop {
         let now_unix_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        Ok(wire::to_proto(plan, s.id, s.epoch, now_unix_ms, info))
+        let step = wire::to_proto(plan, s.id, s.epoch, now_unix_ms, info);
+        self.transfers.issued(&step.kv_ops, self.block_bytes);
+        Ok(step)
     }
 
     fn command(&mut self, cmd: Command) {
@@ -215,6 +225,9 @@ impl StepLoop {
             Command::Views(reply) => {
                 let _ = reply.send(self.core.request_views().collect());
             }
+            Command::Transfers(reply) => {
+                let _ = reply.send(self.transfers.views());
+            }
             Command::Add(sub, reply) => {
                 self.idle = false;
                 let now = self.now();
@@ -222,6 +235,9 @@ impl StepLoop {
                     sub.spec.to_core(sub.id, sub.output, &self.eos, sub.transfer.as_ref(), now);
                 let added = self.core.add_request(req);
                 if added.is_ok() {
+                    if let Some(plan) = &sub.transfer {
+                        self.transfers.planned(plan);
+                    }
                     let entry =
                         Entry { spec: sub.spec, transfer: sub.transfer, events: sub.events };
                     self.entries.insert(sub.id, entry);
@@ -249,6 +265,7 @@ impl StepLoop {
         let outcome = wire::outcome_of(result);
         for k in &result.kv_results {
             self.published.metrics.kv_transfer(k);
+            self.transfers.reported(k);
             if !k.ok {
                 tracing::warn!(executor = %self.session.name, transfer = %k.transfer_id, error = %k.error, "KV transfer failed");
             }
@@ -301,6 +318,9 @@ impl StepLoop {
 
     fn finish(&mut self, id: RequestId, event: LinkEvent) {
         if let Some(e) = self.entries.remove(&id) {
+            if let Some(plan) = &e.transfer {
+                self.transfers.left(plan);
+            }
             let _ = e.events.send(event);
             self.published.load.fetch_sub(1, Ordering::Relaxed);
         }

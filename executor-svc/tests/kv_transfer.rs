@@ -176,6 +176,7 @@ async fn a_prompt_computed_on_one_engine_decodes_on_another_from_its_moved_kv() 
             request_id: 7,
             block_ids: d_blocks.clone(),
             block_hashes: hashes(full),
+            source_agent: String::new(),
         })),
     };
     d.kv(vec![import]).unwrap();
@@ -211,6 +212,68 @@ async fn a_prompt_computed_on_one_engine_decodes_on_another_from_its_moved_kv() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_stored_to_the_kv_tier_are_read_back_by_another_engine_exactly() {
+    let (a, b) = (agent("node-a").await, agent("node-b").await);
+    let mut first = Exec::new(Some(&a));
+    let mut second = Exec::new(Some(&b));
+    let prompt = model()
+        .tokenizer
+        .encode("Rivers of the world: the Nile, the Amazon, the Yangtze and the")
+        .unwrap();
+    let full = (prompt.len() - 1) / BS as usize;
+    assert!(full >= 2, "at least two full blocks");
+    // The first engine computes the prompt, then (its request finished) stores its full
+    // blocks to its own agent; the blocks are overwritten right after, in the same step.
+    let blocks: Vec<u32> = (0..=(prompt.len().div_ceil(BS as usize) as u32)).collect();
+    let first_token = token(&first.step(prompt_step(3, &prompt, &[], &blocks, 0)).unwrap());
+    let mut expected = vec![first_token];
+    expected.push(token(&first.step(decode_step(3, None)).unwrap()));
+    let store = v1::KvOperation {
+        transfer_id: "tier-1".into(),
+        deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        op: Some(Op::Store(v1::KvStore {
+            block_ids: blocks[..full].to_vec(),
+            block_hashes: hashes(full),
+        })),
+    };
+    let mut step = prompt_step(4, &[9; 12], &[], &blocks[..3], 0);
+    step.finished_ids = vec![3];
+    step.kv_ops = vec![store];
+    first.step(step).unwrap();
+    let stored = first.until_reported("tier-1").await;
+    assert!(stored.ok, "{stored:?}");
+    // The second engine reads them from the first node's agent (a KV-tier read), then
+    // computes the rest of the prompt and decodes: the same tokens as the first.
+    let own: Vec<u32> = (0..full as u32).map(|i| 30 + 2 * i).collect();
+    let read = |tid: &str, block_ids: Vec<u32>, hashes: Vec<u64>| v1::KvOperation {
+        transfer_id: tid.into(),
+        deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        op: Some(Op::Import(v1::KvImport {
+            request_id: 5,
+            block_ids,
+            block_hashes: hashes,
+            source_agent: a.clone(),
+        })),
+    };
+    second.kv(vec![read("r-1", own.clone(), hashes(full))]).unwrap();
+    let imported = second.until_reported("r-1").await;
+    assert!(imported.ok, "{imported:?}");
+    assert_eq!(imported.bytes, stored.bytes);
+    let mut table = own.clone();
+    table.extend([60, 61]);
+    let on_second = second.step(prompt_step(5, &prompt, &[], &table, full * BS as usize));
+    let mut got = vec![token(&on_second.unwrap())];
+    got.push(token(&second.step(decode_step(5, None)).unwrap()));
+    assert_eq!(got, expected, "the tier's blocks are the computed blocks");
+    // Blocks the store does not hold: the read fails at once, saying so, and writes nothing.
+    let missing: Vec<u64> = (0..full as u64).map(|i| 0xdead_0000 + i).collect();
+    second.kv(vec![read("r-2", (10..10 + full as u32).collect(), missing)]).unwrap();
+    let failed = second.until_reported("r-2").await;
+    assert!(!failed.ok && failed.error.contains("not in this agent's store"), "{failed:?}");
+    assert_eq!(failed.failure, i32::from(v1::KvFailure::NotFound), "{failed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
     let b = agent("node-d").await;
     let mut d = Exec::new(Some(&b));
@@ -222,6 +285,7 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
             request_id: 9,
             block_ids: blocks,
             block_hashes: hashes,
+            source_agent: String::new(),
         })),
     };
     d.kv(vec![import("t-never", vec![3, 4], hashes(2))]).unwrap();

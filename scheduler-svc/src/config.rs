@@ -43,6 +43,11 @@ pub struct SchedulerArgs {
     /// (default `scheduler-<pid>`).
     #[arg(long = "scheduler-id", env = "FERRY_SCHEDULER_ID")]
     pub scheduler_id: Option<String>,
+    /// KV tier: full blocks a finished request computed are written to its executor's KV
+    /// agent, at most this many per step (each a copy at the step's start); 0 turns writes
+    /// off. Executors without an agent write nothing.
+    #[arg(long, env = "FERRY_KV_TIER_STORE_BLOCKS_PER_STEP", default_value_t = 16)]
+    pub kv_tier_store_blocks_per_step: u32,
 }
 
 /// Executors listed by hand (without etcd, or beside it).
@@ -91,6 +96,11 @@ pub struct FrontArgs {
     /// executor recomputes the prompt instead.
     #[arg(long, env = "FERRY_KV_TRANSFER_TIMEOUT", default_value_t = 30)]
     pub kv_transfer_timeout: u64,
+    /// KV tier: a request whose prompt prefix is held by a KV agent's store (any node's) for at
+    /// least this many tokens more than its executor's cache holds imports it from there
+    /// instead of computing it. 0 turns KV-tier reads off.
+    #[arg(long, env = "FERRY_KV_TIER_MIN_TOKENS", default_value_t = 64)]
+    pub kv_tier_min_tokens: u32,
 }
 
 /// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
@@ -120,6 +130,8 @@ pub struct FrontSettings {
     pub disaggregation_min_tokens: Option<usize>,
     /// How long a KV transfer may take.
     pub kv_transfer_timeout: Duration,
+    /// Least prompt tokens a KV-tier read must save; `None`: no KV-tier reads.
+    pub kv_tier_min_tokens: Option<usize>,
 }
 
 /// A flag value, or a combination, that Ferry will not run with. Each message names the
@@ -189,6 +201,8 @@ pub struct ExecutorGeometry {
     pub num_blocks: usize,
     /// Largest prompt + output.
     pub max_model_len: usize,
+    /// It has a KV agent (it can write to the KV tier).
+    pub kv_agent: bool,
 }
 
 impl From<&v1::ExecutorInfo> for ExecutorGeometry {
@@ -197,6 +211,7 @@ impl From<&v1::ExecutorInfo> for ExecutorGeometry {
             block_size: info.block_size as usize,
             num_blocks: info.num_blocks as usize,
             max_model_len: info.max_model_len as usize,
+            kv_agent: !info.kv_agent_address.is_empty(),
         }
     }
 }
@@ -246,6 +261,7 @@ impl SchedulerArgs {
             max_num_batched_tokens: self.max_num_batched_tokens as usize,
             enable_chunked_prefill: self.enable_chunked_prefill,
             max_steps_in_flight: MAX_STEPS_IN_FLIGHT,
+            kv_tier_store_blocks_per_step: self.kv_tier_store_blocks_per_step as usize,
             ..core::SchedulerConfig::default()
         };
         // The core's default geometry is valid, so whatever the core refuses here is a flag's.
@@ -272,6 +288,8 @@ impl FrontArgs {
             disaggregation_min_tokens: (self.disaggregation_min_tokens > 0)
                 .then_some(self.disaggregation_min_tokens as usize),
             kv_transfer_timeout: check_timeout("kv-transfer-timeout", self.kv_transfer_timeout)?,
+            kv_tier_min_tokens: (self.kv_tier_min_tokens > 0)
+                .then_some(self.kv_tier_min_tokens as usize),
         })
     }
 }
@@ -289,6 +307,11 @@ impl SchedulerSettings {
             block_size: geometry.block_size,
             num_blocks: geometry.num_blocks,
             max_model_len: geometry.max_model_len,
+            kv_tier_store_blocks_per_step: if geometry.kv_agent {
+                self.policy.kv_tier_store_blocks_per_step
+            } else {
+                0
+            },
             ..self.policy.clone()
         };
         config.validate().map_err(|source| ConfigError::Executor {
@@ -356,7 +379,12 @@ mod tests {
     fn the_core_config_is_the_flags_plus_the_executor_geometry() {
         let cli = parse(&["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]);
         let settings = cli.scheduler.resolve().unwrap();
-        let geometry = ExecutorGeometry { block_size: 16, num_blocks: 100, max_model_len: 2048 };
+        let geometry = ExecutorGeometry {
+            block_size: 16,
+            num_blocks: 100,
+            max_model_len: 2048,
+            kv_agent: true,
+        };
         let core = settings.core_config("e", geometry).unwrap();
         assert_eq!((core.max_num_seqs, core.max_num_batched_tokens), (8, 64));
         assert_eq!((core.block_size, core.num_blocks, core.max_model_len), (16, 100, 2048));

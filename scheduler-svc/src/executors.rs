@@ -13,11 +13,14 @@ use tokio::sync::watch;
 
 use crate::link::LinkHandle;
 use crate::metrics::SchedulerMetrics;
+use crate::tier::TierIndex;
 
 /// The live links, by executor name.
 pub struct ExecutorSet {
     /// What the links and the front count.
     pub metrics: Arc<SchedulerMetrics>,
+    /// What each node's KV agent holds (the KV tier), as the links wrote it there.
+    pub tier: Arc<TierIndex>,
     links: RwLock<Vec<LinkHandle>>,
     /// Set when this scheduler hands its work over for good (drain): nothing waits for links.
     retired: std::sync::atomic::AtomicBool,
@@ -29,6 +32,7 @@ impl Default for ExecutorSet {
     fn default() -> Self {
         Self {
             metrics: SchedulerMetrics::new(),
+            tier: Arc::default(),
             links: RwLock::new(Vec::new()),
             retired: std::sync::atomic::AtomicBool::new(false),
             changed: watch::channel(0).0,

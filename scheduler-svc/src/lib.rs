@@ -20,6 +20,7 @@ pub mod leader;
 pub mod link;
 pub mod metrics;
 pub mod request;
+pub mod tier;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +71,7 @@ pub async fn run(
         fingerprint: model.fingerprint.as_str().into(),
         epoch: 0,
         metrics: executors.metrics.clone(),
+        tier: executors.tier.clone(),
     };
     for (name, url) in &role.listed {
         match opener.open_patiently(name, url).await {

@@ -57,6 +57,16 @@ pub struct SchedulerMetrics {
     pub disaggregated: Counter,
     /// Of those, handoffs whose decode executor recomputed the prompt (the KV did not arrive).
     pub handoffs_recomputed: Counter,
+    /// Blocks executors wrote to their agents' stores (the KV tier).
+    pub tier_stored_blocks: Counter,
+    /// Writes to the KV tier that failed.
+    pub tier_store_failures: Counter,
+    /// Blocks imported from a KV-tier store instead of computed.
+    pub tier_imported_blocks: Counter,
+    /// KV-tier reads that failed (the prompt was computed instead).
+    pub tier_import_failures: Counter,
+    /// Requests placed with a KV-tier read of their prompt's prefix.
+    pub tier_hits: Counter,
 }
 
 impl SchedulerMetrics {
@@ -82,6 +92,11 @@ impl SchedulerMetrics {
             kv_transfer_seconds: Histogram::new(metrics::REQUEST_BUCKETS),
             disaggregated: Counter::default(),
             handoffs_recomputed: Counter::default(),
+            tier_stored_blocks: Counter::default(),
+            tier_store_failures: Counter::default(),
+            tier_imported_blocks: Counter::default(),
+            tier_import_failures: Counter::default(),
+            tier_hits: Counter::default(),
         })
     }
 
@@ -121,7 +136,7 @@ impl SchedulerMetrics {
 
 /// Why a KV transfer failed, as `ferry_kv_transfer_failures{reason}` labels it (`other`: an
 /// executor that did not say).
-pub const KV_FAILURES: [(KvFailure, &str); 9] = [
+pub const KV_FAILURES: [(KvFailure, &str); 10] = [
     (KvFailure::Unspecified, "other"),
     (KvFailure::Deadline, "deadline"),
     (KvFailure::Cancelled, "cancelled"),
@@ -131,6 +146,7 @@ pub const KV_FAILURES: [(KvFailure, &str); 9] = [
     (KvFailure::StoreFull, "store_full"),
     (KvFailure::Malformed, "malformed"),
     (KvFailure::Executor, "executor"),
+    (KvFailure::NotFound, "not_found"),
 ];
 
 /// How a request ended, in vLLM's words (`vllm:request_success_total{finished_reason}`).
@@ -240,9 +256,71 @@ impl MetricsView {
         }
     }
 
+    /// KV transfers, disaggregation and the KV tier.
+    fn render_kv(&self, t: &mut Text, m: &[(&str, &str); 1]) {
+        let counters: [(&str, &str, &Counter); 9] = [
+            (
+                "ferry_kv_transfers",
+                "KV transfers (exports and imports) executors reported done.",
+                &self.metrics.kv_transfers,
+            ),
+            (
+                "ferry_kv_transfer_bytes",
+                "Bytes of KV executors reported moved.",
+                &self.metrics.kv_transfer_bytes,
+            ),
+            (
+                "ferry_requests_disaggregated",
+                "Requests prefilled on a prefill executor and handed to a decode executor.",
+                &self.metrics.disaggregated,
+            ),
+            (
+                "ferry_handoffs_recomputed",
+                "Handoffs whose decode executor recomputed the prompt (its KV did not arrive).",
+                &self.metrics.handoffs_recomputed,
+            ),
+            (
+                "ferry_kv_tier_stored_blocks",
+                "KV blocks executors wrote to their node's agent (the KV tier).",
+                &self.metrics.tier_stored_blocks,
+            ),
+            (
+                "ferry_kv_tier_store_failures",
+                "Writes of KV blocks to an agent that failed.",
+                &self.metrics.tier_store_failures,
+            ),
+            (
+                "ferry_kv_tier_hits",
+                "Requests placed to read their prompt's prefix from a KV-tier store.",
+                &self.metrics.tier_hits,
+            ),
+            (
+                "ferry_kv_tier_imported_blocks",
+                "KV blocks read from a KV-tier store instead of computed.",
+                &self.metrics.tier_imported_blocks,
+            ),
+            (
+                "ferry_kv_tier_import_failures",
+                "KV-tier reads that failed (the prompt was computed instead).",
+                &self.metrics.tier_import_failures,
+            ),
+        ];
+        for (name, help, c) in counters {
+            t.counter(name, help, m, c.get() as f64);
+        }
+        t.family(
+            "ferry_kv_transfer_failures",
+            "counter",
+            "KV transfers executors reported failed, by reason.",
+        );
+        for ((_, reason), c) in KV_FAILURES.iter().zip(&self.metrics.kv_transfer_failures) {
+            t.sample("ferry_kv_transfer_failures", &[m[0], ("reason", reason)], c.get() as f64);
+        }
+    }
+
     /// Counters and histograms.
     fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        let counters: [(&str, &str, &Counter); 11] = [
+        let counters: [(&str, &str, &Counter); 7] = [
             ("vllm:prompt_tokens", "Prefill tokens computed.", &self.metrics.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated.", &self.metrics.generation_tokens),
             (
@@ -266,38 +344,11 @@ impl MetricsView {
                 "Executor sessions opened (reconnections included).",
                 &self.metrics.sessions_opened,
             ),
-            (
-                "ferry_kv_transfers",
-                "KV transfers (exports and imports) executors reported done.",
-                &self.metrics.kv_transfers,
-            ),
-            (
-                "ferry_kv_transfer_bytes",
-                "Bytes of KV executors reported moved.",
-                &self.metrics.kv_transfer_bytes,
-            ),
-            (
-                "ferry_requests_disaggregated",
-                "Requests prefilled on a prefill executor and handed to a decode executor.",
-                &self.metrics.disaggregated,
-            ),
-            (
-                "ferry_handoffs_recomputed",
-                "Handoffs whose decode executor recomputed the prompt (its KV did not arrive).",
-                &self.metrics.handoffs_recomputed,
-            ),
         ];
         for (name, help, c) in counters {
             t.counter(name, help, m, c.get() as f64);
         }
-        t.family(
-            "ferry_kv_transfer_failures",
-            "counter",
-            "KV transfers executors reported failed, by reason.",
-        );
-        for ((_, reason), c) in KV_FAILURES.iter().zip(&self.metrics.kv_transfer_failures) {
-            t.sample("ferry_kv_transfer_failures", &[m[0], ("reason", reason)], c.get() as f64);
-        }
+        self.render_kv(t, m);
         t.family("vllm:request_success", "counter", "Finished requests by finish reason.");
         for (reason, c) in REASONS.iter().zip(&self.metrics.success) {
             t.sample("vllm:request_success", &[m[0], ("finished_reason", reason)], c.get() as f64);

@@ -215,6 +215,18 @@ pub fn start_serve(kv_mib: &str) -> Service {
     Service::start("ferry", &serve_args(kv_mib), 4).expect("starting ferry serve")
 }
 
+/// Starts `ferry-scheduler` on port 0 (gRPC and HTTP) driving the listed `executors`, with
+/// `extra` flags.
+pub fn start_scheduler(executors: &[&Service], extra: &[&str]) -> Service {
+    let addrs: Vec<String> = executors.iter().map(|e| e.addr("grpc").to_string()).collect();
+    let mut args = vec!["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
+    for a in &addrs {
+        args.extend(["--executor", a.as_str()]);
+    }
+    args.extend(extra);
+    Service::start("ferry-scheduler", &args, 2).expect("starting ferry-scheduler")
+}
+
 /// Sends a signal by name (`TERM`, `KILL`, `INT`) with the system's `kill`.
 pub fn signal(pid: u32, name: &str) -> Result<()> {
     let status = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status()?;

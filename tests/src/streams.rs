@@ -130,3 +130,38 @@ pub fn metric(http: SocketAddr, name: &str) -> f64 {
     assert!(!values.is_empty(), "no {name} in /metrics");
     values.iter().sum()
 }
+
+/// Waits until the executor at `exec` holds no request and no block.
+pub async fn assert_executor_idle(exec: &crate::Service) {
+    let mut client =
+        v1::executor_client::ExecutorClient::connect(format!("http://{}", exec.addr("grpc")))
+            .await
+            .unwrap();
+    let mut last = None;
+    for _ in 0..400 {
+        let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+        if d.num_requests == 0 && d.blocks_in_use == 0 {
+            return;
+        }
+        last = Some(d);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("executor {} still holds work: {last:?}", exec.addr("grpc"));
+}
+
+/// A request for `prompt`, `max_tokens` long (EOS ignored): greedy, or seeded sampling at
+/// temperature 0.8.
+pub fn request(prompt: String, max_tokens: u32, seed: Option<u64>) -> v1::GenerateRequest {
+    let sampling = match seed {
+        Some(seed) => {
+            v1::SamplingParams { temperature: 0.8, seed: Some(seed), ..Default::default() }
+        }
+        None => v1::SamplingParams { temperature: 0.0, ..Default::default() },
+    };
+    v1::GenerateRequest {
+        input: Some(v1::generate_request::Input::Prompt(prompt)),
+        sampling: Some(sampling),
+        stopping: Some(v1::StoppingCriteria { max_tokens, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    }
+}

@@ -7,12 +7,13 @@
 
 use std::time::Duration;
 
-use ferry_proto::v1::{self, admin_client::AdminClient, executor_client::ExecutorClient};
+use ferry_proto::v1::{self, admin_client::AdminClient};
 use ferry_tests::proxy::CorruptingProxy;
 use ferry_tests::streams::{
-    assert_complete, assert_same_streams, metric, run_streams, run_streams_until, wait_for, Outcome,
+    assert_complete, assert_executor_idle, assert_same_streams, metric, run_streams,
+    run_streams_until, wait_for, Outcome,
 };
-use ferry_tests::{signal, start_serve, Service};
+use ferry_tests::{signal, start_scheduler, start_serve, Service};
 
 /// Prompts at least this long (in tokens, uncached on the decode side) are disaggregated.
 const MIN_TOKENS: &str = "64";
@@ -82,21 +83,13 @@ impl Cluster {
     async fn start_with(options: Options) -> Self {
         let prefill = Node::start("prefill", &[], false);
         let decode = Node::start("decode", options.decode_args, options.corrupt_pushes_to_decode);
-        let args = [
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--executor",
-            &prefill.executor.addr("grpc").to_string(),
-            "--executor",
-            &decode.executor.addr("grpc").to_string(),
+        let extra = [
             "--disaggregation-min-tokens",
             MIN_TOKENS,
             "--kv-transfer-timeout",
             options.timeout.unwrap_or("10"),
         ];
-        let scheduler = Service::start("ferry-scheduler", &args, 2).unwrap();
+        let scheduler = start_scheduler(&[&prefill.executor, &decode.executor], &extra);
         let http = scheduler.addr("http");
         let both_up = wait_for(Duration::from_mins(1), || {
             ferry_tests::http(http, "GET", "/metrics", b"").is_ok_and(|(_, body)| {
@@ -122,26 +115,13 @@ impl Cluster {
 /// Stream `i`'s request: a prompt of ~150 tokens of its own (no two share a first block),
 /// greedy for even `i` and seeded sampling at temperature 0.8 for odd `i`.
 fn request(i: usize) -> v1::GenerateRequest {
-    let sampling = if i.is_multiple_of(2) {
-        v1::SamplingParams { temperature: 0.0, ..Default::default() }
-    } else {
-        v1::SamplingParams { temperature: 0.8, seed: Some(7000 + i as u64), ..Default::default() }
-    };
     let town = ["Amber", "Birch", "Cedar", "Dune", "Elm", "Fern"][i % 6];
     let prompt = format!(
         "Chronicle {i} of {town}. {}Tell what happened next in {town}.",
         format!("In year {i} the people of {town} built a bridge, a mill and a school. ").repeat(8)
     );
-    v1::GenerateRequest {
-        input: Some(v1::generate_request::Input::Prompt(prompt)),
-        sampling: Some(sampling),
-        stopping: Some(v1::StoppingCriteria {
-            max_tokens: MAX_TOKENS,
-            ignore_eos: true,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    let seed = (!i.is_multiple_of(2)).then_some(7000 + i as u64);
+    ferry_tests::streams::request(prompt, MAX_TOKENS, seed)
 }
 
 fn requests(n: usize) -> Vec<v1::GenerateRequest> {
@@ -154,22 +134,6 @@ async fn reference(n: usize) -> Vec<Outcome> {
     let outcomes = run_streams(serve.addr("grpc"), requests(n), 0, || {}).await;
     assert_complete(&outcomes, MAX_TOKENS as usize);
     outcomes
-}
-
-/// Waits until the executor at `exec` holds no request and no block.
-async fn assert_executor_idle(exec: &Service) {
-    let mut client =
-        ExecutorClient::connect(format!("http://{}", exec.addr("grpc"))).await.unwrap();
-    let mut last = None;
-    for _ in 0..400 {
-        let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
-        if d.num_requests == 0 && d.blocks_in_use == 0 {
-            return;
-        }
-        last = Some(d);
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("executor {} still holds work: {last:?}", exec.addr("grpc"));
 }
 
 /// Waits until the agent has no transfer in progress and no block pinned.
@@ -362,6 +326,10 @@ async fn a_decode_executor_with_another_layout_is_never_sent_kv() {
         assert_executor_idle(&node.executor).await;
         assert_agent_idle(&node.agent).await;
     }
-    let received = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_received_bytes{");
-    assert_eq!(received, 0.0, "nothing was written across layouts");
+    // The prefill node never sent a block (the decode node's agent does receive its own
+    // executor's KV-tier writes).
+    let sent = metric(cluster.prefill.agent.addr("grpc"), "ferry_kv_sent_bytes{");
+    assert_eq!(sent, 0.0, "nothing was sent across layouts");
+    let refused = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_transfer_failures{");
+    assert_eq!(refused, 0.0);
 }

@@ -45,6 +45,7 @@ pub fn run(
         block_size,
         num_blocks,
         max_model_len: shape.max_model_len.min(num_blocks * block_size),
+        kv_agent: false,
     };
     let mut core = Scheduler::new(settings.core_config("in-process", geometry)?)?;
     let start = Instant::now();

@@ -82,6 +82,7 @@ impl Failed {
                 v1::KvFailure::Checksum
             }
             Code::FailedPrecondition => v1::KvFailure::Layout,
+            Code::NotFound => v1::KvFailure::NotFound,
             Code::ResourceExhausted => v1::KvFailure::StoreFull,
             Code::Unavailable | Code::Unknown | Code::Internal | Code::Aborted => {
                 v1::KvFailure::AgentUnavailable
@@ -220,14 +221,30 @@ impl KvOps {
                         }
                     }
                 }
+                Some(KvOp::Store(st)) => {
+                    in_range(&st.block_ids)?;
+                    if st.block_ids.is_empty() || st.block_hashes.len() != st.block_ids.len() {
+                        return Err(bad(format!(
+                            "{} block hashes for {} blocks: a store writes full blocks, each named",
+                            st.block_hashes.len(),
+                            st.block_ids.len()
+                        )));
+                    }
+                    if let Some(b) = st.block_ids.iter().find(|b| importing.contains(b)) {
+                        return Err(bad(format!(
+                            "block {b} is being imported: a store copies only settled blocks"
+                        )));
+                    }
+                }
                 None => return Err(bad("no operation".into())),
             }
         }
         Ok(())
     }
 
-    /// Starts a validated step's operations: copies exports' blocks out of `backend` now and
-    /// hands the rest to the runtime.
+    /// Starts a validated step's operations: copies exports' and stores' blocks out of
+    /// `backend` now (before the step's forward, which may reuse them) and hands the rest to
+    /// the runtime.
     pub fn start(&mut self, ops: &[v1::KvOperation], backend: &mut dyn ModelBackend) {
         let (Some(port), Some(layout)) = (self.port.clone(), self.block_layout.clone()) else {
             return;
@@ -236,54 +253,51 @@ impl KvOps {
             let tid = op.transfer_id.clone();
             let started = Instant::now();
             let done = self.done_tx.clone();
-            let (task, blocks) = match &op.op {
+            let deadline = op.deadline_unix_ms;
+            let outgoing = match &op.op {
                 Some(KvOp::Export(e)) => {
-                    let n = e.block_hashes.len();
-                    let copied: Result<Vec<Bytes>, Failed> = e.block_ids[..n]
-                        .iter()
-                        .map(|&b| {
-                            let mut buf = vec![0u8; layout.block_bytes];
-                            backend
-                                .read_block(b as usize, &mut buf)
-                                .map(|()| Bytes::from(buf))
-                                .map_err(|e| Failed::new(v1::KvFailure::Executor, e))
-                        })
-                        .collect();
-                    let header = Header {
-                        transfer_id: tid.clone(),
-                        layout: layout.clone(),
-                        hashes: e.block_hashes.clone(),
-                        destination: Some(e.destination_agent.clone()),
-                        deadline_unix_ms: op.deadline_unix_ms,
-                    };
-                    let agent = port.agent.clone();
-                    let deadline = op.deadline_unix_ms;
-                    let task = port.runtime.spawn(async move {
-                        let result = match copied {
-                            Ok(blocks) => by(deadline, export(&agent, header, blocks)).await,
-                            Err(e) => Err(e),
-                        };
-                        let _ = done.send(Done::Export { transfer_id: tid, result });
-                    });
-                    (task, Vec::new())
+                    Some((&e.block_ids, &e.block_hashes, Some(e.destination_agent.clone())))
                 }
-                Some(KvOp::Import(i)) => {
-                    let request = v1::GetBlocksRequest {
-                        transfer_id: tid.clone(),
-                        layout: Some(layout.layout.clone()),
-                        block_hashes: i.block_hashes.clone(),
-                        deadline_unix_ms: op.deadline_unix_ms,
+                Some(KvOp::Store(st)) => Some((&st.block_ids, &st.block_hashes, None)),
+                Some(KvOp::Import(_)) | None => None,
+            };
+            let (task, blocks) = if let Some((ids, hashes, destination)) = outgoing {
+                let copied = copy_out(backend, &ids[..hashes.len()], layout.block_bytes);
+                let header = Header {
+                    transfer_id: tid.clone(),
+                    layout: layout.clone(),
+                    hashes: hashes.clone(),
+                    destination,
+                    deadline_unix_ms: deadline,
+                };
+                let agent = port.agent.clone();
+                let task = port.runtime.spawn(async move {
+                    let result = match copied {
+                        Ok(blocks) => by(deadline, export(&agent, header, blocks)).await,
+                        Err(e) => Err(e),
                     };
-                    let (agent, n) = (port.agent.clone(), i.block_ids.len());
-                    let block_bytes = layout.block_bytes;
-                    let deadline = op.deadline_unix_ms;
-                    let task = port.runtime.spawn(async move {
-                        let result = by(deadline, import(&agent, &request, n, block_bytes)).await;
-                        let _ = done.send(Done::Import { transfer_id: tid, result });
-                    });
-                    (task, i.block_ids.clone())
-                }
-                None => continue,
+                    let _ = done.send(Done::Export { transfer_id: tid, result });
+                });
+                (task, Vec::new())
+            } else if let Some(KvOp::Import(i)) = &op.op {
+                // A KV-tier read names the agent whose store holds the blocks, and no transfer
+                // (the agent answers from its store now); else the transfer arrives here.
+                let tier_read = !i.source_agent.is_empty();
+                let request = v1::GetBlocksRequest {
+                    transfer_id: if tier_read { String::new() } else { tid.clone() },
+                    layout: Some(layout.layout.clone()),
+                    block_hashes: i.block_hashes.clone(),
+                    deadline_unix_ms: deadline,
+                };
+                let agent = if tier_read { i.source_agent.clone() } else { port.agent.clone() };
+                let (n, block_bytes) = (i.block_ids.len(), layout.block_bytes);
+                let task = port.runtime.spawn(async move {
+                    let result = by(deadline, import(&agent, &request, n, block_bytes)).await;
+                    let _ = done.send(Done::Import { transfer_id: tid, result });
+                });
+                (task, i.block_ids.clone())
+            } else {
+                continue;
             };
             self.running.insert(op.transfer_id.clone(), InProgress { blocks, started, task });
         }
@@ -343,6 +357,23 @@ impl KvOps {
         }
         while self.done_rx.try_recv().is_ok() {}
     }
+}
+
+/// Copies blocks `ids` out of `backend`.
+fn copy_out(
+    backend: &mut dyn ModelBackend,
+    ids: &[u32],
+    block_bytes: usize,
+) -> Result<Vec<Bytes>, Failed> {
+    ids.iter()
+        .map(|&b| {
+            let mut buf = vec![0u8; block_bytes];
+            backend
+                .read_block(b as usize, &mut buf)
+                .map(|()| Bytes::from(buf))
+                .map_err(|e| Failed::new(v1::KvFailure::Executor, e))
+        })
+        .collect()
 }
 
 /// `transfer`, failed if it has not ended by `deadline_unix_ms` (a stalled agent or peer must

@@ -68,6 +68,10 @@ pub struct SchedulerConfig {
     /// Steps that may be built before the oldest one's result is applied: 1 is synchronous
     /// scheduling, 2 lets step N+1 be built while step N runs (asynchronous scheduling).
     pub max_steps_in_flight: usize,
+    /// KV tier: at most this many full blocks per step are copied to the node's KV agent
+    /// when the request that computed them finishes; 0 turns the write path off. Needs prefix
+    /// caching (blocks are named by their hashes).
+    pub kv_tier_store_blocks_per_step: usize,
 }
 
 /// Upper bound for [`SchedulerConfig::max_steps_in_flight`]: more than a few steps in flight
@@ -92,6 +96,7 @@ impl Default for SchedulerConfig {
             max_kv_fetches: 4,
             enable_prefix_caching: true,
             max_steps_in_flight: 1,
+            kv_tier_store_blocks_per_step: 0,
         }
     }
 }

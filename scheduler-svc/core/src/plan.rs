@@ -104,6 +104,14 @@ pub enum KvOp {
         /// Tokens whose KV is exported.
         num_tokens: usize,
     },
+    /// Copy `block_ids` (full blocks, named by `block_hashes`) to the node's agent, the KV
+    /// tier. Not a transfer: no request waits on it and its result does not come back.
+    Store {
+        /// Blocks to copy.
+        block_ids: Span,
+        /// Their hashes.
+        block_hashes: Span,
+    },
 }
 
 /// One step for the executor. Returned by reference from [`crate::Scheduler::schedule`] and

@@ -429,3 +429,90 @@ fn prior_output_must_leave_something_to_generate() {
     assert_eq!(h.core.add_request(r), Err(AddError::OutputWithTransfer(RequestId(2))));
     assert!(h.core.is_drained(), "refused requests leave nothing behind");
 }
+
+/// The KV-tier ops of `plan`: (blocks, hashes) of each store.
+fn stores(plan: &StepPlan) -> Vec<(Vec<BlockId>, Vec<BlockHash>)> {
+    plan.kv_ops
+        .iter()
+        .filter_map(|op| match *op {
+            KvOp::Store { block_ids, block_hashes } => {
+                Some((plan.blocks(block_ids).to_vec(), plan.hashes(block_hashes).to_vec()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_finished_request_writes_the_blocks_it_computed_to_the_kv_tier_a_few_per_step() {
+    let cfg = SchedulerConfig { kv_tier_store_blocks_per_step: 2, ..small_cfg() };
+    let mut h = Harness::new(cfg);
+    // 13 prompt tokens + 3 generated; the last token's KV is never computed: 15 tokens, 3 full
+    // blocks of its own.
+    h.add(req(1, tokens(1, 13), 3));
+    let mut finished = false;
+    for _ in 0..6 {
+        let (plan, events) = h.step(7);
+        assert!(stores(&plan).is_empty(), "nothing is stored while it runs");
+        if !finishes(&events).is_empty() {
+            finished = true;
+            break;
+        }
+    }
+    assert!(finished);
+    let mut expected = Vec::new();
+    extend_block_hashes(&mut expected, &[tokens(1, 13), vec![7, 7]].concat(), 4, 0);
+    // Two blocks per step, in order, each under its content's hash.
+    let (first, _) = h.step(7);
+    let (second, _) = h.step(7);
+    let (third, _) = h.step(7);
+    let got: Vec<_> = [&first, &second].iter().flat_map(|p| stores(p)).collect();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].1, expected[..2]);
+    assert_eq!(got[1].1, expected[2..3]);
+    assert!(stores(&third).is_empty());
+    // A request that found the first three blocks in the cache writes only what it computed.
+    let prompt = [tokens(1, 12), vec![90, 91, 92, 93, 94]].concat();
+    h.add(req(2, prompt.clone(), 1));
+    let mut written = Vec::new();
+    for _ in 0..6 {
+        let (plan, _) = h.step(7);
+        written.extend(stores(&plan).into_iter().flat_map(|(_, hashes)| hashes));
+    }
+    let mut own = Vec::new();
+    extend_block_hashes(&mut own, &prompt, 4, 0);
+    assert_eq!(written, own[3..4], "only block 3, its own");
+}
+
+#[test]
+fn a_block_evicted_before_its_turn_is_not_written_to_the_kv_tier() {
+    // A cache so small that the next request evicts every cached block.
+    let cfg = SchedulerConfig {
+        kv_tier_store_blocks_per_step: 1,
+        num_blocks: 5,
+        max_model_len: 20,
+        ..small_cfg()
+    };
+    let mut h = Harness::new(cfg);
+    h.add(req(1, tokens(1, 16), 1));
+    let mut finished = false;
+    for _ in 0..4 {
+        let (_, events) = h.step(7);
+        if !finishes(&events).is_empty() {
+            finished = true;
+            break;
+        }
+    }
+    assert!(finished);
+    // Request 1's 4 full blocks wait to be stored; request 2 takes all 5 blocks in the next
+    // step, before the stores are put in it, so none goes out.
+    h.add(req(2, tokens(100, 19), 1));
+    let mut stored = Vec::new();
+    for _ in 0..8 {
+        let (plan, _) = h.step(7);
+        stored.extend(stores(&plan).into_iter().flat_map(|(_, hashes)| hashes));
+    }
+    let mut second = Vec::new();
+    extend_block_hashes(&mut second, &tokens(100, 19), 4, 0);
+    assert_eq!(stored, second[..4], "only request 2's own blocks, after it finished");
+}

@@ -100,6 +100,8 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         max_kv_fetches,
         enable_prefix_caching: rng.pct(70),
         max_steps_in_flight: rng.range(1, 2),
+        // From a stream of its own, so the other draws (and the regression seeds) stay.
+        kv_tier_store_blocks_per_step: Rng::new(seed ^ 0x5449_4552).pick(&[0, 1, 4]),
     };
     let opts = SimOpts {
         eos_pct: rng.pick(&[0, 5, 20]),
@@ -129,7 +131,7 @@ fn random_workloads_keep_invariants_and_drain() {
     }
     let base =
         std::env::var("FERRY_CORE_SEED_BASE").ok().and_then(|s| s.parse().ok()).unwrap_or(0u64);
-    let mut totals = [0u64; 8];
+    let mut totals = [0u64; 9];
     let mut slowest = (0u64, 0u64);
     for seed in base..base + num_seeds() {
         match run_seed(seed) {
@@ -145,6 +147,7 @@ fn random_workloads_keep_invariants_and_drain() {
                 totals[6] +=
                     reasons.values().filter(|&&f| f == FinishReason::Transferred).count() as u64;
                 totals[7] += r.steps;
+                totals[8] += r.tier_stored;
                 slowest = slowest.max((r.steps, seed));
             }
             Err(e) => {
@@ -157,9 +160,18 @@ fn random_workloads_keep_invariants_and_drain() {
     }
     eprintln!(
         "preemptions {} imports {} exports {} aborts {} pipelined-runs {} stops {} transferred {} \
-         steps {} slowest (steps, seed) {slowest:?}",
-        totals[0], totals[1], totals[2], totals[3], totals[4], totals[5], totals[6], totals[7]
+         steps {} tier-stored blocks {} slowest (steps, seed) {slowest:?}",
+        totals[0],
+        totals[1],
+        totals[2],
+        totals[3],
+        totals[4],
+        totals[5],
+        totals[6],
+        totals[7],
+        totals[8]
     );
+    assert!(totals[8] > 0, "no seed wrote a block to the KV tier: the store path went untested");
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
@@ -189,6 +201,7 @@ fn priority_chunked_preemption_livelock_regression_drains() {
                         max_kv_fetches: 0,
                         enable_prefix_caching: true,
                         max_steps_in_flight: in_flight,
+                        kv_tier_store_blocks_per_step: 0,
                     };
                     let mut step = 0;
                     let arrivals: Vec<Arrival> = (0..10)

@@ -65,6 +65,7 @@ impl Handoff {
             request: self.request.clone(),
             tokens: self.import_tokens,
             timeout: self.timeout,
+            source: None,
         }
     }
 }
@@ -110,7 +111,7 @@ impl Front {
                 ),
             }
         }
-        Ok((self.place(spec, &spec.prior_output, Duration::ZERO).await?, None))
+        Ok((self.place(spec, request_id, &spec.prior_output, Duration::ZERO).await?, None))
     }
 
     /// The prefill executor and the handoff for `spec`, if it is worth disaggregating: a

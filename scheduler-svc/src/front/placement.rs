@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_runtime::Backoff;
-use ferry_sched_core::RequestId;
+use ferry_sched_core::{RequestId, TransferId};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -110,6 +110,7 @@ impl Front {
     pub(crate) async fn place(
         &self,
         spec: &Arc<RequestSpec>,
+        request_id: &str,
         delivered: &[u32],
         patience: Duration,
     ) -> Result<Placed, PlaceError> {
@@ -129,7 +130,8 @@ impl Front {
             let Some(link) = Self::pick(&alive, &sequence).await else {
                 return Err(PlaceError::NoExecutor);
             };
-            match self.submit(&link, spec, delivered, None).await {
+            let tier_read = self.tier_read(&link, spec, request_id).await;
+            match self.submit(&link, spec, delivered, tier_read).await {
                 Err(PlaceError::NoExecutor) => {
                     // It died between the pick and the add: try the others.
                     if tokio::time::Instant::now() >= deadline && executors.alive().is_empty() {
@@ -139,6 +141,45 @@ impl Front {
                 placed => return placed,
             }
         }
+    }
+
+    /// A KV-tier read for `spec` on `link`: when a KV agent's store (any node's, by the tier's
+    /// index) holds a prefix of the prompt at least `--kv-tier-min-tokens` longer than what
+    /// `link`'s cache holds, the plan to import it from there instead of computing it. The
+    /// executor reads the blocks straight from that agent; if they are gone, the import fails
+    /// and the prompt is computed (nothing waits: a tier read finds its blocks or fails now).
+    async fn tier_read(
+        &self,
+        link: &LinkHandle,
+        spec: &RequestSpec,
+        request_id: &str,
+    ) -> Option<TransferPlan> {
+        let min = self.settings.kv_tier_min_tokens?;
+        let Route::Local(set) = &self.route else { return None };
+        let own_agent = &link.info.kv_agent_address;
+        let bs = link.info.block_size as usize;
+        let covered = super::disagg::import_tokens(spec.prompt.len(), bs);
+        if own_agent.is_empty() || covered < min {
+            return None;
+        }
+        let mut hashes = Vec::new();
+        // Salt 0: the front's requests carry none (RequestSpec::to_core).
+        ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, 0);
+        let hashes: Vec<u64> = hashes.iter().map(|h| h.0).collect();
+        let (agent, blocks) = set.tier.longest_prefix(&hashes, own_agent)?;
+        let tokens = blocks * bs;
+        let cached = link.prefix_hit(spec.prompt.clone()).await;
+        if tokens < cached + min {
+            return None;
+        }
+        set.metrics.tier_hits.add(1);
+        Some(TransferPlan::Import {
+            transfer_id: TransferId(self.next_transfer.fetch_add(1, Ordering::Relaxed)),
+            request: request_id.into(),
+            tokens,
+            timeout: self.settings.kv_transfer_timeout,
+            source: Some(agent),
+        })
     }
 
     /// Adds `spec` (with `delivered` tokens, and its part in a KV transfer) to `link`'s core;

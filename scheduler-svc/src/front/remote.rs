@@ -152,7 +152,8 @@ pub async fn submit(
     let stream = match client.generate(req).await {
         Ok(s) => s.into_inner(),
         // A leader that is gone, going (draining cancels new calls) or not yet driving its
-        // executors: another try will find the next one.
+        // executors, or a connection broken under the call (tonic reports an HTTP/2 stream
+        // reset as INTERNAL "h2 protocol error"): another try will find the next one.
         Err(s)
             if matches!(
                 s.code(),
@@ -161,7 +162,8 @@ pub async fn submit(
                     | tonic::Code::Cancelled
                     | tonic::Code::Aborted
                     | tonic::Code::DeadlineExceeded
-            ) =>
+            ) || (s.code() == tonic::Code::Internal
+                && s.message().starts_with("h2 protocol error")) =>
         {
             return Err(SubmitError::Retry(s))
         }

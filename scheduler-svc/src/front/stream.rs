@@ -65,6 +65,9 @@ pub(crate) struct RequestStream {
     handoff: Option<Handoff>,
     /// A disaggregated request's prefill half while its export runs.
     exporting: Option<Exporting>,
+    /// Where it runs now is the decode half of a handoff (an import there is the handoff's;
+    /// else it is a KV-tier read).
+    handed_off: bool,
     assembler: TextAssembler,
     client: ClientTx,
     arrived: Instant,
@@ -95,6 +98,7 @@ impl RequestStream {
             events,
             handoff: None,
             exporting: None,
+            handed_off: false,
             assembler,
             client,
             arrived,
@@ -276,9 +280,15 @@ impl RequestStream {
     /// ends the stream with the error.
     async fn relocate(&mut self) -> Option<Ending> {
         let moved = tokio::select! {
-            moved = self.front.place(&self.spec, &self.delivered, self.front.settings.failover_wait) => moved,
+            moved = self.front.place(
+                &self.spec,
+                &self.request_id,
+                &self.delivered,
+                self.front.settings.failover_wait,
+            ) => moved,
             () = self.client.closed() => return Some(self.client_gone().await),
         };
+        self.handed_off = false;
         match moved {
             Ok((to, events)) => {
                 tracing::warn!(
@@ -376,18 +386,24 @@ impl RequestStream {
         let prefill = std::mem::replace(&mut self.placement, placement);
         let prefill_events = std::mem::replace(&mut self.events, events);
         self.exporting = Some(Exporting { placement: prefill, events: prefill_events, handoff });
+        self.handed_off = true;
         self.front.set_placement(&self.request_id, &self.placement);
         None
     }
 
-    /// The decode half's import ended: with the KV, or without (it recomputes).
+    /// An import ended, the decode half's or a KV-tier read: with the KV, or without (the
+    /// prompt is computed).
     fn on_imported(&mut self, ok: bool) {
-        if ok {
-            self.trace.event("kv_imported", Vec::new());
-        } else {
-            self.front.metrics.handoffs_recomputed.add(1);
-            self.trace.event("kv_import_failed", Vec::new());
-        }
+        let event = match (self.handed_off, ok) {
+            (true, true) => "kv_imported",
+            (true, false) => {
+                self.front.metrics.handoffs_recomputed.add(1);
+                "kv_import_failed"
+            }
+            (false, true) => "kv_tier_read",
+            (false, false) => "kv_tier_read_failed",
+        };
+        self.trace.event(event, Vec::new());
     }
 
     /// An event of the prefill half while its export runs: the export is done (the prefill

@@ -29,6 +29,7 @@ fn front(set: &Arc<ExecutorSet>) -> GenerationService {
         failover_wait: Duration::from_secs(5),
         disaggregation_min_tokens: None,
         kv_transfer_timeout: Duration::from_secs(5),
+        kv_tier_min_tokens: None,
     };
     GenerationService::new(served, Route::Local(set.clone()), settings)
 }

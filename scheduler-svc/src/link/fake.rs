@@ -102,7 +102,8 @@ pub(crate) fn raw_link(
     let (result_tx, result_rx) = mpsc::channel(8);
     let session = Session { name: name.into(), epoch: 0, id: 1 };
     let results = ReceiverStream::new(result_rx);
-    let link = LinkHandle::start(core, session, info, metrics, step_tx, results);
+    let shared = super::Shared { metrics, tier: Arc::default() };
+    let link = LinkHandle::start(core, session, info, shared, step_tx, results);
     (link, step_rx, result_tx)
 }
 

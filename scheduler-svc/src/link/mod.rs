@@ -76,6 +76,9 @@ pub enum TransferPlan {
         /// How long the import may wait for the KV once it starts; past it the prompt is
         /// recomputed.
         timeout: std::time::Duration,
+        /// `None`: the KV arrives through the transfer at this node's agent (disaggregation).
+        /// Else a KV-tier read from this agent's store (any node's).
+        source: Option<String>,
     },
 }
 
@@ -145,6 +148,14 @@ pub enum LinkError {
     Gone,
 }
 
+/// What a link shares with the others of its executor set.
+pub(crate) struct Shared {
+    /// Where it counts.
+    pub metrics: Arc<crate::metrics::SchedulerMetrics>,
+    /// Where it records what it wrote to its node's agent.
+    pub tier: Arc<crate::tier::TierIndex>,
+}
+
 impl LinkHandle {
     /// Starts the step loop of a session with an executor described by `info`: `core` schedules
     /// for it, steps go out on `steps` and results come back on `results`.
@@ -152,7 +163,7 @@ impl LinkHandle {
         core: ferry_sched_core::Scheduler,
         session: step_loop::Session,
         info: v1::ExecutorInfo,
-        metrics: Arc<crate::metrics::SchedulerMetrics>,
+        shared: Shared,
         steps: mpsc::Sender<v1::Step>,
         results: R,
     ) -> Self
@@ -167,11 +178,14 @@ impl LinkHandle {
         let load = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(std::sync::Mutex::new(core.stats()));
         let published =
-            step_loop::Published::new(load.clone(), stats.clone(), metrics, core.stats());
+            step_loop::Published::new(load.clone(), stats.clone(), shared, core.stats());
         let name = session.name.clone();
-        let block_bytes = transfers::block_bytes(info.kv_layout.as_ref());
+        let kv = step_loop::KvFacts {
+            block_bytes: transfers::block_bytes(info.kv_layout.as_ref()),
+            agent: info.kv_agent_address.clone(),
+        };
         let eos = info.eos_token_ids.clone();
-        let step_loop = step_loop::StepLoop::new(core, session, eos, block_bytes, published);
+        let step_loop = step_loop::StepLoop::new(core, session, eos, kv, published);
         tokio::spawn(step_loop.run(rx, steps, results, close_rx));
         LinkHandle { name, tx, close: Arc::new(close_tx), info: Arc::new(info), load, stats }
     }

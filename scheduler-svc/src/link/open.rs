@@ -33,9 +33,15 @@ pub struct SessionOpener {
     pub epoch: u64,
     /// Where the links count.
     pub metrics: Arc<SchedulerMetrics>,
+    /// Where the links record what they wrote to their agents.
+    pub tier: Arc<crate::tier::TierIndex>,
 }
 
 impl SessionOpener {
+    fn shared(&self) -> super::Shared {
+        super::Shared { metrics: self.metrics.clone(), tier: self.tier.clone() }
+    }
+
     /// The same, under leadership `epoch`.
     #[must_use]
     pub fn at_epoch(&self, epoch: u64) -> Self {
@@ -99,6 +105,6 @@ impl SessionOpener {
             .into_inner();
         self.metrics.sessions_opened.add(1);
         let session = Session { name: name.into(), epoch: self.epoch, id: hs.session_id };
-        Ok(LinkHandle::start(core, session, info, self.metrics.clone(), step_tx, results))
+        Ok(LinkHandle::start(core, session, info, self.shared(), step_tx, results))
     }
 }

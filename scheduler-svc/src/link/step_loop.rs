@@ -30,6 +30,7 @@ use super::{Command, LinkEvent, TransferPlan};
 use crate::config::MAX_STEPS_IN_FLIGHT;
 use crate::metrics::SchedulerMetrics;
 use crate::request::RequestSpec;
+use crate::tier::TierIndex;
 
 /// A request on this executor: what the link needs beside the core's own record.
 struct Entry {
@@ -38,8 +39,8 @@ struct Entry {
     events: mpsc::UnboundedSender<LinkEvent>,
 }
 
-/// How often an otherwise idle loop asks the executor for news while KV transfers are in
-/// progress (their ends are reported only in step results).
+/// How often an otherwise idle loop asks the executor for news while KV transfers or KV-tier
+/// writes are in progress (their ends are reported only in step results).
 const TRANSFER_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// A step sent and not yet answered.
@@ -65,6 +66,8 @@ pub(super) struct Published {
     pub load: Arc<AtomicUsize>,
     pub stats: Arc<std::sync::Mutex<SchedulerStats>>,
     pub metrics: Arc<SchedulerMetrics>,
+    /// What each agent holds: this loop records its executor's stores and imports.
+    pub tier: Arc<TierIndex>,
     /// The stats the metrics were last brought up to.
     last: SchedulerStats,
 }
@@ -73,10 +76,11 @@ impl Published {
     pub(super) fn new(
         load: Arc<AtomicUsize>,
         stats: Arc<std::sync::Mutex<SchedulerStats>>,
-        metrics: Arc<SchedulerMetrics>,
+        shared: super::Shared,
         initial: SchedulerStats,
     ) -> Self {
-        Self { load, stats, metrics, last: initial }
+        let super::Shared { metrics, tier } = shared;
+        Self { load, stats, metrics, tier, last: initial }
     }
 
     /// Brings the metrics' counters and the handle's stats up to `now`.
@@ -104,8 +108,28 @@ pub(super) struct StepLoop {
     events: Vec<RequestEvent>,
     /// This executor's side of each KV transfer, for the admin view.
     transfers: Transfers,
-    /// Bytes of one of the executor's KV blocks.
-    block_bytes: u64,
+    /// The executor's KV block size and agent.
+    kv: KvFacts,
+    /// Issued operations that put blocks in an agent's store (or were meant to read them from
+    /// one), by transfer id, until reported.
+    tier_ops: HashMap<String, TierOp>,
+}
+
+/// What a link knows of its executor's KV.
+pub(super) struct KvFacts {
+    /// Bytes of one KV block.
+    pub block_bytes: u64,
+    /// Its node's agent (empty: none).
+    pub agent: String,
+}
+
+/// An operation the KV tier's index learns from when it is reported.
+struct TierOp {
+    /// The blocks' hashes.
+    hashes: Vec<u64>,
+    /// For a KV-tier read, the agent read from; `None`: the blocks land in the local agent
+    /// (a store, or a transfer that arrives there).
+    read_from: Option<String>,
 }
 
 impl StepLoop {
@@ -113,7 +137,7 @@ impl StepLoop {
         core: Scheduler,
         session: Session,
         eos: Vec<u32>,
-        block_bytes: u64,
+        kv: KvFacts,
         published: Published,
     ) -> Self {
         Self {
@@ -127,7 +151,8 @@ impl StepLoop {
             published,
             events: Vec::new(),
             transfers: Transfers::default(),
-            block_bytes,
+            kv,
+            tier_ops: HashMap::new(),
         }
     }
 
@@ -165,7 +190,8 @@ impl StepLoop {
                 self.idle = empty;
             }
             let stats = self.core.stats();
-            let transfers = stats.num_receiving + stats.num_transferring > 0;
+            let transfers =
+                stats.num_receiving + stats.num_transferring > 0 || !self.tier_ops.is_empty();
             tokio::select! {
                 Ok(()) = close.changed() => {} // handled at the top of the loop
                 () = tokio::time::sleep(TRANSFER_POLL), if self.idle && transfers => {
@@ -212,7 +238,8 @@ impl StepLoop {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let step = wire::to_proto(plan, s.id, s.epoch, now_unix_ms, info);
-        self.transfers.issued(&step.kv_ops, self.block_bytes);
+        self.transfers.issued(&step.kv_ops, self.kv.block_bytes);
+        self.tier_issued(&step.kv_ops);
         Ok(step)
     }
 
@@ -264,8 +291,11 @@ impl StepLoop {
         }
         let outcome = wire::outcome_of(result);
         for k in &result.kv_results {
-            self.published.metrics.kv_transfer(k);
+            if !k.transfer_id.starts_with(wire::TIER_STORE_PREFIX) {
+                self.published.metrics.kv_transfer(k);
+            }
             self.transfers.reported(k);
+            self.tier_reported(k);
             if !k.ok {
                 tracing::warn!(executor = %self.session.name, transfer = %k.transfer_id, error = %k.error, "KV transfer failed");
             }
@@ -314,6 +344,46 @@ impl StepLoop {
             self.idle = false;
         }
         Ok(())
+    }
+
+    /// Remembers the issued operations that change what an agent holds.
+    fn tier_issued(&mut self, ops: &[v1::KvOperation]) {
+        use v1::kv_operation::Op;
+        for op in ops {
+            let tier_op = match &op.op {
+                Some(Op::Store(s)) => TierOp { hashes: s.block_hashes.clone(), read_from: None },
+                Some(Op::Import(i)) => TierOp {
+                    hashes: i.block_hashes.clone(),
+                    read_from: (!i.source_agent.is_empty()).then(|| i.source_agent.clone()),
+                },
+                Some(Op::Export(_)) | None => continue,
+            };
+            self.tier_ops.insert(op.transfer_id.clone(), tier_op);
+        }
+    }
+
+    /// Updates the tier's index with a reported operation: blocks stored in (or arrived at)
+    /// the local agent are there now; a tier read that failed names blocks its agent may no
+    /// longer hold.
+    fn tier_reported(&mut self, k: &v1::KvOperationResult) {
+        let Some(op) = self.tier_ops.remove(&k.transfer_id) else { return };
+        let m = &self.published.metrics;
+        match (&op.read_from, k.ok) {
+            (None, true) => self.published.tier.stored(&self.kv.agent, &op.hashes),
+            (None, false) => {}
+            (Some(_), true) => m.tier_imported_blocks.add(op.hashes.len() as u64),
+            (Some(agent), false) => {
+                m.tier_import_failures.add(1);
+                self.published.tier.forget(agent, &op.hashes);
+            }
+        }
+        if k.transfer_id.starts_with(wire::TIER_STORE_PREFIX) {
+            if k.ok {
+                m.tier_stored_blocks.add(op.hashes.len() as u64);
+            } else {
+                m.tier_store_failures.add(1);
+            }
+        }
     }
 
     fn finish(&mut self, id: RequestId, event: LinkEvent) {

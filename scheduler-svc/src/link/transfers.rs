@@ -101,7 +101,7 @@ impl Transfers {
             let blocks = match &op.op {
                 Some(v1::kv_operation::Op::Export(e)) => e.block_hashes.len(),
                 Some(v1::kv_operation::Op::Import(i)) => i.block_ids.len(),
-                None => 0,
+                Some(v1::kv_operation::Op::Store(_)) | None => 0,
             };
             side.blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
             side.bytes = blocks as u64 * block_bytes;

@@ -114,10 +114,20 @@ pub fn to_proto<'a>(
             .collect(),
         finished_ids: plan.finished.iter().map(|id| id.0).collect(),
         preempted_ids: plan.preempted.iter().map(|id| id.0).collect(),
-        kv_ops: plan.kv_ops.iter().map(|op| kv_op(plan, op, now_unix_ms, &info_of)).collect(),
+        kv_ops: plan
+            .kv_ops
+            .iter()
+            .map(|op| kv_op(plan, op, session_id, now_unix_ms, &info_of))
+            .collect(),
         total_num_tokens: wire_u32(plan.total_tokens),
     }
 }
+
+/// The transfer ids of KV-tier stores start with this (the core's transfer ids are numbers).
+pub const TIER_STORE_PREFIX: &str = "tier-";
+
+/// How long an executor may take to write a step's blocks to its agent.
+pub const TIER_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The wire form of one KV operation; the destination and timeout come from the request's
 /// transfer plan (an op for a request without one goes out with neither, and the executor
@@ -126,6 +136,7 @@ pub fn to_proto<'a>(
 fn kv_op<'a>(
     plan: &StepPlan,
     op: &KvOp,
+    session_id: u64,
     now_unix_ms: u64,
     info_of: &impl Fn(RequestId) -> Option<RequestInfo<'a>>,
 ) -> v1::KvOperation {
@@ -157,6 +168,20 @@ fn kv_op<'a>(
             deadline_unix_ms: deadline(id),
             op: Some(v1::kv_operation::Op::Import(v1::KvImport {
                 request_id: id.0,
+                block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),
+                block_hashes: plan.hashes(block_hashes).iter().map(|h| h.0).collect(),
+                source_agent: match info_of(id).and_then(|(_, t)| t) {
+                    Some(TransferPlan::Import { source: Some(agent), .. }) => agent.clone(),
+                    _ => String::new(),
+                },
+            })),
+        },
+        KvOp::Store { block_ids, block_hashes } => v1::KvOperation {
+            // Not a transfer of the core's: named by the step, which carries one at most.
+            transfer_id: format!("{TIER_STORE_PREFIX}{session_id}-{}", plan.step_id.0),
+            deadline_unix_ms: now_unix_ms
+                .saturating_add(u64::try_from(TIER_STORE_TIMEOUT.as_millis()).unwrap_or(0)),
+            op: Some(v1::kv_operation::Op::Store(v1::KvStore {
                 block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),
                 block_hashes: plan.hashes(block_hashes).iter().map(|h| h.0).collect(),
             })),

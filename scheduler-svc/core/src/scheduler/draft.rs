@@ -280,6 +280,13 @@ impl StepDraft {
         self.kv_entries.push(RecordEntry { idx, id, samples: false });
     }
 
+    /// The KV-tier op: copy `blocks` (full, named by `hashes`) to the node's agent.
+    pub(crate) fn store(&mut self, blocks: &[BlockId], hashes: &[BlockHash]) {
+        let block_ids = self.plan.push_blocks(blocks);
+        let block_hashes = self.plan.push_hashes(hashes);
+        self.plan.kv_ops.push(KvOp::Store { block_ids, block_hashes });
+    }
+
     /// The requests given a KV op in this step.
     pub(crate) fn kv_requests(&self) -> impl Iterator<Item = u32> + '_ {
         self.kv_entries.iter().map(|e| e.idx)

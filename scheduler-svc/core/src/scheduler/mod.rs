@@ -42,6 +42,7 @@ mod inflight;
 mod invariants;
 mod preempt;
 mod step;
+mod tier;
 mod transfers;
 mod view;
 
@@ -59,6 +60,7 @@ use arena::RequestArena;
 use draft::StepDraft;
 use fences::BlockFences;
 use inflight::InflightSteps;
+use tier::TierStores;
 use transfers::KvTransfers;
 
 pub use invariants::InvariantViolation;
@@ -99,6 +101,8 @@ pub struct Scheduler {
     steps: InflightSteps,
     /// Transfer ids, queued imports, pending exports.
     transfers: KvTransfers,
+    /// Blocks waiting to be written to the node's KV agent (the KV tier).
+    tier: TierStores,
     /// The step being built (and, between calls, the last plan).
     draft: StepDraft,
     /// Finished requests the executor knows, to be reported by the next step.
@@ -130,6 +134,7 @@ impl Scheduler {
             fences: BlockFences::default(),
             steps: InflightSteps::default(),
             transfers: KvTransfers::default(),
+            tier: TierStores::default(),
             to_report: Vec::new(),
             arrival_seq: 0,
             admit_seq: 0,
@@ -373,8 +378,12 @@ impl Scheduler {
         r.status = RequestStatus::Finished(reason);
         r.decision = Decision::Finished;
         r.cold.times.finished = Some(now);
-        // Blocks under an in-progress transfer stay until the transfer is reported.
+        // Blocks under an in-progress transfer stay until the transfer is reported (an export
+        // sends them on; only a request that exports none is written to the KV tier).
         if r.cold.transfer.is_none() {
+            if !r.prefill_only {
+                self.queue_tier_store(idx);
+            }
             self.release_blocks(idx, 0);
         }
         self.sync_holder(idx);

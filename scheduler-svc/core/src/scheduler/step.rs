@@ -47,6 +47,7 @@ impl Scheduler {
             self.start_imports();
         }
         self.start_exports();
+        self.store_tier_blocks();
         self.finalize();
         Ok(self.draft.plan())
     }

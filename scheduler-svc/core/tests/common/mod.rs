@@ -95,6 +95,8 @@ pub struct Report {
     pub imports: u64,
     pub exports: u64,
     pub max_in_flight_seen: usize,
+    /// Blocks the core had the executor write to the KV tier.
+    pub tier_stored: u64,
 }
 
 /// The token the simulated executor samples: deterministic in (seed, id, position); EOS (0)
@@ -135,6 +137,9 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
     let mut next_reuse_transfer = 1_000_000u64;
     let mut exec = ExecutorModel::default();
     let mut reuses_left = arrivals.len() / 2;
+    // Each request's prompt and salt (a reused id keeps its request), for the content checks.
+    let sequences: HashMap<RequestId, (Vec<u32>, u64)> =
+        arrivals.iter().map(|a| (a.req.id, (a.req.prompt.to_vec(), a.req.cache_salt))).collect();
     loop {
         step += 1;
         let now = Timestamp(step * 1_000_000);
@@ -252,7 +257,10 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
         if pending.len() < cfg.max_steps_in_flight && !idle {
             core.schedule(now).map_err(|e| format!("step {step}: {e}"))?;
             let plan = core.last_plan();
-            exec.on_plan(plan, &core, cfg.block_size, !cfg.enable_prefix_caching)
+            let content = |owner: RequestId, index: usize| {
+                block_content_hash(&sequences, owner, index, cfg.block_size, opts)
+            };
+            exec.on_plan(plan, &core, cfg.block_size, !cfg.enable_prefix_caching, &content)
                 .map_err(|e| format!("step {step}: protocol: {e}"))?;
             let mut outcome = StepOutcome { step_id: plan.step_id, ..StepOutcome::default() };
             for w in plan.scheduled.iter().filter(|w| w.samples_token) {
@@ -267,6 +275,10 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
                 let tid = match *op {
                     KvOp::Import { transfer_id, .. } | KvOp::Export { transfer_id, .. } => {
                         transfer_id
+                    }
+                    KvOp::Store { block_ids, .. } => {
+                        report.tier_stored += plan.blocks(block_ids).len() as u64;
+                        continue;
                     }
                 };
                 transfers.push((tid, step + opts.kv_delay, !rng.pct(opts.kv_fail_pct)));
@@ -295,6 +307,38 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
 struct ExecutorModel {
     tables: HashMap<RequestId, (Vec<BlockId>, usize)>,
     writes: VecDeque<Vec<(BlockId, RequestId)>>,
+    /// What each block holds, as the executor would see it after the steps so far.
+    content: HashMap<BlockId, Content>,
+}
+
+/// A block's content in the simulated executor.
+#[derive(Clone, Copy)]
+enum Content {
+    /// Computed, for block `.1` of request `.0`'s sequence.
+    Computed(RequestId, usize),
+    /// Imported: the KV of the block named by this hash.
+    Imported(BlockHash),
+}
+
+/// The hash of block `index` of request `owner`'s sequence: its prompt, then the simulated
+/// executor's tokens (a function of the request and position alone).
+fn block_content_hash(
+    sequences: &HashMap<RequestId, (Vec<u32>, u64)>,
+    owner: RequestId,
+    index: usize,
+    block_size: usize,
+    opts: &SimOpts,
+) -> Option<BlockHash> {
+    let (prompt, salt) = sequences.get(&owner)?;
+    let len = (index + 1) * block_size;
+    let mut tokens = prompt.clone();
+    tokens.extend(
+        (0..len.saturating_sub(prompt.len())).map(|k| sample(opts.seed, owner, k, opts.eos_pct)),
+    );
+    tokens.truncate(len);
+    let mut hashes = Vec::new();
+    extend_block_hashes(&mut hashes, &tokens, block_size, *salt);
+    hashes.get(index).copied()
 }
 
 impl ExecutorModel {
@@ -304,7 +348,42 @@ impl ExecutorModel {
         core: &Scheduler,
         block_size: usize,
         check_reuse: bool,
+        content_hash: &dyn Fn(RequestId, usize) -> Option<BlockHash>,
     ) -> Result<(), String> {
+        // A block copied to the KV tier (at the start of the step, after every earlier step
+        // ran) holds the content its hash names.
+        for op in &plan.kv_ops {
+            if let KvOp::Store { block_ids, block_hashes } = *op {
+                let (blocks, hashes) = (plan.blocks(block_ids), plan.hashes(block_hashes));
+                if blocks.is_empty() || blocks.len() != hashes.len() {
+                    return Err(format!(
+                        "a tier store of {} blocks names {} hashes",
+                        blocks.len(),
+                        hashes.len()
+                    ));
+                }
+                for (&b, &h) in blocks.iter().zip(hashes) {
+                    let holds = match self.content.get(&b) {
+                        Some(&Content::Computed(owner, index)) => content_hash(owner, index),
+                        Some(&Content::Imported(hash)) => Some(hash),
+                        None => None,
+                    };
+                    if holds != Some(h) {
+                        return Err(format!(
+                            "block {b:?} stored to the KV tier as {h:?} holds {holds:?}"
+                        ));
+                    }
+                }
+            } else if let KvOp::Import { block_ids, block_hashes, .. } = *op {
+                let hashes = plan.hashes(block_hashes);
+                for (i, b) in plan.blocks(block_ids).iter().enumerate() {
+                    match hashes.get(i) {
+                        Some(&h) => self.content.insert(*b, Content::Imported(h)),
+                        None => self.content.remove(b),
+                    };
+                }
+            }
+        }
         for id in &plan.finished {
             if self.tables.remove(id).is_none() {
                 return Err(format!("finished {id} unknown to the executor"));
@@ -356,6 +435,8 @@ impl ExecutorModel {
             }
             for pos in *computed..end {
                 writes.push((table[pos / block_size], w.id));
+                self.content
+                    .insert(table[pos / block_size], Content::Computed(w.id, pos / block_size));
             }
             *computed = end;
         }
@@ -418,6 +499,7 @@ pub fn small_cfg() -> SchedulerConfig {
         max_kv_fetches: 2,
         enable_prefix_caching: true,
         max_steps_in_flight: 1,
+        kv_tier_store_blocks_per_step: 0,
     }
 }
 

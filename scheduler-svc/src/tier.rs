@@ -1,0 +1,111 @@
+//! The KV tier's index (DESIGN.md §6): which blocks each node's KV agent holds, by hash, as
+//! this scheduler wrote them there (an executor's `Store`, or a transfer that arrived). The
+//! front looks up a new request's prompt in it and, when another node's agent (or its own)
+//! holds a longer prefix than the executor's cache, the executor imports those blocks instead
+//! of computing them.
+//!
+//! The index is a hint, not the truth: an agent evicts blocks by LRU, restarts empty, or dies,
+//! and the index does not hear of it. That is safe — an import of a block that is gone fails
+//! (`NOT_FOUND`) and the request computes its prompt as if it had never tried — and the
+//! failure drops the agent's entries for those blocks. Kept per agent, bounded (oldest
+//! forgotten first), and outliving the executors: an agent's blocks stay importable after its
+//! executor died.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Mutex;
+
+/// Blocks remembered per agent; past it the oldest entries are forgotten.
+pub const MAX_BLOCKS_PER_AGENT: usize = 1 << 18;
+
+#[derive(Default)]
+struct AgentBlocks {
+    held: HashSet<u64>,
+    order: VecDeque<u64>,
+}
+
+/// What each agent holds, as far as this scheduler knows.
+#[derive(Default)]
+pub struct TierIndex {
+    agents: Mutex<HashMap<String, AgentBlocks>>,
+}
+
+impl TierIndex {
+    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<String, AgentBlocks>> {
+        self.agents.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `agent` now holds the blocks named `hashes`.
+    pub fn stored(&self, agent: &str, hashes: &[u64]) {
+        if agent.is_empty() || hashes.is_empty() {
+            return;
+        }
+        let mut agents = self.agents();
+        let a = agents.entry(agent.to_string()).or_default();
+        for &h in hashes {
+            if a.held.insert(h) {
+                a.order.push_back(h);
+            }
+        }
+        while a.order.len() > MAX_BLOCKS_PER_AGENT {
+            if let Some(old) = a.order.pop_front() {
+                a.held.remove(&old);
+            }
+        }
+    }
+
+    /// `agent` no longer holds (some of) `hashes`: forget them all.
+    pub fn forget(&self, agent: &str, hashes: &[u64]) {
+        let mut agents = self.agents();
+        if let Some(a) = agents.get_mut(agent) {
+            for h in hashes {
+                a.held.remove(h);
+            }
+            a.order.retain(|h| a.held.contains(h));
+        }
+    }
+
+    /// The agent holding the longest run of `hashes` from the first, and its length in
+    /// blocks; `prefer` wins ties (an executor's own agent is read without crossing nodes).
+    pub fn longest_prefix(&self, hashes: &[u64], prefer: &str) -> Option<(String, usize)> {
+        let agents = self.agents();
+        let mut best: Option<(&str, usize)> = None;
+        for (agent, a) in agents.iter() {
+            let n = hashes.iter().take_while(|h| a.held.contains(h)).count();
+            let better = match best {
+                None => n > 0,
+                Some((b, m)) => n > m || (n == m && agent == prefer && b != prefer),
+            };
+            if better {
+                best = Some((agent, n));
+            }
+        }
+        best.map(|(a, n)| (a.to_string(), n))
+    }
+
+    /// Blocks remembered for `agent`.
+    pub fn len(&self, agent: &str) -> usize {
+        self.agents().get(agent).map_or(0, |a| a.held.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TierIndex;
+
+    #[test]
+    fn the_longest_prefix_wins_and_the_own_agent_breaks_ties() {
+        let index = TierIndex::default();
+        index.stored("a:1", &[1, 2, 3]);
+        index.stored("b:1", &[1, 2]);
+        assert_eq!(index.longest_prefix(&[1, 2, 3, 4], "b:1"), Some(("a:1".into(), 3)));
+        assert_eq!(index.longest_prefix(&[1, 2, 9], "b:1"), Some(("b:1".into(), 2)));
+        assert_eq!(
+            index.longest_prefix(&[9, 1, 2], "a:1"),
+            None,
+            "a run starts at the first block"
+        );
+        index.forget("a:1", &[2]);
+        assert_eq!(index.longest_prefix(&[1, 2, 3], "x"), Some(("b:1".into(), 2)));
+        assert_eq!(index.len("a:1"), 2);
+    }
+}

@@ -1,0 +1,139 @@
+//! The KV tier across nodes, as real processes (issue 14): executors write the blocks their
+//! finished requests computed to their node's KV agent; a later request placed on another node
+//! reads a long shared prefix from that agent instead of computing it, and answers exactly as
+//! without the read.
+
+use std::time::Duration;
+
+use ferry_proto::v1;
+use ferry_tests::streams::{
+    assert_complete, assert_executor_idle, assert_same_streams, metric, run_streams, wait_for,
+};
+use ferry_tests::{signal, start_scheduler, start_serve, Service};
+
+const MAX_TOKENS: u32 = 12;
+
+/// A node: its KV agent and an executor (role `both`) writing to it.
+struct Node {
+    agent: Service,
+    executor: Service,
+}
+
+impl Node {
+    fn start(name: &str) -> Self {
+        let agent = Service::start(
+            "ferry-kv",
+            &["--listen", "127.0.0.1:0", "--node-id", name, "--store-mib", "256"],
+            1,
+        )
+        .unwrap();
+        let kv = agent.addr("grpc").to_string();
+        let args = [
+            "--listen",
+            "127.0.0.1:0",
+            "--executor-id",
+            name,
+            "--kv-agent",
+            &kv,
+            "--kv-cache-mib",
+            "256",
+        ];
+        let executor = Service::start("ferry-executor", &args, 1).unwrap();
+        Self { agent, executor }
+    }
+
+    fn stored_bytes(&self) -> f64 {
+        metric(self.agent.addr("grpc"), "ferry_kv_store_used_bytes{")
+    }
+}
+
+/// A request sharing a long prefix (~400 tokens) with the others, then a question of its own.
+fn request(question: &str, seed: Option<u64>) -> v1::GenerateRequest {
+    let prefix = "You are the archivist of a harbour town. The town keeps records of every ship: \
+                  its name, its captain, its cargo, the day it came and the day it left. "
+        .repeat(10);
+    ferry_tests::streams::request(format!("{prefix}Question: {question}"), MAX_TOKENS, seed)
+}
+
+fn first() -> v1::GenerateRequest {
+    request("Which ship came first?", None)
+}
+
+fn second() -> Vec<v1::GenerateRequest> {
+    vec![
+        request("Which captain stayed longest?", None),
+        request("What cargo was rarest?", Some(11)),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_computed_on_one_node_is_read_from_its_agent_by_another() {
+    let expected = {
+        let serve = start_serve("256");
+        let out = run_streams(serve.addr("grpc"), second(), 0, || {}).await;
+        assert_complete(&out, MAX_TOKENS as usize);
+        out
+    };
+    let nodes = [Node::start("node-a"), Node::start("node-b")];
+    let tier = ["--kv-tier-min-tokens", "32"];
+    let scheduler = start_scheduler(&[&nodes[0].executor, &nodes[1].executor], &tier);
+    let http = scheduler.addr("http");
+    let running_series = |n: usize| {
+        move || {
+            ferry_tests::http(http, "GET", "/metrics", b"").is_ok_and(|(_, body)| {
+                body.lines().filter(|l| l.starts_with("vllm:num_requests_running{")).count() == n
+            })
+        }
+    };
+    assert!(wait_for(Duration::from_mins(1), running_series(2)).await.is_some());
+
+    // The first request runs on one node; when it finishes, its executor writes the blocks
+    // it computed to that node's agent.
+    let out = run_streams(scheduler.addr("grpc"), vec![first()], 0, || {}).await;
+    assert_complete(&out, MAX_TOKENS as usize);
+    let stored = wait_for(Duration::from_secs(20), || {
+        metric(http, "ferry_kv_tier_stored_blocks{") >= 20.0
+            && nodes.iter().any(|n| n.stored_bytes() > 0.0)
+    });
+    if stored.await.is_none() {
+        let kv_lines = |addr| {
+            let (_, body) = ferry_tests::http(addr, "GET", "/metrics", b"").unwrap();
+            body.lines()
+                .filter(|l| l.contains("kv") && !l.starts_with('#'))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        panic!(
+            "the first request's blocks never reached its agent\nscheduler:\n{}\nagent a:\n{}\nagent b:\n{}",
+            kv_lines(http),
+            kv_lines(nodes[0].agent.addr("grpc")),
+            kv_lines(nodes[1].agent.addr("grpc"))
+        );
+    }
+    let (a, b) = if nodes[0].stored_bytes() > 0.0 { (0, 1) } else { (1, 0) };
+    assert_eq!(nodes[b].stored_bytes(), 0.0, "only the node that computed it stored it");
+
+    // That node's executor dies; its agent (host memory) lives on.
+    let mut nodes = nodes;
+    signal(nodes[a].executor.pid(), "KILL").unwrap();
+    assert!(nodes[a].executor.wait_exit().is_some());
+    assert!(wait_for(Duration::from_mins(1), running_series(1)).await.is_some());
+
+    // The next requests share the prefix: the surviving executor reads it from the dead
+    // executor's agent, computes only the rest, and answers as if it had computed it all.
+    let prompt_before = metric(http, "vllm:prompt_tokens{");
+    let got = run_streams(scheduler.addr("grpc"), second(), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    let computed = metric(http, "vllm:prompt_tokens{") - prompt_before;
+    let imported = metric(http, "ferry_kv_tier_imported_blocks{");
+    assert!(metric(http, "ferry_kv_tier_hits{") >= 1.0, "no request read the tier");
+    assert!(imported >= 20.0, "{imported} blocks read from the tier");
+    assert_eq!(metric(http, "ferry_kv_tier_import_failures{"), 0.0);
+    // Two prompts of ~360 tokens sharing ~350: without the read, the first would compute all
+    // of its prompt (and the second hit it in the cache); with it, each computes its question.
+    assert!(computed < 150.0, "{computed} prompt tokens computed: the prefix was recomputed");
+    let sent = metric(nodes[a].agent.addr("grpc"), "ferry_kv_sent_bytes{");
+    assert!(sent > 0.0, "the first node's agent sent nothing");
+    assert_executor_idle(&nodes[b].executor).await;
+}

@@ -78,6 +78,7 @@ fn header(tid: &str, blocks: usize, block_size: u32, destination: Option<String>
             block_hashes: (1..=blocks as u64).map(|i| base + i).collect(),
             destination_agent: destination.unwrap_or_default(),
             deadline_unix_ms: unix_deadline(std::time::Duration::from_secs(600)),
+            traceparent: String::new(),
         })),
     })
     .expect("a valid bench header")
@@ -201,6 +202,7 @@ async fn export(
         layout: Some(h.layout.layout.clone()),
         block_hashes: h.hashes.clone(),
         deadline_unix_ms: unix_deadline(std::time::Duration::from_secs(600)),
+        traceparent: String::new(),
     };
     let start = Instant::now();
     let reader = async {

@@ -172,6 +172,7 @@ async fn a_prompt_computed_on_one_engine_decodes_on_another_from_its_moved_kv() 
     let import = v1::KvOperation {
         transfer_id: "t-7".into(),
         deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        traceparent: String::new(),
         op: Some(Op::Import(v1::KvImport {
             request_id: 7,
             block_ids: d_blocks.clone(),
@@ -183,6 +184,7 @@ async fn a_prompt_computed_on_one_engine_decodes_on_another_from_its_moved_kv() 
     let export = v1::KvOperation {
         transfer_id: "t-7".into(),
         deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        traceparent: String::new(),
         op: Some(Op::Export(v1::KvExport {
             request_id: 7,
             block_ids: p_blocks[..full].to_vec(),
@@ -231,6 +233,7 @@ async fn blocks_stored_to_the_kv_tier_are_read_back_by_another_engine_exactly() 
     let store = v1::KvOperation {
         transfer_id: "tier-1".into(),
         deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        traceparent: String::new(),
         op: Some(Op::Store(v1::KvStore {
             block_ids: blocks[..full].to_vec(),
             block_hashes: hashes(full),
@@ -248,6 +251,7 @@ async fn blocks_stored_to_the_kv_tier_are_read_back_by_another_engine_exactly() 
     let read = |tid: &str, block_ids: Vec<u32>, hashes: Vec<u64>| v1::KvOperation {
         transfer_id: tid.into(),
         deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        traceparent: String::new(),
         op: Some(Op::Import(v1::KvImport {
             request_id: 5,
             block_ids,
@@ -281,6 +285,7 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
     let import = |tid: &str, blocks: Vec<u32>, hashes: Vec<u64>| v1::KvOperation {
         transfer_id: tid.into(),
         deadline_unix_ms: unix_deadline(Duration::from_millis(400)),
+        traceparent: String::new(),
         op: Some(Op::Import(v1::KvImport {
             request_id: 9,
             block_ids: blocks,
@@ -316,6 +321,7 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
             destination_agent: b.clone(),
         })),
         deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        traceparent: String::new(),
     };
     let cases = [
         (import("t-a", vec![1], hashes(1)), "block 1 is in use"),

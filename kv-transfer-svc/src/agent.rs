@@ -28,6 +28,28 @@ use tonic::Status;
 use crate::frames::{self, BlockAssembler, FrameError, Header};
 use crate::layout::BlockLayout;
 use crate::store::{BlockKey, BlockStore, Inserted};
+use ferry_runtime::telemetry::HopSpan;
+
+/// A span for this agent's part in the transfer of `header`, under the sender's trace.
+fn hop_span(header: &Header, name: &'static str) -> Option<HopSpan> {
+    use opentelemetry::KeyValue;
+    HopSpan::start(
+        &header.traceparent,
+        name,
+        vec![
+            KeyValue::new("ferry.transfer_id", header.transfer_id.clone()),
+            KeyValue::new("ferry.blocks", header.hashes.len() as i64),
+            KeyValue::new("ferry.bytes", header.total_bytes() as i64),
+        ],
+    )
+}
+
+/// Ends `span` with `result`.
+fn end_hop<T, E: std::fmt::Display>(span: Option<HopSpan>, result: &Result<T, E>) {
+    if let Some(span) = span {
+        span.end(result.as_ref().err().map(ToString::to_string).as_deref());
+    }
+}
 
 /// How long an ended transfer's reason is kept.
 pub const TOMBSTONE_TTL: Duration = Duration::from_mins(10);
@@ -230,6 +252,17 @@ impl Agent {
         if header.destination.is_some() {
             return Err(Status::invalid_argument("a push is stored here: it names no destination"));
         }
+        let span = hop_span(&header, "kv_receive");
+        let result = self.receive_pushed(header, frames).await;
+        end_hop(span, &result);
+        result
+    }
+
+    async fn receive_pushed(
+        &self,
+        header: Header,
+        mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+    ) -> Result<Receipt, Status> {
         let tid = header.transfer_id.clone();
         let deadline = deadline_of(header.deadline_unix_ms);
         self.begin_incoming(&header, deadline)?;
@@ -260,11 +293,12 @@ impl Agent {
         header: Header,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
     ) -> Result<Receipt, Status> {
+        let span = hop_span(&header, "kv_store");
         let deadline = deadline_of(header.deadline_unix_ms);
         let received =
             tokio::time::timeout_at(deadline, self.receive_blocks(&header, &mut frames, false))
                 .await;
-        match received {
+        let result = match received {
             Ok(Ok(bytes)) => Ok(Receipt {
                 transfer_id: header.transfer_id,
                 blocks: header.hashes.len() as u32,
@@ -281,7 +315,9 @@ impl Agent {
                     header.transfer_id
                 )))
             }
-        }
+        };
+        end_hop(span, &result);
+        result
     }
 
     /// Registers a push about to arrive; refuses a transfer that already ended or is arriving.
@@ -441,31 +477,39 @@ impl Agent {
             hashes: req.block_hashes,
             destination: None,
             deadline_unix_ms: req.deadline_unix_ms,
+            traceparent: req.traceparent,
         };
+        let span = hop_span(&header, "kv_read");
         let keys: Vec<BlockKey> =
             header.hashes.iter().map(|&hash| BlockKey { layout: header.layout.id, hash }).collect();
         if header.transfer_id.is_empty() {
             // A KV-tier read: all present now, or NOT_FOUND naming the first that is not.
-            let blocks = {
+            let found: Result<Vec<Bytes>, Status> = {
                 let mut st = self.state();
-                let mut blocks = Vec::with_capacity(keys.len());
-                for (i, key) in keys.iter().enumerate() {
-                    match st.store.get(*key) {
-                        Some(b) => blocks.push(b),
-                        None => {
-                            return Err(Status::not_found(format!(
+                keys.iter()
+                    .enumerate()
+                    .map(|(i, key)| {
+                        st.store.get(*key).ok_or_else(|| {
+                            Status::not_found(format!(
                                 "block {i} ({:016x}) is not in this agent's store",
                                 key.hash
-                            )))
-                        }
-                    }
+                            ))
+                        })
+                    })
+                    .collect()
+            };
+            let blocks = match found {
+                Ok(blocks) => blocks,
+                Err(missing) => {
+                    end_hop(span, &Err::<(), _>(&missing));
+                    return Err(missing);
                 }
-                blocks
             };
             let (tx, rx) = mpsc::channel(4);
             let agent = self.clone();
             tokio::spawn(async move {
-                let _ = agent.send_blocks(&header, blocks.into_iter().map(Ok), &tx).await;
+                let sent = agent.send_blocks(&header, blocks.into_iter().map(Ok), &tx).await;
+                end_hop(span, &sent.map_err(|()| "the read ended before every block was sent"));
             });
             return Ok(rx);
         }
@@ -481,6 +525,7 @@ impl Agent {
             if sent.is_ok() {
                 agent.release(&tid);
             }
+            end_hop(span, &sent.map_err(|()| "the read ended before every block was sent"));
         });
         Ok(rx)
     }
@@ -578,6 +623,19 @@ impl Agent {
     /// Forwards an executor's export (a `Put` naming a destination) to the destination agent
     /// as it arrives, checking every chunk on the way; answers once the destination has all.
     pub async fn forward(
+        &self,
+        mut header: Header,
+        frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+    ) -> Result<Receipt, Status> {
+        let span = hop_span(&header, "kv_forward");
+        // The destination's span goes under this one.
+        header.traceparent = ferry_runtime::telemetry::hop_traceparent(span.as_ref());
+        let result = self.forwarded(header, frames).await;
+        end_hop(span, &result);
+        result
+    }
+
+    async fn forwarded(
         &self,
         header: Header,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,

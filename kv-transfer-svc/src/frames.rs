@@ -39,6 +39,8 @@ pub struct Header {
     pub destination: Option<String>,
     /// Unix milliseconds after which the transfer is abandoned; 0 for none.
     pub deadline_unix_ms: u64,
+    /// The sender's trace context (empty: untraced).
+    pub traceparent: String,
 }
 
 impl Header {
@@ -50,6 +52,7 @@ impl Header {
             block_hashes: self.hashes.clone(),
             destination_agent: self.destination.clone().unwrap_or_default(),
             deadline_unix_ms: self.deadline_unix_ms,
+            traceparent: self.traceparent.clone(),
         }
     }
 
@@ -148,6 +151,7 @@ pub fn read_header(frame: v1::BlockFrame) -> Result<Header, FrameError> {
         hashes: header.block_hashes,
         destination,
         deadline_unix_ms: header.deadline_unix_ms,
+        traceparent: header.traceparent,
     })
 }
 

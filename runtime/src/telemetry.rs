@@ -142,3 +142,51 @@ pub fn from_traceparent(traceparent: &str) -> Context {
     let carrier = HashMap::from([("traceparent".to_string(), traceparent.to_string())]);
     global::get_text_map_propagator(|p| p.extract(&carrier))
 }
+
+/// A span that one hop of a multi-hop operation (a KV transfer: executor → agent → agent)
+/// opens under the `traceparent` it was handed, and whose own `traceparent` it hands on.
+/// `None` (and nothing recorded) when the parent is absent or not sampled.
+#[derive(Debug)]
+pub struct HopSpan {
+    cx: Context,
+}
+
+impl HopSpan {
+    /// Opens span `name` with `attributes` under `traceparent`.
+    pub fn start(
+        traceparent: &str,
+        name: &'static str,
+        attributes: Vec<opentelemetry::KeyValue>,
+    ) -> Option<Self> {
+        use opentelemetry::trace::Tracer;
+        let parent = from_traceparent(traceparent);
+        if !parent.span().span_context().is_sampled() {
+            return None;
+        }
+        let tracer = tracer();
+        let span = tracer
+            .span_builder(name)
+            .with_attributes(attributes)
+            .start_with_context(&tracer, &parent);
+        Some(Self { cx: parent.with_span(span) })
+    }
+
+    /// This span as a `traceparent` for the next hop.
+    pub fn traceparent(&self) -> String {
+        traceparent(&self.cx)
+    }
+
+    /// Ends the span: ok, or failed with `error`.
+    pub fn end(self, error: Option<&str>) {
+        let span = self.cx.span();
+        if let Some(e) = error {
+            span.set_status(opentelemetry::trace::Status::error(e.to_string()));
+        }
+        span.end();
+    }
+}
+
+/// The `traceparent` of `span`, or empty.
+pub fn hop_traceparent(span: Option<&HopSpan>) -> String {
+    span.map(HopSpan::traceparent).unwrap_or_default()
+}

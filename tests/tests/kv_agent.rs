@@ -36,6 +36,7 @@ fn header(tid: &str, blocks: usize, destination: Option<&str>, deadline: Duratio
             block_hashes: (1..=blocks as u64).map(|h| h * 0x9e37_79b9).collect(),
             destination_agent: destination.unwrap_or_default().into(),
             deadline_unix_ms: unix_deadline(deadline),
+            traceparent: String::new(),
         })),
     })
     .expect("a valid header")
@@ -94,6 +95,7 @@ async fn get(
         layout: Some(h.layout.layout.clone()),
         block_hashes: h.hashes.clone(),
         deadline_unix_ms: unix_deadline(deadline),
+        traceparent: String::new(),
     };
     let mut stream = client.clone().get(req).await?.into_inner();
     let mut bytes = Vec::new();

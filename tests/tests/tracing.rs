@@ -74,8 +74,8 @@ fn hex(bytes: &[u8]) -> String {
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
+/// A trace receiver on a free port: its collected spans and its OTLP endpoint.
+async fn start_collector() -> (Collector, String) {
     // Export quickly so the test need not wait for the default 5 s batch delay.
     std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
     let collector = Collector::default();
@@ -85,6 +85,12 @@ async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
         .add_service(TraceServiceServer::new(collector.clone()))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     tokio::spawn(server);
+    (collector, otlp)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
+    let (collector, otlp) = start_collector().await;
 
     // Three processes: an executor, a scheduler that leads the pool, a front.
     let etcd = Etcd::start().unwrap();
@@ -198,4 +204,102 @@ async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
     assert!(steps
         .iter()
         .any(|s| attr(&s.attributes, "ferry.decode_tokens").as_deref() == Some("1")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_transfer_is_traced_under_its_request_through_both_agents() {
+    let (collector, otlp) = start_collector().await;
+    // A prefill node and a decode node, each an agent and an executor, and a scheduler that
+    // disaggregates every prompt of 16 tokens or more; all export spans.
+    let trace = ["--otlp-endpoint", otlp.as_str()];
+    let node = |role: &str| {
+        let agent_args = [&["--listen", "127.0.0.1:0", "--node-id", role][..], &trace].concat();
+        let agent = Service::start("ferry-kv", &agent_args, 1).unwrap();
+        let kv = agent.addr("grpc").to_string();
+        let exec_args = [
+            &["--listen", "127.0.0.1:0", "--role", role, "--kv-agent", &kv, "--kv-cache-mib", "64"]
+                [..],
+            &trace,
+        ]
+        .concat();
+        let executor = Service::start("ferry-executor", &exec_args, 1).unwrap();
+        (agent, executor)
+    };
+    let (p_agent, p_exec) = node("prefill");
+    let (d_agent, d_exec) = node("decode");
+    let extra = [&["--disaggregation-min-tokens", "16"][..], &trace].concat();
+    let sched = ferry_tests::start_scheduler(&[&p_exec, &d_exec], &extra);
+    let http_addr = sched.addr("http");
+    let both = (0..400).any(|_| {
+        std::thread::sleep(Duration::from_millis(25));
+        http(http_addr, "GET", "/metrics", b"").is_ok_and(|(_, body)| {
+            body.lines().filter(|l| l.starts_with("vllm:num_requests_running{")).count() == 2
+        })
+    });
+    assert!(both, "the scheduler never drove both executors");
+
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let traceparent = format!("00-{trace_id}-b7ad6b7169203331-01");
+    let body = br#"{"model":"SmolLM2-135M-Instruct","prompt":"The lighthouse keeper climbed the stairs every evening at dusk to light the lamp above the bay","max_tokens":4,"ignore_eos":true}"#;
+    let headers = [("traceparent", traceparent.as_str())];
+    let (status, response) =
+        ferry_tests::http_with(http_addr, "POST", "/v1/completions", &headers, body).unwrap();
+    assert_eq!(status, 200, "{response}");
+
+    // Executor P's export, P's agent forwarding it, D's agent receiving it, executor D's
+    // import and D's agent serving the read: one trace, each hop under the one before.
+    let want = [
+        ("ferry-executor", "kv_export"),
+        ("ferry-kv", "kv_forward"),
+        ("ferry-kv", "kv_receive"),
+        ("ferry-executor", "kv_import"),
+        ("ferry-kv", "kv_read"),
+        ("ferry-scheduler", "request"),
+    ];
+    let mut ours = Vec::new();
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        ours = collector
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| hex(&r.span.trace_id) == trace_id)
+            .cloned()
+            .collect::<Vec<Received>>();
+        if want
+            .iter()
+            .all(|(svc, name)| ours.iter().any(|r| r.service == *svc && r.span.name == *name))
+        {
+            break;
+        }
+    }
+    let find = |service: &str, name: &str| -> Span {
+        ours.iter()
+            .find(|r| r.service == service && r.span.name == name)
+            .unwrap_or_else(|| {
+                let got: Vec<_> = ours.iter().map(|r| (&r.service, &r.span.name)).collect();
+                panic!("no {name} span from {service} in trace {trace_id}; got {got:?}")
+            })
+            .span
+            .clone()
+    };
+    let request = find("ferry-scheduler", "request");
+    let export = find("ferry-executor", "kv_export");
+    let forward = find("ferry-kv", "kv_forward");
+    let receive = find("ferry-kv", "kv_receive");
+    let import = find("ferry-executor", "kv_import");
+    let read = find("ferry-kv", "kv_read");
+    assert_eq!(export.parent_span_id, request.span_id, "the export is under its request");
+    assert_eq!(import.parent_span_id, request.span_id, "the import is under its request");
+    assert_eq!(forward.parent_span_id, export.span_id, "executor → its agent");
+    assert_eq!(receive.parent_span_id, forward.span_id, "agent → agent");
+    assert_eq!(read.parent_span_id, import.span_id, "executor → its agent");
+    let tid = attr(&export.attributes, "ferry.transfer_id");
+    assert!(tid.is_some());
+    for span in [&forward, &receive, &import, &read] {
+        assert_eq!(attr(&span.attributes, "ferry.transfer_id"), tid, "{}", span.name);
+    }
+    assert!(attr(&receive.attributes, "ferry.bytes").is_some_and(|b| b != "0"));
+    drop((p_agent, d_agent));
 }

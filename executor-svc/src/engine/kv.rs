@@ -23,6 +23,7 @@ use ferry_kv_transfer_svc::data::{self, Op};
 use ferry_kv_transfer_svc::frames::{self, Header};
 use ferry_kv_transfer_svc::layout::BlockLayout;
 use ferry_proto::v1::{self, kv_operation::Op as KvOp};
+use ferry_runtime::telemetry;
 
 use super::backend::ModelBackend;
 
@@ -262,6 +263,7 @@ impl KvOps {
                 Some(KvOp::Import(_)) | None => None,
             };
             let (task, blocks) = if let Some((ids, hashes, destination)) = outgoing {
+                let span = op_span(op, "kv_export", hashes.len(), layout.block_bytes);
                 let copied = copy_out(backend, &ids[..hashes.len()], layout.block_bytes);
                 let header = Header {
                     transfer_id: tid.clone(),
@@ -269,6 +271,7 @@ impl KvOps {
                     hashes: hashes.clone(),
                     destination,
                     deadline_unix_ms: deadline,
+                    traceparent: telemetry::hop_traceparent(span.as_ref()),
                 };
                 let agent = port.agent.clone();
                 let task = port.runtime.spawn(async move {
@@ -276,6 +279,7 @@ impl KvOps {
                         Ok(blocks) => by(deadline, export(&agent, header, blocks)).await,
                         Err(e) => Err(e),
                     };
+                    end_span(span, &result);
                     let _ = done.send(Done::Export { transfer_id: tid, result });
                 });
                 (task, Vec::new())
@@ -283,16 +287,19 @@ impl KvOps {
                 // A KV-tier read names the agent whose store holds the blocks, and no transfer
                 // (the agent answers from its store now); else the transfer arrives here.
                 let tier_read = !i.source_agent.is_empty();
+                let span = op_span(op, "kv_import", i.block_ids.len(), layout.block_bytes);
                 let request = v1::GetBlocksRequest {
                     transfer_id: if tier_read { String::new() } else { tid.clone() },
                     layout: Some(layout.layout.clone()),
                     block_hashes: i.block_hashes.clone(),
                     deadline_unix_ms: deadline,
+                    traceparent: telemetry::hop_traceparent(span.as_ref()),
                 };
                 let agent = if tier_read { i.source_agent.clone() } else { port.agent.clone() };
                 let (n, block_bytes) = (i.block_ids.len(), layout.block_bytes);
                 let task = port.runtime.spawn(async move {
                     let result = by(deadline, import(&agent, &request, n, block_bytes)).await;
+                    end_span(span, &result);
                     let _ = done.send(Done::Import { transfer_id: tid, result });
                 });
                 (task, i.block_ids.clone())
@@ -356,6 +363,39 @@ impl KvOps {
             t.task.abort();
         }
         while self.done_rx.try_recv().is_ok() {}
+    }
+}
+
+/// The executor's span for KV operation `op` (`name`), under its request's trace; `None` when
+/// untraced (a KV-tier store carries no trace).
+fn op_span(
+    op: &v1::KvOperation,
+    name: &'static str,
+    blocks: usize,
+    block_bytes: usize,
+) -> Option<telemetry::HopSpan> {
+    use opentelemetry::KeyValue;
+    let (peer_key, peer) = match &op.op {
+        Some(KvOp::Export(e)) => ("ferry.destination_agent", e.destination_agent.clone()),
+        Some(KvOp::Import(i)) => ("ferry.source_agent", i.source_agent.clone()),
+        _ => ("ferry.agent", String::new()),
+    };
+    telemetry::HopSpan::start(
+        &op.traceparent,
+        name,
+        vec![
+            KeyValue::new("ferry.transfer_id", op.transfer_id.clone()),
+            KeyValue::new("ferry.blocks", blocks as i64),
+            KeyValue::new("ferry.bytes", (blocks * block_bytes) as i64),
+            KeyValue::new(peer_key, peer),
+        ],
+    )
+}
+
+/// Ends `span` with the transfer's outcome.
+fn end_span<T>(span: Option<telemetry::HopSpan>, result: &Result<T, Failed>) {
+    if let Some(span) = span {
+        span.end(result.as_ref().err().map(|f| f.message.as_str()));
     }
 }
 

@@ -37,6 +37,16 @@ fn has_agent(link: &LinkHandle) -> bool {
     !link.info.kv_agent_address.is_empty()
 }
 
+/// Whether `link`'s KV pool has room now for a `prompt_len`-token prompt (free or evictable
+/// blocks): a decode executor without it would hold the moved KV waiting, while the request
+/// could as well wait there whole.
+fn has_room(link: &LinkHandle, prompt_len: usize) -> bool {
+    let bs = (link.info.block_size as usize).max(1);
+    let total = f64::from(link.info.num_blocks);
+    let free = (total * (1.0 - link.stats().kv_usage)).floor();
+    free >= (prompt_len / bs + 1) as f64
+}
+
 /// The decode half of a disaggregated request, chosen when its prefill half was placed.
 #[derive(Clone)]
 pub(crate) struct Handoff {
@@ -137,6 +147,7 @@ impl Front {
             .iter()
             .filter(|l| !prefill_only(l) && has_agent(l))
             .filter(|d| prefill.iter().any(|p| p.info.kv_layout == d.info.kv_layout))
+            .filter(|d| has_room(d, spec.prompt.len()))
             .cloned()
             .collect();
         let decode = Self::pick(&decoders, &spec.prompt).await?;
@@ -190,7 +201,18 @@ pub(crate) fn cancel_transfer(agent: &str, transfer_id: TransferId, reason: &str
 
 #[cfg(test)]
 mod tests {
-    use super::import_tokens;
+    use super::{has_room, import_tokens};
+    use crate::link::fake::{fake_link, test_config};
+
+    #[tokio::test]
+    async fn a_decode_executor_needs_room_for_the_prompt_now() {
+        let metrics = crate::metrics::SchedulerMetrics::new();
+        let (link, _exec) = fake_link("d", std::sync::Arc::new(|_, _| 5), metrics);
+        let cfg = test_config();
+        let capacity = cfg.num_blocks * cfg.block_size;
+        assert!(has_room(&link, capacity / 2));
+        assert!(!has_room(&link, capacity), "one block more than the pool: no room");
+    }
 
     #[test]
     fn an_import_covers_whole_blocks_short_of_the_last_prompt_token() {

@@ -174,10 +174,11 @@ impl StepLoop {
             if let Some(reason) = close.borrow_and_update().clone() {
                 return self.fail_all(&reason);
             }
-            while !self.idle
-                && !self.core.is_drained()
-                && self.in_flight.len() < MAX_STEPS_IN_FLIGHT
-            {
+            // A drained core may still have KV-tier writes to send, or results of them to hear.
+            let work = !self.core.is_drained()
+                || self.core.tier_stores_pending()
+                || !self.tier_ops.is_empty();
+            while !self.idle && work && self.in_flight.len() < MAX_STEPS_IN_FLIGHT {
                 let step = match self.build_step() {
                     Ok(step) => step,
                     Err(why) => return self.fail_all(&why),
@@ -190,8 +191,9 @@ impl StepLoop {
                 self.idle = empty;
             }
             let stats = self.core.stats();
-            let transfers =
-                stats.num_receiving + stats.num_transferring > 0 || !self.tier_ops.is_empty();
+            let transfers = stats.num_receiving + stats.num_transferring > 0
+                || !self.tier_ops.is_empty()
+                || self.core.tier_stores_pending();
             tokio::select! {
                 Ok(()) = close.changed() => {} // handled at the top of the loop
                 () = tokio::time::sleep(TRANSFER_POLL), if self.idle && transfers => {

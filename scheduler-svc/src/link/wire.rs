@@ -140,6 +140,8 @@ fn kv_op<'a>(
     now_unix_ms: u64,
     info_of: &impl Fn(RequestId) -> Option<RequestInfo<'a>>,
 ) -> v1::KvOperation {
+    let traceparent =
+        |id| info_of(id).map(|(spec, _)| spec.traceparent.clone()).unwrap_or_default();
     let deadline = |id| match info_of(id).and_then(|(_, t)| t) {
         Some(TransferPlan::Export { timeout, .. } | TransferPlan::Import { timeout, .. }) => {
             now_unix_ms.saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
@@ -155,6 +157,7 @@ fn kv_op<'a>(
             v1::KvOperation {
                 transfer_id: transfer_id.0.to_string(),
                 deadline_unix_ms: deadline(id),
+                traceparent: traceparent(id),
                 op: Some(v1::kv_operation::Op::Export(v1::KvExport {
                     request_id: id.0,
                     block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),
@@ -166,6 +169,7 @@ fn kv_op<'a>(
         KvOp::Import { id, transfer_id, block_ids, block_hashes, .. } => v1::KvOperation {
             transfer_id: transfer_id.0.to_string(),
             deadline_unix_ms: deadline(id),
+            traceparent: traceparent(id),
             op: Some(v1::kv_operation::Op::Import(v1::KvImport {
                 request_id: id.0,
                 block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),
@@ -181,6 +185,7 @@ fn kv_op<'a>(
             transfer_id: format!("{TIER_STORE_PREFIX}{session_id}-{}", plan.step_id.0),
             deadline_unix_ms: now_unix_ms
                 .saturating_add(u64::try_from(TIER_STORE_TIMEOUT.as_millis()).unwrap_or(0)),
+            traceparent: String::new(),
             op: Some(v1::kv_operation::Op::Store(v1::KvStore {
                 block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),
                 block_hashes: plan.hashes(block_hashes).iter().map(|h| h.0).collect(),

@@ -25,6 +25,13 @@ pub(crate) struct TierStores {
 }
 
 impl Scheduler {
+    /// Blocks wait to be written to the KV tier: the next step carries some, even when no
+    /// request is left (a drained core still has this to send).
+    #[must_use]
+    pub fn tier_stores_pending(&self) -> bool {
+        !self.tier.pending.is_empty()
+    }
+
     /// Queue the full blocks request `idx` computed itself for the KV tier (call before its
     /// blocks are released).
     pub(super) fn queue_tier_store(&mut self, idx: u32) {

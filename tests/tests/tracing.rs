@@ -55,6 +55,44 @@ impl TraceService for Collector {
     }
 }
 
+impl Collector {
+    /// Waits (up to 10 s) until spans `(service, name)` of every entry in `want` arrived in
+    /// trace `trace_id`; the trace's spans so far.
+    async fn wait_for(&self, trace_id: &str, want: &[(&str, &str)]) -> Vec<Received> {
+        let mut ours = Vec::new();
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            ours = self
+                .spans
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|r| hex(&r.span.trace_id) == trace_id)
+                .cloned()
+                .collect();
+            if want
+                .iter()
+                .all(|(svc, name)| ours.iter().any(|r| r.service == *svc && r.span.name == *name))
+            {
+                break;
+            }
+        }
+        ours
+    }
+}
+
+/// The span `name` that `service` sent, among `ours`.
+fn find(ours: &[Received], service: &str, name: &str) -> Span {
+    ours.iter()
+        .find(|r| r.service == service && r.span.name == name)
+        .unwrap_or_else(|| {
+            let got: Vec<_> = ours.iter().map(|r| (&r.service, &r.span.name)).collect();
+            panic!("no {name} span from {service}; got {got:?}")
+        })
+        .span
+        .clone()
+}
+
 fn attr(attrs: &[KeyValue], key: &str) -> Option<String> {
     let v = attrs.iter().find(|kv| kv.key == key)?.value.as_ref()?.value.as_ref()?;
     Some(match v {
@@ -127,38 +165,18 @@ async fn one_request_is_one_trace_across_front_scheduler_and_executor() {
 
     // Wait for every process to export the request's spans.
     let want = ["generate", "tokenize", "request", "queue", "execute"];
-    let mut ours = Vec::new();
-    for _ in 0..100 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        ours = collector
-            .spans
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|r| hex(&r.span.trace_id) == trace_id)
-            .cloned()
-            .collect();
-        let has = |service: &str, name: &str| {
-            ours.iter().any(|r| r.service == service && r.span.name == name)
-        };
-        if has("ferry-front", "generate")
-            && has("ferry-scheduler", "generate")
-            && has("ferry-executor", "execute")
-            && has("ferry-scheduler", "queue")
-        {
-            break;
-        }
-    }
-    let find = |service: &str, name: &str| -> Span {
-        ours.iter()
-            .find(|r| r.service == service && r.span.name == name)
-            .unwrap_or_else(|| {
-                let got: Vec<_> = ours.iter().map(|r| (&r.service, &r.span.name)).collect();
-                panic!("no {name} span from {service} in trace {trace_id}; got {got:?}")
-            })
-            .span
-            .clone()
-    };
+    let ours = collector
+        .wait_for(
+            trace_id,
+            &[
+                ("ferry-front", "generate"),
+                ("ferry-scheduler", "generate"),
+                ("ferry-executor", "execute"),
+                ("ferry-scheduler", "queue"),
+            ],
+        )
+        .await;
+    let find = |service: &str, name: &str| find(&ours, service, name);
     for name in want {
         assert!(ours.iter().any(|r| r.span.name == name), "no {name} span");
     }
@@ -256,34 +274,8 @@ async fn a_kv_transfer_is_traced_under_its_request_through_both_agents() {
         ("ferry-kv", "kv_read"),
         ("ferry-scheduler", "request"),
     ];
-    let mut ours = Vec::new();
-    for _ in 0..100 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        ours = collector
-            .spans
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|r| hex(&r.span.trace_id) == trace_id)
-            .cloned()
-            .collect::<Vec<Received>>();
-        if want
-            .iter()
-            .all(|(svc, name)| ours.iter().any(|r| r.service == *svc && r.span.name == *name))
-        {
-            break;
-        }
-    }
-    let find = |service: &str, name: &str| -> Span {
-        ours.iter()
-            .find(|r| r.service == service && r.span.name == name)
-            .unwrap_or_else(|| {
-                let got: Vec<_> = ours.iter().map(|r| (&r.service, &r.span.name)).collect();
-                panic!("no {name} span from {service} in trace {trace_id}; got {got:?}")
-            })
-            .span
-            .clone()
-    };
+    let ours = collector.wait_for(trace_id, &want).await;
+    let find = |service: &str, name: &str| find(&ours, service, name);
     let request = find("ferry-scheduler", "request");
     let export = find("ferry-executor", "kv_export");
     let forward = find("ferry-kv", "kv_forward");

@@ -4,7 +4,8 @@
 //! holds a longer prefix than the executor's cache, the executor imports those blocks instead
 //! of computing them.
 //!
-//! The index is a hint, not the truth: an agent evicts blocks by LRU, restarts empty, or dies,
+//! Kept per agent and KV layout (an agent stores blocks of several models or dtypes side by
+//! side, under the same hashes). The index is a hint, not the truth: an agent evicts blocks by LRU, restarts empty, or dies,
 //! and the index does not hear of it. That is safe — an import of a block that is gone fails
 //! (`NOT_FOUND`) and the request computes its prompt as if it had never tried — and the
 //! failure drops the agent's entries for those blocks. Kept per agent, bounded (oldest
@@ -13,6 +14,8 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
+
+use ferry_proto::v1;
 
 /// Blocks remembered per agent; past it the oldest entries are forgotten.
 pub const MAX_BLOCKS_PER_AGENT: usize = 1 << 18;
@@ -23,24 +26,36 @@ struct AgentBlocks {
     order: VecDeque<u64>,
 }
 
-/// What each agent holds, as far as this scheduler knows.
+/// A KV layout as the index tells layouts apart: every field, the model's fingerprint
+/// included (an agent stores blocks of several layouts side by side, under the same hashes).
+pub fn layout_key(layout: Option<&v1::KvLayout>) -> String {
+    layout.map_or_else(String::new, |l| {
+        format!(
+            "{}x{}x{}x{}:{}:{}",
+            l.num_layers, l.block_size, l.num_kv_heads, l.head_dim, l.dtype, l.model_fingerprint
+        )
+    })
+}
+
+/// What each agent holds, per layout, as far as this scheduler knows.
 #[derive(Default)]
 pub struct TierIndex {
-    agents: Mutex<HashMap<String, AgentBlocks>>,
+    /// By (agent address, [`layout_key`]).
+    agents: Mutex<HashMap<(String, String), AgentBlocks>>,
 }
 
 impl TierIndex {
-    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<String, AgentBlocks>> {
+    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), AgentBlocks>> {
         self.agents.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// `agent` now holds the blocks named `hashes`.
-    pub fn stored(&self, agent: &str, hashes: &[u64]) {
+    /// `agent` now holds the blocks of `layout` named `hashes`.
+    pub fn stored(&self, agent: &str, layout: &str, hashes: &[u64]) {
         if agent.is_empty() || hashes.is_empty() {
             return;
         }
         let mut agents = self.agents();
-        let a = agents.entry(agent.to_string()).or_default();
+        let a = agents.entry((agent.to_string(), layout.to_string())).or_default();
         for &h in hashes {
             if a.held.insert(h) {
                 a.order.push_back(h);
@@ -53,10 +68,10 @@ impl TierIndex {
         }
     }
 
-    /// `agent` no longer holds (some of) `hashes`: forget them all.
-    pub fn forget(&self, agent: &str, hashes: &[u64]) {
+    /// `agent` no longer holds (some of) `hashes` of `layout`: forget them all.
+    pub fn forget(&self, agent: &str, layout: &str, hashes: &[u64]) {
         let mut agents = self.agents();
-        if let Some(a) = agents.get_mut(agent) {
+        if let Some(a) = agents.get_mut(&(agent.to_string(), layout.to_string())) {
             for h in hashes {
                 a.held.remove(h);
             }
@@ -64,12 +79,21 @@ impl TierIndex {
         }
     }
 
-    /// The agent holding the longest run of `hashes` from the first, and its length in
-    /// blocks; `prefer` wins ties (an executor's own agent is read without crossing nodes).
-    pub fn longest_prefix(&self, hashes: &[u64], prefer: &str) -> Option<(String, usize)> {
+    /// The agent holding the longest run of `hashes` (of `layout`) from the first, and its
+    /// length in blocks; `prefer` wins ties (an executor's own agent is read without crossing
+    /// nodes).
+    pub fn longest_prefix(
+        &self,
+        hashes: &[u64],
+        layout: &str,
+        prefer: &str,
+    ) -> Option<(String, usize)> {
         let agents = self.agents();
         let mut best: Option<(&str, usize)> = None;
-        for (agent, a) in agents.iter() {
+        for ((agent, l), a) in agents.iter() {
+            if l != layout {
+                continue;
+            }
             let n = hashes.iter().take_while(|h| a.held.contains(h)).count();
             let better = match best {
                 None => n > 0,
@@ -82,9 +106,9 @@ impl TierIndex {
         best.map(|(a, n)| (a.to_string(), n))
     }
 
-    /// Blocks remembered for `agent`.
-    pub fn len(&self, agent: &str) -> usize {
-        self.agents().get(agent).map_or(0, |a| a.held.len())
+    /// Blocks of `layout` remembered for `agent`.
+    pub fn len(&self, agent: &str, layout: &str) -> usize {
+        self.agents().get(&(agent.to_string(), layout.to_string())).map_or(0, |a| a.held.len())
     }
 }
 
@@ -95,17 +119,23 @@ mod tests {
     #[test]
     fn the_longest_prefix_wins_and_the_own_agent_breaks_ties() {
         let index = TierIndex::default();
-        index.stored("a:1", &[1, 2, 3]);
-        index.stored("b:1", &[1, 2]);
-        assert_eq!(index.longest_prefix(&[1, 2, 3, 4], "b:1"), Some(("a:1".into(), 3)));
-        assert_eq!(index.longest_prefix(&[1, 2, 9], "b:1"), Some(("b:1".into(), 2)));
+        index.stored("a:1", "L", &[1, 2, 3]);
+        index.stored("b:1", "L", &[1, 2]);
+        index.stored("c:1", "other", &[1, 2, 3, 4]);
+        assert_eq!(index.longest_prefix(&[1, 2, 3, 4], "L", "b:1"), Some(("a:1".into(), 3)));
+        assert_eq!(index.longest_prefix(&[1, 2, 9], "L", "b:1"), Some(("b:1".into(), 2)));
         assert_eq!(
-            index.longest_prefix(&[9, 1, 2], "a:1"),
+            index.longest_prefix(&[1, 2, 3, 4], "other", "a:1"),
+            Some(("c:1".into(), 4)),
+            "another layout's blocks are another layout's"
+        );
+        assert_eq!(
+            index.longest_prefix(&[9, 1, 2], "L", "a:1"),
             None,
             "a run starts at the first block"
         );
-        index.forget("a:1", &[2]);
-        assert_eq!(index.longest_prefix(&[1, 2, 3], "x"), Some(("b:1".into(), 2)));
-        assert_eq!(index.len("a:1"), 2);
+        index.forget("a:1", "L", &[2]);
+        assert_eq!(index.longest_prefix(&[1, 2, 3], "L", "x"), Some(("b:1".into(), 2)));
+        assert_eq!(index.len("a:1", "L"), 2);
     }
 }

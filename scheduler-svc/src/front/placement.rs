@@ -166,7 +166,8 @@ impl Front {
         // Salt 0: the front's requests carry none (RequestSpec::to_core).
         ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, 0);
         let hashes: Vec<u64> = hashes.iter().map(|h| h.0).collect();
-        let (agent, blocks) = set.tier.longest_prefix(&hashes, own_agent)?;
+        let layout = crate::tier::layout_key(link.info.kv_layout.as_ref());
+        let (agent, blocks) = set.tier.longest_prefix(&hashes, &layout, own_agent)?;
         let tokens = blocks * bs;
         let cached = link.prefix_hit(spec.prompt.clone()).await;
         if tokens < cached + min {

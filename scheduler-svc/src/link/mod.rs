@@ -183,6 +183,7 @@ impl LinkHandle {
         let kv = step_loop::KvFacts {
             block_bytes: transfers::block_bytes(info.kv_layout.as_ref()),
             agent: info.kv_agent_address.clone(),
+            layout: crate::tier::layout_key(info.kv_layout.as_ref()),
         };
         let eos = info.eos_token_ids.clone();
         let step_loop = step_loop::StepLoop::new(core, session, eos, kv, published);

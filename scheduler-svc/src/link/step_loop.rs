@@ -121,6 +121,8 @@ pub(super) struct KvFacts {
     pub block_bytes: u64,
     /// Its node's agent (empty: none).
     pub agent: String,
+    /// Its KV layout, as the tier's index keys it.
+    pub layout: String,
 }
 
 /// An operation the KV tier's index learns from when it is reported.
@@ -371,12 +373,12 @@ impl StepLoop {
         let Some(op) = self.tier_ops.remove(&k.transfer_id) else { return };
         let m = &self.published.metrics;
         match (&op.read_from, k.ok) {
-            (None, true) => self.published.tier.stored(&self.kv.agent, &op.hashes),
+            (None, true) => self.published.tier.stored(&self.kv.agent, &self.kv.layout, &op.hashes),
             (None, false) => {}
             (Some(_), true) => m.tier_imported_blocks.add(op.hashes.len() as u64),
             (Some(agent), false) => {
                 m.tier_import_failures.add(1);
-                self.published.tier.forget(agent, &op.hashes);
+                self.published.tier.forget(agent, &self.kv.layout, &op.hashes);
             }
         }
         if k.transfer_id.starts_with(wire::TIER_STORE_PREFIX) {

@@ -27,8 +27,49 @@ const REFUSED_RETRY: Duration = Duration::from_secs(10);
 /// `opener` (which carries the leadership epoch).
 pub async fn run(cluster: ClusterArgs, opener: SessionOpener, set: Arc<ExecutorSet>) {
     let client = cluster.client_patiently().await;
-    let events = watch_members(client, cluster.prefix(MemberKind::Executor));
-    reconcile_loop(Wanted::new(connector(opener), set), events).await;
+    let events = watch_members(client.clone(), cluster.prefix(MemberKind::Executor));
+    let agents = watch_members(client, cluster.prefix(MemberKind::KvAgent));
+    // One task: aborting it (leadership lost) stops both.
+    tokio::join!(
+        reconcile_loop(Wanted::new(connector(opener), set.clone()), events),
+        track_agents(agents, &set)
+    );
+}
+
+/// Keeps `set.agents` equal to the KV agents registered in etcd; an agent whose key goes away
+/// (it withdrew, or its lease lapsed) is not used for transfers and its blocks leave the KV
+/// tier's index (its store is gone, or going, with it).
+async fn track_agents(mut events: tokio::sync::mpsc::Receiver<MembershipEvent>, set: &ExecutorSet) {
+    let mut known: HashMap<String, String> = HashMap::new();
+    while let Some(ev) = events.recv().await {
+        let address = |value: &str| MemberInfo::from_value(value).ok().map(|i| i.address);
+        let gone: Vec<String> = match ev {
+            MembershipEvent::Snapshot(list) => {
+                let now: HashMap<String, String> = list
+                    .into_iter()
+                    .filter_map(|(name, value)| Some((name, address(&value)?)))
+                    .collect();
+                let gone = known
+                    .iter()
+                    .filter(|(name, a)| now.get(*name) != Some(*a))
+                    .map(|(_, a)| a.clone())
+                    .collect();
+                known = now;
+                gone
+            }
+            MembershipEvent::Put(name, value) => {
+                let Some(a) = address(&value) else { continue };
+                // A re-registration (a new lease) at the same address changes nothing.
+                known.insert(name, a.clone()).filter(|old| *old != a).into_iter().collect()
+            }
+            MembershipEvent::Delete(name) => known.remove(&name).into_iter().collect(),
+        };
+        for a in &gone {
+            tracing::info!(agent = %a, "KV agent gone: not used, its blocks forgotten");
+            set.tier.forget_agent(a);
+        }
+        set.agents.set(known.values().cloned());
+    }
 }
 
 /// Opens a session to executor `(name, url)`: through a [`SessionOpener`] in service, a fake

@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use crate::link::LinkHandle;
 use crate::metrics::SchedulerMetrics;
-use crate::tier::TierIndex;
+use crate::tier::{LiveAgents, TierIndex};
 
 /// The live links, by executor name.
 pub struct ExecutorSet {
@@ -21,6 +21,8 @@ pub struct ExecutorSet {
     pub metrics: Arc<SchedulerMetrics>,
     /// What each node's KV agent holds (the KV tier), as the links wrote it there.
     pub tier: Arc<TierIndex>,
+    /// The KV agents registered in etcd (all taken as live without etcd).
+    pub agents: LiveAgents,
     links: RwLock<Vec<LinkHandle>>,
     /// Set when this scheduler hands its work over for good (drain): nothing waits for links.
     retired: std::sync::atomic::AtomicBool,
@@ -33,6 +35,7 @@ impl Default for ExecutorSet {
         Self {
             metrics: SchedulerMetrics::new(),
             tier: Arc::default(),
+            agents: LiveAgents::default(),
             links: RwLock::new(Vec::new()),
             retired: std::sync::atomic::AtomicBool::new(false),
             changed: watch::channel(0).0,

@@ -308,6 +308,22 @@ impl MetricsView {
         for (name, help, c) in counters {
             t.counter(name, help, m, c.get() as f64);
         }
+        if let Some(set) = &self.executors {
+            t.gauge(
+                "ferry_kv_tier_indexed_blocks",
+                "KV blocks the KV tier's index says the agents hold.",
+                m,
+                set.tier.total() as f64,
+            );
+        }
+        if let Some(n) = self.executors.as_ref().and_then(|set| set.agents.count()) {
+            t.gauge(
+                "ferry_kv_agents_registered",
+                "KV agents registered in etcd (transfers go only to these).",
+                m,
+                n as f64,
+            );
+        }
         t.family(
             "ferry_kv_transfer_failures",
             "counter",

@@ -26,6 +26,42 @@ struct AgentBlocks {
     order: VecDeque<u64>,
 }
 
+/// The KV agents registered in etcd now, by address without scheme (`host:port`, as executors
+/// name their agent); unknown (every agent taken as live) without etcd or before the first
+/// snapshot. An agent that is not registered is not read from or sent to.
+#[derive(Default)]
+pub struct LiveAgents {
+    agents: std::sync::RwLock<Option<HashSet<String>>>,
+}
+
+impl LiveAgents {
+    /// `address` without its scheme.
+    pub fn normalize(address: &str) -> &str {
+        address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/')
+    }
+
+    /// Whether the agent at `address` may be used.
+    pub fn is_live(&self, address: &str) -> bool {
+        let agents = self.agents.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        agents.as_ref().is_none_or(|set| set.contains(Self::normalize(address)))
+    }
+
+    /// The registered agents are `addresses`, all of them.
+    pub fn set(&self, addresses: impl IntoIterator<Item = String>) {
+        let set = addresses.into_iter().map(|a| Self::normalize(&a).to_string()).collect();
+        *self.agents.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(set);
+    }
+
+    /// How many are registered (`None`: unknown).
+    pub fn count(&self) -> Option<usize> {
+        self.agents
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(HashSet::len)
+    }
+}
+
 /// A KV layout as the index tells layouts apart: every field, the model's fingerprint
 /// included (an agent stores blocks of several layouts side by side, under the same hashes).
 pub fn layout_key(layout: Option<&v1::KvLayout>) -> String {
@@ -79,19 +115,26 @@ impl TierIndex {
         }
     }
 
-    /// The agent holding the longest run of `hashes` (of `layout`) from the first, and its
-    /// length in blocks; `prefer` wins ties (an executor's own agent is read without crossing
-    /// nodes).
+    /// Forgets everything `agent` held (it is gone: its store went with it).
+    pub fn forget_agent(&self, agent: &str) {
+        let agent = LiveAgents::normalize(agent);
+        self.agents().retain(|(a, _), _| LiveAgents::normalize(a) != agent);
+    }
+
+    /// The agent among those `usable` holding the longest run of `hashes` (of `layout`) from
+    /// the first, and its length in blocks; `prefer` wins ties (an executor's own agent is read
+    /// without crossing nodes).
     pub fn longest_prefix(
         &self,
         hashes: &[u64],
         layout: &str,
         prefer: &str,
+        usable: impl Fn(&str) -> bool,
     ) -> Option<(String, usize)> {
         let agents = self.agents();
         let mut best: Option<(&str, usize)> = None;
         for ((agent, l), a) in agents.iter() {
-            if l != layout {
+            if l != layout || !usable(agent) {
                 continue;
             }
             let n = hashes.iter().take_while(|h| a.held.contains(h)).count();
@@ -104,6 +147,11 @@ impl TierIndex {
             }
         }
         best.map(|(a, n)| (a.to_string(), n))
+    }
+
+    /// Blocks remembered, over every agent and layout.
+    pub fn total(&self) -> usize {
+        self.agents().values().map(|a| a.held.len()).sum()
     }
 
     /// Blocks of `layout` remembered for `agent`.
@@ -122,20 +170,40 @@ mod tests {
         index.stored("a:1", "L", &[1, 2, 3]);
         index.stored("b:1", "L", &[1, 2]);
         index.stored("c:1", "other", &[1, 2, 3, 4]);
-        assert_eq!(index.longest_prefix(&[1, 2, 3, 4], "L", "b:1"), Some(("a:1".into(), 3)));
-        assert_eq!(index.longest_prefix(&[1, 2, 9], "L", "b:1"), Some(("b:1".into(), 2)));
         assert_eq!(
-            index.longest_prefix(&[1, 2, 3, 4], "other", "a:1"),
+            index.longest_prefix(&[1, 2, 3, 4], "L", "b:1", |_| true),
+            Some(("a:1".into(), 3))
+        );
+        assert_eq!(index.longest_prefix(&[1, 2, 9], "L", "b:1", |_| true), Some(("b:1".into(), 2)));
+        assert_eq!(
+            index.longest_prefix(&[1, 2, 3, 4], "other", "a:1", |_| true),
             Some(("c:1".into(), 4)),
             "another layout's blocks are another layout's"
         );
         assert_eq!(
-            index.longest_prefix(&[9, 1, 2], "L", "a:1"),
+            index.longest_prefix(&[9, 1, 2], "L", "a:1", |_| true),
             None,
             "a run starts at the first block"
         );
         index.forget("a:1", "L", &[2]);
-        assert_eq!(index.longest_prefix(&[1, 2, 3], "L", "x"), Some(("b:1".into(), 2)));
+        assert_eq!(index.longest_prefix(&[1, 2, 3], "L", "x", |_| true), Some(("b:1".into(), 2)));
         assert_eq!(index.len("a:1", "L"), 2);
+        assert_eq!(
+            index.longest_prefix(&[1, 2, 3], "L", "x", |a| a != "b:1"),
+            Some(("a:1".into(), 1))
+        );
+        index.forget_agent("http://a:1");
+        assert_eq!(index.len("a:1", "L"), 0, "a gone agent's blocks are forgotten");
+    }
+
+    #[test]
+    fn agents_are_live_until_etcd_says_which_are() {
+        let live = super::LiveAgents::default();
+        assert!(live.is_live("10.0.0.1:7000"), "unknown: every agent is taken as live");
+        live.set(["http://10.0.0.1:7000".to_string()]);
+        assert!(live.is_live("10.0.0.1:7000"));
+        assert!(live.is_live("http://10.0.0.1:7000/"));
+        assert!(!live.is_live("10.0.0.2:7000"));
+        assert_eq!(live.count(), Some(1));
     }
 }

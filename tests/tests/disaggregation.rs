@@ -42,12 +42,15 @@ struct Options {
 
 impl Node {
     fn start(role: &str, extra: &[&str], corrupting: bool) -> Self {
-        let agent = Service::start(
-            "ferry-kv",
-            &["--listen", "127.0.0.1:0", "--node-id", role, "--store-mib", "256"],
-            1,
-        )
-        .unwrap();
+        Self::start_registered(role, extra, corrupting, &[])
+    }
+
+    /// [`Node::start`], the agent and the executor both taking `both` (etcd registration).
+    fn start_registered(role: &str, extra: &[&str], corrupting: bool, both: &[&str]) -> Self {
+        let agent_args =
+            [&["--listen", "127.0.0.1:0", "--node-id", role, "--store-mib", "256"][..], both]
+                .concat();
+        let agent = Service::start("ferry-kv", &agent_args, 1).unwrap();
         let proxy = corrupting.then(|| CorruptingProxy::start(agent.addr("grpc")).unwrap());
         let kv = proxy.as_ref().map_or(agent.addr("grpc"), CorruptingProxy::addr).to_string();
         let mut args = vec![
@@ -63,6 +66,7 @@ impl Node {
             "256",
         ];
         args.extend(extra);
+        args.extend(both);
         let executor = Service::start("ferry-executor", &args, 1).unwrap();
         Self { agent, executor, proxy }
     }
@@ -332,4 +336,49 @@ async fn a_decode_executor_with_another_layout_is_never_sent_kv() {
     assert_eq!(sent, 0.0, "nothing was sent across layouts");
     let refused = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_transfer_failures{");
     assert_eq!(refused, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_handoff_goes_through_an_agent_whose_lease_lapsed() {
+    const STREAMS: usize = 4;
+    let expected = reference(STREAMS).await;
+    let etcd = ferry_tests::Etcd::start().unwrap();
+    let endpoints = etcd.endpoints();
+    let reg = ["--etcd-endpoints", endpoints.as_str(), "--lease-ttl", "2"];
+    let mut prefill = Node::start_registered("prefill", &[], false, &reg);
+    let decode = Node::start_registered("decode", &[], false, &reg);
+    let args = [
+        &["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"][..],
+        &reg,
+        &["--disaggregation-min-tokens", MIN_TOKENS],
+    ]
+    .concat();
+    let scheduler = Service::start("ferry-scheduler", &args, 2).unwrap();
+    let http = scheduler.addr("http");
+    let ready = |agents: f64| {
+        move || {
+            ferry_tests::http(http, "GET", "/metrics", b"").is_ok_and(|(_, body)| {
+                body.lines().filter(|l| l.starts_with("vllm:num_requests_running{")).count() == 2
+                    && body.lines().any(|l| {
+                        l.starts_with("ferry_kv_agents_registered{")
+                            && l.ends_with(&format!(" {agents}"))
+                    })
+            })
+        }
+    };
+    assert!(wait_for(Duration::from_mins(1), ready(2.0)).await.is_some());
+    // The prefill node's agent dies; once its lease lapses the scheduler knows.
+    signal(prefill.agent.pid(), "KILL").unwrap();
+    assert!(prefill.agent.wait_exit().is_some());
+    assert!(wait_for(Duration::from_mins(1), ready(1.0)).await.is_some());
+    // Long prompts are no longer split: they run whole on the decode executor, and no
+    // transfer is tried, fails or is recomputed.
+    let got = run_streams(scheduler.addr("grpc"), requests(STREAMS), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    let m = |name: &str| metric(http, name);
+    assert_eq!(m("ferry_requests_disaggregated{"), 0.0, "a handoff through a dead agent");
+    assert_eq!(m("ferry_handoffs_recomputed{"), 0.0);
+    assert_eq!(m("ferry_kv_transfer_failures{"), 0.0);
+    assert_executor_idle(&decode.executor).await;
 }

@@ -9,7 +9,7 @@ use ferry_proto::v1;
 use ferry_tests::streams::{
     assert_complete, assert_executor_idle, assert_same_streams, metric, run_streams, wait_for,
 };
-use ferry_tests::{signal, start_scheduler, start_serve, Service};
+use ferry_tests::{signal, start_scheduler, start_serve, Etcd, Service};
 
 const MAX_TOKENS: u32 = 12;
 
@@ -21,24 +21,23 @@ struct Node {
 
 impl Node {
     fn start(name: &str) -> Self {
-        let agent = Service::start(
-            "ferry-kv",
-            &["--listen", "127.0.0.1:0", "--node-id", name, "--store-mib", "256"],
-            1,
-        )
-        .unwrap();
+        Self::start_with(name, &[])
+    }
+
+    /// A node whose agent and executor also take `extra` flags (etcd registration).
+    fn start_with(name: &str, extra: &[&str]) -> Self {
+        let agent_args =
+            [&["--listen", "127.0.0.1:0", "--node-id", name, "--store-mib", "256"][..], extra]
+                .concat();
+        let agent = Service::start("ferry-kv", &agent_args, 1).unwrap();
         let kv = agent.addr("grpc").to_string();
-        let args = [
-            "--listen",
-            "127.0.0.1:0",
-            "--executor-id",
-            name,
-            "--kv-agent",
-            &kv,
-            "--kv-cache-mib",
-            "256",
-        ];
-        let executor = Service::start("ferry-executor", &args, 1).unwrap();
+        let exec_args = [
+            &["--listen", "127.0.0.1:0", "--executor-id", name, "--kv-agent", &kv][..],
+            &["--kv-cache-mib", "256"],
+            extra,
+        ]
+        .concat();
+        let executor = Service::start("ferry-executor", &exec_args, 1).unwrap();
         Self { agent, executor }
     }
 
@@ -136,4 +135,69 @@ async fn a_prefix_computed_on_one_node_is_read_from_its_agent_by_another() {
     let sent = metric(nodes[a].agent.addr("grpc"), "ferry_kv_sent_bytes{");
     assert!(sent > 0.0, "the first node's agent sent nothing");
     assert_executor_idle(&nodes[b].executor).await;
+}
+
+/// Waits until the scheduler's `/metrics` at `http` has `n` series of the running gauge (one
+/// per executor it drives) and `metric` equals `want`.
+async fn wait_until(http: std::net::SocketAddr, executors: usize, metric_name: &str, want: f64) {
+    let ok = wait_for(Duration::from_mins(1), || {
+        ferry_tests::http(http, "GET", "/metrics", b"").is_ok_and(|(_, body)| {
+            body.lines().filter(|l| l.starts_with("vllm:num_requests_running{")).count()
+                == executors
+        }) && metric(http, metric_name) == want
+    });
+    assert!(ok.await.is_some(), "never {executors} executors and {metric_name} = {want}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_agent_is_not_read_from_and_its_blocks_are_forgotten() {
+    let expected = {
+        let serve = start_serve("256");
+        let out = run_streams(serve.addr("grpc"), second(), 0, || {}).await;
+        assert_complete(&out, MAX_TOKENS as usize);
+        out
+    };
+    // Two nodes and a scheduler, all registered in etcd (leases of 2 s).
+    let etcd = Etcd::start().unwrap();
+    let endpoints = etcd.endpoints();
+    let reg = ["--etcd-endpoints", endpoints.as_str(), "--lease-ttl", "2"];
+    let mut nodes = [Node::start_with("node-a", &reg), Node::start_with("node-b", &reg)];
+    let args = [
+        &["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"][..],
+        &reg,
+        &["--kv-tier-min-tokens", "32"],
+    ]
+    .concat();
+    let scheduler = Service::start("ferry-scheduler", &args, 2).unwrap();
+    let http = scheduler.addr("http");
+    wait_until(http, 2, "ferry_kv_agents_registered{", 2.0).await;
+
+    // The first request's blocks reach its node's agent.
+    let out = run_streams(scheduler.addr("grpc"), vec![first()], 0, || {}).await;
+    assert_complete(&out, MAX_TOKENS as usize);
+    let stored =
+        wait_for(Duration::from_secs(20), || metric(http, "ferry_kv_tier_stored_blocks{") >= 20.0);
+    assert!(stored.await.is_some(), "the first request's blocks never reached its agent");
+    let a = usize::from(nodes[0].stored_bytes() == 0.0);
+
+    // That node's agent dies (its lease lapses), then its executor.
+    assert!(metric(http, "ferry_kv_tier_indexed_blocks{") >= 20.0);
+    signal(nodes[a].agent.pid(), "KILL").unwrap();
+    assert!(nodes[a].agent.wait_exit().is_some());
+    wait_until(http, 2, "ferry_kv_agents_registered{", 1.0).await;
+    assert_eq!(metric(http, "ferry_kv_tier_indexed_blocks{"), 0.0, "its blocks are forgotten");
+    signal(nodes[a].executor.pid(), "KILL").unwrap();
+    assert!(nodes[a].executor.wait_exit().is_some());
+    wait_until(http, 1, "ferry_kv_agents_registered{", 1.0).await;
+
+    // The same prefix again: nothing is read from the dead agent (no read tried, none
+    // failed); the prefix is computed and the streams are exact.
+    let before = metric(http, "vllm:prompt_tokens{");
+    let got = run_streams(scheduler.addr("grpc"), second(), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    assert_eq!(metric(http, "ferry_kv_tier_hits{"), 0.0, "a read from a dead agent was planned");
+    assert_eq!(metric(http, "ferry_kv_tier_import_failures{"), 0.0);
+    let computed = metric(http, "vllm:prompt_tokens{") - before;
+    assert!(computed > 300.0, "{computed}: the prefix came from somewhere");
 }

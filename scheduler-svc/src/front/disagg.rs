@@ -26,15 +26,17 @@ use super::placement::{PlaceError, Placed};
 use super::{Front, Route};
 use crate::link::{LinkHandle, TransferPlan};
 use crate::request::RequestSpec;
+use crate::tier::LiveAgents;
 
 /// Whether `link`'s executor only prefills (it never gets a request to decode).
 pub(crate) fn prefill_only(link: &LinkHandle) -> bool {
     link.info.role() == v1::ExecutorRole::Prefill
 }
 
-/// Whether `link`'s executor has a KV agent (it can take part in transfers).
-fn has_agent(link: &LinkHandle) -> bool {
-    !link.info.kv_agent_address.is_empty()
+/// Whether `link`'s executor has a KV agent that is up (registered in etcd, when the agents
+/// are known): it can take part in transfers.
+fn has_agent(link: &LinkHandle, agents: &LiveAgents) -> bool {
+    !link.info.kv_agent_address.is_empty() && agents.is_live(&link.info.kv_agent_address)
 }
 
 /// Whether `link`'s KV pool has room now for a `prompt_len`-token prompt (free or evictable
@@ -139,13 +141,13 @@ impl Front {
         }
         let alive = set.alive();
         let prefill: Vec<&LinkHandle> =
-            alive.iter().filter(|l| prefill_only(l) && has_agent(l)).collect();
+            alive.iter().filter(|l| prefill_only(l) && has_agent(l, &set.agents)).collect();
         if prefill.is_empty() {
             return None;
         }
         let decoders: Vec<LinkHandle> = alive
             .iter()
-            .filter(|l| !prefill_only(l) && has_agent(l))
+            .filter(|l| !prefill_only(l) && has_agent(l, &set.agents))
             .filter(|d| prefill.iter().any(|p| p.info.kv_layout == d.info.kv_layout))
             .filter(|d| has_room(d, spec.prompt.len()))
             .cloned()

@@ -167,7 +167,11 @@ impl Front {
         ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, 0);
         let hashes: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let layout = crate::tier::layout_key(link.info.kv_layout.as_ref());
-        let (agent, blocks) = set.tier.longest_prefix(&hashes, &layout, own_agent)?;
+        if !set.agents.is_live(own_agent) {
+            return None;
+        }
+        let live = |a: &str| set.agents.is_live(a);
+        let (agent, blocks) = set.tier.longest_prefix(&hashes, &layout, own_agent, live)?;
         let tokens = blocks * bs;
         let cached = link.prefix_hit(spec.prompt.clone()).await;
         if tokens < cached + min {

@@ -1,7 +1,9 @@
-//! A TCP proxy in front of a KV agent that corrupts what agents push through it: in each
-//! data-channel `Push` connection (the agent-to-agent path), one byte of the first chunk's data
-//! is flipped, after its CRC32C was computed. Everything else (gRPC, an executor's `Get`) goes
-//! through unchanged. It follows the data channel's wire format
+//! A TCP proxy in front of a KV agent that does a fault to what agents push through it, in
+//! each data-channel `Push` connection (the agent-to-agent path): it flips one byte of the
+//! first chunk's data, after its CRC32C was computed ([`Fault::Corrupt`]), or it holds the
+//! push after the first chunk's head until released ([`Fault::Stall`]: the push is then
+//! certainly in the middle when the test kills its sender). Everything else (gRPC, an
+//! executor's `Get`) goes through unchanged. It follows the data channel's wire format
 //! (`ferry_kv_transfer_svc::data`): magic, operation byte, `u32` header length and header,
 //! then chunks, each a 20-byte head (`u32` block, `u64` offset, `u32` length, `u32` CRC32C)
 //! and its bytes.
@@ -17,30 +19,51 @@ use anyhow::Result;
 const MAGIC: &[u8; 8] = b"FERRYKV1";
 const OP_PUSH: u8 = 1;
 
-/// A running proxy (its threads end with the process).
-pub struct CorruptingProxy {
-    addr: SocketAddr,
-    corrupted: Arc<AtomicUsize>,
+/// What the proxy does to each push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Flip a byte of the first chunk's data.
+    Corrupt,
+    /// Hold the push after the first chunk's head until [`PushProxy::release`].
+    Stall,
 }
 
-impl CorruptingProxy {
-    /// A proxy on a free loopback port, forwarding to `upstream`.
-    pub fn start(upstream: SocketAddr) -> Result<Self> {
+/// What the proxy threads share.
+struct Shared {
+    fault: Fault,
+    /// Pushes it did its fault to.
+    faulted: AtomicUsize,
+    released: std::sync::atomic::AtomicBool,
+}
+
+/// A running proxy (its threads end with the process).
+pub struct PushProxy {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+impl PushProxy {
+    /// A proxy on a free loopback port, forwarding to `upstream`, doing `fault` to pushes.
+    pub fn start(upstream: SocketAddr, fault: Fault) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?;
-        let corrupted = Arc::new(AtomicUsize::new(0));
-        let count = corrupted.clone();
+        let shared = Arc::new(Shared {
+            fault,
+            faulted: AtomicUsize::new(0),
+            released: std::sync::atomic::AtomicBool::new(false),
+        });
+        let threads = shared.clone();
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
-                let count = count.clone();
+                let shared = threads.clone();
                 std::thread::spawn(move || {
                     if let Ok(up) = TcpStream::connect(upstream) {
-                        let _ = relay(conn, up, &count);
+                        let _ = relay(conn, up, &shared);
                     }
                 });
             }
         });
-        Ok(Self { addr, corrupted })
+        Ok(Self { addr, shared })
     }
 
     /// Where to connect.
@@ -48,27 +71,32 @@ impl CorruptingProxy {
         self.addr
     }
 
-    /// Pushes corrupted so far.
-    pub fn corrupted(&self) -> usize {
-        self.corrupted.load(Ordering::Relaxed)
+    /// Pushes corrupted or stalled so far.
+    pub fn faulted(&self) -> usize {
+        self.shared.faulted.load(Ordering::Relaxed)
+    }
+
+    /// Lets stalled pushes (and later ones) go on.
+    pub fn release(&self) {
+        self.shared.released.store(true, Ordering::Relaxed);
     }
 }
 
-fn relay(client: TcpStream, upstream: TcpStream, corrupted: &AtomicUsize) -> io::Result<()> {
+fn relay(client: TcpStream, upstream: TcpStream, shared: &Shared) -> io::Result<()> {
     let (mut from_up, mut to_client) = (upstream.try_clone()?, client.try_clone()?);
     let back = std::thread::spawn(move || {
         let _ = io::copy(&mut from_up, &mut to_client);
         let _ = to_client.shutdown(Shutdown::Write);
     });
     let (mut from, mut to) = (client, upstream);
-    let result = forward(&mut from, &mut to, corrupted);
+    let result = forward(&mut from, &mut to, shared);
     let _ = to.shutdown(Shutdown::Write);
     let _ = back.join();
     result
 }
 
-/// Copies `from` to `to`, flipping one byte of a push's first chunk.
-fn forward(from: &mut TcpStream, to: &mut TcpStream, corrupted: &AtomicUsize) -> io::Result<()> {
+/// Copies `from` to `to`, doing the fault to a push's first chunk.
+fn forward(from: &mut TcpStream, to: &mut TcpStream, shared: &Shared) -> io::Result<()> {
     let mut start = [0u8; 9];
     from.read_exact(&mut start)?;
     to.write_all(&start)?;
@@ -82,12 +110,21 @@ fn forward(from: &mut TcpStream, to: &mut TcpStream, corrupted: &AtomicUsize) ->
         from.read_exact(&mut head)?;
         to.write_all(&head)?;
         let data_len = u32::from_le_bytes(head[12..16].try_into().expect("4 bytes"));
-        if data_len > 0 {
-            let mut first = [0u8; 1];
-            from.read_exact(&mut first)?;
-            first[0] ^= 0x5a;
-            to.write_all(&first)?;
-            corrupted.fetch_add(1, Ordering::Relaxed);
+        match shared.fault {
+            Fault::Corrupt if data_len > 0 => {
+                let mut first = [0u8; 1];
+                from.read_exact(&mut first)?;
+                first[0] ^= 0x5a;
+                to.write_all(&first)?;
+                shared.faulted.fetch_add(1, Ordering::Relaxed);
+            }
+            Fault::Corrupt => {}
+            Fault::Stall => {
+                shared.faulted.fetch_add(1, Ordering::Relaxed);
+                while !shared.released.load(Ordering::Relaxed) {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
         }
     }
     io::copy(from, to)?;

@@ -1,14 +1,17 @@
 //! Prefill/decode disaggregation as real processes (issue 14): a prefill executor and a decode
 //! executor, each with its own KV agent, and a scheduler that prefills long prompts on the
 //! first and decodes on the second. The streams equal those of one executor token for token;
-//! each fault — the prefill executor, the prefill node's agent or the decode executor killed
-//! with SIGKILL under load — ends with every stream complete and exact, and nothing left held:
-//! no request or block on a surviving executor, no transfer or pinned block in an agent.
+//! each fault — the prefill executor, the prefill node's agent (before the load, or while a
+//! push is held mid-way by a proxy) or the decode executor killed with SIGKILL; the prefill
+//! agent stalled past the deadline (SIGSTOP); a chunk corrupted on the way; a decode executor
+//! of another layout; an agent whose etcd lease lapsed — ends with every stream complete and
+//! exact, and nothing left held: no request or block on a surviving executor, no transfer or
+//! pinned block in an agent.
 
 use std::time::Duration;
 
 use ferry_proto::v1::{self, admin_client::AdminClient};
-use ferry_tests::proxy::CorruptingProxy;
+use ferry_tests::proxy::{Fault, PushProxy};
 use ferry_tests::streams::{
     assert_complete, assert_executor_idle, assert_same_streams, metric, run_streams,
     run_streams_until, wait_for, Outcome,
@@ -24,9 +27,9 @@ const MAX_TOKENS: u32 = 16;
 struct Node {
     agent: Service,
     executor: Service,
-    /// A proxy that corrupts pushes to this node's agent, when the node has one (the
+    /// A proxy doing a fault to pushes to this node's agent, when the node has one (the
     /// executor names the proxy as its agent, so other nodes push through it).
-    proxy: Option<CorruptingProxy>,
+    proxy: Option<PushProxy>,
 }
 
 /// How a test's cluster differs from the plain one.
@@ -36,23 +39,23 @@ struct Options {
     timeout: Option<&'static str>,
     /// Extra arguments of the decode executor.
     decode_args: &'static [&'static str],
-    /// Put a [`CorruptingProxy`] in front of the decode node's agent.
-    corrupt_pushes_to_decode: bool,
+    /// Put a [`PushProxy`] doing this fault in front of the decode node's agent.
+    decode_proxy: Option<Fault>,
 }
 
 impl Node {
-    fn start(role: &str, extra: &[&str], corrupting: bool) -> Self {
-        Self::start_registered(role, extra, corrupting, &[])
+    fn start(role: &str, extra: &[&str], fault: Option<Fault>) -> Self {
+        Self::start_registered(role, extra, fault, &[])
     }
 
     /// [`Node::start`], the agent and the executor both taking `both` (etcd registration).
-    fn start_registered(role: &str, extra: &[&str], corrupting: bool, both: &[&str]) -> Self {
+    fn start_registered(role: &str, extra: &[&str], fault: Option<Fault>, both: &[&str]) -> Self {
         let agent_args =
             [&["--listen", "127.0.0.1:0", "--node-id", role, "--store-mib", "256"][..], both]
                 .concat();
         let agent = Service::start("ferry-kv", &agent_args, 1).unwrap();
-        let proxy = corrupting.then(|| CorruptingProxy::start(agent.addr("grpc")).unwrap());
-        let kv = proxy.as_ref().map_or(agent.addr("grpc"), CorruptingProxy::addr).to_string();
+        let proxy = fault.map(|f| PushProxy::start(agent.addr("grpc"), f).unwrap());
+        let kv = proxy.as_ref().map_or(agent.addr("grpc"), PushProxy::addr).to_string();
         let mut args = vec![
             "--listen",
             "127.0.0.1:0",
@@ -85,8 +88,8 @@ impl Cluster {
     }
 
     async fn start_with(options: Options) -> Self {
-        let prefill = Node::start("prefill", &[], false);
-        let decode = Node::start("decode", options.decode_args, options.corrupt_pushes_to_decode);
+        let prefill = Node::start("prefill", &[], None);
+        let decode = Node::start("decode", options.decode_args, options.decode_proxy);
         let extra = [
             "--disaggregation-min-tokens",
             MIN_TOKENS,
@@ -291,12 +294,13 @@ async fn a_corrupted_chunk_is_caught_by_its_checksum_and_the_prompt_recomputed()
     const STREAMS: usize = 8;
     let expected = reference(STREAMS).await;
     let cluster =
-        Cluster::start_with(Options { corrupt_pushes_to_decode: true, ..Options::default() }).await;
+        Cluster::start_with(Options { decode_proxy: Some(Fault::Corrupt), ..Options::default() })
+            .await;
     let got = run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}).await;
     assert_complete(&got, MAX_TOKENS as usize);
     assert_same_streams(&got, &expected);
     let proxy = cluster.decode.proxy.as_ref().unwrap();
-    assert_eq!(proxy.corrupted(), STREAMS, "one corrupted push per request");
+    assert_eq!(proxy.faulted(), STREAMS, "one corrupted push per request");
     // The decode node's agent refused each push at its first chunk; nothing corrupted was
     // stored or read, and every prompt was computed again on the decode executor.
     let agent = cluster.decode.agent.addr("grpc");
@@ -345,8 +349,8 @@ async fn no_handoff_goes_through_an_agent_whose_lease_lapsed() {
     let etcd = ferry_tests::Etcd::start().unwrap();
     let endpoints = etcd.endpoints();
     let reg = ["--etcd-endpoints", endpoints.as_str(), "--lease-ttl", "2"];
-    let mut prefill = Node::start_registered("prefill", &[], false, &reg);
-    let decode = Node::start_registered("decode", &[], false, &reg);
+    let mut prefill = Node::start_registered("prefill", &[], None, &reg);
+    let decode = Node::start_registered("decode", &[], None, &reg);
     let args = [
         &["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"][..],
         &reg,
@@ -381,4 +385,34 @@ async fn no_handoff_goes_through_an_agent_whose_lease_lapsed() {
     assert_eq!(m("ferry_handoffs_recomputed{"), 0.0);
     assert_eq!(m("ferry_kv_transfer_failures{"), 0.0);
     assert_executor_idle(&decode.executor).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_agent_killed_mid_push_makes_the_decode_executor_recompute() {
+    const STREAMS: usize = 4;
+    let expected = reference(STREAMS).await;
+    let options = Options { decode_proxy: Some(Fault::Stall), ..Options::default() };
+    let mut cluster = Cluster::start_with(options).await;
+    let proxy = cluster.decode.proxy.as_ref().unwrap();
+    let streams =
+        tokio::spawn(run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}));
+    // A push is held by the proxy after its first chunk's head: its sender dies mid-push.
+    let held = wait_for(Duration::from_mins(1), || proxy.faulted() >= 1);
+    assert!(held.await.is_some(), "no push reached the decode node");
+    signal(cluster.prefill.agent.pid(), "KILL").unwrap();
+    assert!(cluster.prefill.agent.wait_exit().is_some(), "the prefill agent still runs");
+    proxy.release();
+    let got = streams.await.unwrap();
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    // The decode node's agent saw the push break and dropped what had arrived; the decode
+    // executor computed the prompts itself.
+    let d_agent = cluster.decode.agent.addr("grpc");
+    let broken = metric(d_agent, "ferry_kv_transfer_failures{node=\"decode\"");
+    assert!(broken >= 1.0, "no push broke at the decode node");
+    assert!(cluster.metric("ferry_handoffs_recomputed{") >= 1.0);
+    for node in [&cluster.prefill, &cluster.decode] {
+        assert_executor_idle(&node.executor).await;
+    }
+    assert_agent_idle(&cluster.decode.agent).await;
 }

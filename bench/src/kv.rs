@@ -20,10 +20,10 @@
 use std::time::Instant;
 
 use bytes::Bytes;
-use ferry_kv_transfer_svc::agent::unix_deadline;
 use ferry_kv_transfer_svc::frames::{chunks, header_frame, read_header, Header};
 use ferry_kv_transfer_svc::{peers, KvAgentConfig};
 use ferry_proto::v1::{self, block_frame::Frame};
+use ferry_runtime::clock::unix_deadline;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 

@@ -9,9 +9,9 @@ use std::time::Duration;
 use ferry_executor_svc::engine::kv::KvPort;
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
 use ferry_executor_svc::model::LoadedModel;
-use ferry_kv_transfer_svc::agent::unix_deadline;
 use ferry_model::ModelFile;
 use ferry_proto::v1::{self, kv_operation::Op};
+use ferry_runtime::clock::unix_deadline;
 
 const BS: u32 = 4;
 const BLOCKS: u32 = 64;

@@ -16,7 +16,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_proto::v1;
@@ -28,6 +28,7 @@ use tonic::Status;
 use crate::frames::{self, BlockAssembler, FrameError, Header};
 use crate::layout::BlockLayout;
 use crate::store::{BlockKey, BlockStore, Inserted};
+use ferry_runtime::clock;
 use ferry_runtime::telemetry::HopSpan;
 
 /// A span for this agent's part in the transfer of `header`, under the sender's trace.
@@ -46,9 +47,8 @@ fn hop_span(header: &Header, name: &'static str) -> Option<HopSpan> {
 
 /// Ends `span` with `result`.
 fn end_hop<T, E: std::fmt::Display>(span: Option<HopSpan>, result: &Result<T, E>) {
-    if let Some(span) = span {
-        span.end(result.as_ref().err().map(ToString::to_string).as_deref());
-    }
+    let error = result.as_ref().err().map(ToString::to_string);
+    ferry_runtime::telemetry::end_hop(span, error.as_deref());
 }
 
 /// How long an ended transfer's reason is kept.
@@ -168,8 +168,8 @@ pub struct Counters {
     pub bytes_sent: AtomicU64,
     /// Transfers received whole.
     pub transfers_received: AtomicU64,
-    /// Failures, by [`Failure::ALL`] index.
-    pub failures: [AtomicU64; 8],
+    /// Failures, by [`Failure`] (its discriminant is its place in [`Failure::ALL`]).
+    pub failures: [AtomicU64; Failure::ALL.len()],
     /// Sum of received transfers' durations, microseconds (with `transfers_received`, the mean).
     pub transfer_micros: AtomicU64,
 }
@@ -192,21 +192,12 @@ pub type Receipt = v1::TransferReceipt;
 /// A stream of block frames.
 pub type FrameStream = mpsc::Receiver<Result<v1::BlockFrame, Status>>;
 
-fn now_unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
 /// The local instant of a wall-clock deadline (`0`: [`DEFAULT_DEADLINE`] from now).
 pub fn deadline_of(unix_ms: u64) -> Instant {
     if unix_ms == 0 {
         return Instant::now() + DEFAULT_DEADLINE;
     }
-    Instant::now() + Duration::from_millis(unix_ms.saturating_sub(now_unix_ms()))
-}
-
-/// The wall-clock deadline `after` from now, Unix milliseconds.
-pub fn unix_deadline(after: Duration) -> u64 {
-    now_unix_ms() + after.as_millis() as u64
+    Instant::from_std(clock::instant_of(unix_ms))
 }
 
 impl Agent {
@@ -238,8 +229,7 @@ impl Agent {
     }
 
     fn count_failure(&self, failure: Failure) {
-        let i = Failure::ALL.iter().position(|f| *f == failure).expect("every reason is listed");
-        self.counters.failures[i].fetch_add(1, Ordering::Relaxed);
+        self.counters.failures[failure as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Receives a push (the destination side): stores its blocks pinned as they arrive, so a
@@ -286,9 +276,22 @@ impl Agent {
         }
     }
 
+    /// An executor's `Put`: forwarded to the destination its header names (an export), or
+    /// stored here (a KV-tier write).
+    pub async fn put(
+        &self,
+        mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+    ) -> Result<Receipt, Status> {
+        let header = first_header(&mut frames).await?;
+        match header.destination {
+            Some(_) => self.forward(header, frames).await,
+            None => self.receive_put(header, frames).await,
+        }
+    }
+
     /// Stores blocks an executor writes back (a `Put` without destination): unpinned, as the
     /// KV tier's cache.
-    pub async fn receive_put(
+    async fn receive_put(
         &self,
         header: Header,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
@@ -550,8 +553,9 @@ impl Agent {
                         )));
                     }
                 }
-                if let Some(data) = st.store.get(key) {
-                    return Ok(data);
+                // A wake-up before the block arrived is not a miss: look before reading.
+                if st.store.contains(key) {
+                    return Ok(st.store.get(key).expect("just seen"));
                 }
                 if let Some(ended) = st.ended.get(tid) {
                     return Err(ended.failure.status(ended.why.clone()));
@@ -622,7 +626,7 @@ impl Agent {
 
     /// Forwards an executor's export (a `Put` naming a destination) to the destination agent
     /// as it arrives, checking every chunk on the way; answers once the destination has all.
-    pub async fn forward(
+    async fn forward(
         &self,
         mut header: Header,
         frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
@@ -788,20 +792,6 @@ impl Agent {
             );
         }
     }
-
-    /// Checks the store's invariants and that every pin belongs to a transfer in progress.
-    pub fn check(&self) -> Result<(), String> {
-        let st = self.state();
-        st.store.check()?;
-        let pins: usize = st.incoming.values().map(|i| i.pinned.len()).sum();
-        if pins == 0 && st.store.pinned_bytes() != 0 {
-            return Err(format!(
-                "{} bytes pinned with no transfer in progress",
-                st.store.pinned_bytes()
-            ));
-        }
-        Ok(())
-    }
 }
 
 fn frame_len(frame: &v1::BlockFrame) -> u64 {
@@ -825,4 +815,16 @@ pub async fn first_header(
             Status::cancelled(format!("the sender failed before the header: {}", s.message()))
         })?;
     frames::read_header(first).map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Failure;
+
+    #[test]
+    fn a_failure_counts_at_its_place_in_the_list_of_reasons() {
+        for (i, f) in Failure::ALL.iter().enumerate() {
+            assert_eq!(*f as usize, i, "{f:?}");
+        }
+    }
 }

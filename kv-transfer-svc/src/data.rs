@@ -32,7 +32,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use crate::agent::{first_header, Agent};
+use crate::agent::Agent;
 use crate::frames::MAX_CHUNK_BYTES;
 
 /// The first bytes of a data-channel connection.
@@ -127,14 +127,11 @@ async fn receive(
     mut reader: BufReader<OwnedReadHalf>,
 ) -> Result<v1::TransferReceipt, Status> {
     let header: v1::TransferHeader = read_message(&mut reader).await?;
-    let mut frames = incoming(reader, header);
-    if !put {
-        return agent.receive_push(frames).await;
-    }
-    let header = first_header(&mut frames).await?;
-    match header.destination {
-        Some(_) => agent.forward(header, frames).await,
-        None => agent.receive_put(header, frames).await,
+    let frames = incoming(reader, header);
+    if put {
+        agent.put(frames).await
+    } else {
+        agent.receive_push(frames).await
     }
 }
 

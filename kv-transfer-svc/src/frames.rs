@@ -249,11 +249,6 @@ impl BlockAssembler {
         Ok(Some((self.next - 1, std::mem::take(&mut self.current).freeze())))
     }
 
-    /// Blocks completed so far.
-    pub fn completed(&self) -> usize {
-        self.next
-    }
-
     /// Bytes received so far.
     pub fn received(&self) -> u64 {
         self.received

@@ -57,39 +57,19 @@ impl BlockLayout {
                 return Err(LayoutError::Zero(name));
             }
         }
-        let elem: u64 = match v1::KvDtype::try_from(l.dtype) {
-            Ok(v1::KvDtype::F32) => 4,
-            Ok(v1::KvDtype::F16 | v1::KvDtype::Bf16) => 2,
-            Ok(v1::KvDtype::Unspecified) | Err(_) => return Err(LayoutError::Dtype(l.dtype)),
-        };
+        if l.dtype_bytes().is_none() {
+            return Err(LayoutError::Dtype(l.dtype));
+        }
         if l.model_fingerprint.is_empty() {
             return Err(LayoutError::NoFingerprint);
         }
-        let bytes = [l.num_layers, 2, l.block_size, l.num_kv_heads, l.head_dim]
-            .iter()
-            .map(|&d| u64::from(d))
-            .try_fold(elem, u64::checked_mul)
+        let bytes = l
+            .block_bytes()
             .filter(|b| *b <= MAX_BLOCK_BYTES)
             .ok_or(LayoutError::TooLarge { bytes: u64::MAX })?;
         let block_bytes = usize::try_from(bytes).map_err(|_| LayoutError::TooLarge { bytes })?;
-        Ok(Self { layout: l.clone(), block_bytes, id: layout_id(l) })
+        Ok(Self { layout: l.clone(), block_bytes, id: l.id() })
     }
-}
-
-/// FNV-1a over every field of the layout.
-fn layout_id(l: &v1::KvLayout) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    let mut feed = |bytes: &[u8]| {
-        for b in bytes {
-            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    for v in [l.num_layers, l.block_size, l.num_kv_heads, l.head_dim] {
-        feed(&v.to_le_bytes());
-    }
-    feed(&l.dtype.to_le_bytes());
-    feed(l.model_fingerprint.as_bytes());
-    h
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use ferry_proto::v1::{self, kv_transfer_server::KvTransfer};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agent::{first_header, Agent, Failure};
+use crate::agent::{Agent, Failure};
 use crate::frames::MAX_TRANSFER_ID;
 
 /// The agent's gRPC face.
@@ -115,13 +115,7 @@ impl KvTransfer for KvAgentService {
         &self,
         request: Request<Streaming<v1::BlockFrame>>,
     ) -> Result<Response<v1::TransferReceipt>, Status> {
-        let mut frames = request.into_inner();
-        let header = first_header(&mut frames).await?;
-        let receipt = match header.destination {
-            Some(_) => self.agent.forward(header, frames).await?,
-            None => self.agent.receive_put(header, frames).await?,
-        };
-        Ok(Response::new(receipt))
+        Ok(Response::new(self.agent.put(request.into_inner()).await?))
     }
 
     async fn push(

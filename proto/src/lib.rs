@@ -24,3 +24,43 @@ pub mod service_names {
     /// The per-node KV agent.
     pub const KV_TRANSFER: &str = "ferry.v1.KvTransfer";
 }
+
+impl v1::KvLayout {
+    /// Bytes of one element of the layout's dtype (`None`: unset or unknown).
+    #[must_use]
+    pub fn dtype_bytes(&self) -> Option<u64> {
+        match v1::KvDtype::try_from(self.dtype) {
+            Ok(v1::KvDtype::F32) => Some(4),
+            Ok(v1::KvDtype::F16 | v1::KvDtype::Bf16) => Some(2),
+            Ok(v1::KvDtype::Unspecified) | Err(_) => None,
+        }
+    }
+
+    /// Bytes of one block: `layers × {K,V} × block_size × kv_heads × head_dim` elements
+    /// (`None`: no dtype, or past `u64`).
+    #[must_use]
+    pub fn block_bytes(&self) -> Option<u64> {
+        [self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim]
+            .iter()
+            .map(|&d| u64::from(d))
+            .try_fold(self.dtype_bytes()?, u64::checked_mul)
+    }
+
+    /// A 64-bit name of the layout (FNV-1a over every field, the model fingerprint included):
+    /// equal layouts have equal ids, so stores and indexes key blocks by it.
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut feed = |bytes: &[u8]| {
+            for b in bytes {
+                h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for v in [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim] {
+            feed(&v.to_le_bytes());
+        }
+        feed(&self.dtype.to_le_bytes());
+        feed(self.model_fingerprint.as_bytes());
+        h
+    }
+}

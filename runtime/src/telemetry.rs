@@ -186,6 +186,13 @@ impl HopSpan {
     }
 }
 
+/// Ends `span`, if there is one: ok, or failed with `error`.
+pub fn end_hop(span: Option<HopSpan>, error: Option<&str>) {
+    if let Some(span) = span {
+        span.end(error);
+    }
+}
+
 /// The `traceparent` of `span`, or empty.
 pub fn hop_traceparent(span: Option<&HopSpan>) -> String {
     span.map(HopSpan::traceparent).unwrap_or_default()

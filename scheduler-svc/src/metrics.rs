@@ -107,9 +107,7 @@ impl SchedulerMetrics {
             self.kv_transfer_bytes.add(result.bytes);
             self.kv_transfer_seconds.observe(result.duration_us as f64 / 1e6);
         } else {
-            let reason =
-                KV_FAILURES.iter().position(|(f, _)| *f as i32 == result.failure).unwrap_or(0);
-            self.kv_transfer_failures[reason].add(1);
+            self.kv_transfer_failures[kv_failure(result.failure).0].add(1);
         }
     }
 
@@ -148,6 +146,15 @@ pub const KV_FAILURES: [(KvFailure, &str); 10] = [
     (KvFailure::Executor, "executor"),
     (KvFailure::NotFound, "not_found"),
 ];
+
+/// The place in [`KV_FAILURES`] of a reported `KvFailure` code, and its label (`other` for
+/// a code this scheduler does not know).
+pub fn kv_failure(code: i32) -> (usize, &'static str) {
+    KV_FAILURES
+        .iter()
+        .position(|(f, _)| *f as i32 == code)
+        .map_or((0, "other"), |i| (i, KV_FAILURES[i].1))
+}
 
 /// How a request ended, in vLLM's words (`vllm:request_success_total{finished_reason}`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

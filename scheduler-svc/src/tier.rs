@@ -62,36 +62,32 @@ impl LiveAgents {
     }
 }
 
-/// A KV layout as the index tells layouts apart: every field, the model's fingerprint
-/// included (an agent stores blocks of several layouts side by side, under the same hashes).
-pub fn layout_key(layout: Option<&v1::KvLayout>) -> String {
-    layout.map_or_else(String::new, |l| {
-        format!(
-            "{}x{}x{}x{}:{}:{}",
-            l.num_layers, l.block_size, l.num_kv_heads, l.head_dim, l.dtype, l.model_fingerprint
-        )
-    })
+/// A KV layout as the index tells layouts apart: its id (every field, the model's
+/// fingerprint included; an agent stores blocks of several layouts side by side, under the
+/// same hashes). 0 for none.
+pub fn layout_key(layout: Option<&v1::KvLayout>) -> u64 {
+    layout.map_or(0, v1::KvLayout::id)
 }
 
 /// What each agent holds, per layout, as far as this scheduler knows.
 #[derive(Default)]
 pub struct TierIndex {
     /// By (agent address, [`layout_key`]).
-    agents: Mutex<HashMap<(String, String), AgentBlocks>>,
+    agents: Mutex<HashMap<(String, u64), AgentBlocks>>,
 }
 
 impl TierIndex {
-    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), AgentBlocks>> {
+    fn agents(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u64), AgentBlocks>> {
         self.agents.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// `agent` now holds the blocks of `layout` named `hashes`.
-    pub fn stored(&self, agent: &str, layout: &str, hashes: &[u64]) {
+    pub fn stored(&self, agent: &str, layout: u64, hashes: &[u64]) {
         if agent.is_empty() || hashes.is_empty() {
             return;
         }
         let mut agents = self.agents();
-        let a = agents.entry((agent.to_string(), layout.to_string())).or_default();
+        let a = agents.entry((agent.to_string(), layout)).or_default();
         for &h in hashes {
             if a.held.insert(h) {
                 a.order.push_back(h);
@@ -105,9 +101,9 @@ impl TierIndex {
     }
 
     /// `agent` no longer holds (some of) `hashes` of `layout`: forget them all.
-    pub fn forget(&self, agent: &str, layout: &str, hashes: &[u64]) {
+    pub fn forget(&self, agent: &str, layout: u64, hashes: &[u64]) {
         let mut agents = self.agents();
-        if let Some(a) = agents.get_mut(&(agent.to_string(), layout.to_string())) {
+        if let Some(a) = agents.get_mut(&(agent.to_string(), layout)) {
             for h in hashes {
                 a.held.remove(h);
             }
@@ -127,14 +123,14 @@ impl TierIndex {
     pub fn longest_prefix(
         &self,
         hashes: &[u64],
-        layout: &str,
+        layout: u64,
         prefer: &str,
         usable: impl Fn(&str) -> bool,
     ) -> Option<(String, usize)> {
         let agents = self.agents();
         let mut best: Option<(&str, usize)> = None;
         for ((agent, l), a) in agents.iter() {
-            if l != layout || !usable(agent) {
+            if *l != layout || !usable(agent) {
                 continue;
             }
             let n = hashes.iter().take_while(|h| a.held.contains(h)).count();
@@ -155,8 +151,8 @@ impl TierIndex {
     }
 
     /// Blocks of `layout` remembered for `agent`.
-    pub fn len(&self, agent: &str, layout: &str) -> usize {
-        self.agents().get(&(agent.to_string(), layout.to_string())).map_or(0, |a| a.held.len())
+    pub fn len(&self, agent: &str, layout: u64) -> usize {
+        self.agents().get(&(agent.to_string(), layout)).map_or(0, |a| a.held.len())
     }
 }
 
@@ -167,33 +163,33 @@ mod tests {
     #[test]
     fn the_longest_prefix_wins_and_the_own_agent_breaks_ties() {
         let index = TierIndex::default();
-        index.stored("a:1", "L", &[1, 2, 3]);
-        index.stored("b:1", "L", &[1, 2]);
-        index.stored("c:1", "other", &[1, 2, 3, 4]);
+        index.stored("a:1", 1, &[1, 2, 3]);
+        index.stored("b:1", 1, &[1, 2]);
+        index.stored("c:1", 2, &[1, 2, 3, 4]);
         assert_eq!(
-            index.longest_prefix(&[1, 2, 3, 4], "L", "b:1", |_| true),
+            index.longest_prefix(&[1, 2, 3, 4], 1, "b:1", |_| true),
             Some(("a:1".into(), 3))
         );
-        assert_eq!(index.longest_prefix(&[1, 2, 9], "L", "b:1", |_| true), Some(("b:1".into(), 2)));
+        assert_eq!(index.longest_prefix(&[1, 2, 9], 1, "b:1", |_| true), Some(("b:1".into(), 2)));
         assert_eq!(
-            index.longest_prefix(&[1, 2, 3, 4], "other", "a:1", |_| true),
+            index.longest_prefix(&[1, 2, 3, 4], 2, "a:1", |_| true),
             Some(("c:1".into(), 4)),
             "another layout's blocks are another layout's"
         );
         assert_eq!(
-            index.longest_prefix(&[9, 1, 2], "L", "a:1", |_| true),
+            index.longest_prefix(&[9, 1, 2], 1, "a:1", |_| true),
             None,
             "a run starts at the first block"
         );
-        index.forget("a:1", "L", &[2]);
-        assert_eq!(index.longest_prefix(&[1, 2, 3], "L", "x", |_| true), Some(("b:1".into(), 2)));
-        assert_eq!(index.len("a:1", "L"), 2);
+        index.forget("a:1", 1, &[2]);
+        assert_eq!(index.longest_prefix(&[1, 2, 3], 1, "x", |_| true), Some(("b:1".into(), 2)));
+        assert_eq!(index.len("a:1", 1), 2);
         assert_eq!(
-            index.longest_prefix(&[1, 2, 3], "L", "x", |a| a != "b:1"),
+            index.longest_prefix(&[1, 2, 3], 1, "x", |a| a != "b:1"),
             Some(("a:1".into(), 1))
         );
         index.forget_agent("http://a:1");
-        assert_eq!(index.len("a:1", "L"), 0, "a gone agent's blocks are forgotten");
+        assert_eq!(index.len("a:1", 1), 0, "a gone agent's blocks are forgotten");
     }
 
     #[test]

@@ -7,10 +7,10 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry_kv_transfer_svc::agent::unix_deadline;
 use ferry_kv_transfer_svc::frames::{chunks, header_frame, read_header, Header};
 use ferry_kv_transfer_svc::peers;
 use ferry_proto::v1::{self, block_frame::Frame, kv_transfer_client::KvTransferClient};
+use ferry_runtime::clock::unix_deadline;
 use ferry_tests::Service;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;

@@ -183,6 +183,18 @@ impl KvOps {
                 }
                 None => Ok(()),
             };
+            // Imports and stores name each block they move, every one full.
+            let full_blocks = |ids: &[u32], hashes: &[u64], what: &str| {
+                in_range(ids)?;
+                if ids.is_empty() || hashes.len() != ids.len() {
+                    return Err(bad(format!(
+                        "{} block hashes for {} blocks: {what} full blocks, each named",
+                        hashes.len(),
+                        ids.len()
+                    )));
+                }
+                Ok(())
+            };
             match &op.op {
                 Some(KvOp::Export(e)) => {
                     let table = tables
@@ -206,14 +218,7 @@ impl KvOps {
                     }
                 }
                 Some(KvOp::Import(i)) => {
-                    in_range(&i.block_ids)?;
-                    if i.block_ids.is_empty() || i.block_hashes.len() != i.block_ids.len() {
-                        return Err(bad(format!(
-                            "{} block hashes for {} blocks: an import fills full blocks, each named",
-                            i.block_hashes.len(),
-                            i.block_ids.len()
-                        )));
-                    }
+                    full_blocks(&i.block_ids, &i.block_hashes, "an import fills")?;
                     for b in &i.block_ids {
                         if tables.holds(*b) || !importing.insert(*b) {
                             return Err(bad(format!(
@@ -223,14 +228,7 @@ impl KvOps {
                     }
                 }
                 Some(KvOp::Store(st)) => {
-                    in_range(&st.block_ids)?;
-                    if st.block_ids.is_empty() || st.block_hashes.len() != st.block_ids.len() {
-                        return Err(bad(format!(
-                            "{} block hashes for {} blocks: a store writes full blocks, each named",
-                            st.block_hashes.len(),
-                            st.block_ids.len()
-                        )));
-                    }
+                    full_blocks(&st.block_ids, &st.block_hashes, "a store writes")?;
                     if let Some(b) = st.block_ids.iter().find(|b| importing.contains(b)) {
                         return Err(bad(format!(
                             "block {b} is being imported: a store copies only settled blocks"
@@ -247,6 +245,9 @@ impl KvOps {
     /// `backend` now (before the step's forward, which may reuse them) and hands the rest to
     /// the runtime.
     pub fn start(&mut self, ops: &[v1::KvOperation], backend: &mut dyn ModelBackend) {
+        if ops.is_empty() {
+            return; // most steps: no clone of the port and layout
+        }
         let (Some(port), Some(layout)) = (self.port.clone(), self.block_layout.clone()) else {
             return;
         };
@@ -394,9 +395,7 @@ fn op_span(
 
 /// Ends `span` with the transfer's outcome.
 fn end_span<T>(span: Option<telemetry::HopSpan>, result: &Result<T, Failed>) {
-    if let Some(span) = span {
-        span.end(result.as_ref().err().map(|f| f.message.as_str()));
-    }
+    telemetry::end_hop(span, result.as_ref().err().map(|f| f.message.as_str()));
 }
 
 /// Copies blocks `ids` out of `backend`.
@@ -422,11 +421,9 @@ async fn by<T>(
     deadline_unix_ms: u64,
     transfer: impl std::future::Future<Output = Result<T, Failed>>,
 ) -> Result<T, Failed> {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    let left = std::time::Duration::from_millis(deadline_unix_ms.saturating_sub(now_ms));
-    tokio::time::timeout(left, transfer).await.unwrap_or_else(|_| {
+    let at = ferry_runtime::clock::instant_of(deadline_unix_ms);
+    let left = at.saturating_duration_since(std::time::Instant::now());
+    tokio::time::timeout_at(at.into(), transfer).await.unwrap_or_else(|_| {
         Err(Failed::new(
             v1::KvFailure::Deadline,
             format!("deadline passed ({} ms after the operation started)", left.as_millis()),

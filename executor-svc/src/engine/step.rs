@@ -531,13 +531,19 @@ impl Engine {
             });
         }
         if !step.kv_ops.is_empty() {
-            let held = self
-                .requests
-                .iter()
-                .filter(|(id, _)| !finished.contains(id) && !tables.contains_key(id))
-                .flat_map(|(_, r)| r.table.iter().copied())
-                .chain(tables.values().flatten().copied())
-                .collect();
+            // Only an import asks which blocks live requests hold (it writes only free ones).
+            let imports =
+                step.kv_ops.iter().any(|op| matches!(op.op, Some(v1::kv_operation::Op::Import(_))));
+            let held = if imports {
+                self.requests
+                    .iter()
+                    .filter(|(id, _)| !finished.contains(id) && !tables.contains_key(id))
+                    .flat_map(|(_, r)| r.table.iter().copied())
+                    .chain(tables.values().flatten().copied())
+                    .collect()
+            } else {
+                HashSet::new()
+            };
             let view = StepTables {
                 requests: &self.requests,
                 finished: &finished,

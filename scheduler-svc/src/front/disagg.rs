@@ -17,7 +17,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use ferry_proto::v1;
 use ferry_sched_core::TransferId;
@@ -85,8 +85,7 @@ impl Handoff {
 /// Transfer ids unique across the front's restarts: the start time in milliseconds, shifted
 /// past a counter.
 pub(crate) fn transfer_ids() -> AtomicU64 {
-    let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    AtomicU64::new(ms << 20)
+    AtomicU64::new(ferry_runtime::clock::now_unix_ms() << 20)
 }
 
 /// How many of a `prompt_len`-token prompt's tokens an import covers on an executor with

@@ -159,7 +159,7 @@ impl Front {
         let own_agent = &link.info.kv_agent_address;
         let bs = link.info.block_size as usize;
         let covered = super::disagg::import_tokens(spec.prompt.len(), bs);
-        if own_agent.is_empty() || covered < min {
+        if own_agent.is_empty() || covered < min || !set.agents.is_live(own_agent) {
             return None;
         }
         let mut hashes = Vec::new();
@@ -167,11 +167,8 @@ impl Front {
         ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, 0);
         let hashes: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let layout = crate::tier::layout_key(link.info.kv_layout.as_ref());
-        if !set.agents.is_live(own_agent) {
-            return None;
-        }
         let live = |a: &str| set.agents.is_live(a);
-        let (agent, blocks) = set.tier.longest_prefix(&hashes, &layout, own_agent, live)?;
+        let (agent, blocks) = set.tier.longest_prefix(&hashes, layout, own_agent, live)?;
         let tokens = blocks * bs;
         let cached = link.prefix_hit(spec.prompt.clone()).await;
         if tokens < cached + min {

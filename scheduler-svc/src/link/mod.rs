@@ -181,7 +181,7 @@ impl LinkHandle {
             step_loop::Published::new(load.clone(), stats.clone(), shared, core.stats());
         let name = session.name.clone();
         let kv = step_loop::KvFacts {
-            block_bytes: transfers::block_bytes(info.kv_layout.as_ref()),
+            block_bytes: info.kv_layout.as_ref().and_then(v1::KvLayout::block_bytes).unwrap_or(0),
             agent: info.kv_agent_address.clone(),
             layout: crate::tier::layout_key(info.kv_layout.as_ref()),
         };

@@ -122,16 +122,17 @@ pub(super) struct KvFacts {
     /// Its node's agent (empty: none).
     pub agent: String,
     /// Its KV layout, as the tier's index keys it.
-    pub layout: String,
+    pub layout: u64,
 }
 
-/// An operation the KV tier's index learns from when it is reported.
-struct TierOp {
-    /// The blocks' hashes.
-    hashes: Vec<u64>,
-    /// For a KV-tier read, the agent read from; `None`: the blocks land in the local agent
-    /// (a store, or a transfer that arrives there).
-    read_from: Option<String>,
+/// An issued operation the KV tier's index learns from when it is reported, by its blocks'
+/// hashes.
+enum TierOp {
+    /// A KV-tier write to the local agent (not a transfer: no request waits on it).
+    Store(Vec<u64>),
+    /// An import: from the agent named (a KV-tier read), or arriving at the local agent
+    /// (`None`: a transfer).
+    Import(Vec<u64>, Option<String>),
 }
 
 impl StepLoop {
@@ -177,9 +178,7 @@ impl StepLoop {
                 return self.fail_all(&reason);
             }
             // A drained core may still have KV-tier writes to send, or results of them to hear.
-            let work = !self.core.is_drained()
-                || self.core.tier_stores_pending()
-                || !self.tier_ops.is_empty();
+            let work = !self.core.is_drained() || self.awaiting_kv();
             while !self.idle && work && self.in_flight.len() < MAX_STEPS_IN_FLIGHT {
                 let step = match self.build_step() {
                     Ok(step) => step,
@@ -192,10 +191,7 @@ impl StepLoop {
                 self.in_flight.push_back(InFlight { sent_at: Instant::now(), empty });
                 self.idle = empty;
             }
-            let stats = self.core.stats();
-            let transfers = stats.num_receiving + stats.num_transferring > 0
-                || !self.tier_ops.is_empty()
-                || self.core.tier_stores_pending();
+            let transfers = self.awaiting_kv();
             tokio::select! {
                 Ok(()) = close.changed() => {} // handled at the top of the loop
                 () = tokio::time::sleep(TRANSFER_POLL), if self.idle && transfers => {
@@ -238,9 +234,7 @@ impl StepLoop {
         }
         let s = &self.session;
         let info = |id| entries.get(&id).map(|e: &Entry| (&*e.spec, e.transfer.as_ref()));
-        let now_unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let now_unix_ms = ferry_runtime::clock::now_unix_ms();
         let step = wire::to_proto(plan, s.id, s.epoch, now_unix_ms, info);
         self.transfers.issued(&step.kv_ops, self.kv.block_bytes);
         self.tier_issued(&step.kv_ops);
@@ -295,11 +289,10 @@ impl StepLoop {
         }
         let outcome = wire::outcome_of(result);
         for k in &result.kv_results {
-            if !k.transfer_id.starts_with(wire::TIER_STORE_PREFIX) {
+            if !self.tier_reported(k) {
                 self.published.metrics.kv_transfer(k);
+                self.transfers.reported(k);
             }
-            self.transfers.reported(k);
-            self.tier_reported(k);
             if !k.ok {
                 tracing::warn!(executor = %self.session.name, transfer = %k.transfer_id, error = %k.error, "KV transfer failed");
             }
@@ -355,39 +348,52 @@ impl StepLoop {
         use v1::kv_operation::Op;
         for op in ops {
             let tier_op = match &op.op {
-                Some(Op::Store(s)) => TierOp { hashes: s.block_hashes.clone(), read_from: None },
-                Some(Op::Import(i)) => TierOp {
-                    hashes: i.block_hashes.clone(),
-                    read_from: (!i.source_agent.is_empty()).then(|| i.source_agent.clone()),
-                },
+                Some(Op::Store(s)) => TierOp::Store(s.block_hashes.clone()),
+                Some(Op::Import(i)) => TierOp::Import(
+                    i.block_hashes.clone(),
+                    (!i.source_agent.is_empty()).then(|| i.source_agent.clone()),
+                ),
                 Some(Op::Export(_)) | None => continue,
             };
             self.tier_ops.insert(op.transfer_id.clone(), tier_op);
         }
     }
 
+    /// KV work outstanding that only later step results report: transfers, KV-tier writes
+    /// to send or to hear of.
+    fn awaiting_kv(&self) -> bool {
+        let stats = self.core.stats();
+        stats.num_receiving + stats.num_transferring > 0
+            || !self.tier_ops.is_empty()
+            || self.core.tier_stores_pending()
+    }
+
     /// Updates the tier's index with a reported operation: blocks stored in (or arrived at)
     /// the local agent are there now; a tier read that failed names blocks its agent may no
-    /// longer hold.
-    fn tier_reported(&mut self, k: &v1::KvOperationResult) {
-        let Some(op) = self.tier_ops.remove(&k.transfer_id) else { return };
-        let m = &self.published.metrics;
-        match (&op.read_from, k.ok) {
-            (None, true) => self.published.tier.stored(&self.kv.agent, &self.kv.layout, &op.hashes),
-            (None, false) => {}
-            (Some(_), true) => m.tier_imported_blocks.add(op.hashes.len() as u64),
-            (Some(agent), false) => {
+    /// longer hold. True for a KV-tier write (not a transfer: counted here alone).
+    fn tier_reported(&mut self, k: &v1::KvOperationResult) -> bool {
+        let Some(op) = self.tier_ops.remove(&k.transfer_id) else { return false };
+        let (m, tier) = (&self.published.metrics, &self.published.tier);
+        let store = matches!(op, TierOp::Store(_));
+        match (op, k.ok) {
+            (TierOp::Store(hashes), true) => {
+                m.tier_stored_blocks.add(hashes.len() as u64);
+                tier.stored(&self.kv.agent, self.kv.layout, &hashes);
+            }
+            (TierOp::Store(_), false) => m.tier_store_failures.add(1),
+            (TierOp::Import(hashes, None), true) => {
+                tier.stored(&self.kv.agent, self.kv.layout, &hashes);
+            }
+            (TierOp::Import(_, None), false) => {}
+            (TierOp::Import(hashes, Some(_)), true) => {
+                m.tier_imported_blocks.add(hashes.len() as u64);
+            }
+            (TierOp::Import(hashes, Some(agent)), false) => {
                 m.tier_import_failures.add(1);
-                self.published.tier.forget(agent, &self.kv.layout, &op.hashes);
+                tier.forget(&agent, self.kv.layout, &hashes);
             }
         }
-        if k.transfer_id.starts_with(wire::TIER_STORE_PREFIX) {
-            if k.ok {
-                m.tier_stored_blocks.add(op.hashes.len() as u64);
-            } else {
-                m.tier_store_failures.add(1);
-            }
-        }
+        store
     }
 
     fn finish(&mut self, id: RequestId, event: LinkEvent) {

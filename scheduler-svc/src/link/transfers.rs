@@ -121,10 +121,7 @@ impl Transfers {
             side.phase = Phase::Done;
             side.bytes = result.bytes;
         } else {
-            let reason = crate::metrics::KV_FAILURES
-                .iter()
-                .find(|(f, _)| *f as i32 == result.failure)
-                .map_or("other", |(_, label)| label);
+            let reason = crate::metrics::kv_failure(result.failure).1;
             side.phase = Phase::Failed(reason.to_string());
             side.error.clone_from(&result.error);
         }
@@ -158,18 +155,4 @@ impl Transfers {
     pub fn views(&self) -> Vec<TransferSide> {
         self.live.values().chain(&self.recent).cloned().collect()
     }
-}
-
-/// Bytes of one KV block of `layout` (0 if it is not set).
-pub fn block_bytes(layout: Option<&v1::KvLayout>) -> u64 {
-    let Some(l) = layout else { return 0 };
-    let dtype = match l.dtype() {
-        v1::KvDtype::F32 => 4,
-        v1::KvDtype::F16 | v1::KvDtype::Bf16 => 2,
-        v1::KvDtype::Unspecified => 0,
-    };
-    [l.num_layers, 2, l.block_size, l.num_kv_heads, l.head_dim, dtype]
-        .iter()
-        .map(|&x| u64::from(x))
-        .product()
 }

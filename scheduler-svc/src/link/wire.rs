@@ -124,7 +124,7 @@ pub fn to_proto<'a>(
 }
 
 /// The transfer ids of KV-tier stores start with this (the core's transfer ids are numbers).
-pub const TIER_STORE_PREFIX: &str = "tier-";
+const TIER_STORE_PREFIX: &str = "tier-";
 
 /// How long an executor may take to write a step's blocks to its agent.
 pub const TIER_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -142,9 +142,12 @@ fn kv_op<'a>(
 ) -> v1::KvOperation {
     let traceparent =
         |id| info_of(id).map(|(spec, _)| spec.traceparent.clone()).unwrap_or_default();
+    let after = |d: std::time::Duration| {
+        now_unix_ms.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    };
     let deadline = |id| match info_of(id).and_then(|(_, t)| t) {
         Some(TransferPlan::Export { timeout, .. } | TransferPlan::Import { timeout, .. }) => {
-            now_unix_ms.saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
+            after(*timeout)
         }
         None => 0,
     };
@@ -183,8 +186,7 @@ fn kv_op<'a>(
         KvOp::Store { block_ids, block_hashes } => v1::KvOperation {
             // Not a transfer of the core's: named by the step, which carries one at most.
             transfer_id: format!("{TIER_STORE_PREFIX}{session_id}-{}", plan.step_id.0),
-            deadline_unix_ms: now_unix_ms
-                .saturating_add(u64::try_from(TIER_STORE_TIMEOUT.as_millis()).unwrap_or(0)),
+            deadline_unix_ms: after(TIER_STORE_TIMEOUT),
             traceparent: String::new(),
             op: Some(v1::kv_operation::Op::Store(v1::KvStore {
                 block_ids: plan.blocks(block_ids).iter().map(|b| b.0).collect(),

@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
 
+use crate::buffers::BufferPool;
 use crate::frames::{self, BlockAssembler, FrameError, Header};
 use crate::layout::BlockLayout;
 use crate::store::{BlockKey, BlockStore, Inserted};
@@ -184,6 +185,8 @@ pub struct Agent {
     changed: watch::Sender<u64>,
     /// What it counted.
     pub counters: Counters,
+    /// Buffers that arriving chunks are read into, recycled as blocks leave the store.
+    pub buffers: Arc<BufferPool>,
 }
 
 /// What a store received or forwarded.
@@ -215,6 +218,9 @@ impl Agent {
             state: Mutex::new(state),
             changed: watch::channel(0).0,
             counters: Counters::default(),
+            // Idle buffers up to the store's size: the agent's memory stays at the store's
+            // high-water mark instead of faulting pages in again for every transfer.
+            buffers: BufferPool::new(capacity),
         })
     }
 

@@ -22,7 +22,6 @@
 
 use std::sync::Arc;
 
-use bytes::BytesMut;
 use ferry_proto::v1::{self, block_frame::Frame};
 use futures_util::StreamExt;
 use prost::Message;
@@ -33,6 +32,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::agent::Agent;
+use crate::buffers::BufferPool;
 use crate::frames::MAX_CHUNK_BYTES;
 
 /// The first bytes of a data-channel connection.
@@ -45,6 +45,10 @@ const CHUNK_HEAD: usize = 4 + 8 + 4 + 4;
 const BUFFER: usize = 64 << 10;
 /// Longest status message on the wire.
 const MAX_STATUS_MESSAGE: usize = 16 << 10;
+
+/// Receive buffers of this process's reads from agents (an executor's imports).
+static CLIENT_BUFFERS: std::sync::LazyLock<Arc<BufferPool>> =
+    std::sync::LazyLock::new(|| BufferPool::new(256 << 20));
 
 /// What a data-channel connection does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,16 +110,20 @@ pub async fn serve(agent: Arc<Agent>, conn: TcpStream) {
 fn incoming(
     reader: BufReader<OwnedReadHalf>,
     header: v1::TransferHeader,
+    buffers: Arc<BufferPool>,
 ) -> impl futures_util::Stream<Item = Result<v1::BlockFrame, Status>> + Unpin {
     let header = v1::BlockFrame { frame: Some(Frame::Header(header)) };
-    let chunks = futures_util::stream::unfold(Some(reader), |reader| async move {
-        let mut reader = reader?;
-        match read_chunk(&mut reader).await {
-            Ok(Some(chunk)) => {
-                Some((Ok(v1::BlockFrame { frame: Some(Frame::Chunk(chunk)) }), Some(reader)))
+    let chunks = futures_util::stream::unfold(Some(reader), move |reader| {
+        let buffers = buffers.clone();
+        async move {
+            let mut reader = reader?;
+            match read_chunk(&mut reader, &buffers).await {
+                Ok(Some(chunk)) => {
+                    Some((Ok(v1::BlockFrame { frame: Some(Frame::Chunk(chunk)) }), Some(reader)))
+                }
+                Ok(None) => None,
+                Err(status) => Some((Err(status), None)),
             }
-            Ok(None) => None,
-            Err(status) => Some((Err(status), None)),
         }
     });
     Box::pin(futures_util::stream::once(async { Ok(header) }).chain(chunks))
@@ -127,7 +135,7 @@ async fn receive(
     mut reader: BufReader<OwnedReadHalf>,
 ) -> Result<v1::TransferReceipt, Status> {
     let header: v1::TransferHeader = read_message(&mut reader).await?;
-    let frames = incoming(reader, header);
+    let frames = incoming(reader, header, agent.buffers.clone());
     if put {
         agent.put(frames).await
     } else {
@@ -193,7 +201,10 @@ async fn write_message<M: Message, W: AsyncWrite + Unpin>(w: &mut W, m: &M) -> s
 }
 
 /// The next chunk, or `None` at a clean end of stream (between chunks).
-async fn read_chunk<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<v1::BlockChunk>, Status> {
+async fn read_chunk<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buffers: &Arc<BufferPool>,
+) -> Result<Option<v1::BlockChunk>, Status> {
     let mut head = [0u8; CHUNK_HEAD];
     let mut got = 0;
     while got < CHUNK_HEAD {
@@ -218,17 +229,19 @@ async fn read_chunk<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<v1::BlockC
             "chunk of {len} bytes for block {block_index}; chunks are at most {MAX_CHUNK_BYTES} bytes"
         )));
     }
-    let mut data = BytesMut::with_capacity(len);
-    let mut limited = r.take(len as u64);
-    while data.len() < len {
-        if limited.read_buf(&mut data).await.map_err(|e| io_status(&e))? == 0 {
-            return Err(Status::unavailable(format!(
-                "data channel: the sender stopped after {} of {len} bytes of a chunk",
-                data.len()
-            )));
+    let mut data = buffers.take(len);
+    let mut filled = 0;
+    while filled < len {
+        match r.read(&mut data[filled..]).await.map_err(|e| io_status(&e))? {
+            0 => {
+                return Err(Status::unavailable(format!(
+                    "data channel: the sender stopped after {filled} of {len} bytes of a chunk"
+                )))
+            }
+            n => filled += n,
         }
     }
-    Ok(Some(v1::BlockChunk { block_index, offset, data: data.freeze(), crc32c }))
+    Ok(Some(v1::BlockChunk { block_index, offset, data: buffers.freeze(data), crc32c }))
 }
 
 async fn write_chunk<W: AsyncWrite + Unpin>(w: &mut W, c: &v1::BlockChunk) -> std::io::Result<()> {
@@ -365,7 +378,7 @@ pub async fn get(
         let _keep_open = w;
         loop {
             let item = match r.read_u8().await {
-                Ok(TAG_CHUNK) => match read_chunk(&mut r).await {
+                Ok(TAG_CHUNK) => match read_chunk(&mut r, &CLIENT_BUFFERS).await {
                     Ok(Some(c)) => Ok(c),
                     Ok(None) => Err(Status::unavailable(format!(
                         "agent {address}: the read ended without its end record"

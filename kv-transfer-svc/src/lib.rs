@@ -5,6 +5,7 @@
 //! The library is everything; `ferry-kv` only parses flags and calls [`run`].
 
 pub mod agent;
+pub mod buffers;
 pub mod config;
 pub mod data;
 pub mod frames;

@@ -1,9 +1,13 @@
 //! `ferry-bench kv`: how fast KV blocks move between agents, against a plain TCP sender and
 //! receiver moving the same bytes in the same run (the ceiling on this machine).
 //!
-//! Five paths, each timed from the first byte sent to the last byte stored:
-//! - `tcp`: one TCP connection on loopback, the receiver reading into one reused buffer (the
-//!   transport alone: the ceiling);
+//! The paths, each timed from the first byte sent to the last byte stored:
+//! - `tcp`: one TCP connection on loopback, the sender writing one block again and again and
+//!   the receiver reading into one reused buffer: both stay in the CPU's cache, so this is the
+//!   transport alone, the ceiling;
+//! - `tcp-pools`: the same connection moving the bytes of one pool (the transfer's size,
+//!   allocated and touched first) into another: the same bytes from memory to memory as the
+//!   pool-to-pool paths move, the baseline for those;
 //! - `tcp-store`: the same, the receiver reading each block into a new buffer it keeps (what
 //!   any store must do, the fair baseline for one);
 //! - `push`: agent to agent as agents do it, over the destination's data channel (chunked,
@@ -11,8 +15,15 @@
 //! - `grpc-push`: the same through the gRPC `Push` (for tools; shown for comparison);
 //! - `put+push`: an executor's export through its node's agent (a data-channel `Put` with a
 //!   destination; the relay checks every chunk) on to the destination agent;
-//! - `whole`: the same, with the importing executor reading each block from its agent as it
-//!   arrives into a pool of its own: one executor's KV pool to another's.
+//! - `whole-socket`: the same, with the importing executor reading each block from its agent
+//!   as it arrives into a pool of its own: one executor's KV pool to another's, every byte
+//!   through the agents' sockets;
+//! - `whole`: one executor's KV pool to another's as executors do it: the exporter copies its
+//!   blocks into its shared-memory staging slots, its agent sends them from there, and the
+//!   destination agent copies each block into the importer's staging slots, from which the
+//!   importer copies them into its pool. Timed from the first copy out of the source pool to
+//!   the last copy into the destination pool; both pools are allocated and touched first, as
+//!   an executor's are.
 //!
 //! The agents run in this process on loopback, like the TCP pair, so all three share the same
 //! cores.
@@ -21,7 +32,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use ferry_kv_transfer_svc::frames::{chunks, header_frame, read_header, Header};
-use ferry_kv_transfer_svc::{peers, KvAgentConfig};
+use ferry_kv_transfer_svc::{peers, shm, KvAgentConfig};
 use ferry_proto::v1::{self, block_frame::Frame};
 use ferry_runtime::clock::unix_deadline;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -48,12 +59,15 @@ pub struct KvBenchArgs {
 /// One path's runs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct KvBenchRow {
-    /// `tcp`, `tcp-store`, `push`, `grpc-push`, `put+push` or `whole`.
+    /// `tcp`, `tcp-pools`, `tcp-store`, `push`, `grpc-push`, `put+push`, `whole-socket` or
+    /// `whole`.
     pub path: &'static str,
     /// MB/s of each run.
     pub mb_per_s: Vec<f64>,
     /// The median run against the median `tcp` run.
     pub ratio_to_tcp: f64,
+    /// The median run against the median `tcp-pools` run.
+    pub ratio_to_tcp_pools: f64,
 }
 
 fn layout(block_size: u32) -> v1::KvLayout {
@@ -84,6 +98,17 @@ fn header(tid: &str, blocks: usize, block_size: u32, destination: Option<String>
     .expect("a valid bench header")
 }
 
+/// The importer's read of transfer `h`.
+fn read_request(h: &Header) -> v1::GetBlocksRequest {
+    v1::GetBlocksRequest {
+        transfer_id: h.transfer_id.clone(),
+        layout: Some(h.layout.layout.clone()),
+        block_hashes: h.hashes.clone(),
+        deadline_unix_ms: unix_deadline(std::time::Duration::from_secs(600)),
+        traceparent: String::new(),
+    }
+}
+
 fn frames(h: &Header, block: &Bytes) -> Vec<v1::BlockFrame> {
     std::iter::once(header_frame(h))
         .chain((0..h.hashes.len()).flat_map(|i| chunks(i, block).collect::<Vec<_>>()))
@@ -96,12 +121,42 @@ async fn start_agent(
     stop: &watch::Receiver<bool>,
 ) -> anyhow::Result<String> {
     let (listener, addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
-    let config = KvAgentConfig { node_id: node.into(), store_mib };
+    let config =
+        KvAgentConfig { node_id: node.into(), store_mib, shm_dir: shm::DEFAULT_DIR.into() };
     let mut stop = stop.clone();
     tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, async move {
         let _ = stop.wait_for(|s| *s).await;
     }));
     Ok(addr.to_string())
+}
+
+/// Moves the bytes of `source` over plain TCP on loopback into `dest` (two pools of the
+/// transfer's size, allocated and touched before): the same bytes from memory to memory that
+/// the pool-to-pool path moves; MB/s.
+async fn tcp_pools(source: &[u8], dest: &mut [u8], len: usize) -> anyhow::Result<f64> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let start = Instant::now();
+    let receive = async {
+        let (mut conn, _) = listener.accept().await?;
+        for block in dest.chunks_mut(len) {
+            conn.read_exact(block).await?;
+        }
+        anyhow::Ok(())
+    };
+    let send = async {
+        let mut conn = tokio::net::TcpStream::connect(addr).await?;
+        conn.set_nodelay(true)?;
+        for block in source.chunks(len) {
+            conn.write_all(block).await?;
+        }
+        conn.flush().await?;
+        anyhow::Ok(())
+    };
+    let (r, s) = tokio::join!(receive, send);
+    r?;
+    s?;
+    Ok(source.len() as f64 / start.elapsed().as_secs_f64() / 1e6)
 }
 
 /// Moves `blocks` blocks of `block` over plain TCP on loopback; MB/s. The receiver reads into
@@ -197,19 +252,13 @@ async fn export(
 ) -> anyhow::Result<f64> {
     let h = header(tid, blocks, block_size, Some(to.to_string()));
     let (rx, fed) = feed(frames(&h, block));
-    let request = v1::GetBlocksRequest {
-        transfer_id: tid.to_string(),
-        layout: Some(h.layout.layout.clone()),
-        block_hashes: h.hashes.clone(),
-        deadline_unix_ms: unix_deadline(std::time::Duration::from_secs(600)),
-        traceparent: String::new(),
-    };
+    let request = read_request(&h);
+    let mut pool = vec![1u8; if read { blocks * block.len() } else { 0 }];
     let start = Instant::now();
     let reader = async {
         if !read {
             return anyhow::Ok(0usize);
         }
-        let mut pool = vec![0u8; blocks * block.len()];
         let mut chunks = ferry_kv_transfer_svc::data::get(to, &request).await?;
         let mut at = 0;
         while let Some(chunk) = chunks.recv().await {
@@ -228,6 +277,74 @@ async fn export(
         anyhow::ensure!(read_bytes? as u64 == h.total_bytes(), "the reader got every byte");
     }
     Ok(h.total_bytes() as f64 / start.elapsed().as_secs_f64() / 1e6)
+}
+
+/// One executor's pool to another's through staging slots and the agents at `via` (the
+/// exporter's) and `to` (the importer's); MB/s.
+async fn staged(
+    tid: &str,
+    via: &str,
+    to: &str,
+    pools: &mut (Vec<u8>, Vec<u8>),
+    stagings: &(std::sync::Arc<shm::Staging>, std::sync::Arc<shm::Staging>),
+    block_size: u32,
+) -> anyhow::Result<f64> {
+    let bb = stagings.0.block_bytes();
+    let blocks = pools.0.len() / bb;
+    let h = header(tid, blocks, block_size, Some(to.to_string()));
+    let request = read_request(&h);
+    let no_room = || anyhow::anyhow!("staging: no room for {blocks} blocks");
+    let start = Instant::now();
+    // As executors do it: the exporter's transfer starts first and sends each block as soon
+    // as it is copied out; the importer copies each block into its pool as it lands.
+    let out = stagings.0.alloc(blocks).ok_or_else(no_room)?;
+    let (mut filler, out, filled) = shm::filling(out);
+    let into = std::sync::Arc::new(stagings.1.alloc(blocks).ok_or_else(no_room)?);
+    let (landed_tx, mut landed) = tokio::sync::watch::channel(0);
+    let (via, to, proto, into2) = (via.to_string(), to.to_string(), h.to_proto(), into.clone());
+    let sent = tokio::spawn(async move {
+        ferry_kv_transfer_svc::data::put_staged(&via, proto, out, filled).await
+    });
+    let read = tokio::spawn(async move {
+        ferry_kv_transfer_svc::data::get_staged(&to, request, into2, landed_tx).await
+    });
+    // The exporter's and the importer's engine threads.
+    let source = std::mem::take(&mut pools.0);
+    let exporter = tokio::task::spawn_blocking(move || {
+        for i in 0..blocks {
+            filler.fill(|buf| {
+                buf.copy_from_slice(&source[i * bb..(i + 1) * bb]);
+                anyhow::Ok(())
+            })?;
+        }
+        anyhow::Ok(source)
+    });
+    let mut pool = std::mem::take(&mut pools.1);
+    let runtime = tokio::runtime::Handle::current();
+    let importer = tokio::task::spawn_blocking(move || {
+        let mut written = 0;
+        while written < blocks {
+            let now = *landed.borrow_and_update();
+            for i in written..now {
+                pool[i * bb..(i + 1) * bb].copy_from_slice(into.block(i));
+            }
+            written = now;
+            if written < blocks {
+                runtime
+                    .block_on(landed.changed())
+                    .map_err(|_| anyhow::anyhow!("the read ended early"))?;
+            }
+        }
+        anyhow::Ok(pool)
+    });
+    pools.0 = exporter.await??;
+    pools.1 = importer.await??;
+    read.await??;
+    let secs = start.elapsed().as_secs_f64();
+    anyhow::ensure!(sent.await??.bytes == h.total_bytes(), "staged put: short");
+    anyhow::ensure!(pools.0 == pools.1, "the importer's pool holds the exporter's blocks");
+    pools.1.fill(0);
+    Ok(h.total_bytes() as f64 / secs / 1e6)
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -258,14 +375,25 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
         }
     };
     let bs = args.block_size;
-    let (mut t, mut ts, mut p, mut g, mut pp, mut whole) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut t, mut ts, mut p, mut g, mut pp, mut whole_socket, mut whole) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut tp = Vec::new();
+    // Two executors' pools (touched, as a warm KV pool is) and staging regions.
+    let dir = std::path::Path::new(shm::DEFAULT_DIR);
+    let slots = u32::try_from(blocks)?;
+    let stagings = (
+        shm::Staging::create(dir, block_bytes, slots)?,
+        shm::Staging::create(dir, block_bytes, slots)?,
+    );
+    let mut pools = (block.repeat(blocks), vec![1u8; blocks * block_bytes]);
     for round in 0..=args.rounds {
         // Round 0 warms up (connections, allocator, page cache) and is not counted.
         let keep = round > 0;
         let tid = |path: &str| format!("{path}-{round}");
         let r = tcp(blocks, &block, false).await?;
         keep.then(|| t.push(r));
+        let r = tcp_pools(&pools.0, &mut pools.1, block_bytes).await?;
+        keep.then(|| tp.push(r));
         let r = tcp(blocks, &block, true).await?;
         keep.then(|| ts.push(r));
         let r = push(&tid("push"), &b, blocks, &block, bs, false).await?;
@@ -277,18 +405,28 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
         let r = export(&tid("put"), &a, &b, blocks, &block, bs, false).await?;
         done(tid("put")).await?;
         keep.then(|| pp.push(r));
-        let r = export(&tid("whole"), &a, &b, blocks, &block, bs, true).await?;
+        let r = export(&tid("whole-socket"), &a, &b, blocks, &block, bs, true).await?;
+        keep.then(|| whole_socket.push(r));
+        let r = staged(&tid("whole"), &a, &b, &mut pools, &stagings, bs).await?;
         keep.then(|| whole.push(r));
     }
     let _ = stop_tx.send(true);
-    let base = median(&t);
+    let (base, pools_base) = (median(&t), median(&tp));
+    let row = |path, mb_per_s: Vec<f64>| KvBenchRow {
+        path,
+        ratio_to_tcp: median(&mb_per_s) / base,
+        ratio_to_tcp_pools: median(&mb_per_s) / pools_base,
+        mb_per_s,
+    };
     let rows = vec![
-        KvBenchRow { path: "tcp-store", ratio_to_tcp: median(&ts) / base, mb_per_s: ts },
-        KvBenchRow { path: "tcp", ratio_to_tcp: 1.0, mb_per_s: t },
-        KvBenchRow { path: "push", ratio_to_tcp: median(&p) / base, mb_per_s: p },
-        KvBenchRow { path: "grpc-push", ratio_to_tcp: median(&g) / base, mb_per_s: g },
-        KvBenchRow { path: "put+push", ratio_to_tcp: median(&pp) / base, mb_per_s: pp },
-        KvBenchRow { path: "whole", ratio_to_tcp: median(&whole) / base, mb_per_s: whole },
+        row("tcp", t),
+        row("tcp-pools", tp),
+        row("tcp-store", ts),
+        row("push", p),
+        row("grpc-push", g),
+        row("put+push", pp),
+        row("whole-socket", whole_socket),
+        row("whole", whole),
     ];
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -297,14 +435,18 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
             "{} MiB per run in blocks of {block_bytes} bytes ({} tokens)",
             args.mib, args.block_size
         );
-        println!("{:<10} {:>12} {:>10}  runs (MB/s)", "path", "median MB/s", "vs tcp");
+        println!(
+            "{:<12} {:>12} {:>8} {:>10}  runs (MB/s)",
+            "path", "median MB/s", "vs tcp", "vs pools"
+        );
         for r in &rows {
             let runs: Vec<String> = r.mb_per_s.iter().map(|x| format!("{x:.0}")).collect();
             println!(
-                "{:<10} {:>12.0} {:>10.2}  {}",
+                "{:<12} {:>12.0} {:>8.2} {:>10.2}  {}",
                 r.path,
                 median(&r.mb_per_s),
                 r.ratio_to_tcp,
+                r.ratio_to_tcp_pools,
                 runs.join(" ")
             );
         }

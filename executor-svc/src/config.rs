@@ -76,6 +76,14 @@ pub struct ExecutorConfig {
     /// the executor refuses steps with KV operations.
     #[arg(long = "kv-agent", env = "FERRY_KV_AGENT")]
     pub kv_agent: Option<String>,
+    /// Shared memory with the KV agent: a staging region of up to this many MiB (reserved as
+    /// used) that exports and imports copy blocks through, so their bytes skip the agent's
+    /// socket. 0: none. A transfer that finds no room takes the socket.
+    #[arg(long, env = "FERRY_KV_STAGING_MIB", default_value_t = 256)]
+    pub kv_staging_mib: u64,
+    /// Directory of the staging region: a tmpfs that the agent shares (its `--shm-dir`).
+    #[arg(long, env = "FERRY_KV_SHM_DIR", default_value = ferry_kv_transfer_svc::shm::DEFAULT_DIR)]
+    pub kv_shm_dir: std::path::PathBuf,
 }
 
 /// Largest block size accepted: vLLM's largest is 256 tokens.

@@ -118,6 +118,7 @@ pub fn build(
             runtime: tokio::runtime::Handle::try_current()
                 .map_err(|e| anyhow::anyhow!("KV transfers need the async runtime: {e}"))?,
             layout: kv_layout.clone(),
+            staging: engine::kv::staging(config, &kv_layout),
         }),
         None => None,
     };

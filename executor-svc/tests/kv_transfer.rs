@@ -39,6 +39,7 @@ fn engine(agent: Option<&str>) -> Engine {
         agent: a.to_string(),
         runtime: tokio::runtime::Handle::current(),
         layout: layout(),
+        staging: None,
     });
     Engine::new(
         Box::new(CpuBackend::new(weights, BS as usize, BLOCKS as usize)),
@@ -49,7 +50,11 @@ fn engine(agent: Option<&str>) -> Engine {
 
 async fn agent(node: &str) -> String {
     let (listener, addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await.unwrap();
-    let config = ferry_kv_transfer_svc::KvAgentConfig { node_id: node.into(), store_mib: 64 };
+    let config = ferry_kv_transfer_svc::KvAgentConfig {
+        node_id: node.into(),
+        store_mib: 64,
+        shm_dir: ferry_kv_transfer_svc::shm::DEFAULT_DIR.into(),
+    };
     tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, std::future::pending()));
     addr.to_string()
 }

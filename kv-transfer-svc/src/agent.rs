@@ -187,6 +187,8 @@ pub struct Agent {
     pub counters: Counters,
     /// Buffers that arriving chunks are read into, recycled as blocks leave the store.
     pub buffers: Arc<BufferPool>,
+    /// Local executors' staging regions, mapped.
+    pub regions: crate::shm::Regions,
 }
 
 /// What a store received or forwarded.
@@ -194,6 +196,9 @@ pub type Receipt = v1::TransferReceipt;
 
 /// A stream of block frames.
 pub type FrameStream = mpsc::Receiver<Result<v1::BlockFrame, Status>>;
+
+/// A stream of whole blocks.
+pub type BlockStream = mpsc::Receiver<Result<Bytes, Status>>;
 
 /// The local instant of a wall-clock deadline (`0`: [`DEFAULT_DEADLINE`] from now).
 pub fn deadline_of(unix_ms: u64) -> Instant {
@@ -204,8 +209,9 @@ pub fn deadline_of(unix_ms: u64) -> Instant {
 }
 
 impl Agent {
-    /// An agent for `node_id` with a store of `capacity` bytes.
-    pub fn new(node_id: String, capacity: usize) -> Arc<Self> {
+    /// An agent for `node_id` with a store of `capacity` bytes, mapping local executors'
+    /// staging regions from `shm_dir`.
+    pub fn new(node_id: String, capacity: usize, shm_dir: std::path::PathBuf) -> Arc<Self> {
         let state = State {
             store: BlockStore::new(capacity),
             incoming: HashMap::new(),
@@ -221,6 +227,7 @@ impl Agent {
             // Idle buffers up to the store's size: the agent's memory stays at the store's
             // high-water mark instead of faulting pages in again for every transfer.
             buffers: BufferPool::new(capacity),
+            regions: crate::shm::Regions::new(shm_dir),
         })
     }
 
@@ -286,11 +293,28 @@ impl Agent {
     /// stored here (a KV-tier write).
     pub async fn put(
         &self,
+        frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+    ) -> Result<Receipt, Status> {
+        self.put_checked(frames, true).await
+    }
+
+    /// A `Put` whose chunks' checksums this agent computed itself from the executor's staged
+    /// blocks ([`crate::shm`]): a forward does not check them again.
+    pub async fn put_staged(
+        &self,
+        frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+    ) -> Result<Receipt, Status> {
+        self.put_checked(frames, false).await
+    }
+
+    async fn put_checked(
+        &self,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+        check: bool,
     ) -> Result<Receipt, Status> {
         let header = first_header(&mut frames).await?;
         match header.destination {
-            Some(_) => self.forward(header, frames).await,
+            Some(_) => self.forward(header, frames, check).await,
             None => self.receive_put(header, frames).await,
         }
     }
@@ -363,7 +387,7 @@ impl Agent {
         let mut asm = BlockAssembler::new(header);
         while let Some(frame) = frames.next().await {
             let frame = frame.map_err(|s| {
-                (Failure::Peer, format!("transfer {tid}: the sender failed: {}", s.message()))
+                (sender_failure(&s), format!("transfer {tid}: the sender failed: {}", s.message()))
             })?;
             let done =
                 asm.push(frame).map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
@@ -461,10 +485,44 @@ impl Agent {
         found
     }
 
-    /// Streams the blocks `req` asks for. With a transfer id, each block is sent as soon as
+    /// Streams the blocks `req` asks for as frames: its header, then each block's chunks
+    /// (for the gRPC `Get`); see [`Agent::read_blocks`].
+    pub fn read(self: &Arc<Self>, req: v1::GetBlocksRequest) -> Result<FrameStream, Status> {
+        let (header, mut blocks) = self.read_blocks(req)?;
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            if tx.send(Ok(frames::header_frame(&header))).await.is_err() {
+                return;
+            }
+            let mut index = 0;
+            while let Some(block) = blocks.recv().await {
+                match block {
+                    Ok(data) => {
+                        for frame in frames::chunks(index, &data) {
+                            if tx.send(Ok(frame)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                }
+                index += 1;
+            }
+        });
+        Ok(rx)
+    }
+
+    /// Streams the blocks `req` asks for, whole, in order (the last item is an error if the
+    /// read failed); with the read's header. With a transfer id, each block is sent as soon as
     /// it is here (waiting for a push still arriving, until the deadline); the transfer's pins
     /// go once all are sent. Without, every block must be in the store now (a KV-tier read).
-    pub fn read(self: &Arc<Self>, req: v1::GetBlocksRequest) -> Result<FrameStream, Status> {
+    pub fn read_blocks(
+        self: &Arc<Self>,
+        req: v1::GetBlocksRequest,
+    ) -> Result<(Header, BlockStream), Status> {
         let layout = BlockLayout::from_proto(req.layout.as_ref())
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         if req.block_hashes.is_empty() || req.block_hashes.len() > frames::MAX_BLOCKS {
@@ -517,26 +575,28 @@ impl Agent {
             let (tx, rx) = mpsc::channel(4);
             let agent = self.clone();
             tokio::spawn(async move {
-                let sent = agent.send_blocks(&header, blocks.into_iter().map(Ok), &tx).await;
+                let blocks = futures_util::stream::iter(blocks.into_iter().map(Ok));
+                let sent = agent.send_blocks(blocks, &tx).await;
                 end_hop(span, &sent.map_err(|()| "the read ended before every block was sent"));
             });
-            return Ok(rx);
+            return Ok((header, rx));
         }
         let (tx, rx) = mpsc::channel(4);
         let agent = self.clone();
+        let reply = header.clone();
         tokio::spawn(async move {
             let deadline = deadline_of(header.deadline_unix_ms);
             let (tid, layout) = (header.transfer_id.clone(), header.layout.id);
             // Each block is awaited in order and sent as soon as it is here.
             let blocks = futures_util::stream::iter(keys)
                 .then(|key| agent.wait_block(&tid, key, layout, deadline));
-            let sent = agent.send_blocks_stream(&header, blocks, &tx).await;
+            let sent = agent.send_blocks(blocks, &tx).await;
             if sent.is_ok() {
                 agent.release(&tid);
             }
             end_hop(span, &sent.map_err(|()| "the read ended before every block was sent"));
         });
-        Ok(rx)
+        Ok((reply, rx))
     }
 
     /// Waits until block `key` of transfer `tid` is in the store (or the transfer ended, or the
@@ -578,44 +638,27 @@ impl Agent {
         }
     }
 
+    /// Sends each block as it comes; an error is sent on and ends the stream.
     async fn send_blocks(
         &self,
-        header: &Header,
-        blocks: impl Iterator<Item = Result<Bytes, Status>>,
-        tx: &mpsc::Sender<Result<v1::BlockFrame, Status>>,
-    ) -> Result<(), ()> {
-        self.send_blocks_stream(header, futures_util::stream::iter(blocks), tx).await
-    }
-
-    /// Sends `header` and then each block's chunks as the block comes; an error is sent on
-    /// and ends the stream.
-    async fn send_blocks_stream(
-        &self,
-        header: &Header,
         blocks: impl Stream<Item = Result<Bytes, Status>>,
-        tx: &mpsc::Sender<Result<v1::BlockFrame, Status>>,
+        tx: &mpsc::Sender<Result<Bytes, Status>>,
     ) -> Result<(), ()> {
-        if tx.send(Ok(frames::header_frame(header))).await.is_err() {
-            return Err(());
-        }
         tokio::pin!(blocks);
-        let mut index = 0;
         while let Some(block) = blocks.next().await {
             match block {
                 Ok(data) => {
-                    for frame in frames::chunks(index, &data) {
-                        if tx.send(Ok(frame)).await.is_err() {
-                            return Err(());
-                        }
+                    let len = data.len() as u64;
+                    if tx.send(Ok(data)).await.is_err() {
+                        return Err(());
                     }
-                    self.counters.bytes_sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+                    self.counters.bytes_sent.fetch_add(len, Ordering::Relaxed);
                 }
                 Err(status) => {
                     let _ = tx.send(Err(status)).await;
                     return Err(());
                 }
             }
-            index += 1;
         }
         Ok(())
     }
@@ -636,11 +679,12 @@ impl Agent {
         &self,
         mut header: Header,
         frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+        check: bool,
     ) -> Result<Receipt, Status> {
         let span = hop_span(&header, "kv_forward");
         // The destination's span goes under this one.
         header.traceparent = ferry_runtime::telemetry::hop_traceparent(span.as_ref());
-        let result = self.forwarded(header, frames).await;
+        let result = self.forwarded(header, frames, check).await;
         end_hop(span, &result);
         result
     }
@@ -649,6 +693,7 @@ impl Agent {
         &self,
         header: Header,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+        check: bool,
     ) -> Result<Receipt, Status> {
         let tid = header.transfer_id.clone();
         let destination =
@@ -675,17 +720,24 @@ impl Agent {
             let mut asm = BlockAssembler::checking(&header);
             while let Some(frame) = frames.next().await {
                 let frame = frame.map_err(|s| {
-                    (Failure::Peer, format!("transfer {tid}: the sender failed: {}", s.message()))
+                    (
+                        sender_failure(&s),
+                        format!("transfer {tid}: the sender failed: {}", s.message()),
+                    )
                 })?;
                 let len = frame_len(&frame);
-                asm.push(frame.clone())
-                    .map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
+                if check {
+                    asm.push(frame.clone())
+                        .map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
+                }
                 tx.send(frame).await.map_err(|_| {
                     (Failure::Peer, format!("transfer {tid}: the destination agent went away"))
                 })?;
                 self.counters.bytes_sent.fetch_add(len, Ordering::Relaxed);
             }
-            asm.finish().map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
+            if check {
+                asm.finish().map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
+            }
             drop(tx);
             Ok::<(), (Failure, String)>(())
         };
@@ -797,6 +849,16 @@ impl Agent {
                 format!("transfer {tid} was not read before its deadline"),
             );
         }
+    }
+}
+
+/// What a sender's failure means: an executor that stopped staging its blocks (ABORTED)
+/// truncated the transfer; anything else is the peer's.
+fn sender_failure(s: &Status) -> Failure {
+    if s.code() == tonic::Code::Aborted {
+        Failure::Truncated
+    } else {
+        Failure::Peer
     }
 }
 

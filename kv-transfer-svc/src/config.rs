@@ -11,6 +11,10 @@ pub struct KvAgentConfig {
     /// Host memory for the block store, in MiB.
     #[arg(long, env = "FERRY_KV_STORE_MIB", default_value_t = 1024)]
     pub store_mib: u64,
+    /// Directory of local executors' shared-memory staging regions (a tmpfs; the executors'
+    /// `--kv-shm-dir` must name the same one).
+    #[arg(long, env = "FERRY_KV_SHM_DIR", default_value = crate::shm::DEFAULT_DIR)]
+    pub shm_dir: std::path::PathBuf,
 }
 
 impl KvAgentConfig {

@@ -61,11 +61,19 @@ pub enum Op {
     Put = 2,
     /// Executor from its agent: read blocks (of a transfer, as they arrive, or from the store).
     Get = 3,
+    /// Executor to its agent: a `Put` of blocks staged in shared memory ([`crate::shm`]).
+    PutStaged = 4,
+    /// Executor from its agent: a `Get` whose blocks the agent copies into shared memory.
+    GetStaged = 5,
+    /// Executor to its agent: can you map this staging region?
+    Probe = 6,
 }
 
 /// Record tags of a `Get` answer.
 const TAG_CHUNK: u8 = 0;
 const TAG_END: u8 = 1;
+/// A staged `Get`'s block landed in its slot (`u32` index follows).
+const TAG_BLOCK: u8 = 2;
 
 /// The side channel for an agent's gRPC host.
 pub fn side_channel(agent: Arc<Agent>) -> ferry_runtime::side_channel::SideChannel {
@@ -97,6 +105,21 @@ pub async fn serve(agent: Arc<Agent>, conn: TcpStream) {
         }
         b if b == Op::Get as u8 => {
             let _ = send(&agent, reader, write).await;
+        }
+        b if b == Op::PutStaged as u8 => {
+            let outcome = receive_staged(&agent, reader).await;
+            let _ = answer(write, outcome).await;
+        }
+        b if b == Op::GetStaged as u8 => {
+            let mut w = BufWriter::new(write);
+            let outcome = send_staged(&agent, reader, &mut w).await;
+            let _ = end(&mut w, &outcome).await;
+        }
+        b if b == Op::Probe as u8 => {
+            let outcome = read_region(&mut reader).await.and_then(|(name, _)| {
+                agent.regions.get(&name).map_err(|e| Status::failed_precondition(e.to_string()))
+            });
+            let _ = answer(write, outcome.map(|_| v1::TransferReceipt::default())).await;
         }
         _ => {
             let bad =
@@ -150,19 +173,24 @@ async fn send(
 ) -> std::io::Result<()> {
     let mut w = BufWriter::with_capacity(BUFFER, write);
     let request: Result<v1::GetBlocksRequest, Status> = read_message(&mut reader).await;
-    let mut frames = match request.and_then(|r| agent.read(r)) {
-        Ok(frames) => frames,
+    let mut blocks = match request.and_then(|r| agent.read_blocks(r)) {
+        Ok((_, blocks)) => blocks,
         Err(status) => return end(&mut w, &Err(status)).await,
     };
-    while let Some(frame) = frames.recv().await {
-        match frame {
-            Ok(v1::BlockFrame { frame: Some(Frame::Chunk(c)) }) => {
-                w.write_u8(TAG_CHUNK).await?;
-                write_chunk(&mut w, &c).await?;
+    let mut index = 0;
+    while let Some(block) = blocks.recv().await {
+        match block {
+            Ok(data) => {
+                for frame in crate::frames::chunks(index, &data) {
+                    if let Some(Frame::Chunk(c)) = frame.frame {
+                        w.write_u8(TAG_CHUNK).await?;
+                        write_chunk(&mut w, &c).await?;
+                    }
+                }
             }
-            Ok(_) => {} // the header: the reader knows what it asked for
             Err(status) => return end(&mut w, &Err(status)).await,
         }
+        index += 1;
     }
     end(&mut w, &Ok(())).await
 }
@@ -402,4 +430,286 @@ pub async fn get(
         }
     });
     Ok(rx)
+}
+
+/// Writes a staging region's name and the offsets of a transfer's slots in it.
+async fn write_region<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    name: &str,
+    offsets: &[u64],
+) -> std::io::Result<()> {
+    w.write_u32_le(name.len() as u32).await?;
+    w.write_all(name.as_bytes()).await?;
+    w.write_u32_le(offsets.len() as u32).await?;
+    for o in offsets {
+        w.write_u64_le(*o).await?;
+    }
+    Ok(())
+}
+
+async fn read_region<R: AsyncRead + Unpin>(r: &mut R) -> Result<(String, Vec<u64>), Status> {
+    let bad = |e: std::io::Error| Status::invalid_argument(format!("data channel: {e}"));
+    let len = r.read_u32_le().await.map_err(bad)? as usize;
+    if len > crate::shm::MAX_NAME {
+        return Err(Status::invalid_argument(format!(
+            "a staging region's name of {len} bytes; at most {}",
+            crate::shm::MAX_NAME
+        )));
+    }
+    let mut name = vec![0u8; len];
+    r.read_exact(&mut name).await.map_err(bad)?;
+    let count = r.read_u32_le().await.map_err(bad)? as usize;
+    if count > crate::frames::MAX_BLOCKS {
+        return Err(Status::invalid_argument(format!(
+            "{count} staged blocks; a transfer carries at most {}",
+            crate::frames::MAX_BLOCKS
+        )));
+    }
+    let mut offsets = Vec::with_capacity(count);
+    for _ in 0..count {
+        offsets.push(r.read_u64_le().await.map_err(bad)?);
+    }
+    let name = String::from_utf8(name)
+        .map_err(|_| Status::invalid_argument("a staging region's name is not UTF-8"))?;
+    Ok((name, offsets))
+}
+
+/// The region named on `reader` and its offsets, checked against `blocks` blocks of
+/// `block_bytes` each.
+async fn staged_region(
+    agent: &Agent,
+    reader: &mut BufReader<OwnedReadHalf>,
+    blocks: usize,
+    block_bytes: usize,
+) -> Result<(Arc<crate::shm::Region>, Vec<u64>), Status> {
+    let (name, offsets) = read_region(reader).await?;
+    if offsets.len() != blocks {
+        return Err(Status::invalid_argument(format!(
+            "{} staged slots for {blocks} blocks",
+            offsets.len()
+        )));
+    }
+    let region =
+        agent.regions.get(&name).map_err(|e| Status::failed_precondition(e.to_string()))?;
+    for &o in &offsets {
+        region.check(o, block_bytes).map_err(|e| Status::invalid_argument(e.to_string()))?;
+    }
+    Ok((region, offsets))
+}
+
+/// A staged `Put`: the header, the region, then the offset of each block's slot as the
+/// executor fills it. An export is sent on from the slots themselves (no copy); a KV-tier
+/// write is copied into the store (the executor reuses its slots once answered).
+async fn receive_staged(
+    agent: &Agent,
+    mut reader: BufReader<OwnedReadHalf>,
+) -> Result<v1::TransferReceipt, Status> {
+    let proto: v1::TransferHeader = read_message(&mut reader).await?;
+    let header =
+        crate::frames::read_header(v1::BlockFrame { frame: Some(Frame::Header(proto.clone())) })
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let (bb, n) = (header.layout.block_bytes, header.hashes.len());
+    let (name, _) = read_region(&mut reader).await?;
+    let region =
+        agent.regions.get(&name).map_err(|e| Status::failed_precondition(e.to_string()))?;
+    let forward = header.destination.is_some();
+    let buffers = agent.buffers.clone();
+    // Each block as its offset arrives; an executor that stops early ends the stream with an
+    // error, so nothing incomplete is forwarded or stored.
+    let blocks = futures_util::stream::unfold((reader, 0usize), move |(mut reader, i)| {
+        let (region, buffers) = (region.clone(), buffers.clone());
+        async move {
+            if i == n {
+                return None;
+            }
+            let offset = match reader.read_u64_le().await {
+                Ok(o) => o,
+                Err(e) => {
+                    let why = format!("the executor stopped after staging {i} of {n} blocks: {e}");
+                    return Some((vec![Err(Status::aborted(why))], (reader, n)));
+                }
+            };
+            let data = match region.bytes(offset, bb) {
+                Ok(data) if forward => data,
+                Ok(data) => {
+                    let mut copy = buffers.take(bb);
+                    copy.copy_from_slice(&data);
+                    buffers.freeze(copy)
+                }
+                Err(e) => {
+                    return Some((vec![Err(Status::invalid_argument(e.to_string()))], (reader, n)))
+                }
+            };
+            Some((crate::frames::chunks(i, &data).map(Ok).collect(), (reader, i + 1)))
+        }
+    })
+    .flat_map(futures_util::stream::iter);
+    let first = v1::BlockFrame { frame: Some(Frame::Header(proto)) };
+    let frames = futures_util::stream::once(async { Ok(first) }).chain(blocks);
+    agent.put_staged(Box::pin(frames)).await
+}
+
+/// A staged `Get`: the request, then the region and the slots to fill; each block is copied
+/// into its slot as it comes. Answered with the end record once every slot is written (or the
+/// read failed); the agent touches no slot after that.
+async fn send_staged(
+    agent: &Arc<Agent>,
+    mut reader: BufReader<OwnedReadHalf>,
+    w: &mut BufWriter<OwnedWriteHalf>,
+) -> Result<(), Status> {
+    let request: v1::GetBlocksRequest = read_message(&mut reader).await?;
+    let bb = crate::layout::BlockLayout::from_proto(request.layout.as_ref())
+        .map_err(|e| Status::invalid_argument(e.to_string()))?
+        .block_bytes;
+    let (region, offsets) =
+        staged_region(agent, &mut reader, request.block_hashes.len(), bb).await?;
+    let (_, mut blocks) = agent.read_blocks(request)?;
+    let mut next = offsets.iter().enumerate();
+    while let Some(block) = blocks.recv().await {
+        let data = block?;
+        let Some((i, &at)) = next.next() else {
+            return Err(Status::internal("the agent read more blocks than were asked for"));
+        };
+        region.write(at, &data).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        // The reader may take each block as it lands.
+        w.write_u8(TAG_BLOCK).await.map_err(|e| io_status(&e))?;
+        w.write_u32_le(i as u32).await.map_err(|e| io_status(&e))?;
+        w.flush().await.map_err(|e| io_status(&e))?;
+    }
+    if next.next().is_some() {
+        return Err(Status::internal("the read ended before every block was here"));
+    }
+    Ok(())
+}
+
+/// Runs `work` on its own task, which keeps `slots` until the agent answered or closed the
+/// connection, so a caller that stops waiting (a deadline) never frees slots the agent may
+/// still read or write; the caller gets the outcome if it still waits.
+async fn with_slots<T: Send + 'static>(
+    slots: Arc<crate::shm::Slots>,
+    work: impl std::future::Future<Output = Result<T, Status>> + Send + 'static,
+) -> Result<T, Status> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let outcome = work.await;
+        drop(slots);
+        let _ = tx.send(outcome);
+    });
+    rx.await.unwrap_or_else(|_| Err(Status::internal("the staged transfer's task ended")))
+}
+
+/// Connects for staged `op` and sends its message and the region with `offsets`.
+async fn open_staged<M: Message>(
+    address: &str,
+    op: Op,
+    message: &M,
+    slots: &crate::shm::Slots,
+    offsets: &[u64],
+) -> Result<(BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>), Status> {
+    let (r, mut w) = connect(address, op).await?;
+    let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
+    write_message(&mut w, message).await.map_err(unreachable)?;
+    write_region(&mut w, slots.staging().name(), offsets).await.map_err(unreachable)?;
+    w.flush().await.map_err(unreachable)?;
+    Ok((r, w))
+}
+
+/// Exports the blocks staged in `slots` (the header's blocks, in order) through the agent at
+/// `address`, each as soon as `filled` says it is staged: the agent sends them on to the
+/// header's destination, or stores them when it names none. The agent's receipt, or its
+/// refusal; the transfer fails if the filler goes before filling every slot.
+pub async fn put_staged(
+    address: &str,
+    header: v1::TransferHeader,
+    slots: Arc<crate::shm::Slots>,
+    mut filled: tokio::sync::watch::Receiver<usize>,
+) -> Result<v1::TransferReceipt, Status> {
+    let address = address.to_string();
+    let keep = slots.clone();
+    with_slots(keep, async move {
+        let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
+        let (mut r, mut w) = open_staged(&address, Op::PutStaged, &header, &slots, &[]).await?;
+        let offsets = slots.offsets();
+        let mut sent = 0;
+        while sent < offsets.len() {
+            let ready = *filled.borrow_and_update();
+            for o in &offsets[sent..ready] {
+                w.write_u64_le(*o).await.map_err(unreachable)?;
+            }
+            w.flush().await.map_err(unreachable)?;
+            sent = ready;
+            if sent < offsets.len() && filled.changed().await.is_err() {
+                break; // the filler went early
+            }
+        }
+        if sent < offsets.len() {
+            // Ending the stream early ends the transfer at the agent; its answer says it no
+            // longer reads the slots it was given.
+            let _ = w.shutdown().await;
+            let _ = read_status(&mut r).await;
+            return Err(Status::aborted(format!(
+                "the executor stopped after staging {sent} of {} blocks",
+                offsets.len()
+            )));
+        }
+        let _keep_open = w;
+        let status = read_status(&mut r).await.map_err(unreachable)?;
+        let bytes = r.read_u64_le().await.map_err(unreachable)?;
+        let blocks = r.read_u32_le().await.map_err(unreachable)?;
+        status.map(|()| v1::TransferReceipt { transfer_id: header.transfer_id, blocks, bytes })
+    })
+    .await
+}
+
+/// Reads the blocks `req` asks for from the agent at `address` into `slots` (one per block,
+/// in order); `landed` counts the blocks in their slots as they land, so the reader can take
+/// them before the last arrives.
+pub async fn get_staged(
+    address: &str,
+    req: v1::GetBlocksRequest,
+    slots: Arc<crate::shm::Slots>,
+    landed: tokio::sync::watch::Sender<usize>,
+) -> Result<(), Status> {
+    let address = address.to_string();
+    let keep = slots.clone();
+    with_slots(keep, async move {
+        let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
+        let (mut r, w) =
+            open_staged(&address, Op::GetStaged, &req, &slots, &slots.offsets()).await?;
+        let _keep_open = w;
+        loop {
+            match r.read_u8().await.map_err(unreachable)? {
+                TAG_BLOCK => {
+                    let i = r.read_u32_le().await.map_err(unreachable)? as usize;
+                    if i != *landed.borrow() || i >= slots.len() {
+                        return Err(Status::internal(format!(
+                            "agent {address}: block {i} landed out of order"
+                        )));
+                    }
+                    landed.send_replace(i + 1);
+                }
+                TAG_END => break,
+                tag => {
+                    return Err(Status::unavailable(format!(
+                        "agent {address}: unknown record {tag}"
+                    )))
+                }
+            }
+        }
+        read_status(&mut r).await.map_err(unreachable)??;
+        if *landed.borrow() != slots.len() {
+            return Err(Status::internal(format!("agent {address}: the read ended early")));
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// Whether the agent at `address` can map staging region `name` (it shares the directory).
+pub async fn probe(address: &str, name: &str) -> Result<(), Status> {
+    let (mut r, mut w) = connect(address, Op::Probe).await?;
+    let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
+    write_region(&mut w, name, &[]).await.map_err(unreachable)?;
+    w.flush().await.map_err(unreachable)?;
+    read_status(&mut r).await.map_err(unreachable)?
 }

@@ -12,6 +12,9 @@ pub mod frames;
 pub mod layout;
 pub mod peers;
 pub mod service;
+// Shared memory with local executors: raw mappings, each unsafe block says why it holds.
+#[allow(unsafe_code)]
+pub mod shm;
 pub mod store;
 
 use ferry_runtime::GrpcHost;
@@ -30,7 +33,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let id = config.node_id.clone();
     let capacity = usize::try_from(config.store_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
-    let agent = agent::Agent::new(id.clone(), capacity);
+    let agent = agent::Agent::new(id.clone(), capacity, config.shm_dir.clone());
     // Transfers nobody read before their deadline end (and give their blocks back).
     let reaper = {
         let agent = agent.clone();

@@ -372,3 +372,112 @@ async fn bad_requests_are_refused_saying_what_was_wrong_and_change_nothing() {
     let d = describe(&b_client).await;
     assert_eq!((d.blocks, d.bytes), (0, 0), "{d:?}");
 }
+
+/// An agent process whose staging directory is `dir`.
+fn agent_in(node: &str, dir: &std::path::Path) -> Service {
+    let dir = dir.to_str().unwrap();
+    let args =
+        ["--listen", "127.0.0.1:0", "--node-id", node, "--store-mib", "64", "--shm-dir", dir];
+    Service::start("ferry-kv", &args, 1).unwrap()
+}
+
+fn shm_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferry-kv-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_export_and_a_staged_read_move_exactly_the_bytes_through_shared_memory() {
+    use ferry_kv_transfer_svc::{data, shm};
+    let dir = shm_dir("staged");
+    let (a, b) = (agent_in("node-a", &dir), agent_in("node-b", &dir));
+    let (a_addr, b_addr) = (a.addr("grpc").to_string(), b.addr("grpc").to_string());
+    let h = header("t-staged", 5, Some(&b_addr), Duration::from_secs(30));
+    let bb = h.layout.block_bytes;
+    let (exporter, importer) =
+        (shm::Staging::create(&dir, bb, 8).unwrap(), shm::Staging::create(&dir, bb, 8).unwrap());
+    data::probe(&a_addr, exporter.name()).await.unwrap();
+    data::probe(&b_addr, importer.name()).await.unwrap();
+    // The reader asks first; the exporter fills its slots one by one as the transfer runs.
+    let req = v1::GetBlocksRequest {
+        transfer_id: h.transfer_id.clone(),
+        layout: Some(h.layout.layout.clone()),
+        block_hashes: h.hashes.clone(),
+        deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
+        traceparent: String::new(),
+    };
+    let into = std::sync::Arc::new(importer.alloc(5).unwrap());
+    let (landed_tx, landed) = tokio::sync::watch::channel(0);
+    let read = {
+        let (b_addr, into) = (b_addr.clone(), into.clone());
+        tokio::spawn(async move { data::get_staged(&b_addr, req, into, landed_tx).await })
+    };
+    let (mut filler, out, filled) = shm::filling(exporter.alloc(5).unwrap());
+    let sent = {
+        let (a_addr, proto) = (a_addr.clone(), h.to_proto());
+        tokio::spawn(async move { data::put_staged(&a_addr, proto, out, filled).await })
+    };
+    let data = blocks(&h);
+    for d in &data {
+        filler
+            .fill(|buf| {
+                buf.copy_from_slice(d);
+                Ok::<(), ()>(())
+            })
+            .unwrap();
+    }
+    let receipt = sent.await.unwrap().unwrap();
+    assert_eq!((receipt.blocks, receipt.bytes), (5, h.total_bytes()));
+    read.await.unwrap().unwrap();
+    assert_eq!(*landed.borrow(), 5, "every block was reported as it landed");
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(into.block(i), &d[..], "block {i} landed exactly");
+    }
+    drop((filler, into));
+    assert_eq!((exporter.free_slots(), importer.free_slots()), (8, 8), "every slot is free again");
+    settled(&a).await;
+    settled(&b).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_export_that_stops_early_or_names_a_foreign_region_is_refused_and_changes_nothing()
+{
+    use ferry_kv_transfer_svc::{data, shm};
+    let (dir, elsewhere) = (shm_dir("early"), shm_dir("elsewhere"));
+    let (a, b) = (agent_in("node-a", &dir), agent_in("node-b", &dir));
+    let (a_addr, b_addr) = (a.addr("grpc").to_string(), b.addr("grpc").to_string());
+    let h = header("t-early", 3, Some(&b_addr), Duration::from_secs(30));
+    let exporter = shm::Staging::create(&dir, h.layout.block_bytes, 4).unwrap();
+    // Regions the agent does not share, or names that are not regions', are refused.
+    let foreign = shm::Staging::create(&elsewhere, 64, 1).unwrap();
+    let err = data::probe(&a_addr, foreign.name()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains(dir.to_str().unwrap()), "{err:?}");
+    let err = data::probe(&a_addr, "../../etc/passwd").await.unwrap_err();
+    assert!(err.message().contains("not a name of the form ferry-kv-"), "{err:?}");
+    // The exporter stops after one of three blocks: the transfer fails at both agents.
+    let (mut filler, out, filled) = shm::filling(exporter.alloc(3).unwrap());
+    let sent =
+        tokio::spawn(async move { data::put_staged(&a_addr, h.to_proto(), out, filled).await });
+    filler
+        .fill(|buf| {
+            buf.fill(1);
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+    drop(filler);
+    let err = sent.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Aborted, "{err:?}");
+    assert!(err.message().contains("after staging 1 of 3 blocks"), "{err:?}");
+    let (ma, mb) = (settled(&a).await, settled(&b).await);
+    assert!(mb.contains("ferry_kv_store_used_bytes{node=\"node-b\"} 0"), "{mb}");
+    assert!(
+        ma.contains("ferry_kv_transfer_failures{node=\"node-a\",reason=\"truncated\"} 1"),
+        "{ma}"
+    );
+    assert_eq!(exporter.free_slots(), 4, "the slots are free again");
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(elsewhere);
+}

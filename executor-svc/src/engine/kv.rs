@@ -22,8 +22,11 @@ use bytes::Bytes;
 use ferry_kv_transfer_svc::data::{self, Op};
 use ferry_kv_transfer_svc::frames::{self, Header};
 use ferry_kv_transfer_svc::layout::BlockLayout;
+use ferry_kv_transfer_svc::shm::{self, Slots, Staging};
 use ferry_proto::v1::{self, kv_operation::Op as KvOp};
 use ferry_runtime::telemetry;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use super::backend::ModelBackend;
 
@@ -37,6 +40,29 @@ pub struct KvPort {
     pub runtime: tokio::runtime::Handle,
     /// This executor's KV layout (the blocks it sends and accepts).
     pub layout: v1::KvLayout,
+    /// Shared memory with the agent, if any (see [`staging`]).
+    pub staging: Option<Arc<Staging>>,
+}
+
+/// The staging region `config` asks for, with slots of `layout`'s blocks; `None` (and a
+/// warning) when it cannot be made: transfers then take the agent's socket.
+pub fn staging(
+    config: &crate::config::ExecutorConfig,
+    layout: &v1::KvLayout,
+) -> Option<Arc<Staging>> {
+    let block_bytes = BlockLayout::from_proto(Some(layout)).ok()?.block_bytes;
+    let slots = (config.kv_staging_mib << 20) / block_bytes as u64;
+    if slots == 0 {
+        return None;
+    }
+    let slots = u32::try_from(slots).unwrap_or(u32::MAX);
+    match Staging::create(&config.kv_shm_dir, block_bytes, slots) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(dir = %config.kv_shm_dir.display(), error = %e, "no KV staging region: KV transfers go through the agent's socket");
+            None
+        }
+    }
 }
 
 /// A KV operation the engine refuses (the step is refused with it).
@@ -57,8 +83,15 @@ pub enum KvOpError {
 
 /// A finished transfer, from its task.
 enum Done {
-    Export { transfer_id: String, result: Result<u64, Failed> },
-    Import { transfer_id: String, result: Result<Vec<Bytes>, Failed> },
+    Export {
+        transfer_id: String,
+        result: Result<u64, Failed>,
+    },
+    /// The blocks, read through the socket; `None` when staged (they are in its slots).
+    Import {
+        transfer_id: String,
+        result: Result<Option<Vec<Bytes>>, Failed>,
+    },
 }
 
 /// Why a transfer failed: the reason metrics count, and what happened.
@@ -100,11 +133,66 @@ struct InProgress {
     blocks: Vec<u32>,
     started: Instant,
     task: tokio::task::JoinHandle<()>,
+    /// A staged import's slots and progress.
+    staged: Option<Landing>,
+}
+
+/// A staged import's blocks as they land in their slots.
+struct Landing {
+    slots: Arc<Slots>,
+    landed: tokio::sync::watch::Receiver<usize>,
+    /// Blocks written into the pool so far.
+    written: usize,
+    /// A block that could not be written (the import fails with it).
+    failed: Option<String>,
+}
+
+impl Landing {
+    /// Writes the blocks that landed since the last call into `blocks` of `backend`.
+    fn write_landed(&mut self, blocks: &[u32], backend: &mut dyn ModelBackend) {
+        let landed = (*self.landed.borrow()).min(blocks.len());
+        while self.failed.is_none() && self.written < landed {
+            let i = self.written;
+            match backend.write_block(blocks[i] as usize, self.slots.block(i)) {
+                Ok(()) => self.written += 1,
+                Err(e) => self.failed = Some(e),
+            }
+        }
+    }
+
+    /// Writes the rest (every block has landed); the bytes imported.
+    fn write_all(&mut self, blocks: &[u32], backend: &mut dyn ModelBackend) -> Result<u64, Failed> {
+        self.write_landed(blocks, backend);
+        if let Some(e) = self.failed.take() {
+            return Err(Failed::new(v1::KvFailure::Executor, e));
+        }
+        if self.written != blocks.len() {
+            let why = format!("import: {} of {} blocks landed", self.written, blocks.len());
+            return Err(Failed::new(v1::KvFailure::Malformed, why));
+        }
+        Ok((blocks.len() * self.slots.staging().block_bytes()) as u64)
+    }
+}
+
+/// Writes `data` (block by block) into `blocks` of `backend`; the bytes written.
+fn write_all(
+    backend: &mut dyn ModelBackend,
+    blocks: &[u32],
+    data: &[Bytes],
+) -> Result<u64, Failed> {
+    let mut bytes = 0u64;
+    for (&b, d) in blocks.iter().zip(data) {
+        backend.write_block(b as usize, d).map_err(|e| Failed::new(v1::KvFailure::Executor, e))?;
+        bytes += d.len() as u64;
+    }
+    Ok(bytes)
 }
 
 /// The engine's KV operations in progress.
 pub struct KvOps {
     port: Option<KvPort>,
+    /// The staging region, once the agent said it maps it.
+    staging_ok: Arc<AtomicBool>,
     block_layout: Option<BlockLayout>,
     running: HashMap<String, InProgress>,
     done_tx: std_mpsc::Sender<Done>,
@@ -134,7 +222,20 @@ impl KvOps {
         let (done_tx, done_rx) = std_mpsc::channel();
         let block_layout =
             port.as_ref().and_then(|p| BlockLayout::from_proto(Some(&p.layout)).ok());
-        Self { port, block_layout, running: HashMap::new(), done_tx, done_rx }
+        let staging_ok = Arc::new(AtomicBool::new(false));
+        if let Some(p) = &port {
+            if let Some(staging) = &p.staging {
+                let (ok, agent, name) =
+                    (staging_ok.clone(), p.agent.clone(), staging.name().to_string());
+                p.runtime.spawn(async move {
+                    match data::probe(&agent, &name).await {
+                        Ok(()) => ok.store(true, Ordering::Release),
+                        Err(s) => tracing::warn!(agent, error = s.message(), "the KV agent cannot map this executor's staging region: KV transfers go through its socket"),
+                    }
+                });
+            }
+        }
+        Self { port, staging_ok, block_layout, running: HashMap::new(), done_tx, done_rx }
     }
 
     /// Transfers in progress.
@@ -252,10 +353,7 @@ impl KvOps {
             return;
         };
         for op in ops {
-            let tid = op.transfer_id.clone();
             let started = Instant::now();
-            let done = self.done_tx.clone();
-            let deadline = op.deadline_unix_ms;
             let outgoing = match &op.op {
                 Some(KvOp::Export(e)) => {
                     Some((&e.block_ids, &e.block_hashes, Some(e.destination_agent.clone())))
@@ -263,72 +361,157 @@ impl KvOps {
                 Some(KvOp::Store(st)) => Some((&st.block_ids, &st.block_hashes, None)),
                 Some(KvOp::Import(_)) | None => None,
             };
-            let (task, blocks) = if let Some((ids, hashes, destination)) = outgoing {
-                let span = op_span(op, "kv_export", hashes.len(), layout.block_bytes);
-                let copied = copy_out(backend, &ids[..hashes.len()], layout.block_bytes);
-                let header = Header {
-                    transfer_id: tid.clone(),
-                    layout: layout.clone(),
-                    hashes: hashes.clone(),
-                    destination,
-                    deadline_unix_ms: deadline,
-                    traceparent: telemetry::hop_traceparent(span.as_ref()),
-                };
-                let agent = port.agent.clone();
-                let task = port.runtime.spawn(async move {
-                    let result = match copied {
-                        Ok(blocks) => by(deadline, export(&agent, header, blocks)).await,
-                        Err(e) => Err(e),
-                    };
-                    end_span(span, &result);
-                    let _ = done.send(Done::Export { transfer_id: tid, result });
-                });
-                (task, Vec::new())
+            let (task, blocks, staged) = if let Some((ids, hashes, destination)) = outgoing {
+                let ids = &ids[..hashes.len()];
+                let task =
+                    self.start_outgoing(op, ids, hashes, destination, &port, &layout, backend);
+                (task, Vec::new(), None)
             } else if let Some(KvOp::Import(i)) = &op.op {
-                // A KV-tier read names the agent whose store holds the blocks, and no transfer
-                // (the agent answers from its store now); else the transfer arrives here.
-                let tier_read = !i.source_agent.is_empty();
-                let span = op_span(op, "kv_import", i.block_ids.len(), layout.block_bytes);
-                let request = v1::GetBlocksRequest {
-                    transfer_id: if tier_read { String::new() } else { tid.clone() },
-                    layout: Some(layout.layout.clone()),
-                    block_hashes: i.block_hashes.clone(),
-                    deadline_unix_ms: deadline,
-                    traceparent: telemetry::hop_traceparent(span.as_ref()),
-                };
-                let agent = if tier_read { i.source_agent.clone() } else { port.agent.clone() };
-                let (n, block_bytes) = (i.block_ids.len(), layout.block_bytes);
-                let task = port.runtime.spawn(async move {
-                    let result = by(deadline, import(&agent, &request, n, block_bytes)).await;
-                    end_span(span, &result);
-                    let _ = done.send(Done::Import { transfer_id: tid, result });
-                });
-                (task, i.block_ids.clone())
+                let (task, staged) = self.start_import(op, i, &port, &layout);
+                (task, i.block_ids.clone(), staged)
             } else {
                 continue;
             };
-            self.running.insert(op.transfer_id.clone(), InProgress { blocks, started, task });
+            let t = InProgress { blocks, started, task, staged };
+            self.running.insert(op.transfer_id.clone(), t);
         }
     }
 
-    /// The transfers that ended since the last call: imports that arrived are written into
-    /// `backend` now; each is reported.
+    /// Starts an export (or a KV-tier store) of blocks `ids`: staged, its transfer starts first
+    /// and sends each block as soon as it is copied out; else all are copied out, then sent.
+    #[allow(clippy::too_many_arguments)]
+    fn start_outgoing(
+        &self,
+        op: &v1::KvOperation,
+        ids: &[u32],
+        hashes: &[u64],
+        destination: Option<String>,
+        port: &KvPort,
+        layout: &BlockLayout,
+        backend: &mut dyn ModelBackend,
+    ) -> tokio::task::JoinHandle<()> {
+        let (tid, deadline, done) =
+            (op.transfer_id.clone(), op.deadline_unix_ms, self.done_tx.clone());
+        let span = op_span(op, "kv_export", hashes.len(), layout.block_bytes);
+        let header = Header {
+            transfer_id: tid.clone(),
+            layout: layout.clone(),
+            hashes: hashes.to_vec(),
+            destination,
+            deadline_unix_ms: deadline,
+            traceparent: telemetry::hop_traceparent(span.as_ref()),
+        };
+        let agent = port.agent.clone();
+        let report = move |result: Result<u64, Failed>| {
+            end_span(span, &result);
+            let _ = done.send(Done::Export { transfer_id: tid, result });
+        };
+        if let Some(slots) = self.slots(port, ids.len()) {
+            let (mut filler, slots, filled) = shm::filling(slots);
+            let task = port.runtime.spawn(async move {
+                let sent = data::put_staged(&agent, header.to_proto(), slots, filled);
+                let sent = async {
+                    sent.await.map(|r| r.bytes).map_err(|s| Failed::of_status("export", &s))
+                };
+                report(by(deadline, sent).await);
+            });
+            for &b in ids {
+                // A block that cannot be read ends the transfer: the filler goes early.
+                if filler.fill(|buf| backend.read_block(b as usize, buf)).is_err() {
+                    break;
+                }
+            }
+            return task;
+        }
+        let copied = copy_out(backend, ids, layout.block_bytes);
+        port.runtime.spawn(async move {
+            let result = match copied {
+                Ok(blocks) => by(deadline, export(&agent, header, blocks)).await,
+                Err(e) => Err(e),
+            };
+            report(result);
+        })
+    }
+
+    /// Starts an import: staged when the blocks come from the local agent (the region is
+    /// shared with it only) and slots are free, each block then written into the pool at the
+    /// first step after it lands; else read through the socket, written when all are here.
+    fn start_import(
+        &self,
+        op: &v1::KvOperation,
+        i: &v1::KvImport,
+        port: &KvPort,
+        layout: &BlockLayout,
+    ) -> (tokio::task::JoinHandle<()>, Option<Landing>) {
+        let (tid, deadline, done) =
+            (op.transfer_id.clone(), op.deadline_unix_ms, self.done_tx.clone());
+        // A KV-tier read names the agent whose store holds the blocks, and no transfer (the
+        // agent answers from its store now); else the transfer arrives here.
+        let tier_read = !i.source_agent.is_empty();
+        let span = op_span(op, "kv_import", i.block_ids.len(), layout.block_bytes);
+        let request = v1::GetBlocksRequest {
+            transfer_id: if tier_read { String::new() } else { tid.clone() },
+            layout: Some(layout.layout.clone()),
+            block_hashes: i.block_hashes.clone(),
+            deadline_unix_ms: deadline,
+            traceparent: telemetry::hop_traceparent(span.as_ref()),
+        };
+        let agent = if tier_read { i.source_agent.clone() } else { port.agent.clone() };
+        let (n, block_bytes) = (i.block_ids.len(), layout.block_bytes);
+        let slots = if agent == port.agent { self.slots(port, n) } else { None };
+        let (staged, landing) = match slots {
+            Some(slots) => {
+                let slots = Arc::new(slots);
+                let (landed_tx, landed) = tokio::sync::watch::channel(0);
+                let landing = Landing { slots: slots.clone(), landed, written: 0, failed: None };
+                (Some((slots, landed_tx)), Some(landing))
+            }
+            None => (None, None),
+        };
+        let task = port.runtime.spawn(async move {
+            let read = async {
+                match staged {
+                    Some((slots, landed)) => data::get_staged(&agent, request, slots, landed)
+                        .await
+                        .map(|()| None)
+                        .map_err(|s| Failed::of_status("import", &s)),
+                    None => import(&agent, &request, n, block_bytes).await.map(Some),
+                }
+            };
+            let result = by(deadline, read).await;
+            end_span(span, &result);
+            let _ = done.send(Done::Import { transfer_id: tid, result });
+        });
+        (task, landing)
+    }
+
+    /// The transfers that ended since the last call, each reported; and the blocks of staged
+    /// imports that landed since, written into `backend` now (no step reads an import's
+    /// blocks before it is reported done, and a failed import's blocks go back to the
+    /// scheduler's free pool without a name, so writing them early is safe).
     pub fn finish(&mut self, backend: &mut dyn ModelBackend) -> Vec<v1::KvOperationResult> {
+        for t in self.running.values_mut() {
+            if let Some(landing) = &mut t.staged {
+                landing.write_landed(&t.blocks, backend);
+            }
+        }
         let mut results = Vec::new();
         while let Ok(done) = self.done_rx.try_recv() {
             let (tid, outcome) = match done {
                 Done::Export { transfer_id, result } => (transfer_id, result),
                 Done::Import { transfer_id, result } => {
-                    let Some(t) = self.running.get(&transfer_id) else { continue };
-                    let written = result.and_then(|blocks| {
-                        let mut bytes = 0u64;
-                        for (&b, data) in t.blocks.iter().zip(&blocks) {
-                            backend
-                                .write_block(b as usize, data)
-                                .map_err(|e| Failed::new(v1::KvFailure::Executor, e))?;
-                            bytes += data.len() as u64;
-                        }
-                        Ok(bytes)
+                    let Some(t) = self.running.get_mut(&transfer_id) else { continue };
+                    let written = result.and_then(|arrived| match arrived {
+                        Some(blocks) => write_all(backend, &t.blocks, &blocks),
+                        None => t.staged.as_mut().map_or_else(
+                            || {
+                                Err(Failed::new(
+                                    v1::KvFailure::Executor,
+                                    "a staged import without slots".into(),
+                                ))
+                            },
+                            |landing| landing.write_all(&t.blocks, backend),
+                        ),
                     });
                     (transfer_id, written)
                 }
@@ -398,6 +581,16 @@ fn end_span<T>(span: Option<telemetry::HopSpan>, result: &Result<T, Failed>) {
     telemetry::end_hop(span, result.as_ref().err().map(|f| f.message.as_str()));
 }
 
+impl KvOps {
+    /// `n` staging slots, if the agent maps the region and `n` are free.
+    fn slots(&self, port: &KvPort, n: usize) -> Option<Slots> {
+        if !self.staging_ok.load(Ordering::Acquire) {
+            return None;
+        }
+        port.staging.as_ref()?.alloc(n)
+    }
+}
+
 /// Copies blocks `ids` out of `backend`.
 fn copy_out(
     backend: &mut dyn ModelBackend,
@@ -431,8 +624,8 @@ async fn by<T>(
     })
 }
 
-/// Puts `blocks` to the agent at `agent`, which pushes them to the header's destination; the
-/// bytes moved.
+/// Puts `blocks` to the agent at `agent`, which pushes them on to the header's destination (or
+/// keeps them when it names none); the bytes moved.
 async fn export(agent: &str, header: Header, blocks: Vec<Bytes>) -> Result<u64, Failed> {
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let feed = async move {

@@ -18,7 +18,17 @@
 //!   bytes received, `u32` blocks;
 //! - `Get`: the request (`u32` length, then a protobuf `GetBlocksRequest`); the agent answers
 //!   with records, each a tag byte then: `0` a chunk (as above), `1` the end (a status as
-//!   above, without the receipt's fields).
+//!   above, without the receipt's fields);
+//! - staged operations, between an executor and its own agent through the executor's
+//!   shared-memory region ([`crate::shm`]); a region reference is a `u32` name length, the
+//!   name, a `u32` count and that many `u64` slot offsets:
+//!   - `PutStaged`: the header, a region reference without offsets, then one `u64` slot
+//!     offset per block, in order, as the executor fills it; answered as `Put` is. A stream
+//!     that ends early fails the transfer (reason `truncated`);
+//!   - `GetStaged`: the request, then a region reference with one slot per block; the agent
+//!     answers with a record `2` (`u32` block index) as each block lands in its slot, then the
+//!     end record;
+//!   - `Probe`: a region reference; answered as `Put` is (OK if the agent can map it).
 
 use std::sync::Arc;
 

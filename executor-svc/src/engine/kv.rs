@@ -4,13 +4,23 @@
 //! they arrive) and writes them into the pool. Both run beside the steps, on the async runtime,
 //! and each is reported done or failed, with the reason, in a later `StepResult`.
 //!
+//! With the local agent, blocks go through the executor's shared-memory staging region
+//! (`ferry_kv_transfer_svc::shm`, `--kv-staging-mib`): an export's transfer starts first and
+//! the agent sends each block on as soon as the step has copied it into its slot; an import's
+//! blocks are copied into slots by the agent and written into the pool at the first step after
+//! each lands. Without room in the region (or without a region the agent can map), the blocks
+//! cross the agent's socket instead, whole.
+//!
 //! Invariants:
 //! - an export's bytes are copied out of the pool in the step that starts it, so the blocks may
 //!   change or be freed afterwards without touching the transfer (the scheduler still keeps
 //!   them until the export is reported, for a retry or a recompute);
-//! - an import's blocks are written only when the whole import has arrived and checked, at the
-//!   start of a step, and reported in that step's result — so no step reads them before they
-//!   hold the imported KV, and a failed import writes nothing;
+//! - an import is reported done only at the start of a step after every block of it arrived,
+//!   checked, and was written into the pool — so no step reads its blocks before they hold the
+//!   imported KV. A staged import writes its blocks as they land; if it then fails, the
+//!   scheduler frees those blocks without naming their content, so nothing reads them;
+//! - a staging slot is reused only after the agent answered or closed the transfer's
+//!   connection, even when the executor stopped waiting (a deadline, a session reset);
 //! - an import's blocks are held by no live request and no other import while it runs;
 //! - a session reset ends every transfer in progress; their late completions are ignored.
 

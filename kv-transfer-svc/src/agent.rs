@@ -114,14 +114,14 @@ impl Failure {
         }
     }
 
-    /// The gRPC status for a transfer that failed for this reason.
+    /// The gRPC status for a transfer that failed for this reason (a checksum mismatch is
+    /// `DATA_LOSS`, so that whoever hears of it tells it apart by its code).
     fn status(self, why: String) -> Status {
         match self {
             Failure::Deadline => Status::deadline_exceeded(why),
             Failure::Cancelled => Status::cancelled(why),
-            Failure::Checksum | Failure::Truncated | Failure::Malformed => {
-                Status::invalid_argument(why)
-            }
+            Failure::Checksum => Status::data_loss(why),
+            Failure::Truncated | Failure::Malformed => Status::invalid_argument(why),
             Failure::StoreFull => Status::resource_exhausted(why),
             Failure::Layout => Status::failed_precondition(why),
             Failure::Peer => Status::unavailable(why),
@@ -745,10 +745,10 @@ impl Agent {
             let (relayed, pushed) = tokio::join!(relay, push);
             // The destination's own account first: when it refused, the relay only saw it go.
             let pushed = pushed.map_err(|s| {
-                let failure = if s.code() == tonic::Code::InvalidArgument {
-                    Failure::Malformed
-                } else {
-                    Failure::Peer
+                let failure = match s.code() {
+                    tonic::Code::DataLoss => Failure::Checksum,
+                    tonic::Code::InvalidArgument => Failure::Malformed,
+                    _ => Failure::Peer,
                 };
                 let why = format!(
                     "transfer {tid}: the destination agent {destination} refused it: {}",

@@ -198,7 +198,7 @@ async fn a_corrupted_chunk_fails_the_transfer_for_its_reader_and_leaves_no_block
     }
     drop(tx);
     let refused = call.await.unwrap().unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert_eq!(refused.code(), tonic::Code::DataLoss, "{refused:?}");
     assert!(refused.message().contains("CRC32C mismatch in block 2"), "{}", refused.message());
     let failed = reader.await.unwrap().unwrap_err();
     assert!(failed.message().contains("t-corrupt"), "the reader hears why: {failed:?}");

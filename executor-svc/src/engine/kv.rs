@@ -122,9 +122,7 @@ impl Failed {
         let kind = match s.code() {
             Code::DeadlineExceeded => v1::KvFailure::Deadline,
             Code::Cancelled => v1::KvFailure::Cancelled,
-            Code::InvalidArgument | Code::DataLoss if s.message().contains("CRC32C") => {
-                v1::KvFailure::Checksum
-            }
+            Code::DataLoss => v1::KvFailure::Checksum,
             Code::FailedPrecondition => v1::KvFailure::Layout,
             Code::NotFound => v1::KvFailure::NotFound,
             Code::ResourceExhausted => v1::KvFailure::StoreFull,

@@ -235,12 +235,7 @@ impl KvOps {
             if let Some(staging) = &p.staging {
                 let (ok, agent, name) =
                     (staging_ok.clone(), p.agent.clone(), staging.name().to_string());
-                p.runtime.spawn(async move {
-                    match data::probe(&agent, &name).await {
-                        Ok(()) => ok.store(true, Ordering::Release),
-                        Err(s) => tracing::warn!(agent, error = s.message(), "the KV agent cannot map this executor's staging region: KV transfers go through its socket"),
-                    }
-                });
+                p.runtime.spawn(probe_until_answered(agent, name, ok));
             }
         }
         Self { port, staging_ok, block_layout, running: HashMap::new(), done_tx, done_rx }
@@ -555,6 +550,39 @@ impl KvOps {
             t.task.abort();
         }
         while self.done_rx.try_recv().is_ok() {}
+    }
+}
+
+/// Asks the agent at `agent` whether it maps staging region `name` until it answers (it may
+/// start after the executor, as a sidecar does); sets `ok` when it does.
+async fn probe_until_answered(agent: String, name: String, ok: Arc<AtomicBool>) {
+    let mut wait = std::time::Duration::from_millis(200);
+    for attempt in 0.. {
+        match data::probe(&agent, &name).await {
+            Ok(()) => {
+                ok.store(true, Ordering::Release);
+                tracing::info!(agent, region = name, "KV transfers go through shared memory");
+                return;
+            }
+            Err(s) if s.code() == tonic::Code::Unavailable => {}
+            Err(s) => {
+                let error = s.message();
+                tracing::warn!(
+                    agent,
+                    error,
+                    "the KV agent cannot map the staging region: KV transfers take its socket"
+                );
+                return;
+            }
+        }
+        if attempt == 0 {
+            tracing::info!(
+                agent,
+                "the KV agent is not reachable yet: transfers take its socket until it is"
+            );
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(std::time::Duration::from_secs(10));
     }
 }
 

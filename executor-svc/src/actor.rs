@@ -21,6 +21,20 @@ pub struct EngineStats {
     pub busy_us: u64,
     /// Time spent waiting for the next step after one finished, microseconds.
     pub idle_us: u64,
+    /// KV transfers started, by path (shared memory or the agent's socket).
+    pub kv_paths: crate::engine::kv::KvPaths,
+}
+
+/// The engine's figures now.
+fn stats_of(engine: &Engine, busy_us: u64, idle_us: u64) -> EngineStats {
+    EngineStats {
+        num_requests: engine.num_requests() as u32,
+        steps_executed: engine.steps_executed(),
+        blocks_in_use: engine.blocks_in_use() as u32,
+        busy_us,
+        idle_us,
+        kv_paths: engine.kv_paths(),
+    }
 }
 
 enum Command {
@@ -92,22 +106,10 @@ impl EngineHandle {
                         let _ = reply.send(engine.reset());
                     }
                     Command::Stats(reply) => {
-                        let _ = reply.send(EngineStats {
-                            num_requests: engine.num_requests() as u32,
-                            steps_executed: engine.steps_executed(),
-                            blocks_in_use: engine.blocks_in_use() as u32,
-                            busy_us,
-                            idle_us,
-                        });
+                        let _ = reply.send(stats_of(&engine, busy_us, idle_us));
                     }
                 }
-                let now = EngineStats {
-                    num_requests: engine.num_requests() as u32,
-                    steps_executed: engine.steps_executed(),
-                    blocks_in_use: engine.blocks_in_use() as u32,
-                    busy_us,
-                    idle_us,
-                };
+                let now = stats_of(&engine, busy_us, idle_us);
                 *shared.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
             }
         })?;

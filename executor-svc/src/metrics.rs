@@ -48,6 +48,13 @@ impl Render for ExecutorMetrics {
             &labels,
             f64::from(self.num_blocks),
         );
+        let name = "ferry_executor_kv_transfers";
+        let help = "KV transfers started, by the path their blocks took to the node's agent.";
+        t.family(name, "counter", help);
+        let paths = [("shared_memory", s.kv_paths.shared_memory), ("socket", s.kv_paths.socket)];
+        for (path, n) in paths {
+            t.sample(name, &[("path", path), labels[0], labels[1]], n as f64);
+        }
         published.step_seconds.render(
             t,
             "ferry_executor_step_duration_seconds",

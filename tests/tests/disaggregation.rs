@@ -171,6 +171,11 @@ async fn disaggregated_streams_equal_one_executor_token_for_token() {
     assert!(cluster.metric("ferry_kv_transfer_bytes{") > 0.0);
     let received = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_received_bytes{");
     assert!(received > 0.0, "the decode node's agent received no KV");
+    // Between each executor and its agent, the blocks went through shared memory.
+    for node in [&cluster.prefill, &cluster.decode] {
+        let staged = "ferry_executor_kv_transfers{path=\"shared_memory\"";
+        assert!(metric(node.executor.addr("grpc"), staged) > 0.0, "no staged transfer");
+    }
     // The admin view shows each transfer from both sides: exported by P, imported by D.
     let transfers = cluster.transfers().await;
     assert_eq!(transfers.len(), STREAMS, "{transfers:#?}");

@@ -203,6 +203,8 @@ pub struct KvOps {
     staging_ok: Arc<AtomicBool>,
     block_layout: Option<BlockLayout>,
     running: HashMap<String, InProgress>,
+    /// Transfers started through shared memory and through the agent's socket.
+    paths: KvPaths,
     done_tx: std_mpsc::Sender<Done>,
     done_rx: std_mpsc::Receiver<Done>,
 }
@@ -213,6 +215,25 @@ impl std::fmt::Debug for KvOps {
             .field("port", &self.port)
             .field("running", &self.running.len())
             .finish_non_exhaustive()
+    }
+}
+
+/// Transfers started, by the path their blocks took between executor and agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvPaths {
+    /// Through the staging region.
+    pub shared_memory: u64,
+    /// Through the agent's socket.
+    pub socket: u64,
+}
+
+impl KvPaths {
+    fn count(&mut self, staged: bool) {
+        if staged {
+            self.shared_memory += 1;
+        } else {
+            self.socket += 1;
+        }
     }
 }
 
@@ -238,12 +259,19 @@ impl KvOps {
                 p.runtime.spawn(probe_until_answered(agent, name, ok));
             }
         }
-        Self { port, staging_ok, block_layout, running: HashMap::new(), done_tx, done_rx }
+        let running = HashMap::new();
+        let paths = KvPaths::default();
+        Self { port, staging_ok, block_layout, running, paths, done_tx, done_rx }
     }
 
     /// Transfers in progress.
     pub fn in_progress(&self) -> usize {
         self.running.len()
+    }
+
+    /// Transfers started so far, by path.
+    pub fn paths(&self) -> KvPaths {
+        self.paths
     }
 
     /// Checks a step's KV operations against `tables` (the requests after the step's diff) and
@@ -384,7 +412,7 @@ impl KvOps {
     /// and sends each block as soon as it is copied out; else all are copied out, then sent.
     #[allow(clippy::too_many_arguments)]
     fn start_outgoing(
-        &self,
+        &mut self,
         op: &v1::KvOperation,
         ids: &[u32],
         hashes: &[u64],
@@ -409,7 +437,9 @@ impl KvOps {
             end_span(span, &result);
             let _ = done.send(Done::Export { transfer_id: tid, result });
         };
-        if let Some(slots) = self.slots(port, ids.len()) {
+        let slots = self.slots(port, ids.len());
+        self.paths.count(slots.is_some());
+        if let Some(slots) = slots {
             let (mut filler, slots, filled) = shm::filling(slots);
             let task = port.runtime.spawn(async move {
                 let sent = data::put_staged(&agent, header.to_proto(), slots, filled);
@@ -440,7 +470,7 @@ impl KvOps {
     /// shared with it only) and slots are free, each block then written into the pool at the
     /// first step after it lands; else read through the socket, written when all are here.
     fn start_import(
-        &self,
+        &mut self,
         op: &v1::KvOperation,
         i: &v1::KvImport,
         port: &KvPort,
@@ -462,6 +492,7 @@ impl KvOps {
         let agent = if tier_read { i.source_agent.clone() } else { port.agent.clone() };
         let (n, block_bytes) = (i.block_ids.len(), layout.block_bytes);
         let slots = if agent == port.agent { self.slots(port, n) } else { None };
+        self.paths.count(slots.is_some());
         let (staged, landing) = match slots {
             Some(slots) => {
                 let slots = Arc::new(slots);

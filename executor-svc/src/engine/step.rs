@@ -236,6 +236,11 @@ impl Engine {
         self.steps_executed
     }
 
+    /// KV transfers started so far, by the path their blocks took to the agent.
+    pub fn kv_paths(&self) -> super::kv::KvPaths {
+        self.kv.paths()
+    }
+
     /// Forgets every request and ends every KV transfer in progress.
     pub fn reset(&mut self) -> usize {
         self.kv.reset();

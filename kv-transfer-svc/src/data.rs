@@ -318,6 +318,17 @@ async fn read_status<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Result<
     Ok(Err(Status::new(tonic::Code::from_i32(code as i32), message)))
 }
 
+/// The agent's answer to a `Put` or `Push` (see [`answer`]): its receipt, or its refusal.
+async fn read_receipt<R: AsyncRead + Unpin>(
+    r: &mut R,
+    transfer_id: &str,
+) -> std::io::Result<Result<v1::TransferReceipt, Status>> {
+    let status = read_status(r).await?;
+    let bytes = r.read_u64_le().await?;
+    let blocks = r.read_u32_le().await?;
+    Ok(status.map(|()| v1::TransferReceipt { transfer_id: transfer_id.to_string(), blocks, bytes }))
+}
+
 async fn answer(
     write: OwnedWriteHalf,
     outcome: Result<v1::TransferReceipt, Status>,
@@ -376,17 +387,7 @@ pub async fn send_blocks(
         w.flush().await.map_err(unreachable)?;
         w.shutdown().await.map_err(unreachable)?;
     }
-    let answered = async {
-        let status = read_status(&mut r).await?;
-        let bytes = r.read_u64_le().await?;
-        let blocks = r.read_u32_le().await?;
-        Ok::<_, std::io::Error>(status.map(|()| v1::TransferReceipt {
-            transfer_id: header.transfer_id.clone(),
-            blocks,
-            bytes,
-        }))
-    };
-    answered.await.map_err(|e| match write_failed {
+    read_receipt(&mut r, &header.transfer_id).await.map_err(|e| match write_failed {
         Some(first) => Status::unavailable(format!("agent {address}: {first} ({e})")),
         None => Status::unavailable(format!("agent {address}: no answer: {e}")),
     })?
@@ -663,10 +664,7 @@ pub async fn put_staged(
             )));
         }
         let _keep_open = w;
-        let status = read_status(&mut r).await.map_err(unreachable)?;
-        let bytes = r.read_u64_le().await.map_err(unreachable)?;
-        let blocks = r.read_u32_le().await.map_err(unreachable)?;
-        status.map(|()| v1::TransferReceipt { transfer_id: header.transfer_id, blocks, bytes })
+        read_receipt(&mut r, &header.transfer_id).await.map_err(unreachable)?
     })
     .await
 }

@@ -151,35 +151,39 @@ struct Landing {
     landed: tokio::sync::watch::Receiver<usize>,
     /// Blocks written into the pool so far.
     written: usize,
-    /// A block that could not be written (the import fails with it).
-    failed: Option<String>,
 }
 
 impl Landing {
-    /// Writes the blocks that landed since the last call into `blocks` of `backend`.
-    fn write_landed(&mut self, blocks: &[u32], backend: &mut dyn ModelBackend) {
+    /// Writes the blocks that landed since the last call into `blocks` of `backend`; stops at
+    /// a block that cannot be written (the final call meets it again and fails the import).
+    fn write_landed(
+        &mut self,
+        blocks: &[u32],
+        backend: &mut dyn ModelBackend,
+    ) -> Result<(), Failed> {
         let landed = (*self.landed.borrow()).min(blocks.len());
-        while self.failed.is_none() && self.written < landed {
+        while self.written < landed {
             let i = self.written;
-            match backend.write_block(blocks[i] as usize, self.slots.block(i)) {
-                Ok(()) => self.written += 1,
-                Err(e) => self.failed = Some(e),
-            }
+            write_block(backend, blocks[i], self.slots.block(i))?;
+            self.written += 1;
         }
+        Ok(())
     }
 
     /// Writes the rest (every block has landed); the bytes imported.
     fn write_all(&mut self, blocks: &[u32], backend: &mut dyn ModelBackend) -> Result<u64, Failed> {
-        self.write_landed(blocks, backend);
-        if let Some(e) = self.failed.take() {
-            return Err(Failed::new(v1::KvFailure::Executor, e));
-        }
+        self.write_landed(blocks, backend)?;
         if self.written != blocks.len() {
             let why = format!("import: {} of {} blocks landed", self.written, blocks.len());
             return Err(Failed::new(v1::KvFailure::Malformed, why));
         }
         Ok((blocks.len() * self.slots.staging().block_bytes()) as u64)
     }
+}
+
+/// Writes block `b` of `backend`.
+fn write_block(backend: &mut dyn ModelBackend, b: u32, data: &[u8]) -> Result<(), Failed> {
+    backend.write_block(b as usize, data).map_err(|e| Failed::new(v1::KvFailure::Executor, e))
 }
 
 /// Writes `data` (block by block) into `blocks` of `backend`; the bytes written.
@@ -190,7 +194,7 @@ fn write_all(
 ) -> Result<u64, Failed> {
     let mut bytes = 0u64;
     for (&b, d) in blocks.iter().zip(data) {
-        backend.write_block(b as usize, d).map_err(|e| Failed::new(v1::KvFailure::Executor, e))?;
+        write_block(backend, b, d)?;
         bytes += d.len() as u64;
     }
     Ok(bytes)
@@ -497,7 +501,7 @@ impl KvOps {
             Some(slots) => {
                 let slots = Arc::new(slots);
                 let (landed_tx, landed) = tokio::sync::watch::channel(0);
-                let landing = Landing { slots: slots.clone(), landed, written: 0, failed: None };
+                let landing = Landing { slots: slots.clone(), landed, written: 0 };
                 (Some((slots, landed_tx)), Some(landing))
             }
             None => (None, None),
@@ -526,7 +530,8 @@ impl KvOps {
     pub fn finish(&mut self, backend: &mut dyn ModelBackend) -> Vec<v1::KvOperationResult> {
         for t in self.running.values_mut() {
             if let Some(landing) = &mut t.staged {
-                landing.write_landed(&t.blocks, backend);
+                // A block that cannot be written fails the import when it is reported.
+                let _ = landing.write_landed(&t.blocks, backend);
             }
         }
         let mut results = Vec::new();

@@ -1,17 +1,18 @@
 //! `ferry-bench kv`: how fast KV blocks move between agents, against a plain TCP sender and
-//! receiver moving the same bytes in the same run (the ceiling on this machine).
+//! receiver moving the same bytes in the same run.
 //!
-//! The paths, each timed from the first byte sent to the last byte stored:
-//! - `tcp`: one TCP connection on loopback, the sender writing one block again and again and
-//!   the receiver reading into one reused buffer: both stay in the CPU's cache, so this is the
-//!   transport alone, the ceiling;
-//! - `tcp-pools`: the same connection moving the bytes of one pool (the transfer's size,
-//!   allocated and touched first) into another: the same bytes from memory to memory as the
-//!   pool-to-pool paths move, the baseline for those;
-//! - `tcp-store`: the same, the receiver reading each block into a new buffer it keeps (what
-//!   any store must do, the fair baseline for one);
+//! Every path moves the same bytes: one transfer's blocks (256 MiB by default), from memory
+//! of their own (as an executor's pool or an agent's store holds them) into memory of their
+//! own. The paths, each timed from the first byte sent to the last byte stored:
+//! - `tcp-pools`: plain TCP on loopback from one pool (allocated and touched first) into
+//!   another, a `write_all` and a `read_exact` per block: the baseline, the same bytes from
+//!   memory to memory with nothing but the transport;
+//! - `tcp`: the same connection with the sender writing one block again and again and the
+//!   receiver reading into one reused buffer: both stay in the CPU's cache, so this is the
+//!   transport alone, a ceiling no path that moves a transfer's bytes between memory reaches
+//!   (`tcp-pools` itself gets about half of it);
 //! - `push`: agent to agent as agents do it, over the destination's data channel (chunked,
-//!   CRC32C checked, stored);
+//!   CRC32C checked, stored; the sender's checksums computed before the clock starts);
 //! - `grpc-push`: the same through the gRPC `Push` (for tools; shown for comparison);
 //! - `put+push`: an executor's export through its node's agent (a data-channel `Put` with a
 //!   destination; the relay checks every chunk) on to the destination agent;
@@ -19,14 +20,15 @@
 //!   as it arrives into a pool of its own: one executor's KV pool to another's, every byte
 //!   through the agents' sockets;
 //! - `whole`: one executor's KV pool to another's as executors do it: the exporter copies its
-//!   blocks into its shared-memory staging slots, its agent sends them from there, and the
-//!   destination agent copies each block into the importer's staging slots, from which the
-//!   importer copies them into its pool. Timed from the first copy out of the source pool to
-//!   the last copy into the destination pool; both pools are allocated and touched first, as
-//!   an executor's are.
+//!   blocks into its shared-memory staging slots, its agent sends them from there (computing
+//!   their checksums), and the destination agent copies each block into the importer's
+//!   staging slots, from which the importer copies them into its pool. Timed from the first
+//!   copy out of the source pool to the last copy into the destination pool; both pools are
+//!   allocated and touched first, as an executor's are.
 //!
-//! The agents run in this process on loopback, like the TCP pair, so all three share the same
-//! cores.
+//! The agents run in this process on loopback, like the TCP pair, so all share the same
+//! cores. Each round runs every path once, back to back; a path's ratio is the median over
+//! rounds of its run against the same round's baseline, since the machine's own rate drifts.
 
 use std::time::Instant;
 
@@ -37,6 +39,10 @@ use ferry_proto::v1::{self, block_frame::Frame};
 use ferry_runtime::clock::unix_deadline;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
+
+/// Every path, in the order each round runs them (the two baselines first).
+pub const PATHS: [&str; 7] =
+    ["tcp", "tcp-pools", "push", "grpc-push", "put+push", "whole-socket", "whole"];
 
 /// Flags of `ferry-bench kv`.
 #[derive(Debug, clap::Args)]
@@ -51,6 +57,10 @@ pub struct KvBenchArgs {
     /// Runs of each path, alternating.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Paths to run besides the baselines `tcp` and `tcp-pools` (comma-separated; all by
+    /// default).
+    #[arg(long, value_delimiter = ',', default_values_t = PATHS.map(String::from))]
+    pub paths: Vec<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -59,14 +69,14 @@ pub struct KvBenchArgs {
 /// One path's runs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct KvBenchRow {
-    /// `tcp`, `tcp-pools`, `tcp-store`, `push`, `grpc-push`, `put+push`, `whole-socket` or
-    /// `whole`.
+    /// One of [`PATHS`].
     pub path: &'static str,
     /// MB/s of each run.
     pub mb_per_s: Vec<f64>,
-    /// The median run against the median `tcp` run.
+    /// The median over rounds of each run against the same round's `tcp` run (the machine's
+    /// own rate drifts between rounds; a round's paths run back to back).
     pub ratio_to_tcp: f64,
-    /// The median run against the median `tcp-pools` run.
+    /// The same against each round's `tcp-pools` run.
     pub ratio_to_tcp_pools: f64,
 }
 
@@ -109,9 +119,15 @@ fn read_request(h: &Header) -> v1::GetBlocksRequest {
     }
 }
 
-fn frames(h: &Header, block: &Bytes) -> Vec<v1::BlockFrame> {
+/// The frames of transfer `h`, its blocks cut from `source` in order (checksums computed
+/// before the clock starts).
+fn frames(h: &Header, source: &Bytes) -> Vec<v1::BlockFrame> {
+    let bb = h.layout.block_bytes;
     std::iter::once(header_frame(h))
-        .chain((0..h.hashes.len()).flat_map(|i| chunks(i, block).collect::<Vec<_>>()))
+        .chain(
+            (0..h.hashes.len())
+                .flat_map(|i| chunks(i, &source.slice(i * bb..(i + 1) * bb)).collect::<Vec<_>>()),
+        )
         .collect()
 }
 
@@ -132,56 +148,45 @@ async fn start_agent(
 
 /// Moves the bytes of `source` over plain TCP on loopback into `dest` (two pools of the
 /// transfer's size, allocated and touched before): the same bytes from memory to memory that
-/// the pool-to-pool path moves; MB/s.
-async fn tcp_pools(source: &[u8], dest: &mut [u8], len: usize) -> anyhow::Result<f64> {
+/// the pool-to-pool path moves; MB/s. The receiver is a task of its own, as a separate
+/// process's would be, so sender and receiver run at once.
+async fn tcp_pools(source: &[u8], dest: &mut Vec<u8>, len: usize) -> anyhow::Result<f64> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
+    let mut pool = std::mem::take(dest);
     let start = Instant::now();
-    let receive = async {
+    let receiver = tokio::spawn(async move {
         let (mut conn, _) = listener.accept().await?;
-        for block in dest.chunks_mut(len) {
+        for block in pool.chunks_mut(len) {
             conn.read_exact(block).await?;
         }
-        anyhow::Ok(())
-    };
-    let send = async {
-        let mut conn = tokio::net::TcpStream::connect(addr).await?;
-        conn.set_nodelay(true)?;
-        for block in source.chunks(len) {
-            conn.write_all(block).await?;
-        }
-        conn.flush().await?;
-        anyhow::Ok(())
-    };
-    let (r, s) = tokio::join!(receive, send);
-    r?;
-    s?;
-    Ok(source.len() as f64 / start.elapsed().as_secs_f64() / 1e6)
+        anyhow::Ok(pool)
+    });
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.set_nodelay(true)?;
+    for block in source.chunks(len) {
+        conn.write_all(block).await?;
+    }
+    conn.flush().await?;
+    *dest = receiver.await??;
+    let secs = start.elapsed().as_secs_f64();
+    anyhow::ensure!(dest.as_slice() == source, "tcp-pools: the bytes arrived unchanged");
+    dest.fill(1);
+    Ok(source.len() as f64 / secs / 1e6)
 }
 
-/// Moves `blocks` blocks of `block` over plain TCP on loopback; MB/s. The receiver reads into
-/// one reused buffer, or (`store`) into a new buffer per block that it keeps, as a store does.
-async fn tcp(blocks: usize, block: &Bytes, store: bool) -> anyhow::Result<f64> {
+/// Moves `blocks` blocks of `block` over plain TCP on loopback, the receiver reading into one
+/// reused buffer; MB/s.
+async fn tcp(blocks: usize, block: &Bytes) -> anyhow::Result<f64> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let len = block.len();
     let receiver = tokio::spawn(async move {
         let (mut conn, _) = listener.accept().await?;
         let mut buf = vec![0u8; len];
-        let mut kept = Vec::new();
         let mut got = 0;
         for _ in 0..blocks {
-            if store {
-                let mut fresh = bytes::BytesMut::with_capacity(len);
-                while fresh.len() < len {
-                    if conn.read_buf(&mut fresh).await? == 0 {
-                        anyhow::bail!("tcp: the sender stopped early");
-                    }
-                }
-                kept.push(fresh.freeze());
-            } else {
-                conn.read_exact(&mut buf).await?;
-            }
+            conn.read_exact(&mut buf).await?;
             got += 1;
         }
         anyhow::Ok(got)
@@ -198,18 +203,18 @@ async fn tcp(blocks: usize, block: &Bytes, store: bool) -> anyhow::Result<f64> {
     Ok((blocks * len) as f64 / start.elapsed().as_secs_f64() / 1e6)
 }
 
-/// Pushes `blocks` blocks straight to the agent at `to`, over its data channel or (`grpc`) its
-/// gRPC `Push`; MB/s.
+/// Pushes `blocks` blocks of `source` straight to the agent at `to`, over its data channel or
+/// (`grpc`) its gRPC `Push`; MB/s.
 async fn push(
     tid: &str,
     to: &str,
     blocks: usize,
-    block: &Bytes,
+    source: &Bytes,
     block_size: u32,
     grpc: bool,
 ) -> anyhow::Result<f64> {
     let h = header(tid, blocks, block_size, None);
-    let all = frames(&h, block);
+    let all = frames(&h, source);
     let start = Instant::now();
     let receipt = if grpc {
         peers::client(to)?.push(tokio_stream::iter(all)).await?.into_inner()
@@ -237,7 +242,7 @@ fn feed(
     (rx, fed)
 }
 
-/// An export as an executor makes it: `blocks` blocks put to its agent at `via`, which pushes
+/// An export as an executor makes it: `blocks` blocks of `source` put to its agent at `via`, which pushes
 /// them on to `to`; MB/s. With `read`, a reader at `to` (the importing executor) takes each
 /// block as it arrives and copies it into its own pool, and the time runs until it has all:
 /// the whole path from one executor's pool to the other's.
@@ -246,20 +251,22 @@ async fn export(
     via: &str,
     to: &str,
     blocks: usize,
-    block: &Bytes,
+    source: &Bytes,
     block_size: u32,
     read: bool,
 ) -> anyhow::Result<f64> {
     let h = header(tid, blocks, block_size, Some(to.to_string()));
-    let (rx, fed) = feed(frames(&h, block));
+    let (rx, fed) = feed(frames(&h, source));
     let request = read_request(&h);
-    let mut pool = vec![1u8; if read { blocks * block.len() } else { 0 }];
+    let mut pool = vec![1u8; if read { source.len() } else { 0 }];
+    let to = to.to_string();
     let start = Instant::now();
-    let reader = async {
+    // The importing executor, a task of its own (another process in a deployment).
+    let reader = tokio::spawn(async move {
         if !read {
             return anyhow::Ok(0usize);
         }
-        let mut chunks = ferry_kv_transfer_svc::data::get(to, &request).await?;
+        let mut chunks = ferry_kv_transfer_svc::data::get(&to, &request).await?;
         let mut at = 0;
         while let Some(chunk) = chunks.recv().await {
             let c = chunk?;
@@ -267,16 +274,18 @@ async fn export(
             at += c.data.len();
         }
         Ok(at)
-    };
+    });
     let sender =
         ferry_kv_transfer_svc::data::send_blocks(via, ferry_kv_transfer_svc::data::Op::Put, rx);
-    let ((), receipt, read_bytes) = tokio::join!(fed, sender, reader);
+    let ((), receipt) = tokio::join!(fed, sender);
+    let read_bytes = reader.await??;
+    let secs = start.elapsed().as_secs_f64();
     let receipt = receipt?;
     anyhow::ensure!(receipt.bytes == h.total_bytes(), "put: {receipt:?}");
     if read {
-        anyhow::ensure!(read_bytes? as u64 == h.total_bytes(), "the reader got every byte");
+        anyhow::ensure!(read_bytes as u64 == h.total_bytes(), "the reader got every byte");
     }
-    Ok(h.total_bytes() as f64 / start.elapsed().as_secs_f64() / 1e6)
+    Ok(h.total_bytes() as f64 / secs / 1e6)
 }
 
 /// One executor's pool to another's through staging slots and the agents at `via` (the
@@ -375,9 +384,15 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
         }
     };
     let bs = args.block_size;
-    let (mut t, mut ts, mut p, mut g, mut pp, mut whole_socket, mut whole) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut tp = Vec::new();
+    for p in &args.paths {
+        anyhow::ensure!(PATHS.contains(&p.as_str()), "unknown path {p:?}; paths: {PATHS:?}");
+    }
+    // The baselines always run; the rest as asked, in this order.
+    let chosen: Vec<&'static str> = PATHS
+        .into_iter()
+        .filter(|p| matches!(*p, "tcp" | "tcp-pools") || args.paths.iter().any(|a| a == p))
+        .collect();
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); chosen.len()];
     // Two executors' pools (touched, as a warm KV pool is) and staging regions.
     let dir = std::path::Path::new(shm::DEFAULT_DIR);
     let slots = u32::try_from(blocks)?;
@@ -386,48 +401,49 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
         shm::Staging::create(dir, block_bytes, slots)?,
     );
     let mut pools = (block.repeat(blocks), vec![1u8; blocks * block_bytes]);
+    // The blocks the socket paths send, in memory of their own (as an executor's pool or an
+    // agent's store holds them), not one block sent again from the cache.
+    let source = Bytes::from(block.repeat(blocks));
     for round in 0..=args.rounds {
         // Round 0 warms up (connections, allocator, page cache) and is not counted.
-        let keep = round > 0;
-        let tid = |path: &str| format!("{path}-{round}");
-        let r = tcp(blocks, &block, false).await?;
-        keep.then(|| t.push(r));
-        let r = tcp_pools(&pools.0, &mut pools.1, block_bytes).await?;
-        keep.then(|| tp.push(r));
-        let r = tcp(blocks, &block, true).await?;
-        keep.then(|| ts.push(r));
-        let r = push(&tid("push"), &b, blocks, &block, bs, false).await?;
-        done(tid("push")).await?;
-        keep.then(|| p.push(r));
-        let r = push(&tid("grpc"), &b, blocks, &block, bs, true).await?;
-        done(tid("grpc")).await?;
-        keep.then(|| g.push(r));
-        let r = export(&tid("put"), &a, &b, blocks, &block, bs, false).await?;
-        done(tid("put")).await?;
-        keep.then(|| pp.push(r));
-        let r = export(&tid("whole-socket"), &a, &b, blocks, &block, bs, true).await?;
-        keep.then(|| whole_socket.push(r));
-        let r = staged(&tid("whole"), &a, &b, &mut pools, &stagings, bs).await?;
-        keep.then(|| whole.push(r));
+        for (i, &path) in chosen.iter().enumerate() {
+            let tid = format!("{path}-{round}");
+            let r = match path {
+                "tcp" => tcp(blocks, &block).await?,
+                "tcp-pools" => tcp_pools(&pools.0, &mut pools.1, block_bytes).await?,
+                "push" | "grpc-push" => {
+                    let r = push(&tid, &b, blocks, &source, bs, path == "grpc-push").await?;
+                    done(tid).await?;
+                    r
+                }
+                "put+push" => {
+                    let r = export(&tid, &a, &b, blocks, &source, bs, false).await?;
+                    done(tid).await?;
+                    r
+                }
+                "whole-socket" => export(&tid, &a, &b, blocks, &source, bs, true).await?,
+                _ => staged(&tid, &a, &b, &mut pools, &stagings, bs).await?,
+            };
+            if round > 0 {
+                runs[i].push(r);
+            }
+        }
     }
     let _ = stop_tx.send(true);
-    let (base, pools_base) = (median(&t), median(&tp));
-    let row = |path, mb_per_s: Vec<f64>| KvBenchRow {
-        path,
-        ratio_to_tcp: median(&mb_per_s) / base,
-        ratio_to_tcp_pools: median(&mb_per_s) / pools_base,
-        mb_per_s,
+    let paired = |runs: &[f64], base: &[f64]| {
+        median(&runs.iter().zip(base).map(|(r, b)| r / b).collect::<Vec<_>>())
     };
-    let rows = vec![
-        row("tcp", t),
-        row("tcp-pools", tp),
-        row("tcp-store", ts),
-        row("push", p),
-        row("grpc-push", g),
-        row("put+push", pp),
-        row("whole-socket", whole_socket),
-        row("whole", whole),
-    ];
+    let (base, pools_base) = (runs[0].clone(), runs[1].clone());
+    let rows: Vec<KvBenchRow> = chosen
+        .into_iter()
+        .zip(runs)
+        .map(|(path, mb_per_s)| KvBenchRow {
+            path,
+            ratio_to_tcp: paired(&mb_per_s, &base),
+            ratio_to_tcp_pools: paired(&mb_per_s, &pools_base),
+            mb_per_s,
+        })
+        .collect();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {

@@ -30,6 +30,7 @@
 //!     end record;
 //!   - `Probe`: a region reference; answered as `Put` is (OK if the agent can map it).
 
+use std::io::IoSlice;
 use std::sync::Arc;
 
 use ferry_proto::v1::{self, block_frame::Frame};
@@ -193,8 +194,7 @@ async fn send(
             Ok(data) => {
                 for frame in crate::frames::chunks(index, &data) {
                     if let Some(Frame::Chunk(c)) = frame.frame {
-                        w.write_u8(TAG_CHUNK).await?;
-                        write_chunk(&mut w, &c).await?;
+                        write_chunk(&mut w, Some(TAG_CHUNK), &c).await?;
                     }
                 }
             }
@@ -282,14 +282,33 @@ async fn read_chunk<R: AsyncRead + Unpin>(
     Ok(Some(v1::BlockChunk { block_index, offset, data: buffers.freeze(data), crc32c }))
 }
 
-async fn write_chunk<W: AsyncWrite + Unpin>(w: &mut W, c: &v1::BlockChunk) -> std::io::Result<()> {
-    let mut head = [0u8; CHUNK_HEAD];
+/// Writes chunk `c` (after a record tag, if any) with one vectored write for its head and its
+/// bytes: a head written alone would leave as a packet of its own (the socket sends at once)
+/// and wake the receiver for 20 bytes.
+async fn write_chunk<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    tag: Option<u8>,
+    c: &v1::BlockChunk,
+) -> std::io::Result<()> {
+    let mut buf = [0u8; 1 + CHUNK_HEAD];
+    let at = usize::from(tag.is_some());
+    buf[0] = tag.unwrap_or_default();
+    let head = &mut buf[at..at + CHUNK_HEAD];
     head[0..4].copy_from_slice(&c.block_index.to_le_bytes());
     head[4..12].copy_from_slice(&c.offset.to_le_bytes());
     head[12..16].copy_from_slice(&(c.data.len() as u32).to_le_bytes());
     head[16..20].copy_from_slice(&c.crc32c.to_le_bytes());
-    w.write_all(&head).await?;
-    w.write_all(&c.data).await
+    let (mut head, mut data) = (&buf[..at + CHUNK_HEAD], &c.data[..]);
+    while !head.is_empty() {
+        let n = w.write_vectored(&[IoSlice::new(head), IoSlice::new(data)]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let of_head = n.min(head.len());
+        head = &head[of_head..];
+        data = &data[n - of_head..];
+    }
+    w.write_all(data).await
 }
 
 async fn write_status<W: AsyncWrite + Unpin>(
@@ -377,7 +396,7 @@ pub async fn send_blocks(
         let Some(Frame::Chunk(c)) = frame.frame else {
             return Err(Status::invalid_argument("a block stream has one header, first"));
         };
-        if let Err(e) = write_chunk(&mut w, &c).await {
+        if let Err(e) = write_chunk(&mut w, None, &c).await {
             // The agent stopped reading (it refused the stream): its answer says why.
             write_failed = Some(e);
             break;

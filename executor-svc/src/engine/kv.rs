@@ -737,7 +737,7 @@ async fn import(
                 c.block_index, c.offset
             )));
         }
-        if crc32c::crc32c(&c.data) != c.crc32c {
+        if ferry_kv_transfer_svc::frames::crc32c(&c.data) != c.crc32c {
             return Err(Failed::new(
                 v1::KvFailure::Checksum,
                 format!("import: CRC32C mismatch in block {}", c.block_index),

@@ -210,7 +210,8 @@ pub fn deadline_of(unix_ms: u64) -> Instant {
 
 impl Agent {
     /// An agent for `node_id` with a store of `capacity` bytes, mapping local executors'
-    /// staging regions from `shm_dir`.
+    /// staging regions from `shm_dir` and keeping the blocks it receives in regions of its own
+    /// there.
     pub fn new(node_id: String, capacity: usize, shm_dir: std::path::PathBuf) -> Arc<Self> {
         let state = State {
             store: BlockStore::new(capacity),
@@ -225,8 +226,9 @@ impl Agent {
             changed: watch::channel(0).0,
             counters: Counters::default(),
             // Idle buffers up to the store's size: the agent's memory stays at the store's
-            // high-water mark instead of faulting pages in again for every transfer.
-            buffers: BufferPool::new(capacity),
+            // high-water mark instead of faulting pages in again for every transfer. Received
+            // blocks land in shared memory, for local executors to copy from directly.
+            buffers: BufferPool::shared(capacity, shm_dir.clone()),
             regions: crate::shm::Regions::new(shm_dir),
         })
     }

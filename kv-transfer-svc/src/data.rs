@@ -26,8 +26,11 @@
 //!     offset per block, in order, as the executor fills it; answered as `Put` is. A stream
 //!     that ends early fails the transfer (reason `truncated`);
 //!   - `GetStaged`: the request, then a region reference with one slot per block; the agent
-//!     answers with a record `2` (`u32` block index) as each block lands in its slot, then the
-//!     end record;
+//!     answers with a record per block as it is ready, in order, then the end record: `2`
+//!     (`u32` block index) when it copied the block into its slot, or `3` (`u32` block index,
+//!     `u64` offset, `u32` name length, the name) when the block is in a shared region of the
+//!     agent's store ([`crate::buffers`]), for the executor to copy from there itself. The
+//!     agent keeps every block it named so until the executor closes the connection;
 //!   - `Probe`: a region reference; answered as `Put` is (OK if the agent can map it).
 
 use std::io::IoSlice;
@@ -85,6 +88,9 @@ const TAG_CHUNK: u8 = 0;
 const TAG_END: u8 = 1;
 /// A staged `Get`'s block landed in its slot (`u32` index follows).
 const TAG_BLOCK: u8 = 2;
+/// A staged `Get`'s block is in the agent's store, to be copied from there: `u32` index, `u64`
+/// offset, then the region's name (`u32` length, the bytes).
+const TAG_SHARED: u8 = 3;
 
 /// The side channel for an agent's gRPC host.
 pub fn side_channel(agent: Arc<Agent>) -> ferry_runtime::side_channel::SideChannel {
@@ -123,8 +129,15 @@ pub async fn serve(agent: Arc<Agent>, conn: TcpStream) {
         }
         b if b == Op::GetStaged as u8 => {
             let mut w = BufWriter::new(write);
-            let outcome = send_staged(&agent, reader, &mut w).await;
+            let mut held = Vec::new();
+            let outcome = send_staged(&agent, &mut reader, &mut w, &mut held).await;
             let _ = end(&mut w, &outcome).await;
+            if !held.is_empty() {
+                // The executor copies these blocks out of the store's regions until it closes
+                // the connection (or its process ends): none is reused before.
+                let _ = reader.read(&mut [0u8; 1]).await;
+                drop(held);
+            }
         }
         b if b == Op::Probe as u8 => {
             let outcome = read_region(&mut reader).await.and_then(|(name, _)| {
@@ -579,32 +592,43 @@ async fn receive_staged(
     agent.put_staged(Box::pin(frames)).await
 }
 
-/// A staged `Get`: the request, then the region and the slots to fill; each block is copied
-/// into its slot as it comes. Answered with the end record once every slot is written (or the
-/// read failed); the agent touches no slot after that.
+/// A staged `Get`: the request, then the region and the slots to fill. A block held in a
+/// shared region of the agent's store is named for the executor to copy from there (and kept,
+/// in `held`, until the connection closes); any other is copied into its slot. Each is
+/// announced as it is ready; then the end record, after which the agent touches no slot.
 async fn send_staged(
     agent: &Arc<Agent>,
-    mut reader: BufReader<OwnedReadHalf>,
+    reader: &mut BufReader<OwnedReadHalf>,
     w: &mut BufWriter<OwnedWriteHalf>,
+    held: &mut Vec<bytes::Bytes>,
 ) -> Result<(), Status> {
-    let request: v1::GetBlocksRequest = read_message(&mut reader).await?;
+    let request: v1::GetBlocksRequest = read_message(reader).await?;
     let bb = crate::layout::BlockLayout::from_proto(request.layout.as_ref())
         .map_err(|e| Status::invalid_argument(e.to_string()))?
         .block_bytes;
-    let (region, offsets) =
-        staged_region(agent, &mut reader, request.block_hashes.len(), bb).await?;
+    let (region, offsets) = staged_region(agent, reader, request.block_hashes.len(), bb).await?;
     let (_, mut blocks) = agent.read_blocks(request)?;
     let mut next = offsets.iter().enumerate();
+    let io = |e: std::io::Error| io_status(&e);
     while let Some(block) = blocks.recv().await {
         let data = block?;
         let Some((i, &at)) = next.next() else {
             return Err(Status::internal("the agent read more blocks than were asked for"));
         };
-        region.write(at, &data).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        // The reader may take each block as it lands.
-        w.write_u8(TAG_BLOCK).await.map_err(|e| io_status(&e))?;
-        w.write_u32_le(i as u32).await.map_err(|e| io_status(&e))?;
-        w.flush().await.map_err(|e| io_status(&e))?;
+        // The reader may take each block as soon as it is announced.
+        if let Some((store, offset)) = agent.buffers.locate(&data) {
+            held.push(data);
+            w.write_u8(TAG_SHARED).await.map_err(io)?;
+            w.write_u32_le(i as u32).await.map_err(io)?;
+            w.write_u64_le(offset).await.map_err(io)?;
+            w.write_u32_le(store.name().len() as u32).await.map_err(io)?;
+            w.write_all(store.name().as_bytes()).await.map_err(io)?;
+        } else {
+            region.write(at, &data).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            w.write_u8(TAG_BLOCK).await.map_err(io)?;
+            w.write_u32_le(i as u32).await.map_err(io)?;
+        }
+        w.flush().await.map_err(io)?;
     }
     if next.next().is_some() {
         return Err(Status::internal("the read ended before every block was here"));
@@ -688,48 +712,85 @@ pub async fn put_staged(
     .await
 }
 
-/// Reads the blocks `req` asks for from the agent at `address` into `slots` (one per block,
-/// in order); `landed` counts the blocks in their slots as they land, so the reader can take
-/// them before the last arrives.
+/// Reads the blocks `req` asks for from the agent at `address`: each is copied into its slot
+/// of `slots` (one per block, in order), or left in the agent's store for the reader to copy
+/// from there. `landed` lists where each block is as it lands, so the reader can take them
+/// before the last arrives. The slots, and the agent's hold on the stored blocks (the
+/// connection), are kept on a task of their own until the agent answered and `release` fires
+/// or is dropped: drop it only once done reading every block `landed` listed.
 pub async fn get_staged(
     address: &str,
     req: v1::GetBlocksRequest,
     slots: Arc<crate::shm::Slots>,
-    landed: tokio::sync::watch::Sender<usize>,
+    landed: tokio::sync::watch::Sender<Vec<crate::shm::Place>>,
+    release: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<(), Status> {
     let address = address.to_string();
-    let keep = slots.clone();
-    with_slots(keep, async move {
-        let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
-        let (mut r, w) =
-            open_staged(&address, Op::GetStaged, &req, &slots, &slots.offsets()).await?;
-        let _keep_open = w;
-        loop {
-            match r.read_u8().await.map_err(unreachable)? {
-                TAG_BLOCK => {
-                    let i = r.read_u32_le().await.map_err(unreachable)? as usize;
-                    if i != *landed.borrow() || i >= slots.len() {
-                        return Err(Status::internal(format!(
-                            "agent {address}: block {i} landed out of order"
-                        )));
-                    }
-                    landed.send_replace(i + 1);
-                }
-                TAG_END => break,
-                tag => {
-                    return Err(Status::unavailable(format!(
-                        "agent {address}: unknown record {tag}"
-                    )))
-                }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut conn = None;
+        let outcome = read_staged(&address, &req, &slots, &landed, &mut conn).await;
+        let _ = tx.send(outcome);
+        if landed.borrow().iter().any(|p| matches!(p, crate::shm::Place::Store { .. })) {
+            let _ = release.await;
+        }
+        drop((conn, slots));
+    });
+    rx.await.unwrap_or_else(|_| Err(Status::internal("the staged read's task ended")))
+}
+
+/// The records of a staged read, until its end; the connection is left in `conn`.
+async fn read_staged(
+    address: &str,
+    req: &v1::GetBlocksRequest,
+    slots: &crate::shm::Slots,
+    landed: &tokio::sync::watch::Sender<Vec<crate::shm::Place>>,
+    conn: &mut Option<(BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>)>,
+) -> Result<(), Status> {
+    let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
+    let (r, _) =
+        conn.insert(open_staged(address, Op::GetStaged, req, slots, &slots.offsets()).await?);
+    loop {
+        let tag = r.read_u8().await.map_err(unreachable)?;
+        if tag == TAG_END {
+            break;
+        }
+        if tag != TAG_BLOCK && tag != TAG_SHARED {
+            return Err(Status::unavailable(format!("agent {address}: unknown record {tag}")));
+        }
+        let i = r.read_u32_le().await.map_err(unreachable)? as usize;
+        if i != landed.borrow().len() || i >= slots.len() {
+            return Err(Status::internal(format!(
+                "agent {address}: block {i} landed out of order"
+            )));
+        }
+        let place = if tag == TAG_SHARED {
+            let offset = r.read_u64_le().await.map_err(unreachable)?;
+            let len = r.read_u32_le().await.map_err(unreachable)? as usize;
+            if len > crate::shm::MAX_NAME {
+                return Err(Status::internal(format!(
+                    "agent {address}: a region name of {len} bytes"
+                )));
             }
-        }
-        read_status(&mut r).await.map_err(unreachable)??;
-        if *landed.borrow() != slots.len() {
-            return Err(Status::internal(format!("agent {address}: the read ended early")));
-        }
-        Ok(())
-    })
-    .await
+            let mut name = vec![0u8; len];
+            r.read_exact(&mut name).await.map_err(unreachable)?;
+            let name = String::from_utf8_lossy(&name);
+            let bad = |e: crate::shm::RegionError| {
+                Status::internal(format!("agent {address}: its store's block {i}: {e}"))
+            };
+            let region = slots.staging().peers().get(&name).map_err(bad)?;
+            region.check(offset, slots.staging().block_bytes()).map_err(bad)?;
+            crate::shm::Place::Store { region, offset }
+        } else {
+            crate::shm::Place::Slot
+        };
+        landed.send_modify(|places| places.push(place));
+    }
+    read_status(r).await.map_err(unreachable)??;
+    if landed.borrow().len() != slots.len() {
+        return Err(Status::internal(format!("agent {address}: the read ended early")));
+    }
+    Ok(())
 }
 
 /// Whether the agent at `address` can map staging region `name` (it shares the directory).
@@ -739,4 +800,117 @@ pub async fn probe(address: &str, name: &str) -> Result<(), Status> {
     write_region(&mut w, name, &[]).await.map_err(unreachable)?;
     w.flush().await.map_err(unreachable)?;
     read_status(&mut r).await.map_err(unreachable)?
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::frames::tests::layout;
+    use crate::shm::{Place, Staging};
+
+    /// Serves `agent`'s data channel on a port of its own.
+    async fn listen(agent: Arc<Agent>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                tokio::spawn(serve(agent.clone(), conn));
+            }
+        });
+        addr
+    }
+
+    /// Keeps `data` in the store of the agent at `addr` under `hashes` (a KV-tier put).
+    async fn store(addr: &str, hashes: &[u64], data: &[Bytes]) {
+        let header = v1::TransferHeader {
+            transfer_id: format!("put-{}", hashes[0]),
+            layout: Some(layout()),
+            block_hashes: hashes.to_vec(),
+            destination_agent: String::new(),
+            deadline_unix_ms: ferry_runtime::clock::unix_deadline(Duration::from_secs(30)),
+            traceparent: String::new(),
+        };
+        let (tx, rx) = mpsc::channel(64);
+        tx.send(v1::BlockFrame { frame: Some(Frame::Header(header)) }).await.unwrap();
+        for (i, d) in data.iter().enumerate() {
+            for frame in crate::frames::chunks(i, d) {
+                tx.send(frame).await.unwrap();
+            }
+        }
+        drop(tx);
+        send_blocks(addr, Op::Put, rx).await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stored_block_read_in_place_is_not_reused_until_the_reader_lets_go() {
+        let dir = std::env::temp_dir().join(format!("ferry-data-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bb = crate::layout::BlockLayout::from_proto(Some(&layout())).unwrap().block_bytes;
+        // A store of four blocks: its shared region has four slots.
+        let agent = Agent::new("node".into(), 4 * bb, dir.clone());
+        let addr = listen(agent.clone()).await;
+        let data: Vec<Bytes> = (1..=3u8).map(|b| Bytes::from(vec![b; bb])).collect();
+        store(&addr, &[1, 2, 3], &data).await;
+        assert_eq!(agent.buffers.shared_free(bb), Some(1), "received blocks are in shared memory");
+
+        let staging = Staging::create(&dir, bb, 3).unwrap();
+        probe(&addr, staging.name()).await.unwrap();
+        let slots = Arc::new(staging.alloc(3).unwrap());
+        let (landed_tx, landed) = tokio::sync::watch::channel(Vec::new());
+        let (release, released) = tokio::sync::oneshot::channel();
+        let req = v1::GetBlocksRequest {
+            transfer_id: String::new(),
+            layout: Some(layout()),
+            block_hashes: vec![1, 2, 3],
+            deadline_unix_ms: ferry_runtime::clock::unix_deadline(Duration::from_secs(30)),
+            traceparent: String::new(),
+        };
+        get_staged(&addr, req.clone(), slots.clone(), landed_tx, released).await.unwrap();
+        let places = landed.borrow().clone();
+        assert_eq!(places.len(), 3);
+        for (i, place) in places.iter().enumerate() {
+            assert!(matches!(place, Place::Store { .. }), "block {i} is read from the store");
+            assert_eq!(place.bytes(&slots, i).unwrap(), &data[i][..], "block {i}");
+        }
+
+        // Four new blocks evict the three from the store, but not from their slots: the new
+        // ones take the one free slot, then the heap.
+        let other: Vec<Bytes> = (7..=10u8).map(|b| Bytes::from(vec![b; bb])).collect();
+        store(&addr, &[4, 5, 6, 7], &other).await;
+        assert_eq!(agent.buffers.shared_free(bb), Some(0));
+        for (i, place) in places.iter().enumerate() {
+            assert_eq!(place.bytes(&slots, i).unwrap(), &data[i][..], "block {i} unchanged");
+        }
+
+        // A block the store holds on the heap is copied into the reader's slot instead.
+        let second = Staging::create(&dir, bb, 4).unwrap();
+        let more = Arc::new(second.alloc(4).unwrap());
+        let (landed_tx, landed2) = tokio::sync::watch::channel(Vec::new());
+        let (release2, released) = tokio::sync::oneshot::channel();
+        let req = v1::GetBlocksRequest { block_hashes: vec![4, 5, 6, 7], ..req.clone() };
+        probe(&addr, more.staging().name()).await.unwrap();
+        get_staged(&addr, req, more.clone(), landed_tx, released).await.unwrap();
+        let kinds: Vec<bool> =
+            landed2.borrow().iter().map(|p| matches!(p, Place::Store { .. })).collect();
+        assert_eq!(kinds, [true, false, false, false], "the one shared slot, then the heap");
+        for (i, place) in landed2.borrow().iter().enumerate() {
+            assert_eq!(place.bytes(&more, i).unwrap(), &other[i][..], "block {}", i + 4);
+        }
+        drop((release2, more, second));
+
+        // Let go: the agent gets its three slots back once the connection closes.
+        drop(release);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while agent.buffers.shared_free(bb) != Some(3) {
+            assert!(std::time::Instant::now() < deadline, "the held slots came back");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(staging.free_slots(), 0, "the reader's slots are its own until it drops them");
+        drop(slots);
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -16,6 +16,12 @@
 //! - the agent maps only files named `ferry-kv-…` in its own shm directory, checks every
 //!   offset against the file's size, and keeps a few mappings cached by name and inode.
 //!
+//! The agent keeps the blocks it receives in regions of its own (`ferry-kv-<pid>-<n>` too,
+//! one per block length, see [`crate::buffers`]); an executor maps those read-only and copies
+//! an imported block straight from the agent's store into its pool. The agent keeps such a
+//! block (not just its name: the very buffer) until the executor closes the read's
+//! connection, so it is never reused while the executor may still read it.
+//!
 //! The region grows on demand: a slot's pages are reserved (`posix_fallocate`) when it is
 //! first handed out, so a full tmpfs refuses the allocation (the transfer then takes the
 //! socket) instead of faulting the process with `SIGBUS` later.
@@ -37,7 +43,8 @@ pub const PREFIX: &str = "ferry-kv-";
 /// Longest region name accepted.
 pub const MAX_NAME: usize = 64;
 
-/// An executor's staging region: `slots` slots of `block_bytes` each.
+/// A region of `slots` slots of `block_bytes` each that this process made: an executor's
+/// staging region, or an agent's store buffers of one length.
 #[derive(Debug)]
 pub struct Staging {
     name: String,
@@ -46,12 +53,14 @@ pub struct Staging {
     map: MmapRaw,
     block_bytes: usize,
     slots: Mutex<SlotState>,
+    /// The agent's regions, mapped read-only as this executor reads blocks from them.
+    peers: Regions,
 }
 
 #[derive(Debug)]
 struct SlotState {
-    /// Free slots, highest first (handed out lowest first, so the region grows in order).
-    free: Vec<u32>,
+    /// Free slots, the lowest on top (handed out first, so the region grows in order).
+    free: std::collections::BinaryHeap<std::cmp::Reverse<u32>>,
     /// Slots whose pages are reserved: `0..reserved`.
     reserved: u32,
 }
@@ -89,9 +98,10 @@ impl Staging {
                 return Err(e);
             }
         };
-        let free = (0..slots).rev().collect();
+        let free = (0..slots).map(std::cmp::Reverse).collect();
         let slots = Mutex::new(SlotState { free, reserved: 0 });
-        Ok(Arc::new(Self { name, path, file, map, block_bytes, slots }))
+        let peers = Regions::read_only(dir.to_path_buf());
+        Ok(Arc::new(Self { name, path, file, map, block_bytes, slots, peers }))
     }
 
     /// The region's file name (what the agent is told).
@@ -114,19 +124,33 @@ impl Staging {
         if n == 0 || st.free.len() < n {
             return None;
         }
-        let at = st.free.len() - n;
-        let ids: Vec<u32> = st.free[at..].iter().rev().copied().collect();
-        let top = ids.iter().max().copied().unwrap_or(0) + 1;
+        // The lowest free slots: the region's pages stay at the high-water mark of its use.
+        let ids: Vec<u32> = (0..n).filter_map(|_| st.free.pop().map(|r| r.0)).collect();
+        let top = ids.last().copied().unwrap_or(0) + 1;
         if top > st.reserved {
             let from = u64::from(st.reserved) * self.block_bytes as u64;
             let to = u64::from(top) * self.block_bytes as u64;
             if !reserve(&self.file, from, to - from) {
+                st.free.extend(ids.into_iter().map(std::cmp::Reverse));
                 return None;
             }
             st.reserved = top;
         }
-        st.free.truncate(at);
         Some(Slots { staging: self.clone(), ids })
+    }
+
+    /// Regions of the agent's, in this region's directory, mapped read-only: where a staged
+    /// read's shared blocks are.
+    pub fn peers(&self) -> &Regions {
+        &self.peers
+    }
+
+    /// The offset of the slot `data` is, if it is exactly one of this region's slots.
+    pub fn locate(&self, data: &[u8]) -> Option<u64> {
+        let (base, at) = (self.map.as_ptr() as usize, data.as_ptr() as usize);
+        let offset = at.checked_sub(base)?;
+        let whole = data.len() == self.block_bytes && offset % self.block_bytes == 0;
+        (whole && offset + data.len() <= self.map.len()).then_some(offset as u64)
     }
 
     /// Free slots.
@@ -136,8 +160,7 @@ impl Staging {
 
     fn give_back(&self, ids: &[u32]) {
         let mut st = self.state();
-        st.free.extend_from_slice(ids);
-        st.free.sort_unstable_by(|a, b| b.cmp(a));
+        st.free.extend(ids.iter().copied().map(std::cmp::Reverse));
     }
 }
 
@@ -219,6 +242,32 @@ impl Slots {
     }
 }
 
+/// Where a staged read left a block: in the reader's own slot, or in the agent's store (a slot
+/// of one of the agent's regions, mapped read-only here) to be copied from there. The agent
+/// keeps a stored block unchanged until the read's connection closes.
+#[derive(Clone, Debug)]
+pub enum Place {
+    /// In the reader's slot of the block's index.
+    Slot,
+    /// In the agent's region, at `offset`.
+    Store {
+        /// The agent's region.
+        region: Arc<Region>,
+        /// The block's offset in it.
+        offset: u64,
+    },
+}
+
+impl Place {
+    /// Block `i`'s bytes (of `slots`, or the agent's copy, checked against its region's size).
+    pub fn bytes<'a>(&'a self, slots: &'a Slots, i: usize) -> Result<&'a [u8], RegionError> {
+        match self {
+            Self::Slot => Ok(slots.block(i)),
+            Self::Store { region, offset } => region.slice(*offset, slots.staging.block_bytes),
+        }
+    }
+}
+
 /// Fills a transfer's slots in order while the transfer already sends the filled ones: the
 /// writer side of a staged export. Slot `i` is written only before it is published (`filled`
 /// passes `i`), and read only after.
@@ -276,6 +325,9 @@ pub enum RegionError {
         /// Why.
         error: std::io::Error,
     },
+    /// A write into a region mapped to be read only.
+    #[error("shared region {0} is mapped read-only here")]
+    ReadOnly(String),
     /// An offset past its end.
     #[error("shared region {name}: block at {offset} of {len} bytes runs past its {size} bytes")]
     OutOfRange {
@@ -290,12 +342,15 @@ pub enum RegionError {
     },
 }
 
-/// A region as the agent maps it.
+/// A region of another process's, as this one maps it: an executor's staging region as its
+/// agent maps it (read and write), or an agent's store region as an executor maps it (read
+/// only).
 #[derive(Debug)]
 pub struct Region {
     name: String,
     map: MmapRaw,
     inode: (u64, u64),
+    read_only: bool,
 }
 
 // SAFETY: shared memory; the protocol gives each slot to one transfer at a time.
@@ -319,8 +374,19 @@ impl Region {
         Ok(Bytes::from_owner(RegionSlice { region: self.clone(), at, len }))
     }
 
+    /// The `len` bytes at `offset` (checked), borrowed: the owner leaves them unchanged while
+    /// the protocol gives them to this reader.
+    pub fn slice(&self, offset: u64, len: usize) -> Result<&[u8], RegionError> {
+        let at = self.check(offset, len)?;
+        // SAFETY: in range; the mapping lives as long as `self`.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at), len) })
+    }
+
     /// Copies `data` into the region at `offset` (checked).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), RegionError> {
+        if self.read_only {
+            return Err(RegionError::ReadOnly(self.name.clone()));
+        }
         let at = self.check(offset, data.len())?;
         // SAFETY: in range; the slot is this transfer's until it is answered.
         unsafe {
@@ -343,22 +409,28 @@ impl AsRef<[u8]> for RegionSlice {
     }
 }
 
-/// The agent's mapped regions, by name: at most [`Regions::KEEP`], least recently used
-/// dropped first (a mapping in use by a transfer lives until it ends).
+/// Another process's regions mapped by this one, by name: at most [`Regions::KEEP`], least
+/// recently used dropped first (a mapping in use by a transfer lives until it ends).
 #[derive(Debug)]
 pub struct Regions {
     dir: PathBuf,
     mapped: Mutex<HashMap<String, (Arc<Region>, u64)>>,
     tick: AtomicU64,
+    read_only: bool,
 }
 
 impl Regions {
     /// Mappings kept.
     pub const KEEP: usize = 8;
 
-    /// Regions in `dir`.
+    /// Regions in `dir`, mapped to be read and written (the agent's view of staging regions).
     pub fn new(dir: PathBuf) -> Self {
-        Self { dir, mapped: Mutex::new(HashMap::new()), tick: AtomicU64::new(0) }
+        Self { dir, mapped: Mutex::new(HashMap::new()), tick: AtomicU64::new(0), read_only: false }
+    }
+
+    /// Regions in `dir`, mapped to be read only (an executor's view of its agent's store).
+    pub fn read_only(dir: PathBuf) -> Self {
+        Self { read_only: true, ..Self::new(dir) }
     }
 
     /// Region `name`, mapped (again if its file changed since).
@@ -386,9 +458,18 @@ impl Regions {
                 return Ok(region.clone());
             }
         }
-        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path);
-        let map = file.and_then(|f| MmapOptions::new().map_raw(&f)).map_err(open_error)?;
-        let region = Arc::new(Region { name: name.to_string(), map, inode });
+        let file = std::fs::OpenOptions::new().read(true).write(!self.read_only).open(&path);
+        let map = file
+            .and_then(|f| {
+                if self.read_only {
+                    MmapOptions::new().map_raw_read_only(&f)
+                } else {
+                    MmapOptions::new().map_raw(&f)
+                }
+            })
+            .map_err(open_error)?;
+        let read_only = self.read_only;
+        let region = Arc::new(Region { name: name.to_string(), map, inode, read_only });
         mapped.insert(name.to_string(), (region.clone(), tick));
         while mapped.len() > Self::KEEP {
             let oldest = mapped.iter().min_by_key(|(_, (_, used))| *used).map(|(n, _)| n.clone());
@@ -431,6 +512,28 @@ mod tests {
         let path = dir.join(staging.name());
         drop(staging);
         assert!(!path.exists(), "the region's file goes with it");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_peer_region_is_read_in_place_and_never_written() {
+        let dir = tempdir();
+        let (agent, executor) =
+            (Staging::create(&dir, 4096, 4).unwrap(), Staging::create(&dir, 4096, 2).unwrap());
+        let mut stored = agent.alloc(2).unwrap();
+        stored.block_mut(1).fill(5);
+        let offset = agent.locate(stored.block(1)).expect("a whole slot of the region");
+        assert_eq!(offset, 4096);
+        assert_eq!(agent.locate(&stored.block(1)[1..]), None, "not a whole slot");
+        assert_eq!(executor.locate(stored.block(1)), None, "not a slot of this region");
+        let region = executor.peers().get(agent.name()).unwrap();
+        assert!(matches!(region.write(0, &[1u8; 16]), Err(RegionError::ReadOnly(_))));
+        let place = Place::Store { region: region.clone(), offset };
+        let mine = executor.alloc(1).unwrap();
+        assert_eq!(place.bytes(&mine, 0).unwrap(), &[5u8; 4096][..]);
+        let past = Place::Store { region, offset: 4 * 4096 };
+        assert!(matches!(past.bytes(&mine, 0), Err(RegionError::OutOfRange { .. })));
+        drop((stored, mine, executor, agent));
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -408,10 +408,11 @@ async fn a_staged_export_and_a_staged_read_move_exactly_the_bytes_through_shared
         traceparent: String::new(),
     };
     let into = std::sync::Arc::new(importer.alloc(5).unwrap());
-    let (landed_tx, landed) = tokio::sync::watch::channel(0);
+    let (landed_tx, landed) = tokio::sync::watch::channel(Vec::new());
+    let (release, released) = tokio::sync::oneshot::channel();
     let read = {
         let (b_addr, into) = (b_addr.clone(), into.clone());
-        tokio::spawn(async move { data::get_staged(&b_addr, req, into, landed_tx).await })
+        tokio::spawn(async move { data::get_staged(&b_addr, req, into, landed_tx, released).await })
     };
     let (mut filler, out, filled) = shm::filling(exporter.alloc(5).unwrap());
     let sent = {
@@ -430,12 +431,23 @@ async fn a_staged_export_and_a_staged_read_move_exactly_the_bytes_through_shared
     let receipt = sent.await.unwrap().unwrap();
     assert_eq!((receipt.blocks, receipt.bytes), (5, h.total_bytes()));
     read.await.unwrap().unwrap();
-    assert_eq!(*landed.borrow(), 5, "every block was reported as it landed");
-    for (i, d) in data.iter().enumerate() {
-        assert_eq!(into.block(i), &d[..], "block {i} landed exactly");
+    let places = landed.borrow().clone();
+    assert_eq!(places.len(), 5, "every block was reported as it landed");
+    for (i, (d, place)) in data.iter().zip(&places).enumerate() {
+        // The destination agent keeps what it receives in shared memory of its own: the
+        // reader copies from there, not from a copy in its slot.
+        assert!(matches!(place, shm::Place::Store { .. }), "block {i} is read from the store");
+        assert_eq!(place.bytes(&into, i).unwrap(), &d[..], "block {i} landed exactly");
     }
-    drop((filler, into));
-    assert_eq!((exporter.free_slots(), importer.free_slots()), (8, 8), "every slot is free again");
+    drop((filler, into, places, release));
+    // The read's task gives the slots back once it let go of the agent's connection.
+    let free = || (exporter.free_slots(), importer.free_slots()) == (8, 8);
+    assert!(
+        ferry_tests::streams::wait_for(Duration::from_secs(10), free).await.is_some(),
+        "every slot is free again: {} and {} of 8",
+        exporter.free_slots(),
+        importer.free_slots()
+    );
     settled(&a).await;
     settled(&b).await;
     let _ = std::fs::remove_dir_all(dir);

@@ -7,8 +7,9 @@
 //! With the local agent, blocks go through the executor's shared-memory staging region
 //! (`ferry_kv_transfer_svc::shm`, `--kv-staging-mib`): an export's transfer starts first and
 //! the agent sends each block on as soon as the step has copied it into its slot; an import's
-//! blocks are copied into slots by the agent and written into the pool at the first step after
-//! each lands. Without room in the region (or without a region the agent can map), the blocks
+//! blocks are written into the pool at the first step after each lands — copied from the
+//! agent's store itself when the agent holds the block in shared memory (mapped read-only
+//! here), else from the slot the agent copied it into. Without room in the region (or without a region the agent can map), the blocks
 //! cross the agent's socket instead, whole.
 //!
 //! Invariants:
@@ -21,6 +22,8 @@
 //!   scheduler frees those blocks without naming their content, so nothing reads them;
 //! - a staging slot is reused only after the agent answered or closed the transfer's
 //!   connection, even when the executor stopped waiting (a deadline, a session reset);
+//! - a block read from the agent's store stays there unchanged while the import that reads it
+//!   is in progress: the import's connection stays open until it is reported or reset;
 //! - an import's blocks are held by no live request and no other import while it runs;
 //! - a session reset ends every transfer in progress; their late completions are ignored.
 
@@ -32,7 +35,7 @@ use bytes::Bytes;
 use ferry_kv_transfer_svc::data::{self, Op};
 use ferry_kv_transfer_svc::frames::{self, Header};
 use ferry_kv_transfer_svc::layout::BlockLayout;
-use ferry_kv_transfer_svc::shm::{self, Slots, Staging};
+use ferry_kv_transfer_svc::shm::{self, Place, Slots, Staging};
 use ferry_proto::v1::{self, kv_operation::Op as KvOp};
 use ferry_runtime::telemetry;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -145,12 +148,14 @@ struct InProgress {
     staged: Option<Landing>,
 }
 
-/// A staged import's blocks as they land in their slots.
+/// A staged import's blocks as they land (in their slots, or in the agent's store).
 struct Landing {
     slots: Arc<Slots>,
-    landed: tokio::sync::watch::Receiver<usize>,
+    landed: tokio::sync::watch::Receiver<Vec<Place>>,
     /// Blocks written into the pool so far.
     written: usize,
+    /// Dropped with the import: lets the agent reuse the stored blocks this one read.
+    _release: tokio::sync::oneshot::Sender<()>,
 }
 
 impl Landing {
@@ -161,10 +166,18 @@ impl Landing {
         blocks: &[u32],
         backend: &mut dyn ModelBackend,
     ) -> Result<(), Failed> {
-        let landed = (*self.landed.borrow()).min(blocks.len());
-        while self.written < landed {
+        // Out of the watch first: its lock is not held while blocks are copied.
+        let new: Vec<Place> = {
+            let landed = self.landed.borrow();
+            let end = landed.len().min(blocks.len());
+            landed.get(self.written..end).map(<[Place]>::to_vec).unwrap_or_default()
+        };
+        for place in new {
             let i = self.written;
-            write_block(backend, blocks[i], self.slots.block(i))?;
+            let data = place
+                .bytes(&self.slots, i)
+                .map_err(|e| Failed::new(v1::KvFailure::Executor, e.to_string()))?;
+            write_block(backend, blocks[i], data)?;
             self.written += 1;
         }
         Ok(())
@@ -500,19 +513,23 @@ impl KvOps {
         let (staged, landing) = match slots {
             Some(slots) => {
                 let slots = Arc::new(slots);
-                let (landed_tx, landed) = tokio::sync::watch::channel(0);
-                let landing = Landing { slots: slots.clone(), landed, written: 0 };
-                (Some((slots, landed_tx)), Some(landing))
+                let (landed_tx, landed) = tokio::sync::watch::channel(Vec::new());
+                let (release, released) = tokio::sync::oneshot::channel();
+                let landing =
+                    Landing { slots: slots.clone(), landed, written: 0, _release: release };
+                (Some((slots, landed_tx, released)), Some(landing))
             }
             None => (None, None),
         };
         let task = port.runtime.spawn(async move {
             let read = async {
                 match staged {
-                    Some((slots, landed)) => data::get_staged(&agent, request, slots, landed)
-                        .await
-                        .map(|()| None)
-                        .map_err(|s| Failed::of_status("import", &s)),
+                    Some((slots, landed, released)) => {
+                        data::get_staged(&agent, request, slots, landed, released)
+                            .await
+                            .map(|()| None)
+                            .map_err(|s| Failed::of_status("import", &s))
+                    }
                     None => import(&agent, &request, n, block_bytes).await.map(Some),
                 }
             };

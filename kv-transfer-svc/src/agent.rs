@@ -252,13 +252,14 @@ impl Agent {
     pub async fn receive_push(
         &self,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+        checksums: Checksums,
     ) -> Result<Receipt, Status> {
         let header = first_header(&mut frames).await?;
         if header.destination.is_some() {
             return Err(Status::invalid_argument("a push is stored here: it names no destination"));
         }
         let span = hop_span(&header, "kv_receive");
-        let result = self.receive_pushed(header, frames).await;
+        let result = self.receive_pushed(header, frames, checksums).await;
         end_hop(span, &result);
         result
     }
@@ -267,14 +268,14 @@ impl Agent {
         &self,
         header: Header,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+        checksums: Checksums,
     ) -> Result<Receipt, Status> {
         let tid = header.transfer_id.clone();
         let deadline = deadline_of(header.deadline_unix_ms);
         self.begin_incoming(&header, deadline)?;
         let started = Instant::now();
-        let received =
-            tokio::time::timeout_at(deadline, self.receive_blocks(&header, &mut frames, true))
-                .await;
+        let receive = self.receive_blocks(&header, &mut frames, true, checksums);
+        let received = tokio::time::timeout_at(deadline, receive).await;
         match received {
             Ok(Ok(bytes)) => {
                 self.counters.transfers_received.fetch_add(1, Ordering::Relaxed);
@@ -296,8 +297,9 @@ impl Agent {
     pub async fn put(
         &self,
         frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+        checksums: Checksums,
     ) -> Result<Receipt, Status> {
-        self.put_checked(frames, true).await
+        self.put_checked(frames, Some(checksums)).await
     }
 
     /// A `Put` whose chunks' checksums this agent computed itself from the executor's staged
@@ -306,19 +308,20 @@ impl Agent {
         &self,
         frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
     ) -> Result<Receipt, Status> {
-        self.put_checked(frames, false).await
+        self.put_checked(frames, None).await
     }
 
+    /// A `Put`; a forward checks its chunks unless `check` is `None` (this agent made them).
     async fn put_checked(
         &self,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
-        check: bool,
+        check: Option<Checksums>,
     ) -> Result<Receipt, Status> {
         let header = first_header(&mut frames).await?;
-        match header.destination {
-            Some(_) => self.forward(header, frames, check).await,
-            None => self.receive_put(header, frames).await,
+        if header.destination.is_some() {
+            return self.forward(header, frames, check).await;
         }
+        self.receive_put(header, frames, check.unwrap_or(Checksums::Verified)).await
     }
 
     /// Stores blocks an executor writes back (a `Put` without destination): unpinned, as the
@@ -327,12 +330,12 @@ impl Agent {
         &self,
         header: Header,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
+        checksums: Checksums,
     ) -> Result<Receipt, Status> {
         let span = hop_span(&header, "kv_store");
         let deadline = deadline_of(header.deadline_unix_ms);
-        let received =
-            tokio::time::timeout_at(deadline, self.receive_blocks(&header, &mut frames, false))
-                .await;
+        let receive = self.receive_blocks(&header, &mut frames, false, checksums);
+        let received = tokio::time::timeout_at(deadline, receive).await;
         let result = match received {
             Ok(Ok(bytes)) => Ok(Receipt {
                 transfer_id: header.transfer_id,
@@ -384,13 +387,12 @@ impl Agent {
         header: &Header,
         frames: &mut (impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin),
         pin: bool,
+        checksums: Checksums,
     ) -> Result<u64, (Failure, String)> {
         let tid = &header.transfer_id;
-        let mut asm = BlockAssembler::new(header);
+        let mut asm = checksums.assembler(BlockAssembler::new(header));
         while let Some(frame) = frames.next().await {
-            let frame = frame.map_err(|s| {
-                (sender_failure(&s), format!("transfer {tid}: the sender failed: {}", s.message()))
-            })?;
+            let frame = frame.map_err(|s| stream_failure(tid, &s))?;
             let done =
                 asm.push(frame).map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
             if let Some((i, data)) = done {
@@ -681,7 +683,7 @@ impl Agent {
         &self,
         mut header: Header,
         frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
-        check: bool,
+        check: Option<Checksums>,
     ) -> Result<Receipt, Status> {
         let span = hop_span(&header, "kv_forward");
         // The destination's span goes under this one.
@@ -695,7 +697,7 @@ impl Agent {
         &self,
         header: Header,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
-        check: bool,
+        check: Option<Checksums>,
     ) -> Result<Receipt, Status> {
         let tid = header.transfer_id.clone();
         let destination =
@@ -719,16 +721,11 @@ impl Agent {
             tx.send(frames::header_frame(&onward)).await.map_err(|_| {
                 (Failure::Peer, format!("transfer {tid}: the destination agent went away"))
             })?;
-            let mut asm = BlockAssembler::checking(&header);
+            let mut asm = check.map(|c| c.assembler(BlockAssembler::checking(&header)));
             while let Some(frame) = frames.next().await {
-                let frame = frame.map_err(|s| {
-                    (
-                        sender_failure(&s),
-                        format!("transfer {tid}: the sender failed: {}", s.message()),
-                    )
-                })?;
+                let frame = frame.map_err(|s| stream_failure(&tid, &s))?;
                 let len = frame_len(&frame);
-                if check {
+                if let Some(asm) = &mut asm {
                     asm.push(frame.clone())
                         .map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
                 }
@@ -737,7 +734,7 @@ impl Agent {
                 })?;
                 self.counters.bytes_sent.fetch_add(len, Ordering::Relaxed);
             }
-            if check {
+            if let Some(asm) = &asm {
                 asm.finish().map_err(|e| (Failure::of(&e), format!("transfer {tid}: {e}")))?;
             }
             drop(tx);
@@ -856,11 +853,36 @@ impl Agent {
 
 /// What a sender's failure means: an executor that stopped staging its blocks (ABORTED)
 /// truncated the transfer; anything else is the peer's.
-fn sender_failure(s: &Status) -> Failure {
-    if s.code() == tonic::Code::Aborted {
-        Failure::Truncated
-    } else {
-        Failure::Peer
+/// Why a stream of frames failed, from the error its reader gave: a chunk whose checksum the
+/// data channel's reader found wrong (`DATA_LOSS`), or the sender's failure.
+fn stream_failure(tid: &str, s: &Status) -> (Failure, String) {
+    match s.code() {
+        tonic::Code::DataLoss => (Failure::Checksum, format!("transfer {tid}: {}", s.message())),
+        code => {
+            let failure =
+                if code == tonic::Code::Aborted { Failure::Truncated } else { Failure::Peer };
+            (failure, format!("transfer {tid}: the sender failed: {}", s.message()))
+        }
+    }
+}
+
+/// Whether a stream's chunk checksums are still to be checked where it is received.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Checksums {
+    /// Check every chunk's (a gRPC stream: prost decoded the bytes, nothing checked them).
+    Check,
+    /// Its reader verified each chunk's as the bytes arrived (the data channel, see
+    /// [`crate::frames::Crc32c`]), or this agent computed them: only the other rules are
+    /// checked.
+    Verified,
+}
+
+impl Checksums {
+    fn assembler(self, asm: BlockAssembler) -> BlockAssembler {
+        match self {
+            Self::Check => asm,
+            Self::Verified => asm.verified(),
+        }
     }
 }
 

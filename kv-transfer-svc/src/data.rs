@@ -45,7 +45,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, Checksums};
 use crate::buffers::BufferPool;
 use crate::frames::MAX_CHUNK_BYTES;
 
@@ -184,9 +184,9 @@ async fn receive(
     let header: v1::TransferHeader = read_message(&mut reader).await?;
     let frames = incoming(reader, header, agent.buffers.clone());
     if put {
-        agent.put(frames).await
+        agent.put(frames, Checksums::Verified).await
     } else {
-        agent.receive_push(frames).await
+        agent.receive_push(frames, Checksums::Verified).await
     }
 }
 
@@ -282,6 +282,8 @@ async fn read_chunk<R: AsyncRead + Unpin>(
     }
     let mut data = buffers.take(len);
     let mut filled = 0;
+    // Each piece is checked as it lands, while it is in cache (see `Crc32c`).
+    let mut crc = crate::frames::Crc32c::default();
     while filled < len {
         match r.read(&mut data[filled..]).await.map_err(|e| io_status(&e))? {
             0 => {
@@ -289,8 +291,15 @@ async fn read_chunk<R: AsyncRead + Unpin>(
                     "data channel: the sender stopped after {filled} of {len} bytes of a chunk"
                 )))
             }
-            n => filled += n,
+            n => {
+                crc.update(&data[filled..filled + n]);
+                filled += n;
+            }
         }
+    }
+    if crc.value() != crc32c {
+        let e = crate::frames::FrameError::Checksum { block: block_index, offset };
+        return Err(Status::data_loss(e.to_string()));
     }
     Ok(Some(v1::BlockChunk { block_index, offset, data: buffers.freeze(data), crc32c }))
 }
@@ -434,7 +443,8 @@ pub async fn push(
 }
 
 /// Reads the blocks `req` asks for from the agent at `address`: their chunks, in order, as
-/// they come; the last item is an error if the read failed.
+/// they come, each one's CRC32C checked (a mismatch is a `DATA_LOSS` error); the last item is
+/// an error if the read failed.
 pub async fn get(
     address: &str,
     req: &v1::GetBlocksRequest,
@@ -845,11 +855,68 @@ mod tests {
         send_blocks(addr, Op::Put, rx).await.unwrap();
     }
 
+    fn test_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn block_bytes() -> usize {
+        crate::layout::BlockLayout::from_proto(Some(&layout())).unwrap().block_bytes
+    }
+
+    /// A read of `hashes` from the store.
+    fn tier_read(hashes: Vec<u64>) -> v1::GetBlocksRequest {
+        v1::GetBlocksRequest {
+            transfer_id: String::new(),
+            layout: Some(layout()),
+            block_hashes: hashes,
+            deadline_unix_ms: ferry_runtime::clock::unix_deadline(Duration::from_secs(30)),
+            traceparent: String::new(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chunk_whose_bytes_do_not_match_its_checksum_is_refused_as_data_loss() {
+        let (dir, bb) = (test_dir("ferry-data-crc"), block_bytes());
+        let agent = Agent::new("node".into(), 4 * bb, dir.clone());
+        let addr = listen(agent.clone()).await;
+        let header = v1::TransferHeader {
+            transfer_id: "bad".into(),
+            layout: Some(layout()),
+            block_hashes: vec![1, 2],
+            destination_agent: String::new(),
+            deadline_unix_ms: ferry_runtime::clock::unix_deadline(Duration::from_secs(30)),
+            traceparent: String::new(),
+        };
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(v1::BlockFrame { frame: Some(Frame::Header(header)) }).await.unwrap();
+        for i in 0..2 {
+            for mut frame in crate::frames::chunks(i, &Bytes::from(vec![3u8; bb])) {
+                if let Some(Frame::Chunk(c)) = &mut frame.frame {
+                    // One bit of the second block flipped after its checksum was taken.
+                    if i == 1 {
+                        let mut data = c.data.to_vec();
+                        data[bb / 2] ^= 1;
+                        c.data = data.into();
+                    }
+                }
+                tx.send(frame).await.unwrap();
+            }
+        }
+        drop(tx);
+        let refused = send_blocks(&addr, Op::Put, rx).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::DataLoss, "{refused:?}");
+        assert!(refused.message().contains("CRC32C mismatch in block 1"), "{refused:?}");
+        let (_, mut blocks) = agent.read_blocks(tier_read(vec![1])).unwrap();
+        let first = blocks.recv().await.unwrap().unwrap();
+        assert_eq!(&first[..], &vec![3u8; bb][..], "the block before it was stored");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stored_block_read_in_place_is_not_reused_until_the_reader_lets_go() {
-        let dir = std::env::temp_dir().join(format!("ferry-data-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let bb = crate::layout::BlockLayout::from_proto(Some(&layout())).unwrap().block_bytes;
+        let (dir, bb) = (test_dir("ferry-data-test"), block_bytes());
         // A store of four blocks: its shared region has four slots.
         let agent = Agent::new("node".into(), 4 * bb, dir.clone());
         let addr = listen(agent.clone()).await;
@@ -862,13 +929,7 @@ mod tests {
         let slots = Arc::new(staging.alloc(3).unwrap());
         let (landed_tx, landed) = tokio::sync::watch::channel(Vec::new());
         let (release, released) = tokio::sync::oneshot::channel();
-        let req = v1::GetBlocksRequest {
-            transfer_id: String::new(),
-            layout: Some(layout()),
-            block_hashes: vec![1, 2, 3],
-            deadline_unix_ms: ferry_runtime::clock::unix_deadline(Duration::from_secs(30)),
-            traceparent: String::new(),
-        };
+        let req = tier_read(vec![1, 2, 3]);
         get_staged(&addr, req.clone(), slots.clone(), landed_tx, released).await.unwrap();
         let places = landed.borrow().clone();
         assert_eq!(places.len(), 3);

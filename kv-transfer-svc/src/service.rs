@@ -9,7 +9,7 @@ use ferry_proto::v1::{self, kv_transfer_server::KvTransfer};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agent::{Agent, Failure};
+use crate::agent::{Agent, Checksums, Failure};
 use crate::frames::MAX_TRANSFER_ID;
 
 /// The agent's gRPC face.
@@ -115,14 +115,14 @@ impl KvTransfer for KvAgentService {
         &self,
         request: Request<Streaming<v1::BlockFrame>>,
     ) -> Result<Response<v1::TransferReceipt>, Status> {
-        Ok(Response::new(self.agent.put(request.into_inner()).await?))
+        Ok(Response::new(self.agent.put(request.into_inner(), Checksums::Check).await?))
     }
 
     async fn push(
         &self,
         request: Request<Streaming<v1::BlockFrame>>,
     ) -> Result<Response<v1::TransferReceipt>, Status> {
-        Ok(Response::new(self.agent.receive_push(request.into_inner()).await?))
+        Ok(Response::new(self.agent.receive_push(request.into_inner(), Checksums::Check).await?))
     }
 
     type GetStream = ReceiverStream<Result<v1::BlockFrame, Status>>;

@@ -742,6 +742,8 @@ async fn import(
     block_bytes: usize,
 ) -> Result<Vec<Bytes>, Failed> {
     let malformed = |m: String| Failed::new(v1::KvFailure::Malformed, m);
+    // `data::get` checks each chunk's CRC32C as its bytes arrive: a mismatch comes as
+    // DATA_LOSS, reported as a checksum failure.
     let mut chunks =
         data::get(agent, request).await.map_err(|s| Failed::of_status("import", &s))?;
     let mut blocks = Vec::with_capacity(n);
@@ -753,12 +755,6 @@ async fn import(
                 "import: chunk for block {} at {} out of order",
                 c.block_index, c.offset
             )));
-        }
-        if ferry_kv_transfer_svc::frames::crc32c(&c.data) != c.crc32c {
-            return Err(Failed::new(
-                v1::KvFailure::Checksum,
-                format!("import: CRC32C mismatch in block {}", c.block_index),
-            ));
         }
         if current.len() + c.data.len() > block_bytes {
             return Err(malformed(format!(

@@ -851,8 +851,6 @@ impl Agent {
     }
 }
 
-/// What a sender's failure means: an executor that stopped staging its blocks (ABORTED)
-/// truncated the transfer; anything else is the peer's.
 /// Why a stream of frames failed, from the error its reader gave: a chunk whose checksum the
 /// data channel's reader found wrong (`DATA_LOSS`), or the sender's failure.
 fn stream_failure(tid: &str, s: &Status) -> (Failure, String) {

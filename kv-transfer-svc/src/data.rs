@@ -22,9 +22,11 @@
 //! - staged operations, between an executor and its own agent through the executor's
 //!   shared-memory region ([`crate::shm`]); a region reference is a `u32` name length, the
 //!   name, a `u32` count and that many `u64` slot offsets:
-//!   - `PutStaged`: the header, a region reference without offsets, then one `u64` slot
-//!     offset per block, in order, as the executor fills it; answered as `Put` is. A stream
-//!     that ends early fails the transfer (reason `truncated`);
+//!   - `PutStaged`: the header, a region reference without offsets, then per block, in
+//!     order, as the executor fills it: its `u64` slot offset and the `u32` CRC32C of each of
+//!     its chunks as [`crate::frames::chunks`] cuts it (the executor computes them right after
+//!     copying the block in, while it is in cache); answered as `Put` is. A stream that ends
+//!     early fails the transfer (reason `truncated`);
 //!   - `GetStaged`: the request, then a region reference with one slot per block; the agent
 //!     answers with a record per block as it is ready, in order, then the end record: `2`
 //!     (`u32` block index) when it copied the block into its slot, or `3` (`u32` block index,
@@ -550,9 +552,10 @@ async fn staged_region(
     Ok((region, offsets))
 }
 
-/// A staged `Put`: the header, the region, then the offset of each block's slot as the
-/// executor fills it. An export is sent on from the slots themselves (no copy); a KV-tier
-/// write is copied into the store (the executor reuses its slots once answered).
+/// A staged `Put`: the header, the region, then the offset of each block's slot and its
+/// chunks' checksums as the executor fills it. An export is sent on from the slots themselves
+/// (no copy) with the executor's checksums, which the destination checks; a KV-tier write is
+/// copied into the store (the executor reuses its slots once answered) and checked here.
 async fn receive_staged(
     agent: &Agent,
     mut reader: BufReader<OwnedReadHalf>,
@@ -575,8 +578,8 @@ async fn receive_staged(
             if i == n {
                 return None;
             }
-            let offset = match reader.read_u64_le().await {
-                Ok(o) => o,
+            let (offset, crcs) = match read_staged_block(&mut reader, bb).await {
+                Ok(read) => read,
                 Err(e) => {
                     let why = format!("the executor stopped after staging {i} of {n} blocks: {e}");
                     return Some((vec![Err(Status::aborted(why))], (reader, n)));
@@ -593,13 +596,38 @@ async fn receive_staged(
                     return Some((vec![Err(Status::invalid_argument(e.to_string()))], (reader, n)))
                 }
             };
-            Some((crate::frames::chunks(i, &data).map(Ok).collect(), (reader, i + 1)))
+            // A forward passes the executor's checksums on for the destination to check; a
+            // store checks them itself, on the copy it just made (in cache).
+            if !forward {
+                let wrong = crate::frames::chunk_crcs(&data).zip(&crcs).position(|(a, b)| a != *b);
+                if let Some(k) = wrong {
+                    let offset = (k * crate::frames::CHUNK_BYTES) as u64;
+                    let e = crate::frames::FrameError::Checksum { block: i as u32, offset };
+                    return Some((vec![Err(Status::data_loss(e.to_string()))], (reader, n)));
+                }
+            }
+            let frames = crate::frames::chunks_with(i, &data, crcs).map(Ok).collect();
+            Some((frames, (reader, i + 1)))
         }
     })
     .flat_map(futures_util::stream::iter);
     let first = v1::BlockFrame { frame: Some(Frame::Header(proto)) };
     let frames = futures_util::stream::once(async { Ok(first) }).chain(blocks);
     agent.put_staged(Box::pin(frames)).await
+}
+
+/// A staged block's slot offset and chunk checksums, as `PutStaged` sends them.
+async fn read_staged_block(
+    reader: &mut BufReader<OwnedReadHalf>,
+    block_bytes: usize,
+) -> std::io::Result<(u64, Vec<u32>)> {
+    let offset = reader.read_u64_le().await?;
+    let count = block_bytes.div_ceil(crate::frames::CHUNK_BYTES);
+    let mut crcs = Vec::with_capacity(count);
+    for _ in 0..count {
+        crcs.push(reader.read_u32_le().await?);
+    }
+    Ok((offset, crcs))
 }
 
 /// A staged `Get`: the request, then the region and the slots to fill. A block held in a
@@ -679,14 +707,15 @@ async fn open_staged<M: Message>(
 }
 
 /// Exports the blocks staged in `slots` (the header's blocks, in order) through the agent at
-/// `address`, each as soon as `filled` says it is staged: the agent sends them on to the
+/// `address`, each (with the checksums its filler computed) as soon as `filled` says it is
+/// staged: the agent sends them on to the
 /// header's destination, or stores them when it names none. The agent's receipt, or its
 /// refusal; the transfer fails if the filler goes before filling every slot.
 pub async fn put_staged(
     address: &str,
     header: v1::TransferHeader,
     slots: Arc<crate::shm::Slots>,
-    mut filled: tokio::sync::watch::Receiver<usize>,
+    mut filled: crate::shm::Filled,
 ) -> Result<v1::TransferReceipt, Status> {
     let address = address.to_string();
     let keep = slots.clone();
@@ -696,12 +725,15 @@ pub async fn put_staged(
         let offsets = slots.offsets();
         let mut sent = 0;
         while sent < offsets.len() {
-            let ready = *filled.borrow_and_update();
-            for o in &offsets[sent..ready] {
+            let ready: Vec<Vec<u32>> = filled.borrow_and_update()[sent..].to_vec();
+            for (o, crcs) in offsets[sent..].iter().zip(&ready) {
                 w.write_u64_le(*o).await.map_err(unreachable)?;
+                for crc in crcs {
+                    w.write_u32_le(*crc).await.map_err(unreachable)?;
+                }
             }
             w.flush().await.map_err(unreachable)?;
-            sent = ready;
+            sent += ready.len();
             if sent < offsets.len() && filled.changed().await.is_err() {
                 break; // the filler went early
             }
@@ -834,16 +866,21 @@ mod tests {
         addr
     }
 
-    /// Keeps `data` in the store of the agent at `addr` under `hashes` (a KV-tier put).
-    async fn store(addr: &str, hashes: &[u64], data: &[Bytes]) {
-        let header = v1::TransferHeader {
-            transfer_id: format!("put-{}", hashes[0]),
+    /// The header of a KV-tier write of `hashes`.
+    fn tier_write(tid: &str, hashes: Vec<u64>) -> v1::TransferHeader {
+        v1::TransferHeader {
+            transfer_id: tid.into(),
             layout: Some(layout()),
-            block_hashes: hashes.to_vec(),
+            block_hashes: hashes,
             destination_agent: String::new(),
             deadline_unix_ms: ferry_runtime::clock::unix_deadline(Duration::from_secs(30)),
             traceparent: String::new(),
-        };
+        }
+    }
+
+    /// Keeps `data` in the store of the agent at `addr` under `hashes` (a KV-tier put).
+    async fn store(addr: &str, hashes: &[u64], data: &[Bytes]) {
+        let header = tier_write(&format!("put-{}", hashes[0]), hashes.to_vec());
         let (tx, rx) = mpsc::channel(64);
         tx.send(v1::BlockFrame { frame: Some(Frame::Header(header)) }).await.unwrap();
         for (i, d) in data.iter().enumerate() {
@@ -881,14 +918,7 @@ mod tests {
         let (dir, bb) = (test_dir("ferry-data-crc"), block_bytes());
         let agent = Agent::new("node".into(), 4 * bb, dir.clone());
         let addr = listen(agent.clone()).await;
-        let header = v1::TransferHeader {
-            transfer_id: "bad".into(),
-            layout: Some(layout()),
-            block_hashes: vec![1, 2],
-            destination_agent: String::new(),
-            deadline_unix_ms: ferry_runtime::clock::unix_deadline(Duration::from_secs(30)),
-            traceparent: String::new(),
-        };
+        let header = tier_write("bad", vec![1, 2]);
         let (tx, rx) = mpsc::channel(8);
         tx.send(v1::BlockFrame { frame: Some(Frame::Header(header)) }).await.unwrap();
         for i in 0..2 {
@@ -911,6 +941,41 @@ mod tests {
         let (_, mut blocks) = agent.read_blocks(tier_read(vec![1])).unwrap();
         let first = blocks.recv().await.unwrap().unwrap();
         assert_eq!(&first[..], &vec![3u8; bb][..], "the block before it was stored");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_staged_block_whose_checksum_the_executor_got_wrong_is_not_stored() {
+        let (dir, bb) = (test_dir("ferry-data-staged-crc"), block_bytes());
+        let agent = Agent::new("node".into(), 4 * bb, dir.clone());
+        let addr = listen(agent.clone()).await;
+        let staging = Staging::create(&dir, bb, 2).unwrap();
+        let (mut filler, slots, _) = crate::shm::filling(staging.alloc(2).unwrap());
+        for b in [5u8, 6] {
+            filler
+                .fill(|buf| {
+                    buf.fill(b);
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+        }
+        // As `put_staged` sends them, but with the second block's checksum off by one.
+        let header = tier_write("staged-bad", vec![1, 2]);
+        let (mut r, mut w) = open_staged(&addr, Op::PutStaged, &header, &slots, &[]).await.unwrap();
+        for (i, offset) in slots.offsets().into_iter().enumerate() {
+            let crc = crate::frames::crc32c(slots.block(i)) + u32::from(i == 1);
+            w.write_u64_le(offset).await.unwrap();
+            w.write_u32_le(crc).await.unwrap();
+        }
+        w.flush().await.unwrap();
+        let refused = read_receipt(&mut r, "staged-bad").await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::DataLoss, "{refused:?}");
+        assert!(refused.message().contains("CRC32C mismatch in block 1"), "{refused:?}");
+        let (_, mut blocks) = agent.read_blocks(tier_read(vec![1])).unwrap();
+        assert_eq!(&blocks.recv().await.unwrap().unwrap()[..], &vec![5u8; bb][..]);
+        let absent = agent.read_blocks(tier_read(vec![2])).unwrap_err();
+        assert_eq!(absent.code(), tonic::Code::NotFound, "block 2 was not stored: {absent:?}");
+        drop((filler, slots, staging));
         let _ = std::fs::remove_dir_all(dir);
     }
 

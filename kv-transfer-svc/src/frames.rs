@@ -309,14 +309,30 @@ impl Crc32c {
 
 /// The chunk frames of block `index` (its bytes `data`), at most [`CHUNK_BYTES`] each.
 pub fn chunks(index: usize, data: &Bytes) -> impl Iterator<Item = v1::BlockFrame> + '_ {
+    chunks_with(index, data, chunk_crcs(data))
+}
+
+/// The CRC32C of each piece of `block` that [`chunks`] cuts.
+pub fn chunk_crcs(block: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    block.chunks(CHUNK_BYTES).map(crc32c)
+}
+
+/// The chunk frames of block `index` as [`chunks`] cuts them, with checksums `crcs` computed
+/// before, one per piece (see [`chunk_crcs`]).
+pub fn chunks_with<'a>(
+    index: usize,
+    data: &'a Bytes,
+    crcs: impl IntoIterator<Item = u32> + 'a,
+) -> impl Iterator<Item = v1::BlockFrame> + 'a {
     let index = u32::try_from(index).expect("at most MAX_BLOCKS blocks");
+    let mut crcs = crcs.into_iter();
     (0..data.len()).step_by(CHUNK_BYTES).map(move |offset| {
         let piece = data.slice(offset..(offset + CHUNK_BYTES).min(data.len()));
         v1::BlockFrame {
             frame: Some(Frame::Chunk(v1::BlockChunk {
                 block_index: index,
                 offset: offset as u64,
-                crc32c: crc32c(&piece),
+                crc32c: crcs.next().unwrap_or_default(),
                 data: piece,
             })),
         }

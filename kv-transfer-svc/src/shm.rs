@@ -270,17 +270,22 @@ impl Place {
 
 /// Fills a transfer's slots in order while the transfer already sends the filled ones: the
 /// writer side of a staged export. Slot `i` is written only before it is published (`filled`
-/// passes `i`), and read only after.
+/// passes `i`), and read only after. Each slot's chunk checksums are computed as it is filled,
+/// while its bytes are in cache, and published with it.
 #[derive(Debug)]
 pub struct Filler {
     slots: Arc<Slots>,
-    filled: tokio::sync::watch::Sender<usize>,
+    filled: tokio::sync::watch::Sender<Vec<Vec<u32>>>,
 }
 
-/// A filler for `slots`, the slots to hand to the sender, and how many are filled.
-pub fn filling(slots: Slots) -> (Filler, Arc<Slots>, tokio::sync::watch::Receiver<usize>) {
+/// The filled slots of a staged export, in order: each one's chunk checksums (the CRC32C of
+/// each piece [`crate::frames::chunks`] cuts the block into).
+pub type Filled = tokio::sync::watch::Receiver<Vec<Vec<u32>>>;
+
+/// A filler for `slots`, the slots to hand to the sender, and what is filled.
+pub fn filling(slots: Slots) -> (Filler, Arc<Slots>, Filled) {
     let slots = Arc::new(slots);
-    let (filled, watch) = tokio::sync::watch::channel(0);
+    let (filled, watch) = tokio::sync::watch::channel(Vec::new());
     (Filler { slots: slots.clone(), filled }, slots, watch)
 }
 
@@ -288,7 +293,7 @@ impl Filler {
     /// Fills the next slot with `f` and publishes it; an error publishes nothing (drop the
     /// filler to end the transfer).
     pub fn fill<E>(&mut self, f: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<(), E> {
-        let i = *self.filled.borrow();
+        let i = self.filled.borrow().len();
         assert!(i < self.slots.len(), "every slot is filled already");
         // SAFETY: slot `i` is not published: no reader looks at it, and this filler is its
         // only writer (it holds the one `Filler` of these slots).
@@ -296,7 +301,8 @@ impl Filler {
             std::slice::from_raw_parts_mut(self.slots.ptr(i), self.slots.staging.block_bytes)
         };
         f(buf)?;
-        self.filled.send_replace(i + 1);
+        let crcs = crate::frames::chunk_crcs(buf).collect();
+        self.filled.send_modify(|filled| filled.push(crcs));
         Ok(())
     }
 }

@@ -10,21 +10,21 @@
 //! - `tcp`: the same connection with the sender writing one block again and again and the
 //!   receiver reading into one reused buffer: both stay in the CPU's cache, so this is the
 //!   transport alone, a ceiling no path that moves a transfer's bytes between memory reaches
-//!   (`tcp-pools` itself gets about half of it);
+//!   (`tcp-pools` itself gets about two thirds of it here);
 //! - `push`: agent to agent as agents do it, over the destination's data channel (chunked,
 //!   CRC32C checked, stored; the sender's checksums computed before the clock starts);
 //! - `grpc-push`: the same through the gRPC `Push` (for tools; shown for comparison);
 //! - `put+push`: an executor's export through its node's agent (a data-channel `Put` with a
-//!   destination; the relay checks every chunk) on to the destination agent;
+//!   destination; the relay checks every chunk as it reads it) on to the destination agent;
 //! - `whole-socket`: the same, with the importing executor reading each block from its agent
 //!   as it arrives into a pool of its own: one executor's KV pool to another's, every byte
 //!   through the agents' sockets;
 //! - `whole`: one executor's KV pool to another's as executors do it: the exporter copies its
-//!   blocks into its shared-memory staging slots, its agent sends them from there (computing
-//!   their checksums), the destination agent keeps each block in a shared region of its
-//!   store, and the importer copies each from there into its pool as it lands. Timed from the first
-//!   copy out of the source pool to the last copy into the destination pool; both pools are
-//!   allocated and touched first, as an executor's are.
+//!   blocks into its shared-memory staging slots (computing their checksums as it goes), its
+//!   agent sends them from there, the destination agent keeps each block in a shared region
+//!   of its store, and the importer copies each from there into its pool as it lands. Timed
+//!   from the first copy out of the source pool to the last copy into the destination pool;
+//!   both pools are allocated and touched first, as an executor's are.
 //!
 //! The agents run in this process on loopback, like the TCP pair, so all share the same
 //! cores. Each round runs every path once, back to back; a path's ratio is the median over

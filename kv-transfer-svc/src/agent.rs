@@ -173,6 +173,11 @@ pub struct Counters {
     pub failures: [AtomicU64; Failure::ALL.len()],
     /// Sum of received transfers' durations, microseconds (with `transfers_received`, the mean).
     pub transfer_micros: AtomicU64,
+    /// Blocks of staged reads that the executor copied straight out of the store's shared
+    /// memory ([`crate::buffers`]), and those the agent copied into its slots.
+    pub staged_reads_in_place: AtomicU64,
+    /// See `staged_reads_in_place`.
+    pub staged_reads_copied: AtomicU64,
 }
 
 /// A node's KV agent.

@@ -36,6 +36,7 @@
 //!   - `Probe`: a region reference; answered as `Put` is (OK if the agent can map it).
 
 use std::io::IoSlice;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ferry_proto::v1::{self, block_frame::Frame};
@@ -655,6 +656,7 @@ async fn send_staged(
         };
         // The reader may take each block as soon as it is announced.
         if let Some((store, offset)) = agent.buffers.locate(&data) {
+            agent.counters.staged_reads_in_place.fetch_add(1, Ordering::Relaxed);
             held.push(data);
             w.write_u8(TAG_SHARED).await.map_err(io)?;
             w.write_u32_le(i as u32).await.map_err(io)?;
@@ -663,6 +665,7 @@ async fn send_staged(
             w.write_all(store.name().as_bytes()).await.map_err(io)?;
         } else {
             region.write(at, &data).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            agent.counters.staged_reads_copied.fetch_add(1, Ordering::Relaxed);
             w.write_u8(TAG_BLOCK).await.map_err(io)?;
             w.write_u32_le(i as u32).await.map_err(io)?;
         }

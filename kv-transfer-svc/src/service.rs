@@ -97,6 +97,17 @@ impl ferry_runtime::metrics::Render for KvAgentMetrics {
             &labels,
             c.transfer_micros.load(Ordering::Relaxed) as f64 / 1e6,
         );
+        t.family(
+            "ferry_kv_staged_read_blocks",
+            "counter",
+            "Blocks read by local executors through shared memory: copied by the executor straight out of the store (in_place), or by the agent into the executor's slot (copied).",
+        );
+        for (path, n) in
+            [("in_place", &c.staged_reads_in_place), ("copied", &c.staged_reads_copied)]
+        {
+            let l = [("path", path), ("node", a.node_id.as_str())];
+            t.sample("ferry_kv_staged_read_blocks", &l, n.load(Ordering::Relaxed) as f64);
+        }
         t.family("ferry_kv_transfer_failures", "counter", "Transfers that failed, by reason.");
         for (i, f) in Failure::ALL.iter().enumerate() {
             let l = [("node", a.node_id.as_str()), ("reason", f.label())];

@@ -210,7 +210,10 @@ pub async fn run(
         let prefill_node = async {
             match (bound.prefill, prefill) {
                 (Some(node), Some(config)) => {
-                    Box::pin(node.run(config, agent.clone(), model.clone(), stop_rx.clone())).await
+                    // A node of its own: its agent's metrics and spans say so.
+                    let node_id = format!("{}-prefill", agent.node_id);
+                    let agent = KvAgentConfig { node_id, ..agent.clone() };
+                    Box::pin(node.run(config, agent, model.clone(), stop_rx.clone())).await
                 }
                 _ => Ok(()),
             }

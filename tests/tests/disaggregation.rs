@@ -171,6 +171,9 @@ async fn disaggregated_streams_equal_one_executor_token_for_token() {
     assert!(cluster.metric("ferry_kv_transfer_bytes{") > 0.0);
     let received = metric(cluster.decode.agent.addr("grpc"), "ferry_kv_received_bytes{");
     assert!(received > 0.0, "the decode node's agent received no KV");
+    // The decode executor copied the moved blocks straight out of its agent's store.
+    let in_place = r#"ferry_kv_staged_read_blocks{path="in_place""#;
+    assert!(metric(cluster.decode.agent.addr("grpc"), in_place) > 0.0, "no block read in place");
     // Between each executor and its agent, the blocks went through shared memory.
     for node in [&cluster.prefill, &cluster.decode] {
         let staged = "ferry_executor_kv_transfers{path=\"shared_memory\"";

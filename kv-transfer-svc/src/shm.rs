@@ -7,16 +7,18 @@
 //! slots, reused transfer after transfer, are never faulted in again.
 //!
 //! Ownership:
-//! - the executor creates the region (`ferry-kv-<pid>-<n>`), owns its name and removes it when
-//!   it ends; files of processes that no longer run are removed when the next region is made
-//!   (a `kill -9` leaves one behind);
+//! - the executor creates the region (`ferry-kv-<pid>-<n>-<random>`), owns its name, holds
+//!   an `flock` on it while it runs and removes it when it ends; files whose lock nobody holds
+//!   (a `kill -9` leaves one behind) are removed when the next region is made — by the lock,
+//!   not the pid, so that an executor and its agent in different PID namespaces do not take
+//!   each other's regions for orphans;
 //! - a slot belongs to one transfer from [`Staging::alloc`] until its [`Slots`] drop, and the
 //!   data channel drops them only after the agent answered or closed the connection, so the
 //!   agent never reads or writes a slot that another transfer reuses;
 //! - the agent maps only files named `ferry-kv-…` in its own shm directory, checks every
 //!   offset against the file's size, and keeps a few mappings cached by name and inode.
 //!
-//! The agent keeps the blocks it receives in regions of its own (`ferry-kv-<pid>-<n>` too,
+//! The agent keeps the blocks it receives in regions of its own (named and locked alike,
 //! one per block length, see [`crate::buffers`]); an executor maps those read-only and copies
 //! an imported block straight from the agent's store into its pool. The agent keeps such a
 //! block (not just its name: the very buffer) until the executor closes the read's
@@ -72,29 +74,36 @@ unsafe impl Sync for Staging {}
 static REGIONS: AtomicU64 = AtomicU64::new(0);
 
 impl Staging {
-    /// A new region of `slots` slots of `block_bytes` in `dir`; removes regions left behind
-    /// by processes that no longer run.
+    /// A new region of `slots` slots of `block_bytes` in `dir`, locked for as long as this
+    /// process runs; removes regions left behind by processes that no longer run.
     pub fn create(dir: &Path, block_bytes: usize, slots: u32) -> std::io::Result<Arc<Self>> {
         if block_bytes == 0 || slots == 0 {
             return Err(std::io::Error::other("a staging region needs slots of at least a byte"));
         }
         remove_orphans(dir);
         let n = REGIONS.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{PREFIX}{}-{n}", std::process::id());
+        // Unique across PID namespaces too: processes of two containers may share a pid.
+        let name = format!("{PREFIX}{}-{n}-{:016x}", std::process::id(), random());
         let path = dir.join(&name);
+        // Made under a name no one looks for, locked, then renamed into place: a region is
+        // never seen unlocked while its maker runs (see `remove_orphans`).
+        let making = dir.join(format!("{MAKING}{name}"));
         // Readable by this user only: the agent runs as the executor's user.
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
-            .open(&path)?;
+            .open(&making)?;
         let len = block_bytes as u64 * u64::from(slots);
-        let mapped = file.set_len(len).and_then(|()| MmapOptions::new().map_raw(&file));
-        let map = match mapped {
+        let made = lock(&file)
+            .and_then(|()| file.set_len(len))
+            .and_then(|()| MmapOptions::new().map_raw(&file))
+            .and_then(|map| std::fs::rename(&making, &path).map(|()| map));
+        let map = match made {
             Ok(map) => map,
             Err(e) => {
-                let _ = std::fs::remove_file(&path);
+                let _ = std::fs::remove_file(&making);
                 return Err(e);
             }
         };
@@ -179,16 +188,42 @@ fn reserve(file: &std::fs::File, offset: u64, len: u64) -> bool {
     unsafe { libc::posix_fallocate(file.as_raw_fd(), offset, len) == 0 }
 }
 
-/// Removes regions in `dir` whose process no longer runs.
+/// Prefix of a region's file while it is made.
+const MAKING: &str = ".making-";
+
+/// Takes the lock a region's maker holds on its file for as long as it runs (`flock`, which
+/// the kernel drops when the process ends, however it ends); fails if another holds it.
+fn lock(file: &std::fs::File) -> std::io::Result<()> {
+    // SAFETY: a plain system call on an open descriptor.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Eight random bytes from the kernel (zero if it has none to give).
+fn random() -> u64 {
+    let mut buf = [0u8; 8];
+    // SAFETY: writes at most `buf.len()` bytes into `buf`.
+    let _ = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    u64::from_ne_bytes(buf)
+}
+
+/// Removes regions in `dir` that no running process made: those whose lock nobody holds.
+/// The lock, not the pid in the name, tells: an executor and its agent in different PID
+/// namespaces (two containers of a pod) cannot see each other's pids.
 fn remove_orphans(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+        let Some(name) = name.to_str() else { continue };
+        if !name.strip_prefix(MAKING).unwrap_or(name).starts_with(PREFIX) {
             continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        }
+        // Another user's file cannot be opened here, and is not this user's to remove.
+        let Ok(file) = std::fs::File::open(entry.path()) else { continue };
+        if lock(&file).is_ok() {
             let _ = std::fs::remove_file(entry.path());
         }
     }
@@ -546,13 +581,24 @@ mod tests {
     #[test]
     fn a_dead_process_region_is_removed_when_the_next_is_made() {
         let dir = tempdir();
-        // Pids are below 2^22 on Linux: this one runs nowhere.
-        let orphan = dir.join(format!("{PREFIX}4294967295-0"));
-        std::fs::write(&orphan, b"left behind").unwrap();
+        let live = Staging::create(&dir, 64, 1).unwrap();
+        // Left behind by a process that ended (nobody holds its lock), one of them while it
+        // was being made; whatever pid their names carry (this one's, here).
+        let pid = std::process::id();
+        let orphans = [format!("{PREFIX}{pid}-77-0"), format!("{MAKING}{PREFIX}{pid}-78-0")];
+        for orphan in &orphans {
+            std::fs::write(dir.join(orphan), b"left behind").unwrap();
+        }
+        let other = dir.join("not-a-region");
+        std::fs::write(&other, b"someone else's").unwrap();
         let mine = Staging::create(&dir, 64, 1).unwrap();
-        assert!(!orphan.exists());
-        assert!(dir.join(mine.name()).exists());
-        drop(mine);
+        for orphan in &orphans {
+            assert!(!dir.join(orphan).exists(), "{orphan} was removed");
+        }
+        assert!(dir.join(live.name()).exists(), "a live region stays, its pid notwithstanding");
+        assert!(dir.join(mine.name()).exists() && other.exists());
+        assert_ne!(live.name(), mine.name());
+        drop((live, mine));
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -304,29 +304,32 @@ impl Agent {
         frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
         checksums: Checksums,
     ) -> Result<Receipt, Status> {
-        self.put_checked(frames, Some(checksums)).await
+        self.put_checked(frames, Some(checksums), checksums).await
     }
 
-    /// A `Put` whose chunks' checksums this agent computed itself from the executor's staged
-    /// blocks ([`crate::shm`]): a forward does not check them again.
+    /// A `Put` of an executor's staged blocks ([`crate::shm`]) with the checksums the executor
+    /// computed as it staged them: a forward passes them on unchecked (the destination checks
+    /// every chunk), a store checks them on its copy.
     pub async fn put_staged(
         &self,
         frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
     ) -> Result<Receipt, Status> {
-        self.put_checked(frames, None).await
+        self.put_checked(frames, None, Checksums::Check).await
     }
 
-    /// A `Put`; a forward checks its chunks unless `check` is `None` (this agent made them).
+    /// A `Put`: a forward checks its chunks as `forward` says (`None`: not at all), a store as
+    /// `store` says.
     async fn put_checked(
         &self,
         mut frames: impl Stream<Item = Result<v1::BlockFrame, Status>> + Unpin,
-        check: Option<Checksums>,
+        forward: Option<Checksums>,
+        store: Checksums,
     ) -> Result<Receipt, Status> {
         let header = first_header(&mut frames).await?;
         if header.destination.is_some() {
-            return self.forward(header, frames, check).await;
+            return self.forward(header, frames, forward).await;
         }
-        self.receive_put(header, frames, check.unwrap_or(Checksums::Verified)).await
+        self.receive_put(header, frames, store).await
     }
 
     /// Stores blocks an executor writes back (a `Put` without destination): unpinned, as the
@@ -875,8 +878,7 @@ pub enum Checksums {
     /// Check every chunk's (a gRPC stream: prost decoded the bytes, nothing checked them).
     Check,
     /// Its reader verified each chunk's as the bytes arrived (the data channel, see
-    /// [`crate::frames::Crc32c`]), or this agent computed them: only the other rules are
-    /// checked.
+    /// [`crate::frames::Crc32c`]): only the other rules are checked.
     Verified,
 }
 

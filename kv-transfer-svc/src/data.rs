@@ -52,6 +52,9 @@ use crate::agent::{Agent, Checksums};
 use crate::buffers::BufferPool;
 use crate::frames::MAX_CHUNK_BYTES;
 
+/// A client's connection to an agent's data channel, buffered both ways.
+type Conn = (BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>);
+
 /// The first bytes of a data-channel connection.
 pub const MAGIC: &[u8; 8] = b"FERRYKV1";
 /// Largest header or request accepted.
@@ -386,10 +389,7 @@ async fn answer(
     w.shutdown().await
 }
 
-async fn connect(
-    address: &str,
-    op: Op,
-) -> Result<(BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>), Status> {
+async fn connect(address: &str, op: Op) -> Result<Conn, Status> {
     let hostport =
         address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/');
     let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
@@ -494,8 +494,7 @@ async fn write_region<W: AsyncWrite + Unpin>(
     name: &str,
     offsets: &[u64],
 ) -> std::io::Result<()> {
-    w.write_u32_le(name.len() as u32).await?;
-    w.write_all(name.as_bytes()).await?;
+    write_name(w, name).await?;
     w.write_u32_le(offsets.len() as u32).await?;
     for o in offsets {
         w.write_u64_le(*o).await?;
@@ -503,17 +502,32 @@ async fn write_region<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-async fn read_region<R: AsyncRead + Unpin>(r: &mut R) -> Result<(String, Vec<u64>), Status> {
+/// Writes a shared region's name: `u32` length, then the bytes.
+async fn write_name<W: AsyncWrite + Unpin>(w: &mut W, name: &str) -> std::io::Result<()> {
+    w.write_u32_le(name.len() as u32).await?;
+    w.write_all(name.as_bytes()).await
+}
+
+/// Reads a shared region's name as [`write_name`] wrote it: at most
+/// [`crate::shm::MAX_NAME`] bytes of UTF-8.
+async fn read_name<R: AsyncRead + Unpin>(r: &mut R) -> Result<String, Status> {
     let bad = |e: std::io::Error| Status::invalid_argument(format!("data channel: {e}"));
     let len = r.read_u32_le().await.map_err(bad)? as usize;
     if len > crate::shm::MAX_NAME {
         return Err(Status::invalid_argument(format!(
-            "a staging region's name of {len} bytes; at most {}",
+            "a shared region's name of {len} bytes; at most {}",
             crate::shm::MAX_NAME
         )));
     }
     let mut name = vec![0u8; len];
     r.read_exact(&mut name).await.map_err(bad)?;
+    String::from_utf8(name)
+        .map_err(|_| Status::invalid_argument("a shared region's name is not UTF-8"))
+}
+
+async fn read_region<R: AsyncRead + Unpin>(r: &mut R) -> Result<(String, Vec<u64>), Status> {
+    let bad = |e: std::io::Error| Status::invalid_argument(format!("data channel: {e}"));
+    let name = read_name(r).await?;
     let count = r.read_u32_le().await.map_err(bad)? as usize;
     if count > crate::frames::MAX_BLOCKS {
         return Err(Status::invalid_argument(format!(
@@ -525,8 +539,6 @@ async fn read_region<R: AsyncRead + Unpin>(r: &mut R) -> Result<(String, Vec<u64
     for _ in 0..count {
         offsets.push(r.read_u64_le().await.map_err(bad)?);
     }
-    let name = String::from_utf8(name)
-        .map_err(|_| Status::invalid_argument("a staging region's name is not UTF-8"))?;
     Ok((name, offsets))
 }
 
@@ -556,7 +568,7 @@ async fn staged_region(
 /// A staged `Put`: the header, the region, then the offset of each block's slot and its
 /// chunks' checksums as the executor fills it. An export is sent on from the slots themselves
 /// (no copy) with the executor's checksums, which the destination checks; a KV-tier write is
-/// copied into the store (the executor reuses its slots once answered) and checked here.
+/// copied into the store (the executor reuses its slots once answered), which checks them.
 async fn receive_staged(
     agent: &Agent,
     mut reader: BufReader<OwnedReadHalf>,
@@ -597,16 +609,8 @@ async fn receive_staged(
                     return Some((vec![Err(Status::invalid_argument(e.to_string()))], (reader, n)))
                 }
             };
-            // A forward passes the executor's checksums on for the destination to check; a
-            // store checks them itself, on the copy it just made (in cache).
-            if !forward {
-                let wrong = crate::frames::chunk_crcs(&data).zip(&crcs).position(|(a, b)| a != *b);
-                if let Some(k) = wrong {
-                    let offset = (k * crate::frames::CHUNK_BYTES) as u64;
-                    let e = crate::frames::FrameError::Checksum { block: i as u32, offset };
-                    return Some((vec![Err(Status::data_loss(e.to_string()))], (reader, n)));
-                }
-            }
+            // With the executor's checksums: a forward passes them on for the destination to
+            // check, a store checks them on the copy it just made (`Agent::put_staged`).
             let frames = crate::frames::chunks_with(i, &data, crcs).map(Ok).collect();
             Some((frames, (reader, i + 1)))
         }
@@ -661,8 +665,7 @@ async fn send_staged(
             w.write_u8(TAG_SHARED).await.map_err(io)?;
             w.write_u32_le(i as u32).await.map_err(io)?;
             w.write_u64_le(offset).await.map_err(io)?;
-            w.write_u32_le(store.name().len() as u32).await.map_err(io)?;
-            w.write_all(store.name().as_bytes()).await.map_err(io)?;
+            write_name(w, store.name()).await.map_err(io)?;
         } else {
             region.write(at, &data).map_err(|e| Status::invalid_argument(e.to_string()))?;
             agent.counters.staged_reads_copied.fetch_add(1, Ordering::Relaxed);
@@ -677,18 +680,35 @@ async fn send_staged(
     Ok(())
 }
 
+/// A connection over which the agent holds blocks of its store for this process to read,
+/// kept until `release` fires or is dropped.
+struct Held {
+    conn: Conn,
+    release: tokio::sync::oneshot::Receiver<()>,
+}
+
 /// Runs `work` on its own task, which keeps `slots` until the agent answered or closed the
 /// connection, so a caller that stops waiting (a deadline) never frees slots the agent may
-/// still read or write; the caller gets the outcome if it still waits.
+/// still read or write; the caller gets the outcome if it still waits. What `work` leaves
+/// [`Held`] is kept, with the slots, until it is released.
 async fn with_slots<T: Send + 'static>(
     slots: Arc<crate::shm::Slots>,
-    work: impl std::future::Future<Output = Result<T, Status>> + Send + 'static,
+    work: impl std::future::Future<Output = (Result<T, Status>, Option<Held>)> + Send + 'static,
 ) -> Result<T, Status> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
-        let outcome = work.await;
-        drop(slots);
-        let _ = tx.send(outcome);
+        let (outcome, held) = work.await;
+        match held {
+            None => {
+                drop(slots);
+                let _ = tx.send(outcome);
+            }
+            Some(Held { conn, release }) => {
+                let _ = tx.send(outcome);
+                let _ = release.await;
+                drop((conn, slots));
+            }
+        }
     });
     rx.await.unwrap_or_else(|_| Err(Status::internal("the staged transfer's task ended")))
 }
@@ -700,7 +720,7 @@ async fn open_staged<M: Message>(
     message: &M,
     slots: &crate::shm::Slots,
     offsets: &[u64],
-) -> Result<(BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>), Status> {
+) -> Result<Conn, Status> {
     let (r, mut w) = connect(address, op).await?;
     let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
     write_message(&mut w, message).await.map_err(unreachable)?;
@@ -722,7 +742,7 @@ pub async fn put_staged(
 ) -> Result<v1::TransferReceipt, Status> {
     let address = address.to_string();
     let keep = slots.clone();
-    with_slots(keep, async move {
+    let put = async move {
         let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
         let (mut r, mut w) = open_staged(&address, Op::PutStaged, &header, &slots, &[]).await?;
         let offsets = slots.offsets();
@@ -753,8 +773,8 @@ pub async fn put_staged(
         }
         let _keep_open = w;
         read_receipt(&mut r, &header.transfer_id).await.map_err(unreachable)?
-    })
-    .await
+    };
+    with_slots(keep, async move { (put.await, None) }).await
 }
 
 /// Reads the blocks `req` asks for from the agent at `address`: each is copied into its slot
@@ -771,17 +791,15 @@ pub async fn get_staged(
     release: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<(), Status> {
     let address = address.to_string();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
+    let keep = slots.clone();
+    with_slots(keep, async move {
         let mut conn = None;
         let outcome = read_staged(&address, &req, &slots, &landed, &mut conn).await;
-        let _ = tx.send(outcome);
-        if landed.borrow().iter().any(|p| matches!(p, crate::shm::Place::Store { .. })) {
-            let _ = release.await;
-        }
-        drop((conn, slots));
-    });
-    rx.await.unwrap_or_else(|_| Err(Status::internal("the staged read's task ended")))
+        // Whatever the outcome: the reader may be copying the blocks that landed so far.
+        let holds = landed.borrow().iter().any(|p| matches!(p, crate::shm::Place::Store { .. }));
+        (outcome, conn.filter(|_| holds).map(|conn| Held { conn, release }))
+    })
+    .await
 }
 
 /// The records of a staged read, until its end; the connection is left in `conn`.
@@ -790,7 +808,7 @@ async fn read_staged(
     req: &v1::GetBlocksRequest,
     slots: &crate::shm::Slots,
     landed: &tokio::sync::watch::Sender<Vec<crate::shm::Place>>,
-    conn: &mut Option<(BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>)>,
+    conn: &mut Option<Conn>,
 ) -> Result<(), Status> {
     let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
     let (r, _) =
@@ -811,15 +829,9 @@ async fn read_staged(
         }
         let place = if tag == TAG_SHARED {
             let offset = r.read_u64_le().await.map_err(unreachable)?;
-            let len = r.read_u32_le().await.map_err(unreachable)? as usize;
-            if len > crate::shm::MAX_NAME {
-                return Err(Status::internal(format!(
-                    "agent {address}: a region name of {len} bytes"
-                )));
-            }
-            let mut name = vec![0u8; len];
-            r.read_exact(&mut name).await.map_err(unreachable)?;
-            let name = String::from_utf8_lossy(&name);
+            let name = read_name(r).await.map_err(|s| {
+                Status::internal(format!("agent {address}: block {i}: {}", s.message()))
+            })?;
             let bad = |e: crate::shm::RegionError| {
                 Status::internal(format!("agent {address}: its store's block {i}: {e}"))
             };
@@ -857,16 +869,35 @@ mod tests {
     use crate::frames::tests::layout;
     use crate::shm::{Place, Staging};
 
-    /// Serves `agent`'s data channel on a port of its own.
-    async fn listen(agent: Arc<Agent>) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(async move {
-            while let Ok((conn, _)) = listener.accept().await {
-                tokio::spawn(serve(agent.clone(), conn));
-            }
-        });
-        addr
+    /// An agent in this process serving its data channel on a port of its own, with a shared
+    /// memory directory of its own (removed on drop) and a store of four test blocks.
+    struct Node {
+        dir: std::path::PathBuf,
+        agent: Arc<Agent>,
+        addr: String,
+    }
+
+    impl Node {
+        async fn start(name: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let agent = Agent::new("node".into(), 4 * block_bytes(), dir.clone());
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            let serving = agent.clone();
+            tokio::spawn(async move {
+                while let Ok((conn, _)) = listener.accept().await {
+                    tokio::spawn(serve(serving.clone(), conn));
+                }
+            });
+            Self { dir, agent, addr }
+        }
+    }
+
+    impl Drop for Node {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 
     /// The header of a KV-tier write of `hashes`.
@@ -881,24 +912,27 @@ mod tests {
         }
     }
 
-    /// Keeps `data` in the store of the agent at `addr` under `hashes` (a KV-tier put).
-    async fn store(addr: &str, hashes: &[u64], data: &[Bytes]) {
-        let header = tier_write(&format!("put-{}", hashes[0]), hashes.to_vec());
-        let (tx, rx) = mpsc::channel(64);
-        tx.send(v1::BlockFrame { frame: Some(Frame::Header(header)) }).await.unwrap();
-        for (i, d) in data.iter().enumerate() {
-            for frame in crate::frames::chunks(i, d) {
-                tx.send(frame).await.unwrap();
-            }
-        }
-        drop(tx);
-        send_blocks(addr, Op::Put, rx).await.unwrap();
+    /// The frames of a KV-tier write of `data` under `hashes`.
+    fn tier_frames(tid: &str, hashes: &[u64], data: &[Bytes]) -> Vec<v1::BlockFrame> {
+        let header =
+            v1::BlockFrame { frame: Some(Frame::Header(tier_write(tid, hashes.to_vec()))) };
+        let chunks = data.iter().enumerate().flat_map(|(i, d)| crate::frames::chunks(i, d));
+        std::iter::once(header).chain(chunks).collect()
     }
 
-    fn test_dir(name: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// Puts `frames` to the agent at `addr` over the data channel.
+    async fn put(addr: &str, frames: Vec<v1::BlockFrame>) -> Result<v1::TransferReceipt, Status> {
+        let (tx, rx) = mpsc::channel(frames.len());
+        for frame in frames {
+            tx.send(frame).await.unwrap();
+        }
+        drop(tx);
+        send_blocks(addr, Op::Put, rx).await
+    }
+
+    /// Keeps `data` in the store of the agent at `addr` under `hashes` (a KV-tier put).
+    async fn store(addr: &str, hashes: &[u64], data: &[Bytes]) {
+        put(addr, tier_frames(&format!("put-{}", hashes[0]), hashes, data)).await.unwrap();
     }
 
     fn block_bytes() -> usize {
@@ -918,41 +952,26 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_chunk_whose_bytes_do_not_match_its_checksum_is_refused_as_data_loss() {
-        let (dir, bb) = (test_dir("ferry-data-crc"), block_bytes());
-        let agent = Agent::new("node".into(), 4 * bb, dir.clone());
-        let addr = listen(agent.clone()).await;
-        let header = tier_write("bad", vec![1, 2]);
-        let (tx, rx) = mpsc::channel(8);
-        tx.send(v1::BlockFrame { frame: Some(Frame::Header(header)) }).await.unwrap();
-        for i in 0..2 {
-            for mut frame in crate::frames::chunks(i, &Bytes::from(vec![3u8; bb])) {
-                if let Some(Frame::Chunk(c)) = &mut frame.frame {
-                    // One bit of the second block flipped after its checksum was taken.
-                    if i == 1 {
-                        let mut data = c.data.to_vec();
-                        data[bb / 2] ^= 1;
-                        c.data = data.into();
-                    }
-                }
-                tx.send(frame).await.unwrap();
-            }
-        }
-        drop(tx);
-        let refused = send_blocks(&addr, Op::Put, rx).await.unwrap_err();
+        let (node, bb) = (Node::start("ferry-data-crc").await, block_bytes());
+        let block = Bytes::from(vec![3u8; bb]);
+        let mut frames = tier_frames("bad", &[1, 2], &[block.clone(), block]);
+        // One bit of the second block flipped after its checksum was taken.
+        let Some(Frame::Chunk(c)) = &mut frames.last_mut().unwrap().frame else { panic!() };
+        let mut data = c.data.to_vec();
+        data[bb / 2] ^= 1;
+        c.data = data.into();
+        let refused = put(&node.addr, frames).await.unwrap_err();
         assert_eq!(refused.code(), tonic::Code::DataLoss, "{refused:?}");
         assert!(refused.message().contains("CRC32C mismatch in block 1"), "{refused:?}");
-        let (_, mut blocks) = agent.read_blocks(tier_read(vec![1])).unwrap();
+        let (_, mut blocks) = node.agent.read_blocks(tier_read(vec![1])).unwrap();
         let first = blocks.recv().await.unwrap().unwrap();
         assert_eq!(&first[..], &vec![3u8; bb][..], "the block before it was stored");
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_staged_block_whose_checksum_the_executor_got_wrong_is_not_stored() {
-        let (dir, bb) = (test_dir("ferry-data-staged-crc"), block_bytes());
-        let agent = Agent::new("node".into(), 4 * bb, dir.clone());
-        let addr = listen(agent.clone()).await;
-        let staging = Staging::create(&dir, bb, 2).unwrap();
+        let (node, bb) = (Node::start("ferry-data-staged-crc").await, block_bytes());
+        let staging = Staging::create(&node.dir, bb, 2).unwrap();
         let (mut filler, slots, _) = crate::shm::filling(staging.alloc(2).unwrap());
         for b in [5u8, 6] {
             filler
@@ -964,7 +983,8 @@ mod tests {
         }
         // As `put_staged` sends them, but with the second block's checksum off by one.
         let header = tier_write("staged-bad", vec![1, 2]);
-        let (mut r, mut w) = open_staged(&addr, Op::PutStaged, &header, &slots, &[]).await.unwrap();
+        let (mut r, mut w) =
+            open_staged(&node.addr, Op::PutStaged, &header, &slots, &[]).await.unwrap();
         for (i, offset) in slots.offsets().into_iter().enumerate() {
             let crc = crate::frames::crc32c(slots.block(i)) + u32::from(i == 1);
             w.write_u64_le(offset).await.unwrap();
@@ -974,31 +994,29 @@ mod tests {
         let refused = read_receipt(&mut r, "staged-bad").await.unwrap().unwrap_err();
         assert_eq!(refused.code(), tonic::Code::DataLoss, "{refused:?}");
         assert!(refused.message().contains("CRC32C mismatch in block 1"), "{refused:?}");
-        let (_, mut blocks) = agent.read_blocks(tier_read(vec![1])).unwrap();
+        let (_, mut blocks) = node.agent.read_blocks(tier_read(vec![1])).unwrap();
         assert_eq!(&blocks.recv().await.unwrap().unwrap()[..], &vec![5u8; bb][..]);
-        let absent = agent.read_blocks(tier_read(vec![2])).unwrap_err();
+        let absent = node.agent.read_blocks(tier_read(vec![2])).unwrap_err();
         assert_eq!(absent.code(), tonic::Code::NotFound, "block 2 was not stored: {absent:?}");
         drop((filler, slots, staging));
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stored_block_read_in_place_is_not_reused_until_the_reader_lets_go() {
-        let (dir, bb) = (test_dir("ferry-data-test"), block_bytes());
         // A store of four blocks: its shared region has four slots.
-        let agent = Agent::new("node".into(), 4 * bb, dir.clone());
-        let addr = listen(agent.clone()).await;
+        let (node, bb) = (Node::start("ferry-data-test").await, block_bytes());
+        let (agent, addr, dir) = (&node.agent, &node.addr, &node.dir);
         let data: Vec<Bytes> = (1..=3u8).map(|b| Bytes::from(vec![b; bb])).collect();
-        store(&addr, &[1, 2, 3], &data).await;
+        store(addr, &[1, 2, 3], &data).await;
         assert_eq!(agent.buffers.shared_free(bb), Some(1), "received blocks are in shared memory");
 
-        let staging = Staging::create(&dir, bb, 3).unwrap();
-        probe(&addr, staging.name()).await.unwrap();
+        let staging = Staging::create(dir, bb, 3).unwrap();
+        probe(addr, staging.name()).await.unwrap();
         let slots = Arc::new(staging.alloc(3).unwrap());
         let (landed_tx, landed) = tokio::sync::watch::channel(Vec::new());
         let (release, released) = tokio::sync::oneshot::channel();
         let req = tier_read(vec![1, 2, 3]);
-        get_staged(&addr, req.clone(), slots.clone(), landed_tx, released).await.unwrap();
+        get_staged(addr, req.clone(), slots.clone(), landed_tx, released).await.unwrap();
         let places = landed.borrow().clone();
         assert_eq!(places.len(), 3);
         for (i, place) in places.iter().enumerate() {
@@ -1009,20 +1027,20 @@ mod tests {
         // Four new blocks evict the three from the store, but not from their slots: the new
         // ones take the one free slot, then the heap.
         let other: Vec<Bytes> = (7..=10u8).map(|b| Bytes::from(vec![b; bb])).collect();
-        store(&addr, &[4, 5, 6, 7], &other).await;
+        store(addr, &[4, 5, 6, 7], &other).await;
         assert_eq!(agent.buffers.shared_free(bb), Some(0));
         for (i, place) in places.iter().enumerate() {
             assert_eq!(place.bytes(&slots, i).unwrap(), &data[i][..], "block {i} unchanged");
         }
 
         // A block the store holds on the heap is copied into the reader's slot instead.
-        let second = Staging::create(&dir, bb, 4).unwrap();
+        let second = Staging::create(dir, bb, 4).unwrap();
         let more = Arc::new(second.alloc(4).unwrap());
         let (landed_tx, landed2) = tokio::sync::watch::channel(Vec::new());
         let (release2, released) = tokio::sync::oneshot::channel();
         let req = v1::GetBlocksRequest { block_hashes: vec![4, 5, 6, 7], ..req.clone() };
-        probe(&addr, more.staging().name()).await.unwrap();
-        get_staged(&addr, req, more.clone(), landed_tx, released).await.unwrap();
+        probe(addr, more.staging().name()).await.unwrap();
+        get_staged(addr, req, more.clone(), landed_tx, released).await.unwrap();
         let kinds: Vec<bool> =
             landed2.borrow().iter().map(|p| matches!(p, Place::Store { .. })).collect();
         assert_eq!(kinds, [true, false, false, false], "the one shared slot, then the heap");
@@ -1040,6 +1058,5 @@ mod tests {
         }
         assert_eq!(staging.free_slots(), 0, "the reader's slots are its own until it drops them");
         drop(slots);
-        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -59,6 +59,8 @@ mod prefix_index;
 #[forbid(unsafe_code)]
 mod request;
 #[forbid(unsafe_code)]
+pub mod routing;
+#[forbid(unsafe_code)]
 mod scheduler;
 #[forbid(unsafe_code)]
 mod slots;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_runtime::Backoff;
+use ferry_sched_core::routing::Candidate;
 use ferry_sched_core::{RequestId, TransferId};
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -95,14 +96,11 @@ impl Front {
         let tokens: Arc<[u32]> = tokens.into();
         let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
         let hits = futures_util::future::join_all(asks).await;
-        let score = |k: usize| {
-            (
-                hits[k],
-                std::cmp::Reverse(alive[k].load.load(Ordering::Relaxed)),
-                std::cmp::Reverse(k),
-            )
-        };
-        (0..alive.len()).max_by_key(|k| score(*k)).map(|k| alive[k].clone())
+        let candidates = alive.iter().zip(hits).map(|(l, hit)| Candidate {
+            prefix_hit_tokens: hit,
+            load: l.load.load(Ordering::Relaxed),
+        });
+        ferry_sched_core::routing::pick(candidates).map(|k| alive[k].clone())
     }
 
     /// Places `spec` with `delivered` tokens already generated on an executor up now, or one

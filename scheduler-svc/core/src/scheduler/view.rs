@@ -152,6 +152,18 @@ impl Scheduler {
         Some(&self.requests[idx].cold.block_hashes)
     }
 
+    /// How many of `hashes` (a prompt's full blocks' hash chain, as [`crate::extend_block_hashes`]
+    /// computes it) this cache holds from the first on: [`Scheduler::prefix_hit_tokens`] in
+    /// blocks, for a caller that asks many caches about one prompt and hashes it once. The
+    /// caller leaves out the block holding the prompt's last token.
+    #[must_use]
+    pub fn cached_prefix_blocks(&self, hashes: &[BlockHash]) -> usize {
+        if !self.cfg.enable_prefix_caching {
+            return 0;
+        }
+        hashes.iter().take_while(|h| self.pool.lookup(**h).is_some()).count()
+    }
+
     /// How many leading tokens of `prompt` (under `salt`) this cache would serve as a prefix
     /// hit right now: full blocks only, never the last token (the router's placement signal).
     /// Allocation-free; does not touch the hit counters.

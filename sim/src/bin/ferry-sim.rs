@@ -1,0 +1,245 @@
+//! `ferry-sim`: simulate a cluster of GPUs serving a workload, in virtual time, with Ferry's
+//! scheduling core and router; print latency percentiles, throughput and goodput.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use clap::Parser;
+use ferry_sched_core::{PreemptionMode, PreemptionPolicy, SchedulerConfig};
+use ferry_sim::des::{self, ClusterSpec, Report, Router, Slo};
+use ferry_sim::profile::Profiles;
+use ferry_sim::roofline::{activation_bytes, kv_capacity_blocks};
+use ferry_sim::workload::{Arrivals, Generated, Lengths, PrefixGroups, Source};
+
+/// Simulate N GPUs serving a workload with Ferry's scheduler and router, in virtual time.
+#[derive(Debug, Parser)]
+#[command(name = "ferry-sim", version)]
+#[allow(clippy::struct_excessive_bools)] // independent command-line switches
+struct Args {
+    /// The GPU (a hardware profile; `--list-profiles` names them).
+    #[arg(long, default_value = "h100")]
+    hardware: String,
+    /// The model (a model profile).
+    #[arg(long, default_value = "llama-3-8b")]
+    model_profile: String,
+    /// GPUs per executor (tensor parallelism); the model profile's default if absent.
+    #[arg(long)]
+    tensor_parallel: Option<u32>,
+    /// Executors (model replicas).
+    #[arg(long, default_value_t = 4)]
+    executors: usize,
+    /// Requests to simulate (generated workloads).
+    #[arg(long, default_value_t = 10_000)]
+    requests: u64,
+    /// Arrivals: `poisson:RATE`, `gamma:RATE:CV` (requests per second) or `inf` (all at once).
+    #[arg(long, default_value = "poisson:20")]
+    arrivals: String,
+    /// Prompt lengths: `N`, `LO:HI`, `lognormal:MEDIAN:SIGMA[:MAX]` or `hist:FILE`.
+    #[arg(long, default_value = "lognormal:512:0.8:8192")]
+    prompt_len: String,
+    /// Output lengths, as `--prompt-len`.
+    #[arg(long, default_value = "lognormal:200:0.8:2048")]
+    output_len: String,
+    /// Distinct shared prefixes (system prompts); each request starts with one of them.
+    #[arg(long, default_value_t = 0)]
+    prefix_groups: u32,
+    /// Tokens of each shared prefix.
+    #[arg(long, default_value_t = 0)]
+    prefix_len: u32,
+    /// A JSONL trace instead of a generated workload: one object per line with `arrival`
+    /// (seconds), `prompt_len`, `output_len`, and optionally `prefix_group`, `prefix_len`.
+    #[arg(long)]
+    trace: Option<String>,
+    /// How new requests are placed.
+    #[arg(long, value_enum, default_value_t = Router::KvAware)]
+    router: Router,
+    /// Requests running at once per executor.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Tokens per step per executor.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Longest prompt + output; longer requests are refused.
+    #[arg(long, default_value_t = 32_768)]
+    max_model_len: usize,
+    /// Fraction of GPU memory for weights, activations and KV cache (vLLM's).
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_utilization: f64,
+    /// Turn the prefix cache off.
+    #[arg(long)]
+    no_prefix_caching: bool,
+    /// Which running request gives way when blocks run out.
+    #[arg(long, value_enum, default_value_t = Policy::Fcfs)]
+    preemption_policy: Policy,
+    /// Keep a preempted request's blocks while it waits (`yield`) or drop them (`recompute`).
+    #[arg(long, value_enum, default_value_t = Mode::Recompute)]
+    preemption_mode: Mode,
+    /// The SLO of the goodput figure: longest time to first token, seconds.
+    #[arg(long, default_value_t = 2.0)]
+    slo_ttft: f64,
+    /// The SLO of the goodput figure: longest time per output token, seconds.
+    #[arg(long, default_value_t = 0.1)]
+    slo_tpot: f64,
+    /// The workload's seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// More profiles: `DIR/hardware/*.json`, `DIR/models/*.json`, or `*.json` in `DIR`.
+    #[arg(long)]
+    profile_dir: Vec<PathBuf>,
+    /// List the profiles and exit.
+    #[arg(long)]
+    list_profiles: bool,
+    /// Check every core's invariants after every step (slow).
+    #[arg(long)]
+    check_invariants: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Policy {
+    Fcfs,
+    Priority,
+    LeastWorkDone,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Mode {
+    Recompute,
+    Yield,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut profiles = Profiles::built_in();
+    for dir in &args.profile_dir {
+        profiles.add_dir(dir)?;
+    }
+    if args.list_profiles {
+        println!("hardware:");
+        for h in profiles.hardware.values() {
+            println!("  {:<16} {}", h.name, h.description);
+        }
+        println!("models:");
+        for m in profiles.models.values() {
+            println!("  {:<16} {}", m.name, m.description);
+        }
+        return Ok(());
+    }
+    let m = profiles.model(&args.model_profile)?;
+    let tp = args.tensor_parallel.unwrap_or(m.tensor_parallel);
+    let model = m.to_sim()?;
+    let hardware = profiles.hardware(&args.hardware)?.to_sim(m.compute_dtype(), tp)?;
+    let (bs, seqs, tokens) = (args.block_size, args.max_num_seqs, args.max_num_batched_tokens);
+    let activations = activation_bytes(&model, tp, tokens as u32, seqs as u32);
+    let blocks =
+        kv_capacity_blocks(&hardware, &model, bs as u32, args.gpu_memory_utilization, activations);
+    if blocks == 0 {
+        anyhow::bail!(
+            "{} does not fit {} GPU(s) of {} with room for a KV block: try --tensor-parallel",
+            m.name,
+            tp,
+            args.hardware
+        );
+    }
+    let scheduler = SchedulerConfig {
+        block_size: bs,
+        num_blocks: usize::try_from(blocks)?,
+        max_num_seqs: seqs,
+        max_num_batched_tokens: tokens,
+        max_model_len: args.max_model_len,
+        lookahead: seqs,
+        enable_prefix_caching: !args.no_prefix_caching,
+        preemption_policy: match args.preemption_policy {
+            Policy::Fcfs => PreemptionPolicy::Fcfs,
+            Policy::Priority => PreemptionPolicy::Priority,
+            Policy::LeastWorkDone => PreemptionPolicy::LeastWorkDone,
+        },
+        preemption_mode: match args.preemption_mode {
+            Mode::Recompute => PreemptionMode::Recompute,
+            Mode::Yield => PreemptionMode::Yield,
+        },
+        ..SchedulerConfig::default()
+    };
+    let spec = ClusterSpec {
+        executors: args.executors,
+        hardware,
+        model,
+        scheduler,
+        router: args.router,
+        slo: Slo { ttft: args.slo_ttft, tpot: args.slo_tpot },
+        check_invariants: args.check_invariants,
+    };
+    let mut source = if let Some(path) = &args.trace {
+        Source::trace(path, model.vocab_size).map_err(anyhow::Error::msg)?
+    } else {
+        let prefixes = (args.prefix_groups > 0 && args.prefix_len > 0)
+            .then_some(PrefixGroups { groups: args.prefix_groups, prefix_len: args.prefix_len });
+        let generated = Generated {
+            arrivals: Arrivals::parse(&args.arrivals).map_err(anyhow::Error::msg)?,
+            prompt: Lengths::parse(&args.prompt_len).map_err(anyhow::Error::msg)?,
+            output: Lengths::parse(&args.output_len).map_err(anyhow::Error::msg)?,
+            prefixes,
+            requests: args.requests,
+            vocab_size: model.vocab_size,
+        };
+        Source::generated(generated, args.seed)
+    };
+    let total = if args.trace.is_some() { None } else { Some(args.requests) };
+    let tty = std::io::stderr().is_terminal();
+    let report = des::run(&spec, &mut source, |p| {
+        if tty {
+            let of = total.map(|t| format!(" of {t}")).unwrap_or_default();
+            eprint!("\r{:>10.1} s simulated, {} arrived, {} done{of}   ", p.now, p.arrived, p.done);
+        }
+    })
+    .map_err(anyhow::Error::msg)?;
+    if tty {
+        eprintln!();
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&args, tp, &report);
+    }
+    Ok(())
+}
+
+fn print_table(args: &Args, tp: u32, r: &Report) {
+    println!(
+        "{} executors of {} x{tp} running {}, {} blocks each; router {:?}",
+        r.executors, args.hardware, args.model_profile, r.blocks_per_executor, r.router
+    );
+    println!(
+        "{} requests: {} finished, {} refused; {:.1} s simulated in {:.1} s ({:.0}x)",
+        r.requests, r.finished, r.rejected, r.makespan, r.wall_seconds, r.speedup
+    );
+    println!(
+        "throughput {:.0} output tokens/s, {:.2} requests/s; goodput {:.2} requests/s (TTFT <= {} s, TPOT <= {} s)",
+        r.output_tokens_per_s, r.requests_per_s, r.goodput, r.slo.ttft, r.slo.tpot
+    );
+    println!("{:<8} {:>10} {:>10} {:>10} {:>10} {:>10}", "ms", "mean", "p50", "p90", "p99", "max");
+    for (name, l) in [("TTFT", r.ttft), ("TPOT", r.tpot), ("ITL", r.itl), ("E2E", r.e2e)] {
+        println!(
+            "{name:<8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            l.mean * 1e3,
+            l.p50 * 1e3,
+            l.p90 * 1e3,
+            l.p99 * 1e3,
+            l.max * 1e3
+        );
+    }
+    println!(
+        "prefix hit rate {:.1} %, preemptions {}, steps {}, busy {:.1} %, KV usage mean {:.1} % max {:.1} %",
+        r.prefix_hit_rate * 100.0,
+        r.preemptions,
+        r.steps,
+        r.busy_fraction * 100.0,
+        r.kv_usage_mean * 100.0,
+        r.kv_usage_max * 100.0
+    );
+}

@@ -10,14 +10,24 @@
 //! the step's end its result (one deterministic token per sampling request) goes through
 //! the core's `apply_result`; the tokens' times are the step's end. One step is in flight per
 //! executor, as in a synchronous engine.
+//!
+//! Disaggregation follows the front's policy ([`ferry_sched_core::routing`]): with prefill
+//! executors in the cluster, a new request whose prompt is long enough (uncached where it
+//! would decode) and whose decode executor has room is computed on the least-loaded prefill
+//! executor as a prefill-only request; when its export goes out the continuation (prompt plus
+//! the first token, importing the prompt's whole blocks) is added to the decode executor, as
+//! the front does. The transfer takes `bytes / (network bandwidth x GPUs of the group)` plus a
+//! fixed latency from the step that carries the export; each side reports its end in the
+//! first step result after the bytes have arrived.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
 use ferry_sched_core::routing::{self, Candidate};
 use ferry_sched_core::{
-    extend_block_hashes, BlockHash, NewRequest, RequestEvent, RequestId, SampledToken,
-    ScheduledWork, Scheduler, SchedulerConfig, StepOutcome, Timestamp,
+    extend_block_hashes, BlockHash, FinishReason, KvImport, KvOp, KvResult, NewRequest,
+    RequestEvent, RequestId, SampledToken, ScheduledWork, Scheduler, SchedulerConfig, StepOutcome,
+    Timestamp, TransferId,
 };
 
 use crate::roofline::{step_duration, SimBatchItem, SimHardware, SimModel};
@@ -63,6 +73,13 @@ pub struct ClusterSpec {
     pub slo: Slo,
     /// Check every core's invariants after every step (slow; for tests).
     pub check_invariants: bool,
+    /// How many of the executors (the first ones) only prefill; 0: none, no disaggregation.
+    pub prefill_executors: usize,
+    /// Shortest uncached prompt worth disaggregating (the front's
+    /// `--disaggregation-min-tokens`).
+    pub disaggregation_min_tokens: usize,
+    /// Fixed cost of a KV transfer on top of its bytes, seconds.
+    pub transfer_latency: f64,
 }
 
 /// Percentiles of one latency, seconds.
@@ -141,6 +158,12 @@ pub struct Report {
     pub kv_usage_mean: f64,
     /// Largest fraction of KV blocks held by any executor at a step.
     pub kv_usage_max: f64,
+    /// Requests whose prompt was computed on a prefill executor and moved.
+    pub disaggregated: u64,
+    /// KV bytes moved between executors.
+    pub transfer_bytes: u64,
+    /// Mean seconds a KV transfer took.
+    pub transfer_seconds_mean: f64,
     /// Wall-clock seconds the simulation took.
     pub wall_seconds: f64,
     /// Virtual seconds simulated per wall-clock second.
@@ -164,6 +187,25 @@ struct Track {
     first: f64,
     last: f64,
     prompt: u32,
+    /// Its prefill executor's part, if it is disaggregated and not yet handed on.
+    handoff: Option<Handoff>,
+}
+
+/// A disaggregated request's decode half, chosen when it arrived.
+struct Handoff {
+    decode: usize,
+    transfer: TransferId,
+    import_tokens: usize,
+    prompt: std::sync::Arc<[u32]>,
+    output_len: usize,
+}
+
+/// A KV transfer between a prefill and a decode executor.
+struct Transfer {
+    prefill: usize,
+    decode: usize,
+    /// When its bytes have all arrived (once its export went out).
+    arrived: Option<u64>,
 }
 
 struct Exec {
@@ -174,12 +216,22 @@ struct Exec {
     step_secs: f64,
     live: usize,
     kv_usage: f64,
+    /// Transfers whose export or import this executor carries out, not yet reported.
+    transfers: Vec<TransferId>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Arrival,
     StepDone(usize),
+    /// A transfer's bytes have arrived.
+    TransferDone(u64),
+}
+
+/// Where a new request goes.
+enum Placement {
+    Whole(usize),
+    Split { prefill: usize, decode: usize, import_tokens: usize },
 }
 
 /// The virtual time of `secs` (nanoseconds; the heap's and the cores' unit).
@@ -214,7 +266,19 @@ struct Sim<'a> {
     busy_secs: f64,
     kv_weighted: f64,
     kv_max: f64,
+    transfers: HashMap<u64, Transfer>,
+    next_transfer: u64,
+    next_continuation: u64,
+    kv_ops: Vec<KvOp>,
+    disaggregated: u64,
+    transfer_bytes: u64,
+    transfer_secs: f64,
+    transfers_done: u64,
 }
+
+/// Ids of continuations (a disaggregated request's decode half) start here, far above the
+/// workload's.
+const CONTINUATION_IDS: u64 = 1 << 48;
 
 /// Runs `spec` over the requests of `source`; `progress` is called now and then.
 pub fn run(
@@ -224,6 +288,12 @@ pub fn run(
 ) -> Result<Report, String> {
     if spec.executors == 0 {
         return Err("a cluster needs at least one executor".into());
+    }
+    if spec.prefill_executors >= spec.executors {
+        return Err(format!(
+            "{} prefill executors of {}: at least one must decode",
+            spec.prefill_executors, spec.executors
+        ));
     }
     let started = std::time::Instant::now();
     let execs = (0..spec.executors)
@@ -235,6 +305,7 @@ pub fn run(
                 step_secs: 0.0,
                 live: 0,
                 kv_usage: 0.0,
+                transfers: Vec::new(),
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -265,6 +336,14 @@ pub fn run(
         busy_secs: 0.0,
         kv_weighted: 0.0,
         kv_max: 0.0,
+        transfers: HashMap::new(),
+        next_transfer: 0,
+        next_continuation: CONTINUATION_IDS,
+        kv_ops: Vec::new(),
+        disaggregated: 0,
+        transfer_bytes: 0,
+        transfer_secs: 0.0,
+        transfers_done: 0,
     };
     let mut pending = source.next_request()?;
     if let Some(r) = &pending {
@@ -286,6 +365,7 @@ pub fn run(
                 }
             }
             Event::StepDone(e) => sim.step_done(e)?,
+            Event::TransferDone(tid) => sim.transfer_done(tid)?,
         }
         handled += 1;
         if handled.is_multiple_of(65_536) {
@@ -312,39 +392,67 @@ impl Sim<'_> {
         self.now as f64 / 1e9
     }
 
-    /// The executor the router picks for `prompt`.
-    fn route(&mut self, prompt: &[u32]) -> usize {
-        let execs = &self.execs;
-        match self.spec.router {
+    /// Where the router places a request of `prompt`: as the front does, split between a
+    /// prefill and a decode executor when that pays, else whole on a decode-capable executor.
+    fn place(&mut self, prompt: &[u32]) -> Placement {
+        let spec = self.spec;
+        let bs = spec.scheduler.block_size;
+        let decoders = spec.prefill_executors..self.execs.len();
+        if spec.router == Router::KvAware || spec.prefill_executors > 0 {
+            // Hashed once, looked up in every cache; never the block of the last token.
+            let whole = prompt.len().saturating_sub(1) / bs * bs;
+            self.hashes.clear();
+            extend_block_hashes(&mut self.hashes, &prompt[..whole], bs, 0);
+        }
+        let hit = |x: &Exec, hashes: &[BlockHash]| x.core.cached_prefix_blocks(hashes) * bs;
+        let decode = match spec.router {
             Router::RoundRobin => {
-                let e = self.next_rr % execs.len();
+                let e = decoders.start + self.next_rr % decoders.len();
                 self.next_rr += 1;
                 e
             }
-            Router::LeastLoad => routing::pick(
-                execs.iter().map(|x| Candidate { prefix_hit_tokens: 0, load: x.live }),
-            )
-            .unwrap_or(0),
-            Router::KvAware => {
-                // Hashed once, looked up in every cache; never the block of the last token.
-                let bs = self.spec.scheduler.block_size;
-                let whole = prompt.len().saturating_sub(1) / bs * bs;
-                self.hashes.clear();
-                extend_block_hashes(&mut self.hashes, &prompt[..whole], bs, 0);
-                let hashes = &self.hashes;
-                routing::pick(execs.iter().map(|x| Candidate {
-                    prefix_hit_tokens: x.core.cached_prefix_blocks(hashes) * bs,
-                    load: x.live,
-                }))
-                .unwrap_or(0)
+            Router::LeastLoad => {
+                let loads = self.execs[decoders.clone()]
+                    .iter()
+                    .map(|x| Candidate { prefix_hit_tokens: 0, load: x.live });
+                decoders.start + routing::pick(loads).unwrap_or(0)
             }
+            Router::KvAware => {
+                let hashes = &self.hashes;
+                let candidates = self.execs[decoders.clone()]
+                    .iter()
+                    .map(|x| Candidate { prefix_hit_tokens: hit(x, hashes), load: x.live });
+                decoders.start + routing::pick(candidates).unwrap_or(0)
+            }
+        };
+        if spec.prefill_executors == 0 {
+            return Placement::Whole(decode);
         }
+        let d = &self.execs[decode];
+        let room =
+            routing::has_room(spec.scheduler.num_blocks, d.core.stats().kv_usage, bs, prompt.len());
+        let cached = hit(d, &self.hashes);
+        if !room
+            || !routing::worth_disaggregating(
+                prompt.len(),
+                cached,
+                spec.disaggregation_min_tokens,
+                bs,
+            )
+        {
+            return Placement::Whole(decode);
+        }
+        let loads = self.execs[..spec.prefill_executors]
+            .iter()
+            .map(|x| Candidate { prefix_hit_tokens: 0, load: x.live });
+        let prefill = routing::pick(loads).unwrap_or(0);
+        let import_tokens = routing::import_tokens(prompt.len(), bs);
+        Placement::Split { prefill, decode, import_tokens }
     }
 
     fn arrive(&mut self, r: &SimRequest) -> Result<(), String> {
         self.arrived += 1;
         self.first_arrival.get_or_insert(self.now);
-        let e = self.route(&r.prompt);
         let id = r.index + 1;
         let mut req = NewRequest::new(
             RequestId(id),
@@ -353,12 +461,23 @@ impl Sim<'_> {
             Timestamp(self.now),
         );
         req.ignore_eos = true;
+        let (e, handoff) = match self.place(&r.prompt) {
+            Placement::Whole(e) => (e, None),
+            Placement::Split { prefill, decode, import_tokens } => {
+                self.next_transfer += 1;
+                let transfer = TransferId(self.next_transfer);
+                req.kv_export = Some(transfer);
+                let (prompt, output_len) = (r.prompt.clone(), r.output_len as usize);
+                (prefill, Some(Handoff { decode, transfer, import_tokens, prompt, output_len }))
+            }
+        };
         if self.execs[e].core.add_request(req).is_err() {
             self.rejected += 1;
             return Ok(());
         }
         let prompt = r.prompt.len() as u32;
-        self.tracks.insert(id, Track { arrival: self.secs(), first: 0.0, last: 0.0, prompt });
+        let track = Track { arrival: self.secs(), first: 0.0, last: 0.0, prompt, handoff };
+        self.tracks.insert(id, track);
         self.execs[e].live += 1;
         if !self.execs[e].busy {
             self.start_step(e)?;
@@ -366,16 +485,77 @@ impl Sim<'_> {
         Ok(())
     }
 
+    /// The KV transfers executor `e` has carried out whose bytes have arrived by now, as
+    /// results for its next step result.
+    fn due_kv_results(&mut self, e: usize) {
+        let (now, transfers) = (self.now, &self.transfers);
+        let x = &mut self.execs[e];
+        x.transfers.retain(|tid| {
+            let arrived = transfers.get(&tid.0).and_then(|t| t.arrived).is_some_and(|t| t <= now);
+            if arrived {
+                x.outcome.kv_results.push(KvResult { transfer_id: *tid, ok: true });
+            }
+            !arrived
+        });
+    }
+
+    /// A transfer's bytes have arrived: both sides report it at their next step's end (an
+    /// idle side steps now).
+    fn transfer_done(&mut self, tid: u64) -> Result<(), String> {
+        let Some(t) = self.transfers.get_mut(&tid) else { return Ok(()) };
+        t.arrived = Some(self.now);
+        let (prefill, decode) = (t.prefill, t.decode);
+        for e in [prefill, decode] {
+            if !self.execs[e].busy {
+                self.start_step(e)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A prefill-only request's export went out: its continuation goes to its decode executor
+    /// (the prompt, the first token as prior output, an import of the prompt's whole blocks).
+    fn hand_on(&mut self, id: u64, first_token: u32) -> Result<(), String> {
+        let Some(mut track) = self.tracks.remove(&id) else { return Ok(()) };
+        let Some(h) = track.handoff.take() else {
+            self.tracks.insert(id, track);
+            return Ok(());
+        };
+        self.disaggregated += 1;
+        self.next_continuation += 1;
+        let cont = self.next_continuation;
+        let mut req = NewRequest::new(RequestId(cont), h.prompt, h.output_len, Timestamp(self.now));
+        req.ignore_eos = true;
+        req.output = vec![first_token];
+        req.kv_import = Some(KvImport { transfer_id: h.transfer, num_tokens: h.import_tokens });
+        let d = h.decode;
+        if let Err(err) = self.execs[d].core.add_request(req) {
+            return Err(format!("executor {d} refused a continuation: {err}"));
+        }
+        if let Some(t) = self.transfers.get_mut(&h.transfer.0) {
+            t.decode = d;
+        }
+        self.tracks.insert(cont, track);
+        self.execs[d].live += 1;
+        if !self.execs[d].busy {
+            self.start_step(d)?;
+        }
+        Ok(())
+    }
+
     /// Builds executor `e`'s next step and posts its end; leaves it idle if it has no work.
     fn start_step(&mut self, e: usize) -> Result<(), String> {
         let now = Timestamp(self.now);
-        let (spec, items, work) = (self.spec, &mut self.items, &mut self.work);
+        let (spec, items, work, kv_ops) =
+            (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops);
         let x = &mut self.execs[e];
         let idle = {
             let plan = x.core.schedule(now).map_err(|err| format!("executor {e}: {err}"))?;
             x.outcome.step_id = plan.step_id;
             work.clear();
             work.extend_from_slice(&plan.scheduled);
+            kv_ops.clear();
+            kv_ops.extend_from_slice(&plan.kv_ops);
             plan.is_idle()
         };
         x.outcome.sampled.clear();
@@ -395,17 +575,27 @@ impl Sim<'_> {
                 x.outcome.sampled.push(SampledToken { id: w.id, token: token as u32 });
             }
         }
+        self.start_transfers(e);
         if idle {
-            // Nothing to run (the plan may still tell the executor of finished requests):
-            // its result is empty and due now.
+            // Nothing to run (the plan may still tell the executor of finished requests): its
+            // result is due now, with the transfers that ended; those may make work.
+            self.due_kv_results(e);
+            let x = &mut self.execs[e];
+            let resolved = !x.outcome.kv_results.is_empty();
             self.events.clear();
             x.core
                 .apply_result(&x.outcome, now, &mut self.events)
                 .map_err(|err| format!("executor {e}: {err}"))?;
             x.busy = false;
-            return self.check(e);
+            self.check(e)?;
+            self.handle_events(e)?;
+            if resolved && !self.execs[e].busy {
+                return self.start_step(e);
+            }
+            return Ok(());
         }
-        let secs = step_duration(&spec.hardware, &spec.model, items).as_secs_f64();
+        let x = &mut self.execs[e];
+        let secs = step_duration(&spec.hardware, &spec.model, &self.items).as_secs_f64();
         x.busy = true;
         x.step_secs = secs;
         x.kv_usage = x.core.stats().kv_usage;
@@ -413,6 +603,31 @@ impl Sim<'_> {
         self.check(e)?;
         self.post(self.now + ns(secs).max(1), Event::StepDone(e));
         Ok(())
+    }
+
+    /// The KV operations of executor `e`'s new step: an export starts its transfer (its bytes
+    /// arrive after the network's time for them); both sides await its end.
+    fn start_transfers(&mut self, e: usize) {
+        let spec = self.spec;
+        for i in 0..self.kv_ops.len() {
+            match self.kv_ops[i] {
+                KvOp::Export { transfer_id, num_tokens, .. } => {
+                    let bytes = num_tokens as u64 * spec.model.kv_bytes_per_token();
+                    let group = f64::from(spec.hardware.tensor_parallel.max(1));
+                    let rate = spec.hardware.network_gbps * 1e9 * group;
+                    let secs = spec.transfer_latency + bytes as f64 / rate;
+                    self.transfer_bytes += bytes;
+                    self.transfer_secs += secs;
+                    self.transfers_done += 1;
+                    let t = Transfer { prefill: e, decode: e, arrived: None };
+                    self.transfers.insert(transfer_id.0, t);
+                    self.execs[e].transfers.push(transfer_id);
+                    self.post(self.now + ns(secs).max(1), Event::TransferDone(transfer_id.0));
+                }
+                KvOp::Import { transfer_id, .. } => self.execs[e].transfers.push(transfer_id),
+                KvOp::Store { .. } => {}
+            }
+        }
     }
 
     fn check(&self, e: usize) -> Result<(), String> {
@@ -427,7 +642,7 @@ impl Sim<'_> {
 
     fn step_done(&mut self, e: usize) -> Result<(), String> {
         let now = Timestamp(self.now);
-        let secs = self.secs();
+        self.due_kv_results(e);
         let x = &mut self.execs[e];
         self.busy_secs += x.step_secs;
         self.kv_weighted += x.kv_usage * x.step_secs;
@@ -435,9 +650,23 @@ impl Sim<'_> {
         x.core
             .apply_result(&x.outcome, now, &mut self.events)
             .map_err(|err| format!("executor {e}: {err}"))?;
-        for event in &self.events {
+        x.busy = false;
+        self.check(e)?;
+        self.handle_events(e)?;
+        if self.execs[e].busy {
+            return Ok(()); // a continuation's add already stepped it
+        }
+        self.start_step(e)
+    }
+
+    /// What executor `e`'s last result told: tokens, finishes, exports going out.
+    fn handle_events(&mut self, e: usize) -> Result<(), String> {
+        let secs = self.secs();
+        let events = std::mem::take(&mut self.events);
+        let mut hand_on = Vec::new();
+        for event in &events {
             match event {
-                RequestEvent::Token { id, index, .. } => {
+                RequestEvent::Token { id, index, token } => {
                     let Some(t) = self.tracks.get_mut(&id.0) else { continue };
                     if *index == 0 {
                         t.first = secs;
@@ -446,10 +675,16 @@ impl Sim<'_> {
                         self.itl.record(secs - t.last);
                     }
                     t.last = secs;
+                    if t.handoff.is_some() {
+                        hand_on.push((id.0, *token));
+                    }
                 }
                 RequestEvent::Finished(f) => {
+                    self.execs[e].live -= 1;
+                    if f.reason == FinishReason::Transferred {
+                        continue; // its continuation goes on elsewhere
+                    }
                     let Some(t) = self.tracks.remove(&f.id.0) else { continue };
-                    x.live -= 1;
                     self.finished += 1;
                     self.last_finish = self.now;
                     let n = f.stats.output_tokens;
@@ -465,11 +700,24 @@ impl Sim<'_> {
                         self.met_slo += 1;
                     }
                 }
-                RequestEvent::Imported { .. } | RequestEvent::ExportStarted { .. } => {}
+                RequestEvent::ExportStarted { .. } | RequestEvent::Imported { .. } => {}
             }
         }
-        self.check(e)?;
-        self.start_step(e)
+        self.events = events;
+        for (id, token) in hand_on {
+            // Only a request whose export started has a handoff left: one finished with its
+            // first token (max_tokens 1) is gone from the tracks already.
+            if self.tracks.get(&id).is_some_and(|t| t.handoff.is_some()) {
+                let exporting = self.execs[e]
+                    .core
+                    .request_view(RequestId(id))
+                    .is_some_and(|v| v.status == ferry_sched_core::RequestStatus::Transferring);
+                if exporting {
+                    self.hand_on(id, token)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn report(&self, wall_seconds: f64) -> Report {
@@ -513,6 +761,13 @@ impl Sim<'_> {
                 0.0
             },
             kv_usage_max: self.kv_max,
+            disaggregated: self.disaggregated,
+            transfer_bytes: self.transfer_bytes,
+            transfer_seconds_mean: if self.transfers_done > 0 {
+                self.transfer_secs / self.transfers_done as f64
+            } else {
+                0.0
+            },
             wall_seconds,
             speedup: if wall_seconds > 0.0 { makespan / wall_seconds } else { 0.0 },
         }
@@ -544,6 +799,9 @@ mod tests {
             router,
             slo: Slo { ttft: 1.0, tpot: 0.05 },
             check_invariants: false,
+            prefill_executors: 0,
+            disaggregation_min_tokens: 256,
+            transfer_latency: 0.0005,
         }
     }
 
@@ -632,6 +890,26 @@ mod tests {
         assert!(kv.ttft.mean < rr.ttft.mean, "{} vs {}", kv.ttft.mean, rr.ttft.mean);
     }
 
+    #[test]
+    fn disaggregated_requests_finish_with_their_kv_moved_and_invariants_hold() {
+        let mut s = spec(3, 2048, Router::KvAware);
+        s.prefill_executors = 1;
+        s.check_invariants = true;
+        // Prompts of 64 to 1,024 tokens: those under 256 run whole on a decode executor.
+        let r = run_seed(&s, &workload(200, 20.0, None), 11);
+        assert_eq!((r.finished, r.rejected), (200, 0));
+        assert!(r.disaggregated > 100 && r.disaggregated < 200, "{}", r.disaggregated);
+        // Each moved the KV of at least 256 - 16 tokens at 131,072 bytes a token.
+        assert!(r.transfer_bytes >= r.disaggregated * 240 * 131_072, "{}", r.transfer_bytes);
+        // A transfer of ~0.5 s of prompt at 50 GB/s: well under 10 ms.
+        assert!(r.transfer_seconds_mean > 0.0005 && r.transfer_seconds_mean < 0.01);
+        // A cluster of one prefill executor and nothing to decode on is refused.
+        let mut bad = spec(1, 2048, Router::KvAware);
+        bad.prefill_executors = 1;
+        let mut source = Source::generated(workload(1, 1.0, None), 0);
+        assert!(run(&bad, &mut source, |_| {}).unwrap_err().contains("at least one must decode"));
+    }
+
     /// Calibration against a published measurement: NVIDIA's TensorRT-LLM performance
     /// overview (`docs/source/performance/perf-overview.md`, the v1.0-era table), Llama 3.1 8B
     /// with FP8 weights on one H100 SXM 80GB, `trtllm-bench throughput`, all requests at once:
@@ -663,6 +941,9 @@ mod tests {
             router: Router::KvAware,
             slo: Slo { ttft: 1.0, tpot: 0.05 },
             check_invariants: false,
+            prefill_executors: 0,
+            disaggregation_min_tokens: 256,
+            transfer_latency: 0.0005,
         };
         for (len, requests, published, band) in
             [(128, 30_000, 28_312.0, 1.2..1.6), (1000, 3_000, 15_220.0, 1.0..1.4)]

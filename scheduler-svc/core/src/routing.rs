@@ -28,6 +28,37 @@ pub fn pick(candidates: impl IntoIterator<Item = Candidate>) -> Option<usize> {
         .map(|(k, _)| k)
 }
 
+/// How many of a `prompt_len`-token prompt's tokens an import covers on an executor with
+/// `block_size`-token blocks: its whole blocks, short of the last token (the decode executor
+/// computes at least that one, with the first output token, to go on sampling). 0: none.
+pub fn import_tokens(prompt_len: usize, block_size: usize) -> usize {
+    if block_size == 0 {
+        return 0;
+    }
+    prompt_len.saturating_sub(1) / block_size * block_size
+}
+
+/// Whether a pool of `num_blocks` blocks, `kv_usage` of them held (cached free blocks count as
+/// free), has room now for a `prompt_len`-token prompt: a decode executor without it would
+/// hold the moved KV waiting, while the request could as well wait there whole.
+pub fn has_room(num_blocks: usize, kv_usage: f64, block_size: usize, prompt_len: usize) -> bool {
+    let free = (num_blocks as f64 * (1.0 - kv_usage)).floor();
+    free >= (prompt_len / block_size.max(1) + 1) as f64
+}
+
+/// Whether a new request is worth disaggregating once its decode executor is chosen: the part
+/// of its prompt that executor does not cache is at least `min_tokens` (prefilling a mostly
+/// cached prompt where it decodes is cheaper than moving it), and whole blocks of it can move.
+pub fn worth_disaggregating(
+    prompt_len: usize,
+    cached_on_decode: usize,
+    min_tokens: usize,
+    block_size: usize,
+) -> bool {
+    prompt_len - cached_on_decode.min(prompt_len) >= min_tokens
+        && import_tokens(prompt_len, block_size) > 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -42,5 +73,23 @@ mod tests {
         assert_eq!(pick([c(0, 5), c(32, 9), c(16, 0)]), Some(1));
         assert_eq!(pick([c(16, 5), c(16, 2), c(16, 2)]), Some(1));
         assert_eq!(pick([c(0, 0), c(0, 0)]), Some(0));
+    }
+
+    #[test]
+    fn imports_cover_whole_blocks_short_of_the_last_token() {
+        assert_eq!(import_tokens(33, 16), 32);
+        assert_eq!(import_tokens(32, 16), 16, "the last token is computed on the decode side");
+        assert_eq!(import_tokens(16, 16), 0);
+        assert_eq!(import_tokens(1000, 0), 0);
+    }
+
+    #[test]
+    fn disaggregation_needs_room_and_enough_uncached_prompt() {
+        // 100 blocks, 90 % held: 10 free, a 144-token prompt needs 144 / 16 + 1 = 10.
+        assert!(has_room(100, 0.9, 16, 144));
+        assert!(!has_room(100, 0.9, 16, 160));
+        assert!(worth_disaggregating(1000, 700, 256, 16));
+        assert!(!worth_disaggregating(1000, 800, 256, 16), "mostly cached where it decodes");
+        assert!(!worth_disaggregating(16, 0, 1, 16), "no whole block to move");
     }
 }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_proto::v1;
-use ferry_sched_core::TransferId;
+use ferry_sched_core::{routing, TransferId};
 
 use super::placement::{PlaceError, Placed};
 use super::{Front, Route};
@@ -39,14 +39,11 @@ fn has_agent(link: &LinkHandle, agents: &LiveAgents) -> bool {
     !link.info.kv_agent_address.is_empty() && agents.is_live(&link.info.kv_agent_address)
 }
 
-/// Whether `link`'s KV pool has room now for a `prompt_len`-token prompt (free or evictable
-/// blocks): a decode executor without it would hold the moved KV waiting, while the request
-/// could as well wait there whole.
+/// Whether `link`'s KV pool has room now for a `prompt_len`-token prompt
+/// ([`routing::has_room`]).
 fn has_room(link: &LinkHandle, prompt_len: usize) -> bool {
-    let bs = (link.info.block_size as usize).max(1);
-    let total = f64::from(link.info.num_blocks);
-    let free = (total * (1.0 - link.stats().kv_usage)).floor();
-    free >= (prompt_len / bs + 1) as f64
+    let (blocks, bs) = (link.info.num_blocks as usize, link.info.block_size as usize);
+    routing::has_room(blocks, link.stats().kv_usage, bs, prompt_len)
 }
 
 /// The decode half of a disaggregated request, chosen when its prefill half was placed.
@@ -88,15 +85,7 @@ pub(crate) fn transfer_ids() -> AtomicU64 {
     AtomicU64::new(ferry_runtime::clock::now_unix_ms() << 20)
 }
 
-/// How many of a `prompt_len`-token prompt's tokens an import covers on an executor with
-/// `block_size`-token blocks: its whole blocks, short of the last token (the decode executor
-/// computes at least that one, with the first output token, to go on sampling). 0: none.
-pub(crate) fn import_tokens(prompt_len: usize, block_size: usize) -> usize {
-    if block_size == 0 {
-        return 0;
-    }
-    prompt_len.saturating_sub(1) / block_size * block_size
-}
+pub(crate) use routing::import_tokens;
 
 impl Front {
     /// Places a new request: disaggregated when a prefill executor and a decode executor are
@@ -153,13 +142,11 @@ impl Front {
             .collect();
         let decode = Self::pick(&decoders, &spec.prompt).await?;
         let cached = decode.prefix_hit(spec.prompt.clone()).await;
-        if spec.prompt.len() - cached.min(spec.prompt.len()) < min_tokens {
-            return None; // mostly cached where it would decode: prefilling there is cheaper
-        }
-        let import_tokens = import_tokens(spec.prompt.len(), decode.info.block_size as usize);
-        if import_tokens == 0 {
+        let bs = decode.info.block_size as usize;
+        if !routing::worth_disaggregating(spec.prompt.len(), cached, min_tokens, bs) {
             return None;
         }
+        let import_tokens = import_tokens(spec.prompt.len(), bs);
         let prefill = prefill
             .into_iter()
             .filter(|p| p.info.kv_layout == decode.info.kv_layout && p.name != decode.name)
@@ -202,7 +189,7 @@ pub(crate) fn cancel_transfer(agent: &str, transfer_id: TransferId, reason: &str
 
 #[cfg(test)]
 mod tests {
-    use super::{has_room, import_tokens};
+    use super::has_room;
     use crate::link::fake::{fake_link, test_config};
 
     #[tokio::test]
@@ -213,13 +200,5 @@ mod tests {
         let capacity = cfg.num_blocks * cfg.block_size;
         assert!(has_room(&link, capacity / 2));
         assert!(!has_room(&link, capacity), "one block more than the pool: no room");
-    }
-
-    #[test]
-    fn an_import_covers_whole_blocks_short_of_the_last_prompt_token() {
-        assert_eq!(import_tokens(33, 16), 32);
-        assert_eq!(import_tokens(32, 16), 16, "the last token is computed on the decode side");
-        assert_eq!(import_tokens(16, 16), 0);
-        assert_eq!(import_tokens(1000, 0), 0);
     }
 }

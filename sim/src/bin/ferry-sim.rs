@@ -50,6 +50,16 @@ struct Args {
     /// (seconds), `prompt_len`, `output_len`, and optionally `prefix_group`, `prefix_len`.
     #[arg(long)]
     trace: Option<String>,
+    /// Executors (of `--executors`) that only prefill: a request with a long enough prompt is
+    /// computed on one and its KV moved to a decode executor (disaggregation).
+    #[arg(long, default_value_t = 0)]
+    prefill_executors: usize,
+    /// Shortest uncached prompt worth disaggregating.
+    #[arg(long, default_value_t = 256)]
+    disaggregation_min_tokens: usize,
+    /// Fixed cost of a KV transfer on top of its bytes, milliseconds.
+    #[arg(long, default_value_t = 0.5)]
+    transfer_latency_ms: f64,
     /// How new requests are placed.
     #[arg(long, value_enum, default_value_t = Router::KvAware)]
     router: Router,
@@ -173,6 +183,9 @@ fn main() -> anyhow::Result<()> {
         router: args.router,
         slo: Slo { ttft: args.slo_ttft, tpot: args.slo_tpot },
         check_invariants: args.check_invariants,
+        prefill_executors: args.prefill_executors,
+        disaggregation_min_tokens: args.disaggregation_min_tokens,
+        transfer_latency: args.transfer_latency_ms / 1e3,
     };
     let mut source = if let Some(path) = &args.trace {
         Source::trace(path, model.vocab_size).map_err(anyhow::Error::msg)?
@@ -211,8 +224,13 @@ fn main() -> anyhow::Result<()> {
 
 fn print_table(args: &Args, tp: u32, r: &Report) {
     println!(
-        "{} executors of {} x{tp} running {}, {} blocks each; router {:?}",
-        r.executors, args.hardware, args.model_profile, r.blocks_per_executor, r.router
+        "{} executors ({} prefill-only) of {} x{tp} running {}, {} blocks each; router {:?}",
+        r.executors,
+        args.prefill_executors,
+        args.hardware,
+        args.model_profile,
+        r.blocks_per_executor,
+        r.router
     );
     println!(
         "{} requests: {} finished, {} refused; {:.1} s simulated in {:.1} s ({:.0}x)",
@@ -242,4 +260,12 @@ fn print_table(args: &Args, tp: u32, r: &Report) {
         r.kv_usage_mean * 100.0,
         r.kv_usage_max * 100.0
     );
+    if r.disaggregated > 0 {
+        println!(
+            "disaggregated {} requests, {:.1} GB of KV moved, {:.1} ms a transfer",
+            r.disaggregated,
+            r.transfer_bytes as f64 / 1e9,
+            r.transfer_seconds_mean * 1e3
+        );
+    }
 }

@@ -252,8 +252,9 @@ fn print_table(args: &Args, tp: u32, r: &Report) {
         );
     }
     println!(
-        "prefix hit rate {:.1} %, preemptions {}, steps {}, busy {:.1} %, KV usage mean {:.1} % max {:.1} %",
+        "prefix hit rate {:.1} %, prompt tokens computed {:.2}x of prompts, preemptions {}, steps {}, busy {:.1} %, KV usage mean {:.1} % max {:.1} %",
         r.prefix_hit_rate * 100.0,
+        r.computed_prompt_tokens as f64 / r.prompt_tokens.max(1) as f64,
         r.preemptions,
         r.steps,
         r.busy_fraction * 100.0,

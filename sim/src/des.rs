@@ -378,25 +378,30 @@ pub fn run(
         }
     }
     if !sim.tracks.is_empty() {
-        let mut ids: Vec<u64> = sim.tracks.keys().copied().collect();
-        ids.sort_unstable();
-        let id = RequestId(ids[0]);
-        let held = sim.execs.iter().enumerate().find_map(|(e, x)| {
-            x.core.request_view(id).map(|v| {
-                format!("on executor {e} (busy {}, transfers {:?}): {v:?}", x.busy, x.transfers)
-            })
-        });
-        return Err(format!(
-            "{} requests never finished: the cluster went idle with work left; request {} {}",
-            sim.tracks.len(),
-            id.0,
-            held.unwrap_or_else(|| "is on no executor".into())
-        ));
+        return Err(sim.stuck());
     }
     Ok(sim.report(started.elapsed().as_secs_f64()))
 }
 
 impl Sim<'_> {
+    /// Why a run that went idle with requests left is wrong: the first of them, where it is.
+    fn stuck(&self) -> String {
+        let first = self.tracks.keys().min().copied().unwrap_or_default();
+        let id = RequestId(first);
+        let held = self.execs.iter().enumerate().find_map(|(e, x)| {
+            let busy = x.busy;
+            let transfers = &x.transfers;
+            x.core
+                .request_view(id)
+                .map(|v| format!("on executor {e} (busy {busy}, transfers {transfers:?}): {v:?}"))
+        });
+        format!(
+            "{} requests never finished: the cluster went idle with work left; request {first} {}",
+            self.tracks.len(),
+            held.unwrap_or_else(|| "is on no executor".into())
+        )
+    }
+
     fn post(&mut self, at: u64, event: Event) {
         self.posted += 1;
         self.heap.push(Reverse((at, self.posted, event)));

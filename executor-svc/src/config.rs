@@ -84,6 +84,25 @@ pub struct ExecutorConfig {
     /// Directory of the staging region: a tmpfs that the agent shares (its `--shm-dir`).
     #[arg(long, env = "FERRY_KV_SHM_DIR", default_value = ferry_kv_transfer_svc::shm::DEFAULT_DIR)]
     pub kv_shm_dir: std::path::PathBuf,
+    /// With `--backend sim`: the model whose step times and KV capacity are simulated, a model
+    /// profile of `ferry-sim` (`ferry-sim --list-profiles`). No model file is read: the executor
+    /// serves the model its scheduler tokenizes for (the handshake names its fingerprint,
+    /// vocabulary and end tokens), and `--kv-cache-mib` gives way to the profile's capacity.
+    #[arg(long, env = "FERRY_MODEL_PROFILE")]
+    pub model_profile: Option<String>,
+    /// With `--model-profile`: the simulated GPU (a hardware profile).
+    #[arg(long, env = "FERRY_HARDWARE", default_value = "h100")]
+    pub hardware: String,
+    /// With `--model-profile`: GPUs per executor (the model profile's default if absent).
+    #[arg(long, env = "FERRY_TENSOR_PARALLEL")]
+    pub tensor_parallel: Option<u32>,
+    /// With `--backend sim`: wall-clock seconds per simulated second (0.1 runs ten times faster
+    /// than the simulated GPU would).
+    #[arg(long, env = "FERRY_TIME_SCALE", default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// With `--model-profile`: more profiles (as `ferry-sim --profile-dir`).
+    #[arg(long, env = "FERRY_PROFILE_DIR")]
+    pub profile_dir: Option<std::path::PathBuf>,
 }
 
 /// Largest block size accepted: vLLM's largest is 256 tokens.
@@ -117,7 +136,44 @@ impl ExecutorConfig {
         if self.backend == BackendKind::Cuda && !cfg!(feature = "cuda") {
             return Err(ConfigError::NoCuda);
         }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(ConfigError::TimeScale(self.time_scale));
+        }
+        if self.model_profile.is_some() {
+            if self.backend != BackendKind::Sim {
+                return Err(ConfigError::ProfileNeedsSim);
+            }
+            if self.model.is_some() {
+                return Err(ConfigError::ProfileAndModel);
+            }
+            self.sim_profile()?;
+        }
         Ok(())
+    }
+
+    /// The simulated model and GPU `--model-profile` and `--hardware` name (`None` without a
+    /// model profile).
+    pub fn sim_profile(
+        &self,
+    ) -> Result<
+        Option<(ferry_sim::profile::ModelProfile, ferry_sim::roofline::SimHardware)>,
+        ConfigError,
+    > {
+        let Some(name) = &self.model_profile else { return Ok(None) };
+        let bad = |e: ferry_sim::profile::ProfileError| ConfigError::Profile(e.to_string());
+        let mut profiles = ferry_sim::profile::Profiles::built_in();
+        if let Some(dir) = &self.profile_dir {
+            profiles.add_dir(dir).map_err(bad)?;
+        }
+        let model = profiles.model(name).map_err(bad)?.clone();
+        model.to_sim().map_err(bad)?;
+        let tp = self.tensor_parallel.unwrap_or(model.tensor_parallel);
+        let hardware = profiles
+            .hardware(&self.hardware)
+            .map_err(bad)?
+            .to_sim(model.compute_dtype(), tp)
+            .map_err(bad)?;
+        Ok(Some((model, hardware)))
     }
 }
 
@@ -142,6 +198,18 @@ pub enum ConfigError {
          (cargo build -p ferry-executor-svc --features cuda)"
     )]
     NoCuda,
+    /// A time scale that is not a positive number.
+    #[error("--time-scale {0} is invalid: it must be a number above 0 (1: real time)")]
+    TimeScale(f64),
+    /// A model profile with another backend.
+    #[error("--model-profile simulates a model: it needs --backend sim")]
+    ProfileNeedsSim,
+    /// A model profile and a model file.
+    #[error("--model-profile and --model: a simulated executor reads no model file, give one")]
+    ProfileAndModel,
+    /// A profile that cannot be used.
+    #[error("--model-profile / --hardware: {0}")]
+    Profile(String),
 }
 
 #[cfg(test)]
@@ -168,5 +236,31 @@ mod tests {
         let refused = matches!(config.validate(), Err(ConfigError::NoCuda));
         assert_eq!(refused, !cfg!(feature = "cuda"), "{:?}", config.validate());
         assert!(parse(&["--backend", "cpu"]).validate().is_ok());
+    }
+
+    #[test]
+    fn a_model_profile_needs_the_sim_backend_no_model_file_and_known_profiles() {
+        let ok =
+            parse(&["--backend", "sim", "--model-profile", "llama-3-70b", "--time-scale", "0.1"]);
+        ok.validate().unwrap();
+        let (model, hw) = ok.sim_profile().unwrap().unwrap();
+        assert_eq!((model.name.as_str(), hw.tensor_parallel), ("llama-3-70b", 4));
+        let cases: [(&[&str], &str); 5] = [
+            (&["--model-profile", "llama-3-8b"], "needs --backend sim"),
+            (
+                &["--backend", "sim", "--model-profile", "llama-3-8b", "--model", "x.gguf"],
+                "reads no model file",
+            ),
+            (&["--backend", "sim", "--model-profile", "gpt-9"], "no model profile \"gpt-9\""),
+            (
+                &["--backend", "sim", "--model-profile", "llama-3-8b", "--hardware", "tpu"],
+                "no hardware profile",
+            ),
+            (&["--backend", "sim", "--time-scale", "0"], "--time-scale 0 is invalid"),
+        ];
+        for (args, want) in cases {
+            let err = parse(args).validate().unwrap_err().to_string();
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
     }
 }

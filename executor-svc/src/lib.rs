@@ -25,23 +25,28 @@ pub use config::{BackendKind, ExecutorConfig, Role};
 /// Serves the executor's gRPC API for `model` on `listener` until `shutdown` resolves; with
 /// `cluster`, registered in etcd under `/ferry/<cluster>/executors/<executor-id>` once the
 /// weights are loaded and the service answers. On shutdown the registration is withdrawn first,
-/// so the scheduler moves this executor's requests away while the service drains.
+/// so the scheduler moves this executor's requests away while the service drains. `model` is
+/// `None` only for an executor that simulates a model profile (`--model-profile`).
 pub async fn run(
     config: ExecutorConfig,
-    model: std::sync::Arc<ferry_model::ModelFile>,
+    model: Option<std::sync::Arc<ferry_model::ModelFile>>,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let id = config.executor_id.clone();
-    let built = tokio::task::spawn_blocking(move || build(&config, model)).await??;
+    let built = tokio::task::spawn_blocking(move || match model {
+        Some(model) => build(&config, model),
+        None => build_simulated(&config),
+    })
+    .await??;
     let metrics = std::sync::Arc::new(metrics::ExecutorMetrics {
         model_name: built.info.model.clone(),
         executor_id: id.clone(),
         num_blocks: built.info.num_blocks,
         engine: built.engine.clone(),
     });
-    let service = service::ExecutorService::new(built.info, built.engine);
+    let service = service::ExecutorService::new(built.info, built.engine, built.identity);
     let host = GrpcHost::new()
         .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
         .with_metrics(metrics);
@@ -55,6 +60,8 @@ pub async fn run(
 pub struct BuiltExecutor {
     /// Handle to the engine thread.
     pub engine: actor::EngineHandle,
+    /// The model served, for an executor that serves its scheduler's (a simulated profile).
+    pub identity: Option<std::sync::Arc<engine::sim::SimIdentity>>,
     /// What the handshake answers.
     pub info: ferry_proto::v1::ExecutorInfo,
 }
@@ -112,16 +119,7 @@ pub fn build(
         dtype: v1::KvDtype::F32.into(),
         model_fingerprint: model.file.fingerprint.clone(),
     };
-    let kv_port = match &config.kv_agent {
-        Some(agent) => Some(engine::kv::KvPort {
-            agent: agent.clone(),
-            runtime: tokio::runtime::Handle::try_current()
-                .map_err(|e| anyhow::anyhow!("KV transfers need the async runtime: {e}"))?,
-            layout: kv_layout.clone(),
-            staging: engine::kv::staging(config, &kv_layout),
-        }),
-        None => None,
-    };
+    let kv_port = kv_port(config, &kv_layout)?;
     let engine = engine::Engine::new(backend, engine::EngineConfig { eos_token_id: eos });
     let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
@@ -138,8 +136,103 @@ pub fn build(
         kv_layout: Some(kv_layout),
         kv_agent_address: config.kv_agent.clone().unwrap_or_default(),
     };
-    Ok(BuiltExecutor { engine, info })
+    Ok(BuiltExecutor { engine, info, identity: None })
 }
+
+/// An executor that simulates `--model-profile` on `--hardware` with no model file: step
+/// times from the roofline over each batch, KV capacity from the GPU's memory, deterministic
+/// tokens of the model its scheduler serves (each handshake names it).
+pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
+    use engine::sim::{activation_bytes, kv_capacity_blocks, SimIdentity};
+    use ferry_proto::v1;
+    let (profile, hardware) =
+        config.sim_profile()?.ok_or_else(|| anyhow::anyhow!("no --model-profile to simulate"))?;
+    let sim_model = profile.to_sim()?;
+    let usize_of = |v: u32| v as usize;
+    let shape = ferry_model::LlamaShape {
+        num_layers: usize_of(profile.num_layers),
+        hidden: usize_of(profile.hidden),
+        intermediate: usize_of(profile.intermediate),
+        num_heads: usize_of(profile.num_heads),
+        num_kv_heads: usize_of(profile.num_kv_heads),
+        head_dim: usize_of(profile.head_dim),
+        vocab_size: usize_of(profile.vocab_size),
+        rope_theta: 500_000.0,
+        rms_eps: 1e-5,
+        max_model_len: SIMULATED_MAX_MODEL_LEN,
+    };
+    // vLLM's default batch limits size the activation workspace.
+    let activations = activation_bytes(&sim_model, hardware.tensor_parallel, 8192, 256);
+    let blocks = kv_capacity_blocks(&hardware, &sim_model, config.block_size, 0.9, activations);
+    let num_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+    if num_blocks == 0 {
+        anyhow::bail!(
+            "{} does not fit {} {} GPU(s) with room for a KV block: raise --tensor-parallel",
+            profile.name,
+            hardware.tensor_parallel,
+            config.hardware
+        );
+    }
+    let identity = std::sync::Arc::new(SimIdentity::new(profile.vocab_size));
+    let backend = engine::SimBackend::new(
+        shape,
+        sim_model,
+        hardware,
+        config.block_size as usize,
+        num_blocks as usize,
+        engine::sim::SimClock::RealTime,
+    )
+    .with_time_scale(config.time_scale)
+    .with_identity(identity.clone());
+    let kv_dtype =
+        if sim_model.kv_bytes_per_elem == 2 { v1::KvDtype::Bf16 } else { v1::KvDtype::F32 };
+    let fingerprint = format!("sim:{}", profile.name);
+    let kv_layout = v1::KvLayout {
+        num_layers: profile.num_layers,
+        block_size: config.block_size,
+        num_kv_heads: profile.num_kv_heads,
+        head_dim: profile.head_dim,
+        dtype: kv_dtype.into(),
+        model_fingerprint: fingerprint.clone(),
+    };
+    let kv_port = kv_port(config, &kv_layout)?;
+    let engine =
+        engine::Engine::new(Box::new(backend), engine::EngineConfig { eos_token_id: u32::MAX });
+    let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
+    let info = v1::ExecutorInfo {
+        executor_id: config.executor_id.clone(),
+        model: profile.name.clone(),
+        model_fingerprint: fingerprint,
+        block_size: config.block_size,
+        num_blocks,
+        max_model_len: SIMULATED_MAX_MODEL_LEN as u32,
+        vocab_size: profile.vocab_size,
+        eos_token_ids: Vec::new(),
+        role: v1::ExecutorRole::from(config.role).into(),
+        backend: v1::Backend::Sim.into(),
+        kv_layout: Some(kv_layout),
+        kv_agent_address: config.kv_agent.clone().unwrap_or_default(),
+    };
+    Ok(BuiltExecutor { engine, info, identity: Some(identity) })
+}
+
+/// Where `--kv-agent` sends the KV operations of blocks of `layout`, if anywhere.
+fn kv_port(
+    config: &ExecutorConfig,
+    layout: &ferry_proto::v1::KvLayout,
+) -> anyhow::Result<Option<engine::kv::KvPort>> {
+    let Some(agent) = &config.kv_agent else { return Ok(None) };
+    Ok(Some(engine::kv::KvPort {
+        agent: agent.clone(),
+        runtime: tokio::runtime::Handle::try_current()
+            .map_err(|e| anyhow::anyhow!("KV transfers need the async runtime: {e}"))?,
+        layout: layout.clone(),
+        staging: engine::kv::staging(config, layout),
+    }))
+}
+
+/// The longest sequence a simulated executor takes (its KV capacity may hold less).
+const SIMULATED_MAX_MODEL_LEN: usize = 32_768;
 
 /// The CUDA backend on `--cuda-device`; fails cleanly on a machine without the NVIDIA driver.
 #[cfg(feature = "cuda")]

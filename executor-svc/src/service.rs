@@ -14,6 +14,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::actor::EngineHandle;
+use crate::engine::sim::SimIdentity;
 
 /// Session state shared by the RPC handlers. A std mutex is right here: it is held for a few
 /// field updates and never across an `.await`.
@@ -32,15 +33,47 @@ struct SessionState {
 /// The executor's gRPC face.
 #[derive(Clone)]
 pub struct ExecutorService {
-    info: Arc<v1::ExecutorInfo>,
+    info: Arc<Mutex<Arc<v1::ExecutorInfo>>>,
     state: Arc<Mutex<SessionState>>,
     engine: EngineHandle,
+    /// Set for an executor that simulates a model profile: it serves each scheduler's model.
+    identity: Option<Arc<SimIdentity>>,
 }
 
 impl ExecutorService {
-    /// A service answering with `info` and running steps on `engine`.
-    pub fn new(info: v1::ExecutorInfo, engine: EngineHandle) -> Self {
-        Self { info: Arc::new(info), state: Arc::default(), engine }
+    /// A service answering with `info` and running steps on `engine`; with `identity`, it
+    /// serves the model each handshake names (a simulated model profile) instead of refusing
+    /// another fingerprint.
+    pub fn new(
+        info: v1::ExecutorInfo,
+        engine: EngineHandle,
+        identity: Option<Arc<SimIdentity>>,
+    ) -> Self {
+        Self { info: Arc::new(Mutex::new(Arc::new(info))), state: Arc::default(), engine, identity }
+    }
+
+    /// What this executor is now.
+    fn info(&self) -> Result<Arc<v1::ExecutorInfo>, Status> {
+        let info = self.info.lock().map_err(|_| Status::internal("executor info is poisoned"))?;
+        Ok(info.clone())
+    }
+
+    /// A simulating executor takes on the model `req` names: its fingerprint, vocabulary and
+    /// end tokens. Others are what they are.
+    fn adopt(&self, req: &v1::HandshakeRequest) -> Result<(), Status> {
+        let Some(identity) = &self.identity else { return Ok(()) };
+        let mut info = (*self.info()?).clone();
+        if !req.expected_fingerprint.is_empty() {
+            info.model_fingerprint.clone_from(&req.expected_fingerprint);
+        }
+        if req.vocab_size > 0 {
+            info.vocab_size = req.vocab_size;
+        }
+        info.eos_token_ids.clone_from(&req.eos_token_ids);
+        identity.adopt(req.vocab_size, req.eos_token_ids.first().copied());
+        *self.info.lock().map_err(|_| Status::internal("executor info is poisoned"))? =
+            Arc::new(info);
+        Ok(())
     }
 
     fn state(&self) -> Result<MutexGuard<'_, SessionState>, Status> {
@@ -76,19 +109,21 @@ impl Executor for ExecutorService {
         request: Request<v1::HandshakeRequest>,
     ) -> Result<Response<v1::HandshakeResponse>, Status> {
         let req = request.into_inner();
-        if !req.expected_model.is_empty() && req.expected_model != self.info.model {
+        let info = self.info()?;
+        if !req.expected_model.is_empty() && req.expected_model != info.model {
             return Err(Status::failed_precondition(format!(
                 "this executor serves model {:?}, not {:?}",
-                self.info.model, req.expected_model
+                info.model, req.expected_model
             )));
         }
-        if !req.expected_fingerprint.is_empty()
-            && req.expected_fingerprint != self.info.model_fingerprint
+        if self.identity.is_none()
+            && !req.expected_fingerprint.is_empty()
+            && req.expected_fingerprint != info.model_fingerprint
         {
             return Err(Status::failed_precondition(format!(
                 "this executor runs model {:?} with fingerprint {}, but the scheduler tokenizes \
                  for a model with fingerprint {}: give both the same model file",
-                self.info.model, self.info.model_fingerprint, req.expected_fingerprint
+                info.model, info.model_fingerprint, req.expected_fingerprint
             )));
         }
         let session_id = {
@@ -97,6 +132,7 @@ impl Executor for ExecutorService {
                 return Err(stale_epoch(req.epoch, state.epoch));
             }
             state.epoch = req.epoch;
+            self.adopt(&req)?;
             state.last_session_id += 1;
             state.session_id = state.last_session_id;
             state.scheduler_id = req.scheduler_id;
@@ -105,7 +141,8 @@ impl Executor for ExecutorService {
         };
         // A new session starts from nothing: the scheduler sends its requests as new ones.
         self.engine.reset().await?;
-        Ok(Response::new(v1::HandshakeResponse { session_id, info: Some((*self.info).clone()) }))
+        let info = Some((*self.info()?).clone());
+        Ok(Response::new(v1::HandshakeResponse { session_id, info }))
     }
 
     type SessionStream = ReceiverStream<Result<v1::StepResult, Status>>;
@@ -173,7 +210,7 @@ impl Executor for ExecutorService {
         let stats = self.engine.stats().await?;
         let state = self.state()?;
         Ok(Response::new(v1::ExecutorDescription {
-            info: Some((*self.info).clone()),
+            info: Some((*self.info()?).clone()),
             session_id: state.session_id,
             epoch: state.epoch,
             scheduler_id: state.scheduler_id.clone(),

@@ -69,6 +69,10 @@ pub async fn run(
     let opener = SessionOpener {
         settings: Arc::new(role.scheduler.clone()),
         fingerprint: model.fingerprint.as_str().into(),
+        vocab: (
+            u32::try_from(model.shape.vocab_size).unwrap_or(u32::MAX),
+            [model.tokenizer.eos_token_id].into(),
+        ),
         epoch: 0,
         metrics: executors.metrics.clone(),
         tier: executors.tier.clone(),

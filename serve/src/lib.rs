@@ -165,7 +165,13 @@ impl Node {
         };
         config.kv_agent = Some(self.kv_agent.local_addr()?.to_string());
         tokio::try_join!(
-            ferry_executor_svc::run(config, model, None, self.executor, stopped(stop.clone())),
+            ferry_executor_svc::run(
+                config,
+                Some(model),
+                None,
+                self.executor,
+                stopped(stop.clone())
+            ),
             ferry_kv_transfer_svc::run(agent, None, self.kv_agent, stopped(stop)),
         )?;
         Ok(())

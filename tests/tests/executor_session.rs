@@ -50,6 +50,7 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             epoch: 3,
             expected_model: String::new(),
             expected_fingerprint: model.fingerprint.clone(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -106,6 +107,7 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             epoch: 4,
             expected_model: String::new(),
             expected_fingerprint: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -116,6 +118,7 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             epoch: 3,
             expected_model: String::new(),
             expected_fingerprint: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -128,6 +131,7 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             epoch: 5,
             expected_model: String::new(),
             expected_fingerprint: "0123456789abcdef".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();

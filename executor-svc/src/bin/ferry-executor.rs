@@ -104,12 +104,18 @@ async fn main() -> anyhow::Result<()> {
     let _telemetry = cli.trace.init("ferry-executor").map_err(anyhow::Error::msg)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);
-    let path = cli.executor.model.clone();
-    let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+    // A simulated model profile reads no model file.
+    let model = if cli.executor.model_profile.is_some() {
+        None
+    } else {
+        let path = cli.executor.model.clone();
+        let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+        Some(std::sync::Arc::new(model))
+    };
     let cluster = cli.cluster.enabled().then_some(cli.cluster);
     ferry_executor_svc::run(
         cli.executor,
-        std::sync::Arc::new(model),
+        model,
         cluster,
         listener,
         ferry_runtime::shutdown_signal(),

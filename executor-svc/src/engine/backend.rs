@@ -46,6 +46,11 @@ pub trait ModelBackend: Send {
     fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String>;
     /// Writes `data` (the transfer layout) into KV block `block`.
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String>;
+    /// The end-of-sequence token a simulating backend serves now, if its handshake set one
+    /// (see [`super::sim::SimIdentity`]); `None`: the engine's.
+    fn sim_eos(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// `floats` as little-endian bytes into `out` (its length is checked).
@@ -127,6 +132,10 @@ pub struct SimBackend {
     model: SimModel,
     /// Real or virtual time.
     pub clock: SimClock,
+    /// Wall-clock seconds per simulated second, in real time.
+    time_scale: f64,
+    /// The model served, when it is the scheduler's (a simulated model profile).
+    identity: Option<std::sync::Arc<super::sim::SimIdentity>>,
 }
 
 impl SimBackend {
@@ -139,17 +148,48 @@ impl SimBackend {
         num_blocks: usize,
         clock: SimClock,
     ) -> Self {
-        Self { shape, block_size, num_blocks, hardware, model, clock }
+        Self {
+            shape,
+            block_size,
+            num_blocks,
+            hardware,
+            model,
+            clock,
+            time_scale: 1.0,
+            identity: None,
+        }
+    }
+
+    /// The same, sleeping `scale` wall-clock seconds per simulated second in real time.
+    #[must_use]
+    pub fn with_time_scale(self, scale: f64) -> Self {
+        Self { time_scale: scale, ..self }
+    }
+
+    /// The same, serving the vocabulary and end token `identity` holds (each handshake sets
+    /// them) instead of `shape`'s.
+    #[must_use]
+    pub fn with_identity(self, identity: std::sync::Arc<super::sim::SimIdentity>) -> Self {
+        Self { identity: Some(identity), ..self }
     }
 }
 
 impl ModelBackend for SimBackend {
     fn facts(&self) -> BackendFacts {
-        BackendFacts { shape: self.shape, block_size: self.block_size, num_blocks: self.num_blocks }
+        let mut shape = self.shape;
+        if let Some(id) = &self.identity {
+            shape.vocab_size = id.vocab_size() as usize;
+        }
+        BackendFacts { shape, block_size: self.block_size, num_blocks: self.num_blocks }
     }
 
     fn check(&self, batch: &[SeqSlice]) -> Result<(), BatchError> {
-        paged::check_geometry(self.shape.vocab_size, self.block_size, self.num_blocks, batch)
+        let vocab = self.facts().shape.vocab_size;
+        paged::check_geometry(vocab, self.block_size, self.num_blocks, batch)
+    }
+
+    fn sim_eos(&self) -> Option<u32> {
+        self.identity.as_ref().and_then(|id| id.eos())
     }
 
     fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError> {
@@ -162,7 +202,7 @@ impl ModelBackend for SimBackend {
             })
             .collect();
         let duration = step_duration(&self.hardware, &self.model, &items);
-        let sleep = self.clock.advance(duration);
+        let sleep = self.clock.advance(duration).mul_f64(self.time_scale);
         if !sleep.is_zero() {
             std::thread::sleep(sleep);
         }

@@ -3,9 +3,46 @@
 
 pub use ferry_sim::roofline::*;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::sampling::position_hash;
+
+/// The model a simulating executor serves, set by each handshake (`--model-profile`: no model
+/// file): the scheduler's vocabulary size and end-of-sequence token, which its tokens stay
+/// below and avoid.
+#[derive(Debug)]
+pub struct SimIdentity {
+    vocab_size: AtomicU32,
+    eos: AtomicU32,
+}
+
+impl SimIdentity {
+    /// A vocabulary of `vocab_size` (the profile's, until a scheduler names its own) without an
+    /// end token.
+    pub fn new(vocab_size: u32) -> Self {
+        Self { vocab_size: AtomicU32::new(vocab_size), eos: AtomicU32::new(u32::MAX) }
+    }
+
+    /// Serves a scheduler's model of `vocab_size` tokens (0: keep the current) ending with
+    /// `eos` (none: never ends early).
+    pub fn adopt(&self, vocab_size: u32, eos: Option<u32>) {
+        if vocab_size > 0 {
+            self.vocab_size.store(vocab_size, Ordering::Relaxed);
+        }
+        self.eos.store(eos.unwrap_or(u32::MAX), Ordering::Relaxed);
+    }
+
+    /// The vocabulary size served.
+    pub fn vocab_size(&self) -> u32 {
+        self.vocab_size.load(Ordering::Relaxed)
+    }
+
+    /// The end-of-sequence token, if any.
+    pub fn eos(&self) -> Option<u32> {
+        Some(self.eos.load(Ordering::Relaxed)).filter(|&e| e != u32::MAX)
+    }
+}
 
 /// The simulated token at `position` of a request seeded with `seed`: uniform over
 /// `0..vocab_size` and a function of (seed, position) only. It may be the model's EOS id, which

@@ -293,6 +293,8 @@ impl Engine {
             BatchOutput::Synthetic { .. } => None,
         };
         let vocab = self.backend.facts().shape.vocab_size as u32;
+        // A simulated end token (none when the model served has none) is never emitted.
+        let eos = self.backend.sim_eos().unwrap_or(self.config.eos_token_id);
         for p in &planned {
             let r = self.requests.get_mut(&p.id).expect("planned requests exist after apply_diff");
             r.computed = p.start + p.n;
@@ -318,10 +320,7 @@ impl Engine {
                     });
                     (s.token, lp)
                 }
-                None => (
-                    sim_token_except(r.sampling.seed, position, vocab, self.config.eos_token_id),
-                    None,
-                ),
+                None => (sim_token_except(r.sampling.seed, position, vocab, eos), None),
             };
             r.output.push(token);
             outputs.push(v1::RequestOutput {

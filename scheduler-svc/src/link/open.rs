@@ -29,6 +29,9 @@ pub struct SessionOpener {
     /// The fingerprint of the model this scheduler's front tokenizes for; executors running
     /// another model refuse the handshake.
     pub fingerprint: Arc<str>,
+    /// That model's vocabulary size and end-of-sequence ids (a simulating executor serves
+    /// them).
+    pub vocab: (u32, Arc<[u32]>),
     /// The leadership epoch (0 without etcd).
     pub epoch: u64,
     /// Where the links count.
@@ -81,6 +84,8 @@ impl SessionOpener {
                 epoch: self.epoch,
                 expected_model: String::new(),
                 expected_fingerprint: self.fingerprint.to_string(),
+                vocab_size: self.vocab.0,
+                eos_token_ids: self.vocab.1.to_vec(),
             })
             .await
             .map_err(|s| {

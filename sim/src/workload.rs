@@ -501,4 +501,37 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn a_trace_gives_its_requests_in_order_and_a_bad_line_is_refused_by_number() {
+        let path =
+            std::env::temp_dir().join(format!("ferry-sim-trace-{}.jsonl", std::process::id()));
+        let lines = [
+            r#"{"arrival": 0.5, "prompt_len": 40, "output_len": 3, "prefix_group": 7, "prefix_len": 32}"#,
+            "",
+            r#"{"arrival": 0.5, "prompt_len": 50, "output_len": 4, "prefix_group": 7, "prefix_len": 32}"#,
+            r#"{"arrival": 2.0, "prompt_len": 10, "output_len": 1}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let mut source = Source::trace(path.to_str().unwrap(), 1000).unwrap();
+        let all: Vec<SimRequest> = std::iter::from_fn(|| source.next_request().unwrap()).collect();
+        assert_eq!(all.len(), 3);
+        assert_eq!(all.iter().map(|r| r.arrival).collect::<Vec<_>>(), [0.5, 0.5, 2.0]);
+        assert_eq!(all.iter().map(|r| r.prompt.len()).collect::<Vec<_>>(), [40, 50, 10]);
+        assert_eq!(all[1].output_len, 4);
+        assert_eq!(all[0].prompt[..32], all[1].prompt[..32], "one prefix group");
+        assert_ne!(all[0].prompt[32..40], all[1].prompt[32..40]);
+        for (bad, want) in [
+            (r#"{"arrival": 0.1, "prompt_len": 5, "output_len": 1}"#, ":2: arrival 0.1 is before"),
+            (r#"{"arrival": 3.0, "prompt_len": 0, "output_len": 1}"#, ":2: lengths must be"),
+            (r#"{"arrival": 3.0, "prompt": 5}"#, "trace"),
+        ] {
+            std::fs::write(&path, format!("{}\n{bad}\n", lines[0])).unwrap();
+            let mut source = Source::trace(path.to_str().unwrap(), 1000).unwrap();
+            source.next_request().unwrap();
+            let err = source.next_request().unwrap_err();
+            assert!(err.contains(want), "{err}");
+        }
+        let _ = std::fs::remove_file(path);
+    }
 }

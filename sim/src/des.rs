@@ -172,6 +172,59 @@ pub struct Report {
     pub wall_seconds: f64,
     /// Virtual seconds simulated per wall-clock second.
     pub speedup: f64,
+    /// The distributions and the timeline behind the figures (for plots; not in the JSON).
+    #[serde(skip)]
+    pub detail: Detail,
+}
+
+/// The distributions behind a report's percentiles, and what happened over time.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Detail {
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Time per output token.
+    pub tpot: Histogram,
+    /// Inter-token gaps.
+    pub itl: Histogram,
+    /// End-to-end latency.
+    pub e2e: Histogram,
+    /// The run by windows of virtual time.
+    pub timeline: Timeline,
+}
+
+/// A run by windows of [`Timeline::WINDOW`] virtual seconds.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Timeline {
+    /// Tokens generated in each window.
+    pub tokens: Vec<u64>,
+    /// Requests in the cluster at the last step end of each window.
+    pub live: Vec<u64>,
+    /// Sum and count of executors' KV usage at their step ends in each window.
+    pub kv: Vec<(f64, u64)>,
+}
+
+impl Timeline {
+    /// Virtual seconds per window.
+    pub const WINDOW: f64 = 1.0;
+
+    fn at(&mut self, secs: f64) -> usize {
+        let i = (secs / Self::WINDOW) as usize;
+        if self.tokens.len() <= i {
+            let last_live = self.live.last().copied().unwrap_or(0);
+            self.tokens.resize(i + 1, 0);
+            self.live.resize(i + 1, last_live);
+            self.kv.resize(i + 1, (0.0, 0));
+        }
+        i
+    }
+
+    fn step(&mut self, secs: f64, tokens: u64, live: u64, kv_usage: f64) {
+        let i = self.at(secs);
+        self.tokens[i] += tokens;
+        self.live[i] = live;
+        self.kv[i].0 += kv_usage;
+        self.kv[i].1 += 1;
+    }
 }
 
 /// Progress, for a progress bar.
@@ -278,6 +331,8 @@ struct Sim<'a> {
     transfer_bytes: u64,
     transfer_secs: f64,
     transfers_done: u64,
+    live_total: u64,
+    timeline: Timeline,
 }
 
 /// Ids of continuations (a disaggregated request's decode half) start here, far above the
@@ -348,6 +403,8 @@ pub fn run(
         transfer_bytes: 0,
         transfer_secs: 0.0,
         transfers_done: 0,
+        live_total: 0,
+        timeline: Timeline::default(),
     };
     let mut pending = source.next_request()?;
     if let Some(r) = &pending {
@@ -501,6 +558,7 @@ impl Sim<'_> {
         let track = Track { arrival: self.secs(), first: 0.0, last: 0.0, prompt, handoff };
         self.tracks.insert(id, track);
         self.execs[e].live += 1;
+        self.live_total += 1;
         if !self.execs[e].busy {
             self.start_step(e)?;
         }
@@ -556,6 +614,7 @@ impl Sim<'_> {
         }
         self.tracks.insert(cont, track);
         self.execs[d].live += 1;
+        self.live_total += 1;
         if !self.execs[d].busy {
             self.start_step(d)?;
         }
@@ -671,7 +730,11 @@ impl Sim<'_> {
             .map_err(|err| format!("executor {e}: {err}"))?;
         x.busy = false;
         self.check(e)?;
+        let tokens =
+            self.events.iter().filter(|ev| matches!(ev, RequestEvent::Token { .. })).count();
+        let kv = self.execs[e].kv_usage;
         self.handle_events(e)?;
+        self.timeline.step(self.secs(), tokens as u64, self.live_total, kv);
         if self.execs[e].busy {
             return Ok(()); // a continuation's add already stepped it
         }
@@ -700,6 +763,7 @@ impl Sim<'_> {
                 }
                 RequestEvent::Finished(f) => {
                     self.execs[e].live -= 1;
+                    self.live_total -= 1;
                     if f.reason == FinishReason::Transferred {
                         continue; // its continuation goes on elsewhere
                     }
@@ -791,6 +855,13 @@ impl Sim<'_> {
             },
             wall_seconds,
             speedup: if wall_seconds > 0.0 { makespan / wall_seconds } else { 0.0 },
+            detail: Detail {
+                ttft: self.ttft.clone(),
+                tpot: self.tpot.clone(),
+                itl: self.itl.clone(),
+                e2e: self.e2e.clone(),
+                timeline: self.timeline.clone(),
+            },
         }
     }
 }

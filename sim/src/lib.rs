@@ -8,6 +8,7 @@
 //! and inside `ferry-sim`.
 
 pub mod des;
+pub mod plot;
 pub mod profile;
 pub mod roofline;
 pub mod stats;

@@ -74,6 +74,20 @@ impl Histogram {
         self.max
     }
 
+    /// The distribution as `(value, fraction of values at most it)` points, one per bucket
+    /// holding any (each bucket's upper edge; the overflow bucket at the largest value).
+    pub fn cdf(&self) -> Vec<(f64, f64)> {
+        let mut seen = 0;
+        let n = self.n.max(1) as f64;
+        let mut points = Vec::new();
+        for (i, &c) in self.counts.iter().enumerate().filter(|(_, c)| **c > 0) {
+            seen += c;
+            let edge = if i == BUCKETS - 1 { self.max } else { MIN * GROWTH.powi(i as i32) };
+            points.push((edge.min(self.max), seen as f64 / n));
+        }
+        points
+    }
+
     /// Adds `other`'s counts.
     pub fn merge(&mut self, other: &Histogram) {
         for (a, b) in self.counts.iter_mut().zip(&other.counts) {
@@ -108,6 +122,10 @@ mod tests {
         h.merge(&other);
         assert_eq!(h.quantile(1.0), 5.0);
         assert_eq!(Histogram::default().quantile(0.5), 0.0);
+        let cdf = h.cdf();
+        assert!(cdf.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 < w[1].1), "increasing");
+        assert_eq!(cdf.last().unwrap(), &(5.0, 1.0));
+        assert!(Histogram::default().cdf().is_empty());
         h.record(f64::NAN);
         h.record(1e9);
         assert_eq!(h.quantile(1.0), 1e9);

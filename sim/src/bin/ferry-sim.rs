@@ -99,6 +99,9 @@ struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Write PNG plots (`latency.png`, `timeline.png`) into this folder.
+    #[arg(long)]
+    plot: Option<PathBuf>,
     /// More profiles: `DIR/hardware/*.json`, `DIR/models/*.json`, or `*.json` in `DIR`.
     #[arg(long)]
     profile_dir: Vec<PathBuf>,
@@ -108,6 +111,16 @@ struct Args {
     /// Check every core's invariants after every step (slow).
     #[arg(long)]
     check_invariants: bool,
+}
+
+impl Args {
+    fn router_name(&self) -> &'static str {
+        match self.router {
+            Router::KvAware => "kv-aware",
+            Router::LeastLoad => "least-load",
+            Router::RoundRobin => "round-robin",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -140,6 +153,44 @@ fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    let (spec, tp) = cluster(&args, &profiles)?;
+    let model = spec.model;
+    let mut source = source(&args, model.vocab_size)?;
+    let total = if args.trace.is_some() { None } else { Some(args.requests) };
+    let tty = std::io::stderr().is_terminal();
+    let report = des::run(&spec, &mut source, |p| {
+        if tty {
+            let of = total.map(|t| format!(" of {t}")).unwrap_or_default();
+            eprint!("\r{:>10.1} s simulated, {} arrived, {} done{of}   ", p.now, p.arrived, p.done);
+        }
+    })
+    .map_err(anyhow::Error::msg)?;
+    if tty {
+        eprintln!();
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&args, tp, &report);
+    }
+    if let Some(dir) = &args.plot {
+        let title = format!(
+            "{} x {} {} ({} prefill), {}",
+            args.executors,
+            args.hardware,
+            args.model_profile,
+            args.prefill_executors,
+            args.router_name()
+        );
+        for path in ferry_sim::plot::write_plots(&report, &title, dir)? {
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// The cluster `args` describe, and its tensor-parallel degree.
+fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32)> {
     let m = profiles.model(&args.model_profile)?;
     let tp = args.tensor_parallel.unwrap_or(m.tensor_parallel);
     let model = m.to_sim()?;
@@ -187,39 +238,25 @@ fn main() -> anyhow::Result<()> {
         disaggregation_min_tokens: args.disaggregation_min_tokens,
         transfer_latency: args.transfer_latency_ms / 1e3,
     };
-    let mut source = if let Some(path) = &args.trace {
-        Source::trace(path, model.vocab_size).map_err(anyhow::Error::msg)?
-    } else {
-        let prefixes = (args.prefix_groups > 0 && args.prefix_len > 0)
-            .then_some(PrefixGroups { groups: args.prefix_groups, prefix_len: args.prefix_len });
-        let generated = Generated {
-            arrivals: Arrivals::parse(&args.arrivals).map_err(anyhow::Error::msg)?,
-            prompt: Lengths::parse(&args.prompt_len).map_err(anyhow::Error::msg)?,
-            output: Lengths::parse(&args.output_len).map_err(anyhow::Error::msg)?,
-            prefixes,
-            requests: args.requests,
-            vocab_size: model.vocab_size,
-        };
-        Source::generated(generated, args.seed)
+    Ok((spec, tp))
+}
+
+/// Where the requests of `args` come from.
+fn source(args: &Args, vocab_size: u32) -> anyhow::Result<Source> {
+    if let Some(path) = &args.trace {
+        return Source::trace(path, vocab_size).map_err(anyhow::Error::msg);
+    }
+    let prefixes = (args.prefix_groups > 0 && args.prefix_len > 0)
+        .then_some(PrefixGroups { groups: args.prefix_groups, prefix_len: args.prefix_len });
+    let generated = Generated {
+        arrivals: Arrivals::parse(&args.arrivals).map_err(anyhow::Error::msg)?,
+        prompt: Lengths::parse(&args.prompt_len).map_err(anyhow::Error::msg)?,
+        output: Lengths::parse(&args.output_len).map_err(anyhow::Error::msg)?,
+        prefixes,
+        requests: args.requests,
+        vocab_size,
     };
-    let total = if args.trace.is_some() { None } else { Some(args.requests) };
-    let tty = std::io::stderr().is_terminal();
-    let report = des::run(&spec, &mut source, |p| {
-        if tty {
-            let of = total.map(|t| format!(" of {t}")).unwrap_or_default();
-            eprint!("\r{:>10.1} s simulated, {} arrived, {} done{of}   ", p.now, p.arrived, p.done);
-        }
-    })
-    .map_err(anyhow::Error::msg)?;
-    if tty {
-        eprintln!();
-    }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_table(&args, tp, &report);
-    }
-    Ok(())
+    Ok(Source::generated(generated, args.seed))
 }
 
 fn print_table(args: &Args, tp: u32, r: &Report) {

@@ -867,13 +867,14 @@ impl Sim<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::profile::Profiles;
     use crate::roofline::{activation_bytes, kv_capacity_blocks};
     use crate::workload::{Arrivals, Generated, Lengths, PrefixGroups};
 
-    fn spec(executors: usize, num_blocks: usize, router: Router) -> ClusterSpec {
+    /// Executors of H100s running Llama-3-8B, with `num_blocks` blocks each.
+    pub(crate) fn spec(executors: usize, num_blocks: usize, router: Router) -> ClusterSpec {
         let p = Profiles::built_in();
         let m = p.model("llama-3-8b").unwrap();
         ClusterSpec {
@@ -1035,24 +1036,15 @@ mod tests {
         let (seqs, tokens) = (1024, 8192);
         let act = activation_bytes(&model, 1, tokens, seqs);
         let blocks = kv_capacity_blocks(&hardware, &model, 16, 0.9, act) as usize;
-        let s = ClusterSpec {
-            executors: 1,
-            hardware,
-            model,
-            scheduler: SchedulerConfig {
-                num_blocks: blocks,
-                max_num_seqs: seqs as usize,
-                max_num_batched_tokens: tokens as usize,
-                max_model_len: 4096,
-                lookahead: seqs as usize,
-                ..SchedulerConfig::default()
-            },
-            router: Router::KvAware,
-            slo: Slo { ttft: 1.0, tpot: 0.05 },
-            check_invariants: false,
-            prefill_executors: 0,
-            disaggregation_min_tokens: 256,
-            transfer_latency: 0.0005,
+        let mut s = spec(1, blocks, Router::KvAware);
+        (s.hardware, s.model) = (hardware, model);
+        s.scheduler = SchedulerConfig {
+            num_blocks: blocks,
+            max_num_seqs: seqs as usize,
+            max_num_batched_tokens: tokens as usize,
+            max_model_len: 4096,
+            lookahead: seqs as usize,
+            ..SchedulerConfig::default()
         };
         for (len, requests, published, band) in
             [(128, 30_000, 28_312.0, 1.2..1.6), (1000, 3_000, 15_220.0, 1.0..1.4)]

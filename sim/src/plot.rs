@@ -190,22 +190,9 @@ mod tests {
 
     #[test]
     fn a_run_is_plotted_as_two_pngs() {
-        use crate::des::{run, ClusterSpec, Router, Slo};
-        use crate::profile::Profiles;
+        use crate::des::{run, tests::spec, Router};
         use crate::workload::{Arrivals, Generated, Lengths, Source};
-        let p = Profiles::built_in();
-        let spec = ClusterSpec {
-            executors: 2,
-            hardware: p.hardware("h100").unwrap().to_sim("bf16", 1).unwrap(),
-            model: p.model("llama-3-8b").unwrap().to_sim().unwrap(),
-            scheduler: ferry_sched_core::SchedulerConfig { num_blocks: 4096, ..Default::default() },
-            router: Router::KvAware,
-            slo: Slo { ttft: 1.0, tpot: 0.05 },
-            check_invariants: false,
-            prefill_executors: 0,
-            disaggregation_min_tokens: 256,
-            transfer_latency: 0.0005,
-        };
+        let spec = spec(2, 4096, Router::KvAware);
         let w = Generated {
             arrivals: Arrivals::Poisson { rate: 20.0 },
             prompt: Lengths::Uniform(100, 900),

@@ -32,7 +32,7 @@ use ferry_sched_core::{
 
 use crate::roofline::{step_duration, SimBatchItem, SimHardware, SimModel};
 use crate::stats::Histogram;
-use crate::workload::{mix, SimRequest, Source};
+use crate::workload::{mix, shared_token, SimRequest, Source};
 
 /// How the router places new requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
@@ -246,6 +246,11 @@ struct Track {
     prompt: u32,
     /// Its prefill executor's part, if it is disaggregated and not yet handed on.
     handoff: Option<Handoff>,
+    /// The request, if it is a turn of a conversation with turns after it (its end sends the
+    /// next turn).
+    turn: Option<Box<SimRequest>>,
+    /// The conversation it belongs to, if any: its sampled tokens are the conversation's.
+    conversation: Option<u32>,
 }
 
 /// A disaggregated request's decode half, chosen when it arrived.
@@ -280,6 +285,8 @@ struct Exec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Arrival,
+    /// A conversation's next turn (the key of [`Sim::turns`]).
+    NextTurn(u64),
     StepDone(usize),
     /// A transfer's bytes have arrived.
     TransferDone(u64),
@@ -333,7 +340,13 @@ struct Sim<'a> {
     transfers_done: u64,
     live_total: u64,
     timeline: Timeline,
+    /// Conversations' next turns, by key, until they arrive.
+    turns: HashMap<u64, SimRequest>,
+    next_turn: u64,
 }
+
+/// Ids of conversations' later turns start here (above the workload's, below continuations').
+const TURN_IDS: u64 = 1 << 40;
 
 /// Ids of continuations (a disaggregated request's decode half) start here, far above the
 /// workload's.
@@ -405,6 +418,8 @@ pub fn run(
         transfers_done: 0,
         live_total: 0,
         timeline: Timeline::default(),
+        turns: HashMap::new(),
+        next_turn: TURN_IDS,
     };
     let mut pending = source.next_request()?;
     if let Some(r) = &pending {
@@ -427,6 +442,10 @@ pub fn run(
             }
             Event::StepDone(e) => sim.step_done(e)?,
             Event::TransferDone(tid) => sim.transfer_done(tid)?,
+            Event::NextTurn(key) => {
+                let request = sim.turns.remove(&key).expect("a turn is posted with its request");
+                sim.arrive(&request)?;
+            }
         }
         handled += 1;
         if handled.is_multiple_of(65_536) {
@@ -555,7 +574,17 @@ impl Sim<'_> {
             return Ok(());
         }
         let prompt = r.prompt.len() as u32;
-        let track = Track { arrival: self.secs(), first: 0.0, last: 0.0, prompt, handoff };
+        let turn = (!r.follow_ups.is_empty()).then(|| Box::new(r.clone()));
+        let conversation = r.conversation;
+        let track = Track {
+            arrival: self.secs(),
+            first: 0.0,
+            last: 0.0,
+            prompt,
+            handoff,
+            turn,
+            conversation,
+        };
         self.tracks.insert(id, track);
         self.execs[e].live += 1;
         self.live_total += 1;
@@ -624,8 +653,8 @@ impl Sim<'_> {
     /// Builds executor `e`'s next step and posts its end; leaves it idle if it has no work.
     fn start_step(&mut self, e: usize) -> Result<(), String> {
         let now = Timestamp(self.now);
-        let (spec, items, work, kv_ops) =
-            (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops);
+        let (spec, items, work, kv_ops, tracks) =
+            (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops, &self.tracks);
         let x = &mut self.execs[e];
         let idle = {
             let plan = x.core.schedule(now).map_err(|err| format!("executor {e}: {err}"))?;
@@ -648,9 +677,16 @@ impl Sim<'_> {
                 context_len: computed.saturating_sub(w.num_tokens) as u32,
             });
             if w.samples_token {
-                let vocab = u64::from(spec.model.vocab_size.max(1));
-                let token = mix((w.id.0 << 24) ^ computed as u64) % vocab;
-                x.outcome.sampled.push(SampledToken { id: w.id, token: token as u32 });
+                // A conversation's answer is its own sequence's next tokens, so the next turn,
+                // which repeats it, finds its KV cached.
+                let token = match tracks.get(&w.id.0).and_then(|t| t.conversation) {
+                    Some(c) => shared_token(c, computed as u64, spec.model.vocab_size),
+                    None => {
+                        let vocab = u64::from(spec.model.vocab_size.max(1));
+                        (mix((w.id.0 << 24) ^ computed as u64) % vocab) as u32
+                    }
+                };
+                x.outcome.sampled.push(SampledToken { id: w.id, token });
             }
         }
         self.start_transfers(e);
@@ -782,6 +818,17 @@ impl Sim<'_> {
                     if ttft <= self.spec.slo.ttft && tpot <= self.spec.slo.tpot {
                         self.met_slo += 1;
                     }
+                    if let Some(done) = &t.turn {
+                        self.next_turn += 1;
+                        let key = self.next_turn;
+                        let think = done.follow_ups.first().map_or(0.0, |f| f.think);
+                        let at = self.now + ns(think);
+                        let vocab = self.spec.model.vocab_size;
+                        if let Some(next) = done.next_turn(key, at as f64 / 1e9, vocab) {
+                            self.turns.insert(key, next);
+                            self.post(at, Event::NextTurn(key));
+                        }
+                    }
                 }
                 RequestEvent::ExportStarted { .. } | RequestEvent::Imported { .. } => {}
             }
@@ -904,6 +951,7 @@ pub(crate) mod tests {
             prompt: Lengths::Uniform(64, 1024),
             output: Lengths::Uniform(1, 256),
             prefixes,
+            conversations: None,
             requests,
             vocab_size: 128_256,
         }
@@ -1020,6 +1068,32 @@ pub(crate) mod tests {
         assert!(r.itl.max > 0.0057, "{}", r.itl.max);
     }
 
+    #[test]
+    fn conversations_send_every_turn_and_each_finds_the_last_answer_cached() {
+        let mut s = spec(4, 8192, Router::KvAware);
+        s.check_invariants = true;
+        let mut w = workload(60, 2.0, None);
+        w.conversations = Some(crate::workload::Conversations {
+            turns: Lengths::Fixed(4),
+            think_time: 1.0,
+            user_len: Lengths::Fixed(20),
+        });
+        let r = run_seed(&s, &w, 2);
+        assert_eq!((r.requests, r.finished, r.rejected), (240, 240, 0), "four turns each");
+        // Each later turn recomputes only its new message (and the block its history ends in,
+        // and its last token), not the history: earlier prompts and answers are cached.
+        assert!(r.prefix_hit_rate > 0.6, "{}", r.prefix_hit_rate);
+        let history: u64 = r.prompt_tokens;
+        assert!(
+            r.computed_prompt_tokens * 3 < history,
+            "{} of {history}",
+            r.computed_prompt_tokens
+        );
+        // Round-robin scatters the turns: their history is computed again.
+        let rr = run_seed(&spec(4, 8192, Router::RoundRobin), &w, 2);
+        assert!(rr.computed_prompt_tokens > 2 * r.computed_prompt_tokens);
+    }
+
     /// Calibration against a published measurement: NVIDIA's TensorRT-LLM performance
     /// overview (`docs/source/performance/perf-overview.md`, the v1.0-era table), Llama 3.1 8B
     /// with FP8 weights on one H100 SXM 80GB, `trtllm-bench throughput`, all requests at once:
@@ -1054,6 +1128,7 @@ pub(crate) mod tests {
                 prompt: Lengths::Fixed(len),
                 output: Lengths::Fixed(len),
                 prefixes: None,
+                conversations: None,
                 requests,
                 vocab_size: model.vocab_size,
             };

@@ -198,6 +198,7 @@ mod tests {
             prompt: Lengths::Uniform(100, 900),
             output: Lengths::Uniform(10, 200),
             prefixes: None,
+            conversations: None,
             requests: 300,
             vocab_size: 1000,
         };

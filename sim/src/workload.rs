@@ -251,6 +251,33 @@ pub struct PrefixGroups {
     pub prefix_len: u32,
 }
 
+/// Multi-turn conversations: each arrival opens one, whose turns each send the whole
+/// conversation so far (earlier prompts and answers) plus a new user message, after the user
+/// read the previous answer and thought for a while.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversations {
+    /// Turns per conversation (at least 1).
+    pub turns: Lengths,
+    /// Mean seconds between an answer and the next turn (exponential).
+    pub think_time: f64,
+    /// Tokens of each later turn's new user message.
+    pub user_len: Lengths,
+}
+
+/// A later turn of a conversation, sent `think` seconds after the previous answer ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Turn {
+    /// Seconds after the previous answer.
+    pub think: f64,
+    /// Tokens of its new user message.
+    pub user_len: u32,
+    /// Tokens of its answer.
+    pub output_len: u32,
+}
+
+/// Group ids of conversations start here (above any `--prefix-groups`).
+pub const CONVERSATION_GROUPS: u32 = 1 << 31;
+
 /// A request of the workload.
 #[derive(Debug, Clone)]
 pub struct SimRequest {
@@ -264,6 +291,31 @@ pub struct SimRequest {
     pub output_len: u32,
     /// Its prefix group, if any.
     pub group: Option<u32>,
+    /// The conversation it is a turn of, if any: its whole prompt, and its answer, are that
+    /// conversation's tokens ([`shared_token`]), so a later turn's prompt starts with them.
+    pub conversation: Option<u32>,
+    /// The conversation's turns after this one.
+    pub follow_ups: Vec<Turn>,
+}
+
+impl SimRequest {
+    /// The next turn of this request's conversation, `index` its number: the conversation so
+    /// far (this prompt and its `output_len` answer tokens) and a new user message; `None` if
+    /// it was the last.
+    pub fn next_turn(&self, index: u64, arrival: f64, vocab: u32) -> Option<SimRequest> {
+        let conversation = self.conversation?;
+        let (turn, rest) = self.follow_ups.split_first()?;
+        let len = self.prompt.len() as u32 + self.output_len + turn.user_len;
+        Some(SimRequest {
+            index,
+            arrival,
+            prompt: prompt_tokens(index, len, Some(conversation), len, vocab),
+            output_len: turn.output_len,
+            group: Some(conversation),
+            conversation: Some(conversation),
+            follow_ups: rest.to_vec(),
+        })
+    }
 }
 
 /// A generated workload.
@@ -277,7 +329,9 @@ pub struct Generated {
     pub output: Lengths,
     /// Shared prefixes, if any.
     pub prefixes: Option<PrefixGroups>,
-    /// Requests in all.
+    /// Multi-turn conversations, if any (then each request opens one).
+    pub conversations: Option<Conversations>,
+    /// Requests in all (conversations, with `conversations`).
     pub requests: u64,
     /// Token ids are drawn below this.
     pub vocab_size: u32,
@@ -336,19 +390,25 @@ pub fn prompt_tokens(
     prefix_len: u32,
     vocab: u32,
 ) -> Arc<[u32]> {
-    let vocab = u64::from(vocab.max(2));
     let shared = if group.is_some() { prefix_len.min(len) } else { 0 };
-    let g = group.map_or(0, u64::from);
+    let g = group.unwrap_or(0);
     (0..len)
         .map(|i| {
-            let key = if i < shared {
-                mix(0xA11CE ^ (g << 32) ^ u64::from(i))
+            if i < shared {
+                shared_token(g, u64::from(i), vocab)
             } else {
-                mix((index << 24) ^ u64::from(i) ^ 0xB0B0_0000_0000_0000)
-            };
-            (key % vocab) as u32
+                let key = mix((index << 24) ^ u64::from(i) ^ 0xB0B0_0000_0000_0000);
+                (key % u64::from(vocab.max(2))) as u32
+            }
         })
         .collect()
+}
+
+/// Token `position` of group `group`'s shared sequence: a prefix group's system prompt, or a
+/// conversation's prompts and answers.
+pub fn shared_token(group: u32, position: u64, vocab: u32) -> u32 {
+    let key = mix(0xA11CE ^ (u64::from(group) << 32) ^ (position & 0xFFFF_FFFF));
+    (key % u64::from(vocab.max(2))) as u32
 }
 
 impl Source {
@@ -382,8 +442,39 @@ impl Source {
                     }
                     _ => (None, 0),
                 };
+                if let Some(c) = &spec.conversations {
+                    // The whole prompt is the conversation's; later turns extend it.
+                    let conversation = CONVERSATION_GROUPS | (index as u32 & !CONVERSATION_GROUPS);
+                    let turns = c.turns.draw(rng).max(1);
+                    let follow_ups = (1..turns)
+                        .map(|_| Turn {
+                            think: rng.exponential(c.think_time),
+                            user_len: c.user_len.draw(rng),
+                            output_len: spec.output.draw(rng),
+                        })
+                        .collect();
+                    let prompt =
+                        prompt_tokens(index, len, Some(conversation), len, spec.vocab_size);
+                    return Ok(Some(SimRequest {
+                        index,
+                        arrival: *clock,
+                        prompt,
+                        output_len,
+                        group: Some(conversation),
+                        conversation: Some(conversation),
+                        follow_ups,
+                    }));
+                }
                 let prompt = prompt_tokens(index, len, group, prefix_len, spec.vocab_size);
-                Ok(Some(SimRequest { index, arrival: *clock, prompt, output_len, group }))
+                Ok(Some(SimRequest {
+                    index,
+                    arrival: *clock,
+                    prompt,
+                    output_len,
+                    group,
+                    conversation: None,
+                    follow_ups: Vec::new(),
+                }))
             }
             Self::Trace { lines, path, made, line, vocab_size, clock } => loop {
                 let Some(text) = lines.next() else { return Ok(None) };
@@ -414,6 +505,8 @@ impl Source {
                     prompt,
                     output_len: t.output_len,
                     group: t.prefix_group,
+                    conversation: None,
+                    follow_ups: Vec::new(),
                 }));
             },
         }
@@ -476,6 +569,7 @@ mod tests {
             prompt: Lengths::Uniform(100, 200),
             output: Lengths::Fixed(8),
             prefixes: Some(PrefixGroups { groups: 3, prefix_len: 64 }),
+            conversations: None,
             requests: 50,
             vocab_size: 1000,
         };
@@ -533,5 +627,38 @@ mod tests {
             assert!(err.contains(want), "{err}");
         }
         let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn a_later_turn_repeats_the_conversation_so_far() {
+        let spec = Generated {
+            arrivals: Arrivals::Poisson { rate: 1.0 },
+            prompt: Lengths::Fixed(100),
+            output: Lengths::Fixed(30),
+            prefixes: None,
+            conversations: Some(Conversations {
+                turns: Lengths::Fixed(3),
+                think_time: 2.0,
+                user_len: Lengths::Fixed(10),
+            }),
+            requests: 2,
+            vocab_size: 5000,
+        };
+        let mut source = Source::generated(spec, 9);
+        let first = source.next_request().unwrap().unwrap();
+        let other = source.next_request().unwrap().unwrap();
+        assert_eq!(first.follow_ups.len(), 2);
+        assert_ne!(first.conversation, other.conversation);
+        let c = first.conversation.unwrap();
+        let second = first.next_turn(77, 5.0, 5000).unwrap();
+        assert_eq!(second.prompt.len(), 100 + 30 + 10);
+        assert_eq!(second.prompt[..100], first.prompt[..], "the first prompt");
+        // The answer as the simulator samples it: the conversation's tokens after the prompt.
+        for p in 100..130 {
+            assert_eq!(second.prompt[p], shared_token(c, p as u64, 5000));
+        }
+        let third = second.next_turn(78, 9.0, 5000).unwrap();
+        assert_eq!(third.prompt[..140], second.prompt[..]);
+        assert!(third.next_turn(79, 12.0, 5000).is_none(), "three turns");
     }
 }

@@ -9,7 +9,7 @@ use ferry_sched_core::{PreemptionMode, PreemptionPolicy, SchedulerConfig};
 use ferry_sim::des::{self, ClusterSpec, Report, Router, Slo};
 use ferry_sim::profile::Profiles;
 use ferry_sim::roofline::{activation_bytes, kv_capacity_blocks};
-use ferry_sim::workload::{Arrivals, Generated, Lengths, PrefixGroups, Source};
+use ferry_sim::workload::{Arrivals, Conversations, Generated, Lengths, PrefixGroups, Source};
 
 /// Simulate N GPUs serving a workload with Ferry's scheduler and router, in virtual time.
 #[derive(Debug, Parser)]
@@ -46,6 +46,17 @@ struct Args {
     /// Tokens of each shared prefix.
     #[arg(long, default_value_t = 0)]
     prefix_len: u32,
+    /// Multi-turn conversations: each arrival opens one of this many turns (`N`, `LO:HI`, ...,
+    /// as `--prompt-len`); each later turn sends the conversation so far (prompts and answers)
+    /// and a new user message.
+    #[arg(long)]
+    conversation_turns: Option<String>,
+    /// With `--conversation-turns`: mean seconds between an answer and the next turn.
+    #[arg(long, default_value_t = 10.0)]
+    think_time: f64,
+    /// With `--conversation-turns`: tokens of each later turn's new user message.
+    #[arg(long, default_value = "lognormal:64:0.8:1024")]
+    user_len: String,
     /// A JSONL trace instead of a generated workload: one object per line with `arrival`
     /// (seconds), `prompt_len`, `output_len`, and optionally `prefix_group`, `prefix_len`.
     #[arg(long)]
@@ -248,11 +259,26 @@ fn source(args: &Args, vocab_size: u32) -> anyhow::Result<Source> {
     }
     let prefixes = (args.prefix_groups > 0 && args.prefix_len > 0)
         .then_some(PrefixGroups { groups: args.prefix_groups, prefix_len: args.prefix_len });
+    let conversations = match &args.conversation_turns {
+        None => None,
+        Some(_) if prefixes.is_some() => {
+            anyhow::bail!("--conversation-turns and --prefix-groups: give one or the other")
+        }
+        Some(_) if !(args.think_time.is_finite() && args.think_time >= 0.0) => {
+            anyhow::bail!("--think-time {} must be a number of seconds >= 0", args.think_time)
+        }
+        Some(turns) => Some(Conversations {
+            turns: Lengths::parse(turns).map_err(anyhow::Error::msg)?,
+            think_time: args.think_time,
+            user_len: Lengths::parse(&args.user_len).map_err(anyhow::Error::msg)?,
+        }),
+    };
     let generated = Generated {
         arrivals: Arrivals::parse(&args.arrivals).map_err(anyhow::Error::msg)?,
         prompt: Lengths::parse(&args.prompt_len).map_err(anyhow::Error::msg)?,
         output: Lengths::parse(&args.output_len).map_err(anyhow::Error::msg)?,
         prefixes,
+        conversations,
         requests: args.requests,
         vocab_size,
     };

@@ -679,12 +679,12 @@ impl Sim<'_> {
             if w.samples_token {
                 // A conversation's answer is its own sequence's next tokens, so the next turn,
                 // which repeats it, finds its KV cached.
-                let token = match tracks.get(&w.id.0).and_then(|t| t.conversation) {
-                    Some(c) => shared_token(c, computed as u64, spec.model.vocab_size),
-                    None => {
-                        let vocab = u64::from(spec.model.vocab_size.max(1));
-                        (mix((w.id.0 << 24) ^ computed as u64) % vocab) as u32
-                    }
+                let conversation = tracks.get(&w.id.0).and_then(|t| t.conversation);
+                let token = if let Some(c) = conversation {
+                    shared_token(c, computed as u64, spec.model.vocab_size)
+                } else {
+                    let vocab = u64::from(spec.model.vocab_size.max(1));
+                    (mix((w.id.0 << 24) ^ computed as u64) % vocab) as u32
                 };
                 x.outcome.sampled.push(SampledToken { id: w.id, token });
             }

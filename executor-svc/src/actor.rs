@@ -21,18 +21,21 @@ pub struct EngineStats {
     pub busy_us: u64,
     /// Time spent waiting for the next step after one finished, microseconds.
     pub idle_us: u64,
+    /// Time the steps took on the simulated GPU (`sim` backend), microseconds.
+    pub simulated_us: u64,
     /// KV transfers started, by path (shared memory or the agent's socket).
     pub kv_paths: crate::engine::kv::KvPaths,
 }
 
 /// The engine's figures now.
-fn stats_of(engine: &Engine, busy_us: u64, idle_us: u64) -> EngineStats {
+fn stats_of(engine: &Engine, (busy_us, idle_us, simulated_us): (u64, u64, u64)) -> EngineStats {
     EngineStats {
         num_requests: engine.num_requests() as u32,
         steps_executed: engine.steps_executed(),
         blocks_in_use: engine.blocks_in_use() as u32,
         busy_us,
         idle_us,
+        simulated_us,
         kv_paths: engine.kv_paths(),
     }
 }
@@ -77,7 +80,7 @@ impl EngineHandle {
         });
         let shared = published.clone();
         std::thread::Builder::new().name("ferry-engine".into()).spawn(move || {
-            let (mut busy_us, mut idle_us) = (0u64, 0u64);
+            let (mut busy_us, mut idle_us, mut simulated_us) = (0u64, 0u64, 0u64);
             // When the last step finished; idle time is counted from there to the next step.
             let mut last_done: Option<std::time::Instant> = None;
             while let Some(cmd) = rx.blocking_recv() {
@@ -91,6 +94,7 @@ impl EngineHandle {
                         if let Ok(r) = &mut result {
                             if let Some(t) = r.timing.as_mut() {
                                 t.idle_us = idle;
+                                simulated_us += t.simulated_us;
                             }
                         }
                         let done = std::time::Instant::now();
@@ -106,10 +110,10 @@ impl EngineHandle {
                         let _ = reply.send(engine.reset());
                     }
                     Command::Stats(reply) => {
-                        let _ = reply.send(stats_of(&engine, busy_us, idle_us));
+                        let _ = reply.send(stats_of(&engine, (busy_us, idle_us, simulated_us)));
                     }
                 }
-                let now = stats_of(&engine, busy_us, idle_us);
+                let now = stats_of(&engine, (busy_us, idle_us, simulated_us));
                 *shared.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
             }
         })?;

@@ -219,6 +219,7 @@ impl Executor for ExecutorService {
             blocks_in_use: stats.blocks_in_use,
             busy_us: stats.busy_us,
             idle_us: stats.idle_us,
+            simulated_us: stats.simulated_us,
         }))
     }
 }

@@ -100,13 +100,15 @@ async fn simulated_executors_without_a_model_file_serve_through_the_real_front()
     assert_eq!(tokens(&outcomes), tokens(&again));
 
     // The work spread over the simulated GPUs, each taking the roofline's time: a decode step
-    // of Llama-3-8B on an H100 is about 6 ms, 0.6 ms at a tenth of real time.
+    // of Llama-3-8B on an H100 is about 6 ms of simulated time, slept at a tenth of it.
     let mut busy = 0;
     for exec in &execs {
         let d = describe(exec).await;
-        if let Some(per_step_us) = d.busy_us.checked_div(d.steps_executed) {
+        if let Some(per_step_us) = d.simulated_us.checked_div(d.steps_executed) {
             busy += 1;
-            assert!((400..5_000).contains(&per_step_us), "{per_step_us} µs a step");
+            assert!((5_000..40_000).contains(&per_step_us), "{per_step_us} µs a simulated step");
+            let slept = d.busy_us as f64 / d.simulated_us as f64;
+            assert!((0.095..0.5).contains(&slept), "{slept} wall seconds per simulated second");
         }
     }
     assert!(busy >= 2, "requests went to {busy} of 3 executors");

@@ -288,9 +288,11 @@ impl Engine {
         let step_started = std::time::SystemTime::now() - t0.elapsed();
         let t1 = Instant::now();
         let mut outputs = Vec::new();
-        let mut logits = match output {
-            BatchOutput::Logits(l) => Some(l.into_iter()),
-            BatchOutput::Synthetic { .. } => None,
+        let (mut logits, simulated_us) = match output {
+            BatchOutput::Logits(l) => (Some(l.into_iter()), 0),
+            BatchOutput::Synthetic { duration } => {
+                (None, u64::try_from(duration.as_micros()).unwrap_or(u64::MAX))
+            }
         };
         let vocab = self.backend.facts().shape.vocab_size as u32;
         // A simulated end token (none when the model served has none) is never emitted.
@@ -338,6 +340,7 @@ impl Engine {
             timing: Some(v1::StepTiming {
                 forward_us,
                 sample_us: t1.elapsed().as_micros() as u64,
+                simulated_us,
                 ..Default::default()
             }),
         })

@@ -80,6 +80,22 @@ pub struct ClusterSpec {
     pub disaggregation_min_tokens: usize,
     /// Fixed cost of a KV transfer on top of its bytes, seconds.
     pub transfer_latency: f64,
+    /// The KV tier, if any: each executor's node agent keeps the blocks its finished requests
+    /// computed, and a new request reads its prefix from any agent instead of computing it.
+    pub kv_tier: Option<KvTier>,
+}
+
+/// The KV tier as the simulation models it (Ferry's `--kv-tier-*`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvTier {
+    /// Blocks each node's agent keeps (least recently used dropped first).
+    pub blocks_per_agent: usize,
+    /// Read a prefix from the tier when it covers at least this many tokens more than the
+    /// executor's own cache (the front's `--kv-tier-min-tokens`).
+    pub min_tokens: usize,
+    /// Host-to-GPU bandwidth of a read from the executor's own node, GB/s (a read from another
+    /// node's agent takes the network's).
+    pub host_gbps: f64,
 }
 
 /// Percentiles of one latency, seconds.
@@ -164,6 +180,14 @@ pub struct Report {
     pub kv_usage_max: f64,
     /// Requests whose prompt was computed on a prefill executor and moved.
     pub disaggregated: u64,
+    /// Requests that read a prefix from the KV tier, and the tokens those reads covered.
+    pub tier_reads: u64,
+    /// See `tier_reads`.
+    pub tier_read_tokens: u64,
+    /// Tier reads that failed (their blocks were evicted from the agent before the read).
+    pub tier_read_failures: u64,
+    /// Blocks written to the KV tier.
+    pub tier_writes: u64,
     /// KV bytes moved between executors.
     pub transfer_bytes: u64,
     /// Mean seconds a KV transfer took.
@@ -178,7 +202,7 @@ pub struct Report {
 }
 
 /// The distributions behind a report's percentiles, and what happened over time.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Clone, PartialEq, Default)]
 pub struct Detail {
     /// Time to first token.
     pub ttft: Histogram,
@@ -190,6 +214,17 @@ pub struct Detail {
     pub e2e: Histogram,
     /// The run by windows of virtual time.
     pub timeline: Timeline,
+}
+
+impl std::fmt::Debug for Detail {
+    /// Counts only: the histograms have thousands of buckets.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Detail")
+            .field("ttft_samples", &self.ttft.count())
+            .field("itl_samples", &self.itl.count())
+            .field("timeline_windows", &self.timeline.tokens.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A run by windows of [`Timeline::WINDOW`] virtual seconds.
@@ -268,6 +303,41 @@ struct Transfer {
     decode: usize,
     /// When its bytes have all arrived (once its export went out).
     arrived: Option<u64>,
+    /// For a KV-tier read: the agent (executor index of its node) read from, and the hashes.
+    tier: Option<(usize, Vec<BlockHash>)>,
+    /// Whether it moved its blocks (a tier read whose blocks were evicted fails).
+    ok: bool,
+}
+
+/// A node agent's store of blocks, least recently used first out.
+#[derive(Default)]
+struct AgentStore {
+    used: HashMap<BlockHash, u64>,
+    order: std::collections::BTreeMap<u64, BlockHash>,
+    tick: u64,
+}
+
+impl AgentStore {
+    fn put(&mut self, hash: BlockHash, capacity: usize) {
+        self.tick += 1;
+        if let Some(old) = self.used.insert(hash, self.tick) {
+            self.order.remove(&old);
+        }
+        self.order.insert(self.tick, hash);
+        while self.used.len() > capacity {
+            let Some((_, h)) = self.order.pop_first() else { break };
+            self.used.remove(&h);
+        }
+    }
+
+    /// Leading `hashes` held.
+    fn run(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.used.contains_key(h)).count()
+    }
+
+    fn holds_all(&self, hashes: &[BlockHash]) -> bool {
+        hashes.iter().all(|h| self.used.contains_key(h))
+    }
 }
 
 struct Exec {
@@ -295,7 +365,17 @@ enum Event {
 /// Where a new request goes.
 enum Placement {
     Whole(usize),
-    Split { prefill: usize, decode: usize, import_tokens: usize },
+    /// Whole on an executor, reading `tokens` of the prompt from agent `agent`'s store.
+    TierRead {
+        executor: usize,
+        agent: usize,
+        tokens: usize,
+    },
+    Split {
+        prefill: usize,
+        decode: usize,
+        import_tokens: usize,
+    },
 }
 
 /// The virtual time of `secs` (nanoseconds; the heap's and the cores' unit).
@@ -334,6 +414,8 @@ struct Sim<'a> {
     next_transfer: u64,
     next_continuation: u64,
     kv_ops: Vec<KvOp>,
+    /// Hashes of the blocks a step writes to the KV tier.
+    stored: Vec<BlockHash>,
     disaggregated: u64,
     transfer_bytes: u64,
     transfer_secs: f64,
@@ -343,6 +425,12 @@ struct Sim<'a> {
     /// Conversations' next turns, by key, until they arrive.
     turns: HashMap<u64, SimRequest>,
     next_turn: u64,
+    /// Each node's agent store (one per executor), with the KV tier.
+    agents: Vec<AgentStore>,
+    tier_reads: u64,
+    tier_read_tokens: u64,
+    tier_read_failures: u64,
+    tier_writes: u64,
 }
 
 /// Ids of conversations' later turns start here (above the workload's, below continuations').
@@ -368,59 +456,7 @@ pub fn run(
         ));
     }
     let started = std::time::Instant::now();
-    let execs = (0..spec.executors)
-        .map(|_| {
-            Ok(Exec {
-                core: Scheduler::new(spec.scheduler.clone()).map_err(|e| e.to_string())?,
-                busy: false,
-                outcome: StepOutcome::default(),
-                step_secs: 0.0,
-                live: 0,
-                kv_usage: 0.0,
-                transfers: Vec::new(),
-            })
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    let mut sim = Sim {
-        spec,
-        execs,
-        heap: BinaryHeap::new(),
-        posted: 0,
-        now: 0,
-        tracks: HashMap::new(),
-        items: Vec::new(),
-        work: Vec::new(),
-        events: Vec::new(),
-        hashes: Vec::new(),
-        next_rr: 0,
-        ttft: Histogram::default(),
-        tpot: Histogram::default(),
-        itl: Histogram::default(),
-        e2e: Histogram::default(),
-        arrived: 0,
-        finished: 0,
-        rejected: 0,
-        met_slo: 0,
-        prompt_tokens: 0,
-        output_tokens: 0,
-        first_arrival: None,
-        last_finish: 0,
-        busy_secs: 0.0,
-        kv_weighted: 0.0,
-        kv_max: 0.0,
-        transfers: HashMap::new(),
-        next_transfer: 0,
-        next_continuation: CONTINUATION_IDS,
-        kv_ops: Vec::new(),
-        disaggregated: 0,
-        transfer_bytes: 0,
-        transfer_secs: 0.0,
-        transfers_done: 0,
-        live_total: 0,
-        timeline: Timeline::default(),
-        turns: HashMap::new(),
-        next_turn: TURN_IDS,
-    };
+    let mut sim = Sim::new(spec)?;
     let mut pending = source.next_request()?;
     if let Some(r) = &pending {
         sim.post(ns(r.arrival), Event::Arrival);
@@ -459,7 +495,70 @@ pub fn run(
     Ok(sim.report(started.elapsed().as_secs_f64()))
 }
 
-impl Sim<'_> {
+impl<'a> Sim<'a> {
+    /// A cluster of `spec` before anything arrives.
+    fn new(spec: &'a ClusterSpec) -> Result<Self, String> {
+        let execs = (0..spec.executors)
+            .map(|_| {
+                Ok(Exec {
+                    core: Scheduler::new(spec.scheduler.clone()).map_err(|e| e.to_string())?,
+                    busy: false,
+                    outcome: StepOutcome::default(),
+                    step_secs: 0.0,
+                    live: 0,
+                    kv_usage: 0.0,
+                    transfers: Vec::new(),
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(Sim {
+            spec,
+            execs,
+            heap: BinaryHeap::new(),
+            posted: 0,
+            now: 0,
+            tracks: HashMap::new(),
+            items: Vec::new(),
+            work: Vec::new(),
+            events: Vec::new(),
+            hashes: Vec::new(),
+            next_rr: 0,
+            ttft: Histogram::default(),
+            tpot: Histogram::default(),
+            itl: Histogram::default(),
+            e2e: Histogram::default(),
+            arrived: 0,
+            finished: 0,
+            rejected: 0,
+            met_slo: 0,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            first_arrival: None,
+            last_finish: 0,
+            busy_secs: 0.0,
+            kv_weighted: 0.0,
+            kv_max: 0.0,
+            transfers: HashMap::new(),
+            next_transfer: 0,
+            next_continuation: CONTINUATION_IDS,
+            kv_ops: Vec::new(),
+            stored: Vec::new(),
+            disaggregated: 0,
+            transfer_bytes: 0,
+            transfer_secs: 0.0,
+            transfers_done: 0,
+            live_total: 0,
+            timeline: Timeline::default(),
+            turns: HashMap::new(),
+            next_turn: TURN_IDS,
+            agents: (0..spec.executors).map(|_| AgentStore::default()).collect(),
+            tier_reads: 0,
+            tier_read_tokens: 0,
+            tier_read_failures: 0,
+            tier_writes: 0,
+        })
+    }
+
     /// Why a run that went idle with requests left is wrong: the first of them, where it is.
     fn stuck(&self) -> String {
         let first = self.tracks.keys().min().copied().unwrap_or_default();
@@ -493,7 +592,7 @@ impl Sim<'_> {
         let spec = self.spec;
         let bs = spec.scheduler.block_size;
         let decoders = spec.prefill_executors..self.execs.len();
-        if spec.router == Router::KvAware || spec.prefill_executors > 0 {
+        if spec.router == Router::KvAware || spec.prefill_executors > 0 || spec.kv_tier.is_some() {
             // Hashed once, looked up in every cache; never the block of the last token.
             let whole = prompt.len().saturating_sub(1) / bs * bs;
             self.hashes.clear();
@@ -521,7 +620,7 @@ impl Sim<'_> {
             }
         };
         if spec.prefill_executors == 0 {
-            return Placement::Whole(decode);
+            return self.tier_read(decode, prompt.len());
         }
         let d = &self.execs[decode];
         let room =
@@ -535,7 +634,7 @@ impl Sim<'_> {
                 bs,
             )
         {
-            return Placement::Whole(decode);
+            return self.tier_read(decode, prompt.len());
         }
         let loads = self.execs[..spec.prefill_executors]
             .iter()
@@ -543,6 +642,30 @@ impl Sim<'_> {
         let prefill = routing::pick(loads).unwrap_or(0);
         let import_tokens = routing::import_tokens(prompt.len(), bs);
         Placement::Split { prefill, decode, import_tokens }
+    }
+
+    /// A request placed whole on executor `e`: with a KV tier, a read of its prompt's prefix
+    /// from the agent holding the longest run of it (`e`'s own node first among equals), as
+    /// the front's `tier_read` decides, when that covers `min_tokens` more than `e` caches.
+    fn tier_read(&self, e: usize, prompt_len: usize) -> Placement {
+        let Some(tier) = self.spec.kv_tier else { return Placement::Whole(e) };
+        let bs = self.spec.scheduler.block_size;
+        let covered = routing::import_tokens(prompt_len, bs) / bs;
+        let hashes = &self.hashes[..covered.min(self.hashes.len())];
+        let cached = self.execs[e].core.cached_prefix_blocks(hashes) * bs;
+        let own = self.agents[e].run(hashes);
+        let (agent, blocks) = self
+            .agents
+            .iter()
+            .enumerate()
+            .map(|(a, store)| (a, if a == e { own } else { store.run(hashes) }))
+            .max_by_key(|&(a, blocks)| (blocks, a == e, std::cmp::Reverse(a)))
+            .unwrap_or((e, 0));
+        let tokens = blocks * bs;
+        if tokens == 0 || tokens < cached + tier.min_tokens {
+            return Placement::Whole(e);
+        }
+        Placement::TierRead { executor: e, agent, tokens }
     }
 
     fn arrive(&mut self, r: &SimRequest) -> Result<(), String> {
@@ -558,13 +681,33 @@ impl Sim<'_> {
         req.ignore_eos = true;
         let (e, handoff) = match self.place(&r.prompt) {
             Placement::Whole(e) => (e, None),
+            Placement::TierRead { executor, agent, tokens } => {
+                self.next_transfer += 1;
+                let transfer = TransferId(self.next_transfer);
+                req.kv_import = Some(KvImport { transfer_id: transfer, num_tokens: tokens });
+                let hashes = self.hashes[..tokens / self.spec.scheduler.block_size].to_vec();
+                let t = Transfer {
+                    prefill: agent,
+                    decode: executor,
+                    arrived: None,
+                    tier: Some((agent, hashes)),
+                    ok: true,
+                };
+                self.transfers.insert(transfer.0, t);
+                self.tier_reads += 1;
+                self.tier_read_tokens += tokens as u64;
+                (executor, None)
+            }
             Placement::Split { prefill, decode, import_tokens } => {
                 self.next_transfer += 1;
                 let transfer = TransferId(self.next_transfer);
                 req.kv_export = Some(transfer);
                 // Known from now on, so the bytes' arrival wakes the decode executor even if
                 // its import goes out before the export does.
-                self.transfers.insert(transfer.0, Transfer { prefill, decode, arrived: None });
+                self.transfers.insert(
+                    transfer.0,
+                    Transfer { prefill, decode, arrived: None, tier: None, ok: true },
+                );
                 let (prompt, output_len) = (r.prompt.clone(), r.output_len as usize);
                 (prefill, Some(Handoff { decode, transfer, import_tokens, prompt, output_len }))
             }
@@ -600,9 +743,11 @@ impl Sim<'_> {
         let (now, transfers) = (self.now, &self.transfers);
         let x = &mut self.execs[e];
         x.transfers.retain(|tid| {
-            let arrived = transfers.get(&tid.0).and_then(|t| t.arrived).is_some_and(|t| t <= now);
+            let t = transfers.get(&tid.0);
+            let arrived = t.and_then(|t| t.arrived).is_some_and(|t| t <= now);
             if arrived {
-                x.outcome.kv_results.push(KvResult { transfer_id: *tid, ok: true });
+                let ok = t.is_some_and(|t| t.ok);
+                x.outcome.kv_results.push(KvResult { transfer_id: *tid, ok });
             }
             !arrived
         });
@@ -653,8 +798,14 @@ impl Sim<'_> {
     /// Builds executor `e`'s next step and posts its end; leaves it idle if it has no work.
     fn start_step(&mut self, e: usize) -> Result<(), String> {
         let now = Timestamp(self.now);
-        let (spec, items, work, kv_ops, tracks) =
-            (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops, &self.tracks);
+        let (spec, items, work, kv_ops, tracks, stored) = (
+            self.spec,
+            &mut self.items,
+            &mut self.work,
+            &mut self.kv_ops,
+            &self.tracks,
+            &mut self.stored,
+        );
         let x = &mut self.execs[e];
         let idle = {
             let plan = x.core.schedule(now).map_err(|err| format!("executor {e}: {err}"))?;
@@ -663,6 +814,12 @@ impl Sim<'_> {
             work.extend_from_slice(&plan.scheduled);
             kv_ops.clear();
             kv_ops.extend_from_slice(&plan.kv_ops);
+            stored.clear();
+            for op in &plan.kv_ops {
+                if let KvOp::Store { block_hashes, .. } = op {
+                    stored.extend_from_slice(plan.hashes(*block_hashes));
+                }
+            }
             plan.is_idle()
         };
         x.outcome.sampled.clear();
@@ -690,6 +847,9 @@ impl Sim<'_> {
             }
         }
         self.start_transfers(e);
+        let stored = std::mem::take(&mut self.stored);
+        self.store(e, &stored);
+        self.stored = stored;
         if idle {
             // Nothing to run (the plan may still tell the executor of finished requests): its
             // result is due now, with the transfers that ended; those may make work.
@@ -733,15 +893,49 @@ impl Sim<'_> {
                     self.transfer_bytes += bytes;
                     self.transfer_secs += secs;
                     self.transfers_done += 1;
-                    let t = Transfer { prefill: e, decode: e, arrived: None };
+                    let t = Transfer { prefill: e, decode: e, arrived: None, tier: None, ok: true };
                     self.transfers.entry(transfer_id.0).or_insert(t);
                     self.execs[e].transfers.push(transfer_id);
                     self.post(self.now + ns(secs).max(1), Event::TransferDone(transfer_id.0));
                 }
-                KvOp::Import { transfer_id, .. } => self.execs[e].transfers.push(transfer_id),
+                KvOp::Import { transfer_id, block_ids, .. } => {
+                    self.execs[e].transfers.push(transfer_id);
+                    self.start_tier_read(e, transfer_id, block_ids.len as usize);
+                }
                 KvOp::Store { .. } => {}
             }
         }
+    }
+
+    /// A KV-tier read's import went out on executor `e` for `blocks` blocks: they arrive after
+    /// the host link's time (its own node's agent) or the network's (another's); it fails if
+    /// the agent has dropped any of them since the read was planned.
+    fn start_tier_read(&mut self, e: usize, tid: TransferId, blocks: usize) {
+        let spec = self.spec;
+        let Some(tier) = spec.kv_tier else { return };
+        let Some(t) = self.transfers.get_mut(&tid.0) else { return };
+        let Some((agent, hashes)) = &t.tier else { return };
+        t.ok = self.agents[*agent].holds_all(hashes);
+        if !t.ok {
+            self.tier_read_failures += 1;
+        }
+        let bytes = (blocks * spec.scheduler.block_size) as u64 * spec.model.kv_bytes_per_token();
+        let group = f64::from(spec.hardware.tensor_parallel.max(1));
+        let gbps = if *agent == e { tier.host_gbps } else { spec.hardware.network_gbps };
+        let secs = spec.transfer_latency + bytes as f64 / (gbps * 1e9 * group);
+        self.transfer_bytes += bytes;
+        self.transfer_secs += secs;
+        self.transfers_done += 1;
+        self.post(self.now + ns(secs).max(1), Event::TransferDone(tid.0));
+    }
+
+    /// Blocks executor `e`'s step writes to its node's agent (the KV tier).
+    fn store(&mut self, e: usize, hashes: &[BlockHash]) {
+        let Some(tier) = self.spec.kv_tier else { return };
+        for h in hashes {
+            self.agents[e].put(*h, tier.blocks_per_agent);
+        }
+        self.tier_writes += hashes.len() as u64;
     }
 
     fn check(&self, e: usize) -> Result<(), String> {
@@ -894,6 +1088,10 @@ impl Sim<'_> {
             },
             kv_usage_max: self.kv_max,
             disaggregated: self.disaggregated,
+            tier_reads: self.tier_reads,
+            tier_read_tokens: self.tier_read_tokens,
+            tier_read_failures: self.tier_read_failures,
+            tier_writes: self.tier_writes,
             transfer_bytes: self.transfer_bytes,
             transfer_seconds_mean: if self.transfers_done > 0 {
                 self.transfer_secs / self.transfers_done as f64
@@ -942,6 +1140,7 @@ pub(crate) mod tests {
             prefill_executors: 0,
             disaggregation_min_tokens: 256,
             transfer_latency: 0.0005,
+            kv_tier: None,
         }
     }
 
@@ -1092,6 +1291,44 @@ pub(crate) mod tests {
         // Round-robin scatters the turns: their history is computed again.
         let rr = run_seed(&spec(4, 8192, Router::RoundRobin), &w, 2);
         assert!(rr.computed_prompt_tokens > 2 * r.computed_prompt_tokens);
+    }
+
+    #[test]
+    fn the_kv_tier_serves_history_evicted_from_the_gpus_and_a_failed_read_recomputes() {
+        // Two small caches (9,600 tokens each) under forty conversations of four turns with
+        // histories up to ~2,000 tokens: the executors evict what the next turns need.
+        let mut s = spec(2, 600, Router::KvAware);
+        s.scheduler.kv_tier_store_blocks_per_step = 16;
+        s.check_invariants = true;
+        let mut w = workload(40, 1.0, None);
+        w.prompt = Lengths::Uniform(600, 1200);
+        w.conversations = Some(crate::workload::Conversations {
+            turns: Lengths::Fixed(4),
+            think_time: 5.0,
+            user_len: Lengths::Fixed(50),
+        });
+        let without = run_seed(&s, &w, 4);
+        assert_eq!((without.finished, without.tier_reads, without.tier_writes), (160, 0, 0));
+        s.kv_tier = Some(KvTier { blocks_per_agent: 100_000, min_tokens: 64, host_gbps: 25.0 });
+        let with = run_seed(&s, &w, 4);
+        assert_eq!(with.finished, 160);
+        assert!(with.tier_writes > 0 && with.tier_reads > 0, "{with:?}");
+        assert_eq!(with.tier_read_failures, 0, "nothing is evicted from a store this large");
+        assert!(
+            with.computed_prompt_tokens * 4 < without.computed_prompt_tokens * 3,
+            "{} with the tier, {} without",
+            with.computed_prompt_tokens,
+            without.computed_prompt_tokens
+        );
+        // A store too small for what it is asked, beside caches so full that imports wait
+        // for blocks: reads planned on blocks the store drops before their import goes out
+        // fail, and those turns compute their prompt instead.
+        s.scheduler.num_blocks = 250;
+        s.kv_tier = Some(KvTier { blocks_per_agent: 300, min_tokens: 64, host_gbps: 25.0 });
+        w.arrivals = Arrivals::Poisson { rate: 5.0 };
+        let tiny = run_seed(&s, &w, 4);
+        assert_eq!(tiny.finished, 160);
+        assert!(tiny.tier_read_failures > 0, "{tiny:?}");
     }
 
     /// Calibration against a published measurement: NVIDIA's TensorRT-LLM performance

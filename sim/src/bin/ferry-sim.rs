@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use ferry_sched_core::{PreemptionMode, PreemptionPolicy, SchedulerConfig};
-use ferry_sim::des::{self, ClusterSpec, Report, Router, Slo};
+use ferry_sim::des::{self, ClusterSpec, KvTier, Report, Router, Slo};
 use ferry_sim::profile::Profiles;
 use ferry_sim::roofline::{activation_bytes, kv_capacity_blocks};
 use ferry_sim::workload::{Arrivals, Conversations, Generated, Lengths, PrefixGroups, Source};
@@ -71,6 +71,17 @@ struct Args {
     /// Fixed cost of a KV transfer on top of its bytes, milliseconds.
     #[arg(long, default_value_t = 0.5)]
     transfer_latency_ms: f64,
+    /// The KV tier: blocks each node's agent keeps of what its executor's finished requests
+    /// computed (0: no tier); a new request reads its prefix from any agent's store when that
+    /// covers `--kv-tier-min-tokens` more than its executor caches.
+    #[arg(long, default_value_t = 0)]
+    kv_tier_blocks: usize,
+    /// Shortest gain of a KV-tier read over the executor's own cache, tokens.
+    #[arg(long, default_value_t = 64)]
+    kv_tier_min_tokens: usize,
+    /// Host-to-GPU bandwidth of a KV-tier read from the executor's own node, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    host_gbps: f64,
     /// How new requests are placed.
     #[arg(long, value_enum, default_value_t = Router::KvAware)]
     router: Router,
@@ -231,6 +242,8 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
             Policy::Priority => PreemptionPolicy::Priority,
             Policy::LeastWorkDone => PreemptionPolicy::LeastWorkDone,
         },
+        // The core queues its finished requests' blocks for the tier only when there is one.
+        kv_tier_store_blocks_per_step: if args.kv_tier_blocks > 0 { 16 } else { 0 },
         preemption_mode: match args.preemption_mode {
             Mode::Recompute => PreemptionMode::Recompute,
             Mode::Yield => PreemptionMode::Yield,
@@ -248,6 +261,11 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
         prefill_executors: args.prefill_executors,
         disaggregation_min_tokens: args.disaggregation_min_tokens,
         transfer_latency: args.transfer_latency_ms / 1e3,
+        kv_tier: (args.kv_tier_blocks > 0).then_some(KvTier {
+            blocks_per_agent: args.kv_tier_blocks,
+            min_tokens: args.kv_tier_min_tokens,
+            host_gbps: args.host_gbps,
+        }),
     };
     Ok((spec, tp))
 }
@@ -324,6 +342,12 @@ fn print_table(args: &Args, tp: u32, r: &Report) {
         r.kv_usage_mean * 100.0,
         r.kv_usage_max * 100.0
     );
+    if r.tier_writes > 0 {
+        println!(
+            "KV tier: {} blocks written, {} reads ({} tokens), {} failed",
+            r.tier_writes, r.tier_reads, r.tier_read_tokens, r.tier_read_failures
+        );
+    }
     if r.disaggregated > 0 {
         println!(
             "disaggregated {} requests, {:.1} GB of KV moved, {:.1} ms a transfer",

@@ -90,7 +90,7 @@ pub struct ExecutorConfig {
     /// vocabulary and end tokens), and `--kv-cache-mib` gives way to the profile's capacity.
     #[arg(long, env = "FERRY_MODEL_PROFILE")]
     pub model_profile: Option<String>,
-    /// With `--model-profile`: the simulated GPU (a hardware profile).
+    /// With `--backend sim`: the simulated GPU (a hardware profile of `ferry-sim`).
     #[arg(long, env = "FERRY_HARDWARE", default_value = "h100")]
     pub hardware: String,
     /// With `--model-profile`: GPUs per executor (the model profile's default if absent).
@@ -139,6 +139,9 @@ impl ExecutorConfig {
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err(ConfigError::TimeScale(self.time_scale));
         }
+        if self.backend == BackendKind::Sim {
+            self.sim_hardware(&self.profiles()?, "bf16", self.tensor_parallel.unwrap_or(1))?;
+        }
         if self.model_profile.is_some() {
             if self.backend != BackendKind::Sim {
                 return Err(ConfigError::ProfileNeedsSim);
@@ -160,21 +163,37 @@ impl ExecutorConfig {
         ConfigError,
     > {
         let Some(name) = &self.model_profile else { return Ok(None) };
-        let bad = |e: ferry_sim::profile::ProfileError| ConfigError::Profile(e.to_string());
-        let mut profiles = ferry_sim::profile::Profiles::built_in();
-        if let Some(dir) = &self.profile_dir {
-            profiles.add_dir(dir).map_err(bad)?;
-        }
-        let model = profiles.model(name).map_err(bad)?.clone();
-        model.to_sim().map_err(bad)?;
+        let profiles = self.profiles()?;
+        let model = profiles.model(name).map_err(profile_error)?.clone();
+        model.to_sim().map_err(profile_error)?;
         let tp = self.tensor_parallel.unwrap_or(model.tensor_parallel);
-        let hardware = profiles
-            .hardware(&self.hardware)
-            .map_err(bad)?
-            .to_sim(model.compute_dtype(), tp)
-            .map_err(bad)?;
+        let hardware = self.sim_hardware(&profiles, model.compute_dtype(), tp)?;
         Ok(Some((model, hardware)))
     }
+
+    /// The `--hardware` GPU computing in `dtype`, `tp` of them per executor.
+    pub fn sim_hardware(
+        &self,
+        profiles: &ferry_sim::profile::Profiles,
+        dtype: &str,
+        tp: u32,
+    ) -> Result<ferry_sim::roofline::SimHardware, ConfigError> {
+        profiles.hardware(&self.hardware).and_then(|h| h.to_sim(dtype, tp)).map_err(profile_error)
+    }
+
+    /// The built-in profiles and those of `--profile-dir`.
+    pub fn profiles(&self) -> Result<ferry_sim::profile::Profiles, ConfigError> {
+        let mut profiles = ferry_sim::profile::Profiles::built_in();
+        if let Some(dir) = &self.profile_dir {
+            profiles.add_dir(dir).map_err(profile_error)?;
+        }
+        Ok(profiles)
+    }
+}
+
+#[allow(clippy::needless_pass_by_value)] // the shape `map_err` takes
+fn profile_error(e: ferry_sim::profile::ProfileError) -> ConfigError {
+    ConfigError::Profile(e.to_string())
 }
 
 /// A configuration value out of range.
@@ -245,7 +264,8 @@ mod tests {
         ok.validate().unwrap();
         let (model, hw) = ok.sim_profile().unwrap().unwrap();
         assert_eq!((model.name.as_str(), hw.tensor_parallel), ("llama-3-70b", 4));
-        let cases: [(&[&str], &str); 5] = [
+        let cases: [(&[&str], &str); 6] = [
+            (&["--backend", "sim", "--hardware", "tpu"], "no hardware profile \"tpu\""),
             (&["--model-profile", "llama-3-8b"], "needs --backend sim"),
             (
                 &["--backend", "sim", "--model-profile", "llama-3-8b", "--model", "x.gguf"],

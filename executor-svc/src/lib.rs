@@ -100,14 +100,17 @@ pub fn build(
                 shape.vocab_size as u32,
                 2.0,
             );
-            Box::new(engine::SimBackend::new(
+            let tp = config.tensor_parallel.unwrap_or(1);
+            let hardware = config.sim_hardware(&config.profiles()?, "bf16", tp)?;
+            let backend = engine::SimBackend::new(
                 shape,
                 sim_model,
-                engine::sim::SimHardware::h100_80g(),
+                hardware,
                 block_size,
                 num_blocks,
                 engine::sim::SimClock::RealTime,
-            ))
+            );
+            Box::new(backend.with_time_scale(config.time_scale))
         }
         BackendKind::Cuda => cuda_backend(&model.weights, block_size, num_blocks, config)?,
     };
@@ -119,24 +122,55 @@ pub fn build(
         dtype: v1::KvDtype::F32.into(),
         model_fingerprint: model.file.fingerprint.clone(),
     };
+    let serves = Serves {
+        model: model.file.name.clone(),
+        fingerprint: model.file.fingerprint.clone(),
+        max_model_len: shape.max_model_len as u32,
+        vocab_size: shape.vocab_size as u32,
+        eos: Some(eos),
+    };
+    assemble(config, backend, num_blocks as u32, kv_layout, serves, None)
+}
+
+/// What an executor tells its scheduler of the model it serves.
+struct Serves {
+    model: String,
+    fingerprint: String,
+    max_model_len: u32,
+    vocab_size: u32,
+    eos: Option<u32>,
+}
+
+/// Starts the engine thread on `backend` with its KV port and states what the handshake says.
+fn assemble(
+    config: &ExecutorConfig,
+    backend: Box<dyn engine::ModelBackend>,
+    num_blocks: u32,
+    kv_layout: ferry_proto::v1::KvLayout,
+    serves: Serves,
+    identity: Option<std::sync::Arc<engine::sim::SimIdentity>>,
+) -> anyhow::Result<BuiltExecutor> {
+    use ferry_proto::v1;
     let kv_port = kv_port(config, &kv_layout)?;
-    let engine = engine::Engine::new(backend, engine::EngineConfig { eos_token_id: eos });
+    // An executor without an end token (a simulated one before its handshake) never avoids one.
+    let eos_token_id = serves.eos.unwrap_or(u32::MAX);
+    let engine = engine::Engine::new(backend, engine::EngineConfig { eos_token_id });
     let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
         executor_id: config.executor_id.clone(),
-        model: model.file.name.clone(),
-        model_fingerprint: model.file.fingerprint.clone(),
+        model: serves.model,
+        model_fingerprint: serves.fingerprint,
         block_size: config.block_size,
-        num_blocks: num_blocks as u32,
-        max_model_len: shape.max_model_len as u32,
-        vocab_size: shape.vocab_size as u32,
-        eos_token_ids: vec![eos],
+        num_blocks,
+        max_model_len: serves.max_model_len,
+        vocab_size: serves.vocab_size,
+        eos_token_ids: serves.eos.into_iter().collect(),
         role: v1::ExecutorRole::from(config.role).into(),
         backend: v1::Backend::from(config.backend).into(),
         kv_layout: Some(kv_layout),
         kv_agent_address: config.kv_agent.clone().unwrap_or_default(),
     };
-    Ok(BuiltExecutor { engine, info, identity: None })
+    Ok(BuiltExecutor { engine, identity, info })
 }
 
 /// An executor that simulates `--model-profile` on `--hardware` with no model file: step
@@ -195,25 +229,14 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         dtype: kv_dtype.into(),
         model_fingerprint: fingerprint.clone(),
     };
-    let kv_port = kv_port(config, &kv_layout)?;
-    let engine =
-        engine::Engine::new(Box::new(backend), engine::EngineConfig { eos_token_id: u32::MAX });
-    let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
-    let info = v1::ExecutorInfo {
-        executor_id: config.executor_id.clone(),
+    let serves = Serves {
         model: profile.name.clone(),
-        model_fingerprint: fingerprint,
-        block_size: config.block_size,
-        num_blocks,
+        fingerprint,
         max_model_len: SIMULATED_MAX_MODEL_LEN as u32,
         vocab_size: profile.vocab_size,
-        eos_token_ids: Vec::new(),
-        role: v1::ExecutorRole::from(config.role).into(),
-        backend: v1::Backend::Sim.into(),
-        kv_layout: Some(kv_layout),
-        kv_agent_address: config.kv_agent.clone().unwrap_or_default(),
+        eos: None,
     };
-    Ok(BuiltExecutor { engine, info, identity: Some(identity) })
+    assemble(config, Box::new(backend), num_blocks, kv_layout, serves, Some(identity))
 }
 
 /// Where `--kv-agent` sends the KV operations of blocks of `layout`, if anywhere.

@@ -291,20 +291,23 @@ struct Track {
 /// A disaggregated request's decode half, chosen when it arrived.
 struct Handoff {
     decode: usize,
+    /// The first token, once the prefill executor sampled it (the continuation's prior output).
+    first_token: Option<u32>,
     transfer: TransferId,
     import_tokens: usize,
     prompt: std::sync::Arc<[u32]>,
     output_len: usize,
 }
 
-/// A KV transfer between a prefill and a decode executor.
+/// A KV transfer: from a prefill executor to a decode executor, or a KV-tier read from the
+/// agent of `source`'s node into `destination`.
 struct Transfer {
-    prefill: usize,
-    decode: usize,
-    /// When its bytes have all arrived (once its export went out).
+    source: usize,
+    destination: usize,
+    /// When its bytes have all arrived (once its export or read went out).
     arrived: Option<u64>,
-    /// For a KV-tier read: the agent (executor index of its node) read from, and the hashes.
-    tier: Option<(usize, Vec<BlockHash>)>,
+    /// For a KV-tier read: the hashes of the blocks it reads.
+    tier: Option<Vec<BlockHash>>,
     /// Whether it moved its blocks (a tier read whose blocks were evicted fails).
     ok: bool,
 }
@@ -414,13 +417,10 @@ struct Sim<'a> {
     next_transfer: u64,
     next_continuation: u64,
     kv_ops: Vec<KvOp>,
-    /// Hashes of the blocks a step writes to the KV tier.
-    stored: Vec<BlockHash>,
     disaggregated: u64,
     transfer_bytes: u64,
     transfer_secs: f64,
     transfers_done: u64,
-    live_total: u64,
     timeline: Timeline,
     /// Conversations' next turns, by key, until they arrive.
     turns: HashMap<u64, SimRequest>,
@@ -542,12 +542,10 @@ impl<'a> Sim<'a> {
             next_transfer: 0,
             next_continuation: CONTINUATION_IDS,
             kv_ops: Vec::new(),
-            stored: Vec::new(),
             disaggregated: 0,
             transfer_bytes: 0,
             transfer_secs: 0.0,
             transfers_done: 0,
-            live_total: 0,
             timeline: Timeline::default(),
             turns: HashMap::new(),
             next_turn: TURN_IDS,
@@ -598,26 +596,23 @@ impl<'a> Sim<'a> {
             self.hashes.clear();
             extend_block_hashes(&mut self.hashes, &prompt[..whole], bs, 0);
         }
+        let rr = self.next_rr;
+        if spec.router == Router::RoundRobin {
+            self.next_rr += 1;
+        }
         let hit = |x: &Exec, hashes: &[BlockHash]| x.core.cached_prefix_blocks(hashes) * bs;
+        // `routing::pick` over `range` of the executors, by cached prefix when `by_prefix`.
+        let pick = |range: std::ops::Range<usize>, by_prefix: bool| {
+            let candidates = self.execs[range.clone()].iter().map(|x| Candidate {
+                prefix_hit_tokens: if by_prefix { hit(x, &self.hashes) } else { 0 },
+                load: x.live,
+            });
+            range.start + routing::pick(candidates).unwrap_or(0)
+        };
         let decode = match spec.router {
-            Router::RoundRobin => {
-                let e = decoders.start + self.next_rr % decoders.len();
-                self.next_rr += 1;
-                e
-            }
-            Router::LeastLoad => {
-                let loads = self.execs[decoders.clone()]
-                    .iter()
-                    .map(|x| Candidate { prefix_hit_tokens: 0, load: x.live });
-                decoders.start + routing::pick(loads).unwrap_or(0)
-            }
-            Router::KvAware => {
-                let hashes = &self.hashes;
-                let candidates = self.execs[decoders.clone()]
-                    .iter()
-                    .map(|x| Candidate { prefix_hit_tokens: hit(x, hashes), load: x.live });
-                decoders.start + routing::pick(candidates).unwrap_or(0)
-            }
+            Router::RoundRobin => decoders.start + rr % decoders.len(),
+            Router::LeastLoad => pick(decoders.clone(), false),
+            Router::KvAware => pick(decoders.clone(), true),
         };
         if spec.prefill_executors == 0 {
             return self.tier_read(decode, prompt.len());
@@ -636,10 +631,7 @@ impl<'a> Sim<'a> {
         {
             return self.tier_read(decode, prompt.len());
         }
-        let loads = self.execs[..spec.prefill_executors]
-            .iter()
-            .map(|x| Candidate { prefix_hit_tokens: 0, load: x.live });
-        let prefill = routing::pick(loads).unwrap_or(0);
+        let prefill = pick(0..spec.prefill_executors, false); // the least loaded
         let import_tokens = routing::import_tokens(prompt.len(), bs);
         Placement::Split { prefill, decode, import_tokens }
     }
@@ -653,12 +645,11 @@ impl<'a> Sim<'a> {
         let covered = routing::import_tokens(prompt_len, bs) / bs;
         let hashes = &self.hashes[..covered.min(self.hashes.len())];
         let cached = self.execs[e].core.cached_prefix_blocks(hashes) * bs;
-        let own = self.agents[e].run(hashes);
         let (agent, blocks) = self
             .agents
             .iter()
             .enumerate()
-            .map(|(a, store)| (a, if a == e { own } else { store.run(hashes) }))
+            .map(|(a, store)| (a, store.run(hashes)))
             .max_by_key(|&(a, blocks)| (blocks, a == e, std::cmp::Reverse(a)))
             .unwrap_or((e, 0));
         let tokens = blocks * bs;
@@ -687,10 +678,10 @@ impl<'a> Sim<'a> {
                 req.kv_import = Some(KvImport { transfer_id: transfer, num_tokens: tokens });
                 let hashes = self.hashes[..tokens / self.spec.scheduler.block_size].to_vec();
                 let t = Transfer {
-                    prefill: agent,
-                    decode: executor,
+                    source: agent,
+                    destination: executor,
                     arrived: None,
-                    tier: Some((agent, hashes)),
+                    tier: Some(hashes),
                     ok: true,
                 };
                 self.transfers.insert(transfer.0, t);
@@ -706,10 +697,19 @@ impl<'a> Sim<'a> {
                 // its import goes out before the export does.
                 self.transfers.insert(
                     transfer.0,
-                    Transfer { prefill, decode, arrived: None, tier: None, ok: true },
+                    Transfer {
+                        source: prefill,
+                        destination: decode,
+                        arrived: None,
+                        tier: None,
+                        ok: true,
+                    },
                 );
                 let (prompt, output_len) = (r.prompt.clone(), r.output_len as usize);
-                (prefill, Some(Handoff { decode, transfer, import_tokens, prompt, output_len }))
+                let first_token = None;
+                let h =
+                    Handoff { decode, first_token, transfer, import_tokens, prompt, output_len };
+                (prefill, Some(h))
             }
         };
         if self.execs[e].core.add_request(req).is_err() {
@@ -728,13 +728,22 @@ impl<'a> Sim<'a> {
             turn,
             conversation,
         };
+        self.admit(e, id, track)
+    }
+
+    /// Request `id`, added to executor `e`'s core, is followed by `track`; `e` steps if idle.
+    fn admit(&mut self, e: usize, id: u64, track: Track) -> Result<(), String> {
         self.tracks.insert(id, track);
         self.execs[e].live += 1;
-        self.live_total += 1;
-        if !self.execs[e].busy {
-            self.start_step(e)?;
+        self.wake(e)
+    }
+
+    /// Executor `e` builds a step now unless one is running (it then steps when that ends).
+    fn wake(&mut self, e: usize) -> Result<(), String> {
+        if self.execs[e].busy {
+            return Ok(());
         }
-        Ok(())
+        self.start_step(e)
     }
 
     /// The KV transfers executor `e` has carried out whose bytes have arrived by now, as
@@ -758,22 +767,19 @@ impl<'a> Sim<'a> {
     fn transfer_done(&mut self, tid: u64) -> Result<(), String> {
         let Some(t) = self.transfers.get_mut(&tid) else { return Ok(()) };
         t.arrived = Some(self.now);
-        let (prefill, decode) = (t.prefill, t.decode);
-        for e in [prefill, decode] {
-            if !self.execs[e].busy {
-                self.start_step(e)?;
-            }
-        }
-        Ok(())
+        let (source, destination) = (t.source, t.destination);
+        self.wake(source)?;
+        self.wake(destination)
     }
 
     /// A prefill-only request's export went out: its continuation goes to its decode executor
     /// (the prompt, the first token as prior output, an import of the prompt's whole blocks).
-    fn hand_on(&mut self, id: u64, first_token: u32) -> Result<(), String> {
+    fn hand_on(&mut self, id: u64) -> Result<(), String> {
         let Some(mut track) = self.tracks.remove(&id) else { return Ok(()) };
-        let Some(h) = track.handoff.take() else {
-            self.tracks.insert(id, track);
-            return Ok(());
+        let Some((h, first_token)) =
+            track.handoff.take().and_then(|h| h.first_token.map(|t| (h, t)))
+        else {
+            return Err(format!("request {id} started an export without a handoff or a token"));
         };
         self.disaggregated += 1;
         self.next_continuation += 1;
@@ -786,26 +792,15 @@ impl<'a> Sim<'a> {
         if let Err(err) = self.execs[d].core.add_request(req) {
             return Err(format!("executor {d} refused a continuation: {err}"));
         }
-        self.tracks.insert(cont, track);
-        self.execs[d].live += 1;
-        self.live_total += 1;
-        if !self.execs[d].busy {
-            self.start_step(d)?;
-        }
-        Ok(())
+        self.admit(d, cont, track)
     }
 
     /// Builds executor `e`'s next step and posts its end; leaves it idle if it has no work.
     fn start_step(&mut self, e: usize) -> Result<(), String> {
         let now = Timestamp(self.now);
-        let (spec, items, work, kv_ops, tracks, stored) = (
-            self.spec,
-            &mut self.items,
-            &mut self.work,
-            &mut self.kv_ops,
-            &self.tracks,
-            &mut self.stored,
-        );
+        let (spec, items, work, kv_ops, tracks) =
+            (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops, &self.tracks);
+        let (agent, tier_writes) = (&mut self.agents[e], &mut self.tier_writes);
         let x = &mut self.execs[e];
         let idle = {
             let plan = x.core.schedule(now).map_err(|err| format!("executor {e}: {err}"))?;
@@ -814,10 +809,16 @@ impl<'a> Sim<'a> {
             work.extend_from_slice(&plan.scheduled);
             kv_ops.clear();
             kv_ops.extend_from_slice(&plan.kv_ops);
-            stored.clear();
-            for op in &plan.kv_ops {
-                if let KvOp::Store { block_hashes, .. } = op {
-                    stored.extend_from_slice(plan.hashes(*block_hashes));
+            // KV-tier writes land in the node's agent now (off the step's critical path).
+            if let Some(tier) = spec.kv_tier {
+                for op in &plan.kv_ops {
+                    if let KvOp::Store { block_hashes, .. } = op {
+                        let hashes = plan.hashes(*block_hashes);
+                        for h in hashes {
+                            agent.put(*h, tier.blocks_per_agent);
+                        }
+                        *tier_writes += hashes.len() as u64;
+                    }
                 }
             }
             plan.is_idle()
@@ -847,9 +848,6 @@ impl<'a> Sim<'a> {
             }
         }
         self.start_transfers(e);
-        let stored = std::mem::take(&mut self.stored);
-        self.store(e, &stored);
-        self.stored = stored;
         if idle {
             // Nothing to run (the plan may still tell the executor of finished requests): its
             // result is due now, with the transfers that ended; those may make work.
@@ -863,10 +861,7 @@ impl<'a> Sim<'a> {
             x.busy = false;
             self.check(e)?;
             self.handle_events(e)?;
-            if resolved && !self.execs[e].busy {
-                return self.start_step(e);
-            }
-            return Ok(());
+            return if resolved { self.wake(e) } else { Ok(()) };
         }
         let x = &mut self.execs[e];
         let secs = step_duration(&spec.hardware, &spec.model, &self.items).as_secs_f64();
@@ -886,17 +881,10 @@ impl<'a> Sim<'a> {
         for i in 0..self.kv_ops.len() {
             match self.kv_ops[i] {
                 KvOp::Export { transfer_id, num_tokens, .. } => {
+                    // Its record was made when the request arrived (see `arrive`).
                     let bytes = num_tokens as u64 * spec.model.kv_bytes_per_token();
-                    let group = f64::from(spec.hardware.tensor_parallel.max(1));
-                    let rate = spec.hardware.network_gbps * 1e9 * group;
-                    let secs = spec.transfer_latency + bytes as f64 / rate;
-                    self.transfer_bytes += bytes;
-                    self.transfer_secs += secs;
-                    self.transfers_done += 1;
-                    let t = Transfer { prefill: e, decode: e, arrived: None, tier: None, ok: true };
-                    self.transfers.entry(transfer_id.0).or_insert(t);
                     self.execs[e].transfers.push(transfer_id);
-                    self.post(self.now + ns(secs).max(1), Event::TransferDone(transfer_id.0));
+                    self.send(transfer_id, bytes, spec.hardware.network_gbps);
                 }
                 KvOp::Import { transfer_id, block_ids, .. } => {
                     self.execs[e].transfers.push(transfer_id);
@@ -914,28 +902,26 @@ impl<'a> Sim<'a> {
         let spec = self.spec;
         let Some(tier) = spec.kv_tier else { return };
         let Some(t) = self.transfers.get_mut(&tid.0) else { return };
-        let Some((agent, hashes)) = &t.tier else { return };
-        t.ok = self.agents[*agent].holds_all(hashes);
+        let Some(hashes) = &t.tier else { return };
+        t.ok = self.agents[t.source].holds_all(hashes);
         if !t.ok {
             self.tier_read_failures += 1;
         }
+        let gbps = if t.source == e { tier.host_gbps } else { spec.hardware.network_gbps };
         let bytes = (blocks * spec.scheduler.block_size) as u64 * spec.model.kv_bytes_per_token();
+        self.send(tid, bytes, gbps);
+    }
+
+    /// Transfer `tid` moves `bytes` at `gbps` per GPU of the group (each GPU its shard) after
+    /// the fixed latency; its `TransferDone` is posted.
+    fn send(&mut self, tid: TransferId, bytes: u64, gbps: f64) {
+        let spec = self.spec;
         let group = f64::from(spec.hardware.tensor_parallel.max(1));
-        let gbps = if *agent == e { tier.host_gbps } else { spec.hardware.network_gbps };
         let secs = spec.transfer_latency + bytes as f64 / (gbps * 1e9 * group);
         self.transfer_bytes += bytes;
         self.transfer_secs += secs;
         self.transfers_done += 1;
         self.post(self.now + ns(secs).max(1), Event::TransferDone(tid.0));
-    }
-
-    /// Blocks executor `e`'s step writes to its node's agent (the KV tier).
-    fn store(&mut self, e: usize, hashes: &[BlockHash]) {
-        let Some(tier) = self.spec.kv_tier else { return };
-        for h in hashes {
-            self.agents[e].put(*h, tier.blocks_per_agent);
-        }
-        self.tier_writes += hashes.len() as u64;
     }
 
     fn check(&self, e: usize) -> Result<(), String> {
@@ -960,25 +946,23 @@ impl<'a> Sim<'a> {
             .map_err(|err| format!("executor {e}: {err}"))?;
         x.busy = false;
         self.check(e)?;
-        let tokens =
-            self.events.iter().filter(|ev| matches!(ev, RequestEvent::Token { .. })).count();
         let kv = self.execs[e].kv_usage;
-        self.handle_events(e)?;
-        self.timeline.step(self.secs(), tokens as u64, self.live_total, kv);
-        if self.execs[e].busy {
-            return Ok(()); // a continuation's add already stepped it
-        }
-        self.start_step(e)
+        let tokens = self.handle_events(e)?;
+        self.timeline.step(self.secs(), tokens, self.tracks.len() as u64, kv);
+        // A continuation added here may have stepped it already.
+        self.wake(e)
     }
 
     /// What executor `e`'s last result told: tokens, finishes, exports going out.
-    fn handle_events(&mut self, e: usize) -> Result<(), String> {
+    /// The tokens it carried are returned.
+    fn handle_events(&mut self, e: usize) -> Result<u64, String> {
         let secs = self.secs();
         let events = std::mem::take(&mut self.events);
-        let mut hand_on = Vec::new();
+        let mut tokens = 0;
         for event in &events {
             match event {
                 RequestEvent::Token { id, index, token } => {
+                    tokens += 1;
                     let Some(t) = self.tracks.get_mut(&id.0) else { continue };
                     if *index == 0 {
                         t.first = secs;
@@ -987,13 +971,12 @@ impl<'a> Sim<'a> {
                         self.itl.record(secs - t.last);
                     }
                     t.last = secs;
-                    if t.handoff.is_some() {
-                        hand_on.push((id.0, *token));
+                    if let Some(h) = &mut t.handoff {
+                        h.first_token = Some(*token);
                     }
                 }
                 RequestEvent::Finished(f) => {
                     self.execs[e].live -= 1;
-                    self.live_total -= 1;
                     if f.reason == FinishReason::Transferred {
                         continue; // its continuation goes on elsewhere
                     }
@@ -1024,24 +1007,14 @@ impl<'a> Sim<'a> {
                         }
                     }
                 }
-                RequestEvent::ExportStarted { .. } | RequestEvent::Imported { .. } => {}
+                // After its first token (an event before this one): the front hands the
+                // request on when its export starts, and so does the simulator.
+                RequestEvent::ExportStarted { id, .. } => self.hand_on(id.0)?,
+                RequestEvent::Imported { .. } => {}
             }
         }
         self.events = events;
-        for (id, token) in hand_on {
-            // Only a request whose export started has a handoff left: one finished with its
-            // first token (max_tokens 1) is gone from the tracks already.
-            if self.tracks.get(&id).is_some_and(|t| t.handoff.is_some()) {
-                let exporting = self.execs[e]
-                    .core
-                    .request_view(RequestId(id))
-                    .is_some_and(|v| v.status == ferry_sched_core::RequestStatus::Transferring);
-                if exporting {
-                    self.hand_on(id, token)?;
-                }
-            }
-        }
-        Ok(())
+        Ok(tokens)
     }
 
     fn report(&self, wall_seconds: f64) -> Report {

@@ -4,7 +4,7 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use ferry_sched_core::{PreemptionMode, PreemptionPolicy, SchedulerConfig};
 use ferry_sim::des::{self, ClusterSpec, KvTier, Report, Router, Slo};
 use ferry_sim::profile::Profiles;
@@ -135,16 +135,6 @@ struct Args {
     check_invariants: bool,
 }
 
-impl Args {
-    fn router_name(&self) -> &'static str {
-        match self.router {
-            Router::KvAware => "kv-aware",
-            Router::LeastLoad => "least-load",
-            Router::RoundRobin => "round-robin",
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum Policy {
     Fcfs,
@@ -202,7 +192,7 @@ fn main() -> anyhow::Result<()> {
             args.hardware,
             args.model_profile,
             args.prefill_executors,
-            args.router_name()
+            args.router.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string())
         );
         for path in ferry_sim::plot::write_plots(&report, &title, dir)? {
             eprintln!("wrote {}", path.display());

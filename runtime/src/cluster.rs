@@ -66,6 +66,9 @@ pub enum ClusterArgsError {
     /// An empty endpoint.
     #[error("--etcd-endpoints contains an empty endpoint")]
     Endpoint,
+    /// An endpoint or advertised address that is not `host:port` or a URL.
+    #[error(transparent)]
+    Address(#[from] crate::check::AddressError),
 }
 
 /// The kinds of registration, each a key prefix.
@@ -103,6 +106,12 @@ impl ClusterArgs {
         }
         if self.etcd_endpoints.iter().any(|e| e.trim().is_empty()) {
             return Err(ClusterArgsError::Endpoint);
+        }
+        for endpoint in &self.etcd_endpoints {
+            crate::check::dial_address("etcd-endpoints", endpoint.trim())?;
+        }
+        if let Some(a) = &self.advertise_address {
+            crate::check::dial_address("advertise-address", a)?;
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 //! global, so tests start them on port 0.
 
 pub mod backoff;
+pub mod check;
 pub mod clock;
 pub mod cluster;
 pub mod grpc;

@@ -27,6 +27,13 @@ pub struct LogArgs {
 }
 
 impl LogArgs {
+    /// Checks the filter without installing anything.
+    pub fn validate(&self) -> Result<(), String> {
+        EnvFilter::try_new(&self.log)
+            .map(drop)
+            .map_err(|e| format!("invalid log filter {:?}: {e}", self.log))
+    }
+
     /// Installs the global subscriber these flags describe.
     pub fn init(&self) -> Result<(), String> {
         init_with(&self.log, self.log_format)

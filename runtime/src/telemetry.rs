@@ -48,15 +48,29 @@ impl Drop for Telemetry {
 }
 
 impl TraceArgs {
-    /// Installs the global tracer provider for `service_name` (when an endpoint is given) and
-    /// the W3C trace-context propagator. Call it inside the tokio runtime.
-    pub fn init(&self, service_name: &str) -> Result<Telemetry, String> {
+    /// Checks the flags without installing anything.
+    pub fn validate(&self) -> Result<(), String> {
         if !(0.0..=1.0).contains(&self.trace_sample_ratio) {
             return Err(format!(
                 "--trace-sample-ratio must be between 0 and 1, got {}",
                 self.trace_sample_ratio
             ));
         }
+        if let Some(endpoint) = &self.otlp_endpoint {
+            crate::check::dial_address("otlp-endpoint", endpoint).map_err(|e| e.to_string())?;
+            if !endpoint.contains("://") {
+                return Err(format!(
+                    "--otlp-endpoint {endpoint:?} needs a scheme (http://HOST:4317 or https://)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Installs the global tracer provider for `service_name` (when an endpoint is given) and
+    /// the W3C trace-context propagator. Call it inside the tokio runtime.
+    pub fn init(&self, service_name: &str) -> Result<Telemetry, String> {
+        self.validate()?;
         global::set_text_map_propagator(TraceContextPropagator::new());
         let Some(endpoint) = &self.otlp_endpoint else {
             return Ok(Telemetry { provider: None });

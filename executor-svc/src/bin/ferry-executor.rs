@@ -22,6 +22,8 @@ struct Cli {
     executor: ExecutorConfig,
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
+    #[command(flatten)]
+    check: ferry_runtime::check::CheckArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -100,6 +102,13 @@ async fn main() -> anyhow::Result<()> {
     }
     cli.executor.validate()?;
     cli.cluster.validate()?;
+    ferry_runtime::check::listen_address("listen", &cli.listen)?;
+    cli.log.validate().map_err(anyhow::Error::msg)?;
+    cli.trace.validate().map_err(anyhow::Error::msg)?;
+    if cli.check.check_config {
+        ferry_runtime::check::report_ok("ferry-executor");
+        return Ok(());
+    }
     cli.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = cli.trace.init("ferry-executor").map_err(anyhow::Error::msg)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;

@@ -18,6 +18,8 @@ struct Cli {
     agent: KvAgentConfig,
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
+    #[command(flatten)]
+    check: ferry_runtime::check::CheckArgs,
 }
 
 #[tokio::main]
@@ -25,6 +27,13 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     cli.agent.validate()?;
     cli.cluster.validate()?;
+    ferry_runtime::check::listen_address("listen", &cli.listen)?;
+    cli.log.validate().map_err(anyhow::Error::msg)?;
+    cli.trace.validate().map_err(anyhow::Error::msg)?;
+    if cli.check.check_config {
+        ferry_runtime::check::report_ok("ferry-kv");
+        return Ok(());
+    }
     cli.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = cli.trace.init("ferry-kv").map_err(anyhow::Error::msg)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;

@@ -45,6 +45,8 @@ struct Common {
     log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
     trace: ferry_runtime::telemetry::TraceArgs,
+    #[command(flatten)]
+    check: ferry_runtime::check::CheckArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -65,6 +67,15 @@ enum Command {
 }
 
 impl Common {
+    /// Checks the flags `start` and `model` would use, without binding or reading anything.
+    fn validate(&self) -> anyhow::Result<()> {
+        ferry_runtime::check::listen_address("listen", &self.listen)?;
+        ferry_runtime::check::listen_address("http-listen", &self.http_listen)?;
+        self.log.validate().map_err(anyhow::Error::msg)?;
+        self.trace.validate().map_err(anyhow::Error::msg)?;
+        Ok(())
+    }
+
     /// Starts logging and tracing as `service`, binds both APIs and announces them.
     async fn start(
         &self,
@@ -102,6 +113,11 @@ async fn main() -> anyhow::Result<()> {
                     cli.cluster.enabled().then_some(cli.cluster)
                 },
             };
+            cli.common.validate()?;
+            if cli.common.check.check_config {
+                ferry_runtime::check::report_ok("ferry-scheduler");
+                return Ok(());
+            }
             let (listeners, _telemetry) = cli.common.start("ferry-scheduler").await?;
             let model = cli.common.model().await?;
             ferry_scheduler_svc::run(role, model, listeners, stop).await
@@ -114,6 +130,11 @@ async fn main() -> anyhow::Result<()> {
                 cluster.enabled(),
                 "a front needs --etcd-endpoints to find its scheduler"
             );
+            common.validate()?;
+            if common.check.check_config {
+                ferry_runtime::check::report_ok("ferry-scheduler front");
+                return Ok(());
+            }
             let (listeners, _telemetry) = common.start("ferry-front").await?;
             let model = common.model().await?;
             ferry_scheduler_svc::run_front(settings, pool, cluster, model, listeners, stop).await

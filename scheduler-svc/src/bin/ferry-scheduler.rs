@@ -41,6 +41,10 @@ struct Common {
     /// default model if absent.
     #[arg(long, env = "FERRY_MODEL")]
     model: Option<std::path::PathBuf>,
+    /// The name clients give as `model` and `/v1/models` lists (vLLM's flag); default: the
+    /// model file's name without `.gguf` (the default model's: `SmolLM2-135M-Instruct`).
+    #[arg(long, env = "FERRY_SERVED_MODEL_NAME")]
+    served_model_name: Option<String>,
     #[command(flatten)]
     log: ferry_runtime::logging::LogArgs,
     #[command(flatten)]
@@ -73,6 +77,12 @@ impl Common {
         ferry_runtime::check::listen_address("http-listen", &self.http_listen)?;
         self.log.validate().map_err(anyhow::Error::msg)?;
         self.trace.validate().map_err(anyhow::Error::msg)?;
+        if let Some(name) = &self.served_model_name {
+            anyhow::ensure!(
+                !name.is_empty() && name.len() <= 256 && !name.contains(char::is_whitespace),
+                "--served-model-name {name:?} must be 1 to 256 characters without spaces"
+            );
+        }
         Ok(())
     }
 
@@ -93,7 +103,11 @@ impl Common {
     /// Reads the model's header (fetching the default model when missing).
     async fn model(&self) -> anyhow::Result<Arc<ModelFile>> {
         let path = self.model.clone();
-        let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+        let mut model =
+            tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+        if let Some(name) = &self.served_model_name {
+            model.name.clone_from(name);
+        }
         Ok(Arc::new(model))
     }
 }

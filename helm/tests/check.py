@@ -280,6 +280,16 @@ class Checker:
                         self.fail(f"{p.workload}/{c.name}: advertises port {port}, listens on "
                                   f"{listen}")
                     self.count("advertised addresses that name their pod")
+                mounts = [vm["mountPath"] for vm in c.spec.get("volumeMounts", [])]
+                env = p.env(c)
+                files = [(k, env.get(k)) for k in
+                         ("FERRY_ETCD_CACERT", "FERRY_ETCD_CERT", "FERRY_ETCD_KEY")]
+                files.append(("--model", self.flag(argv, "model")))
+                for what, path in files:
+                    if path and not any(path.startswith(m.rstrip("/") + "/") for m in mounts):
+                        self.fail(f"{p.workload}/{c.name}: {what} {path} is on no volume")
+                    elif path:
+                        self.count("files read from a mounted volume")
                 if argv[0] == "ferry-executor":
                     cuda = self.flag(argv, "backend") == "cuda"
                     if cuda != c.image.endswith(self.args.cuda_suffix):

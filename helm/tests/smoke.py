@@ -25,11 +25,13 @@ Needs root (network namespaces) and grpcurl (FERRY_GRPCURL). Usage:
 """
 
 import argparse
+import http.client
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -139,6 +141,12 @@ class Run:
                 for k, data in cm.get("data", {}).items():
                     with open(os.path.join(d, k), "w") as f:
                         f.write(data)
+            elif "secret" in v:
+                src = self.args.secrets.get(v["secret"]["secretName"])
+                if src is None:
+                    raise SystemExit(f"smoke: no --secret for {v['secret']['secretName']}")
+                for f in os.listdir(src):
+                    shutil.copy(os.path.join(src, f), d)
             elif not ({"emptyDir", "persistentVolumeClaim"} & set(v) or vm["name"] not in vols):
                 raise SystemExit(f"smoke: volume {vm['name']} of {p.name} is not supported")
             out[vm["mountPath"]] = d
@@ -191,7 +199,6 @@ class Run:
             except OSError:
                 return False
         if "tcpSocket" in probe:
-            import socket
             port = ports.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"])
             try:
                 socket.create_connection((ip, port), timeout=1).close()
@@ -268,6 +275,43 @@ class Run:
         port = next(x["port"] for x in svc["spec"]["ports"] if x["name"] == "http")
         return f"http://{svc['metadata']['name']}:{port}", self.ips[
             self.m.selected(svc["spec"]["selector"])[0].name], port
+
+    def check_etcd_tls(self):
+        """With TLS to etcd, the members refuse plaintext clients (so the services that work
+        spoke TLS)."""
+        etcd = self.pods_of("etcd")
+        tls = any(p.env(c).get("FERRY_ETCD_CACERT") for p in self.m.pods for c in p.containers)
+        if not (etcd and tls):
+            return
+        port = etcd[0].container("etcd").ports()["client"]
+        try:
+            urllib.request.urlopen(f"http://{self.ips[etcd[0].name]}:{port}/version", timeout=5)
+            raise AssertionError("etcd answered a plaintext request")
+        except (OSError, http.client.HTTPException) as e:
+            plain = type(e).__name__
+        # Over TLS, a client without a certificate is refused; with the Secret's, it answers.
+        import ssl
+        tls = os.path.join(self.root, etcd[0].name, "etcd-tls")
+        url = f"https://{etcd[0].name}.{etcd[0].service_name}:{port}/version"
+        ctx = ssl.create_default_context(cafile=os.path.join(tls, "ca.crt"))
+        target = (self.ips[etcd[0].name], port)
+        def get(context):
+            with socket.create_connection(target, timeout=5) as raw:
+                host = url.split("/")[2].split(":")[0]
+                with context.wrap_socket(raw, server_hostname=host) as conn:
+                    conn.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                    return conn.recv(4096).decode(errors="replace")
+        try:
+            answer = get(ctx)
+            refused = "HTTP/1.1 200" not in answer
+        except (OSError, ssl.SSLError):
+            refused = True
+        assert refused, "etcd answered a TLS client without a certificate"
+        ctx.load_cert_chain(os.path.join(tls, "tls.crt"), os.path.join(tls, "tls.key"))
+        answer = get(ctx)
+        assert "HTTP/1.1 200" in answer and "etcdserver" in answer, answer
+        log(f"etcd refuses plaintext ({plain}) and TLS without a client certificate, answers "
+            "with one: the services reach it over mutual TLS")
 
     def wait_serving(self):
         deadline = time.time() + self.args.timeout
@@ -463,9 +507,12 @@ def main():
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--disaggregated", action="store_true",
                     help="every stream must be prefilled on a prefill pod and handed to decode")
+    ap.add_argument("--secret", action="append", default=[], metavar="NAME=DIR",
+                    help="a Secret's files (a volume of that Secret gets them)")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
+    args.secrets = dict(x.split("=", 1) for x in args.secret)
     if args.wheel_dir:
         args.wheel_dir = os.path.abspath(args.wheel_dir)
     if os.geteuid() != 0:
@@ -476,6 +523,7 @@ def main():
         run.network()
         run.start_all()
         run.wait_serving()
+        run.check_etcd_tls()
         run.exercise()
         ok = True
     finally:

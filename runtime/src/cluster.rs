@@ -31,6 +31,17 @@ pub struct ClusterArgs {
     /// The address others reach this service at (default: the address it listens on).
     #[arg(long = "advertise-address", env = "FERRY_ADVERTISE_ADDRESS")]
     pub advertise_address: Option<String>,
+    /// TLS to etcd: the CA certificate (PEM) etcd's server certificates are checked against.
+    /// With it, endpoints are dialled over TLS (`https://host:port`, or `host:port`).
+    #[arg(long = "etcd-cacert", env = "FERRY_ETCD_CACERT")]
+    pub etcd_cacert: Option<std::path::PathBuf>,
+    /// Mutual TLS to etcd: the client certificate (PEM) this service presents; with
+    /// `--etcd-key` and `--etcd-cacert`.
+    #[arg(long = "etcd-cert", env = "FERRY_ETCD_CERT")]
+    pub etcd_cert: Option<std::path::PathBuf>,
+    /// Mutual TLS to etcd: the client certificate's private key (PEM).
+    #[arg(long = "etcd-key", env = "FERRY_ETCD_KEY")]
+    pub etcd_key: Option<std::path::PathBuf>,
 }
 
 /// What a registration's value says about its member.
@@ -69,6 +80,18 @@ pub enum ClusterArgsError {
     /// An endpoint or advertised address that is not `host:port` or a URL.
     #[error(transparent)]
     Address(#[from] crate::check::AddressError),
+    /// A client certificate without its key, or the other way round.
+    #[error("--etcd-cert and --etcd-key go together")]
+    CertWithoutKey,
+    /// A client certificate without the CA to check etcd with.
+    #[error("--etcd-cert needs --etcd-cacert (mutual TLS to etcd)")]
+    IdentityWithoutCa,
+    /// A plaintext endpoint while TLS is configured.
+    #[error("--etcd-endpoints {0:?} is http:// but --etcd-cacert asks for TLS: use https:// or host:port")]
+    PlainWithTls(String),
+    /// A TLS endpoint without a CA to check it with.
+    #[error("--etcd-endpoints {0:?} is https:// and needs --etcd-cacert")]
+    TlsWithoutCa(String),
 }
 
 /// The kinds of registration, each a key prefix.
@@ -113,6 +136,21 @@ impl ClusterArgs {
         if let Some(a) = &self.advertise_address {
             crate::check::dial_address("advertise-address", a)?;
         }
+        if self.etcd_cert.is_some() != self.etcd_key.is_some() {
+            return Err(ClusterArgsError::CertWithoutKey);
+        }
+        if self.etcd_cert.is_some() && self.etcd_cacert.is_none() {
+            return Err(ClusterArgsError::IdentityWithoutCa);
+        }
+        for e in &self.etcd_endpoints {
+            let e = e.trim();
+            if self.etcd_cacert.is_some() && e.starts_with("http://") {
+                return Err(ClusterArgsError::PlainWithTls(e.to_string()));
+            }
+            if self.etcd_cacert.is_none() && e.starts_with("https://") {
+                return Err(ClusterArgsError::TlsWithoutCa(e.to_string()));
+            }
+        }
         Ok(())
     }
 
@@ -154,18 +192,45 @@ impl ClusterArgs {
 
     /// An etcd client over the endpoints. Channels connect lazily, so this succeeds while etcd
     /// is down; calls then fail until it is up.
+    ///
+    /// With `--etcd-cacert` the certificates are read here, on every call: a client built after
+    /// they were renewed uses the new ones.
     pub async fn client(&self) -> Result<Client, etcd_client::Error> {
+        let tls = self.etcd_tls()?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let endpoints: Vec<String> = self
             .etcd_endpoints
             .iter()
-            .map(|e| if e.contains("://") { e.clone() } else { format!("http://{e}") })
+            .map(|e| if e.contains("://") { e.clone() } else { format!("{scheme}://{e}") })
             .collect();
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(3))
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
+        if let Some(tls) = tls {
+            options = options.with_tls(tls);
+        }
         Client::connect(endpoints, Some(options)).await
+    }
+
+    /// The TLS settings `--etcd-cacert`, `--etcd-cert` and `--etcd-key` give (`None`: plaintext).
+    fn etcd_tls(&self) -> Result<Option<etcd_client::TlsOptions>, etcd_client::Error> {
+        let Some(ca) = &self.etcd_cacert else { return Ok(None) };
+        let read = |flag: &str, path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| {
+                etcd_client::Error::InvalidArgs(format!("--{flag} {}: {e}", path.display()))
+            })
+        };
+        let mut tls = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(read("etcd-cacert", ca)?));
+        if let (Some(cert), Some(key)) = (&self.etcd_cert, &self.etcd_key) {
+            tls = tls.identity(etcd_client::Identity::from_pem(
+                read("etcd-cert", cert)?,
+                read("etcd-key", key)?,
+            ));
+        }
+        Ok(Some(tls))
     }
 }
 
@@ -474,4 +539,53 @@ pub async fn serve_registered(
     let _ = stop_tx.send(true);
     serving.await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{ClusterArgs, ClusterArgsError};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cluster: ClusterArgs,
+    }
+
+    fn validate(args: &[&str]) -> Result<(), ClusterArgsError> {
+        Cli::parse_from(std::iter::once("x").chain(args.iter().copied())).cluster.validate()
+    }
+
+    #[test]
+    fn tls_flags_go_together_and_match_the_endpoints() {
+        let tls = ["--etcd-cacert", "ca.pem", "--etcd-cert", "c.pem", "--etcd-key", "k.pem"];
+        let with = |endpoints: &str| {
+            let mut args = vec!["--etcd-endpoints", endpoints];
+            args.extend(tls);
+            validate(&args)
+        };
+        assert!(with("https://etcd-0.etcd:2379,etcd-1.etcd:2379").is_ok());
+        assert!(matches!(with("http://etcd:2379"), Err(ClusterArgsError::PlainWithTls(_))));
+        assert!(validate(&["--etcd-endpoints", "etcd:2379", "--etcd-cacert", "ca.pem"]).is_ok());
+        assert!(matches!(
+            validate(&["--etcd-endpoints", "https://etcd:2379"]),
+            Err(ClusterArgsError::TlsWithoutCa(_))
+        ));
+        assert!(matches!(
+            validate(&["--etcd-cacert", "ca.pem", "--etcd-cert", "c.pem"]),
+            Err(ClusterArgsError::CertWithoutKey)
+        ));
+        assert!(matches!(
+            validate(&["--etcd-cert", "c.pem", "--etcd-key", "k.pem"]),
+            Err(ClusterArgsError::IdentityWithoutCa)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_missing_certificate_is_named() {
+        let cli = Cli::parse_from(["x", "--etcd-endpoints", "etcd:2379", "--etcd-cacert", "/nope"]);
+        let err = cli.cluster.client().await.err().expect("no CA file").to_string();
+        assert!(err.contains("--etcd-cacert /nope"), "{err}");
+    }
 }

@@ -58,12 +58,35 @@ Service, or the external ones. */}}
 {{- $name := include "ferry.etcd.name" . -}}
 {{- $eps := list -}}
 {{- range $i := until (int .Values.etcd.replicas) -}}
-{{- $eps = append $eps (printf "http://%s-%d.%s:%d" $name $i $name (int $.Values.etcd.clientPort)) -}}
+{{- $eps = append $eps (printf "%s://%s-%d.%s:%d" (include "ferry.etcd.scheme" $) $name $i $name (int $.Values.etcd.clientPort)) -}}
 {{- end -}}
 {{- join "," $eps -}}
 {{- else -}}
 {{- required "etcd.externalEndpoints is required when etcd.enabled is false" (join "," .Values.etcd.externalEndpoints) -}}
 {{- end -}}
+{{- end -}}
+
+{{- define "ferry.etcd.scheme" -}}{{ ternary "https" "http" .Values.etcd.tls.enabled }}{{- end -}}
+
+{{/* TLS to etcd: the Secret's volume, where Ferry's containers mount it, and the environment
+that points the binaries at it. */}}
+{{- define "ferry.etcd.tlsSecret" -}}
+{{- required "etcd.tls.secretName is required with etcd.tls.enabled" .Values.etcd.tls.secretName -}}
+{{- end -}}
+{{- define "ferry.etcd.tlsVolume" -}}
+{{- if .Values.etcd.tls.enabled }}
+- name: etcd-tls
+  secret:
+    secretName: {{ include "ferry.etcd.tlsSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+{{- define "ferry.etcd.tlsMount" -}}
+{{- if .Values.etcd.tls.enabled }}
+- name: etcd-tls
+  mountPath: /etc/ferry/etcd-tls
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "ferry.otlpEndpoint" -}}
@@ -94,6 +117,14 @@ Service, or the external ones. */}}
   value: {{ .Values.leaseTtlSeconds | quote }}
 - name: FERRY_ETCD_ENDPOINTS
   value: {{ include "ferry.etcd.endpoints" . | quote }}
+{{- if .Values.etcd.tls.enabled }}
+- name: FERRY_ETCD_CACERT
+  value: /etc/ferry/etcd-tls/ca.crt
+- name: FERRY_ETCD_CERT
+  value: /etc/ferry/etcd-tls/tls.crt
+- name: FERRY_ETCD_KEY
+  value: /etc/ferry/etcd-tls/tls.key
+{{- end }}
 {{- if .Values.tracing.enabled }}
 - name: FERRY_OTLP_ENDPOINT
   value: {{ include "ferry.otlpEndpoint" . | quote }}

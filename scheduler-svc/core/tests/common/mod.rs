@@ -260,7 +260,7 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             let content = |owner: RequestId, index: usize| {
                 block_content_hash(&sequences, owner, index, cfg.block_size, opts)
             };
-            exec.on_plan(plan, &core, cfg.block_size, !cfg.enable_prefix_caching, &content)
+            exec.on_plan(plan, &core, cfg.block_size, &content)
                 .map_err(|e| format!("step {step}: protocol: {e}"))?;
             let mut outcome = StepOutcome { step_id: plan.step_id, ..StepOutcome::default() };
             for w in plan.scheduled.iter().filter(|w| w.samples_token) {
@@ -347,7 +347,6 @@ impl ExecutorModel {
         plan: &StepPlan,
         core: &Scheduler,
         block_size: usize,
-        check_reuse: bool,
         content_hash: &dyn Fn(RequestId, usize) -> Option<BlockHash>,
     ) -> Result<(), String> {
         // A block copied to the KV tier (at the start of the step, after every earlier step
@@ -440,12 +439,14 @@ impl ExecutorModel {
             }
             *computed = end;
         }
-        if check_reuse {
-            for &(b, owner) in &writes {
-                for step in &self.writes {
-                    if let Some(&(_, other)) = step.iter().find(|&&(ob, o)| ob == b && o != owner) {
-                        return Err(format!("block {b:?} written by {owner} while in-flight step writes it for {other}"));
-                    }
+        // Fence safety, with or without prefix caching: no block is written for one request
+        // while a step still in flight writes it for another.
+        for &(b, owner) in &writes {
+            for step in &self.writes {
+                if let Some(&(_, other)) = step.iter().find(|&&(ob, o)| ob == b && o != owner) {
+                    return Err(format!(
+                        "block {b:?} written by {owner} while in-flight step writes it for {other}"
+                    ));
                 }
             }
         }

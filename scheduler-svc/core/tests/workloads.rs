@@ -221,7 +221,7 @@ fn random_workloads_keep_invariants_and_drain() {
 /// mode and stepping must drain, every request finished.
 #[test]
 fn priority_chunked_preemption_livelock_regression_drains() {
-    let mut preemptions: std::collections::BTreeMap<(usize, bool), u64> = Default::default();
+    let mut preemptions = std::collections::BTreeMap::<(usize, bool), u64>::new();
     for seed in 0..40u64 {
         for mode in [PreemptionMode::Recompute, PreemptionMode::Yield] {
             for in_flight in [1, 2] {

@@ -347,3 +347,39 @@ impl StepDraft {
         Ok(())
     }
 }
+
+/// Rule 5 shown to catch its violation through `check_invariants` (the other rules' negative
+/// tests are in `invariants.rs`): a step whose plan claims more tokens than it scheduled, and
+/// one that spends more than the budget.
+#[cfg(test)]
+mod tests {
+    use crate::{NewRequest, RequestId, Scheduler, SchedulerConfig, Timestamp};
+
+    fn scheduled() -> Scheduler {
+        let cfg = SchedulerConfig { block_size: 4, num_blocks: 16, ..SchedulerConfig::default() };
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.add_request(NewRequest::new(RequestId(1), vec![3; 6], 4, Timestamp(0))).unwrap();
+        s.schedule(Timestamp(0)).unwrap();
+        s.check_invariants().expect("the starting state is consistent");
+        s
+    }
+
+    #[test]
+    fn a_plan_whose_total_is_not_its_sum_breaks_rule_5() {
+        let mut s = scheduled();
+        s.draft.plan.total_tokens += 1;
+        let v = s.check_invariants().expect_err("the violation went unnoticed");
+        assert_eq!(v.rule, 5, "{}", v.detail);
+        assert!(v.detail.contains("total_tokens 7 != sum 6"), "{}", v.detail);
+    }
+
+    #[test]
+    fn a_step_over_its_budget_breaks_rule_5() {
+        let mut s = scheduled();
+        s.draft.plan.scheduled[0].num_tokens += 4096;
+        s.draft.plan.total_tokens += 4096;
+        let v = s.check_invariants().expect_err("the violation went unnoticed");
+        assert_eq!(v.rule, 5, "{}", v.detail);
+        assert!(v.detail.contains("tokens > budget 2048"), "{}", v.detail);
+    }
+}

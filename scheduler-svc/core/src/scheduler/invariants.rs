@@ -284,3 +284,121 @@ impl Scheduler {
         Ok(())
     }
 }
+
+/// Each rule shown to catch its violation: a consistent state (one request running with a step
+/// in flight, one waiting for a slot) is broken in one place, and `check_invariants` (or
+/// `check_drained`) must name that rule. Rule 5 (the step's budget) is shown in `draft.rs`,
+/// where the plan can be reached.
+#[cfg(test)]
+mod tests {
+    use crate::request::RequestStatus;
+    use crate::types::BlockId;
+    use crate::work_queues::WorkKey;
+    use crate::{NewRequest, RequestId, Scheduler, SchedulerConfig, Timestamp};
+
+    /// Request 1 running (Active, a slot, blocks, a step in flight), request 2 waiting (one
+    /// slot only), every invariant holding. Returns the scheduler and both arena entries.
+    fn consistent() -> (Scheduler, u32, u32) {
+        let cfg = SchedulerConfig {
+            block_size: 4,
+            num_blocks: 16,
+            max_num_seqs: 1,
+            max_num_batched_tokens: 64,
+            max_model_len: 64,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(cfg).unwrap();
+        for id in [1, 2] {
+            let prompt = vec![id as u32 + 1; 6];
+            s.add_request(NewRequest::new(RequestId(id), prompt, 4, Timestamp(0))).unwrap();
+        }
+        s.schedule(Timestamp(0)).unwrap();
+        s.check_invariants().expect("the starting state is consistent");
+        let running = s.requests.index_of(RequestId(1)).unwrap();
+        let waiting = s.requests.index_of(RequestId(2)).unwrap();
+        assert_eq!(s.requests[running].status, RequestStatus::Active);
+        assert_eq!(s.requests[waiting].status, RequestStatus::Waiting);
+        (s, running, waiting)
+    }
+
+    /// `check_invariants` must report `rule`, saying `says`.
+    fn assert_breaks(s: &Scheduler, rule: u8, says: &str) {
+        let v = s.check_invariants().expect_err("the violation went unnoticed");
+        assert_eq!(v.rule, rule, "{}", v.detail);
+        assert!(v.detail.contains(says), "{}", v.detail);
+    }
+
+    #[test]
+    fn an_active_request_without_a_slot_breaks_rule_1() {
+        let (mut s, running, _) = consistent();
+        s.requests[running].has_slot = false;
+        assert_breaks(&s, 1, "Active without a slot");
+    }
+
+    #[test]
+    fn a_waiting_request_holding_a_slot_breaks_rule_1() {
+        let (mut s, _, waiting) = consistent();
+        s.requests[waiting].has_slot = true;
+        assert_breaks(&s, 1, "holds a slot while Waiting");
+    }
+
+    #[test]
+    fn a_slot_counter_that_disagrees_breaks_rule_1() {
+        let (mut s, _, _) = consistent();
+        s.slots.release();
+        assert_breaks(&s, 1, "slot flags but counter says 0");
+    }
+
+    #[test]
+    fn pending_work_of_a_waiting_request_breaks_rule_2() {
+        let (mut s, _, waiting) = consistent();
+        s.work.enqueue(WorkKey::Decode, waiting);
+        assert_breaks(&s, 2, "pending Decode while Waiting");
+    }
+
+    #[test]
+    fn a_waiting_request_missing_from_the_queue_breaks_rule_3() {
+        let (mut s, _, waiting) = consistent();
+        assert!(s.waiting.remove(waiting));
+        assert_breaks(&s, 3, "in waiting queue: false");
+    }
+
+    #[test]
+    fn a_block_held_without_its_count_breaks_rule_4() {
+        let (mut s, running, _) = consistent();
+        let free = (0..16).map(BlockId).find(|&b| s.pool.ref_count(b) == 0).unwrap();
+        s.requests[running].block_table.push(free);
+        assert_breaks(&s, 4, &format!("block {}: ref_cnt 0 but 1 holders", free.0));
+    }
+
+    #[test]
+    fn computed_tokens_past_the_block_table_break_rule_6() {
+        let (mut s, running, _) = consistent();
+        let r = &mut s.requests[running];
+        r.num_computed = r.block_table.len() * 4 + 1;
+        assert_breaks(&s, 6, "computed tokens but");
+    }
+
+    #[test]
+    fn in_flight_references_without_a_step_break_the_bookkeeping() {
+        let (mut s, _, waiting) = consistent();
+        s.requests[waiting].inflight_refs += 1;
+        assert_breaks(&s, 0, "inflight_refs 1 but 0 records");
+    }
+
+    #[test]
+    fn a_broken_active_set_index_breaks_the_bookkeeping() {
+        let (mut s, running, _) = consistent();
+        s.requests[running].cold.active_pos = 7;
+        assert_breaks(&s, 0, "active set back-index broken");
+    }
+
+    #[test]
+    fn work_left_at_the_end_breaks_rule_7() {
+        let (s, _, _) = consistent();
+        let v = s.check_drained().expect_err("two live requests are not drained");
+        assert_eq!(v.rule, 7, "{}", v.detail);
+        assert!(v.detail.contains("2 requests not retired"), "{}", v.detail);
+        assert!(!s.is_drained());
+    }
+}

@@ -70,8 +70,11 @@ async fn wait_ready(sched: &Service, execs: &[&Service]) {
     for exec in execs {
         wait_for_session(exec).await;
     }
-    // The link joins the scheduler's rotation right after its session opens.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Each link joins the scheduler's rotation right after its session opens: wait until the
+    // scheduler counts them all.
+    let connected =
+        || metric(sched.addr("http"), "ferry_executors_connected") >= execs.len() as f64;
+    assert!(wait_for(Duration::from_secs(10), connected).await.is_some(), "links not up");
     assert!(wait_for(Duration::from_secs(10), || health(sched) == 200).await.is_some());
 }
 
@@ -130,19 +133,36 @@ async fn undisturbed_streams(target: &Service) -> Vec<Outcome> {
 }
 
 /// The same streams again with `fault` injected once every stream has tokens: all complete,
-/// each with exactly the undisturbed tokens and text.
+/// each with exactly the undisturbed tokens and text. Returns how many requests `target`'s
+/// front moved meanwhile (`ferry_requests_moved`), for the caller to check against the fault.
 async fn streams_survive(
     target: &Service,
     undisturbed: &[Outcome],
     what: &str,
     fault: impl FnOnce(),
-) {
+) -> u64 {
+    let moved_before = metric(target.addr("http"), "ferry_requests_moved");
     let t = Instant::now();
     let outcomes =
         run_streams(target.addr("grpc"), requests(STREAMS, STREAM_TOKENS), 4, fault).await;
-    eprintln!("{STREAMS} streams {what}: {:?}", t.elapsed());
+    let moved = (metric(target.addr("http"), "ferry_requests_moved") - moved_before) as u64;
+    eprintln!("{STREAMS} streams {what}: {:?}, {moved} moved", t.elapsed());
     assert_complete(&outcomes, STREAM_TOKENS as usize);
     assert_same_streams(&outcomes, undisturbed);
+    moved
+}
+
+/// A fault that first reads how many requests `exec` holds (every stream has tokens when it
+/// runs, so each is on an executor), then signals it.
+fn signal_counting<'a>(
+    exec: &'a Service,
+    sig: &'a str,
+    held: &'a std::cell::Cell<u64>,
+) -> impl FnOnce() + 'a {
+    move || {
+        held.set(metric(exec.addr("grpc"), "ferry_executor_requests") as u64);
+        signal(exec.pid(), sig).unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,10 +238,13 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
 
     let undisturbed = undisturbed_streams(&sched).await;
 
-    // Same requests; once every stream has tokens, one executor dies (kill -9).
-    let pid = a.pid();
-    let kill = || signal(pid, "KILL").unwrap();
-    streams_survive(&sched, &undisturbed, "with a kill -9 mid-way", kill).await;
+    // Same requests; once every stream has tokens, one executor dies (kill -9): exactly the
+    // requests it held move.
+    let held = std::cell::Cell::new(0);
+    let kill = signal_counting(&a, "KILL", &held);
+    let moved = streams_survive(&sched, &undisturbed, "with a kill -9 mid-way", kill).await;
+    assert!(held.get() > 0, "the killed executor held no stream: nothing was tested");
+    assert_eq!(moved, held.get(), "requests moved vs requests the dead executor held");
     drop(a);
     assert_eq!(health(&sched), 200, "the survivor still serves");
 
@@ -229,9 +252,11 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
     let mut b = b;
     let c = start_executor(&etcd, "exec-c");
     wait_ready(&sched, &[&b, &c]).await;
-    let pid = b.pid();
-    let term = || signal(pid, "TERM").unwrap();
-    streams_survive(&sched, &undisturbed, "with an executor drained mid-way", term).await;
+    let term = signal_counting(&b, "TERM", &held);
+    let moved =
+        streams_survive(&sched, &undisturbed, "with an executor drained mid-way", term).await;
+    assert!(held.get() > 0, "the drained executor held no stream: nothing was tested");
+    assert_eq!(moved, held.get(), "requests moved vs requests the drained executor held");
     assert!(b.terminate(Duration::from_secs(30)).unwrap().success(), "drained executor exit");
 }
 
@@ -429,7 +454,9 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     // Same requests through the front; once every stream has tokens, the leader dies.
     let pid = s0.pid();
     let kill = || signal(pid, "KILL").unwrap();
-    streams_survive(&front, &undisturbed, "through a front, leader killed mid-way", kill).await;
+    let moved =
+        streams_survive(&front, &undisturbed, "through a front, leader killed mid-way", kill).await;
+    assert_eq!(moved, STREAMS as u64, "every stream was on the dead leader and moved");
     assert_eq!(session_owner(&exec).await.0, "s1", "the standby leads now");
 
     // Drain: SIGTERM on the leader resigns at once; the fronts move its streams.
@@ -437,7 +464,10 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     let mut s1 = s1;
     let pid = s1.pid();
     let term = || signal(pid, "TERM").unwrap();
-    streams_survive(&front, &undisturbed, "through a front, leader drained mid-way", term).await;
+    let moved =
+        streams_survive(&front, &undisturbed, "through a front, leader drained mid-way", term)
+            .await;
+    assert_eq!(moved, STREAMS as u64, "every stream was on the drained leader and moved");
     assert!(s1.terminate(Duration::from_secs(30)).unwrap().success(), "drained leader exit");
     assert_eq!(session_owner(&exec).await.0, "s0");
     drop(s0);

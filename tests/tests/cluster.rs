@@ -266,6 +266,7 @@ async fn etcd_restarted_in_mid_load_fails_no_request() {
     let sched = start_scheduler(&etcd);
     let exec = start_executor(&etcd, "exec-a");
     wait_ready(&sched, &[&exec]).await;
+    let undisturbed = run_streams(sched.addr("grpc"), requests(8, 48), 0, || {}).await;
     let outcomes = run_streams(sched.addr("grpc"), requests(8, 48), 2, || {
         etcd.kill(0).unwrap();
         std::thread::sleep(Duration::from_millis(1500));
@@ -273,6 +274,7 @@ async fn etcd_restarted_in_mid_load_fails_no_request() {
     })
     .await;
     assert_complete(&outcomes, 48);
+    assert_same_streams(&outcomes, &undisturbed);
     // Registration resumes by itself (the key survives in etcd's data or is put back).
     let key = format!("{PREFIX}exec-a");
     assert!(wait_for(Duration::from_secs(15), || etcd.keys(PREFIX).unwrap() == [key.clone()])

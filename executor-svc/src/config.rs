@@ -109,8 +109,26 @@ pub struct ExecutorConfig {
 pub const MAX_BLOCK_SIZE: u32 = 256;
 
 impl ExecutorConfig {
-    /// Checks the values that clap's types cannot, with a message that names the limit.
+    /// Checks the values that clap's types cannot, with a message that names the limit, and
+    /// that this build can run them (start-up: [`Self::validate_flags`], then
+    /// [`Self::check_build`]).
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_flags()?;
+        self.check_build()
+    }
+
+    /// Whether this build can run the configuration: `--backend cuda` needs the `cuda`
+    /// feature. Checked before the model is loaded, not after.
+    pub fn check_build(&self) -> Result<(), ConfigError> {
+        if self.backend == BackendKind::Cuda && !cfg!(feature = "cuda") {
+            return Err(ConfigError::NoCuda);
+        }
+        Ok(())
+    }
+
+    /// Checks every flag's value and combination (what any build would accept; see
+    /// [`Self::check_build`] for what this one can run).
+    pub fn validate_flags(&self) -> Result<(), ConfigError> {
         if self.block_size == 0
             || self.block_size > MAX_BLOCK_SIZE
             || !self.block_size.is_power_of_two()
@@ -124,17 +142,8 @@ impl ExecutorConfig {
             return Err(ConfigError::ExecutorId);
         }
         if let Some(a) = &self.kv_agent {
-            let hostport = a.split_once("://").map_or(a.as_str(), |(_, rest)| rest);
-            if hostport
-                .rsplit_once(':')
-                .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
-            {
-                return Err(ConfigError::KvAgent(a.clone()));
-            }
-        }
-        // Say so before the model is loaded, not after.
-        if self.backend == BackendKind::Cuda && !cfg!(feature = "cuda") {
-            return Err(ConfigError::NoCuda);
+            ferry_runtime::check::dial_address("kv-agent", a)
+                .map_err(|_| ConfigError::KvAgent(a.clone()))?;
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err(ConfigError::TimeScale(self.time_scale));
@@ -255,6 +264,11 @@ mod tests {
         let refused = matches!(config.validate(), Err(ConfigError::NoCuda));
         assert_eq!(refused, !cfg!(feature = "cuda"), "{:?}", config.validate());
         assert!(parse(&["--backend", "cpu"]).validate().is_ok());
+        // Every flag is checked whatever the build: a dry run of a CUDA pool's flags in a CPU
+        // build still refuses a bad one.
+        let bad = parse(&["--backend", "cuda", "--time-scale=-1"]);
+        assert!(matches!(bad.validate_flags(), Err(ConfigError::TimeScale(_))));
+        assert!(parse(&["--backend", "cuda"]).validate_flags().is_ok());
     }
 
     #[test]

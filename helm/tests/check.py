@@ -45,14 +45,16 @@ class Checker:
     def count(self, what):
         self.counts[what] = self.counts.get(what, 0) + 1
 
+    def first_pods(self):
+        """One pod per workload: the pods of a workload differ only in their name."""
+        return [p for p in self.m.pods if p.ordinal == 0]
+
     def is_ferry(self, c):
         return c.image.split(":")[0] == self.args.image_repo
 
     # -- flags ------------------------------------------------------------------------------
     def check_config(self):
-        for p in self.m.pods:
-            if not p.name.endswith("-0") and not p.name.endswith("-0-x"):
-                continue  # pods of one workload differ only in their name
+        for p in self.first_pods():
             for c in p.containers:
                 if not self.is_ferry(c):
                     continue
@@ -96,8 +98,6 @@ class Checker:
         for p in self.m.pods:
             for c in p.containers:
                 for where, host, port in self.dialled(p, c):
-                    if where.startswith("--initial-cluster"):
-                        pass
                     if host in external:
                         self.count("external addresses")
                         continue
@@ -149,9 +149,7 @@ class Checker:
                 self.fail(f"{where}: {kind} {name} does not exist")
             self.count(f"{kind} references")
 
-        for p in self.m.pods:
-            if not p.name.endswith("0") and not p.name.endswith("0-x"):
-                continue
+        for p in self.first_pods():
             vols = {v["name"]: v for v in p.spec.get("volumes", [])}
             for v in vols.values():
                 if "secret" in v:
@@ -160,13 +158,9 @@ class Checker:
                     need("ConfigMap", v["configMap"]["name"], p.workload)
             for s in p.spec.get("imagePullSecrets", []):
                 need("Secret", s["name"], p.workload)
-            claims = {t["metadata"]["name"] for t in
-                      next((w["spec"].get("volumeClaimTemplates", []) for w in
-                            self.m.by_kind.get("StatefulSet", [])
-                            if w["metadata"]["name"] == p.workload), [])}
             for c in p.containers:
                 for vm in c.spec.get("volumeMounts", []):
-                    if vm["name"] not in vols and vm["name"] not in claims:
+                    if vm["name"] not in vols and vm["name"] not in p.claims:
                         self.fail(f"{p.workload}/{c.name}: mounts volume {vm['name']}, "
                                   "which the pod does not have")
                     self.count("volume mounts")
@@ -201,14 +195,15 @@ class Checker:
                 if c.init:
                     continue
                 ports = c.ports()
-                listen = None
-                for a in p.argv(c):
-                    if a.startswith("--listen="):
-                        listen = int(a.rsplit(":", 1)[1])
+                listen = self.flag(p.argv(c), "listen")
+                listen = int(listen.rsplit(":", 1)[1]) if listen else None
                 for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                     probe = c.spec.get(kind)
                     if probe is None:
-                        if self.is_ferry(c) and kind != "startupProbe" or kind == "readinessProbe":
+                        # Every container needs a readiness probe; Ferry's a liveness one too.
+                        required = kind == "readinessProbe" or (
+                            self.is_ferry(c) and kind == "livenessProbe")
+                        if required:
                             self.fail(f"{p.workload}/{c.name}: no {kind}")
                         continue
                     for how in ("grpc", "httpGet", "tcpSocket"):

@@ -42,7 +42,9 @@ class Pod:
     labels: dict
     spec: dict
     namespace: str
+    ordinal: int  # its index among its workload's pods (pods of a workload differ only by it)
     service_name: str = ""  # a StatefulSet's governing Service
+    claims: tuple = ()  # a StatefulSet's volumeClaimTemplates' names
     containers: list = field(default_factory=list)
 
     def container(self, name):
@@ -118,7 +120,9 @@ class Manifest:
                 labels=tmpl["metadata"].get("labels", {}),
                 spec=tmpl["spec"],
                 namespace=self.namespace,
+                ordinal=i,
                 service_name=spec.get("serviceName", ""),
+                claims=tuple(t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])),
             )
             for c in tmpl["spec"].get("initContainers", []):
                 sidecar = c.get("restartPolicy") == "Always"

@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -269,12 +270,14 @@ class Run:
         port = p.container("executor").ports()["grpc"]
         return self.grpc_json(self.ips[p.name], port, "ferry.v1.Executor/Describe")
 
-    def front_url(self):
+    def front(self):
+        """The front Service: its name, the address it stands for here (its first pod) and its
+        ports by name."""
         svc = next(s for s in self.m.services.values()
                    if s["metadata"]["labels"].get("app.kubernetes.io/component") == "front")
-        port = next(x["port"] for x in svc["spec"]["ports"] if x["name"] == "http")
-        return f"http://{svc['metadata']['name']}:{port}", self.ips[
-            self.m.selected(svc["spec"]["selector"])[0].name], port
+        ports = {x["name"]: x["port"] for x in svc["spec"]["ports"]}
+        ip = self.ips[self.m.selected(svc["spec"]["selector"])[0].name]
+        return svc["metadata"]["name"], ip, ports
 
     def check_etcd_tls(self):
         """With TLS to etcd, the members refuse plaintext clients (so the services that work
@@ -290,14 +293,12 @@ class Run:
         except (OSError, http.client.HTTPException) as e:
             plain = type(e).__name__
         # Over TLS, a client without a certificate is refused; with the Secret's, it answers.
-        import ssl
         tls = os.path.join(self.root, etcd[0].name, "etcd-tls")
-        url = f"https://{etcd[0].name}.{etcd[0].service_name}:{port}/version"
+        host = f"{etcd[0].name}.{etcd[0].service_name}"  # a name the certificate holds
         ctx = ssl.create_default_context(cafile=os.path.join(tls, "ca.crt"))
         target = (self.ips[etcd[0].name], port)
         def get(context):
             with socket.create_connection(target, timeout=5) as raw:
-                host = url.split("/")[2].split(":")[0]
                 with context.wrap_socket(raw, server_hostname=host) as conn:
                     conn.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
                     return conn.recv(4096).decode(errors="replace")
@@ -323,10 +324,10 @@ class Run:
             time.sleep(0.5)
         raise RuntimeError("executors have no scheduler session")
 
-    def post(self, body, stream=False):
-        _, ip, port = self.front_url()
+    def post(self, body):
+        _, ip, ports = self.front()
         req = urllib.request.Request(
-            f"http://{ip}:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+            f"http://{ip}:{ports['http']}/v1/chat/completions", data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"})
         return urllib.request.urlopen(req, timeout=300)
 
@@ -347,10 +348,9 @@ class Run:
         return total
 
     def exercise(self):
-        url, _, _ = self.front_url()
-        log(f"front Service {url}")
-        _, ip, port = self.front_url()
-        with urllib.request.urlopen(f"http://{ip}:{port}/v1/models", timeout=10) as r:
+        name, ip, ports = self.front()
+        log(f"front Service http://{name}:{ports['http']}")
+        with urllib.request.urlopen(f"http://{ip}:{ports['http']}/v1/models", timeout=10) as r:
             models = [m["id"] for m in json.load(r)["data"]]
         assert models == [self.args.model_name], f"/v1/models lists {models}"
         log(f"/v1/models lists {models}")
@@ -362,13 +362,9 @@ class Run:
         assert r.status == 200 and text, answer
         log(f"chat completion through the front: {text!r}")
         # The gRPC API, as NOTES.txt shows it.
-        svc = next(s for s in self.m.services.values()
-                   if s["metadata"]["labels"].get("app.kubernetes.io/component") == "front")
-        grpc_port = next(x["port"] for x in svc["spec"]["ports"] if x["name"] == "grpc")
-        _, ip, _ = self.front_url()
         r = sh(self.args.grpcurl, "-plaintext", "-d",
                '{"prompt": "The capital of France is", "stopping": {"max_tokens": 8}}',
-               f"{ip}:{grpc_port}", "ferry.v1.Generation/Generate", check=False)
+               f"{ip}:{ports['grpc']}", "ferry.v1.Generation/Generate", check=False)
         assert r.returncode == 0 and "FINISH_REASON_LENGTH" in r.stdout, r.stdout + r.stderr
         log("grpcurl ferry.v1.Generation/Generate through the front answers")
 

@@ -12,6 +12,31 @@ pub struct CheckArgs {
     pub check_config: bool,
 }
 
+impl CheckArgs {
+    /// Call once every flag is checked: with `--check-config`, prints `<program>:
+    /// configuration ok` and returns true (the caller exits); otherwise returns false.
+    pub fn dry_run_done(&self, program: &str) -> bool {
+        if self.check_config {
+            println!("{program}: configuration ok");
+        }
+        self.check_config
+    }
+}
+
+/// The checks of the flags every binary shares: its listen addresses (`(flag, value)`), the
+/// log filter and the tracing flags.
+pub fn shared_flags(
+    listen: &[(&'static str, &str)],
+    log: &crate::logging::LogArgs,
+    trace: &crate::telemetry::TraceArgs,
+) -> Result<(), String> {
+    for &(flag, value) in listen {
+        listen_address(flag, value).map_err(|e| e.to_string())?;
+    }
+    log.validate()?;
+    trace.validate()
+}
+
 /// A flag whose value is not an address of the expected form.
 #[derive(Debug, thiserror::Error)]
 #[error("--{flag} {value:?} is not {expected}")]
@@ -70,11 +95,6 @@ pub fn dial_address(flag: &'static str, value: &str) -> Result<(), AddressError>
         }
         _ => Err(bad()),
     }
-}
-
-/// Prints the dry run's verdict for `program`.
-pub fn report_ok(program: &str) {
-    println!("{program}: configuration ok");
 }
 
 #[cfg(test)]

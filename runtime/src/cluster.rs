@@ -127,29 +127,27 @@ impl ClusterArgs {
         if self.cluster.is_empty() || !self.cluster.chars().all(ok) {
             return Err(ClusterArgsError::Cluster(self.cluster.clone()));
         }
-        if self.etcd_endpoints.iter().any(|e| e.trim().is_empty()) {
-            return Err(ClusterArgsError::Endpoint);
-        }
-        for endpoint in &self.etcd_endpoints {
-            crate::check::dial_address("etcd-endpoints", endpoint.trim())?;
-        }
-        if let Some(a) = &self.advertise_address {
-            crate::check::dial_address("advertise-address", a)?;
-        }
         if self.etcd_cert.is_some() != self.etcd_key.is_some() {
             return Err(ClusterArgsError::CertWithoutKey);
         }
         if self.etcd_cert.is_some() && self.etcd_cacert.is_none() {
             return Err(ClusterArgsError::IdentityWithoutCa);
         }
-        for e in &self.etcd_endpoints {
-            let e = e.trim();
-            if self.etcd_cacert.is_some() && e.starts_with("http://") {
+        let tls = self.etcd_cacert.is_some();
+        for e in self.etcd_endpoints.iter().map(|e| e.trim()) {
+            if e.is_empty() {
+                return Err(ClusterArgsError::Endpoint);
+            }
+            crate::check::dial_address("etcd-endpoints", e)?;
+            if tls && e.starts_with("http://") {
                 return Err(ClusterArgsError::PlainWithTls(e.to_string()));
             }
-            if self.etcd_cacert.is_none() && e.starts_with("https://") {
+            if !tls && e.starts_with("https://") {
                 return Err(ClusterArgsError::TlsWithoutCa(e.to_string()));
             }
+        }
+        if let Some(a) = &self.advertise_address {
+            crate::check::dial_address("advertise-address", a)?;
         }
         Ok(())
     }

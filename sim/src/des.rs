@@ -673,38 +673,18 @@ impl<'a> Sim<'a> {
         let (e, handoff) = match self.place(&r.prompt) {
             Placement::Whole(e) => (e, None),
             Placement::TierRead { executor, agent, tokens } => {
-                self.next_transfer += 1;
-                let transfer = TransferId(self.next_transfer);
-                req.kv_import = Some(KvImport { transfer_id: transfer, num_tokens: tokens });
                 let hashes = self.hashes[..tokens / self.spec.scheduler.block_size].to_vec();
-                let t = Transfer {
-                    source: agent,
-                    destination: executor,
-                    arrived: None,
-                    tier: Some(hashes),
-                    ok: true,
-                };
-                self.transfers.insert(transfer.0, t);
+                let transfer = self.new_transfer(agent, executor, Some(hashes));
+                req.kv_import = Some(KvImport { transfer_id: transfer, num_tokens: tokens });
                 self.tier_reads += 1;
                 self.tier_read_tokens += tokens as u64;
                 (executor, None)
             }
             Placement::Split { prefill, decode, import_tokens } => {
-                self.next_transfer += 1;
-                let transfer = TransferId(self.next_transfer);
-                req.kv_export = Some(transfer);
                 // Known from now on, so the bytes' arrival wakes the decode executor even if
                 // its import goes out before the export does.
-                self.transfers.insert(
-                    transfer.0,
-                    Transfer {
-                        source: prefill,
-                        destination: decode,
-                        arrived: None,
-                        tier: None,
-                        ok: true,
-                    },
-                );
+                let transfer = self.new_transfer(prefill, decode, None);
+                req.kv_export = Some(transfer);
                 let (prompt, output_len) = (r.prompt.clone(), r.output_len as usize);
                 let first_token = None;
                 let h =
@@ -729,6 +709,20 @@ impl<'a> Sim<'a> {
             conversation,
         };
         self.admit(e, id, track)
+    }
+
+    /// A new transfer's id and record, from `source` to `destination` (a KV-tier read names
+    /// the blocks it reads).
+    fn new_transfer(
+        &mut self,
+        source: usize,
+        destination: usize,
+        tier: Option<Vec<BlockHash>>,
+    ) -> TransferId {
+        self.next_transfer += 1;
+        let t = Transfer { source, destination, arrived: None, tier, ok: true };
+        self.transfers.insert(self.next_transfer, t);
+        TransferId(self.next_transfer)
     }
 
     /// Request `id`, added to executor `e`'s core, is followed by `track`; `e` steps if idle.

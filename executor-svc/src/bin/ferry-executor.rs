@@ -100,22 +100,20 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
     }
-    match cli.executor.validate() {
-        // A dry run checks the configuration, not this build: a CUDA pool's flags are checked
-        // by any build (the CUDA image's executor runs them).
-        Err(ferry_executor_svc::config::ConfigError::NoCuda) if cli.check.check_config => {
-            eprintln!("ferry-executor: note: this build has no CUDA backend; --backend cuda needs the CUDA build");
-        }
-        other => other?,
-    }
+    cli.executor.validate_flags()?;
     cli.cluster.validate()?;
-    ferry_runtime::check::listen_address("listen", &cli.listen)?;
-    cli.log.validate().map_err(anyhow::Error::msg)?;
-    cli.trace.validate().map_err(anyhow::Error::msg)?;
-    if cli.check.check_config {
-        ferry_runtime::check::report_ok("ferry-executor");
+    ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
+        .map_err(anyhow::Error::msg)?;
+    // A dry run checks the configuration, not this build: a CUDA pool's flags are checked by
+    // any build (the CUDA image's executor runs them).
+    let build = cli.executor.check_build();
+    if cli.check.dry_run_done("ferry-executor") {
+        if let Err(e) = build {
+            eprintln!("ferry-executor: note: {e}");
+        }
         return Ok(());
     }
+    build?;
     cli.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = cli.trace.init("ferry-executor").map_err(anyhow::Error::msg)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;

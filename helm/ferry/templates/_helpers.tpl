@@ -236,6 +236,58 @@ livenessProbe:
   failureThreshold: 6
 {{- end -}}
 
+{{/* A pod's placement from a part's values (`nodeSelector`, `tolerations`, `affinity`);
+with `spread`, the pods of `ctx` prefer different nodes when no affinity is given. Call with
+(dict "values" $part "ctx" $ctx "spread" true). */}}
+{{- define "ferry.placement" -}}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .values.affinity }}
+affinity:
+  {{- toYaml .values.affinity | nindent 2 }}
+{{- else if .spread }}
+affinity:
+  # On different nodes when the cluster has them.
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "ferry.selectorLabels" .ctx | nindent 14 }}
+{{- end }}
+{{- end -}}
+
+{{/* A PodDisruptionBudget named `name` for the pods of `ctx`, when `budget` (a part's
+`podDisruptionBudget`: `enabled` and `minAvailable` or `maxUnavailable`) is enabled. */}}
+{{- define "ferry.pdb" -}}
+{{- if .budget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "ferry.labels" .ctx | nindent 4 }}
+spec:
+  {{- if hasKey .budget "minAvailable" }}
+  minAvailable: {{ .budget.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ .budget.maxUnavailable }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "ferry.selectorLabels" .ctx | nindent 6 }}
+{{- end }}
+{{- end -}}
+
 {{- define "ferry.preStop" -}}
 lifecycle:
   preStop:

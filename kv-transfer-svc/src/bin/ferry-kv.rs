@@ -27,11 +27,9 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     cli.agent.validate()?;
     cli.cluster.validate()?;
-    ferry_runtime::check::listen_address("listen", &cli.listen)?;
-    cli.log.validate().map_err(anyhow::Error::msg)?;
-    cli.trace.validate().map_err(anyhow::Error::msg)?;
-    if cli.check.check_config {
-        ferry_runtime::check::report_ok("ferry-kv");
+    ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
+        .map_err(anyhow::Error::msg)?;
+    if cli.check.dry_run_done("ferry-kv") {
         return Ok(());
     }
     cli.log.init().map_err(anyhow::Error::msg)?;

@@ -73,10 +73,9 @@ enum Command {
 impl Common {
     /// Checks the flags `start` and `model` would use, without binding or reading anything.
     fn validate(&self) -> anyhow::Result<()> {
-        ferry_runtime::check::listen_address("listen", &self.listen)?;
-        ferry_runtime::check::listen_address("http-listen", &self.http_listen)?;
-        self.log.validate().map_err(anyhow::Error::msg)?;
-        self.trace.validate().map_err(anyhow::Error::msg)?;
+        let listen = [("listen", self.listen.as_str()), ("http-listen", &self.http_listen)];
+        ferry_runtime::check::shared_flags(&listen, &self.log, &self.trace)
+            .map_err(anyhow::Error::msg)?;
         if let Some(name) = &self.served_model_name {
             anyhow::ensure!(
                 !name.is_empty() && name.len() <= 256 && !name.contains(char::is_whitespace),
@@ -128,8 +127,7 @@ async fn main() -> anyhow::Result<()> {
                 },
             };
             cli.common.validate()?;
-            if cli.common.check.check_config {
-                ferry_runtime::check::report_ok("ferry-scheduler");
+            if cli.common.check.dry_run_done("ferry-scheduler") {
                 return Ok(());
             }
             let (listeners, _telemetry) = cli.common.start("ferry-scheduler").await?;
@@ -145,8 +143,7 @@ async fn main() -> anyhow::Result<()> {
                 "a front needs --etcd-endpoints to find its scheduler"
             );
             common.validate()?;
-            if common.check.check_config {
-                ferry_runtime::check::report_ok("ferry-scheduler front");
+            if common.check.dry_run_done("ferry-scheduler front") {
                 return Ok(());
             }
             let (listeners, _telemetry) = common.start("ferry-front").await?;

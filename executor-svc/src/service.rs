@@ -84,7 +84,7 @@ impl ExecutorService {
     fn check_current(&self, session_id: u64, epoch: u64) -> Result<(), Status> {
         let state = self.state()?;
         if epoch < state.epoch {
-            return Err(stale_epoch(epoch, state.epoch));
+            return Err(ferry_proto::fencing::stale_epoch(epoch, state.epoch));
         }
         if session_id == 0 || session_id != state.session_id {
             return Err(Status::failed_precondition(format!(
@@ -94,12 +94,6 @@ impl ExecutorService {
         }
         Ok(())
     }
-}
-
-fn stale_epoch(given: u64, newest: u64) -> Status {
-    Status::failed_precondition(format!(
-        "stale scheduler epoch {given}: this executor has seen epoch {newest}"
-    ))
 }
 
 #[tonic::async_trait]
@@ -129,7 +123,7 @@ impl Executor for ExecutorService {
         let session_id = {
             let mut state = self.state()?;
             if req.epoch < state.epoch {
-                return Err(stale_epoch(req.epoch, state.epoch));
+                return Err(ferry_proto::fencing::stale_epoch(req.epoch, state.epoch));
             }
             state.epoch = req.epoch;
             self.adopt(&req)?;

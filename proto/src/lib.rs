@@ -25,6 +25,47 @@ pub mod service_names {
     pub const KV_TRANSFER: &str = "ferry.v1.KvTransfer";
 }
 
+/// How an executor says "another scheduler leads now": a `FAILED_PRECONDITION` status whose
+/// metadata carries the newest leadership epoch it has seen. A scheduler that reads it knows
+/// for certain that it was deposed (DESIGN.md §7), even while etcd is unreachable.
+pub mod fencing {
+    /// The metadata key of the newest epoch, in decimal.
+    pub const NEWEST_EPOCH: &str = "ferry-newest-epoch";
+
+    /// The status refusing a scheduler at `given`, older than the `newest` epoch seen.
+    #[must_use]
+    pub fn stale_epoch(given: u64, newest: u64) -> tonic::Status {
+        let mut status = tonic::Status::failed_precondition(format!(
+            "stale scheduler epoch {given}: this executor has seen epoch {newest}"
+        ));
+        status.metadata_mut().insert(NEWEST_EPOCH, newest.into());
+        status
+    }
+
+    /// The newest epoch a stale-epoch refusal names (`None`: `status` is not one).
+    #[must_use]
+    pub fn newest_epoch(status: &tonic::Status) -> Option<u64> {
+        if status.code() != tonic::Code::FailedPrecondition {
+            return None;
+        }
+        status.metadata().get(NEWEST_EPOCH)?.to_str().ok()?.parse().ok()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn a_stale_epoch_refusal_names_the_newest_epoch_and_nothing_else_does() {
+            let s = super::stale_epoch(7, 9);
+            assert_eq!(super::newest_epoch(&s), Some(9));
+            assert!(s.message().contains("stale scheduler epoch 7"), "{}", s.message());
+            assert_eq!(super::newest_epoch(&tonic::Status::failed_precondition("x")), None);
+            let mut other = tonic::Status::unavailable("x");
+            other.metadata_mut().insert(super::NEWEST_EPOCH, 9u64.into());
+            assert_eq!(super::newest_epoch(&other), None, "only a refusal fences");
+        }
+    }
+}
+
 impl v1::KvLayout {
     /// Bytes of one element of the layout's dtype (`None`: unset or unknown).
     #[must_use]

@@ -140,6 +140,18 @@ struct Wanted {
     members: HashMap<String, Member>,
 }
 
+/// Dropped when discovery stops (this scheduler no longer leads): every connection under way
+/// is cancelled with it, so none opens a session under a leadership that is over.
+impl Drop for Wanted {
+    fn drop(&mut self) {
+        for m in self.members.values_mut() {
+            if let Some(task) = m.connecting.take() {
+                task.abort();
+            }
+        }
+    }
+}
+
 impl Wanted {
     fn new(connect: Connect, set: Arc<ExecutorSet>) -> Self {
         Self { connect, set, members: HashMap::new() }
@@ -322,5 +334,38 @@ mod tests {
         until("b is gone", || names() == ["a"]).await;
         assert!(!b.is_alive(), "its session was closed");
         assert_eq!(attempts("b"), 1, "a deregistered executor is not reconnected");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stopping_discovery_cancels_the_connections_under_way() {
+        /// Set when the connection attempt holding it is dropped (cancelled).
+        struct Dropped(Arc<Mutex<bool>>);
+        impl Drop for Dropped {
+            fn drop(&mut self) {
+                *self.0.lock().unwrap() = true;
+            }
+        }
+        let started = Arc::new(Mutex::new(false));
+        let cancelled = Arc::new(Mutex::new(false));
+        let connect: Connect = {
+            let (started, cancelled) = (started.clone(), cancelled.clone());
+            Arc::new(move |_name: String, _url: String| {
+                *started.lock().unwrap() = true;
+                let guard = Dropped(cancelled.clone());
+                Box::pin(async move {
+                    let _guard = guard;
+                    std::future::pending::<Result<_, LinkError>>().await
+                })
+            })
+        };
+        let set = ExecutorSet::new();
+        let (events, rx) = tokio::sync::mpsc::channel(8);
+        let discovery = tokio::spawn(reconcile_loop(Wanted::new(connect, set), rx));
+        events.send(MembershipEvent::Snapshot(vec![member("slow")])).await.unwrap();
+        until("a connection is under way", || *started.lock().unwrap()).await;
+        assert!(!*cancelled.lock().unwrap());
+        // Leadership lost: the discovery task is aborted, and its connection with it.
+        discovery.abort();
+        until("the connection is cancelled", || *cancelled.lock().unwrap()).await;
     }
 }

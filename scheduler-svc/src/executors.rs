@@ -5,6 +5,11 @@
 //! must place new requests — and move the requests of a lost executor — only on links that are
 //! up. A removed link is closed: its loop fails its requests, whose streams the front then
 //! moves to the survivors (DESIGN.md §7).
+//!
+//! The set also knows where its scheduler stands ([`Standing`]): serving under a leadership
+//! epoch, deposed, or retired. Only a serving set takes links (of its own epoch), and only a
+//! serving set makes a request that lost its executor wait for another: a deposed or retired
+//! scheduler gives its requests up at once, so the fronts move them to the leader.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -15,6 +20,48 @@ use crate::link::LinkHandle;
 use crate::metrics::SchedulerMetrics;
 use crate::tier::{LiveAgents, TierIndex};
 
+/// Where a scheduler stands with its executors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// It drives executors under this leadership epoch (0 without etcd).
+    Serving(u64),
+    /// It lost its leadership (it may win it again): it takes no link, and nothing waits here.
+    Deposed,
+    /// It handed its work over for good (drain).
+    Retired,
+}
+
+/// The newest leadership epoch any executor said it has seen, as refusals report it
+/// ([`ferry_proto::fencing`]): once it is above a leader's own epoch, another scheduler leads
+/// for certain, whatever etcd can be asked.
+#[derive(Default)]
+pub struct Fence(watch::Sender<u64>);
+
+impl Fence {
+    /// Records that an executor has seen `epoch`.
+    pub fn saw(&self, epoch: u64) {
+        self.0.send_if_modified(|newest| {
+            let newer = epoch > *newest;
+            if newer {
+                *newest = epoch;
+            }
+            newer
+        });
+    }
+
+    /// The newest epoch seen so far (0: none).
+    pub fn newest(&self) -> u64 {
+        *self.0.borrow()
+    }
+
+    /// Resolves with the newest epoch once one above `epoch` has been seen.
+    pub async fn outranks(&self, epoch: u64) -> u64 {
+        let mut rx = self.0.subscribe();
+        let newest = *rx.wait_for(|newest| *newest > epoch).await.expect("the sender is self");
+        newest
+    }
+}
+
 /// The live links, by executor name.
 pub struct ExecutorSet {
     /// What the links and the front count.
@@ -23,9 +70,10 @@ pub struct ExecutorSet {
     pub tier: Arc<TierIndex>,
     /// The KV agents registered in etcd (all taken as live without etcd).
     pub agents: LiveAgents,
+    /// What the links learn of newer leaderships.
+    pub fence: Arc<Fence>,
     links: RwLock<Vec<LinkHandle>>,
-    /// Set when this scheduler hands its work over for good (drain): nothing waits for links.
-    retired: std::sync::atomic::AtomicBool,
+    standing: RwLock<Standing>,
     /// Bumped on every change, so waiters wake up without polling.
     changed: watch::Sender<u64>,
 }
@@ -36,8 +84,9 @@ impl Default for ExecutorSet {
             metrics: SchedulerMetrics::new(),
             tier: Arc::default(),
             agents: LiveAgents::default(),
+            fence: Arc::default(),
             links: RwLock::new(Vec::new()),
-            retired: std::sync::atomic::AtomicBool::new(false),
+            standing: RwLock::new(Standing::Serving(0)),
             changed: watch::channel(0).0,
         }
     }
@@ -53,11 +102,22 @@ impl ExecutorSet {
         self.changed.send_modify(|n| *n += 1);
     }
 
-    /// Adds a link; one with the same name is replaced and closed. A retired set closes it.
+    /// Adds a link; one with the same name is replaced and closed. A set that is not serving
+    /// the link's epoch closes it instead (a session opened under an older leadership, or
+    /// after this scheduler was deposed or retired).
     pub fn insert(&self, link: LinkHandle) {
-        if self.is_retired() {
-            link.close("this scheduler is draining");
-            return;
+        match self.standing() {
+            Standing::Serving(epoch) if epoch == link.epoch => {}
+            Standing::Serving(epoch) => {
+                let why = format!(
+                    "opened under epoch {}, but this scheduler leads under {epoch}",
+                    link.epoch
+                );
+                link.close(&why);
+                return;
+            }
+            Standing::Deposed => return link.close("this scheduler no longer leads its pool"),
+            Standing::Retired => return link.close("this scheduler is draining"),
         }
         let old = {
             let mut links = self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -87,29 +147,55 @@ impl ExecutorSet {
         }
     }
 
-    /// Removes and closes every link (their requests wait in the front for new ones).
-    pub fn clear(&self, reason: &str) {
+    /// Removes and closes every link.
+    fn clear(&self, reason: &str) {
         let old = std::mem::take(
             &mut *self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner),
         );
         for link in &old {
             link.close(reason);
         }
-        if !old.is_empty() {
-            self.bump();
+    }
+
+    fn stand(&self, standing: Standing, reason: &str) {
+        {
+            let mut s = self.standing.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *s == Standing::Retired {
+                return; // for good
+            }
+            *s = standing;
         }
+        self.clear(reason);
+        self.bump();
+    }
+
+    /// Serves under leadership `epoch` from now on: links of that epoch are taken (any left
+    /// from before are closed).
+    pub fn lead(&self, epoch: u64) {
+        self.stand(Standing::Serving(epoch), "this scheduler leads under a new epoch");
+    }
+
+    /// Closes every link until [`Self::lead`]: this scheduler lost its leadership. Requests
+    /// waiting for an executor give up at once, so whoever sent them (a front) moves them to
+    /// the leader.
+    pub fn depose(&self, reason: &str) {
+        self.stand(Standing::Deposed, reason);
     }
 
     /// Closes every link for good (drain): requests waiting for an executor give up at once,
     /// so whoever sent them (a front) moves them elsewhere.
     pub fn retire(&self, reason: &str) {
-        self.retired.store(true, std::sync::atomic::Ordering::SeqCst);
-        self.clear(reason);
-        self.bump();
+        self.stand(Standing::Retired, reason);
     }
 
-    fn is_retired(&self) -> bool {
-        self.retired.load(std::sync::atomic::Ordering::SeqCst)
+    /// Where this scheduler stands: deposed as well once an executor has seen an epoch newer
+    /// than the one it serves under.
+    pub fn standing(&self) -> Standing {
+        let standing = *self.standing.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match standing {
+            Standing::Serving(epoch) if self.fence.newest() > epoch => Standing::Deposed,
+            other => other,
+        }
     }
 
     /// Whether a link named `name` is in the set and up.
@@ -137,7 +223,7 @@ impl ExecutorSet {
         let deadline = tokio::time::Instant::now() + patience;
         loop {
             let alive = self.alive();
-            if !alive.is_empty() || self.is_retired() {
+            if !alive.is_empty() || !matches!(self.standing(), Standing::Serving(_)) {
                 return alive;
             }
             // A link dies without telling the set; re-check now and then as well.

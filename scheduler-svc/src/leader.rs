@@ -5,12 +5,13 @@
 //! executor session carries it: an executor refuses a scheduler older than the newest it has
 //! seen, so a deposed leader cannot disturb its successor.
 //!
-//! A leader stops scheduling at once — closes every executor session and stops driving — when
-//! etcd says its lease is gone (expired or revoked), or when it could not refresh the lease for
-//! a whole TTL (etcd unreachable: a standby may be elected once the lease lapses, so this
-//! leader must assume it has been). Its requests wait in the front and move on once
-//! leadership (its own, re-won, or nobody's) lets executors be reached again. Then it
-//! campaigns again.
+//! Because executors fence, a leader does not need etcd to serve safely, and it keeps serving
+//! while etcd is unreachable, however long: it admits and runs requests on the executors it
+//! holds. It stops only on proof that its leadership is over: etcd, reachable again, says its
+//! lease is gone (expired or revoked) or its election key was deleted, or an executor refuses
+//! it naming a newer epoch (a successor was elected meanwhile). Then it is deposed at once:
+//! its sessions close, discovery and every connect attempt are cancelled, and its requests
+//! fail at once, so the fronts move their streams to the leader. Then it campaigns again.
 //!
 //! The election's logic is written against [`Election`], which etcd implements
 //! ([`EtcdElection`]); tests drive it with a scripted election in paused time.
@@ -167,6 +168,7 @@ pub async fn lead<E: Election>(
         let Some(elected) = epoch else { continue };
         let epoch = elected.epoch;
         tracing::info!(pool = %candidate.pool, epoch, "leading the pool");
+        set.lead(epoch);
         leading.send_replace(Some(epoch));
         let led_since = Instant::now();
         let driving = drive(epoch);
@@ -174,15 +176,18 @@ pub async fn lead<E: Election>(
         let why = tokio::select! {
             why = keeper.until_lost() => why,
             why = watcher.deposed(&elected) => why,
+            newest = set.fence.outranks(epoch) => {
+                format!("an executor has seen the newer leadership epoch {newest}")
+            }
             () = resigned(&mut resign) => "it resigned to drain".to_string(),
         };
-        // Stop scheduling at once: no step goes out under a leadership that may be over.
+        // Stop scheduling at once: no step goes out under a leadership that is over.
         driving.abort();
         let resigning = *resign.borrow();
         if resigning {
             set.retire("this scheduler resigned to drain");
         } else {
-            set.clear(&format!("this scheduler lost its leadership: {why}"));
+            set.depose(&format!("this scheduler lost its leadership: {why}"));
         }
         leading.send_replace(None);
         tracing::warn!(pool = %candidate.pool, epoch, reason = %why, "no longer leading");
@@ -220,19 +225,22 @@ impl<E: Election> LeaseKeeper<E> {
         Self { election, lease, ttl, last_ok: Instant::now() }
     }
 
-    /// Refreshes the lease every third of its TTL; returns why it is lost: the service
-    /// answered that it expired (or was revoked), or no refresh succeeded for a whole TTL.
+    /// Refreshes the lease every third of its TTL; returns once the service answers that it
+    /// expired (or was revoked). While the service cannot be reached it keeps trying, however
+    /// long: not hearing from etcd is no proof that the lease is gone.
     async fn until_lost(&mut self) -> String {
         let period = self.ttl / 3;
         let mut retry =
             Backoff::new(Duration::from_millis(100), period.max(Duration::from_millis(100)));
+        let mut warned = false;
         loop {
-            let left = (self.last_ok + self.ttl).saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return format!("no lease refresh succeeded for {:?} (etcd unreachable)", self.ttl);
-            }
-            match tokio::time::timeout(period.min(left), self.election.refresh(self.lease)).await {
+            match tokio::time::timeout(period, self.election.refresh(self.lease)).await {
                 Ok(Ok(true)) => {
+                    if warned {
+                        let outage = self.last_ok.elapsed();
+                        tracing::warn!(?outage, "etcd reachable again; the lease lives");
+                    }
+                    warned = false;
                     self.last_ok = Instant::now();
                     retry.reset();
                     tokio::time::sleep(period).await;
@@ -240,13 +248,17 @@ impl<E: Election> LeaseKeeper<E> {
                 Ok(Ok(false)) => return "etcd says the lease expired or was revoked".into(),
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "election: lease refresh failed; retrying");
-                    let left = (self.last_ok + self.ttl).saturating_duration_since(Instant::now());
-                    tokio::select! {
-                        _ = retry.wait() => {}
-                        () = tokio::time::sleep(left) => {}
-                    }
+                    retry.wait().await;
                 }
-                Err(_) => {} // timed out: try again (the deadline check comes first)
+                Err(_) => {} // timed out: try again
+            }
+            if !warned && self.last_ok.elapsed() >= self.ttl {
+                warned = true;
+                tracing::warn!(
+                    ttl = ?self.ttl,
+                    "no lease refresh for a whole TTL (etcd unreachable); serving on: executors \
+                     refuse this scheduler if a successor is elected meanwhile"
+                );
             }
         }
     }
@@ -338,8 +350,8 @@ mod tests {
     use tokio::time::Instant;
 
     use super::{lead, Candidate, Elected, Election, Seat};
-    use crate::executors::ExecutorSet;
-    use crate::link::fake::{fake_link, FakeExecutor};
+    use crate::executors::{ExecutorSet, Standing};
+    use crate::link::fake::{fake_link, leader_link, FakeExecutor};
 
     /// What the scripted election does and saw.
     #[derive(Default)]
@@ -353,7 +365,7 @@ mod tests {
         grants: u64,
         campaigns: u64,
         revoked: Vec<i64>,
-        last_ok: Option<Instant>,
+        refreshes: u64,
     }
 
     #[derive(Clone, Default)]
@@ -390,14 +402,11 @@ mod tests {
 
         async fn refresh(&mut self, _lease: i64) -> Result<bool, String> {
             let mut s = self.0.lock().unwrap();
+            s.refreshes += 1;
             if s.unreachable {
                 return Err("etcd unreachable".into());
             }
-            if s.expired {
-                return Ok(false);
-            }
-            s.last_ok = Some(Instant::now());
-            Ok(true)
+            Ok(!s.expired)
         }
 
         async fn revoke(&mut self, lease: i64) {
@@ -432,8 +441,8 @@ mod tests {
         let drive = {
             let (set, executors) = (set.clone(), executors.clone());
             move |epoch: u64| {
-                let (link, exec) =
-                    fake_link(&format!("e{epoch}"), Arc::new(|_, p| p as u32), set.metrics.clone());
+                let token = Arc::new(|_, p| p as u32);
+                let (link, exec) = leader_link(&format!("e{epoch}"), epoch, token, &set);
                 set.insert(link);
                 executors.lock().unwrap().push(exec);
                 tokio::spawn(std::future::pending::<()>())
@@ -444,7 +453,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_leader_that_cannot_refresh_for_a_ttl_steps_down_and_campaigns_again() {
+    async fn a_leader_serves_through_an_etcd_outage_of_any_length_and_steps_down_when_told() {
         let script = Scripted::default();
         script.0.lock().unwrap().hold_seat = true;
         let set = ExecutorSet::new();
@@ -452,20 +461,79 @@ mod tests {
         leading.wait_for(|l| *l == Some(7)).await.unwrap();
         assert_eq!(set.names(), ["e7"], "it drives its executors while leading");
         let link = set.alive().pop().unwrap();
-        // Let it refresh a few times, then etcd goes away.
-        tokio::time::sleep(TTL * 2).await;
-        assert_eq!(*leading.borrow(), Some(7), "refreshes keep the leadership");
+        // etcd goes away for a hundred TTLs: the leadership and its session stay.
         script.0.lock().unwrap().unreachable = true;
+        let outage = Instant::now();
+        let refreshes_before = script.0.lock().unwrap().refreshes;
+        tokio::time::sleep(TTL * 100).await;
+        assert_eq!(*leading.borrow(), Some(7), "still leading after {:?}", outage.elapsed());
+        assert!(link.is_alive() && set.names() == ["e7"], "its session stays up");
+        assert_eq!(set.standing(), Standing::Serving(7));
+        let tries = script.0.lock().unwrap().refreshes - refreshes_before;
+        assert!(tries >= 100, "it kept asking etcd: {tries} refreshes in 100 TTLs");
+        // etcd is back and keeps the lease (it extends leases when it restarts): nothing moves.
+        script.0.lock().unwrap().unreachable = false;
+        tokio::time::sleep(TTL).await;
+        assert_eq!(*leading.borrow(), Some(7));
+        assert!(link.is_alive());
+        // etcd says the lease is gone: deposed at once, sessions closed, campaigning again.
+        let told = Instant::now();
+        script.0.lock().unwrap().expired = true;
         leading.wait_for(Option::is_none).await.unwrap();
-        let lost_at = Instant::now();
-        let last_ok = script.0.lock().unwrap().last_ok.unwrap();
-        assert_eq!(lost_at - last_ok, TTL, "it steps down exactly one TTL after the last refresh");
+        assert!(told.elapsed() <= TTL / 3, "stepped down {:?} after etcd said so", told.elapsed());
         assert!(set.names().is_empty() && !link.is_alive(), "its sessions are closed at once");
-        // It campaigns again on a new lease (and waits: another holds the seat now).
+        assert_eq!(set.standing(), Standing::Deposed);
+        script.0.lock().unwrap().expired = false;
         tokio::time::sleep(Duration::from_secs(1)).await;
         let s = script.0.lock().unwrap();
         assert_eq!((s.grants, s.campaigns), (2, 2), "a new lease and a new campaign");
         assert_eq!(s.revoked, [1], "the lost lease was revoked");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_executor_naming_a_newer_epoch_deposes_the_leader_at_once_even_without_etcd() {
+        let script = Scripted::default();
+        script.0.lock().unwrap().hold_seat = true;
+        let set = ExecutorSet::new();
+        let (mut leading, _resign, _execs) = start(&script, &set);
+        leading.wait_for(|l| *l == Some(7)).await.unwrap();
+        let link = set.alive().pop().unwrap();
+        // etcd is unreachable, so only an executor can tell: it has seen epoch 9.
+        script.0.lock().unwrap().unreachable = true;
+        tokio::time::sleep(TTL * 3).await;
+        let told = Instant::now();
+        set.fence.saw(9);
+        leading.wait_for(Option::is_none).await.unwrap();
+        assert_eq!(told.elapsed(), Duration::ZERO, "deposed as soon as it heard");
+        assert!(!link.is_alive(), "its sessions are closed");
+        assert_eq!(set.standing(), Standing::Deposed);
+        // Nothing waits for an executor on a deposed scheduler: the fronts move the requests.
+        let waited = Instant::now();
+        assert!(set.wait_alive(Duration::from_secs(30)).await.is_empty());
+        assert_eq!(waited.elapsed(), Duration::ZERO, "a lost request gives up at once");
+        // A session its old epoch opened late is not taken.
+        let late = fake_link("late", Arc::new(|_, p| p as u32), set.metrics.clone()).0;
+        set.insert(late.clone());
+        assert!(!late.is_alive(), "a deposed set takes no link");
+        assert_eq!(script.0.lock().unwrap().revoked, [1], "it gave up the old lease");
+    }
+
+    #[tokio::test]
+    async fn a_serving_set_takes_only_links_of_its_own_epoch() {
+        let set = ExecutorSet::new();
+        let link = |name: &str| fake_link(name, Arc::new(|_, p| p as u32), set.metrics.clone()).0;
+        let zero = link("zero"); // fake links are opened under epoch 0
+        set.insert(zero.clone());
+        assert!(zero.is_alive(), "without etcd the set serves epoch 0");
+        set.lead(8);
+        assert!(!zero.is_alive(), "leading under a new epoch closes what the old one opened");
+        let stale = link("stale");
+        set.insert(stale.clone());
+        assert!(!stale.is_alive() && set.names().is_empty(), "a link of another epoch is closed");
+        set.fence.saw(8);
+        assert_eq!(set.standing(), Standing::Serving(8), "its own epoch does not outrank it");
+        set.fence.saw(11);
+        assert_eq!(set.standing(), Standing::Deposed, "a newer epoch does");
     }
 
     #[tokio::test(start_paused = true)]

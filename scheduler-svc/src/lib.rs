@@ -76,6 +76,7 @@ pub async fn run(
         epoch: 0,
         metrics: executors.metrics.clone(),
         tier: executors.tier.clone(),
+        fence: executors.fence.clone(),
     };
     for (name, url) in &role.listed {
         match opener.open_patiently(name, url).await {

@@ -168,6 +168,28 @@ impl Etcd {
         Ok(String::from_utf8(out.stdout)?)
     }
 
+    /// The member that is raft's leader now (by `etcdctl endpoint status`, asked of the live
+    /// members).
+    pub fn raft_leader(&self) -> Result<usize> {
+        let live: Vec<usize> =
+            (0..self.members.len()).filter(|&i| self.members[i].child.is_some()).collect();
+        let endpoints: Vec<String> = live.iter().map(|&i| self.member_endpoint(i)).collect();
+        let out = Command::new("etcdctl")
+            .args(["--endpoints", &endpoints.join(","), "--command-timeout=3s"])
+            .args(["endpoint", "status", "-w", "json"])
+            .env("ETCDCTL_API", "3")
+            .output()?;
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let list = status.as_array().context("etcdctl endpoint status: not a list")?;
+        for (k, s) in list.iter().enumerate() {
+            let me = &s["Status"]["header"]["member_id"];
+            if !me.is_null() && *me == s["Status"]["leader"] {
+                return Ok(live[k]);
+            }
+        }
+        bail!("no member says it leads: {status}")
+    }
+
     /// The keys under `prefix`.
     pub fn keys(&self, prefix: &str) -> Result<Vec<String>> {
         let out = self.ctl(&["get", "--prefix", "--keys-only", prefix])?;

@@ -17,6 +17,16 @@ pub struct Outcome {
     pub finish: i32,
     /// The final event's error.
     pub error: String,
+    /// When each token arrived.
+    pub arrived: Vec<Instant>,
+}
+
+impl Outcome {
+    /// The gaps between consecutive tokens that arrived in separate events, each with the
+    /// time it ended.
+    pub fn gaps(&self) -> impl Iterator<Item = (Instant, Duration)> + '_ {
+        self.arrived.windows(2).filter(|w| w[1] > w[0]).map(|w| (w[1], w[1] - w[0]))
+    }
 }
 
 /// Runs `requests` as streams at once against the gRPC front at `grpc`; `fault` runs once
@@ -48,11 +58,17 @@ pub async fn run_streams_until(
         tasks.push(tokio::spawn(async move {
             let mut client = GenerationClient::connect(url).await.unwrap();
             let mut stream = client.generate(req).await.unwrap().into_inner();
-            let mut out =
-                Outcome { tokens: vec![], text: String::new(), finish: 0, error: String::new() };
+            let mut out = Outcome {
+                tokens: vec![],
+                text: String::new(),
+                finish: 0,
+                error: String::new(),
+                arrived: vec![],
+            };
             let mut reported = false;
             while let Some(ev) = stream.message().await.unwrap() {
                 out.tokens.extend(&ev.token_ids);
+                out.arrived.extend(ev.token_ids.iter().map(|_| Instant::now()));
                 out.text.push_str(&ev.text);
                 if ev.finish_reason != 0 {
                     out.finish = ev.finish_reason;

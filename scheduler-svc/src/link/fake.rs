@@ -88,6 +88,34 @@ pub(crate) fn raw_link(
     name: &str,
     metrics: Arc<SchedulerMetrics>,
 ) -> (LinkHandle, mpsc::Receiver<v1::Step>, ResultTx) {
+    let shared = super::Shared { metrics, tier: Arc::default(), fence: Arc::default() };
+    raw_session(name, 0, shared)
+}
+
+/// [`fake_link`] as a leader of `set` under `epoch` would open it (its metrics, its fence).
+pub(crate) fn leader_link(
+    name: &str,
+    epoch: u64,
+    token: TokenFn,
+    set: &crate::executors::ExecutorSet,
+) -> (LinkHandle, FakeExecutor) {
+    let (link, steps, results) = raw_session(name, epoch, shared_of(set));
+    let (_, gate) = watch::channel(u64::MAX);
+    let task = tokio::spawn(answer(steps, results, token, gate));
+    (link, FakeExecutor { task })
+}
+
+/// What a link of `set` shares with it.
+pub(crate) fn shared_of(set: &crate::executors::ExecutorSet) -> super::Shared {
+    super::Shared { metrics: set.metrics.clone(), tier: set.tier.clone(), fence: set.fence.clone() }
+}
+
+/// [`raw_link`] under `epoch`, sharing `shared`.
+pub(crate) fn raw_session(
+    name: &str,
+    epoch: u64,
+    shared: super::Shared,
+) -> (LinkHandle, mpsc::Receiver<v1::Step>, ResultTx) {
     let config = test_config();
     let info = v1::ExecutorInfo {
         executor_id: name.to_string(),
@@ -100,9 +128,8 @@ pub(crate) fn raw_link(
     let core = Scheduler::new(config).expect("a valid test configuration");
     let (step_tx, step_rx) = mpsc::channel(crate::config::MAX_STEPS_IN_FLIGHT + 1);
     let (result_tx, result_rx) = mpsc::channel(8);
-    let session = Session { name: name.into(), epoch: 0, id: 1 };
+    let session = Session { name: name.into(), epoch, id: 1 };
     let results = ReceiverStream::new(result_rx);
-    let shared = super::Shared { metrics, tier: Arc::default() };
     let link = LinkHandle::start(core, session, info, shared, step_tx, results);
     (link, step_rx, result_tx)
 }

@@ -112,6 +112,8 @@ enum Command {
 pub struct LinkHandle {
     /// The executor's name (its id in etcd, or its address when listed by hand).
     pub name: Arc<str>,
+    /// The leadership epoch its session was opened under (0 without etcd).
+    pub epoch: u64,
     tx: mpsc::Sender<Command>,
     /// Set to a reason to stop the loop: its requests fail (and the front moves them).
     close: Arc<watch::Sender<Option<String>>>,
@@ -154,6 +156,8 @@ pub(crate) struct Shared {
     pub metrics: Arc<crate::metrics::SchedulerMetrics>,
     /// Where it records what it wrote to its node's agent.
     pub tier: Arc<crate::tier::TierIndex>,
+    /// Where it reports an executor's newer leadership epoch.
+    pub fence: Arc<crate::executors::Fence>,
 }
 
 impl LinkHandle {
@@ -179,7 +183,7 @@ impl LinkHandle {
         let stats = Arc::new(std::sync::Mutex::new(core.stats()));
         let published =
             step_loop::Published::new(load.clone(), stats.clone(), shared, core.stats());
-        let name = session.name.clone();
+        let (name, epoch) = (session.name.clone(), session.epoch);
         let kv = step_loop::KvFacts {
             block_bytes: info.kv_layout.as_ref().and_then(v1::KvLayout::block_bytes).unwrap_or(0),
             agent: info.kv_agent_address.clone(),
@@ -188,7 +192,8 @@ impl LinkHandle {
         let eos = info.eos_token_ids.clone();
         let step_loop = step_loop::StepLoop::new(core, session, eos, kv, published);
         tokio::spawn(step_loop.run(rx, steps, results, close_rx));
-        LinkHandle { name, tx, close: Arc::new(close_tx), info: Arc::new(info), load, stats }
+        let close = Arc::new(close_tx);
+        LinkHandle { name, epoch, tx, close, info: Arc::new(info), load, stats }
     }
 
     /// Submits a request; the core's refusal comes back as an error.

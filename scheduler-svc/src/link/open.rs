@@ -38,11 +38,17 @@ pub struct SessionOpener {
     pub metrics: Arc<SchedulerMetrics>,
     /// Where the links record what they wrote to their agents.
     pub tier: Arc<crate::tier::TierIndex>,
+    /// Where the links report an executor's newer leadership epoch.
+    pub fence: Arc<crate::executors::Fence>,
 }
 
 impl SessionOpener {
     fn shared(&self) -> super::Shared {
-        super::Shared { metrics: self.metrics.clone(), tier: self.tier.clone() }
+        super::Shared {
+            metrics: self.metrics.clone(),
+            tier: self.tier.clone(),
+            fence: self.fence.clone(),
+        }
     }
 
     /// The same, under leadership `epoch`.
@@ -89,6 +95,9 @@ impl SessionOpener {
             })
             .await
             .map_err(|s| {
+                if let Some(newest) = ferry_proto::fencing::newest_epoch(&s) {
+                    self.fence.saw(newest);
+                }
                 let why = format!("handshake: {}", s.message());
                 match s.code() {
                     tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument => refused(why),

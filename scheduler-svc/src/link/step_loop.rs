@@ -68,6 +68,8 @@ pub(super) struct Published {
     pub metrics: Arc<SchedulerMetrics>,
     /// What each agent holds: this loop records its executor's stores and imports.
     pub tier: Arc<TierIndex>,
+    /// Where a newer leadership epoch is reported.
+    pub fence: Arc<crate::executors::Fence>,
     /// The stats the metrics were last brought up to.
     last: SchedulerStats,
 }
@@ -79,8 +81,8 @@ impl Published {
         shared: super::Shared,
         initial: SchedulerStats,
     ) -> Self {
-        let super::Shared { metrics, tier } = shared;
-        Self { load, stats, metrics, tier, last: initial }
+        let super::Shared { metrics, tier, fence } = shared;
+        Self { load, stats, metrics, tier, fence, last: initial }
     }
 
     /// Brings the metrics' counters and the handle's stats up to `now`.
@@ -215,6 +217,11 @@ impl StepLoop {
                     }
                     None => return self.fail_all("the executor ended the session"),
                     Some(Err(status)) => {
+                        // A refusal naming a newer epoch: another scheduler leads (reported
+                        // before the requests fail, so none waits here for a new executor).
+                        if let Some(newest) = ferry_proto::fencing::newest_epoch(&status) {
+                            self.published.fence.saw(newest);
+                        }
                         return self.fail_all(&format!("the executor failed: {}", status.message()))
                     }
                 },

@@ -140,9 +140,11 @@ async fn start_agent(
     let config =
         KvAgentConfig { node_id: node.into(), store_mib, shm_dir: shm::DEFAULT_DIR.into() };
     let mut stop = stop.clone();
-    tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, async move {
+    let stopped = async move {
         let _ = stop.wait_for(|s| *s).await;
-    }));
+    };
+    let drain = std::time::Duration::from_secs(5);
+    tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, stopped, drain));
     Ok(addr.to_string())
 }
 

@@ -24,8 +24,9 @@ pub use config::{BackendKind, ExecutorConfig, Role};
 
 /// Serves the executor's gRPC API for `model` on `listener` until `shutdown` resolves; with
 /// `cluster`, registered in etcd under `/ferry/<cluster>/executors/<executor-id>` once the
-/// weights are loaded and the service answers. On shutdown the registration is withdrawn first,
-/// so the scheduler moves this executor's requests away while the service drains. `model` is
+/// weights are loaded and the service answers. On shutdown it drains within `drain`: health
+/// says `NOT_SERVING`, the registration is withdrawn (so the scheduler moves this executor's
+/// requests away), then the service stops; a session still open at the limit is cut. `model` is
 /// `None` only for an executor that simulates a model profile (`--model-profile`).
 pub async fn run(
     config: ExecutorConfig,
@@ -33,6 +34,7 @@ pub async fn run(
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
+    drain: std::time::Duration,
 ) -> anyhow::Result<()> {
     let id = config.executor_id.clone();
     let built = tokio::task::spawn_blocking(move || match model {
@@ -51,8 +53,8 @@ pub async fn run(
         .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
         .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::Executor;
-    ferry_runtime::cluster::serve_registered(host, listener, cluster.as_ref(), kind, &id, shutdown)
-        .await?;
+    let member = (cluster.as_ref(), kind, id.as_str());
+    ferry_runtime::cluster::serve_registered(host, listener, member, shutdown, drain).await?;
     Ok(())
 }
 

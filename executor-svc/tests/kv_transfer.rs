@@ -55,7 +55,13 @@ async fn agent(node: &str) -> String {
         store_mib: 64,
         shm_dir: ferry_kv_transfer_svc::shm::DEFAULT_DIR.into(),
     };
-    tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, std::future::pending()));
+    tokio::spawn(ferry_kv_transfer_svc::run(
+        config,
+        None,
+        listener,
+        std::future::pending(),
+        Duration::from_secs(5),
+    ));
     addr.to_string()
 }
 

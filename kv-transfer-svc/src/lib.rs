@@ -24,12 +24,14 @@ pub use config::KvAgentConfig;
 
 /// Serves the agent's gRPC API on `listener` until `shutdown` resolves; with `cluster`,
 /// registered in etcd under `/ferry/<cluster>/kv/<node-id>` while it serves (withdrawn first
-/// on shutdown). `config` and `cluster` are checked by the caller, at start-up.
+/// on shutdown, and the drain bounded by `drain`). `config` and `cluster` are checked by the
+/// caller, at start-up.
 pub async fn run(
     config: KvAgentConfig,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
+    drain: std::time::Duration,
 ) -> anyhow::Result<()> {
     let id = config.node_id.clone();
     let capacity = usize::try_from(config.store_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
@@ -54,15 +56,9 @@ pub async fn run(
     let host =
         GrpcHost::new().bulk().with_side_channel(side).add_service(server).with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::KvAgent;
-    let served = ferry_runtime::cluster::serve_registered(
-        host,
-        listener,
-        cluster.as_ref(),
-        kind,
-        &id,
-        shutdown,
-    )
-    .await;
+    let member = (cluster.as_ref(), kind, id.as_str());
+    let served =
+        ferry_runtime::cluster::serve_registered(host, listener, member, shutdown, drain).await;
     reaper.abort();
     served?;
     Ok(())

@@ -503,15 +503,16 @@ pub enum RegisteredServeError {
 }
 
 /// Serves `host` on `listener` until `shutdown`, registered in etcd as `kind`/`id` while it
-/// serves when `cluster` configures etcd. On shutdown the registration is withdrawn first
-/// (others stop sending work here and move what they had), then the host drains.
+/// serves when `cluster` configures etcd. On shutdown it drains ([`crate::shutdown`]): health
+/// says `NOT_SERVING`, the registration is withdrawn (others stop sending work here and move
+/// what they had), then the host stops and waits for its calls in flight — all within
+/// `drain`.
 pub async fn serve_registered(
     host: crate::GrpcHost,
     listener: tokio::net::TcpListener,
-    cluster: Option<&ClusterArgs>,
-    kind: MemberKind,
-    id: &str,
+    (cluster, kind, id): (Option<&ClusterArgs>, MemberKind, &str),
     shutdown: impl std::future::Future<Output = ()> + Send,
+    drain: Duration,
 ) -> Result<(), RegisteredServeError> {
     let bound = listener.local_addr().map_err(crate::HostError::Io)?;
     let registration = match cluster {
@@ -523,6 +524,7 @@ pub async fn serve_registered(
         None => host,
     };
     let (stop_tx, mut stop_rx) = watch::channel(false);
+    let health = host.health_switch();
     let serving = host.serve(listener, async move {
         let _ = stop_rx.wait_for(|s| *s).await;
     });
@@ -531,12 +533,17 @@ pub async fn serve_registered(
         result = &mut serving => return Ok(result?),
         () = shutdown => {}
     }
-    if let Some(r) = registration {
-        r.withdraw().await;
-    }
-    let _ = stop_tx.send(true);
-    serving.await?;
-    Ok(())
+    let mut served = Ok(());
+    crate::bounded_drain(drain, async {
+        health.not_serving().await;
+        if let Some(r) = registration {
+            r.withdraw().await;
+        }
+        let _ = stop_tx.send(true);
+        served = serving.await;
+    })
+    .await;
+    Ok(served?)
 }
 
 #[cfg(test)]

@@ -123,6 +123,12 @@ impl GrpcHost {
         self.health.clone()
     }
 
+    /// A switch that reports every hosted service `NOT_SERVING` before shutdown begins (a
+    /// drain's first step). Take it once every service is added.
+    pub fn health_switch(&self) -> HealthSwitch {
+        HealthSwitch { health: self.health.clone(), names: self.service_names.clone() }
+    }
+
     /// Serves on `listener` until `shutdown` resolves, then reports `NOT_SERVING` and stops
     /// accepting; in-flight calls finish before this returns.
     pub async fn serve(
@@ -177,6 +183,20 @@ impl GrpcHost {
             server.serve_with_incoming_shutdown(incoming, draining).await?;
         }
         Ok(())
+    }
+}
+
+/// Reports a host's services `NOT_SERVING` ahead of its shutdown ([`GrpcHost::health_switch`]).
+#[derive(Clone)]
+pub struct HealthSwitch {
+    health: HealthReporter,
+    names: Vec<&'static str>,
+}
+
+impl HealthSwitch {
+    /// Every hosted service (and the "" entry) reports `NOT_SERVING` from now on.
+    pub async fn not_serving(&self) {
+        set_all(&self.health, &self.names, ServingStatus::NotServing).await;
     }
 }
 

@@ -18,4 +18,4 @@ pub mod telemetry;
 
 pub use backoff::Backoff;
 pub use grpc::{GrpcHost, HostError};
-pub use shutdown::shutdown_signal;
+pub use shutdown::{bounded_drain, shutdown_signal, DrainArgs};

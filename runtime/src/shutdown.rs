@@ -1,4 +1,54 @@
-//! Waiting for the signal to stop: SIGTERM (what Kubernetes and `kill` send) or Ctrl-C.
+//! Stopping: waiting for the signal (SIGTERM, what Kubernetes and `kill` send, or Ctrl-C), and
+//! the drain that follows it, bounded by `--drain-timeout`.
+//!
+//! Every service drains the same way: it reports `NOT_SERVING` at once (so load balancers and
+//! probes stop sending work), hands its work over (a leader resigns, an executor or KV agent
+//! withdraws its etcd registration, so others move what it had), stops accepting, and waits
+//! for the calls still in flight — at most the drain timeout from the signal. What is still
+//! running then is cut when the process exits, and whoever sent it moves it (a front to the
+//! next leader, a scheduler to another executor).
+
+use std::future::Future;
+use std::time::Duration;
+
+/// Longest `--drain-timeout`: a day.
+pub const MAX_DRAIN_SECS: u64 = 86_400;
+
+/// The drain's time limit, a flag of every service.
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct DrainArgs {
+    /// On SIGTERM, how long (seconds) the service may take to drain: report `NOT_SERVING`, hand
+    /// its work over, and let calls in flight finish. Past it, what still runs is cut and moved
+    /// by whoever sent it. Keep it below Kubernetes' termination grace period.
+    #[arg(long = "drain-timeout", env = "FERRY_DRAIN_TIMEOUT", default_value_t = 30)]
+    pub drain_timeout: u64,
+}
+
+impl DrainArgs {
+    /// The limit, checked.
+    pub fn timeout(&self) -> Result<Duration, String> {
+        if (1..=MAX_DRAIN_SECS).contains(&self.drain_timeout) {
+            Ok(Duration::from_secs(self.drain_timeout))
+        } else {
+            Err(format!(
+                "--drain-timeout must be between 1 and {MAX_DRAIN_SECS} seconds, got {}",
+                self.drain_timeout
+            ))
+        }
+    }
+}
+
+/// Runs `drain` for at most `limit`; says (and logs) when it was cut short.
+pub async fn bounded_drain(limit: Duration, drain: impl Future<Output = ()>) -> bool {
+    let started = tokio::time::Instant::now();
+    if tokio::time::timeout(limit, drain).await.is_ok() {
+        tracing::info!(took = ?started.elapsed(), "drained");
+        true
+    } else {
+        tracing::warn!(?limit, "drain timeout: the calls still in flight are cut");
+        false
+    }
+}
 
 /// Resolves when the process is asked to stop (SIGTERM or SIGINT).
 ///

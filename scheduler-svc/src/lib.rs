@@ -46,6 +46,8 @@ pub struct SchedulerRole {
     pub listed: Vec<(String, String)>,
     /// etcd, for discovery and leadership (validated); `None` for a static set-up.
     pub cluster: Option<ClusterArgs>,
+    /// How long the drain may take (`--drain-timeout`).
+    pub drain: Duration,
 }
 
 /// Where a service listens.
@@ -131,18 +133,18 @@ pub async fn run(
         front::Route::Local(executors.clone()),
         front_settings,
     );
-    // Drain: a leader first resigns, handing its requests over (the fronts move their streams
-    // to the next leader); then the APIs stop and finish what they still serve.
-    let shutdown = async {
-        shutdown.await;
+    // The drain's hand-over: a leader resigns, handing its requests over (the fronts move
+    // their streams to the next leader).
+    let hand_over = async {
         let _ = resign_tx.send(true);
         if let Some(task) = leader_task.as_mut() {
-            let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
+            let _ = task.await;
         }
     };
     let metrics = Arc::new(front.metrics_view(leading));
     let admin = admin::AdminService::new(executors);
-    serve_api(front, metrics, Some(admin), listeners, shutdown).await?;
+    let stop = Stop { signal: shutdown, hand_over, drain: role.drain };
+    serve_api(front, metrics, Some(admin), listeners, stop).await?;
     if let Some(task) = leader_task {
         task.abort();
     }
@@ -156,28 +158,37 @@ pub async fn run(
 /// every request to the leader scheduler of `pool` (found through etcd) and moving streams to
 /// the next leader when one fails.
 pub async fn run_front(
-    settings: FrontSettings,
-    pool: String,
-    cluster: ClusterArgs,
+    (settings, pool, cluster): (FrontSettings, String, ClusterArgs),
     model: Arc<ModelFile>,
     listeners: Listeners,
     shutdown: impl std::future::Future<Output = ()> + Send,
+    drain: Duration,
 ) -> anyhow::Result<()> {
     let max_model_len = model.shape.max_model_len;
     let served = ServedModel { file: model, max_model_len };
     let leader = front::remote::Leader::follow(cluster, pool);
     let front = front::GenerationService::new(served, front::Route::Remote(leader), settings);
     let metrics = Arc::new(front.metrics_view(None));
-    serve_api(front, metrics, None, listeners, shutdown).await
+    let stop = Stop { signal: shutdown, hand_over: async {}, drain };
+    serve_api(front, metrics, None, listeners, stop).await
 }
 
-/// Serves `front` over gRPC on `listener` and HTTP on `http` until `shutdown`, then drains.
+/// How the APIs stop: on `signal` they drain (runtime's `shutdown` module): health says
+/// `NOT_SERVING` (gRPC) and `/health` 503 "draining", then `hand_over` runs, then the APIs stop
+/// accepting and finish what they serve — all within `drain`.
+struct Stop<S, H> {
+    signal: S,
+    hand_over: H,
+    drain: Duration,
+}
+
+/// Serves `front` over gRPC on `listener` and HTTP on `http` until `stop.signal`, then drains.
 async fn serve_api(
     front: front::GenerationService,
     metrics: Arc<dyn ferry_runtime::metrics::Render>,
     admin: Option<admin::AdminService>,
     listeners: Listeners,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    stop: Stop<impl std::future::Future<Output = ()> + Send, impl std::future::Future<Output = ()>>,
 ) -> anyhow::Result<()> {
     let Listeners { grpc: listener, http } = listeners;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -187,26 +198,38 @@ async fn serve_api(
             let _ = rx.wait_for(|stop| *stop).await;
         }
     };
-    let http_task =
+    let mut http_task =
         http.map(|l| tokio::spawn(http::serve(front.clone(), metrics.clone(), l, stopped())));
     let mut host = GrpcHost::new()
-        .add_service(ferry_proto::v1::generation_server::GenerationServer::new(front))
+        .add_service(ferry_proto::v1::generation_server::GenerationServer::new(front.clone()))
         .with_metrics(metrics);
     if let Some(admin) = admin {
         host = host.add_service(ferry_proto::v1::admin_server::AdminServer::new(admin));
     }
+    let health = host.health_switch();
     let grpc = host.serve(listener, stopped());
     tokio::pin!(grpc);
+    let Stop { signal, hand_over, drain } = stop;
     tokio::select! {
-        result = &mut grpc => result?,
-        () = shutdown => {
-            let _ = stop_tx.send(true);
-            grpc.await?;
+        result = &mut grpc => return Ok(result?),
+        () = signal => {}
+    }
+    let mut served = Ok(());
+    ferry_runtime::bounded_drain(drain, async {
+        front.begin_drain();
+        health.not_serving().await;
+        hand_over.await;
+        let _ = stop_tx.send(true);
+        served = grpc.await;
+        if let Some(task) = http_task.as_mut() {
+            if let Ok(Err(e)) = task.await {
+                tracing::warn!(error = %e, "HTTP API");
+            }
         }
-    }
-    let _ = stop_tx.send(true);
+    })
+    .await;
     if let Some(task) = http_task {
-        task.await??;
+        task.abort();
     }
-    Ok(())
+    Ok(served?)
 }

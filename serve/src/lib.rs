@@ -50,6 +50,9 @@ pub struct ServeArgs {
     /// Traces.
     #[command(flatten)]
     pub trace: ferry_runtime::telemetry::TraceArgs,
+    /// The drain's limit, every part's.
+    #[command(flatten)]
+    pub drain: ferry_runtime::DrainArgs,
 }
 
 /// `ferry serve`'s flags, checked.
@@ -59,6 +62,7 @@ pub struct ServeConfig {
     front: FrontSettings,
     executor: ExecutorConfig,
     kv_agent: KvAgentConfig,
+    drain: std::time::Duration,
 }
 
 impl ServeArgs {
@@ -71,6 +75,7 @@ impl ServeArgs {
             front: self.front.resolve()?,
             executor: self.executor.clone(),
             kv_agent: self.kv_agent.clone(),
+            drain: self.drain.timeout().map_err(anyhow::Error::msg)?,
         })
     }
 }
@@ -158,7 +163,7 @@ impl Node {
         mut config: ExecutorConfig,
         agent: KvAgentConfig,
         model: Arc<ModelFile>,
-        stop: watch::Receiver<bool>,
+        (stop, drain): (watch::Receiver<bool>, std::time::Duration),
     ) -> anyhow::Result<()> {
         let stopped = |mut rx: watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|stop| *stop).await;
@@ -170,9 +175,10 @@ impl Node {
                 Some(model),
                 None,
                 self.executor,
-                stopped(stop.clone())
+                stopped(stop.clone()),
+                drain,
             ),
-            ferry_kv_transfer_svc::run(agent, None, self.kv_agent, stopped(stop)),
+            ferry_kv_transfer_svc::run(agent, None, self.kv_agent, stopped(stop), drain),
         )?;
         Ok(())
     }
@@ -204,8 +210,14 @@ pub async fn run(
         }
         None => None,
     };
-    let role =
-        SchedulerRole { scheduler: config.scheduler, front: config.front, listed, cluster: None };
+    let drain = config.drain;
+    let role = SchedulerRole {
+        scheduler: config.scheduler,
+        front: config.front,
+        listed,
+        cluster: None,
+        drain,
+    };
     // One stop signal fans out to every part, so they drain together.
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -219,13 +231,13 @@ pub async fn run(
                     // A node of its own: its agent's metrics and spans say so.
                     let node_id = format!("{}-prefill", agent.node_id);
                     let agent = KvAgentConfig { node_id, ..agent.clone() };
-                    Box::pin(node.run(config, agent, model.clone(), stop_rx.clone())).await
+                    Box::pin(node.run(config, agent, model.clone(), (stop_rx.clone(), drain))).await
                 }
                 _ => Ok(()),
             }
         };
         tokio::try_join!(
-            bound.main.run(executor, agent.clone(), model.clone(), stop_rx.clone()),
+            bound.main.run(executor, agent.clone(), model.clone(), (stop_rx.clone(), drain)),
             prefill_node,
             ferry_scheduler_svc::run(role, model.clone(), bound.front, stopped(stop_rx.clone())),
         )

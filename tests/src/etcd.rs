@@ -154,6 +154,24 @@ impl Etcd {
         self.wait_healthy(i)
     }
 
+    /// Restarts every member (killed before, all at once: none could reach a quorum alone) and
+    /// waits for them.
+    pub fn restart_all(&mut self) -> Result<()> {
+        for i in 0..self.members.len() {
+            self.kill(i)?;
+            self.spawn(i)?;
+        }
+        for i in 0..self.members.len() {
+            self.wait_healthy(i)?;
+        }
+        Ok(())
+    }
+
+    /// The process id of member `i`, while it runs.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.members[i].child.as_ref().map(Child::id)
+    }
+
     /// Runs `etcdctl` against the cluster and returns its stdout.
     pub fn ctl(&self, args: &[&str]) -> Result<String> {
         let out = Command::new("etcdctl")

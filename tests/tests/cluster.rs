@@ -268,6 +268,40 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
+    // Listed by hand, without etcd: nothing tells the scheduler that the executor drains, so
+    // it keeps the session open, and only the drain timeout ends it.
+    let exec = |id: &str| {
+        let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--executor-id", id];
+        let args = [&args[..], &["--drain-timeout", "2"]].concat();
+        Service::start("ferry-executor", &args, 1).unwrap()
+    };
+    let (mut a, b) = (exec("exec-a"), exec("exec-b"));
+    let sched = ferry_tests::start_scheduler(&[&a, &b], &[]);
+    wait_ready(&sched, &[&a, &b]).await;
+    let undisturbed = undisturbed_streams(&sched).await;
+    let url = format!("http://{}", a.addr("grpc"));
+    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let all = tonic_health::pb::HealthCheckRequest { service: String::new() };
+    let mut watch = health.watch(all).await.unwrap().into_inner();
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    assert_eq!(watch.message().await.unwrap().unwrap().status, serving);
+
+    let held = std::cell::Cell::new(0);
+    let term = signal_counting(&a, "TERM", &held);
+    let moved =
+        streams_survive(&sched, &undisturbed, "with an executor drained mid-way", term).await;
+    assert!(held.get() > 0, "the drained executor held no stream: nothing was tested");
+    assert_eq!(moved, held.get(), "requests moved vs requests the drained executor held");
+    // Its first word on SIGTERM was NOT_SERVING; it then exited by itself, cleanly.
+    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    let next = watch.message().await.unwrap().expect("a health update after SIGTERM");
+    assert_eq!(next.status, not_serving);
+    assert!(a.wait_exit().is_some_and(|s| s.success()), "the drained executor did not exit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     const TTL: Duration = Duration::from_secs(2);
     const TOKENS: u32 = 256;

@@ -114,6 +114,7 @@ fn stale_epoch_is_refused() {
 /// the flags named, and nothing bound (no address announced).
 #[test]
 fn bad_flags_exit_non_zero_naming_the_flags() {
+    const DRAIN: &str = "--drain-timeout must be between 1 and 86400 seconds, got 0";
     let listen = ["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
     let sched = |extra: &[&'static str]| [&listen[..], extra].concat();
     let serve = |extra: &[&'static str]| [&["serve"][..], &listen[..], extra].concat();
@@ -181,6 +182,20 @@ fn bad_flags_exit_non_zero_naming_the_flags() {
             "--max-queued-requests must be at least 1",
         ),
         ("ferry", serve(&["--backend", "gpu"]), "invalid value 'gpu' for '--backend"),
+        ("ferry", serve(&["--drain-timeout", "0"]), DRAIN),
+        ("ferry-executor", vec!["--drain-timeout", "0"], DRAIN),
+        ("ferry-kv", vec!["--drain-timeout", "86401"], "between 1 and 86400 seconds, got 86401"),
+        ("ferry-scheduler", sched(&["--drain-timeout", "0"]), DRAIN),
+        (
+            "ferry-scheduler",
+            [
+                &["front"][..],
+                &listen[..],
+                &["--etcd-endpoints", "127.0.0.1:1", "--drain-timeout", "0"],
+            ]
+            .concat(),
+            DRAIN,
+        ),
     ];
     for (bin, args, needle) in cases {
         let out = Command::new(binary(bin).unwrap()).args(&args).output().unwrap();

@@ -23,6 +23,8 @@ struct Cli {
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
     #[command(flatten)]
+    drain: ferry_runtime::DrainArgs,
+    #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
 }
 
@@ -104,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
     cli.cluster.validate()?;
     ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
         .map_err(anyhow::Error::msg)?;
+    let drain = cli.drain.timeout().map_err(anyhow::Error::msg)?;
     // A dry run checks the configuration, not this build: a CUDA pool's flags are checked by
     // any build (the CUDA image's executor runs them).
     let build = cli.executor.check_build();
@@ -133,6 +136,7 @@ async fn main() -> anyhow::Result<()> {
         cluster,
         listener,
         ferry_runtime::shutdown_signal(),
+        drain,
     )
     .await
 }

@@ -288,6 +288,14 @@ spec:
 {{- end }}
 {{- end -}}
 
+{{/*
+--drain-timeout for a pod whose termination grace period is "grace": what is left of it after
+the preStop sleep, less 5 s of margin for the process to exit (at least 1 s).
+*/}}
+{{- define "ferry.drainTimeout" -}}
+{{- max 1 (sub (int .grace) (add (int .root.Values.preStopSleepSeconds) 5)) -}}
+{{- end -}}
+
 {{- define "ferry.preStop" -}}
 lifecycle:
   preStop:

@@ -19,6 +19,8 @@ struct Cli {
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
     #[command(flatten)]
+    drain: ferry_runtime::DrainArgs,
+    #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
 }
 
@@ -29,6 +31,7 @@ async fn main() -> anyhow::Result<()> {
     cli.cluster.validate()?;
     ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
         .map_err(anyhow::Error::msg)?;
+    let drain = cli.drain.timeout().map_err(anyhow::Error::msg)?;
     if cli.check.dry_run_done("ferry-kv") {
         return Ok(());
     }
@@ -38,5 +41,5 @@ async fn main() -> anyhow::Result<()> {
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);
     let cluster = cli.cluster.enabled().then_some(cli.cluster);
     let stop = ferry_runtime::shutdown_signal();
-    ferry_kv_transfer_svc::run(cli.agent, cluster, listener, stop).await
+    ferry_kv_transfer_svc::run(cli.agent, cluster, listener, stop, drain).await
 }

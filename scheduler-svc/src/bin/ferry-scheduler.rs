@@ -50,6 +50,8 @@ struct Common {
     #[command(flatten)]
     trace: ferry_runtime::telemetry::TraceArgs,
     #[command(flatten)]
+    drain: ferry_runtime::DrainArgs,
+    #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
 }
 
@@ -76,6 +78,7 @@ impl Common {
         let listen = [("listen", self.listen.as_str()), ("http-listen", &self.http_listen)];
         ferry_runtime::check::shared_flags(&listen, &self.log, &self.trace)
             .map_err(anyhow::Error::msg)?;
+        self.drain.timeout().map_err(anyhow::Error::msg)?;
         if let Some(name) = &self.served_model_name {
             anyhow::ensure!(
                 !name.is_empty() && name.len() <= 256 && !name.contains(char::is_whitespace),
@@ -125,6 +128,7 @@ async fn main() -> anyhow::Result<()> {
                     cli.cluster.validate()?;
                     cli.cluster.enabled().then_some(cli.cluster)
                 },
+                drain: cli.common.drain.timeout().map_err(anyhow::Error::msg)?,
             };
             cli.common.validate()?;
             if cli.common.check.dry_run_done("ferry-scheduler") {
@@ -148,7 +152,9 @@ async fn main() -> anyhow::Result<()> {
             }
             let (listeners, _telemetry) = common.start("ferry-front").await?;
             let model = common.model().await?;
-            ferry_scheduler_svc::run_front(settings, pool, cluster, model, listeners, stop).await
+            let drain = common.drain.timeout().map_err(anyhow::Error::msg)?;
+            let front = (settings, pool, cluster);
+            ferry_scheduler_svc::run_front(front, model, listeners, stop, drain).await
         }
     }
 }

@@ -61,6 +61,8 @@ pub struct Front {
     next_transfer: AtomicU64,
     /// Live requests by client request id, and where each runs now.
     live: Mutex<HashMap<String, Placement>>,
+    /// Set when the process begins to drain: `/health` says so from then on.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// The gRPC face of the front.
@@ -84,6 +86,7 @@ impl GenerationService {
             next_id: AtomicU64::new(1),
             next_transfer: disagg::transfer_ids(),
             live: Mutex::default(),
+            draining: std::sync::atomic::AtomicBool::new(false),
         };
         Self { front: Arc::new(front) }
     }
@@ -108,6 +111,16 @@ impl GenerationService {
             },
             leading,
         }
+    }
+
+    /// From now on `/health` answers 503 "draining" (the drain's first step).
+    pub fn begin_drain(&self) {
+        self.front.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether this process is draining.
+    pub fn is_draining(&self) -> bool {
+        self.front.draining.load(Ordering::SeqCst)
     }
 
     /// Whether requests can run now: an executor session is up (a remote front: a leader is

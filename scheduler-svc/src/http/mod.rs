@@ -97,7 +97,9 @@ pub fn router(front: GenerationService) -> Router {
 }
 
 async fn health(State(front): State<GenerationService>) -> Response {
-    if front.has_executors() {
+    if front.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response()
+    } else if front.has_executors() {
         (StatusCode::OK, "ok").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no executor is connected").into_response()

@@ -177,10 +177,10 @@ impl ClusterArgs {
         if !self.enabled() {
             return Ok(None);
         }
-        let client = self.client().await?;
+        self.client().await?; // the flags make a client (certificates read, endpoints parsed)
         let key = format!("{}{id}", self.prefix(kind));
         let value = MemberInfo { address: self.advertised(bound) }.to_value();
-        Ok(Some(Registration::spawn(client, key, value, self.ttl())))
+        Ok(Some(Registration::spawn(self.clone(), key, value)))
     }
 
     /// The lease TTL.
@@ -272,11 +272,11 @@ pub struct Registration {
 }
 
 impl Registration {
-    /// Starts keeping `key = value` in etcd under a lease of `ttl`.
-    pub fn spawn(client: Client, key: String, value: String, ttl: Duration) -> Self {
+    /// Starts keeping `key = value` in `cluster`'s etcd under a lease of its TTL.
+    pub fn spawn(cluster: ClusterArgs, key: String, value: String) -> Self {
         let (stop, stop_rx) = watch::channel(false);
         let (state_tx, state) = watch::channel(LeaseState::Lost);
-        let task = tokio::spawn(keep_registered(client, key, value, ttl, stop_rx, state_tx));
+        let task = tokio::spawn(keep_registered(cluster, key, value, stop_rx, state_tx));
         Registration { stop, state, task: Some(task) }
     }
 
@@ -306,44 +306,77 @@ impl Drop for Registration {
 }
 
 async fn keep_registered(
-    mut client: Client,
+    cluster: ClusterArgs,
     key: String,
     value: String,
-    ttl: Duration,
     mut stop: watch::Receiver<bool>,
     state: watch::Sender<LeaseState>,
 ) {
+    let ttl = cluster.ttl();
+    let mut client = cluster.client_patiently().await;
+    // After a failure the client is made anew: a channel whose every endpoint died can take
+    // seconds to connect again once etcd is back, longer than a lease outlives a restart.
+    let mut failed = false;
     let mut backoff = etcd_backoff();
     let ttl_secs = ttl.as_secs().max(1) as i64;
+    // The lease held, kept across etcd outages: etcd extends its leases when it restarts or
+    // elects a new raft leader, so the same lease (and key) usually survives an outage of any
+    // length, and nobody watching sees the member leave and come back.
+    let mut lease = None;
+    // Refreshes of a lease that may live are retried often enough to beat its expiry.
+    let mut retry =
+        Backoff::new(Duration::from_millis(100), (ttl / 3).max(Duration::from_millis(100)));
     loop {
         if *stop.borrow() {
             return;
         }
-        // A fresh lease and key each time: the old lease may have lapsed while etcd was away.
-        let lease = match client.lease_grant(ttl_secs, None).await {
-            Ok(r) => r.id(),
-            Err(e) => {
-                tracing::debug!(%key, error = %e, "etcd: lease grant failed; retrying");
-                tokio::select! { _ = backoff.wait() => continue, _ = stop.changed() => return }
-            }
+        if std::mem::take(&mut failed) {
+            client = cluster.client_patiently().await;
+        }
+        let id = match lease {
+            Some(id) => id,
+            None => match client.lease_grant(ttl_secs, None).await {
+                Ok(r) => r.id(),
+                Err(e) => {
+                    tracing::debug!(%key, error = %e, "etcd: lease grant failed; retrying");
+                    failed = true;
+                    tokio::select! { _ = backoff.wait() => continue, _ = stop.changed() => return }
+                }
+            },
         };
-        let put = client.put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease)));
+        lease = Some(id);
+        // Put (again, after an outage: idempotent) so the key is there under this lease.
+        let put = client.put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(id)));
         if let Err(e) = put.await {
             tracing::debug!(%key, error = %e, "etcd: registration failed; retrying");
-            tokio::select! { _ = backoff.wait() => continue, _ = stop.changed() => return }
+            if e.to_string().contains("requested lease not found") {
+                lease = None;
+            } else {
+                failed = true;
+            }
+            // A lease that may live is asked about again soon enough to beat its expiry.
+            let wait = if lease.is_some() { &mut retry } else { &mut backoff };
+            tokio::select! { _ = wait.wait() => continue, _ = stop.changed() => return }
         }
-        let kept = keep_alive(&mut client, lease, ttl, &mut stop, &state).await;
-        state.send_replace(LeaseState::Lost);
+        let kept = keep_alive(&mut client, id, ttl, &mut stop, &state).await;
+        if state.send_replace(LeaseState::Lost) == LeaseState::Held {
+            retry.reset();
+        }
         match kept {
             KeepAlive::Stopped => {
-                let revoke = client.lease_revoke(lease);
+                let revoke = client.lease_revoke(id);
                 let _ = tokio::time::timeout(Duration::from_secs(1), revoke).await;
                 return;
             }
-            KeepAlive::Lapsed(why) => {
-                tracing::warn!(%key, reason = %why, "etcd registration lost; registering again");
+            KeepAlive::Expired => {
+                tracing::warn!(%key, "etcd says the registration's lease expired; registering again");
+                lease = None;
                 backoff.reset();
-                tokio::select! { _ = backoff.wait() => {}, _ = stop.changed() => return }
+            }
+            KeepAlive::Broken(why) => {
+                failed = true;
+                tracing::warn!(%key, reason = %why, "etcd unreachable; keeping the registration's lease");
+                tokio::select! { _ = retry.wait() => {}, _ = stop.changed() => return }
             }
         }
     }
@@ -351,10 +384,14 @@ async fn keep_registered(
 
 enum KeepAlive {
     Stopped,
-    Lapsed(String),
+    /// etcd says the lease is gone.
+    Expired,
+    /// etcd could not be asked.
+    Broken(String),
 }
 
-/// Refreshes `lease` every third of its TTL until told to stop or it cannot be refreshed.
+/// Refreshes `lease` every third of its TTL until told to stop, etcd says it expired, or etcd
+/// cannot be asked.
 async fn keep_alive(
     client: &mut Client,
     lease: i64,
@@ -364,24 +401,34 @@ async fn keep_alive(
 ) -> KeepAlive {
     let (mut keeper, mut responses) = match client.lease_keep_alive(lease).await {
         Ok(k) => k,
-        Err(e) => return KeepAlive::Lapsed(format!("keep-alive stream: {e}")),
+        Err(e) => return KeepAlive::Broken(format!("keep-alive stream: {e}")),
     };
-    state.send_replace(LeaseState::Held);
     let period = ttl / 3;
+    let mut first = true;
     loop {
-        tokio::select! {
-            _ = stop.changed() => return KeepAlive::Stopped,
-            () = tokio::time::sleep(period) => {}
+        if !first {
+            tokio::select! {
+                _ = stop.changed() => return KeepAlive::Stopped,
+                () = tokio::time::sleep(period) => {}
+            }
         }
-        if let Err(e) = keeper.keep_alive().await {
-            return KeepAlive::Lapsed(format!("keep-alive: {e}"));
+        // Bounded: a send on a stream whose connection died may never return.
+        match tokio::time::timeout(period, keeper.keep_alive()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return KeepAlive::Broken(format!("keep-alive: {e}")),
+            Err(_) => return KeepAlive::Broken("keep-alive request timed out".into()),
         }
         match tokio::time::timeout(period, responses.message()).await {
             Ok(Ok(Some(r))) if r.ttl() > 0 => {}
-            Ok(Ok(Some(_))) => return KeepAlive::Lapsed("the lease expired".into()),
-            Ok(Ok(None)) => return KeepAlive::Lapsed("keep-alive stream closed".into()),
-            Ok(Err(e)) => return KeepAlive::Lapsed(format!("keep-alive: {e}")),
-            Err(_) => return KeepAlive::Lapsed("keep-alive timed out".into()),
+            Ok(Ok(Some(_))) => return KeepAlive::Expired,
+            Ok(Ok(None)) => return KeepAlive::Broken("keep-alive stream closed".into()),
+            Ok(Err(e)) => return KeepAlive::Broken(format!("keep-alive: {e}")),
+            Err(_) => return KeepAlive::Broken("keep-alive timed out".into()),
+        }
+        if first {
+            // Held once etcd has said the lease lives (after the put).
+            state.send_replace(LeaseState::Held);
+            first = false;
         }
     }
 }

@@ -87,11 +87,12 @@ pub struct Job {
     max_tokens: u64,
 }
 
-/// splitmix64: a small seeded generator, so a workload is reproducible.
-struct Rng(u64);
+/// splitmix64: a small seeded generator, so a workload (or a chaos soak) is reproducible.
+pub struct Rng(pub u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    /// The next 64 random bits.
+    pub fn bits(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -99,10 +100,19 @@ impl Rng {
         z ^ (z >> 31)
     }
     fn in_span(&mut self, s: Span) -> u64 {
-        s.0 + self.next() % (s.1 - s.0 + 1)
+        s.0 + self.bits() % (s.1 - s.0 + 1)
     }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.bits() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Uniform in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.bits() % n as u64) as usize
+    }
+    /// Exponentially distributed with mean `mean` seconds (Poisson arrivals' gaps).
+    pub fn exp(&mut self, mean: f64) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(-mean * (1.0 - self.unit()).ln())
     }
 }
 
@@ -201,7 +211,7 @@ fn workload(args: &LoadArgs) -> anyhow::Result<Vec<Job>> {
         .map(|_| {
             let n = rng.in_span(args.prompt_len);
             let words: Vec<&str> =
-                (0..n).map(|_| WORDS[(rng.next() % WORDS.len() as u64) as usize]).collect();
+                (0..n).map(|_| WORDS[(rng.bits() % WORDS.len() as u64) as usize]).collect();
             Job { prompt: words.join(" "), max_tokens: rng.in_span(args.output_len) }
         })
         .collect())

@@ -111,7 +111,13 @@ impl Front {
                 ),
             }
         }
-        Ok((self.place(spec, request_id, &spec.prior_output, Duration::ZERO).await?, None))
+        // A new request does not wait for an executor of this process (none is a 503 now), but
+        // a front in its own process waits out a leader's failover, as a moved request does.
+        let patience = match self.route {
+            Route::Local(_) => Duration::ZERO,
+            Route::Remote(_) => self.settings.failover_wait,
+        };
+        Ok((self.place(spec, request_id, &spec.prior_output, patience).await?, None))
     }
 
     /// The prefill executor and the handoff for `spec`, if it is worth disaggregating: a

@@ -171,7 +171,8 @@ impl Front {
         spec.traceparent = trace.open_request(spec.prompt.len());
         let spec = Arc::new(spec);
         self.check_room(request_id)?;
-        // A new request does not wait for an executor: no executor is a 503 now.
+        // A new request does not wait for an executor here (none is a 503 now); a front in its
+        // own process waits out a leader failover (`place_new`).
         let ((placement, events), handoff) = self.place_new(&spec, request_id).await?;
         let admitted = {
             let mut live = self.live()?;

@@ -194,10 +194,20 @@ impl ClusterArgs {
     /// With `--etcd-cacert` the certificates are read here, on every call: a client built after
     /// they were renewed uses the new ones.
     pub async fn client(&self) -> Result<Client, etcd_client::Error> {
+        self.client_of(&self.etcd_endpoints).await
+    }
+
+    /// A client of member `i` alone (of the endpoints, counted round): one whose calls fail
+    /// over to the next member is made by asking for `i + 1`.
+    pub async fn member_client(&self, i: usize) -> Result<Client, etcd_client::Error> {
+        let n = self.etcd_endpoints.len().max(1);
+        self.client_of(&self.etcd_endpoints[i % n..=i % n]).await
+    }
+
+    async fn client_of(&self, endpoints: &[String]) -> Result<Client, etcd_client::Error> {
         let tls = self.etcd_tls()?;
         let scheme = if tls.is_some() { "https" } else { "http" };
-        let endpoints: Vec<String> = self
-            .etcd_endpoints
+        let endpoints: Vec<String> = endpoints
             .iter()
             .map(|e| if e.contains("://") { e.clone() } else { format!("{scheme}://{e}") })
             .collect();
@@ -313,9 +323,11 @@ async fn keep_registered(
     state: watch::Sender<LeaseState>,
 ) {
     let ttl = cluster.ttl();
+    // One member at a time, the next one after a failure: a client balanced over every member
+    // keeps sending some calls to a dead one, and a channel whose members all died can take
+    // seconds to connect again once etcd is back — longer than a lease outlives a restart.
+    let mut member = 0;
     let mut client = cluster.client_patiently().await;
-    // After a failure the client is made anew: a channel whose every endpoint died can take
-    // seconds to connect again once etcd is back, longer than a lease outlives a restart.
     let mut failed = false;
     let mut backoff = etcd_backoff();
     let ttl_secs = ttl.as_secs().max(1) as i64;
@@ -331,7 +343,11 @@ async fn keep_registered(
             return;
         }
         if std::mem::take(&mut failed) {
-            client = cluster.client_patiently().await;
+            member += 1;
+            match cluster.member_client(member).await {
+                Ok(c) => client = c,
+                Err(e) => tracing::warn!(error = %e, "etcd client"),
+            }
         }
         let id = match lease {
             Some(id) => id,
@@ -399,8 +415,10 @@ async fn keep_alive(
     stop: &mut watch::Receiver<bool>,
     state: &watch::Sender<LeaseState>,
 ) -> KeepAlive {
+    let gone = |e: &etcd_client::Error| e.to_string().contains("lease not found");
     let (mut keeper, mut responses) = match client.lease_keep_alive(lease).await {
         Ok(k) => k,
+        Err(e) if gone(&e) => return KeepAlive::Expired,
         Err(e) => return KeepAlive::Broken(format!("keep-alive stream: {e}")),
     };
     let period = ttl / 3;
@@ -421,6 +439,7 @@ async fn keep_alive(
         match tokio::time::timeout(period, responses.message()).await {
             Ok(Ok(Some(r))) if r.ttl() > 0 => {}
             Ok(Ok(Some(_))) => return KeepAlive::Expired,
+            Ok(Err(e)) if gone(&e) => return KeepAlive::Expired,
             Ok(Ok(None)) => return KeepAlive::Broken("keep-alive stream closed".into()),
             Ok(Err(e)) => return KeepAlive::Broken(format!("keep-alive: {e}")),
             Err(_) => return KeepAlive::Broken("keep-alive timed out".into()),

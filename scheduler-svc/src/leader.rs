@@ -87,7 +87,7 @@ pub async fn run(
     resign: watch::Receiver<bool>,
 ) {
     let client = cluster.client_patiently().await;
-    let election = EtcdElection { client, keep_alive: None };
+    let election = EtcdElection { client, cluster: cluster.clone(), member: 0, keep_alive: None };
     let name = format!("/ferry/{}/scheduler/{}", cluster.cluster, candidate.pool);
     let ttl = cluster.ttl();
     let drive = {
@@ -271,8 +271,28 @@ type KeepAliveStream = Arc<tokio::sync::Mutex<(EtcdKeeper, LeaseKeepAliveStream)
 #[derive(Clone)]
 pub struct EtcdElection {
     client: Client,
+    /// For a client of the next member after a refresh failed (see `keep_registered`).
+    cluster: ClusterArgs,
+    member: usize,
     /// The open keep-alive stream and the lease it refreshes.
     keep_alive: Option<(i64, KeepAliveStream)>,
+}
+
+/// Whether etcd's error says the lease does not exist (any more): it expired or was revoked.
+fn lease_gone(e: &etcd_client::Error) -> bool {
+    e.to_string().contains("lease not found")
+}
+
+impl EtcdElection {
+    /// Talks to the next etcd member from now on: a client balanced over every member keeps
+    /// sending some calls to a dead one, which a lease cannot afford.
+    async fn next_member(&mut self) {
+        self.member += 1;
+        match self.cluster.member_client(self.member).await {
+            Ok(c) => self.client = c,
+            Err(e) => tracing::warn!(error = %e, "etcd client"),
+        }
+    }
 }
 
 impl Election for EtcdElection {
@@ -316,7 +336,14 @@ impl Election for EtcdElection {
 
     async fn refresh(&mut self, lease: i64) -> Result<bool, String> {
         if self.keep_alive.as_ref().is_none_or(|(l, _)| *l != lease) {
-            let stream = self.client.lease_keep_alive(lease).await.map_err(|e| e.to_string())?;
+            let stream = match self.client.lease_keep_alive(lease).await {
+                Ok(stream) => stream,
+                Err(e) if lease_gone(&e) => return Ok(false),
+                Err(e) => {
+                    self.next_member().await;
+                    return Err(e.to_string());
+                }
+            };
             self.keep_alive = Some((lease, Arc::new(tokio::sync::Mutex::new(stream))));
         }
         let (_, stream) = self.keep_alive.as_ref().expect("set above");
@@ -327,11 +354,15 @@ impl Election for EtcdElection {
             keeper.keep_alive().await?;
             responses.message().await
         };
-        if let Ok(Some(r)) = answer.await {
+        let answer = answer.await;
+        if let Ok(Some(r)) = answer {
             Ok(r.ttl() > 0)
+        } else if answer.as_ref().is_err_and(lease_gone) {
+            Ok(false)
         } else {
             drop(guard);
             self.keep_alive = None;
+            self.next_member().await;
             Err("the keep-alive stream broke".into())
         }
     }

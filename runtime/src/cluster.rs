@@ -197,9 +197,8 @@ impl ClusterArgs {
         self.client_of(&self.etcd_endpoints).await
     }
 
-    /// A client of member `i` alone (of the endpoints, counted round): one whose calls fail
-    /// over to the next member is made by asking for `i + 1`.
-    pub async fn member_client(&self, i: usize) -> Result<Client, etcd_client::Error> {
+    /// A client of member `i` alone (of the endpoints, counted round).
+    async fn member_client(&self, i: usize) -> Result<Client, etcd_client::Error> {
         let n = self.etcd_endpoints.len().max(1);
         self.client_of(&self.etcd_endpoints[i % n..=i % n]).await
     }
@@ -264,6 +263,42 @@ pub fn etcd_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(100), Duration::from_secs(2))
 }
 
+/// Whether etcd's error says a lease does not exist (any more): it expired or was revoked.
+/// (etcd-client reports it as an error, on a call or on a keep-alive stream, not as a TTL of 0.)
+pub fn lease_gone(e: &etcd_client::Error) -> bool {
+    e.to_string().contains("lease not found")
+}
+
+/// A client for calls that keep a lease alive, which cannot afford a dead member: it starts
+/// balanced over every member and, after each failure ([`Self::failed`]), talks to the next
+/// member alone. A balanced client keeps sending some calls to a dead member, and a channel
+/// whose members all died can take seconds to connect again once etcd is back — longer than
+/// a lease outlives an etcd restart.
+#[derive(Clone)]
+pub struct LeaseClient {
+    cluster: ClusterArgs,
+    member: usize,
+    /// The client to call now.
+    pub client: Client,
+}
+
+impl LeaseClient {
+    /// Balanced over every member of `cluster`'s etcd (retrying until the flags make one).
+    pub async fn new(cluster: ClusterArgs) -> Self {
+        let client = cluster.client_patiently().await;
+        Self { cluster, member: 0, client }
+    }
+
+    /// A call failed: talk to the next member from now on.
+    pub async fn failed(&mut self) {
+        self.member += 1;
+        match self.cluster.member_client(self.member).await {
+            Ok(c) => self.client = c,
+            Err(e) => tracing::warn!(error = %e, "etcd client"),
+        }
+    }
+}
+
 /// Whether a registration is in etcd now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaseState {
@@ -323,11 +358,7 @@ async fn keep_registered(
     state: watch::Sender<LeaseState>,
 ) {
     let ttl = cluster.ttl();
-    // One member at a time, the next one after a failure: a client balanced over every member
-    // keeps sending some calls to a dead one, and a channel whose members all died can take
-    // seconds to connect again once etcd is back — longer than a lease outlives a restart.
-    let mut member = 0;
-    let mut client = cluster.client_patiently().await;
+    let mut etcd = LeaseClient::new(cluster).await;
     let mut failed = false;
     let mut backoff = etcd_backoff();
     let ttl_secs = ttl.as_secs().max(1) as i64;
@@ -343,12 +374,9 @@ async fn keep_registered(
             return;
         }
         if std::mem::take(&mut failed) {
-            member += 1;
-            match cluster.member_client(member).await {
-                Ok(c) => client = c,
-                Err(e) => tracing::warn!(error = %e, "etcd client"),
-            }
+            etcd.failed().await;
         }
+        let client = &mut etcd.client;
         let id = match lease {
             Some(id) => id,
             None => match client.lease_grant(ttl_secs, None).await {
@@ -365,7 +393,7 @@ async fn keep_registered(
         let put = client.put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(id)));
         if let Err(e) = put.await {
             tracing::debug!(%key, error = %e, "etcd: registration failed; retrying");
-            if e.to_string().contains("requested lease not found") {
+            if lease_gone(&e) {
                 lease = None;
             } else {
                 failed = true;
@@ -374,7 +402,7 @@ async fn keep_registered(
             let wait = if lease.is_some() { &mut retry } else { &mut backoff };
             tokio::select! { _ = wait.wait() => continue, _ = stop.changed() => return }
         }
-        let kept = keep_alive(&mut client, id, ttl, &mut stop, &state).await;
+        let kept = keep_alive(client, id, ttl, &mut stop, &state).await;
         if state.send_replace(LeaseState::Lost) == LeaseState::Held {
             retry.reset();
         }
@@ -415,10 +443,9 @@ async fn keep_alive(
     stop: &mut watch::Receiver<bool>,
     state: &watch::Sender<LeaseState>,
 ) -> KeepAlive {
-    let gone = |e: &etcd_client::Error| e.to_string().contains("lease not found");
     let (mut keeper, mut responses) = match client.lease_keep_alive(lease).await {
         Ok(k) => k,
-        Err(e) if gone(&e) => return KeepAlive::Expired,
+        Err(e) if lease_gone(&e) => return KeepAlive::Expired,
         Err(e) => return KeepAlive::Broken(format!("keep-alive stream: {e}")),
     };
     let period = ttl / 3;
@@ -439,7 +466,7 @@ async fn keep_alive(
         match tokio::time::timeout(period, responses.message()).await {
             Ok(Ok(Some(r))) if r.ttl() > 0 => {}
             Ok(Ok(Some(_))) => return KeepAlive::Expired,
-            Ok(Err(e)) if gone(&e) => return KeepAlive::Expired,
+            Ok(Err(e)) if lease_gone(&e) => return KeepAlive::Expired,
             Ok(Ok(None)) => return KeepAlive::Broken("keep-alive stream closed".into()),
             Ok(Err(e)) => return KeepAlive::Broken(format!("keep-alive: {e}")),
             Err(_) => return KeepAlive::Broken("keep-alive timed out".into()),

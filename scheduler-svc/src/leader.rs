@@ -20,8 +20,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper as EtcdKeeper};
-use ferry_runtime::cluster::{etcd_backoff, ClusterArgs};
+use etcd_client::{LeaseKeepAliveStream, LeaseKeeper as EtcdKeeper};
+use ferry_runtime::cluster::{etcd_backoff, lease_gone, ClusterArgs, LeaseClient};
 use ferry_runtime::Backoff;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -86,8 +86,8 @@ pub async fn run(
     leading: watch::Sender<Option<u64>>,
     resign: watch::Receiver<bool>,
 ) {
-    let client = cluster.client_patiently().await;
-    let election = EtcdElection { client, cluster: cluster.clone(), member: 0, keep_alive: None };
+    let etcd = LeaseClient::new(cluster.clone()).await;
+    let election = EtcdElection { etcd, keep_alive: None };
     let name = format!("/ferry/{}/scheduler/{}", cluster.cluster, candidate.pool);
     let ttl = cluster.ttl();
     let drive = {
@@ -270,35 +270,16 @@ type KeepAliveStream = Arc<tokio::sync::Mutex<(EtcdKeeper, LeaseKeepAliveStream)
 /// [`Election`] on etcd's election and lease APIs.
 #[derive(Clone)]
 pub struct EtcdElection {
-    client: Client,
-    /// For a client of the next member after a refresh failed (see `keep_registered`).
-    cluster: ClusterArgs,
-    member: usize,
+    /// Moves to the next member when a refresh fails.
+    etcd: LeaseClient,
     /// The open keep-alive stream and the lease it refreshes.
     keep_alive: Option<(i64, KeepAliveStream)>,
-}
-
-/// Whether etcd's error says the lease does not exist (any more): it expired or was revoked.
-fn lease_gone(e: &etcd_client::Error) -> bool {
-    e.to_string().contains("lease not found")
-}
-
-impl EtcdElection {
-    /// Talks to the next etcd member from now on: a client balanced over every member keeps
-    /// sending some calls to a dead one, which a lease cannot afford.
-    async fn next_member(&mut self) {
-        self.member += 1;
-        match self.cluster.member_client(self.member).await {
-            Ok(c) => self.client = c,
-            Err(e) => tracing::warn!(error = %e, "etcd client"),
-        }
-    }
 }
 
 impl Election for EtcdElection {
     async fn grant(&mut self, ttl: Duration) -> Result<i64, String> {
         let secs = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX);
-        Ok(self.client.lease_grant(secs, None).await.map_err(|e| e.to_string())?.id())
+        Ok(self.etcd.client.lease_grant(secs, None).await.map_err(|e| e.to_string())?.id())
     }
 
     async fn campaign(
@@ -307,7 +288,7 @@ impl Election for EtcdElection {
         value: &str,
         lease: i64,
     ) -> Result<Option<Elected>, String> {
-        let r = self.client.campaign(name, value, lease).await.map_err(|e| e.to_string())?;
+        let r = self.etcd.client.campaign(name, value, lease).await.map_err(|e| e.to_string())?;
         Ok(r.leader().map(|key| Elected {
             epoch: u64::try_from(key.rev()).unwrap_or(0),
             key: key.key().to_vec(),
@@ -318,7 +299,7 @@ impl Election for EtcdElection {
         // Every event on the key since it was created: a delete that already happened is seen.
         let start = i64::try_from(elected.epoch).unwrap_or(0);
         let options = etcd_client::WatchOptions::new().with_start_revision(start);
-        let watched = self.client.watch(elected.key.clone(), Some(options)).await;
+        let watched = self.etcd.client.watch(elected.key.clone(), Some(options)).await;
         let Ok(mut events) = watched else { return std::future::pending().await };
         loop {
             match events.message().await {
@@ -336,11 +317,11 @@ impl Election for EtcdElection {
 
     async fn refresh(&mut self, lease: i64) -> Result<bool, String> {
         if self.keep_alive.as_ref().is_none_or(|(l, _)| *l != lease) {
-            let stream = match self.client.lease_keep_alive(lease).await {
+            let stream = match self.etcd.client.lease_keep_alive(lease).await {
                 Ok(stream) => stream,
                 Err(e) if lease_gone(&e) => return Ok(false),
                 Err(e) => {
-                    self.next_member().await;
+                    self.etcd.failed().await;
                     return Err(e.to_string());
                 }
             };
@@ -362,13 +343,13 @@ impl Election for EtcdElection {
         } else {
             drop(guard);
             self.keep_alive = None;
-            self.next_member().await;
+            self.etcd.failed().await;
             Err("the keep-alive stream broke".into())
         }
     }
 
     async fn revoke(&mut self, lease: i64) {
-        let _ = self.client.lease_revoke(lease).await;
+        let _ = self.etcd.client.lease_revoke(lease).await;
     }
 }
 
@@ -483,14 +464,23 @@ mod tests {
         (leading, resign_tx, executors)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_leader_serves_through_an_etcd_outage_of_any_length_and_steps_down_when_told() {
+    /// A leader elected at epoch 7, driving its fake executor "e7"; campaigns after that wait
+    /// (another candidate holds the seat). Keep the last item alive for the test.
+    async fn elected_at_7(
+    ) -> (Scripted, Arc<ExecutorSet>, watch::Receiver<Option<u64>>, (watch::Sender<bool>, Driven))
+    {
         let script = Scripted::default();
         script.0.lock().unwrap().hold_seat = true;
         let set = ExecutorSet::new();
-        let (mut leading, _resign, _execs) = start(&script, &set);
+        let (mut leading, resign, execs) = start(&script, &set);
         leading.wait_for(|l| *l == Some(7)).await.unwrap();
         assert_eq!(set.names(), ["e7"], "it drives its executors while leading");
+        (script, set, leading, (resign, execs))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_serves_through_an_etcd_outage_of_any_length_and_steps_down_when_told() {
+        let (script, set, mut leading, _run) = elected_at_7().await;
         let link = set.alive().pop().unwrap();
         // etcd goes away for a hundred TTLs: the leadership and its session stay.
         script.0.lock().unwrap().unreachable = true;
@@ -523,11 +513,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_executor_naming_a_newer_epoch_deposes_the_leader_at_once_even_without_etcd() {
-        let script = Scripted::default();
-        script.0.lock().unwrap().hold_seat = true;
-        let set = ExecutorSet::new();
-        let (mut leading, _resign, _execs) = start(&script, &set);
-        leading.wait_for(|l| *l == Some(7)).await.unwrap();
+        let (script, set, mut leading, _run) = elected_at_7().await;
         let link = set.alive().pop().unwrap();
         // etcd is unreachable, so only an executor can tell: it has seen epoch 9.
         script.0.lock().unwrap().unreachable = true;

@@ -24,7 +24,8 @@ pub struct Etcd {
     token: String,
 }
 
-fn free_port() -> Result<u16> {
+/// A port free on loopback now (for a process that must keep its port across restarts).
+pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

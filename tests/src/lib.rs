@@ -15,7 +15,7 @@ mod etcd;
 mod http;
 pub mod proxy;
 pub mod streams;
-pub use etcd::Etcd;
+pub use etcd::{free_port, Etcd};
 pub use http::{http, http_open, http_with, OpenStream};
 
 /// How long a binary may take to announce its address.

@@ -130,7 +130,12 @@ pub async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option
 /// The sum of the samples of family `name` in `/metrics` at `http`. `name{` matches the
 /// labelled family exactly; `name{a="b",c="d"` only the samples with those labels.
 pub fn metric(http: SocketAddr, name: &str) -> f64 {
-    let (_, body) = crate::http(http, "GET", "/metrics", b"").unwrap();
+    try_metric(http, name).unwrap_or_else(|| panic!("no {name} in /metrics at {http}"))
+}
+
+/// [`metric`], or `None` when the service cannot be asked or exports no such sample.
+pub fn try_metric(http: SocketAddr, name: &str) -> Option<f64> {
+    let (_, body) = crate::http(http, "GET", "/metrics", b"").ok()?;
     let (family, labels) = name.split_once('{').map_or((name, ""), |(f, l)| (f, l));
     let wanted: Vec<&str> = labels.split(',').filter(|l| !l.is_empty()).collect();
     let values: Vec<f64> = body
@@ -141,10 +146,9 @@ pub fn metric(http: SocketAddr, name: &str) -> f64 {
                     && wanted.iter().all(|w| rest.contains(w))
             })
         })
-        .map(|l| l.rsplit_once(' ').unwrap().1.parse().unwrap())
-        .collect();
-    assert!(!values.is_empty(), "no {name} in /metrics");
-    values.iter().sum()
+        .map(|l| l.rsplit_once(' ')?.1.parse().ok())
+        .collect::<Option<_>>()?;
+    (!values.is_empty()).then(|| values.iter().sum())
 }
 
 /// Waits until the executor at `exec` holds no request and no block.

@@ -256,10 +256,7 @@ fn generated_workloads_keep_invariants_and_drain_and_shrink_any_failure() {
         let (cfg, arrivals, opts) = build(&s);
         let r = run(&cfg, &arrivals, &opts)
             .map_err(|e| TestCaseError::fail(format!("{e}\n{cfg:?}")))?;
-        let aborted = r.finished.values().any(|&f| f == FinishReason::Abort);
-        let events =
-            [r.preemptions > 0, r.imports > 0, r.exports > 0, aborted, r.max_in_flight_seen > 1];
-        for (n, happened) in seen.iter().zip(events) {
+        for (n, happened) in seen.iter().zip(r.events()) {
             n.fetch_add(u64::from(happened), Ordering::Relaxed);
         }
         Ok(())
@@ -267,19 +264,8 @@ fn generated_workloads_keep_invariants_and_drain_and_shrink_any_failure() {
     if let Err(e) = result {
         panic!("a generated case failed (shrunk to the smallest found): {e}");
     }
-    let n = u64::from(cases());
-    for (name, (count, min_pct)) in
-        ["preemption", "KV import", "KV export", "abort", "pipelined steps"]
-            .iter()
-            .zip(seen.iter().zip(MIN_SHARE_PCT))
-    {
-        let count = count.load(Ordering::Relaxed);
-        eprintln!("{name}: {count} of {n} cases");
-        assert!(
-            count * 100 >= n * min_pct,
-            "{name} occurred in {count} of {n} cases, below the {min_pct} % this test must cover"
-        );
-    }
+    let seen = seen.map(|n| n.load(Ordering::Relaxed));
+    common::assert_coverage(seen, u64::from(cases()), MIN_SHARE_PCT, "cases");
 }
 
 #[test]

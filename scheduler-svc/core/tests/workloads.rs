@@ -148,15 +148,7 @@ fn random_workloads_keep_invariants_and_drain() {
         match run_seed(seed) {
             Ok(r) => {
                 let reasons = &r.finished;
-                let aborted = reasons.values().any(|&f| f == FinishReason::Abort);
-                let events = [
-                    r.preemptions > 0,
-                    r.imports > 0,
-                    r.exports > 0,
-                    aborted,
-                    r.max_in_flight_seen > 1,
-                ];
-                for (n, happened) in seeds_with.iter_mut().zip(events) {
+                for (n, happened) in seeds_with.iter_mut().zip(r.events()) {
                     *n += u64::from(happened);
                 }
                 totals[0] += r.preemptions;
@@ -197,20 +189,7 @@ fn random_workloads_keep_invariants_and_drain() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
     // Each event must occur in a minimum share of the seeds, so a change to the generator (or
     // to the core) that stops exercising one of them fails here instead of passing vacuously.
-    let seeds = num_seeds();
-    for (name, n, min_pct) in [
-        ("preemption", seeds_with[0], MIN_SHARE_PCT[0]),
-        ("KV import", seeds_with[1], MIN_SHARE_PCT[1]),
-        ("KV export", seeds_with[2], MIN_SHARE_PCT[2]),
-        ("abort", seeds_with[3], MIN_SHARE_PCT[3]),
-        ("pipelined steps", seeds_with[4], MIN_SHARE_PCT[4]),
-    ] {
-        eprintln!("{name}: {n} of {seeds} seeds");
-        assert!(
-            n * 100 >= seeds * min_pct,
-            "{name} occurred in {n} of {seeds} seeds, below the {min_pct} % this test must cover"
-        );
-    }
+    common::assert_coverage(seeds_with, num_seeds(), MIN_SHARE_PCT, "seeds");
 }
 
 /// The shape of the livelock seen in a vLLM fork's review (split prefill + priority +

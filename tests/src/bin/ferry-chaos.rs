@@ -25,7 +25,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use ferry_bench::loadgen::Rng;
 use ferry_proto::v1::{self, generation_client::GenerationClient};
-use ferry_tests::{signal, Etcd, Service};
+use ferry_tests::streams::try_metric as metric;
+use ferry_tests::{free_port, signal, Etcd, Service};
 
 /// A chaos soak of a local cluster of Ferry processes.
 #[derive(Debug, Parser)]
@@ -99,17 +100,6 @@ impl Proc {
     }
 }
 
-/// The sum of family `name`'s samples in `/metrics` at `http` (`name{` for a labelled family),
-/// or `None` if the service cannot be asked.
-fn metric(http: std::net::SocketAddr, name: &str) -> Option<f64> {
-    let (_, body) = ferry_tests::http(http, "GET", "/metrics", b"").ok()?;
-    let family = name.trim_end_matches('{');
-    let values = body.lines().filter(|l| {
-        l.strip_prefix(family).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-    });
-    Some(values.filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok()).sum())
-}
-
 /// The cluster under test.
 struct Cluster {
     etcd: Etcd,
@@ -117,10 +107,6 @@ struct Cluster {
     /// Executors and their agents, by node.
     nodes: Vec<(Proc, Proc)>,
     front: Service,
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 impl Cluster {

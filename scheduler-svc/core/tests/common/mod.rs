@@ -99,6 +99,35 @@ pub struct Report {
     pub tier_stored: u64,
 }
 
+/// The events whose coverage the property tests assert, in [`Report::events`]' order.
+pub const EVENTS: [&str; 5] = ["preemption", "KV import", "KV export", "abort", "pipelined steps"];
+
+impl Report {
+    /// Which of [`EVENTS`] happened in this run.
+    pub fn events(&self) -> [bool; 5] {
+        [
+            self.preemptions > 0,
+            self.imports > 0,
+            self.exports > 0,
+            self.finished.values().any(|&f| f == FinishReason::Abort),
+            self.max_in_flight_seen > 1,
+        ]
+    }
+}
+
+/// Asserts that each of [`EVENTS`] happened in at least `min_pct` percent of `runs` runs
+/// (`seen`: in how many it did), so a generator that stops exercising one fails instead of
+/// passing vacuously.
+pub fn assert_coverage(seen: [u64; 5], runs: u64, min_pct: [u64; 5], unit: &str) {
+    for ((name, n), min_pct) in EVENTS.iter().zip(seen).zip(min_pct) {
+        eprintln!("{name}: {n} of {runs} {unit}");
+        assert!(
+            n * 100 >= runs * min_pct,
+            "{name} occurred in {n} of {runs} {unit}, below the {min_pct} % this test must cover"
+        );
+    }
+}
+
 /// The token the simulated executor samples: deterministic in (seed, id, position); EOS (0)
 /// with probability `eos_pct`.
 fn sample(seed: u64, id: RequestId, pos: usize, eos_pct: u64) -> u32 {

@@ -269,6 +269,7 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
+    const TOKENS: u32 = 160;
     // Listed by hand, without etcd: nothing tells the scheduler that the executor drains, so
     // it keeps the session open, and only the drain timeout ends it.
     let exec = |id: &str| {
@@ -279,7 +280,11 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
     let (mut a, b) = (exec("exec-a"), exec("exec-b"));
     let sched = ferry_tests::start_scheduler(&[&a, &b], &[]);
     wait_ready(&sched, &[&a, &b]).await;
-    let undisturbed = undisturbed_streams(&sched).await;
+    // Streams long enough that none can end within the 2 s drain window, whatever the others'
+    // pace when the signal goes (then every request the executor held is still there to move).
+    let reqs = || requests(8, TOKENS);
+    let undisturbed = run_streams(sched.addr("grpc"), reqs(), 0, || {}).await;
+    assert_complete(&undisturbed, TOKENS as usize);
     let url = format!("http://{}", a.addr("grpc"));
     let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
@@ -289,9 +294,12 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
     assert_eq!(watch.message().await.unwrap().unwrap().status, serving);
 
     let held = std::cell::Cell::new(0);
+    let moved_before = metric(sched.addr("http"), "ferry_requests_moved");
     let term = signal_counting(&a, "TERM", &held);
-    let moved =
-        streams_survive(&sched, &undisturbed, "with an executor drained mid-way", term).await;
+    let outcomes = run_streams(sched.addr("grpc"), reqs(), 4, term).await;
+    let moved = (metric(sched.addr("http"), "ferry_requests_moved") - moved_before) as u64;
+    assert_complete(&outcomes, TOKENS as usize);
+    assert_same_streams(&outcomes, &undisturbed);
     assert!(held.get() > 0, "the drained executor held no stream: nothing was tested");
     assert_eq!(moved, held.get(), "requests moved vs requests the drained executor held");
     // Its first word on SIGTERM was NOT_SERVING; it then exited by itself, cleanly.

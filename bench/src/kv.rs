@@ -19,17 +19,22 @@
 //! - `whole-socket`: the same, with the importing executor reading each block from its agent
 //!   as it arrives into a pool of its own: one executor's KV pool to another's, every byte
 //!   through the agents' sockets;
-//! - `whole`: one executor's KV pool to another's as executors do it: the exporter copies its
-//!   blocks into its shared-memory staging slots (computing their checksums as it goes), its
-//!   agent sends them from there, the destination agent keeps each block in a shared region
-//!   of its store, and the importer copies each from there into its pool as it lands. Timed
-//!   from the first copy out of the source pool to the last copy into the destination pool;
-//!   both pools are allocated and touched first, as an executor's are.
+//! - `whole-staged`: one executor's KV pool to another's as an executor whose pool is in its
+//!   own memory does it: the exporter copies its blocks into its shared-memory staging slots
+//!   (computing their checksums as it goes), its agent sends them from there, the destination
+//!   agent keeps each block in a shared region of its store, and the importer copies each
+//!   from there into its pool as it lands. Timed from the first copy out of the source pool
+//!   to the last copy into the destination pool; both pools are allocated and touched first,
+//!   as an executor's are;
+//! - `whole`: the same as a CPU executor with an agent does it: its pool is in the region it
+//!   shares with its agent, so the exporter only computes each block's checksums and its
+//!   agent sends the blocks from the pool itself.
 //!
 //! The agents run in this process on loopback, like the TCP pair, so all share the same
 //! cores. Each round runs every path once, back to back; a path's ratio is the median over
 //! rounds of its run against the same round's baseline, since the machine's own rate drifts.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -41,8 +46,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 /// Every path, in the order each round runs them (the two baselines first).
-pub const PATHS: [&str; 7] =
-    ["tcp", "tcp-pools", "push", "grpc-push", "put+push", "whole-socket", "whole"];
+pub const PATHS: [&str; 8] =
+    ["tcp", "tcp-pools", "push", "grpc-push", "put+push", "whole-socket", "whole-staged", "whole"];
 
 /// Flags of `ferry-bench kv`.
 #[derive(Debug, clap::Args)]
@@ -290,15 +295,16 @@ async fn export(
     Ok(h.total_bytes() as f64 / secs / 1e6)
 }
 
-/// One executor's pool to another's through staging slots and the agents at `via` (the
-/// exporter's) and `to` (the importer's); MB/s.
+/// One executor's pool to another's through the agents at `via` (the exporter's) and `to`
+/// (the importer's); MB/s. The exporter's pool is in its shared region (`in_place`: its blocks
+/// leave from there) or its own memory (`pools.0`, copied into staging slots first).
 async fn staged(
     tid: &str,
-    via: &str,
-    to: &str,
+    (via, to): (&str, &str),
     pools: &mut (Vec<u8>, Vec<u8>),
-    stagings: &(std::sync::Arc<shm::Staging>, std::sync::Arc<shm::Staging>),
+    (stagings, shared_pool): (&(Arc<shm::Staging>, Arc<shm::Staging>), &shm::PoolMemory),
     block_size: u32,
+    in_place: bool,
 ) -> anyhow::Result<f64> {
     let bb = stagings.0.block_bytes();
     let blocks = pools.0.len() / bb;
@@ -307,8 +313,14 @@ async fn staged(
     let no_room = || anyhow::anyhow!("staging: no room for {blocks} blocks");
     let start = Instant::now();
     // As executors do it: the exporter's transfer starts first and sends each block as soon
-    // as it is copied out; the importer copies each block into its pool as it lands.
-    let out = stagings.0.alloc(blocks).ok_or_else(no_room)?;
+    // as it is copied out (or its checksums computed, in place); the importer copies each
+    // block into its pool as it lands.
+    let out = if in_place {
+        let ids: Vec<u32> = (0..u32::try_from(blocks)?).collect();
+        stagings.0.pool_slots(&ids).ok_or_else(no_room)?
+    } else {
+        stagings.0.alloc(blocks).ok_or_else(no_room)?
+    };
     let (mut filler, out, filled) = shm::filling(out);
     let into = std::sync::Arc::new(stagings.1.alloc(blocks).ok_or_else(no_room)?);
     let (landed_tx, mut landed) = tokio::sync::watch::channel(Vec::new());
@@ -324,10 +336,14 @@ async fn staged(
     let source = std::mem::take(&mut pools.0);
     let exporter = tokio::task::spawn_blocking(move || {
         for i in 0..blocks {
-            filler.fill(|buf| {
-                buf.copy_from_slice(&source[i * bb..(i + 1) * bb]);
-                anyhow::Ok(())
-            })?;
+            if in_place {
+                filler.publish_in_place();
+            } else {
+                filler.fill(|buf| {
+                    buf.copy_from_slice(&source[i * bb..(i + 1) * bb]);
+                    anyhow::Ok(())
+                })?;
+            }
         }
         anyhow::Ok(source)
     });
@@ -357,7 +373,8 @@ async fn staged(
     read.await??;
     let secs = start.elapsed().as_secs_f64();
     anyhow::ensure!(sent.await??.bytes == h.total_bytes(), "staged put: short");
-    anyhow::ensure!(pools.0 == pools.1, "the importer's pool holds the exporter's blocks");
+    let exported = if in_place { shared_pool.bytes() } else { &pools.0[..] };
+    anyhow::ensure!(exported == pools.1, "the importer's pool holds the exporter's blocks");
     pools.1.fill(0);
     Ok(h.total_bytes() as f64 / secs / 1e6)
 }
@@ -409,10 +426,13 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
     let dir = std::path::Path::new(shm::DEFAULT_DIR);
     let slots = u32::try_from(blocks)?;
     let stagings = (
-        shm::Staging::create(dir, block_bytes, slots)?,
+        shm::Staging::create_with_pool(dir, block_bytes, slots, slots)?,
         shm::Staging::create(dir, block_bytes, slots)?,
     );
     let mut pools = (block.repeat(blocks), vec![1u8; blocks * block_bytes]);
+    // The exporter's pool in its shared region, as a CPU executor's with an agent is.
+    let mut shared_pool = stagings.0.take_pool().expect("a new region's pool");
+    shared_pool.bytes_mut().copy_from_slice(&pools.0);
     // The blocks the socket paths send, in memory of their own (as an executor's pool or an
     // agent's store holds them), not one block sent again from the cache.
     let source = Bytes::from(block.repeat(blocks));
@@ -433,7 +453,10 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
                     r
                 }
                 "whole-socket" => export(&tid, &a, &b, blocks, &source, bs, true).await?,
-                _ => staged(&tid, &a, &b, &mut pools, &stagings, bs).await?,
+                _ => {
+                    let shm = (&stagings, &shared_pool);
+                    staged(&tid, (&a, &b), &mut pools, shm, bs, path == "whole").await?
+                }
             };
             if round >= WARM_UP {
                 runs[i].push(r);
@@ -455,8 +478,14 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
             mb_per_s,
         })
         .collect();
+    print_rows(args, block_bytes, &rows)?;
+    Ok(rows)
+}
+
+/// Prints `rows` as a table (or JSON with `--json`).
+fn print_rows(args: &KvBenchArgs, block_bytes: usize, rows: &[KvBenchRow]) -> anyhow::Result<()> {
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!("{}", serde_json::to_string_pretty(rows)?);
     } else {
         println!(
             "{} MiB per run in blocks of {block_bytes} bytes ({} tokens)",
@@ -466,7 +495,7 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
             "{:<12} {:>12} {:>8} {:>10}  runs (MB/s)",
             "path", "median MB/s", "vs tcp", "vs pools"
         );
-        for r in &rows {
+        for r in rows {
             let runs: Vec<String> = r.mb_per_s.iter().map(|x| format!("{x:.0}")).collect();
             println!(
                 "{:<12} {:>12.0} {:>8.2} {:>10.2}  {}",
@@ -478,5 +507,5 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
             );
         }
     }
-    Ok(rows)
+    Ok(())
 }

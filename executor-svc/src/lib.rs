@@ -17,6 +17,9 @@ pub mod metrics;
 pub mod model;
 pub mod service;
 
+use std::sync::Arc;
+
+use ferry_kv_transfer_svc::shm::Staging;
 use ferry_runtime::GrpcHost;
 use tokio::net::TcpListener;
 
@@ -88,10 +91,25 @@ pub fn build(
         );
     }
     let eos = model.file.tokenizer.eos_token_id;
+    let kv_layout = v1::KvLayout {
+        num_layers: shape.num_layers as u32,
+        block_size: config.block_size,
+        num_kv_heads: shape.num_kv_heads as u32,
+        head_dim: shape.head_dim as u32,
+        dtype: v1::KvDtype::F32.into(),
+        model_fingerprint: model.file.fingerprint.clone(),
+    };
+    // The CPU backend keeps its KV pool in the region it shares with its agent, so that an
+    // export's blocks leave from where they are, without a copy on the engine thread.
+    let pool_blocks = if config.backend == BackendKind::Cpu { num_blocks as u32 } else { 0 };
+    let staging = engine::kv::staging(config, &kv_layout, pool_blocks);
     let backend: Box<dyn engine::ModelBackend> = match config.backend {
-        BackendKind::Cpu => {
-            Box::new(engine::CpuBackend::new(model.weights, block_size, num_blocks))
-        }
+        BackendKind::Cpu => match staging.as_ref().and_then(Staging::take_pool) {
+            Some(pool) => {
+                Box::new(engine::CpuBackend::in_pool(model.weights, block_size, num_blocks, pool))
+            }
+            None => Box::new(engine::CpuBackend::new(model.weights, block_size, num_blocks)),
+        },
         BackendKind::Sim => {
             let sim_model = engine::sim::SimModel::llama(
                 shape.num_layers as u32,
@@ -116,14 +134,6 @@ pub fn build(
         }
         BackendKind::Cuda => cuda_backend(&model.weights, block_size, num_blocks, config)?,
     };
-    let kv_layout = v1::KvLayout {
-        num_layers: shape.num_layers as u32,
-        block_size: config.block_size,
-        num_kv_heads: shape.num_kv_heads as u32,
-        head_dim: shape.head_dim as u32,
-        dtype: v1::KvDtype::F32.into(),
-        model_fingerprint: model.file.fingerprint.clone(),
-    };
     let serves = Serves {
         model: model.file.name.clone(),
         fingerprint: model.file.fingerprint.clone(),
@@ -131,7 +141,7 @@ pub fn build(
         vocab_size: shape.vocab_size as u32,
         eos: Some(eos),
     };
-    assemble(config, backend, num_blocks as u32, kv_layout, serves, None)
+    assemble(config, backend, (num_blocks as u32, kv_layout, staging), serves, None)
 }
 
 /// What an executor tells its scheduler of the model it serves.
@@ -147,13 +157,12 @@ struct Serves {
 fn assemble(
     config: &ExecutorConfig,
     backend: Box<dyn engine::ModelBackend>,
-    num_blocks: u32,
-    kv_layout: ferry_proto::v1::KvLayout,
+    (num_blocks, kv_layout, staging): (u32, ferry_proto::v1::KvLayout, Option<Arc<Staging>>),
     serves: Serves,
     identity: Option<std::sync::Arc<engine::sim::SimIdentity>>,
 ) -> anyhow::Result<BuiltExecutor> {
     use ferry_proto::v1;
-    let kv_port = kv_port(config, &kv_layout)?;
+    let kv_port = kv_port(config, &kv_layout, staging)?;
     // An executor without an end token (a simulated one before its handshake) never avoids one.
     let eos_token_id = serves.eos.unwrap_or(u32::MAX);
     let engine = engine::Engine::new(backend, engine::EngineConfig { eos_token_id });
@@ -238,13 +247,16 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         vocab_size: profile.vocab_size,
         eos: None,
     };
-    assemble(config, Box::new(backend), num_blocks, kv_layout, serves, Some(identity))
+    let staging = engine::kv::staging(config, &kv_layout, 0);
+    let kv = (num_blocks, kv_layout, staging);
+    assemble(config, Box::new(backend), kv, serves, Some(identity))
 }
 
 /// Where `--kv-agent` sends the KV operations of blocks of `layout`, if anywhere.
 fn kv_port(
     config: &ExecutorConfig,
     layout: &ferry_proto::v1::KvLayout,
+    staging: Option<Arc<Staging>>,
 ) -> anyhow::Result<Option<engine::kv::KvPort>> {
     let Some(agent) = &config.kv_agent else { return Ok(None) };
     Ok(Some(engine::kv::KvPort {
@@ -252,7 +264,7 @@ fn kv_port(
         runtime: tokio::runtime::Handle::try_current()
             .map_err(|e| anyhow::anyhow!("KV transfers need the async runtime: {e}"))?,
         layout: layout.clone(),
-        staging: engine::kv::staging(config, layout),
+        staging,
     }))
 }
 

@@ -51,7 +51,11 @@ impl Render for ExecutorMetrics {
         let name = "ferry_executor_kv_transfers";
         let help = "KV transfers started, by the path their blocks took to the node's agent.";
         t.family(name, "counter", help);
-        let paths = [("shared_memory", s.kv_paths.shared_memory), ("socket", s.kv_paths.socket)];
+        let paths = [
+            ("shared_memory", s.kv_paths.shared_memory),
+            ("socket", s.kv_paths.socket),
+            ("pool", s.kv_paths.pool),
+        ];
         for (path, n) in paths {
             t.sample(name, &[("path", path), labels[0], labels[1]], n as f64);
         }

@@ -57,6 +57,11 @@ pub struct Staging {
     slots: Mutex<SlotState>,
     /// The agent's regions, mapped read-only as this executor reads blocks from them.
     peers: Regions,
+    /// Blocks `0..pool_blocks` are an executor's KV pool (see [`Staging::create_with_pool`]);
+    /// the staging slots follow them.
+    pool_blocks: u32,
+    /// Whether the pool's memory was handed out (it is, at most once).
+    pool_taken: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -77,6 +82,20 @@ impl Staging {
     /// A new region of `slots` slots of `block_bytes` in `dir`, locked for as long as this
     /// process runs; removes regions left behind by processes that no longer run.
     pub fn create(dir: &Path, block_bytes: usize, slots: u32) -> std::io::Result<Arc<Self>> {
+        Self::create_with_pool(dir, block_bytes, 0, slots)
+    }
+
+    /// A region whose first `pool_blocks` blocks are an executor's KV pool, reserved now
+    /// (an error when the tmpfs has no room for them), followed by `slots` staging slots.
+    /// The executor keeps its KV cache in the pool ([`Staging::take_pool`]); an export then
+    /// names the pool's blocks to the agent ([`Staging::pool_slots`]) instead of copying them
+    /// into slots first.
+    pub fn create_with_pool(
+        dir: &Path,
+        block_bytes: usize,
+        pool_blocks: u32,
+        slots: u32,
+    ) -> std::io::Result<Arc<Self>> {
         if block_bytes == 0 || slots == 0 {
             return Err(std::io::Error::other("a staging region needs slots of at least a byte"));
         }
@@ -95,9 +114,24 @@ impl Staging {
             .create_new(true)
             .mode(0o600)
             .open(&making)?;
-        let len = block_bytes as u64 * u64::from(slots);
+        let total = pool_blocks.checked_add(slots).ok_or_else(|| {
+            std::io::Error::other(format!("{pool_blocks} pool blocks and {slots} slots overflow"))
+        })?;
+        let len = block_bytes as u64 * u64::from(total);
+        let pool_len = block_bytes as u64 * u64::from(pool_blocks);
         let made = lock(&file)
             .and_then(|()| file.set_len(len))
+            .and_then(|()| {
+                if pool_len == 0 || reserve(&file, 0, pool_len) {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::other(format!(
+                        "no room in {} for a KV pool of {} MiB",
+                        dir.display(),
+                        pool_len >> 20
+                    )))
+                }
+            })
             .and_then(|()| MmapOptions::new().map_raw(&file))
             .and_then(|map| std::fs::rename(&making, &path).map(|()| map));
         let map = match made {
@@ -107,10 +141,48 @@ impl Staging {
                 return Err(e);
             }
         };
-        let free = (0..slots).map(std::cmp::Reverse).collect();
-        let slots = Mutex::new(SlotState { free, reserved: 0 });
+        let free = (pool_blocks..total).map(std::cmp::Reverse).collect();
+        let slots = Mutex::new(SlotState { free, reserved: pool_blocks });
         let peers = Regions::read_only(dir.to_path_buf());
-        Ok(Arc::new(Self { name, path, file, map, block_bytes, slots, peers }))
+        let pool_taken = std::sync::atomic::AtomicBool::new(false);
+        Ok(Arc::new(Self {
+            name,
+            path,
+            file,
+            map,
+            block_bytes,
+            slots,
+            peers,
+            pool_blocks,
+            pool_taken,
+        }))
+    }
+
+    /// Blocks in the region's KV pool (0: a staging region only).
+    pub fn pool_blocks(&self) -> u32 {
+        self.pool_blocks
+    }
+
+    /// The KV pool's memory, to the one caller that asks first (`None` after that, or without
+    /// a pool).
+    pub fn take_pool(self: &Arc<Self>) -> Option<PoolMemory> {
+        if self.pool_blocks == 0 || self.pool_taken.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        let len = self.pool_blocks as usize * self.block_bytes;
+        Some(PoolMemory { region: self.clone(), ptr: self.map.as_mut_ptr(), len })
+    }
+
+    /// Pool blocks `ids` as the slots of a transfer: an export sends them from the pool where
+    /// they are. They stay the pool's (nothing is given back when the slots drop); the
+    /// scheduler keeps an exported block unchanged until the export is reported, and the
+    /// checksums published with each block let the receiver refuse one changed meanwhile (a
+    /// transfer cut short by a session reset). `None` if one is not a pool block.
+    pub fn pool_slots(self: &Arc<Self>, ids: &[u32]) -> Option<Slots> {
+        if ids.is_empty() || ids.iter().any(|&b| b >= self.pool_blocks) {
+            return None;
+        }
+        Some(Slots { staging: self.clone(), ids: ids.to_vec(), pooled: true })
     }
 
     /// The region's file name (what the agent is told).
@@ -145,7 +217,7 @@ impl Staging {
             }
             st.reserved = top;
         }
-        Some(Slots { staging: self.clone(), ids })
+        Some(Slots { staging: self.clone(), ids, pooled: false })
     }
 
     /// Regions of the agent's, in this region's directory, mapped read-only: where a staged
@@ -229,11 +301,59 @@ fn remove_orphans(dir: &Path) {
     }
 }
 
-/// Slots of one transfer; back to the region when dropped.
+/// An executor's KV pool in its region: the memory its KV cache lives in, shared with the
+/// agent, which reads the blocks an export names straight from it.
+#[derive(Debug)]
+pub struct PoolMemory {
+    /// Keeps the mapping.
+    region: Arc<Staging>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pool is handed out once; `&`/`&mut` access follows Rust's rules through it.
+unsafe impl Send for PoolMemory {}
+unsafe impl Sync for PoolMemory {}
+
+impl PoolMemory {
+    /// The pool's bytes (page-aligned, `blocks × block_bytes` long).
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping lives as long as `region`; only this value hands out references
+        // to it in this process (the agent reads it from its own mapping).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The pool's bytes, to write.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for `bytes`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// The pool as f32 values (a KV cache of f32 keys and values).
+    pub fn floats(&self) -> &[f32] {
+        // SAFETY: as for `bytes`; the mapping is page-aligned and any bit pattern is an f32.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast(), self.len / 4) }
+    }
+
+    /// The pool as f32 values, to write.
+    pub fn floats_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as for `floats`, through the only mutable reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.len / 4) }
+    }
+
+    /// The region the pool is in.
+    pub fn region(&self) -> &Arc<Staging> {
+        &self.region
+    }
+}
+
+/// Slots of one transfer; back to the region when dropped (unless they are pool blocks).
 #[derive(Debug)]
 pub struct Slots {
     staging: Arc<Staging>,
     ids: Vec<u32>,
+    /// Pool blocks ([`Staging::pool_slots`]), never the free list's.
+    pooled: bool,
 }
 
 impl Slots {
@@ -340,11 +460,22 @@ impl Filler {
         self.filled.send_modify(|filled| filled.push(crcs));
         Ok(())
     }
+
+    /// Publishes the next slot as it is (a pool block, already holding its bytes), with its
+    /// checksums computed now.
+    pub fn publish_in_place(&mut self) {
+        let i = self.filled.borrow().len();
+        assert!(i < self.slots.len(), "every slot is published already");
+        let crcs = crate::frames::chunk_crcs(self.slots.block(i)).collect();
+        self.filled.send_modify(|filled| filled.push(crcs));
+    }
 }
 
 impl Drop for Slots {
     fn drop(&mut self) {
-        self.staging.give_back(&self.ids);
+        if !self.pooled {
+            self.staging.give_back(&self.ids);
+        }
     }
 }
 
@@ -511,6 +642,12 @@ impl Regions {
             .map_err(open_error)?;
         let read_only = self.read_only;
         let region = Arc::new(Region { name: name.to_string(), map, inode, read_only });
+        // A new mapping is when a region was made since: drop those whose file is gone (its
+        // maker ended and the file was removed), so that a dead executor's KV pool, which may
+        // be large, does not stay in memory through this mapping.
+        mapped.retain(|n, (r, _)| {
+            std::fs::metadata(self.dir.join(n)).is_ok_and(|m| (m.dev(), m.ino()) == r.inode)
+        });
         mapped.insert(name.to_string(), (region.clone(), tick));
         while mapped.len() > Self::KEEP {
             let oldest = mapped.iter().min_by_key(|(_, (_, used))| *used).map(|(n, _)| n.clone());
@@ -599,6 +736,57 @@ mod tests {
         assert!(dir.join(mine.name()).exists() && other.exists());
         assert_ne!(live.name(), mine.name());
         drop((live, mine));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_pool_region_shares_the_pool_and_sends_its_blocks_where_they_are() {
+        let dir = tempdir();
+        let region = Staging::create_with_pool(&dir, 4096, 3, 2).unwrap();
+        assert_eq!(region.pool_blocks(), 3);
+        let mut pool = region.take_pool().expect("the pool, once");
+        assert!(region.take_pool().is_none(), "handed out once only");
+        assert_eq!(pool.bytes().len(), 3 * 4096);
+        assert_eq!(pool.floats().len(), 3 * 1024);
+        pool.bytes_mut()[4096..8192].fill(6);
+        // Staging slots come after the pool, and only they are allocated and given back.
+        let staged = region.alloc(2).unwrap();
+        assert_eq!(staged.offsets(), vec![3 * 4096, 4 * 4096]);
+        assert!(region.alloc(1).is_none());
+        // Pool blocks named as slots: the agent reads the pool's bytes at their offsets.
+        let sent = region.pool_slots(&[1, 0]).unwrap();
+        assert_eq!(sent.offsets(), vec![4096, 0]);
+        let agent = Regions::new(dir.clone());
+        let mapped = agent.get(region.name()).unwrap();
+        assert_eq!(&mapped.bytes(4096, 4096).unwrap()[..], &[6u8; 4096][..]);
+        // Checksums published in place are those of the pool's bytes.
+        let (mut filler, sent_slots, filled) = filling(sent);
+        filler.publish_in_place();
+        let want: Vec<u32> = crate::frames::chunk_crcs(&[6u8; 4096]).collect();
+        assert_eq!(filled.borrow()[0], want);
+        drop((filler, sent_slots));
+        assert_eq!(region.free_slots(), 0, "pool blocks are not staging slots");
+        drop(staged);
+        assert_eq!(region.free_slots(), 2);
+        assert!(region.pool_slots(&[3]).is_none(), "block 3 is a staging slot, not the pool's");
+        assert!(region.pool_slots(&[]).is_none());
+        drop((pool, mapped, region));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_mapping_of_a_removed_region_is_dropped_when_a_new_region_is_mapped() {
+        let dir = tempdir();
+        let agent = Regions::new(dir.clone());
+        let (old, new) =
+            (Staging::create(&dir, 4096, 1).unwrap(), Staging::create(&dir, 4096, 1).unwrap());
+        let mapped = agent.get(old.name()).unwrap();
+        let weak = Arc::downgrade(&mapped);
+        drop((mapped, old)); // its maker ended: the file is gone
+        assert!(weak.upgrade().is_some(), "still mapped by the agent");
+        agent.get(new.name()).unwrap();
+        assert!(weak.upgrade().is_none(), "the dead region's mapping went with its file");
+        drop(new);
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -2,6 +2,7 @@
 //! `sim` (the roofline timing model with deterministic tokens). The `cuda` backend, the real
 //! model on a GPU, implements the same trait in `engine::cuda` (feature `cuda`).
 
+use ferry_kv_transfer_svc::shm::PoolMemory;
 use std::time::Duration;
 
 use super::sim::{step_duration, SimBatchItem, SimClock, SimHardware, SimModel};
@@ -46,6 +47,11 @@ pub trait ModelBackend: Send {
     fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String>;
     /// Writes `data` (the transfer layout) into KV block `block`.
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String>;
+    /// Whether the KV pool lives in the region shared with the KV agent (see
+    /// [`crate::engine::kv::KvOps`]): an export then names its blocks where they are.
+    fn kv_in_shared_pool(&self) -> bool {
+        false
+    }
     /// The end-of-sequence token a simulating backend serves now, if its handshake set one
     /// (see [`super::sim::SimIdentity`]); `None`: the engine's.
     fn sim_eos(&self) -> Option<u32> {
@@ -88,6 +94,21 @@ impl CpuBackend {
         let cache = PagedKvCache::new(&weights.shape, block_size, num_blocks);
         Self { weights, cache, scratch: ForwardScratch::default() }
     }
+
+    /// The same with the pool in `pool` (a region shared with the KV agent) when it fits
+    /// exactly; else in memory of its own.
+    pub fn in_pool(
+        weights: LlamaWeights,
+        block_size: usize,
+        num_blocks: usize,
+        pool: PoolMemory,
+    ) -> Self {
+        if let Ok(cache) = PagedKvCache::in_pool(&weights.shape, block_size, num_blocks, pool) {
+            return Self { weights, cache, scratch: ForwardScratch::default() };
+        }
+        tracing::warn!("the shared KV pool does not fit the cache: using private memory");
+        Self::new(weights, block_size, num_blocks)
+    }
 }
 
 impl ModelBackend for CpuBackend {
@@ -120,6 +141,11 @@ impl ModelBackend for CpuBackend {
             return Err(format!("block {block} is out of range"));
         }
         bytes_to_floats(data, self.cache.block_mut(block))
+    }
+
+    fn kv_in_shared_pool(&self) -> bool {
+        // The pool's bytes are the transfer layout's only on a little-endian machine.
+        cfg!(target_endian = "little") && self.cache.is_shared()
     }
 }
 

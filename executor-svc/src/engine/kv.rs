@@ -57,22 +57,35 @@ pub struct KvPort {
     pub staging: Option<Arc<Staging>>,
 }
 
-/// The staging region `config` asks for, with slots of `layout`'s blocks; `None` (and a
-/// warning) when it cannot be made: transfers then take the agent's socket.
+/// The staging region `config` asks for, with slots of `layout`'s blocks, and before them a
+/// KV pool of `pool_blocks` blocks (0: none); `None` (and a warning) when it cannot be made:
+/// transfers then take the agent's socket. A region without room for the pool is made
+/// without it (the pool then stays in the executor's own memory).
 pub fn staging(
     config: &crate::config::ExecutorConfig,
     layout: &v1::KvLayout,
+    pool_blocks: u32,
 ) -> Option<Arc<Staging>> {
+    config.kv_agent.as_ref()?;
     let block_bytes = BlockLayout::from_proto(Some(layout)).ok()?.block_bytes;
     let slots = (config.kv_staging_mib << 20) / block_bytes as u64;
     if slots == 0 {
         return None;
     }
     let slots = u32::try_from(slots).unwrap_or(u32::MAX);
-    match Staging::create(&config.kv_shm_dir, block_bytes, slots) {
+    let dir = &config.kv_shm_dir;
+    if pool_blocks > 0 {
+        match Staging::create_with_pool(dir, block_bytes, pool_blocks, slots) {
+            Ok(s) => return Some(s),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "the KV pool stays in private memory: exports copy their blocks into staging slots first");
+            }
+        }
+    }
+    match Staging::create(dir, block_bytes, slots) {
         Ok(s) => Some(s),
         Err(e) => {
-            tracing::warn!(dir = %config.kv_shm_dir.display(), error = %e, "no KV staging region: KV transfers go through the agent's socket");
+            tracing::warn!(dir = %dir.display(), error = %e, "no KV staging region: KV transfers go through the agent's socket");
             None
         }
     }
@@ -242,6 +255,8 @@ pub struct KvPaths {
     pub shared_memory: u64,
     /// Through the agent's socket.
     pub socket: u64,
+    /// Exports sent from the KV pool where the blocks are (a pool in the shared region).
+    pub pool: u64,
 }
 
 impl KvPaths {
@@ -454,9 +469,21 @@ impl KvOps {
             end_span(span, &result);
             let _ = done.send(Done::Export { transfer_id: tid, result });
         };
-        let slots = self.slots(port, ids.len());
-        self.paths.count(slots.is_some());
-        if let Some(slots) = slots {
+        // An export's blocks stay the request's until it is reported: sent from the pool
+        // itself when it is in the shared region. A store's may be reused at once: copied.
+        let in_place = header.destination.is_some()
+            && backend.kv_in_shared_pool()
+            && self.staging_ok.load(Ordering::Acquire);
+        let pooled = in_place.then(|| port.staging.as_ref()?.pool_slots(ids)).flatten();
+        let slots = if pooled.is_some() {
+            self.paths.pool += 1;
+            pooled.map(|s| (s, true))
+        } else {
+            let slots = self.slots(port, ids.len());
+            self.paths.count(slots.is_some());
+            slots.map(|s| (s, false))
+        };
+        if let Some((slots, in_place)) = slots {
             let (mut filler, slots, filled) = shm::filling(slots);
             let task = port.runtime.spawn(async move {
                 let sent = data::put_staged(&agent, header.to_proto(), slots, filled);
@@ -466,8 +493,12 @@ impl KvOps {
                 report(by(deadline, sent).await);
             });
             for &b in ids {
-                // A block that cannot be read ends the transfer: the filler goes early.
-                if filler.fill(|buf| backend.read_block(b as usize, buf)).is_err() {
+                if in_place {
+                    // Each block's checksums now, while the step holds it: the receiver
+                    // refuses a block that changed before the agent sent it.
+                    filler.publish_in_place();
+                } else if filler.fill(|buf| backend.read_block(b as usize, buf)).is_err() {
+                    // A block that cannot be read ends the transfer: the filler goes early.
                     break;
                 }
             }

@@ -5,13 +5,42 @@
 //! `layers × {K, V} × block_size × kv_heads × head_dim` f32 values, contiguous, so a block moves
 //! between nodes as one slice.
 
+use ferry_kv_transfer_svc::shm::PoolMemory;
+
 use super::llama::LlamaShape;
 use super::ops::KvRun;
+
+/// Where the blocks live: memory of the process's own, or a pool in the region it shares with
+/// its node's KV agent, which then sends exported blocks straight from it.
+#[derive(Debug)]
+enum Memory {
+    Own(Vec<f32>),
+    Shared(PoolMemory),
+}
+
+impl std::ops::Deref for Memory {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            Self::Own(v) => v,
+            Self::Shared(pool) => pool.floats(),
+        }
+    }
+}
+
+impl std::ops::DerefMut for Memory {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            Self::Own(v) => v,
+            Self::Shared(pool) => pool.floats_mut(),
+        }
+    }
+}
 
 /// KV memory for `num_blocks` blocks of `block_size` tokens.
 #[derive(Debug)]
 pub struct PagedKvCache {
-    data: Vec<f32>,
+    data: Memory,
     /// Tokens per block.
     pub block_size: usize,
     /// Blocks in the pool.
@@ -36,12 +65,38 @@ impl PagedKvCache {
     pub fn new(shape: &LlamaShape, block_size: usize, num_blocks: usize) -> Self {
         let floats = num_blocks * block_size * shape.num_layers * 2 * shape.kv_dim();
         Self {
-            data: vec![0.0; floats],
+            data: Memory::Own(vec![0.0; floats]),
             block_size,
             num_blocks,
             num_layers: shape.num_layers,
             kv_dim: shape.kv_dim(),
         }
+    }
+
+    /// A cache in `pool` (a shared region's KV pool, zeroed as a new file is), if it is
+    /// exactly `num_blocks` blocks long; else the pool comes back.
+    pub fn in_pool(
+        shape: &LlamaShape,
+        block_size: usize,
+        num_blocks: usize,
+        pool: PoolMemory,
+    ) -> Result<Self, PoolMemory> {
+        let floats = num_blocks * block_size * shape.num_layers * 2 * shape.kv_dim();
+        if pool.floats().len() != floats {
+            return Err(pool);
+        }
+        Ok(Self {
+            data: Memory::Shared(pool),
+            block_size,
+            num_blocks,
+            num_layers: shape.num_layers,
+            kv_dim: shape.kv_dim(),
+        })
+    }
+
+    /// Whether the blocks live in a region shared with the KV agent.
+    pub fn is_shared(&self) -> bool {
+        matches!(self.data, Memory::Shared(_))
     }
 
     fn offset(&self, block: usize, layer: usize, kv: usize, slot: usize) -> usize {

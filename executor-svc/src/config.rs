@@ -81,6 +81,10 @@ pub struct ExecutorConfig {
     /// socket. 0: none. A transfer that finds no room takes the socket.
     #[arg(long, env = "FERRY_KV_STAGING_MIB", default_value_t = 256)]
     pub kv_staging_mib: u64,
+    /// Without etcd: the token a scheduler must present to open a session (`ferry-executor
+    /// --leadership-token-file`, or the one `ferry serve` shares with its parts).
+    #[arg(skip)]
+    pub leadership_token: Option<std::sync::Arc<[u8]>>,
     /// Directory of the staging region: a tmpfs that the agent shares (its `--shm-dir`).
     #[arg(long, env = "FERRY_KV_SHM_DIR", default_value = ferry_kv_transfer_svc::shm::DEFAULT_DIR)]
     pub kv_shm_dir: std::path::PathBuf,

@@ -40,6 +40,7 @@ pub async fn run(
     drain: std::time::Duration,
 ) -> anyhow::Result<()> {
     let id = config.executor_id.clone();
+    let token = config.leadership_token.clone();
     let built = tokio::task::spawn_blocking(move || match model {
         Some(model) => build(&config, model),
         None => build_simulated(&config),
@@ -51,7 +52,9 @@ pub async fn run(
         num_blocks: built.info.num_blocks,
         engine: built.engine.clone(),
     });
-    let service = service::ExecutorService::new(built.info, built.engine, built.identity);
+    let service = service::ExecutorService::new(built.info, built.engine, built.identity)
+        .with_elections(cluster.clone())
+        .with_static_token(token);
     let host = GrpcHost::new()
         .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
         .with_metrics(metrics);

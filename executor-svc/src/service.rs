@@ -4,6 +4,9 @@
 //! Invariants: at most one session is current; a handshake or reset from an epoch older than
 //! the newest seen is refused; a newer handshake supersedes the current session (its stream
 //! ends with `FAILED_PRECONDITION` at its next step) and starts from an empty request table.
+//! With etcd, a handshake opens a session only with the leadership token its epoch's elected
+//! scheduler published. A session's stream and resets present its secret, which only the
+//! handshake's answer carries; a session has one stream at a time.
 //! Steps are executed one at a time, in the order they arrive.
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -12,6 +15,8 @@ use ferry_proto::v1::{self, executor_server::Executor};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+
+use ferry_runtime::cluster::ClusterArgs;
 
 use crate::actor::EngineHandle;
 use crate::engine::sim::SimIdentity;
@@ -28,6 +33,27 @@ struct SessionState {
     scheduler_id: String,
     /// Last session id handed out.
     last_session_id: u64,
+    /// The current session's secret (given only to its handshake).
+    secret: Vec<u8>,
+    /// Whether the current session's stream is open (one at a time).
+    streaming: bool,
+    /// The newest epoch whose leadership token etcd confirmed, and the token.
+    verified: Option<(u64, Vec<u8>)>,
+}
+
+/// A session stream's claim on its session; released when the stream ends.
+struct StreamClaim {
+    state: Arc<Mutex<SessionState>>,
+    session_id: u64,
+}
+
+impl Drop for StreamClaim {
+    fn drop(&mut self) {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.session_id == self.session_id {
+            state.streaming = false;
+        }
+    }
 }
 
 /// The executor's gRPC face.
@@ -38,6 +64,10 @@ pub struct ExecutorService {
     engine: EngineHandle,
     /// Set for an executor that simulates a model profile: it serves each scheduler's model.
     identity: Option<Arc<SimIdentity>>,
+    /// With etcd: where handshakes' leadership tokens are checked.
+    cluster: Option<ClusterArgs>,
+    /// Without etcd: the token a handshake must present, if one was given.
+    static_token: Option<Arc<[u8]>>,
 }
 
 impl ExecutorService {
@@ -49,7 +79,75 @@ impl ExecutorService {
         engine: EngineHandle,
         identity: Option<Arc<SimIdentity>>,
     ) -> Self {
-        Self { info: Arc::new(Mutex::new(Arc::new(info))), state: Arc::default(), engine, identity }
+        let info = Arc::new(Mutex::new(Arc::new(info)));
+        Self { info, state: Arc::default(), engine, identity, cluster: None, static_token: None }
+    }
+
+    /// Handshakes checked against `cluster`'s etcd: a session opens only for the scheduler
+    /// that published the handshake's leadership token for its epoch.
+    #[must_use]
+    pub fn with_elections(mut self, cluster: Option<ClusterArgs>) -> Self {
+        self.cluster = cluster.filter(ClusterArgs::enabled);
+        self
+    }
+
+    /// Without etcd: handshakes must present `token`, when there is one.
+    #[must_use]
+    pub fn with_static_token(mut self, token: Option<Arc<[u8]>>) -> Self {
+        self.static_token = token;
+        self
+    }
+
+    /// Checks `req`'s leadership token against etcd (once per epoch and token), or against
+    /// the static token.
+    async fn check_leadership(&self, req: &v1::HandshakeRequest) -> Result<(), Status> {
+        let Some(cluster) = &self.cluster else {
+            return match &self.static_token {
+                Some(t) if !ferry_runtime::secret::same(t, &req.leadership_token) => {
+                    Err(Status::permission_denied(
+                        "this executor opens sessions only for a scheduler presenting its \
+                         --leadership-token-file token",
+                    ))
+                }
+                _ => Ok(()),
+            };
+        };
+        let token = &req.leadership_token;
+        let known = self.state()?.verified.as_ref().is_some_and(|(epoch, verified)| {
+            *epoch == req.epoch && ferry_runtime::secret::same(verified, token)
+        });
+        if known {
+            return Ok(());
+        }
+        let key = cluster.leadership_key(req.epoch);
+        let read = async {
+            let mut client = cluster.client().await?;
+            client.get(key.as_str(), None).await
+        };
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(5), read)
+            .await
+            .map_err(|_| Status::unavailable("etcd did not answer: cannot check the leadership"))?
+            .map_err(|e| Status::unavailable(format!("etcd: cannot check the leadership: {e}")))?;
+        let published = answer
+            .kvs()
+            .first()
+            .and_then(|kv| kv.value_str().ok())
+            .and_then(ferry_runtime::secret::from_hex);
+        match published {
+            Some(p) if ferry_runtime::secret::same(&p, token) => {
+                self.state()?.verified = Some((req.epoch, p));
+                Ok(())
+            }
+            Some(_) => Err(Status::permission_denied(format!(
+                "the leadership token does not match the one etcd holds for epoch {}",
+                req.epoch
+            ))),
+            None => Err(Status::permission_denied(format!(
+                "no scheduler leads under epoch {} (etcd holds no leadership token at {key}): \
+                 only the elected scheduler may open a session",
+                req.epoch
+            ))),
+        }
     }
 
     /// What this executor is now.
@@ -80,8 +178,8 @@ impl ExecutorService {
         self.state.lock().map_err(|_| Status::internal("executor session state is poisoned"))
     }
 
-    /// Checks that `(session_id, epoch)` is the current session.
-    fn check_current(&self, session_id: u64, epoch: u64) -> Result<(), Status> {
+    /// Checks that `(session_id, epoch)` is the current session and `secret` its secret.
+    fn check_current(&self, session_id: u64, epoch: u64, secret: &[u8]) -> Result<(), Status> {
         let state = self.state()?;
         if epoch < state.epoch {
             return Err(ferry_proto::fencing::stale_epoch(epoch, state.epoch));
@@ -92,8 +190,37 @@ impl ExecutorService {
                 state.session_id
             )));
         }
+        if !ferry_runtime::secret::same(secret, &state.secret) {
+            return Err(Status::permission_denied(format!(
+                "session {session_id}: the {} metadata does not hold the session's secret",
+                ferry_runtime::secret::SESSION_SECRET_HEADER
+            )));
+        }
         Ok(())
     }
+
+    /// The first step of a stream: checks it and claims the session's one stream.
+    fn claim(&self, step: &v1::Step, secret: &[u8]) -> Result<StreamClaim, Status> {
+        self.check_current(step.session_id, step.epoch, secret)?;
+        let mut state = self.state()?;
+        if state.streaming {
+            return Err(Status::already_exists(format!(
+                "session {} already has its stream: one stream per session",
+                step.session_id
+            )));
+        }
+        state.streaming = true;
+        Ok(StreamClaim { state: self.state.clone(), session_id: step.session_id })
+    }
+}
+
+/// The session secret a call presents (empty if none, or not hex).
+fn presented_secret(metadata: &tonic::metadata::MetadataMap) -> Vec<u8> {
+    metadata
+        .get(ferry_runtime::secret::SESSION_SECRET_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(ferry_runtime::secret::from_hex)
+        .unwrap_or_default()
 }
 
 #[tonic::async_trait]
@@ -120,6 +247,14 @@ impl Executor for ExecutorService {
                 info.model, info.model_fingerprint, req.expected_fingerprint
             )));
         }
+        if req.epoch < self.state()?.epoch {
+            return Err(ferry_proto::fencing::stale_epoch(req.epoch, self.state()?.epoch));
+        }
+        if let Err(refused) = self.check_leadership(&req).await {
+            tracing::warn!(epoch = req.epoch, scheduler = %req.scheduler_id, reason = %refused.message(), "handshake refused");
+            return Err(refused);
+        }
+        let secret = ferry_runtime::secret::random();
         let session_id = {
             let mut state = self.state()?;
             if req.epoch < state.epoch {
@@ -130,13 +265,15 @@ impl Executor for ExecutorService {
             state.last_session_id += 1;
             state.session_id = state.last_session_id;
             state.scheduler_id = req.scheduler_id;
+            state.secret.clone_from(&secret);
+            state.streaming = false;
             tracing::info!(session = state.session_id, epoch = state.epoch, scheduler = %state.scheduler_id, "session opened");
             state.session_id
         };
         // A new session starts from nothing: the scheduler sends its requests as new ones.
         self.engine.reset().await?;
         let info = Some((*self.info()?).clone());
-        Ok(Response::new(v1::HandshakeResponse { session_id, info }))
+        Ok(Response::new(v1::HandshakeResponse { session_id, info, session_secret: secret }))
     }
 
     type SessionStream = ReceiverStream<Result<v1::StepResult, Status>>;
@@ -145,11 +282,14 @@ impl Executor for ExecutorService {
         &self,
         request: Request<Streaming<v1::Step>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
+        let secret = presented_secret(request.metadata());
         let mut steps = request.into_inner();
         let (tx, rx) = mpsc::channel(8);
         let this = self.clone();
         tokio::spawn(async move {
             let mut last_step: Option<u64> = None;
+            // The session this stream holds, from its first step on.
+            let mut claim: Option<StreamClaim> = None;
             loop {
                 let step = match steps.message().await {
                     Ok(Some(step)) => step,
@@ -159,7 +299,17 @@ impl Executor for ExecutorService {
                         return;
                     }
                 };
-                if let Err(status) = this.check_current(step.session_id, step.epoch) {
+                let checked = match &claim {
+                    Some(c) if c.session_id != step.session_id => {
+                        Err(Status::invalid_argument(format!(
+                            "this stream is session {}'s, not {}'s",
+                            c.session_id, step.session_id
+                        )))
+                    }
+                    Some(_) => this.check_current(step.session_id, step.epoch, &secret),
+                    None => this.claim(&step, &secret).map(|c| claim = Some(c)),
+                };
+                if let Err(status) = checked {
                     let _ = tx.send(Err(status)).await;
                     return;
                 }
@@ -191,8 +341,9 @@ impl Executor for ExecutorService {
         &self,
         request: Request<v1::ResetRequest>,
     ) -> Result<Response<v1::ResetResponse>, Status> {
+        let secret = presented_secret(request.metadata());
         let req = request.into_inner();
-        self.check_current(req.session_id, req.epoch)?;
+        self.check_current(req.session_id, req.epoch, &secret)?;
         let dropped = self.engine.reset().await?;
         Ok(Response::new(v1::ResetResponse { dropped_requests: dropped as u32 }))
     }

@@ -157,6 +157,12 @@ impl ClusterArgs {
         format!("/ferry/{}/{}/", self.cluster, kind.segment())
     }
 
+    /// Where the scheduler elected at `epoch` publishes its leadership token (under its
+    /// election lease), for executors to check handshakes against.
+    pub fn leadership_key(&self, epoch: u64) -> String {
+        format!("/ferry/{}/leadership/{epoch}", self.cluster)
+    }
+
     /// The address to advertise for a service bound to `bound`.
     pub fn advertised(&self, bound: std::net::SocketAddr) -> String {
         match &self.advertise_address {

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod grpc;
 pub mod logging;
 pub mod metrics;
+pub mod secret;
 pub mod shutdown;
 pub mod side_channel;
 pub mod telemetry;

@@ -39,6 +39,11 @@ pub struct SchedulerArgs {
     /// The pool this scheduler leads (with etcd: one leader per pool, the others stand by).
     #[arg(long, env = "FERRY_POOL", default_value = "default")]
     pub pool: String,
+    /// Without etcd: a file holding the token (hex, at least 16 bytes) this scheduler presents
+    /// to the executors it lists; executors given the same file open sessions only for it.
+    /// With etcd each leadership publishes a fresh token there instead.
+    #[arg(long = "leadership-token-file", env = "FERRY_LEADERSHIP_TOKEN_FILE")]
+    pub leadership_token_file: Option<std::path::PathBuf>,
     /// This scheduler's id, shown by executors as their session's owner
     /// (default `scheduler-<pid>`).
     #[arg(long = "scheduler-id", env = "FERRY_SCHEDULER_ID")]
@@ -115,6 +120,8 @@ pub struct SchedulerSettings {
     pub pool: String,
     /// How long a connection to a listed or discovered executor is retried.
     pub connect_timeout: Duration,
+    /// The token presented to listed executors without etcd (empty: none).
+    pub static_token: std::sync::Arc<[u8]>,
     /// The core's policy, with placeholder executor geometry (see [`Self::core_config`]).
     policy: core::SchedulerConfig,
 }
@@ -138,6 +145,12 @@ pub struct FrontSettings {
 /// flags involved and the limit.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
+    /// `--leadership-token-file` cannot be read or holds no token.
+    #[error("{why}")]
+    TokenFile {
+        /// What is wrong, naming the file.
+        why: String,
+    },
     /// A count that must be positive is zero.
     #[error("--{flag} must be at least 1")]
     Zero {
@@ -272,7 +285,19 @@ impl SchedulerArgs {
             }
             other => ConfigError::Executor { executor: "(defaults)".into(), source: other },
         })?;
-        Ok(SchedulerSettings { scheduler_id, pool: self.pool.clone(), connect_timeout, policy })
+        let static_token = match &self.leadership_token_file {
+            Some(path) => ferry_runtime::secret::read_token_file(path)
+                .map_err(|why| ConfigError::TokenFile { why })?
+                .into(),
+            None => std::sync::Arc::from([]),
+        };
+        Ok(SchedulerSettings {
+            scheduler_id,
+            pool: self.pool.clone(),
+            connect_timeout,
+            static_token,
+            policy,
+        })
     }
 }
 

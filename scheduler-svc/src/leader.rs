@@ -92,13 +92,42 @@ pub async fn run(
     let ttl = cluster.ttl();
     let drive = {
         let set = set.clone();
-        move |epoch: u64| -> JoinHandle<()> {
-            let opener = opener.at_epoch(epoch);
-            tokio::spawn(crate::discovery::run(cluster.clone(), opener, set.clone()))
+        move |epoch: u64, lease: i64| -> JoinHandle<()> {
+            let (cluster, opener, set) = (cluster.clone(), opener.clone(), set.clone());
+            tokio::spawn(async move {
+                // Executors open sessions only for the token this leadership publishes.
+                let token: Arc<[u8]> = ferry_runtime::secret::random().into();
+                publish_token(&cluster, epoch, lease, &token).await;
+                let opener = opener.at_epoch(epoch, token);
+                crate::discovery::run(cluster, opener, set).await;
+            })
         }
     };
     // Boxed: the election loop's state is large, and this future lives in a spawned task.
     Box::pin(lead(Seat { election, name, candidate, ttl }, drive, set, leading, resign)).await;
+}
+
+/// Puts leadership `epoch`'s `token` at its key under the election's `lease` (so it goes
+/// with the leadership), retrying until etcd takes it; the leadership's task is aborted if
+/// it ends first.
+async fn publish_token(cluster: &ClusterArgs, epoch: u64, lease: i64, token: &[u8]) {
+    let key = cluster.leadership_key(epoch);
+    let value = ferry_runtime::secret::to_hex(token);
+    let mut backoff = etcd_backoff();
+    loop {
+        let put = async {
+            let mut client = cluster.client().await?;
+            let options = etcd_client::PutOptions::new().with_lease(lease);
+            client.put(key.as_str(), value.as_str(), Some(options)).await
+        };
+        match put.await {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, epoch, "cannot publish the leadership token; retrying");
+                backoff.wait().await;
+            }
+        }
+    }
 }
 
 /// One candidacy: the election, the pool's election name, who runs and the lease TTL.
@@ -113,11 +142,11 @@ pub struct Seat<E> {
     pub ttl: Duration,
 }
 
-/// The election loop: campaign, lead (running `drive(epoch)` while leading), step down when
+/// The election loop: campaign, lead (running `drive(epoch, lease)` while leading), step down when
 /// the lease is lost, campaign again; until `resign`.
 pub async fn lead<E: Election>(
     seat: Seat<E>,
-    drive: impl Fn(u64) -> JoinHandle<()>,
+    drive: impl Fn(u64, i64) -> JoinHandle<()>,
     set: Arc<ExecutorSet>,
     leading: watch::Sender<Option<u64>>,
     mut resign: watch::Receiver<bool>,
@@ -171,7 +200,7 @@ pub async fn lead<E: Election>(
         set.lead(epoch);
         leading.send_replace(Some(epoch));
         let led_since = Instant::now();
-        let driving = drive(epoch);
+        let driving = drive(epoch, lease);
         let mut watcher = election.clone();
         let why = tokio::select! {
             why = keeper.until_lost() => why,
@@ -452,7 +481,7 @@ mod tests {
         let executors = Arc::new(Mutex::new(Vec::new()));
         let drive = {
             let (set, executors) = (set.clone(), executors.clone());
-            move |epoch: u64| {
+            move |epoch: u64, _lease: i64| {
                 let token = Arc::new(|_, p| p as u32);
                 let (link, exec) = leader_link(&format!("e{epoch}"), epoch, token, &set);
                 set.insert(link);

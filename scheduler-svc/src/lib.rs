@@ -76,6 +76,7 @@ pub async fn run(
             [model.tokenizer.eos_token_id].into(),
         ),
         epoch: 0,
+        token: role.scheduler.static_token.clone(),
         metrics: executors.metrics.clone(),
         tier: executors.tier.clone(),
         fence: executors.fence.clone(),

@@ -210,14 +210,18 @@ pub async fn run(
         }
         None => None,
     };
+    // The in-process scheduler and executors share a token no one else knows (or the one
+    // `--leadership-token-file` gives): another process that reaches an executor's port
+    // cannot open a session on it.
+    let mut scheduler = config.scheduler;
+    if scheduler.static_token.is_empty() {
+        scheduler.static_token = ferry_runtime::secret::random().into();
+    }
+    let token = scheduler.static_token.clone();
+    executor.leadership_token = Some(token.clone());
+    let prefill = prefill.map(|p| ExecutorConfig { leadership_token: Some(token.clone()), ..p });
     let drain = config.drain;
-    let role = SchedulerRole {
-        scheduler: config.scheduler,
-        front: config.front,
-        listed,
-        cluster: None,
-        drain,
-    };
+    let role = SchedulerRole { scheduler, front: config.front, listed, cluster: None, drain };
     // One stop signal fans out to every part, so they drain together.
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {

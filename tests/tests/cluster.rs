@@ -435,6 +435,50 @@ fn leader_lease(etcd: &Etcd) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_handshake_is_refused_and_the_leaders_session_runs_on() {
+    let etcd = Etcd::start().unwrap();
+    let exec = start_executor(&etcd, "exec-a");
+    let sched = start_scheduler(&etcd);
+    wait_ready(&sched, &[&exec]).await;
+    let mut client =
+        ExecutorClient::connect(format!("http://{}", exec.addr("grpc"))).await.unwrap();
+    let before = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert!(before.session_id > 0 && before.epoch > 0, "{before:?}");
+    // The leader published its token in etcd, under its lease.
+    let token_key = format!("/ferry/default/leadership/{}", before.epoch);
+    assert_eq!(etcd.keys(&token_key).unwrap().len(), 1, "no leadership token at {token_key}");
+    let forge = |epoch, leadership_token| v1::HandshakeRequest {
+        scheduler_id: "intruder".into(),
+        epoch,
+        leadership_token,
+        ..Default::default()
+    };
+    // A higher epoch would fence the leader out until a restart; the current one would take
+    // its session over. Neither has the token etcd holds for the epoch.
+    let attempts = [
+        ("epoch u64::MAX", forge(u64::MAX, Vec::new())),
+        ("the current epoch without a token", forge(before.epoch, Vec::new())),
+        ("the current epoch with a made-up token", forge(before.epoch, vec![7; 32])),
+    ];
+    for (what, forged) in attempts {
+        let status = client.handshake(forged).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{what}: {status}");
+    }
+    let after = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(
+        (after.session_id, after.epoch, after.scheduler_id.as_str()),
+        (before.session_id, before.epoch, before.scheduler_id.as_str()),
+        "the leader's session stands"
+    );
+    // And it serves: new streams complete through the same session.
+    let outcomes = run_streams(sched.addr("grpc"), requests(4, 8), 0, || {}).await;
+    assert_complete(&outcomes, 8);
+    let last = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(last.session_id, before.session_id);
+    assert!(last.steps_executed > before.steps_executed, "the session ran the streams");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
     const TTL: Duration = Duration::from_secs(2);
     let etcd = Etcd::start().unwrap();

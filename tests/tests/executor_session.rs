@@ -1,7 +1,8 @@
 //! A real `ferry-executor` process driven over its gRPC session the way a scheduler drives it:
 //! handshake, a step stream that prefills and decodes the real model, a bad step refused with
 //! `INVALID_ARGUMENT`, a newer epoch taking over and a stale one refused, a scheduler that
-//! tokenizes for another model refused.
+//! tokenizes for another model refused; a stream or reset without the session's secret, and a
+//! second stream of a session, refused while the session runs on.
 
 // Each test is one end-to-end scenario, read top to bottom; splitting one would scatter it.
 #![allow(clippy::too_many_lines)]
@@ -13,6 +14,15 @@ use ferry_proto::v1::{self, executor_client::ExecutorClient};
 use ferry_tests::Service;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+
+/// A step stream for session `hs` fed by `rx`, presenting `secret` (the handshake's, unless a
+/// test forges one).
+fn with_secret<T>(message: T, secret: &[u8]) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    let hex = ferry_runtime::secret::to_hex(secret).parse().unwrap();
+    request.metadata_mut().insert(ferry_runtime::secret::SESSION_SECRET_HEADER, hex);
+    request
+}
 
 fn prefill_then_decode(session_id: u64, epoch: u64, prompt: &[u32], step_id: u64) -> v1::Step {
     v1::Step {
@@ -61,13 +71,53 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
     assert!(info.num_blocks > 8, "{info:?}");
     assert_eq!(info.eos_token_ids, vec![tok.eos_token_id]);
 
+    assert_eq!(hs.session_secret.len(), ferry_runtime::secret::LEN, "a session secret");
     let (tx, rx) = mpsc::channel(4);
-    let mut results = client.session(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let stream = with_secret(ReceiverStream::new(rx), &hs.session_secret);
+    let mut results = client.session(stream).await.unwrap().into_inner();
     let prompt = tok.encode("The capital of France is").unwrap();
     tx.send(prefill_then_decode(hs.session_id, 3, &prompt, 1)).await.unwrap();
     let mut generated = Vec::new();
     let first = results.message().await.unwrap().unwrap();
     generated.extend(&first.outputs[0].token_ids);
+
+    // Someone who knows the session id and epoch (Describe shows them) but not the secret:
+    // a stream without it, or with another, and a reset without it, are refused; a second
+    // stream even with the secret is refused while the first runs. The session goes on.
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!((described.session_id, described.epoch), (hs.session_id, 3));
+    let forged = ferry_runtime::secret::random();
+    for (what, secret) in [("no secret", &[][..]), ("another secret", &forged[..])] {
+        let (ftx, frx) = mpsc::channel(1);
+        let mut refused = client
+            .session(with_secret(ReceiverStream::new(frx), secret))
+            .await
+            .unwrap()
+            .into_inner();
+        ftx.send(v1::Step {
+            session_id: hs.session_id,
+            epoch: 3,
+            step_id: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let status = refused.message().await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{what}: {status}");
+    }
+    let (ftx, frx) = mpsc::channel(1);
+    let second = with_secret(ReceiverStream::new(frx), &hs.session_secret);
+    let mut second = client.session(second).await.unwrap().into_inner();
+    ftx.send(v1::Step { session_id: hs.session_id, epoch: 3, step_id: 100, ..Default::default() })
+        .await
+        .unwrap();
+    let status = second.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::AlreadyExists, "{status}");
+    let reset = v1::ResetRequest { session_id: hs.session_id, epoch: 3 };
+    let status = client.reset(reset).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status}");
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(described.num_requests, 1, "the refused calls changed nothing");
     for step_id in 2..5u64 {
         let mut step =
             v1::Step { session_id: hs.session_id, epoch: 3, step_id, ..Default::default() };
@@ -144,10 +194,42 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
         (0, hs2.session_id, "new")
     );
     let (tx2, rx2) = mpsc::channel(1);
-    let mut old = client.session(ReceiverStream::new(rx2)).await.unwrap().into_inner();
+    let old = with_secret(ReceiverStream::new(rx2), &hs.session_secret);
+    let mut old = client.session(old).await.unwrap().into_inner();
     tx2.send(prefill_then_decode(hs.session_id, 3, &prompt, 1)).await.unwrap();
     let refused =
         tokio::time::timeout(Duration::from_secs(30), old.message()).await.unwrap().unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     drop(svc);
+}
+
+/// Without etcd, an executor given `--leadership-token-file` opens a session only for a
+/// handshake presenting that token (a bad file is refused at start-up: `grpc_surface`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_executor_with_a_token_file_opens_sessions_only_for_its_token() {
+    let dir = std::env::temp_dir().join(format!("ferry-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    let token = ferry_runtime::secret::random();
+    std::fs::write(&file, ferry_runtime::secret::to_hex(&token) + "\n").unwrap();
+    let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--leadership-token-file"];
+    let path = file.to_str().unwrap();
+    let svc = Service::start("ferry-executor", &[&args[..], &[path]].concat(), 1).unwrap();
+    let mut client = ExecutorClient::connect(format!("http://{}", svc.addr("grpc"))).await.unwrap();
+    let hello = |epoch, leadership_token| v1::HandshakeRequest {
+        scheduler_id: "s".into(),
+        epoch,
+        leadership_token,
+        ..Default::default()
+    };
+    for (what, req) in [("no token", hello(u64::MAX, vec![])), ("another", hello(1, vec![1; 32]))] {
+        let status = client.handshake(req).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{what}: {status}");
+    }
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!((described.session_id, described.epoch), (0, 0), "the refusals changed nothing");
+    let hs = client.handshake(hello(1, token)).await.unwrap().into_inner();
+    assert!(hs.session_id > 0);
+    drop(svc);
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -81,6 +81,23 @@ fn serve_hosts_every_part_in_one_process() {
     check_surface(svc.addr("grpc"), "ferry.v1.Generation", "ferry.v1.GenerateRequest");
     check_surface(svc.addr("executor"), "ferry.v1.Executor", "ferry.v1.StepResult");
     check_surface(svc.addr("kv"), "ferry.v1.KvTransfer", "ferry.v1.TransferHeader");
+    // Another process that reaches the executor's port cannot fence its scheduler out: a
+    // handshake with the highest epoch but without the in-process token is refused, and the
+    // system answers after it as before.
+    let forged = ferry_tests::grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"scheduler_id":"x","epoch":"18446744073709551615"}"#,
+        &svc.addr("executor").to_string(),
+        "ferry.v1.Executor/Handshake",
+    ])
+    .unwrap();
+    let err = String::from_utf8_lossy(&forged.stderr);
+    assert!(!forged.status.success() && err.contains("PermissionDenied"), "{err}");
+    let body = br#"{"model":"SmolLM2-135M-Instruct","prompt":"Hello","max_tokens":4}"#;
+    let (status, answer) =
+        ferry_tests::http(svc.addr("http"), "POST", "/v1/completions", body).unwrap();
+    assert_eq!(status, 200, "{answer}");
     assert!(svc.terminate(GRACE).unwrap().success());
 }
 
@@ -113,6 +130,8 @@ fn stale_epoch_is_refused() {
 /// Every invalid flag, and every invalid combination, is refused at start-up: a non-zero exit,
 /// the flags named, and nothing bound (no address announced).
 #[test]
+// One table of cases, one row per flag: splitting it would only scatter the table.
+#[allow(clippy::too_many_lines)]
 fn bad_flags_exit_non_zero_naming_the_flags() {
     const DRAIN: &str = "--drain-timeout must be between 1 and 86400 seconds, got 0";
     let listen = ["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
@@ -124,6 +143,16 @@ fn bad_flags_exit_non_zero_naming_the_flags() {
         ("ferry-executor", vec!["--executor-id", " "], "--executor-id must not be empty"),
         ("ferry-executor", vec!["--lease-ttl", "1"], "--lease-ttl must be between 2 and 3600"),
         ("ferry-executor", vec!["--no-such-flag"], "unexpected argument"),
+        (
+            "ferry-executor",
+            vec!["--leadership-token-file", "/nonexistent/token"],
+            "--leadership-token-file /nonexistent/token",
+        ),
+        (
+            "ferry-scheduler",
+            sched(&["--leadership-token-file", "/nonexistent/token"]),
+            "--leadership-token-file /nonexistent/token",
+        ),
         ("ferry-kv", vec!["--store-mib", "lots"], "invalid value"),
         ("ferry-kv", vec!["--store-mib", "0"], "--store-mib must be at least 1"),
         ("ferry-kv", vec!["--node-id", ""], "--node-id must not be empty"),

@@ -20,6 +20,11 @@ struct Cli {
     trace: ferry_runtime::telemetry::TraceArgs,
     #[command(flatten)]
     executor: ExecutorConfig,
+    /// Without etcd: open sessions only for a scheduler presenting the token in this file
+    /// (hex, at least 16 bytes: the scheduler's `--leadership-token-file`). With etcd, each
+    /// handshake's token is checked against the one its leadership published there.
+    #[arg(long = "leadership-token-file", env = "FERRY_LEADERSHIP_TOKEN_FILE")]
+    leadership_token_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
     #[command(flatten)]
@@ -86,7 +91,7 @@ fn run_bench(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     if let Some(Command::Bench { model, batches, steps, prefill_reps, json }) = cli.command {
         return tokio::task::spawn_blocking(move || {
             run_bench(
@@ -103,6 +108,10 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     }
     cli.executor.validate_flags()?;
+    if let Some(path) = &cli.leadership_token_file {
+        let token = ferry_runtime::secret::read_token_file(path).map_err(anyhow::Error::msg)?;
+        cli.executor.leadership_token = Some(token.into());
+    }
     cli.cluster.validate()?;
     ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
         .map_err(anyhow::Error::msg)?;

@@ -34,6 +34,9 @@ pub struct SessionOpener {
     pub vocab: (u32, Arc<[u32]>),
     /// The leadership epoch (0 without etcd).
     pub epoch: u64,
+    /// The leadership token published in etcd for `epoch` (empty without etcd): executors
+    /// registered in etcd open sessions only for it.
+    pub token: Arc<[u8]>,
     /// Where the links count.
     pub metrics: Arc<SchedulerMetrics>,
     /// Where the links record what they wrote to their agents.
@@ -51,10 +54,10 @@ impl SessionOpener {
         }
     }
 
-    /// The same, under leadership `epoch`.
+    /// The same, under leadership `epoch`, whose token is `token`.
     #[must_use]
-    pub fn at_epoch(&self, epoch: u64) -> Self {
-        Self { epoch, ..self.clone() }
+    pub fn at_epoch(&self, epoch: u64, token: Arc<[u8]>) -> Self {
+        Self { epoch, token, ..self.clone() }
     }
 
     /// Opens a session to executor `name` at `url`, retrying what may succeed later until the
@@ -92,6 +95,7 @@ impl SessionOpener {
                 expected_fingerprint: self.fingerprint.to_string(),
                 vocab_size: self.vocab.0,
                 eos_token_ids: self.vocab.1.to_vec(),
+                leadership_token: self.token.to_vec(),
             })
             .await
             .map_err(|s| {
@@ -100,7 +104,9 @@ impl SessionOpener {
                 }
                 let why = format!("handshake: {}", s.message());
                 match s.code() {
-                    tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument => refused(why),
+                    tonic::Code::FailedPrecondition
+                    | tonic::Code::InvalidArgument
+                    | tonic::Code::PermissionDenied => refused(why),
                     _ => unreachable(why),
                 }
             })?
@@ -112,8 +118,13 @@ impl SessionOpener {
             .map_err(|e| refused(e.to_string()))?;
         let core = Scheduler::new(config).map_err(|e| refused(format!("scheduler: {e}")))?;
         let (step_tx, step_rx) = mpsc::channel(MAX_STEPS_IN_FLIGHT + 1);
+        let mut stream = tonic::Request::new(ReceiverStream::new(step_rx));
+        let secret = ferry_runtime::secret::to_hex(&hs.session_secret);
+        let secret =
+            secret.parse().map_err(|_| refused("a session secret that is not hex".into()))?;
+        stream.metadata_mut().insert(ferry_runtime::secret::SESSION_SECRET_HEADER, secret);
         let results = client
-            .session(ReceiverStream::new(step_rx))
+            .session(stream)
             .await
             .map_err(|s| unreachable(format!("session: {}", s.message())))?
             .into_inner();

@@ -425,13 +425,11 @@ pub async fn run(args: &KvBenchArgs) -> anyhow::Result<Vec<KvBenchRow>> {
     // Two executors' pools (touched, as a warm KV pool is) and staging regions.
     let dir = std::path::Path::new(shm::DEFAULT_DIR);
     let slots = u32::try_from(blocks)?;
-    let stagings = (
-        shm::Staging::create_with_pool(dir, block_bytes, slots, slots)?,
-        shm::Staging::create(dir, block_bytes, slots)?,
-    );
-    let mut pools = (block.repeat(blocks), vec![1u8; blocks * block_bytes]);
     // The exporter's pool in its shared region, as a CPU executor's with an agent is.
-    let mut shared_pool = stagings.0.take_pool().expect("a new region's pool");
+    let (exporter, mut shared_pool) =
+        shm::Staging::create_with_pool(dir, block_bytes, slots, slots)?;
+    let stagings = (exporter, shm::Staging::create(dir, block_bytes, slots)?);
+    let mut pools = (block.repeat(blocks), vec![1u8; blocks * block_bytes]);
     shared_pool.bytes_mut().copy_from_slice(&pools.0);
     // The blocks the socket paths send, in memory of their own (as an executor's pool or an
     // agent's store holds them), not one block sent again from the cache.

@@ -53,8 +53,7 @@ pub async fn run(
         engine: built.engine.clone(),
     });
     let service = service::ExecutorService::new(built.info, built.engine, built.identity)
-        .with_elections(cluster.clone())
-        .with_static_token(token);
+        .with_leadership(cluster.clone(), token);
     let host = GrpcHost::new()
         .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
         .with_metrics(metrics);
@@ -105,9 +104,9 @@ pub fn build(
     // The CPU backend keeps its KV pool in the region it shares with its agent, so that an
     // export's blocks leave from where they are, without a copy on the engine thread.
     let pool_blocks = if config.backend == BackendKind::Cpu { num_blocks as u32 } else { 0 };
-    let staging = engine::kv::staging(config, &kv_layout, pool_blocks);
+    let (staging, pool) = engine::kv::staging(config, &kv_layout, pool_blocks).unzip();
     let backend: Box<dyn engine::ModelBackend> = match config.backend {
-        BackendKind::Cpu => match staging.as_ref().and_then(Staging::take_pool) {
+        BackendKind::Cpu => match pool.flatten() {
             Some(pool) => {
                 Box::new(engine::CpuBackend::in_pool(model.weights, block_size, num_blocks, pool))
             }
@@ -250,7 +249,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         vocab_size: profile.vocab_size,
         eos: None,
     };
-    let staging = engine::kv::staging(config, &kv_layout, 0);
+    let staging = engine::kv::staging(config, &kv_layout, 0).map(|(region, _)| region);
     let kv = (num_blocks, kv_layout, staging);
     assemble(config, Box::new(backend), kv, serves, Some(identity))
 }

@@ -64,10 +64,19 @@ pub struct ExecutorService {
     engine: EngineHandle,
     /// Set for an executor that simulates a model profile: it serves each scheduler's model.
     identity: Option<Arc<SimIdentity>>,
-    /// With etcd: where handshakes' leadership tokens are checked.
-    cluster: Option<ClusterArgs>,
-    /// Without etcd: the token a handshake must present, if one was given.
-    static_token: Option<Arc<[u8]>>,
+    /// Whom a handshake must prove to be.
+    leadership: Leadership,
+}
+
+/// What a handshake's leadership token is checked against.
+#[derive(Clone)]
+enum Leadership {
+    /// Nothing: a static executor given no token opens a session for anyone.
+    Open,
+    /// The token a static set-up shares (`--leadership-token-file`).
+    Token(Arc<[u8]>),
+    /// The token etcd holds for the handshake's epoch.
+    Etcd(ClusterArgs),
 }
 
 impl ExecutorService {
@@ -80,39 +89,42 @@ impl ExecutorService {
         identity: Option<Arc<SimIdentity>>,
     ) -> Self {
         let info = Arc::new(Mutex::new(Arc::new(info)));
-        Self { info, state: Arc::default(), engine, identity, cluster: None, static_token: None }
+        let leadership = Leadership::Open;
+        Self { info, state: Arc::default(), engine, identity, leadership }
     }
 
-    /// Handshakes checked against `cluster`'s etcd: a session opens only for the scheduler
-    /// that published the handshake's leadership token for its epoch.
+    /// Handshakes checked against `cluster`'s etcd when it has one (a session opens only for
+    /// the scheduler that published the handshake's leadership token for its epoch), else
+    /// against `token` when there is one.
     #[must_use]
-    pub fn with_elections(mut self, cluster: Option<ClusterArgs>) -> Self {
-        self.cluster = cluster.filter(ClusterArgs::enabled);
-        self
-    }
-
-    /// Without etcd: handshakes must present `token`, when there is one.
-    #[must_use]
-    pub fn with_static_token(mut self, token: Option<Arc<[u8]>>) -> Self {
-        self.static_token = token;
+    pub fn with_leadership(
+        mut self,
+        cluster: Option<ClusterArgs>,
+        token: Option<Arc<[u8]>>,
+    ) -> Self {
+        self.leadership = match (cluster.filter(ClusterArgs::enabled), token) {
+            (Some(cluster), _) => Leadership::Etcd(cluster),
+            (None, Some(token)) => Leadership::Token(token),
+            (None, None) => Leadership::Open,
+        };
         self
     }
 
     /// Checks `req`'s leadership token against etcd (once per epoch and token), or against
     /// the static token.
     async fn check_leadership(&self, req: &v1::HandshakeRequest) -> Result<(), Status> {
-        let Some(cluster) = &self.cluster else {
-            return match &self.static_token {
-                Some(t) if !ferry_runtime::secret::same(t, &req.leadership_token) => {
-                    Err(Status::permission_denied(
-                        "this executor opens sessions only for a scheduler presenting its \
-                         --leadership-token-file token",
-                    ))
-                }
-                _ => Ok(()),
-            };
-        };
         let token = &req.leadership_token;
+        let cluster = match &self.leadership {
+            Leadership::Open => return Ok(()),
+            Leadership::Token(t) if ferry_runtime::secret::same(t, token) => return Ok(()),
+            Leadership::Token(_) => {
+                return Err(Status::permission_denied(
+                    "this executor opens sessions only for a scheduler presenting its \
+                     --leadership-token-file token",
+                ))
+            }
+            Leadership::Etcd(cluster) => cluster,
+        };
         let known = self.state()?.verified.as_ref().is_some_and(|(epoch, verified)| {
             *epoch == req.epoch && ferry_runtime::secret::same(verified, token)
         });
@@ -178,9 +190,27 @@ impl ExecutorService {
         self.state.lock().map_err(|_| Status::internal("executor session state is poisoned"))
     }
 
-    /// Checks that `(session_id, epoch)` is the current session and `secret` its secret.
+    /// Checks that `(session_id, epoch)` is the current session and `secret` its secret; a
+    /// stream, whose secret cannot change, is checked once ([`Self::claim`]).
     fn check_current(&self, session_id: u64, epoch: u64, secret: &[u8]) -> Result<(), Status> {
         let state = self.state()?;
+        Self::check_session(&state, session_id, epoch)?;
+        Self::check_secret(&state, session_id, secret)
+    }
+
+    /// Checks that `secret` is `state`'s session's.
+    fn check_secret(state: &SessionState, session_id: u64, secret: &[u8]) -> Result<(), Status> {
+        if ferry_runtime::secret::same(secret, &state.secret) {
+            return Ok(());
+        }
+        Err(Status::permission_denied(format!(
+            "session {session_id}: the {} metadata does not hold the session's secret",
+            ferry_runtime::secret::SESSION_SECRET_HEADER
+        )))
+    }
+
+    /// Checks that `(session_id, epoch)` is `state`'s current session.
+    fn check_session(state: &SessionState, session_id: u64, epoch: u64) -> Result<(), Status> {
         if epoch < state.epoch {
             return Err(ferry_proto::fencing::stale_epoch(epoch, state.epoch));
         }
@@ -190,19 +220,15 @@ impl ExecutorService {
                 state.session_id
             )));
         }
-        if !ferry_runtime::secret::same(secret, &state.secret) {
-            return Err(Status::permission_denied(format!(
-                "session {session_id}: the {} metadata does not hold the session's secret",
-                ferry_runtime::secret::SESSION_SECRET_HEADER
-            )));
-        }
         Ok(())
     }
 
-    /// The first step of a stream: checks it and claims the session's one stream.
+    /// The first step of a stream: checks it with the stream's secret and claims the
+    /// session's one stream.
     fn claim(&self, step: &v1::Step, secret: &[u8]) -> Result<StreamClaim, Status> {
-        self.check_current(step.session_id, step.epoch, secret)?;
         let mut state = self.state()?;
+        Self::check_session(&state, step.session_id, step.epoch)?;
+        Self::check_secret(&state, step.session_id, secret)?;
         if state.streaming {
             return Err(Status::already_exists(format!(
                 "session {} already has its stream: one stream per session",
@@ -247,8 +273,10 @@ impl Executor for ExecutorService {
                 info.model, info.model_fingerprint, req.expected_fingerprint
             )));
         }
-        if req.epoch < self.state()?.epoch {
-            return Err(ferry_proto::fencing::stale_epoch(req.epoch, self.state()?.epoch));
+        // Stale epochs are refused before etcd is asked (and again below, under the lock).
+        let newest = self.state()?.epoch;
+        if req.epoch < newest {
+            return Err(ferry_proto::fencing::stale_epoch(req.epoch, newest));
         }
         if let Err(refused) = self.check_leadership(&req).await {
             tracing::warn!(epoch = req.epoch, scheduler = %req.scheduler_id, reason = %refused.message(), "handshake refused");
@@ -306,7 +334,11 @@ impl Executor for ExecutorService {
                             c.session_id, step.session_id
                         )))
                     }
-                    Some(_) => this.check_current(step.session_id, step.epoch, &secret),
+                    // The stream's secret was checked when it claimed the session, and a
+                    // session keeps its secret: only the session and epoch can change.
+                    Some(_) => this
+                        .state()
+                        .and_then(|state| Self::check_session(&state, step.session_id, step.epoch)),
                     None => this.claim(&step, &secret).map(|c| claim = Some(c)),
                 };
                 if let Err(status) = checked {

@@ -60,8 +60,6 @@ pub struct Staging {
     /// Blocks `0..pool_blocks` are an executor's KV pool (see [`Staging::create_with_pool`]);
     /// the staging slots follow them.
     pool_blocks: u32,
-    /// Whether the pool's memory was handed out (it is, at most once).
-    pool_taken: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -82,15 +80,25 @@ impl Staging {
     /// A new region of `slots` slots of `block_bytes` in `dir`, locked for as long as this
     /// process runs; removes regions left behind by processes that no longer run.
     pub fn create(dir: &Path, block_bytes: usize, slots: u32) -> std::io::Result<Arc<Self>> {
-        Self::create_with_pool(dir, block_bytes, 0, slots)
+        Self::make(dir, block_bytes, 0, slots)
     }
 
     /// A region whose first `pool_blocks` blocks are an executor's KV pool, reserved now
-    /// (an error when the tmpfs has no room for them), followed by `slots` staging slots.
-    /// The executor keeps its KV cache in the pool ([`Staging::take_pool`]); an export then
-    /// names the pool's blocks to the agent ([`Staging::pool_slots`]) instead of copying them
-    /// into slots first.
+    /// (an error when the tmpfs has no room for them), followed by `slots` staging slots; and
+    /// the pool's memory, for the executor's KV cache. An export then names the pool's blocks
+    /// to the agent ([`Staging::pool_slots`]) instead of copying them into slots first.
     pub fn create_with_pool(
+        dir: &Path,
+        block_bytes: usize,
+        pool_blocks: u32,
+        slots: u32,
+    ) -> std::io::Result<(Arc<Self>, PoolMemory)> {
+        let region = Self::make(dir, block_bytes, pool_blocks, slots)?;
+        let (ptr, len) = (region.map.as_mut_ptr(), pool_blocks as usize * block_bytes);
+        Ok((region.clone(), PoolMemory { _region: region, ptr, len }))
+    }
+
+    fn make(
         dir: &Path,
         block_bytes: usize,
         pool_blocks: u32,
@@ -144,33 +152,7 @@ impl Staging {
         let free = (pool_blocks..total).map(std::cmp::Reverse).collect();
         let slots = Mutex::new(SlotState { free, reserved: pool_blocks });
         let peers = Regions::read_only(dir.to_path_buf());
-        let pool_taken = std::sync::atomic::AtomicBool::new(false);
-        Ok(Arc::new(Self {
-            name,
-            path,
-            file,
-            map,
-            block_bytes,
-            slots,
-            peers,
-            pool_blocks,
-            pool_taken,
-        }))
-    }
-
-    /// Blocks in the region's KV pool (0: a staging region only).
-    pub fn pool_blocks(&self) -> u32 {
-        self.pool_blocks
-    }
-
-    /// The KV pool's memory, to the one caller that asks first (`None` after that, or without
-    /// a pool).
-    pub fn take_pool(self: &Arc<Self>) -> Option<PoolMemory> {
-        if self.pool_blocks == 0 || self.pool_taken.swap(true, Ordering::AcqRel) {
-            return None;
-        }
-        let len = self.pool_blocks as usize * self.block_bytes;
-        Some(PoolMemory { region: self.clone(), ptr: self.map.as_mut_ptr(), len })
+        Ok(Arc::new(Self { name, path, file, map, block_bytes, slots, peers, pool_blocks }))
     }
 
     /// Pool blocks `ids` as the slots of a transfer: an export sends them from the pool where
@@ -306,12 +288,13 @@ fn remove_orphans(dir: &Path) {
 #[derive(Debug)]
 pub struct PoolMemory {
     /// Keeps the mapping.
-    region: Arc<Staging>,
+    _region: Arc<Staging>,
     ptr: *mut u8,
     len: usize,
 }
 
-// SAFETY: the pool is handed out once; `&`/`&mut` access follows Rust's rules through it.
+// SAFETY: a region's pool is handed out once, when it is made; `&`/`&mut` access follows
+// Rust's rules through it.
 unsafe impl Send for PoolMemory {}
 unsafe impl Sync for PoolMemory {}
 
@@ -339,11 +322,6 @@ impl PoolMemory {
     pub fn floats_mut(&mut self) -> &mut [f32] {
         // SAFETY: as for `floats`, through the only mutable reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.len / 4) }
-    }
-
-    /// The region the pool is in.
-    pub fn region(&self) -> &Arc<Staging> {
-        &self.region
     }
 }
 
@@ -464,10 +442,8 @@ impl Filler {
     /// Publishes the next slot as it is (a pool block, already holding its bytes), with its
     /// checksums computed now.
     pub fn publish_in_place(&mut self) {
-        let i = self.filled.borrow().len();
-        assert!(i < self.slots.len(), "every slot is published already");
-        let crcs = crate::frames::chunk_crcs(self.slots.block(i)).collect();
-        self.filled.send_modify(|filled| filled.push(crcs));
+        let unchanged: Result<(), std::convert::Infallible> = self.fill(|_| Ok(()));
+        let Ok(()) = unchanged;
     }
 }
 
@@ -742,10 +718,7 @@ mod tests {
     #[test]
     fn a_pool_region_shares_the_pool_and_sends_its_blocks_where_they_are() {
         let dir = tempdir();
-        let region = Staging::create_with_pool(&dir, 4096, 3, 2).unwrap();
-        assert_eq!(region.pool_blocks(), 3);
-        let mut pool = region.take_pool().expect("the pool, once");
-        assert!(region.take_pool().is_none(), "handed out once only");
+        let (region, mut pool) = Staging::create_with_pool(&dir, 4096, 3, 2).unwrap();
         assert_eq!(pool.bytes().len(), 3 * 4096);
         assert_eq!(pool.floats().len(), 3 * 1024);
         pool.bytes_mut()[4096..8192].fill(6);

@@ -196,7 +196,15 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let mut listed = vec![(bound.main.url()?, bound.main.url()?)];
+    // The in-process scheduler and executors share a token no one else knows (or the one
+    // `--leadership-token-file` gives): another process that reaches an executor's port
+    // cannot open a session on it.
+    let mut scheduler = config.scheduler;
+    if scheduler.static_token.is_empty() {
+        scheduler.static_token = ferry_runtime::secret::random().into();
+    }
     let mut executor = config.executor;
+    executor.leadership_token = Some(scheduler.static_token.clone());
     let prefill = match &bound.prefill {
         Some(node) => {
             listed.push((node.url()?, node.url()?));
@@ -210,16 +218,6 @@ pub async fn run(
         }
         None => None,
     };
-    // The in-process scheduler and executors share a token no one else knows (or the one
-    // `--leadership-token-file` gives): another process that reaches an executor's port
-    // cannot open a session on it.
-    let mut scheduler = config.scheduler;
-    if scheduler.static_token.is_empty() {
-        scheduler.static_token = ferry_runtime::secret::random().into();
-    }
-    let token = scheduler.static_token.clone();
-    executor.leadership_token = Some(token.clone());
-    let prefill = prefill.map(|p| ExecutorConfig { leadership_token: Some(token.clone()), ..p });
     let drain = config.drain;
     let role = SchedulerRole { scheduler, front: config.front, listed, cluster: None, drain };
     // One stop signal fans out to every part, so they drain together.

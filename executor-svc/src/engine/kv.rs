@@ -35,7 +35,7 @@ use bytes::Bytes;
 use ferry_kv_transfer_svc::data::{self, Op};
 use ferry_kv_transfer_svc::frames::{self, Header};
 use ferry_kv_transfer_svc::layout::BlockLayout;
-use ferry_kv_transfer_svc::shm::{self, Place, Slots, Staging};
+use ferry_kv_transfer_svc::shm::{self, Place, PoolMemory, Slots, Staging};
 use ferry_proto::v1::{self, kv_operation::Op as KvOp};
 use ferry_runtime::telemetry;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,14 +58,14 @@ pub struct KvPort {
 }
 
 /// The staging region `config` asks for, with slots of `layout`'s blocks, and before them a
-/// KV pool of `pool_blocks` blocks (0: none); `None` (and a warning) when it cannot be made:
-/// transfers then take the agent's socket. A region without room for the pool is made
-/// without it (the pool then stays in the executor's own memory).
+/// KV pool of `pool_blocks` blocks (0: none) with its memory; `None` (and a warning) when it
+/// cannot be made: transfers then take the agent's socket. A region without room for the
+/// pool is made without it (the pool then stays in the executor's own memory).
 pub fn staging(
     config: &crate::config::ExecutorConfig,
     layout: &v1::KvLayout,
     pool_blocks: u32,
-) -> Option<Arc<Staging>> {
+) -> Option<(Arc<Staging>, Option<PoolMemory>)> {
     config.kv_agent.as_ref()?;
     let block_bytes = BlockLayout::from_proto(Some(layout)).ok()?.block_bytes;
     let slots = (config.kv_staging_mib << 20) / block_bytes as u64;
@@ -76,14 +76,14 @@ pub fn staging(
     let dir = &config.kv_shm_dir;
     if pool_blocks > 0 {
         match Staging::create_with_pool(dir, block_bytes, pool_blocks, slots) {
-            Ok(s) => return Some(s),
+            Ok((s, pool)) => return Some((s, Some(pool))),
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "the KV pool stays in private memory: exports copy their blocks into staging slots first");
             }
         }
     }
     match Staging::create(dir, block_bytes, slots) {
-        Ok(s) => Some(s),
+        Ok(s) => Some((s, None)),
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "no KV staging region: KV transfers go through the agent's socket");
             None
@@ -475,15 +475,16 @@ impl KvOps {
             && backend.kv_in_shared_pool()
             && self.staging_ok.load(Ordering::Acquire);
         let pooled = in_place.then(|| port.staging.as_ref()?.pool_slots(ids)).flatten();
-        let slots = if pooled.is_some() {
+        let in_place = pooled.is_some();
+        let slots = if in_place {
             self.paths.pool += 1;
-            pooled.map(|s| (s, true))
+            pooled
         } else {
             let slots = self.slots(port, ids.len());
             self.paths.count(slots.is_some());
-            slots.map(|s| (s, false))
+            slots
         };
-        if let Some((slots, in_place)) = slots {
+        if let Some(slots) = slots {
             let (mut filler, slots, filled) = shm::filling(slots);
             let task = port.runtime.spawn(async move {
                 let sent = data::put_staged(&agent, header.to_proto(), slots, filled);

@@ -2,6 +2,12 @@
 //! a session to each executor that registers, and close it when its key goes away (it withdrew
 //! on drain, or its lease lapsed because it stopped answering).
 //!
+//! A key that goes away while the executor's session is alive is checked first: etcd trouble
+//! (a raft election, a slow member) can lapse a lease whose holder is fine. The executor is
+//! asked over the gRPC health service; one still `SERVING` keeps its session (and re-registers
+//! by itself), one draining (`NOT_SERVING`, which it reports before withdrawing) or silent is
+//! closed, and its requests move.
+//!
 //! The set of registered executors is the wanted state; a reconcile pass every second (and on
 //! every change) connects any wanted executor that has no live link, so a session that broke
 //! while the executor stays registered is re-opened. While etcd is unreachable the watcher is
@@ -23,6 +29,9 @@ use crate::link::{LinkError, LinkHandle, SessionOpener};
 /// again: a refusal is not fixed by asking every second, but may be by a restart.
 const REFUSED_RETRY: Duration = Duration::from_secs(10);
 
+/// How long an executor whose registration vanished has to say it still serves.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Keeps `set` equal to the executors registered in etcd until aborted, opening sessions with
 /// `opener` (which carries the leadership epoch).
 pub async fn run(cluster: ClusterArgs, opener: SessionOpener, set: Arc<ExecutorSet>) {
@@ -31,7 +40,7 @@ pub async fn run(cluster: ClusterArgs, opener: SessionOpener, set: Arc<ExecutorS
     let agents = watch_members(client, cluster.prefix(MemberKind::KvAgent));
     // One task: aborting it (leadership lost) stops both.
     tokio::join!(
-        reconcile_loop(Wanted::new(connector(opener), set.clone()), events),
+        reconcile_loop(Wanted::new(connector(opener), health_probe(), set.clone()), events),
         track_agents(agents, &set)
     );
 }
@@ -84,6 +93,28 @@ fn connector(opener: SessionOpener) -> Connect {
     })
 }
 
+/// Asks the executor at a url whether it still serves: a health service in service, a fake in
+/// tests.
+type Probe = Arc<dyn Fn(String) -> BoxFuture<'static, bool> + Send + Sync>;
+
+/// Whether the executor at the url answers `SERVING` on the gRPC health service within
+/// [`PROBE_TIMEOUT`].
+fn health_probe() -> Probe {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    Arc::new(|url| {
+        Box::pin(async move {
+            let check = async {
+                let channel = tonic::transport::Endpoint::from_shared(url).ok()?.connect().await;
+                let mut client = HealthClient::new(channel.ok()?);
+                let reply = client.check(HealthCheckRequest { service: String::new() }).await;
+                Some(reply.ok()?.into_inner().status == ServingStatus::Serving as i32)
+            };
+            tokio::time::timeout(PROBE_TIMEOUT, check).await.ok().flatten().unwrap_or(false)
+        })
+    })
+}
+
 /// Applies membership `events` to `wanted` and reconciles on every change and every second,
 /// until the events end.
 async fn reconcile_loop(
@@ -91,12 +122,14 @@ async fn reconcile_loop(
     mut events: tokio::sync::mpsc::Receiver<MembershipEvent>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let answered = wanted.answered.clone();
     loop {
         tokio::select! {
             ev = events.recv() => match ev {
                 Some(ev) => wanted.apply(ev),
                 None => return,
             },
+            () = answered.notified() => {}
             _ = tick.tick() => {}
         }
         wanted.reconcile();
@@ -111,7 +144,7 @@ pub async fn run_static(
     opener: SessionOpener,
     set: Arc<ExecutorSet>,
 ) {
-    let mut wanted = Wanted::new(connector(opener), set);
+    let mut wanted = Wanted::new(connector(opener), health_probe(), set);
     let listed = listed
         .into_iter()
         .map(|(name, url)| (name, MemberInfo { address: url }.to_value()))
@@ -131,11 +164,41 @@ struct Member {
     connecting: Option<JoinHandle<Option<tokio::time::Instant>>>,
     /// When the executor last refused a session: not asked again for [`REFUSED_RETRY`].
     refused_at: Option<tokio::time::Instant>,
+    /// Set when its registration vanished while its session lived.
+    unlisted: Option<Unlisted>,
+}
+
+/// An executor whose registration vanished while its session lived.
+enum Unlisted {
+    /// It is being asked whether it still serves (the task answers).
+    Asking(JoinHandle<bool>),
+    /// It said it serves: its session is kept (not reopened if it breaks) until it registers
+    /// again.
+    Serving,
+}
+
+impl Member {
+    fn new(address: String) -> Self {
+        Self { address, connecting: None, refused_at: None, unlisted: None }
+    }
+
+    /// Cancels what runs for this member.
+    fn cancel(&mut self) {
+        if let Some(task) = self.connecting.take() {
+            task.abort();
+        }
+        if let Some(Unlisted::Asking(task)) = self.unlisted.take() {
+            task.abort();
+        }
+    }
 }
 
 /// The executors that should have a live link, and the links being opened to them.
 struct Wanted {
     connect: Connect,
+    probe: Probe,
+    /// Woken when a probe answers, so its answer is acted on at once.
+    answered: Arc<tokio::sync::Notify>,
     set: Arc<ExecutorSet>,
     members: HashMap<String, Member>,
 }
@@ -145,16 +208,15 @@ struct Wanted {
 impl Drop for Wanted {
     fn drop(&mut self) {
         for m in self.members.values_mut() {
-            if let Some(task) = m.connecting.take() {
-                task.abort();
-            }
+            m.cancel();
         }
     }
 }
 
 impl Wanted {
-    fn new(connect: Connect, set: Arc<ExecutorSet>) -> Self {
-        Self { connect, set, members: HashMap::new() }
+    fn new(connect: Connect, probe: Probe, set: Arc<ExecutorSet>) -> Self {
+        let answered = Arc::new(tokio::sync::Notify::new());
+        Self { connect, probe, answered, set, members: HashMap::new() }
     }
 
     fn apply(&mut self, ev: MembershipEvent) {
@@ -186,35 +248,90 @@ impl Wanted {
                 return;
             }
         };
-        if self.members.get(&name).is_some_and(|m| m.address == info.address) {
-            return; // a re-registration (new lease) of what we already have
+        if let Some(m) = self.members.get_mut(&name).filter(|m| m.address == info.address) {
+            // A re-registration (new lease) of what we already have.
+            if let Some(Unlisted::Asking(task)) = m.unlisted.take() {
+                task.abort();
+            }
+            return;
         }
         tracing::info!(executor = %name, address = %info.address, "executor registered");
-        if let Some(old) = self.members.remove(&name) {
-            if let Some(task) = old.connecting {
-                task.abort();
-            }
+        if let Some(mut old) = self.members.remove(&name) {
+            old.cancel();
             self.set.remove(&name, "it registered again at a new address");
         }
-        self.members
-            .insert(name, Member { address: info.address, connecting: None, refused_at: None });
+        self.members.insert(name, Member::new(info.address));
     }
 
+    /// Its registration is gone: a member without a live session is dropped now; one with a
+    /// live session is asked whether it still serves first (see [`Unlisted`]).
     fn forget(&mut self, name: &str) {
-        if let Some(m) = self.members.remove(name) {
-            if let Some(task) = m.connecting {
-                task.abort();
-            }
-            tracing::warn!(executor = %name, "executor deregistered (withdrew or its lease lapsed)");
+        let Some(m) = self.members.get_mut(name) else { return };
+        if m.unlisted.is_some() {
+            return;
+        }
+        if !self.set.contains_alive(name) {
+            self.drop_member(name, "executor deregistered (withdrew or its lease lapsed)");
+            return;
+        }
+        tracing::info!(executor = %name, "registration gone while its session lives: asking it");
+        let (probe, answered) = ((self.probe)(m.address.clone()), self.answered.clone());
+        m.unlisted = Some(Unlisted::Asking(tokio::spawn(async move {
+            let serving = probe.await;
+            answered.notify_one();
+            serving
+        })));
+    }
+
+    fn drop_member(&mut self, name: &str, why: &str) {
+        if let Some(mut m) = self.members.remove(name) {
+            m.cancel();
+            tracing::warn!(executor = %name, "{why}");
             self.set.remove(name, "its etcd registration is gone (withdrawn or lease lapsed)");
+        }
+    }
+
+    /// Settles members whose registration vanished: asked and not serving (or no longer
+    /// linked), they are dropped.
+    fn settle_unlisted(&mut self) {
+        let mut gone = Vec::new();
+        for (name, m) in &mut self.members {
+            let (serving, answered) = match m.unlisted.take() {
+                None => continue,
+                Some(Unlisted::Asking(task)) if !task.is_finished() => {
+                    m.unlisted = Some(Unlisted::Asking(task));
+                    continue;
+                }
+                Some(Unlisted::Asking(task)) => (task.now_or_never().and_then(Result::ok), true),
+                Some(Unlisted::Serving) => (Some(true), false),
+            };
+            if serving == Some(true) && self.set.contains_alive(name) {
+                m.unlisted = Some(Unlisted::Serving);
+                if answered {
+                    tracing::warn!(
+                        executor = %name,
+                        "executor serves on though its registration lapsed (etcd trouble?): \
+                         its session is kept until it registers again"
+                    );
+                }
+            } else {
+                gone.push(name.clone());
+            }
+        }
+        for name in gone {
+            self.drop_member(&name, "executor deregistered (withdrew, lease lapsed, not serving)");
         }
     }
 
     /// Starts a connection to every wanted executor without a live link or a connection under
     /// way (an executor that refused waits [`REFUSED_RETRY`] before it is asked again).
     fn reconcile(&mut self) {
+        self.settle_unlisted();
         let now = tokio::time::Instant::now();
         for (name, m) in &mut self.members {
+            if m.unlisted.is_some() {
+                continue; // not registered: never (re)connected
+            }
             if let Some(task) = m.connecting.take_if(|t| t.is_finished()) {
                 if let Some(Ok(Some(at))) = task.now_or_never() {
                     m.refused_at = Some(at);
@@ -257,7 +374,7 @@ mod tests {
 
     use ferry_runtime::cluster::{MemberInfo, MembershipEvent};
 
-    use super::{reconcile_loop, Connect, Wanted};
+    use super::{reconcile_loop, Connect, Probe, Wanted};
     use crate::executors::ExecutorSet;
     use crate::link::fake::{fake_link, FakeExecutor, TokenFn};
     use crate::link::LinkError;
@@ -285,6 +402,15 @@ mod tests {
         })
     }
 
+    /// A probe under which the executors at `serving`'s urls still serve.
+    fn probe(serving: &Arc<Mutex<Vec<String>>>) -> Probe {
+        let serving = serving.clone();
+        Arc::new(move |url: String| {
+            let answer = serving.lock().unwrap().contains(&url);
+            Box::pin(async move { answer })
+        })
+    }
+
     fn member(name: &str) -> (String, String) {
         (name.to_string(), MemberInfo { address: format!("http://{name}:1") }.to_value())
     }
@@ -303,7 +429,8 @@ mod tests {
         let set = ExecutorSet::new();
         let fakes = Arc::new(Fakes { attempts: Mutex::default(), executors: Mutex::default() });
         let (events, rx) = tokio::sync::mpsc::channel(8);
-        tokio::spawn(reconcile_loop(Wanted::new(connector(&set, &fakes), set.clone()), rx));
+        let none = probe(&Arc::default());
+        tokio::spawn(reconcile_loop(Wanted::new(connector(&set, &fakes), none, set.clone()), rx));
         let attempts = |name: &str| fakes.attempts.lock().unwrap().get(name).copied().unwrap_or(0);
         let names = || {
             let mut n = set.names();
@@ -328,7 +455,7 @@ mod tests {
         until("the refuser is asked again", || attempts("refuser") == 2).await;
         assert!(refused_at.elapsed() >= Duration::from_secs(9), "{:?}", refused_at.elapsed());
 
-        // A deregistered executor's link is closed and leaves the set.
+        // A deregistered executor that does not serve (it drains) is closed and leaves the set.
         let b = set.alive().into_iter().find(|l| &*l.name == "b").unwrap();
         events.send(MembershipEvent::Delete("b".into())).await.unwrap();
         until("b is gone", || names() == ["a"]).await;
@@ -359,13 +486,56 @@ mod tests {
             })
         };
         let set = ExecutorSet::new();
+        let none = probe(&Arc::default());
         let (events, rx) = tokio::sync::mpsc::channel(8);
-        let discovery = tokio::spawn(reconcile_loop(Wanted::new(connect, set), rx));
+        let discovery = tokio::spawn(reconcile_loop(Wanted::new(connect, none, set), rx));
         events.send(MembershipEvent::Snapshot(vec![member("slow")])).await.unwrap();
         until("a connection is under way", || *started.lock().unwrap()).await;
         assert!(!*cancelled.lock().unwrap());
         // Leadership lost: the discovery task is aborted, and its connection with it.
         discovery.abort();
         until("the connection is cancelled", || *cancelled.lock().unwrap()).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lapsed_registration_of_a_serving_executor_keeps_its_session() {
+        let set = ExecutorSet::new();
+        let fakes = Arc::new(Fakes { attempts: Mutex::default(), executors: Mutex::default() });
+        let serving = Arc::new(Mutex::new(vec!["http://a:1".to_string()]));
+        let wanted = Wanted::new(connector(&set, &fakes), probe(&serving), set.clone());
+        let (events, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(reconcile_loop(wanted, rx));
+        let attempts = |name: &str| fakes.attempts.lock().unwrap().get(name).copied().unwrap_or(0);
+        events.send(MembershipEvent::Snapshot(vec![member("a")])).await.unwrap();
+        until("a is connected", || set.names() == ["a"]).await;
+        let a = set.alive().pop().unwrap();
+
+        // Its lease lapses (etcd trouble) while it serves: the session stays.
+        events.send(MembershipEvent::Delete("a".into())).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(a.is_alive(), "a serving executor's session was closed");
+        assert_eq!(set.names(), ["a"]);
+        // It registers again: a member like before, reconnected if its session breaks.
+        events.send(MembershipEvent::Put("a".into(), member("a").1)).await.unwrap();
+        fakes.executors.lock().unwrap()["a"].kill();
+        until("a is connected again", || attempts("a") == 2 && set.names() == ["a"]).await;
+
+        // Unlisted again, and its session then breaks: it is not reconnected (not registered).
+        events.send(MembershipEvent::Delete("a".into())).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(set.names(), ["a"]);
+        fakes.executors.lock().unwrap()["a"].kill();
+        until("a is gone", || set.names().is_empty()).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(attempts("a"), 2, "an unregistered executor was reconnected");
+
+        // Registered once more, then unlisted while it drains (NOT_SERVING): closed at once.
+        events.send(MembershipEvent::Put("a".into(), member("a").1)).await.unwrap();
+        until("a is connected a third time", || set.names() == ["a"]).await;
+        let a = set.alive().pop().unwrap();
+        serving.lock().unwrap().clear();
+        events.send(MembershipEvent::Delete("a".into())).await.unwrap();
+        until("a is gone again", || set.names().is_empty()).await;
+        assert!(!a.is_alive(), "the draining executor's session was not closed");
     }
 }

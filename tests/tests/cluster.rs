@@ -402,6 +402,42 @@ async fn raft_leader_killed_mid_load_keeps_the_ferry_leader_its_epoch_and_every_
 }
 
 /// Keys under the executors' prefix, read through member `i` alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_lease_lost_mid_load_while_it_serves_moves_no_stream() {
+    // etcd trouble (a raft election, a slow member) can lapse the lease of an executor that is
+    // fine; revoking it is the same event on demand. The scheduler asks the executor, which
+    // still serves, keeps its session, and the executor registers again by itself.
+    let etcd = Etcd::start().unwrap();
+    let sched = start_scheduler(&etcd);
+    let a = start_executor(&etcd, "exec-a");
+    wait_ready(&sched, &[&a]).await;
+    let undisturbed = undisturbed_streams(&sched).await;
+    let key = format!("{PREFIX}exec-a");
+    let lease = member_lease(&etcd, &key);
+    let revoke = || {
+        etcd.ctl(&["lease", "revoke", &lease]).unwrap();
+        assert!(etcd.keys(PREFIX).unwrap().is_empty(), "revoking the lease left the key");
+    };
+    let moved = streams_survive(&sched, &undisturbed, "the executor's lease revoked", revoke).await;
+    assert_eq!(moved, 0, "a request moved off an executor that served on");
+    assert!(
+        wait_for(Duration::from_secs(15), || etcd.keys(PREFIX).unwrap() == [key.clone()])
+            .await
+            .is_some(),
+        "exec-a did not register again"
+    );
+    assert_ne!(member_lease(&etcd, &key), lease, "registered again under a new lease");
+    let opened = metric(sched.addr("http"), "ferry_executor_sessions_opened");
+    assert_eq!(opened, 1.0, "the executor's session was closed and opened again");
+}
+
+/// The lease (in hex, as etcdctl takes it) that holds `key`.
+fn member_lease(etcd: &Etcd, key: &str) -> String {
+    let v: serde_json::Value =
+        serde_json::from_str(&etcd.ctl(&["get", key, "-w", "json"]).unwrap()).unwrap();
+    format!("{:x}", v["kvs"][0]["lease"].as_i64().expect("a key under a lease"))
+}
+
 fn etcd_keys_via_member(etcd: &Etcd, i: usize) -> Vec<String> {
     let ep = etcd.member_endpoint(i);
     let out = std::process::Command::new("etcdctl")

@@ -48,6 +48,8 @@ impl Default for HttpClient {
 pub struct Response {
     /// The status code.
     pub status: u16,
+    /// The response's headers.
+    pub headers: hyper::HeaderMap,
     body: Incoming,
 }
 
@@ -106,6 +108,7 @@ impl HttpClient {
         let request = request.body(Full::new(body.into()))?;
         let response = self.inner.request(request).await?;
         let status = response.status().as_u16();
-        Ok(Response { status, body: response.into_body() })
+        let (parts, body) = response.into_parts();
+        Ok(Response { status, headers: parts.headers, body })
     }
 }

@@ -106,6 +106,19 @@ pub struct FrontArgs {
     /// instead of computing it. 0 turns KV-tier reads off.
     #[arg(long, env = "FERRY_KV_TIER_MIN_TOKENS", default_value_t = 64)]
     pub kv_tier_min_tokens: u32,
+    /// An API key clients must present (`Authorization: Bearer <key>`, HTTP header or gRPC
+    /// metadata) on the client APIs (vLLM's flag); its id is `default`, without limits.
+    #[arg(long, env = "FERRY_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// A JSON file of API keys with per-key limits:
+    /// `{"keys": [{"id": "team-a", "key": "…", "requests_per_minute": 60,
+    /// "tokens_per_minute": 100000, "max_concurrent": 8}]}` (limits optional). Logs, metrics
+    /// and traces name a key by its id.
+    #[arg(long, env = "FERRY_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// With API keys, `/health` and `/metrics` on the HTTP API need a key too.
+    #[arg(long, env = "FERRY_API_KEY_GUARDS_HEALTH_AND_METRICS")]
+    pub api_key_guards_health_and_metrics: bool,
 }
 
 /// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
@@ -127,7 +140,7 @@ pub struct SchedulerSettings {
 }
 
 /// The front's settings, checked.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct FrontSettings {
     /// Most requests held at once.
     pub max_live: usize,
@@ -139,6 +152,8 @@ pub struct FrontSettings {
     pub kv_transfer_timeout: Duration,
     /// Least prompt tokens a KV-tier read must save; `None`: no KV-tier reads.
     pub kv_tier_min_tokens: Option<usize>,
+    /// The API keys callers must present; `None`: the client APIs are open.
+    pub keys: Option<std::sync::Arc<crate::front::keys::ApiKeys>>,
 }
 
 /// A flag value, or a combination, that Ferry will not run with. Each message names the
@@ -149,6 +164,12 @@ pub enum ConfigError {
     #[error("{why}")]
     TokenFile {
         /// What is wrong, naming the file.
+        why: String,
+    },
+    /// `--api-key` or `--api-keys-file` is not usable.
+    #[error("{why}")]
+    ApiKeys {
+        /// What is wrong, naming the flag.
         why: String,
     },
     /// A count that must be positive is zero.
@@ -315,6 +336,13 @@ impl FrontArgs {
             kv_transfer_timeout: check_timeout("kv-transfer-timeout", self.kv_transfer_timeout)?,
             kv_tier_min_tokens: (self.kv_tier_min_tokens > 0)
                 .then_some(self.kv_tier_min_tokens as usize),
+            keys: crate::front::keys::ApiKeys::load(
+                self.api_key.as_deref(),
+                self.api_keys_file.as_deref(),
+                self.api_key_guards_health_and_metrics,
+            )
+            .map_err(|why| ConfigError::ApiKeys { why })?
+            .map(std::sync::Arc::new),
         })
     }
 }

@@ -202,6 +202,8 @@ pub struct MetricsView {
     pub executors: Option<Arc<ExecutorSet>>,
     /// Leadership, with etcd.
     pub leading: Option<watch::Receiver<Option<u64>>>,
+    /// The API keys, when the client APIs need one.
+    pub keys: Option<Arc<crate::front::keys::ApiKeys>>,
 }
 
 impl Render for MetricsView {
@@ -210,10 +212,52 @@ impl Render for MetricsView {
         self.render_executors(t, &m);
         self.render_leadership(t, &m);
         self.render_totals(t, &m);
+        self.render_keys(t, &m);
     }
 }
 
 impl MetricsView {
+    /// Per-API-key counters, labelled with the key's id (never the key).
+    fn render_keys(&self, t: &mut Text, m: &[(&str, &str); 1]) {
+        use crate::front::keys::{ApiKey, Limit};
+        type Pick = fn(&ApiKey) -> f64;
+        let Some(keys) = &self.keys else { return };
+        t.counter(
+            "ferry_api_unauthenticated",
+            "Calls refused for want of a valid API key.",
+            m,
+            keys.unauthenticated.get() as f64,
+        );
+        let per_key: [(&str, &str, &str, Pick); 3] = [
+            ("ferry_api_key_requests", "counter", "Requests admitted, by API key id.", |k| {
+                k.admitted.get() as f64
+            }),
+            (
+                "ferry_api_key_tokens",
+                "counter",
+                "Tokens charged (prompt + max_tokens), by API key id.",
+                |k| k.tokens.get() as f64,
+            ),
+            ("ferry_api_key_running", "gauge", "Requests running, by API key id.", |k| {
+                f64::from(k.running())
+            }),
+        ];
+        for (name, kind, help, pick) in per_key {
+            t.family(name, kind, help);
+            for k in keys.keys() {
+                t.sample(name, &[m[0], ("api_key", &k.id)], pick(k));
+            }
+        }
+        let name = "ferry_api_key_refused";
+        t.family(name, "counter", "Requests refused over a limit, by API key id and limit.");
+        for k in keys.keys() {
+            for limit in Limit::ALL {
+                let labels = [m[0], ("api_key", &*k.id), ("limit", limit.label())];
+                t.sample(name, &labels, k.refused[limit as usize].get() as f64);
+            }
+        }
+    }
+
     /// Per-executor gauges, read from the live links.
     fn render_executors(&self, t: &mut Text, m: &[(&str, &str); 1]) {
         if let Some(set) = &self.executors {

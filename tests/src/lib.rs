@@ -16,7 +16,7 @@ mod http;
 pub mod proxy;
 pub mod streams;
 pub use etcd::{free_port, Etcd};
-pub use http::{http, http_open, http_with, OpenStream};
+pub use http::{http, http_header, http_open, http_with, OpenStream};
 
 /// How long a binary may take to announce its address.
 const START_TIMEOUT: Duration = Duration::from_mins(1);

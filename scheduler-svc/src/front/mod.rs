@@ -14,6 +14,7 @@
 //! stream with no repeated and no missing token.
 
 mod disagg;
+pub mod keys;
 pub mod placement;
 pub mod prepare;
 pub mod remote;
@@ -24,7 +25,7 @@ pub mod text;
 pub mod trace;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -56,13 +57,21 @@ pub struct Front {
     route: Route,
     metrics: Arc<SchedulerMetrics>,
     settings: FrontSettings,
-    next_id: AtomicU64,
+    /// The next id a request gets in an executor's core (each placement takes one).
+    next_id: std::sync::atomic::AtomicU64,
     /// The next KV transfer id (prefill/decode handoffs).
-    next_transfer: AtomicU64,
-    /// Live requests by client request id, and where each runs now.
-    live: Mutex<HashMap<String, Placement>>,
+    next_transfer: std::sync::atomic::AtomicU64,
+    /// Live requests by client request id.
+    live: Mutex<HashMap<String, Live>>,
     /// Set when the process begins to drain: `/health` says so from then on.
     draining: std::sync::atomic::AtomicBool,
+}
+
+/// A live request: where it runs now, and whose it is.
+struct Live {
+    placement: Placement,
+    /// The id of the API key that created it (`None` when the APIs are open).
+    owner: Option<Arc<str>>,
 }
 
 /// The gRPC face of the front.
@@ -83,7 +92,7 @@ impl GenerationService {
             route,
             metrics,
             settings,
-            next_id: AtomicU64::new(1),
+            next_id: std::sync::atomic::AtomicU64::new(1),
             next_transfer: disagg::transfer_ids(),
             live: Mutex::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -110,6 +119,7 @@ impl GenerationService {
                 Route::Remote(_) => None,
             },
             leading,
+            keys: self.front.settings.keys.clone(),
         }
     }
 
@@ -123,6 +133,11 @@ impl GenerationService {
         self.front.draining.load(Ordering::SeqCst)
     }
 
+    /// The API keys callers must present (`None`: the client APIs are open).
+    pub fn keys(&self) -> Option<&Arc<keys::ApiKeys>> {
+        self.front.settings.keys.as_ref()
+    }
+
     /// Whether requests can run now: an executor session is up (a remote front: a leader is
     /// known).
     pub fn has_executors(&self) -> bool {
@@ -134,8 +149,16 @@ impl GenerationService {
 }
 
 impl Front {
-    fn live(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Placement>>, Status> {
+    fn live(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Live>>, Status> {
         self.live.lock().map_err(|_| Status::internal("front state is poisoned"))
+    }
+
+    /// The caller's API key (`None` when the APIs are open), or `UNAUTHENTICATED`.
+    fn caller(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<Option<Arc<keys::ApiKey>>, Status> {
+        self.settings.keys.as_ref().map(|k| k.identify_call(metadata)).transpose()
     }
 
     /// Refuses a new request when its id is live or the front is full.
@@ -156,18 +179,27 @@ impl Front {
         Ok(())
     }
 
-    /// Checks, tokenizes and places a new request; its spec and placement, or the refusal.
+    /// Checks, tokenizes and places a new request from `caller`; its spec, placement and the
+    /// caller's permit (held while it runs), or the refusal.
     async fn admit(
         &self,
         req: &v1::GenerateRequest,
         request_id: &str,
+        caller: Option<&Arc<keys::ApiKey>>,
         trace: &mut RequestTrace,
-    ) -> Result<(Arc<RequestSpec>, Placed, Option<disagg::Handoff>), Status> {
+    ) -> Result<Admitted, Status> {
         let mut spec = trace.tokenize(|| prepare(&self.model, req)).map_err(|e| match e {
             PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
             PrepareError::OtherModel { .. } => Status::failed_precondition(e.to_string()),
             PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
         })?;
+        let permit = match caller {
+            Some(key) => {
+                let tokens = (spec.prompt.len() + spec.max_tokens) as u64;
+                Some(key.admit(tokens, std::time::Instant::now())?)
+            }
+            None => None,
+        };
         spec.traceparent = trace.open_request(spec.prompt.len());
         let spec = Arc::new(spec);
         self.check_room(request_id)?;
@@ -178,7 +210,8 @@ impl Front {
             let mut live = self.live()?;
             let room = !live.contains_key(request_id) && live.len() < self.settings.max_live;
             if room {
-                live.insert(request_id.to_string(), placement.clone());
+                let owner = caller.map(|k| k.id.clone());
+                live.insert(request_id.to_string(), Live { placement: placement.clone(), owner });
             }
             room
         };
@@ -189,7 +222,7 @@ impl Front {
                 self.settings.max_live
             )));
         }
-        Ok((spec, (placement, events), handoff))
+        Ok(Admitted { spec, placed: (placement, events), handoff, permit })
     }
 
     fn forget(&self, request_id: &str) {
@@ -200,11 +233,20 @@ impl Front {
 
     fn set_placement(&self, request_id: &str, placement: &Placement) {
         if let Ok(mut live) = self.live.lock() {
-            if let Some(p) = live.get_mut(request_id) {
-                *p = placement.clone();
+            if let Some(l) = live.get_mut(request_id) {
+                l.placement = placement.clone();
             }
         }
     }
+}
+
+/// A request the front admitted: its spec, where it runs, its decode half when disaggregated,
+/// and its caller's permit (held while it runs; `None` when the APIs are open).
+struct Admitted {
+    spec: Arc<RequestSpec>,
+    placed: Placed,
+    handoff: Option<disagg::Handoff>,
+    permit: Option<keys::Permit>,
 }
 
 #[tonic::async_trait]
@@ -216,30 +258,45 @@ impl Generation for GenerationService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrived = Instant::now();
+        let front = &self.front;
+        let caller = front.caller(request.metadata())?;
         let parent = ferry_runtime::telemetry::extract_metadata(request.metadata());
         let req = request.into_inner();
-        let front = &self.front;
         let request_id = if req.request_id.is_empty() {
-            format!("req-{}", front.next_id.fetch_add(1, Ordering::Relaxed))
+            // Random (128 bits): an id names nobody else's request and cannot be guessed.
+            format!("req-{}", ferry_runtime::secret::to_hex(&ferry_runtime::secret::random()[..16]))
         } else {
             req.request_id.clone()
         };
-        let mut trace = RequestTrace::start(&parent, &request_id);
-        let (spec, placed, handoff) = match front.admit(&req, &request_id, &mut trace).await {
+        let key_id = caller.as_ref().map_or("", |k| &*k.id).to_string();
+        let mut trace = RequestTrace::start(&parent, &request_id, &key_id);
+        let admitted = match front.admit(&req, &request_id, caller.as_ref(), &mut trace).await {
             Ok(a) => a,
             Err(status) => {
                 trace.refused(status.message());
+                if status.code() != tonic::Code::InvalidArgument {
+                    tracing::debug!(request_id = %request_id, api_key = %key_id, status = %status.message(), "request refused");
+                }
                 return Err(status);
             }
         };
+        let Admitted { spec, placed, handoff, permit } = admitted;
         let (tx, rx) = mpsc::channel(64);
-        // Log lines about this request carry its id and trace id.
-        let span =
-            tracing::info_span!("request", request_id = %request_id, trace_id = %trace.trace_id());
+        // Log lines about this request carry its id, its trace id and its API key's id.
+        let span = tracing::info_span!(
+            "request",
+            request_id = %request_id,
+            trace_id = %trace.trace_id(),
+            api_key = %key_id
+        );
         let stream =
             RequestStream::new(front.clone(), request_id, spec, placed, tx, arrived, trace)
                 .with_handoff(handoff);
-        tokio::spawn(tracing::Instrument::instrument(stream.run(), span));
+        let run = async move {
+            stream.run().await;
+            drop(permit); // the key's request ends here
+        };
+        tokio::spawn(tracing::Instrument::instrument(run, span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -247,8 +304,18 @@ impl Generation for GenerationService {
         &self,
         request: Request<v1::AbortRequest>,
     ) -> Result<Response<v1::AbortResponse>, Status> {
+        let caller = self.front.caller(request.metadata())?;
         let request_id = request.into_inner().request_id;
-        let placement = self.front.live()?.get(&request_id).cloned();
+        let placement = match self.front.live()?.get(&request_id) {
+            // With API keys, only the key that created a request may abort it.
+            Some(l) if l.owner.as_deref() != caller.as_ref().map(|k| &*k.id) => {
+                return Err(Status::permission_denied(format!(
+                    "request {request_id:?} was created with another API key; only that key may abort it"
+                )));
+            }
+            Some(l) => Some(l.placement.clone()),
+            None => None,
+        };
         if let Some(p) = &placement {
             p.abort().await;
         }
@@ -257,8 +324,9 @@ impl Generation for GenerationService {
 
     async fn list_models(
         &self,
-        _request: Request<v1::ListModelsRequest>,
+        request: Request<v1::ListModelsRequest>,
     ) -> Result<Response<v1::ListModelsResponse>, Status> {
+        self.front.caller(request.metadata())?;
         let m = &self.front.model;
         Ok(Response::new(v1::ListModelsResponse {
             models: vec![v1::ModelInfo {

@@ -30,6 +30,7 @@ fn front(set: &Arc<ExecutorSet>) -> GenerationService {
         disaggregation_min_tokens: None,
         kv_transfer_timeout: Duration::from_secs(5),
         kv_tier_min_tokens: None,
+        keys: None,
     };
     GenerationService::new(served, Route::Local(set.clone()), settings)
 }

@@ -20,13 +20,18 @@ pub struct RequestTrace {
 }
 
 impl RequestTrace {
-    /// Opens `generate` under `parent` (the caller's context).
-    pub fn start(parent: &Context, request_id: &str) -> Self {
+    /// Opens `generate` under `parent` (the caller's context) for a request from the API key
+    /// `key_id` (empty when the APIs are open).
+    pub fn start(parent: &Context, request_id: &str, key_id: &str) -> Self {
         let tracer = telemetry::tracer();
+        let mut attributes = vec![KeyValue::new("ferry.request_id", request_id.to_string())];
+        if !key_id.is_empty() {
+            attributes.push(KeyValue::new("ferry.api_key_id", key_id.to_string()));
+        }
         let span = tracer
             .span_builder("generate")
             .with_kind(SpanKind::Server)
-            .with_attributes([KeyValue::new("ferry.request_id", request_id.to_string())])
+            .with_attributes(attributes)
             .start_with_context(&tracer, parent);
         Self { generate: parent.with_span(span), request: None, arrived: SystemTime::now() }
     }

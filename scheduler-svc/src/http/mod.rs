@@ -4,13 +4,17 @@
 //!
 //! Errors use OpenAI's JSON shape (`{"error": {"message", "type", "code"}}`) with the HTTP
 //! status mapped from the front's gRPC code in one table ([`http_status`]).
+//!
+//! With API keys (`front/keys.rs`), every `/v1/` route needs `Authorization: Bearer <key>`
+//! before its body is read (401 otherwise); `/health` and `/metrics` too when configured.
 
 mod openai;
 
 use std::future::Future;
 
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -47,18 +51,22 @@ pub fn http_status(code: tonic::Code) -> StatusCode {
 pub struct ApiError {
     status: StatusCode,
     message: String,
+    /// Seconds the client should wait (a rate limit says how long; 1 by default).
+    retry_after: Option<String>,
 }
 
 impl ApiError {
     /// A 400 with `message`.
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into() }
+        Self { status: StatusCode::BAD_REQUEST, message: message.into(), retry_after: None }
     }
 }
 
 impl From<tonic::Status> for ApiError {
     fn from(s: tonic::Status) -> Self {
-        Self { status: http_status(s.code()), message: s.message().to_string() }
+        let retry_after =
+            s.metadata().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_string);
+        Self { status: http_status(s.code()), message: s.message().to_string(), retry_after }
     }
 }
 
@@ -67,6 +75,8 @@ impl IntoResponse for ApiError {
         let kind = match self.status {
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
             s if s.is_client_error() => "invalid_request_error",
             _ => "server_error",
         };
@@ -75,25 +85,59 @@ impl IntoResponse for ApiError {
         });
         let mut response =
             (self.status, [("content-type", "application/json")], body.to_string()).into_response();
+        let headers = response.headers_mut();
         if self.status == StatusCode::TOO_MANY_REQUESTS
             || self.status == StatusCode::SERVICE_UNAVAILABLE
         {
-            // A full queue or a missing executor is temporary: say when to come back.
-            response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+            // A full queue, a rate limit or a missing executor is temporary: say when to come
+            // back.
+            let after = self.retry_after.as_deref().and_then(|a| a.parse().ok());
+            let after = after.unwrap_or(axum::http::HeaderValue::from_static("1"));
+            headers.insert("retry-after", after);
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
         }
         response
     }
 }
 
-/// The routes, over `front`.
-pub fn router(front: GenerationService) -> Router {
-    Router::new()
+/// The routes, over `front`, with `/metrics` rendering `metrics`.
+pub fn router(
+    front: GenerationService,
+    metrics: std::sync::Arc<dyn ferry_runtime::metrics::Render>,
+) -> Router {
+    let api = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
-        .route("/health", get(health))
+        .route_layer(middleware::from_fn_with_state(front.clone(), require_key))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(front)
+        .with_state(front.clone());
+    let mut open = Router::new()
+        .route("/health", get(health))
+        .with_state(front.clone())
+        .merge(ferry_runtime::metrics::router(metrics));
+    if front.keys().is_some_and(|k| k.guard_health_and_metrics) {
+        open = open.route_layer(middleware::from_fn_with_state(front, require_key));
+    }
+    api.merge(open)
+}
+
+/// Lets a request through only with a valid API key (when keys are configured): 401 in
+/// OpenAI's shape otherwise, before its body is read.
+async fn require_key(
+    State(front): State<GenerationService>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(keys) = front.keys() {
+        let presented = request.headers().get("authorization").and_then(|v| v.to_str().ok());
+        if let Err(status) = keys.identify(presented) {
+            return ApiError::from(status).into_response();
+        }
+    }
+    next.run(request).await
 }
 
 async fn health(State(front): State<GenerationService>) -> Response {
@@ -113,6 +157,5 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(front).merge(ferry_runtime::metrics::router(metrics));
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router(front, metrics)).with_graceful_shutdown(shutdown).await
 }

@@ -289,7 +289,8 @@ async fn run(
     let mut call = tonic::Request::new(req);
     // W3C trace context: the caller's `traceparent` (and `tracestate`) become the parent of
     // this request's spans, as on the gRPC API.
-    for key in ["traceparent", "tracestate"] {
+    // The caller's API key goes on with it (the front identifies it again, and charges it).
+    for key in ["traceparent", "tracestate", "authorization"] {
         if let Some(v) = headers.get(key).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
         {
             call.metadata_mut().insert(key, v);

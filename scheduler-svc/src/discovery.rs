@@ -187,6 +187,11 @@ impl Member {
         if let Some(task) = self.connecting.take() {
             task.abort();
         }
+        self.listed();
+    }
+
+    /// Its registration is back (or it is going): no longer unlisted, its question cancelled.
+    fn listed(&mut self) {
         if let Some(Unlisted::Asking(task)) = self.unlisted.take() {
             task.abort();
         }
@@ -249,10 +254,7 @@ impl Wanted {
             }
         };
         if let Some(m) = self.members.get_mut(&name).filter(|m| m.address == info.address) {
-            // A re-registration (new lease) of what we already have.
-            if let Some(Unlisted::Asking(task)) = m.unlisted.take() {
-                task.abort();
-            }
+            m.listed(); // a re-registration (new lease) of what we already have
             return;
         }
         tracing::info!(executor = %name, address = %info.address, "executor registered");

@@ -40,26 +40,6 @@ fn wait<T: Send + 'static>(
     rx.recv().context("the HTTP runtime dropped the call")?.context("the HTTP call timed out")?
 }
 
-/// [`http_with`], also returning the response's `header` (if sent).
-pub fn http_header(
-    addr: SocketAddr,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-    header: &'static str,
-) -> Result<(u16, String, Option<String>)> {
-    let (path, body) = (path.to_string(), body.to_vec());
-    let headers: Vec<(String, String)> =
-        headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
-    wait(async move {
-        let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (&**n, &**v)).collect();
-        let response = client().send_with(&addr.to_string(), "POST", &path, &headers, body).await?;
-        let value = response.headers.get(header).and_then(|v| v.to_str().ok()).map(str::to_string);
-        let status = response.status;
-        Ok((status, response.text().await?, value))
-    })
-}
-
 /// Sends `method path` with `body` to `addr` and returns the status and the whole body.
 pub fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Result<(u16, String)> {
     http_with(addr, method, path, &[], body)
@@ -73,6 +53,31 @@ pub fn http_with(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Result<(u16, String)> {
+    let (status, body, _) = send(addr, method, path, headers, body, None)?;
+    Ok((status, body))
+}
+
+/// A POST of `body` to `path` with `headers`, also returning the response's `header` (if
+/// sent).
+pub fn http_header(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    header: &'static str,
+) -> Result<(u16, String, Option<String>)> {
+    send(addr, "POST", path, headers, body, Some(header))
+}
+
+/// One request: its status, its whole body and the value of `header` (when asked for and sent).
+fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    header: Option<&'static str>,
+) -> Result<(u16, String, Option<String>)> {
     let (method, path, body) = (method.to_string(), path.to_string(), body.to_vec());
     let headers: Vec<(String, String)> =
         headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
@@ -80,8 +85,12 @@ pub fn http_with(
         let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (&**n, &**v)).collect();
         let response =
             client().send_with(&addr.to_string(), &method, &path, &headers, body).await?;
+        let value = header
+            .and_then(|h| response.headers.get(h))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         let status = response.status;
-        Ok((status, response.text().await?))
+        Ok((status, response.text().await?, value))
     })
 }
 

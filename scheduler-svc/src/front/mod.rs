@@ -274,9 +274,7 @@ impl Generation for GenerationService {
             Ok(a) => a,
             Err(status) => {
                 trace.refused(status.message());
-                if status.code() != tonic::Code::InvalidArgument {
-                    tracing::debug!(request_id = %request_id, api_key = %key_id, status = %status.message(), "request refused");
-                }
+                tracing::debug!(request_id = %request_id, api_key = %key_id, status = %status.message(), "request refused");
                 return Err(status);
             }
         };

@@ -107,7 +107,24 @@ pub struct ExecutorConfig {
     /// With `--model-profile`: more profiles (as `ferry-sim --profile-dir`).
     #[arg(long, env = "FERRY_PROFILE_DIR")]
     pub profile_dir: Option<std::path::PathBuf>,
+    /// Most requests held at once (running and preempted); a step that would add more has the
+    /// extra new requests refused (each alone). The handshake states it, and a scheduler keeps
+    /// each executor's requests within it.
+    #[arg(long, env = "FERRY_MAX_LIVE_REQUESTS", default_value_t = DEFAULT_MAX_LIVE_REQUESTS)]
+    pub max_live_requests: u32,
+    /// Largest `Step` message decoded, in bytes (gRPC's limit on the session stream); the
+    /// handshake states it, and a scheduler whose largest possible step exceeds it refuses the
+    /// session with the figures.
+    #[arg(long, env = "FERRY_MAX_STEP_BYTES", default_value_t = DEFAULT_MAX_STEP_BYTES)]
+    pub max_step_bytes: u64,
 }
+
+/// Default `--max-live-requests`.
+pub const DEFAULT_MAX_LIVE_REQUESTS: u32 = 4096;
+/// Default `--max-step-bytes`: 256 MiB, room for 256 new requests of 128k tokens in one step.
+pub const DEFAULT_MAX_STEP_BYTES: u64 = 256 << 20;
+/// Least `--max-step-bytes`: 64 KiB.
+pub const MIN_MAX_STEP_BYTES: u64 = 64 << 10;
 
 /// Largest block size accepted: vLLM's largest is 256 tokens.
 pub const MAX_BLOCK_SIZE: u32 = 256;
@@ -141,6 +158,12 @@ impl ExecutorConfig {
         }
         if self.kv_cache_mib == 0 {
             return Err(ConfigError::KvCache);
+        }
+        if self.max_live_requests == 0 {
+            return Err(ConfigError::MaxLiveRequests);
+        }
+        if self.max_step_bytes < MIN_MAX_STEP_BYTES || self.max_step_bytes > u64::from(u32::MAX) {
+            return Err(ConfigError::MaxStepBytes(self.max_step_bytes));
         }
         if self.executor_id.trim().is_empty() {
             return Err(ConfigError::ExecutorId);
@@ -221,6 +244,12 @@ pub enum ConfigError {
     /// Empty id.
     #[error("--executor-id must not be empty")]
     ExecutorId,
+    /// No room for a request.
+    #[error("--max-live-requests must be at least 1")]
+    MaxLiveRequests,
+    /// A step limit too small for any step, or past gRPC's.
+    #[error("--max-step-bytes {0} is invalid: it must be from {MIN_MAX_STEP_BYTES} to 4294967295")]
+    MaxStepBytes(u64),
     /// A KV agent address that is not one.
     #[error("--kv-agent {0:?} is not an address (host:port)")]
     KvAgent(String),
@@ -273,6 +302,21 @@ mod tests {
         let bad = parse(&["--backend", "cuda", "--time-scale=-1"]);
         assert!(matches!(bad.validate_flags(), Err(ConfigError::TimeScale(_))));
         assert!(parse(&["--backend", "cuda"]).validate_flags().is_ok());
+    }
+
+    #[test]
+    fn limits_out_of_range_are_refused_naming_the_flag() {
+        let cases: [(&[&str], &str); 3] = [
+            (&["--max-live-requests", "0"], "--max-live-requests must be at least 1"),
+            (&["--max-step-bytes", "1000"], "--max-step-bytes 1000 is invalid"),
+            (&["--max-step-bytes", "5000000000"], "--max-step-bytes 5000000000 is invalid"),
+        ];
+        for (args, want) in cases {
+            let err = parse(args).validate_flags().unwrap_err().to_string();
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
+        let ok = parse(&["--max-live-requests", "8", "--max-step-bytes", "65536"]);
+        assert!(ok.validate_flags().is_ok());
     }
 
     #[test]

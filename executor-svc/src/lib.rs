@@ -41,6 +41,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let id = config.executor_id.clone();
     let token = config.leadership_token.clone();
+    let step_bytes = usize::try_from(config.max_step_bytes).unwrap_or(usize::MAX);
     let built = tokio::task::spawn_blocking(move || match model {
         Some(model) => build(&config, model),
         None => build_simulated(&config),
@@ -55,7 +56,10 @@ pub async fn run(
     let service = service::ExecutorService::new(built.info, built.engine, built.identity)
         .with_leadership(cluster.clone(), token);
     let host = GrpcHost::new()
-        .add_service(ferry_proto::v1::executor_server::ExecutorServer::new(service))
+        .add_service(
+            ferry_proto::v1::executor_server::ExecutorServer::new(service)
+                .max_decoding_message_size(step_bytes),
+        )
         .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::Executor;
     let member = (cluster.as_ref(), kind, id.as_str());
@@ -167,7 +171,9 @@ fn assemble(
     let kv_port = kv_port(config, &kv_layout, staging)?;
     // An executor without an end token (a simulated one before its handshake) never avoids one.
     let eos_token_id = serves.eos.unwrap_or(u32::MAX);
-    let engine = engine::Engine::new(backend, engine::EngineConfig { eos_token_id });
+    let engine_config =
+        engine::EngineConfig { eos_token_id, max_live_requests: config.max_live_requests as usize };
+    let engine = engine::Engine::new(backend, engine_config);
     let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
         executor_id: config.executor_id.clone(),
@@ -182,6 +188,8 @@ fn assemble(
         backend: v1::Backend::from(config.backend).into(),
         kv_layout: Some(kv_layout),
         kv_agent_address: config.kv_agent.clone().unwrap_or_default(),
+        max_live_requests: config.max_live_requests,
+        max_step_bytes: config.max_step_bytes,
     };
     Ok(BuiltExecutor { engine, identity, info })
 }

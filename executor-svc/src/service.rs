@@ -323,7 +323,10 @@ impl Executor for ExecutorService {
                     Ok(Some(step)) => step,
                     Ok(None) => return,
                     Err(status) => {
-                        tracing::debug!(%status, "session stream ended by the scheduler");
+                        // The scheduler went away, or sent what cannot be decoded (a step past
+                        // --max-step-bytes): it hears why, if it still listens.
+                        tracing::debug!(%status, "session stream ended");
+                        let _ = tx.send(Err(status)).await;
                         return;
                     }
                 };

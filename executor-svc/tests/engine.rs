@@ -1,6 +1,7 @@
 //! The engine on the real model, driven by hand-built `Step`s the way the scheduler drives it:
 //! seeded sampling is reproducible whatever else is batched, across a preempt-and-recompute and
-//! across a restart on a fresh executor; bad steps are refused whole and change nothing.
+//! across a restart on a fresh executor; a bad request is refused alone and the others run on
+//! exactly; a step bad as a whole is refused whole and changes nothing.
 
 use std::sync::{Arc, OnceLock};
 
@@ -25,7 +26,7 @@ fn engine() -> Engine {
     let model = LoadedModel::load(shared().clone()).expect("the default model's weights");
     Engine::new(
         Box::new(CpuBackend::new(model.weights, BS as usize, BLOCKS as usize)),
-        EngineConfig { eos_token_id: tokenizer().eos_token_id },
+        EngineConfig::new(tokenizer().eos_token_id),
     )
 }
 
@@ -53,6 +54,19 @@ impl Driver {
 
     /// Runs until every request has `out` generated tokens; prefill chunk `chunk`.
     fn run(&mut self, reqs: &mut [Req], out: usize, chunk: usize) {
+        self.run_tampered(reqs, out, chunk, |_| None);
+    }
+
+    /// As [`Self::run`], with `tamper` adding to each step parts of other requests (the id the
+    /// executor must refuse alone, and what its reason must say; or `None` when it adds none
+    /// to refuse).
+    fn run_tampered(
+        &mut self,
+        reqs: &mut [Req],
+        out: usize,
+        chunk: usize,
+        mut tamper: impl FnMut(&mut v1::Step) -> Option<(u64, &'static str)>,
+    ) {
         loop {
             let mut step = v1::Step { step_id: self.step_id, ..Default::default() };
             self.step_id += 1;
@@ -107,7 +121,19 @@ impl Driver {
             if step.work.is_empty() {
                 return;
             }
+            let expected = tamper(&mut step);
             let result = self.engine.execute(&step).unwrap();
+            let refused: Vec<(u64, &str)> =
+                result.refused.iter().map(|r| (r.id, r.reason.as_str())).collect();
+            match expected {
+                Some((id, needle)) => assert!(
+                    refused.len() == 1 && refused[0].0 == id && refused[0].1.contains(needle),
+                    "step {}: expected request {id} refused for {needle:?}, got {refused:?}",
+                    step.step_id
+                ),
+                None => assert!(refused.is_empty(), "nothing to refuse, got {refused:?}"),
+            }
+            assert!(result.outputs.iter().all(|o| reqs.iter().any(|r| r.id == o.id)));
             for o in result.outputs {
                 let r = reqs.iter_mut().find(|r| r.id == o.id).unwrap();
                 r.tokens.extend(o.token_ids);
@@ -221,83 +247,27 @@ fn bad_steps_are_refused_and_change_nothing() {
     let mut d = Driver::new(engine(), 0);
     let mut r = [req(1, "Hello there", v1::SamplingParams::default())];
     d.run(&mut r, 2, 64);
-    let len = r[0].tokens.len() as u32;
-    let decode = |id: u64, n: u32| v1::ScheduledWork {
-        id,
+    let decode = v1::ScheduledWork {
+        id: 1,
         key: v1::WorkKey::Decode.into(),
-        num_tokens: n,
+        num_tokens: 1,
         draft_token_ids: vec![],
     };
-    let new = |id: u64, blocks: Vec<u32>, temperature: f32| v1::NewRequest {
-        id,
-        prompt_token_ids: vec![1, 2, 3],
-        block_ids: blocks,
-        sampling: Some(v1::SamplingParams { temperature, ..Default::default() }),
+    // Faults of the step as a whole: nothing runs, nothing changes.
+    let export = v1::KvOperation {
+        transfer_id: "7".into(),
+        op: Some(v1::kv_operation::Op::Export(v1::KvExport {
+            request_id: 1,
+            ..Default::default()
+        })),
         ..Default::default()
     };
     let cases: Vec<(v1::Step, &str)> = vec![
         (
-            v1::Step { work: vec![decode(99, 1)], total_num_tokens: 1, ..Default::default() },
-            "unknown",
-        ),
-        (
-            v1::Step { work: vec![decode(1, 1)], total_num_tokens: 2, ..Default::default() },
+            v1::Step { work: vec![decode.clone()], total_num_tokens: 2, ..Default::default() },
             "adds up to 1",
         ),
-        (
-            v1::Step { work: vec![decode(1, 2)], total_num_tokens: 2, ..Default::default() },
-            "run past",
-        ),
-        (
-            v1::Step {
-                work: vec![decode(1, 1), decode(1, 1)],
-                total_num_tokens: 2,
-                ..Default::default()
-            },
-            "scheduled twice",
-        ),
-        (
-            v1::Step { new_requests: vec![new(1, vec![9], 0.0)], ..Default::default() },
-            "already a live request",
-        ),
-        (
-            v1::Step { new_requests: vec![new(2, vec![BLOCKS + 5], 0.0)], ..Default::default() },
-            "out of range",
-        ),
-        (
-            v1::Step { new_requests: vec![new(2, vec![9], -1.0)], ..Default::default() },
-            "temperature",
-        ),
-        (
-            v1::Step {
-                preempted_ids: vec![1],
-                work: vec![decode(1, 1)],
-                total_num_tokens: 1,
-                ..Default::default()
-            },
-            "preempted",
-        ),
-        (
-            v1::Step {
-                new_requests: vec![new(2, vec![r[0].table[0]], 0.0)],
-                work: vec![
-                    decode(1, 1),
-                    v1::ScheduledWork {
-                        id: 2,
-                        key: v1::WorkKey::Prompt.into(),
-                        num_tokens: 3,
-                        draft_token_ids: vec![],
-                    },
-                ],
-                total_num_tokens: 4,
-                ..Default::default()
-            },
-            "written by sequence",
-        ),
-        (
-            v1::Step { kv_ops: vec![v1::KvOperation::default()], ..Default::default() },
-            "KV operations",
-        ),
+        (v1::Step { kv_ops: vec![export], ..Default::default() }, "KV operations"),
     ];
     for (step, needle) in cases {
         let err = d.engine.execute(&step).unwrap_err().to_string();
@@ -309,7 +279,142 @@ fn bad_steps_are_refused_and_change_nothing() {
     let mut clean = [req(1, "Hello there", v1::SamplingParams::default())];
     Driver::new(engine(), 0).run(&mut clean, 6, 64);
     assert_eq!(generated(&r[0]), generated(&clean[0]));
-    assert!(len > 0);
+}
+
+/// Adds a bad part to a step; the request its refusal names and what the reason says.
+type Tamper = dyn Fn(&mut v1::Step) -> (u64, &'static str);
+
+/// The survivor's prompt fills more than one block, so its first block is full and no longer
+/// written (a victim that shares it is the only writer).
+const SURVIVOR: &str = "The quick brown fox jumps over the lazy dog, and then it tells a story";
+
+/// Each fault that names one request refuses that request alone: the step runs without it,
+/// the other requests' tokens are exactly those of an undisturbed run, and the refused one is
+/// named again by every later step that mentions it until the scheduler lists it finished.
+#[test]
+fn a_refused_request_fails_alone_and_the_others_run_on_exactly() {
+    let mut d = Driver::new(engine(), 0);
+    let mut r = [req(1, SURVIVOR, v1::SamplingParams::default()), req(2, "Hi", seeded())];
+    d.run(&mut r, 2, 64);
+    assert!(r[0].table.len() > 1 && r[0].computed > BS as usize, "survivor spans two blocks");
+    let shared_block = r[0].table[0];
+    let free = 200u32; // blocks the driver never hands out in this test
+    let prompt_work = |id: u64, n: u32| v1::ScheduledWork {
+        id,
+        key: v1::WorkKey::Prompt.into(),
+        num_tokens: n,
+        draft_token_ids: vec![],
+    };
+    let new = |id: u64, prompt: Vec<u32>, blocks: Vec<u32>| v1::NewRequest {
+        id,
+        prompt_token_ids: prompt,
+        block_ids: blocks,
+        ..Default::default()
+    };
+    let with_work = move |step: &mut v1::Step, nr: v1::NewRequest, n: u32| {
+        step.work.push(prompt_work(nr.id, n));
+        step.total_num_tokens += n;
+        step.new_requests.push(nr);
+    };
+    let cases: Vec<Box<Tamper>> = vec![
+        Box::new(move |s| {
+            s.work.push(prompt_work(100, 1));
+            s.total_num_tokens += 1;
+            (100, "unknown")
+        }),
+        Box::new(move |s| {
+            with_work(s, new(101, vec![1, 2, 999_999], vec![free]), 3);
+            (101, "outside the vocabulary")
+        }),
+        Box::new(move |s| {
+            with_work(s, new(102, vec![1, 2, 3], vec![BLOCKS + 5]), 3);
+            (102, "out of range")
+        }),
+        Box::new(move |s| {
+            let mut nr = new(103, vec![1, 2, 3], vec![free]);
+            nr.sampling = Some(v1::SamplingParams { temperature: -1.0, ..Default::default() });
+            with_work(s, nr, 3);
+            (103, "temperature")
+        }),
+        Box::new(move |s| {
+            with_work(s, new(104, vec![1, 2, 3], vec![shared_block]), 3);
+            (104, "written by sequence")
+        }),
+        Box::new(move |s| {
+            s.new_requests.push(new(105, vec![1; 8193], vec![free]));
+            (105, "maximum length")
+        }),
+        Box::new(move |s| {
+            let mut nr = new(106, vec![1, 2, 3], vec![free]);
+            nr.num_computed_tokens = 9;
+            s.new_requests.push(nr);
+            (106, "exceeds its 3 tokens")
+        }),
+        Box::new(move |s| {
+            s.new_requests.push(new(107, vec![1, 2, 3], vec![free]));
+            s.new_requests.push(new(107, vec![4, 5, 6], vec![free + 1]));
+            (107, "already a live request")
+        }),
+        Box::new(move |s| {
+            with_work(s, new(108, vec![1, 2, 3], vec![free]), 4);
+            (108, "run past")
+        }),
+        Box::new(move |s| {
+            s.cached_requests.push(v1::CachedRequestUpdate {
+                id: 108,
+                new_block_ids: vec![free],
+                ..Default::default()
+            });
+            (108, "run past") // refused above; named again with its first reason
+        }),
+        Box::new(move |s| {
+            s.finished_ids.push(108); // the scheduler heard: forgotten for good
+            s.work.push(prompt_work(108, 1));
+            s.total_num_tokens += 1;
+            (108, "unknown") // a step naming it after that is a new fault
+        }),
+    ];
+    let mut cases = cases.into_iter();
+    d.run_tampered(&mut r, 16, 64, |step| cases.next().map(|tamper| tamper(step)));
+    assert_eq!(cases.count(), 0, "every case ran during the decode");
+    assert_eq!(d.engine.num_requests(), 2, "only the two requests are held");
+    let mut clean = [req(1, SURVIVOR, v1::SamplingParams::default()), req(2, "Hi", seeded())];
+    Driver::new(engine(), 0).run(&mut clean, 16, 64);
+    assert_eq!(generated(&r[0]), generated(&clean[0]));
+    assert_eq!(generated(&r[1]), generated(&clean[1]));
+}
+
+/// New requests past `--max-live-requests` are refused, each alone; finished ones make room.
+#[test]
+fn new_requests_past_the_live_limit_are_refused_alone() {
+    let model = LoadedModel::load(shared().clone()).expect("the default model's weights");
+    let config = EngineConfig { max_live_requests: 2, ..EngineConfig::new(2) };
+    let mut engine = Engine::new(Box::new(CpuBackend::new(model.weights, 8, 64)), config);
+    let new = |id: u64, block: u32| v1::NewRequest {
+        id,
+        prompt_token_ids: vec![1, 2, 3],
+        block_ids: vec![block],
+        ..Default::default()
+    };
+    let step = v1::Step {
+        step_id: 1,
+        new_requests: vec![new(1, 0), new(2, 1), new(3, 2), new(4, 3)],
+        ..Default::default()
+    };
+    let result = engine.execute(&step).unwrap();
+    let refused: Vec<u64> = result.refused.iter().map(|r| r.id).collect();
+    assert_eq!(refused, vec![3, 4]);
+    assert!(result.refused[0].reason.contains("--max-live-requests"), "{:?}", result.refused);
+    assert_eq!(engine.num_requests(), 2);
+    let step = v1::Step {
+        step_id: 2,
+        finished_ids: vec![1, 3, 4],
+        new_requests: vec![new(5, 2)],
+        ..Default::default()
+    };
+    let result = engine.execute(&step).unwrap();
+    assert!(result.refused.is_empty(), "{:?}", result.refused);
+    assert_eq!(engine.num_requests(), 2);
 }
 
 #[test]
@@ -338,7 +443,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
             BLOCKS as usize,
             SimClock::virtual_at_zero(),
         );
-        Engine::new(Box::new(backend), EngineConfig { eos_token_id: 2 })
+        Engine::new(Box::new(backend), EngineConfig::new(2))
     };
     let prompt = |id| Req {
         id,
@@ -371,5 +476,8 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
         total_num_tokens: 1,
         ..Default::default()
     };
-    assert!(d.engine.execute(&bad).unwrap_err().to_string().contains("unknown"));
+    let refused = d.engine.execute(&bad).unwrap().refused;
+    assert!(refused.len() == 1 && refused[0].reason.contains("unknown"), "{refused:?}");
+    let bad_sum = v1::Step { step_id: 1, total_num_tokens: 1, ..Default::default() };
+    assert!(d.engine.execute(&bad_sum).unwrap_err().to_string().contains("adds up to 0"));
 }

@@ -43,7 +43,7 @@ fn engine(agent: Option<&str>) -> Engine {
     });
     Engine::new(
         Box::new(CpuBackend::new(weights, BS as usize, BLOCKS as usize)),
-        EngineConfig { eos_token_id: model().tokenizer.eos_token_id },
+        EngineConfig::new(model().tokenizer.eos_token_id),
     )
     .with_kv(port)
 }
@@ -321,8 +321,9 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
     let failed = e.until_reported("t-stalled").await;
     assert!(!failed.ok && failed.error.contains("deadline passed"), "{failed:?}");
     assert_eq!(e.engine.kv_in_progress(), 0);
-    // Refused whole, each saying why.
+    // Each refused with its request, alone, saying why; the operation is reported failed.
     d.step(prompt_step(1, &[1, 2, 3, 4, 5, 6], &[], &[0, 1], 0)).unwrap();
+    d.step(prompt_step(2, &[1, 2, 3], &[], &[7], 0)).unwrap();
     let export = |tid: &str, request_id: u64, block: u32| v1::KvOperation {
         transfer_id: tid.into(),
         op: Some(Op::Export(v1::KvExport {
@@ -334,19 +335,35 @@ async fn a_failed_import_writes_nothing_and_bad_kv_operations_are_refused() {
         deadline_unix_ms: unix_deadline(Duration::from_secs(30)),
         traceparent: String::new(),
     };
+    let import_for = |request_id: u64, tid: &str, blocks: Vec<u32>, hashes: Vec<u64>| {
+        let mut op = import(tid, blocks, hashes);
+        if let Some(Op::Import(i)) = &mut op.op {
+            i.request_id = request_id;
+        }
+        op
+    };
     let cases = [
-        (import("t-a", vec![1], hashes(1)), "block 1 is in use"),
-        (import("t-b", vec![999], hashes(1)), "out of range"),
-        (import("t-c", vec![5, 6], hashes(1)), "1 block hashes for 2 blocks"),
-        (export("t-d", 42, 0), "request 42 is not live"),
-        (export("t-e", 1, 9), "block 9 is not request 1's"),
-        (v1::KvOperation { deadline_unix_ms: 0, ..export("t-f", 1, 0) }, "no deadline"),
+        (import_for(11, "t-a", vec![1], hashes(1)), 11, "block 1 is in use"),
+        (import_for(12, "t-b", vec![999], hashes(1)), 12, "out of range"),
+        (import_for(13, "t-c", vec![5, 6], hashes(1)), 13, "1 block hashes for 2 blocks"),
+        (export("t-d", 42, 0), 42, "request 42 is not live"),
+        (v1::KvOperation { deadline_unix_ms: 0, ..export("t-f", 2, 7) }, 2, "no deadline"),
+        (export("t-e", 1, 9), 1, "block 9 is not request 1's"),
     ];
-    for (op, needle) in cases {
-        let err = d.kv(vec![op]).unwrap_err();
-        assert!(err.contains(needle), "{err:?} should say {needle:?}");
+    for (op, id, needle) in cases {
+        let tid = op.transfer_id.clone();
+        let result = d.kv(vec![op]).unwrap();
+        let refused: Vec<(u64, &str)> =
+            result.refused.iter().map(|r| (r.id, r.reason.as_str())).collect();
+        assert!(
+            refused.len() == 1 && refused[0].0 == id && refused[0].1.contains(needle),
+            "{refused:?} should refuse request {id} saying {needle:?}"
+        );
+        let failed = result.kv_results.iter().find(|k| k.transfer_id == tid).unwrap();
+        assert!(!failed.ok && failed.error.contains(needle), "{failed:?}");
     }
-    assert_eq!(d.engine.kv_in_progress(), 0, "nothing was started by a refused step");
+    assert_eq!(d.engine.num_requests(), 0, "requests 1 and 2 were refused and forgotten");
+    assert_eq!(d.engine.kv_in_progress(), 0, "nothing was started by a refused request");
     // Without an agent, any KV operation is refused.
     let err = Exec::new(None).kv(vec![import("t-x", vec![2], hashes(1))]).unwrap_err();
     assert!(err.contains("no KV agent"), "{err}");

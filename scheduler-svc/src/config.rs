@@ -119,6 +119,33 @@ pub struct FrontArgs {
     /// With API keys, `/health` and `/metrics` on the HTTP API need a key too.
     #[arg(long, env = "FERRY_API_KEY_GUARDS_HEALTH_AND_METRICS")]
     pub api_key_guards_health_and_metrics: bool,
+    /// Most tokens of prompt and output together (vLLM's flag); default: the model's length,
+    /// capped to what the smallest executor's KV cache holds for one request.
+    #[arg(long, env = "FERRY_MAX_MODEL_LEN")]
+    pub max_model_len: Option<u32>,
+    /// Most prompt tokens per request; default: up to the model length.
+    #[arg(long, env = "FERRY_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<u32>,
+    /// Most tokens generated per request (`max_tokens`); default: up to the model length.
+    #[arg(long, env = "FERRY_MAX_OUTPUT_TOKENS")]
+    pub max_output_tokens: Option<u32>,
+    /// Most stop strings per request.
+    #[arg(long, env = "FERRY_MAX_STOP_STRINGS", default_value_t = 16)]
+    pub max_stop_strings: u32,
+    /// Longest stop string, in bytes.
+    #[arg(long, env = "FERRY_MAX_STOP_STRING_BYTES", default_value_t = 1024)]
+    pub max_stop_string_bytes: u32,
+    /// Most stop token ids per request.
+    #[arg(long, env = "FERRY_MAX_STOP_TOKEN_IDS", default_value_t = 64)]
+    pub max_stop_token_ids: u32,
+    /// Most log-probabilities per position a request may ask for (vLLM's flag; at most 20,
+    /// what executors compute).
+    #[arg(long, env = "FERRY_MAX_LOGPROBS", default_value_t = 20)]
+    pub max_logprobs: u32,
+    /// Largest request, in bytes: an HTTP body (413 past it) or a gRPC message
+    /// (`RESOURCE_EXHAUSTED`).
+    #[arg(long, env = "FERRY_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
+    pub max_request_bytes: u32,
 }
 
 /// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
@@ -154,6 +181,10 @@ pub struct FrontSettings {
     pub kv_tier_min_tokens: Option<usize>,
     /// The API keys callers must present; `None`: the client APIs are open.
     pub keys: Option<std::sync::Arc<crate::front::keys::ApiKeys>>,
+    /// What one request may ask for.
+    pub limits: crate::front::RequestLimits,
+    /// `--max-model-len`, if given.
+    pub max_model_len: Option<usize>,
 }
 
 /// A flag value, or a combination, that Ferry will not run with. Each message names the
@@ -170,6 +201,14 @@ pub enum ConfigError {
     #[error("{why}")]
     ApiKeys {
         /// What is wrong, naming the flag.
+        why: String,
+    },
+    /// A request limit out of range.
+    #[error("--{flag} {why}")]
+    Limit {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong, with the bound.
         why: String,
     },
     /// A count that must be positive is zero.
@@ -343,6 +382,50 @@ impl FrontArgs {
             )
             .map_err(|why| ConfigError::ApiKeys { why })?
             .map(std::sync::Arc::new),
+            limits: self.limits()?,
+            max_model_len: self.max_model_len.map(|n| n as usize),
+        })
+    }
+
+    /// The per-request limits, checked: none may be 0, logprobs at most what executors compute,
+    /// and a request must have room for a prompt.
+    fn limits(&self) -> Result<crate::front::RequestLimits, ConfigError> {
+        let positive = |flag: &'static str, v: u32| {
+            if v == 0 {
+                return Err(ConfigError::Limit { flag, why: "must be at least 1".into() });
+            }
+            Ok(v as usize)
+        };
+        for (flag, v) in [
+            ("max-model-len", self.max_model_len),
+            ("max-prompt-tokens", self.max_prompt_tokens),
+            ("max-output-tokens", self.max_output_tokens),
+        ] {
+            if let Some(v) = v {
+                positive(flag, v)?;
+            }
+        }
+        let most = ferry_model::sampling::MAX_TOP_LOGPROBS;
+        if self.max_logprobs > most {
+            return Err(ConfigError::Limit {
+                flag: "max-logprobs",
+                why: format!("is {}; executors compute at most {most}", self.max_logprobs),
+            });
+        }
+        if self.max_request_bytes < 1024 {
+            return Err(ConfigError::Limit {
+                flag: "max-request-bytes",
+                why: format!("is {}; at least 1024 bytes", self.max_request_bytes),
+            });
+        }
+        Ok(crate::front::RequestLimits {
+            max_prompt_tokens: self.max_prompt_tokens.map_or(usize::MAX, |n| n as usize),
+            max_output_tokens: self.max_output_tokens.map_or(usize::MAX, |n| n as usize),
+            max_stop_strings: positive("max-stop-strings", self.max_stop_strings)?,
+            max_stop_string_bytes: positive("max-stop-string-bytes", self.max_stop_string_bytes)?,
+            max_stop_token_ids: positive("max-stop-token-ids", self.max_stop_token_ids)?,
+            max_logprobs: self.max_logprobs,
+            max_request_bytes: self.max_request_bytes as usize,
         })
     }
 }
@@ -421,6 +504,14 @@ mod tests {
         let front: &[(&[&str], &str)] = &[
             (&["--max-queued-requests", "0"], "--max-queued-requests must be at least 1"),
             (&["--failover-timeout", "0"], "--failover-timeout must be between 1 and 86400"),
+            (&["--max-model-len", "0"], "--max-model-len must be at least 1"),
+            (&["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
+            (&["--max-output-tokens", "0"], "--max-output-tokens must be at least 1"),
+            (&["--max-stop-strings", "0"], "--max-stop-strings must be at least 1"),
+            (&["--max-stop-string-bytes", "0"], "--max-stop-string-bytes must be at least 1"),
+            (&["--max-stop-token-ids", "0"], "--max-stop-token-ids must be at least 1"),
+            (&["--max-logprobs", "21"], "--max-logprobs is 21; executors compute at most 20"),
+            (&["--max-request-bytes", "100"], "--max-request-bytes is 100; at least 1024"),
         ];
         for (args, want) in front {
             let err = parse(args).front.resolve().expect_err("refused");

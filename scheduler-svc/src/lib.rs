@@ -99,9 +99,10 @@ pub async fn run(
         })
         .min();
     let model_len = model.shape.max_model_len;
+    let usable = cache_limit.map_or(model_len, |c| c.min(model_len));
     let served = ServedModel {
         file: model,
-        max_model_len: cache_limit.map_or(model_len, |c| c.min(model_len)),
+        max_model_len: role.front.max_model_len.map_or(usable, |cap| cap.min(usable)),
     };
     // Statically listed executors never come back once lost; discovered ones may.
     let front_settings = match &role.cluster {
@@ -202,7 +203,10 @@ async fn serve_api(
     let mut http_task =
         http.map(|l| tokio::spawn(http::serve(front.clone(), metrics.clone(), l, stopped())));
     let mut host = GrpcHost::new()
-        .add_service(ferry_proto::v1::generation_server::GenerationServer::new(front.clone()))
+        .add_service(
+            ferry_proto::v1::generation_server::GenerationServer::new(front.clone())
+                .max_decoding_message_size(front.limits().max_request_bytes),
+        )
         .with_metrics(metrics);
     if let Some(admin) = admin {
         host = host.add_service(ferry_proto::v1::admin_server::AdminServer::new(admin));

@@ -35,6 +35,8 @@ pub struct SchedulerMetrics {
     pub requests_moved: Counter,
     /// Executor sessions opened (first connections and reconnections).
     pub sessions_opened: Counter,
+    /// Requests an executor refused (each failed alone).
+    pub requests_refused: Counter,
     /// Time to first token, seconds.
     pub ttft: Histogram,
     /// Time between tokens, seconds.
@@ -81,6 +83,7 @@ impl SchedulerMetrics {
             success: Default::default(),
             requests_moved: Counter::default(),
             sessions_opened: Counter::default(),
+            requests_refused: Counter::default(),
             ttft: Histogram::new(metrics::TTFT_BUCKETS),
             itl: Histogram::new(metrics::ITL_BUCKETS),
             e2e: Histogram::new(metrics::REQUEST_BUCKETS),
@@ -387,7 +390,7 @@ impl MetricsView {
 
     /// Counters and histograms.
     fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        let counters: [(&str, &str, &Counter); 7] = [
+        let counters: [(&str, &str, &Counter); 8] = [
             ("vllm:prompt_tokens", "Prefill tokens computed.", &self.metrics.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated.", &self.metrics.generation_tokens),
             (
@@ -410,6 +413,11 @@ impl MetricsView {
                 "ferry_executor_sessions_opened",
                 "Executor sessions opened (reconnections included).",
                 &self.metrics.sessions_opened,
+            ),
+            (
+                "ferry_requests_refused",
+                "Requests an executor refused (each failed alone, its session kept).",
+                &self.metrics.requests_refused,
             ),
         ];
         for (name, help, c) in counters {

@@ -233,3 +233,127 @@ async fn a_static_executor_with_a_token_file_opens_sessions_only_for_its_token()
     drop(svc);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Request `id`'s decode of one token.
+fn decode(id: u64) -> v1::ScheduledWork {
+    v1::ScheduledWork {
+        id,
+        key: v1::WorkKey::Decode.into(),
+        num_tokens: 1,
+        draft_token_ids: vec![],
+    }
+}
+/// A new request of `prompt` in `block`.
+fn new(id: u64, prompt: Vec<u32>, block: u32) -> v1::NewRequest {
+    v1::NewRequest { id, prompt_token_ids: prompt, block_ids: vec![block], ..Default::default() }
+}
+
+/// A request whose data breaks a rule or a limit is refused alone — the step runs without it,
+/// the result names it, and the other request on the executor goes on exactly as it would
+/// have; a step past `--max-step-bytes` is refused whole with the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_fails_alone_and_the_session_runs_on_exactly() {
+    let model = ModelFile::open(None).unwrap();
+    let prompt = model.tokenizer.encode("The capital of France is").unwrap();
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-cache-mib",
+        "64",
+        "--max-live-requests",
+        "3",
+        "--max-step-bytes",
+        "65536",
+    ];
+    let svc = Service::start("ferry-executor", &args, 1).unwrap();
+    let mut client = ExecutorClient::connect(format!("http://{}", svc.addr("grpc"))).await.unwrap();
+    let info = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner().info.unwrap();
+    assert_eq!((info.max_live_requests, info.max_step_bytes), (3, 65536), "the handshake says");
+    // Request 1's tokens over `steps` steps, with `tamper` adding to each decode step the parts
+    // of other requests, and what each step's result refused.
+    let session_client = client.clone();
+    let run = |epoch: u64, steps: u64, tamper: fn(u64, &mut v1::Step)| {
+        let mut client = session_client.clone();
+        let prompt = prompt.clone();
+        async move {
+            let hs = client
+                .handshake(v1::HandshakeRequest {
+                    scheduler_id: "test".into(),
+                    epoch,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let (tx, rx) = mpsc::channel(4);
+            let stream = with_secret(ReceiverStream::new(rx), &hs.session_secret);
+            let mut results = client.session(stream).await.unwrap().into_inner();
+            tx.send(prefill_then_decode(hs.session_id, epoch, &prompt, 1)).await.unwrap();
+            let first = results.message().await.unwrap().unwrap();
+            let mut tokens = first.outputs[0].token_ids.clone();
+            let mut refused = Vec::new();
+            for step_id in 2..=steps {
+                let mut step =
+                    v1::Step { session_id: hs.session_id, epoch, step_id, ..Default::default() };
+                step.work.push(decode(1));
+                step.total_num_tokens = 1;
+                tamper(step_id, &mut step);
+                tx.send(step).await.unwrap();
+                let r = results.message().await.unwrap().unwrap();
+                assert_eq!(r.outputs.len(), 1, "only request 1 samples: {r:?}");
+                tokens.extend(&r.outputs[0].token_ids);
+                refused.push(r.refused.into_iter().map(|r| (r.id, r.reason)).collect::<Vec<_>>());
+            }
+            (tokens, refused, tx, results, hs.session_id)
+        }
+    };
+    let (tokens, refused, tx, mut results, session) = run(3, 6, |step_id, step| match step_id {
+        2 => {
+            step.new_requests.push(new(2, vec![1, 2, 999_999], 20));
+            step.work.push(v1::ScheduledWork {
+                id: 2,
+                key: v1::WorkKey::Prompt.into(),
+                num_tokens: 3,
+                draft_token_ids: vec![],
+            });
+            step.total_num_tokens += 3;
+        }
+        3 => {
+            for (id, block) in [(3, 21), (4, 22), (5, 23)] {
+                step.new_requests.push(new(id, vec![1, 2, 3], block));
+            }
+        }
+        4 => {
+            step.work.push(decode(2));
+            step.total_num_tokens += 1;
+        }
+        5 => step.finished_ids.extend([2, 3, 4, 5]),
+        _ => {}
+    })
+    .await;
+    let ids: Vec<Vec<u64>> =
+        refused.iter().map(|r| r.iter().map(|(id, _)| *id).collect()).collect();
+    assert_eq!(ids, [vec![2], vec![5], vec![2], vec![], vec![]], "{refused:?}");
+    assert!(refused[0][0].1.contains("outside the vocabulary"), "{refused:?}");
+    assert!(refused[1][0].1.contains("--max-live-requests"), "{refused:?}");
+    assert_eq!(refused[2][0].1, refused[0][0].1, "named again with its reason");
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(described.num_requests, 1, "only request 1 is held");
+    // A step past --max-step-bytes is refused whole (gRPC's limit), naming the limit.
+    let huge = v1::Step {
+        session_id: session,
+        epoch: 3,
+        step_id: 7,
+        new_requests: vec![new(9, vec![40_000; 30_000], 30)],
+        ..Default::default()
+    };
+    tx.send(huge).await.unwrap();
+    let status = results.message().await.unwrap_err();
+    assert!(status.message().contains("65536"), "{status}");
+    // Request 1's tokens are those of an undisturbed run.
+    let (clean, refused, ..) = run(4, 6, |_, _| {}).await;
+    assert!(refused.iter().all(Vec::is_empty));
+    assert_eq!(tokens, clean);
+    assert!(model.tokenizer.decode(&tokens).starts_with(" Paris"));
+    drop(svc);
+}

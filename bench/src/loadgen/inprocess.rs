@@ -39,7 +39,7 @@ pub fn run(
         .collect::<anyhow::Result<_>>()?;
     let mut engine = Engine::new(
         Box::new(CpuBackend::new(model.weights, block_size, num_blocks)),
-        EngineConfig { eos_token_id: eos },
+        EngineConfig::new(eos),
     );
     let geometry = ExecutorGeometry {
         block_size,

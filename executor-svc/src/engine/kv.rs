@@ -107,6 +107,16 @@ pub enum KvOpError {
     },
 }
 
+/// The request whose export or import `error` refuses, if it names one of `ops`.
+pub(super) fn request_of(error: &KvOpError, ops: &[v1::KvOperation]) -> Option<u64> {
+    let KvOpError::Invalid { transfer_id, .. } = error else { return None };
+    match &ops.iter().find(|op| &op.transfer_id == transfer_id)?.op {
+        Some(KvOp::Export(e)) => Some(e.request_id),
+        Some(KvOp::Import(i)) => Some(i.request_id),
+        Some(KvOp::Store(_)) | None => None,
+    }
+}
+
 /// A finished transfer, from its task.
 enum Done {
     Export {

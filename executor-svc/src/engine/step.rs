@@ -4,13 +4,22 @@
 //! batch to run. Everything in it is validated first — unknown or duplicate ids, tokens outside
 //! the vocabulary, blocks out of range or written by two requests, token counts that do not
 //! add up, work past the known tokens, bad sampling parameters — and only a step that passes
-//! as a whole changes anything. So a refused step leaves the executor exactly as it was.
+//! as a whole changes anything.
+//!
+//! A fault that names one request (its data breaks a rule or a limit) refuses that request
+//! alone: its parts are taken out of the step, the rest is validated again and runs as if the
+//! request had not been there, and the result lists it in `refused`. The engine forgets it and
+//! keeps listing it for every later step that names it (the scheduler may have sent those
+//! before it heard) until a step lists it in `finished_ids`. Its KV operations are reported
+//! failed, so nothing waits on them. A fault of the step as a whole (its token sum) refuses the
+//! step, and the engine is left exactly as it was.
 //!
 //! Each request keeps its prompt, the tokens it generated, its block table and how many of its
 //! tokens are in the KV cache. A request samples in a step when that step computes its last
 //! known token; the sampled token joins its output at once, so the next decode (even one
 //! scheduled before this result reached the scheduler) computes it.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -71,6 +80,32 @@ pub enum StepError {
     /// A KV operation is refused.
     #[error(transparent)]
     Kv(#[from] super::kv::KvOpError),
+}
+
+impl StepError {
+    /// The one request this fault is about, if it is about one: refusing that request alone
+    /// answers it.
+    fn request(&self) -> Option<u64> {
+        match self {
+            Self::Unknown { id, .. }
+            | Self::Duplicate { id, .. }
+            | Self::Invalid { id, .. }
+            | Self::Sampling { id, .. } => Some(*id),
+            Self::TokenCount { .. } | Self::Batch(_) | Self::Kv(_) => None,
+        }
+    }
+}
+
+/// A step cleared to run: what remains of it once the refused requests are out.
+struct Admitted<'s> {
+    step: Cow<'s, v1::Step>,
+    planned: Vec<Planned>,
+    /// Refused in this step, with why.
+    refused: Vec<(u64, String)>,
+    /// Requests refused earlier that this step still names.
+    named_again: Vec<u64>,
+    /// KV operations of refused requests, not started, with why.
+    dropped_ops: Vec<(v1::KvOperation, String)>,
 }
 
 /// What the engine keeps per request.
@@ -145,6 +180,15 @@ impl ExecRequest {
 pub struct EngineConfig {
     /// End-of-sequence token (the simulator avoids it).
     pub eos_token_id: u32,
+    /// Most requests held at once: new requests past it are refused.
+    pub max_live_requests: usize,
+}
+
+impl EngineConfig {
+    /// The default limits with `eos_token_id`.
+    pub fn new(eos_token_id: u32) -> Self {
+        Self { eos_token_id, max_live_requests: crate::config::DEFAULT_MAX_LIVE_REQUESTS as usize }
+    }
 }
 
 /// The executor's state and its step function.
@@ -158,6 +202,8 @@ pub struct Engine {
     gathered: Vec<Vec<u32>>,
     /// KV transfers (exports and imports through the node's agent) in progress.
     kv: super::kv::KvOps,
+    /// Requests refused and forgotten, with why, until a step lists them as finished.
+    refused: HashMap<u64, String>,
 }
 
 /// The requests' tables as a step leaves them, for checking its KV operations.
@@ -201,6 +247,7 @@ impl Engine {
             steps_executed: 0,
             gathered: Vec::new(),
             kv: super::kv::KvOps::new(None),
+            refused: HashMap::new(),
         }
     }
 
@@ -244,6 +291,7 @@ impl Engine {
     /// Forgets every request and ends every KV transfer in progress.
     pub fn reset(&mut self) -> usize {
         self.kv.reset();
+        self.refused.clear();
         let n = self.requests.len();
         for (_, r) in self.requests.drain() {
             if let Some(t) = r.trace {
@@ -253,14 +301,20 @@ impl Engine {
         n
     }
 
-    /// Validates and runs one step; on error nothing changed.
+    /// Validates and runs one step, less the requests it refuses (listed in the result); on
+    /// error nothing changed.
     pub fn execute(&mut self, step: &v1::Step) -> Result<v1::StepResult, StepError> {
-        let planned = self.validate(step)?;
+        let Admitted { step, planned, refused, named_again, dropped_ops } = self.admit(step)?;
+        let step = &*step;
+        for id in &step.finished_ids {
+            self.refused.remove(id);
+        }
         self.apply_diff(step);
+        let (refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
         self.kv.start(&step.kv_ops, self.backend.as_mut());
         // Imports that arrived are written now, before this step's forward (which does not
         // read them: their requests are scheduled only once the import is reported).
-        let kv_results = self.kv.finish(self.backend.as_mut());
+        kv_results.extend(self.kv.finish(self.backend.as_mut()));
         let t0 = Instant::now();
         // Gather the tokens each scheduled request computes.
         self.gathered.resize_with(planned.len(), Vec::new);
@@ -337,6 +391,7 @@ impl Engine {
             step_id: step.step_id,
             outputs,
             kv_results,
+            refused,
             timing: Some(v1::StepTiming {
                 forward_us,
                 sample_us: t1.elapsed().as_micros() as u64,
@@ -391,6 +446,81 @@ impl Engine {
         span.end();
     }
 
+    /// Forgets the requests refused in this step and remembers why. The result's refusals
+    /// (those refused earlier and named again, then these) and its failed KV operations (the
+    /// refused requests' operations, never started).
+    fn forget_refused(
+        &mut self,
+        named_again: Vec<u64>,
+        refused: Vec<(u64, String)>,
+        dropped_ops: Vec<(v1::KvOperation, String)>,
+    ) -> (Vec<v1::RefusedRequest>, Vec<v1::KvOperationResult>) {
+        let failed = dropped_ops
+            .into_iter()
+            .map(|(op, why)| v1::KvOperationResult {
+                transfer_id: op.transfer_id,
+                ok: false,
+                error: why,
+                failure: v1::KvFailure::Executor.into(),
+                ..Default::default()
+            })
+            .collect();
+        let mut out: Vec<v1::RefusedRequest> = named_again
+            .into_iter()
+            .map(|id| v1::RefusedRequest { id, reason: self.refused[&id].clone() })
+            .collect();
+        for (id, reason) in refused {
+            tracing::warn!(request = id, %reason, "request refused");
+            if let Some(t) = self.requests.remove(&id).and_then(|r| r.trace) {
+                t.end("refused");
+            }
+            out.push(v1::RefusedRequest { id, reason: reason.clone() });
+            self.refused.insert(id, reason);
+        }
+        (out, failed)
+    }
+
+    /// Takes the refused requests out of `step` until what remains passes [`Self::validate`]:
+    /// those refused earlier that it still names, then each that a fault names, one at a time
+    /// (each takes a part out, so this ends). A fault of the step as a whole is its error.
+    fn admit<'s>(&self, step: &'s v1::Step) -> Result<Admitted<'s>, StepError> {
+        let mut admitted = Admitted {
+            step: Cow::Borrowed(step),
+            planned: Vec::new(),
+            refused: Vec::new(),
+            named_again: Vec::new(),
+            dropped_ops: Vec::new(),
+        };
+        if !self.refused.is_empty() {
+            let mut earlier: Vec<u64> =
+                self.refused.keys().filter(|id| !step.finished_ids.contains(id)).copied().collect();
+            earlier.sort_unstable();
+            for id in earlier {
+                if let Some((rest, ops)) = without(&admitted.step, id) {
+                    admitted.step = Cow::Owned(rest);
+                    let why = format!("request {id} was refused: {}", self.refused[&id]);
+                    admitted.dropped_ops.extend(ops.into_iter().map(|op| (op, why.clone())));
+                    admitted.named_again.push(id);
+                }
+            }
+        }
+        loop {
+            let fault = match self.validate(&admitted.step) {
+                Ok(planned) => {
+                    admitted.planned = planned;
+                    return Ok(admitted);
+                }
+                Err(fault) => fault,
+            };
+            let Some(id) = fault.request() else { return Err(fault) };
+            let Some((rest, ops)) = without(&admitted.step, id) else { return Err(fault) };
+            admitted.step = Cow::Owned(rest);
+            let why = fault.to_string();
+            admitted.dropped_ops.extend(ops.into_iter().map(|op| (op, why.clone())));
+            admitted.refused.push((id, why));
+        }
+    }
+
     /// Checks the whole step against the state it would produce; changes nothing. One function:
     /// its checks build one picture of the step (which ids are new, resumed, finished) that
     /// each later check reads, and it reads top to bottom in the order a step is applied.
@@ -417,16 +547,47 @@ impl Engine {
             None => Ok(()),
         };
         // Prospective (tables, lengths, computed) of every request the step touches.
+        let max_len = facts.shape.max_model_len;
+        // The longest table a request can need: its blocks for the model's length, and one ahead.
+        let max_table = max_len.div_ceil(facts.block_size.max(1)) + 1;
+        let table_ok = |id: u64, len: usize| {
+            if len > max_table {
+                return Err(StepError::Invalid {
+                    id,
+                    reason: format!(
+                        "a block table of {len} blocks; {max_len} tokens need at most {max_table}"
+                    ),
+                });
+            }
+            Ok(())
+        };
         let mut tables: HashMap<u64, Vec<u32>> = HashMap::new();
         let mut lengths: HashMap<u64, (usize, usize)> = HashMap::new();
-        for nr in &step.new_requests {
+        let live_before = self.requests.len()
+            - step.finished_ids.iter().filter(|id| self.requests.contains_key(id)).count();
+        for (num_live, nr) in (live_before..).zip(&step.new_requests) {
             if live(&nr.id) || lengths.contains_key(&nr.id) {
                 return Err(StepError::Duplicate { id: nr.id, what: "is already a live request" });
+            }
+            if num_live >= self.config.max_live_requests {
+                return Err(StepError::Invalid {
+                    id: nr.id,
+                    reason: format!(
+                        "the executor holds {num_live} requests, its limit (--max-live-requests)"
+                    ),
+                });
             }
             if nr.prompt_token_ids.is_empty() {
                 return Err(StepError::Invalid { id: nr.id, reason: "empty prompt".into() });
             }
             let len = nr.prompt_token_ids.len() + nr.output_token_ids.len();
+            if len > max_len {
+                return Err(StepError::Invalid {
+                    id: nr.id,
+                    reason: format!("{len} tokens; the model's maximum length is {max_len}"),
+                });
+            }
+            table_ok(nr.id, nr.block_ids.len())?;
             if let Some(t) = nr
                 .prompt_token_ids
                 .iter()
@@ -474,6 +635,7 @@ impl Engine {
                 t.extend_from_slice(&cu.new_block_ids);
                 t
             };
+            table_ok(cu.id, table.len())?;
             // Only a resume sets the computed count (a recompute restarts lower).
             let computed = if cu.resumed { cu.num_computed_tokens as usize } else { r.computed };
             if computed > r.len() {
@@ -557,7 +719,13 @@ impl Engine {
                 updated: &tables,
                 held,
             };
-            self.kv.validate(&step.kv_ops, facts.num_blocks, &view)?;
+            self.kv.validate(&step.kv_ops, facts.num_blocks, &view).map_err(|e| {
+                // A bad export or import is its request's fault.
+                match super::kv::request_of(&e, &step.kv_ops) {
+                    Some(id) => StepError::Invalid { id, reason: e.to_string() },
+                    None => e.into(),
+                }
+            })?;
         }
         // The batch against the KV pool: coverage, ranges, no block written by two requests.
         // Token ids were checked when they arrived, so placeholders stand in for them here.
@@ -572,7 +740,10 @@ impl Engine {
                 wants_logits: false,
             })
             .collect();
-        self.backend.check(&batch)?;
+        self.backend.check(&batch).map_err(|e| match e.sequence() {
+            Some(seq) => StepError::Invalid { id: planned[seq].id, reason: e.to_string() },
+            None => e.into(),
+        })?;
         Ok(planned)
     }
 
@@ -617,4 +788,34 @@ impl Engine {
             }
         }
     }
+}
+
+/// `step` without request `id`'s parts (its new request, update, work, preemption and KV
+/// operations, which come back beside it), or `None` when it names no part of it. Its
+/// `finished_ids` stay: forgetting a request is never a fault.
+fn without(step: &v1::Step, id: u64) -> Option<(v1::Step, Vec<v1::KvOperation>)> {
+    use v1::kv_operation::Op;
+    let ops_of = |op: &v1::KvOperation| match &op.op {
+        Some(Op::Export(e)) => e.request_id == id,
+        Some(Op::Import(i)) => i.request_id == id,
+        Some(Op::Store(_)) | None => false,
+    };
+    let named = step.new_requests.iter().any(|r| r.id == id)
+        || step.cached_requests.iter().any(|r| r.id == id)
+        || step.work.iter().any(|w| w.id == id)
+        || step.preempted_ids.contains(&id)
+        || step.kv_ops.iter().any(ops_of);
+    if !named {
+        return None;
+    }
+    let mut rest = step.clone();
+    rest.new_requests.retain(|r| r.id != id);
+    rest.cached_requests.retain(|r| r.id != id);
+    let its_tokens: u32 = rest.work.iter().filter(|w| w.id == id).map(|w| w.num_tokens).sum();
+    rest.total_num_tokens = rest.total_num_tokens.wrapping_sub(its_tokens);
+    rest.work.retain(|w| w.id != id);
+    rest.preempted_ids.retain(|p| *p != id);
+    let (dropped, kept) = std::mem::take(&mut rest.kv_ops).into_iter().partition(ops_of);
+    rest.kv_ops = kept;
+    Some((rest, dropped))
 }

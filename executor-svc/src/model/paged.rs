@@ -84,6 +84,19 @@ pub enum BatchError {
     },
 }
 
+impl BatchError {
+    /// The sequence at fault (for a shared block, the one writing it).
+    pub fn sequence(&self) -> Option<usize> {
+        match self {
+            Self::Token { seq, .. }
+            | Self::Empty { seq }
+            | Self::TableTooShort { seq, .. }
+            | Self::BlockOutOfRange { seq, .. } => Some(*seq),
+            Self::SharedWrite { writer, .. } => Some(*writer),
+        }
+    }
+}
+
 /// Buffers reused across layers and steps: a prefill batch's intermediates are tens of MB,
 /// and fresh allocations of that size come from the kernel page by page, zeroed, every layer.
 #[derive(Debug, Default)]

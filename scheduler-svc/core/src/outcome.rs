@@ -36,6 +36,11 @@ pub struct StepOutcome {
     pub sampled: Vec<SampledToken>,
     /// KV transfers that ended since the previous result.
     pub kv_results: Vec<KvResult>,
+    /// Requests the executor refused (their data broke one of its rules or limits): each
+    /// finishes with [`FinishReason::Error`], alone, and samples nothing in this step. An id
+    /// already finished, or unknown, is ignored (the executor names a refused request again in
+    /// every step sent before the scheduler heard).
+    pub refused: Vec<RequestId>,
 }
 
 /// Latency and size figures of a finished request (vLLM's per-request histograms).

@@ -66,6 +66,58 @@ fn abort_with_a_step_in_flight_fences_blocks_and_drops_its_result() {
     h.drain(7, 20);
 }
 
+/// The result of `plan` as an executor that refused `refused` gives it: no token for them.
+fn refusing(plan: &StepPlan, token: u32, refused: &[u64]) -> StepOutcome {
+    let mut outcome = Harness::outcome(plan, token);
+    outcome.sampled.retain(|s| !refused.contains(&s.id.0));
+    outcome.refused = refused.iter().map(|&id| RequestId(id)).collect();
+    outcome
+}
+
+#[test]
+fn a_refused_request_finishes_with_an_error_alone_and_frees_what_it_held() {
+    let mut h = Harness::new(async_cfg());
+    h.add(req(1, tokens(1, 6), 5));
+    h.add(req(2, tokens(50, 6), 5));
+    // Two steps in flight when the executor refuses request 1 in the first: it names it again
+    // in the second (sent before the scheduler heard), which samples nothing for it either.
+    let first = h.schedule();
+    let second = h.schedule();
+    assert_eq!(scheduled_ids(&second), [1, 2]);
+    let events = h.apply(&refusing(&first, 7, &[1]));
+    let done = finishes(&events);
+    assert_eq!(done.len(), 1);
+    assert_eq!((done[0].id, done[0].reason), (RequestId(1), FinishReason::Error));
+    assert!(events.iter().any(|e| matches!(e, RequestEvent::Token { id: RequestId(2), .. })));
+    assert_eq!(h.core.stats().fenced_blocks, 2, "the second step may still write its blocks");
+    let events = h.apply(&refusing(&second, 7, &[1]));
+    assert!(finishes(&events).is_empty(), "finished once");
+    assert_eq!(h.core.stats().fenced_blocks, 0);
+    // The next step tells the executor to forget it; request 2 runs on to its end.
+    let (plan, _) = h.step(7);
+    assert_eq!(plan.finished, [RequestId(1)]);
+    assert!(!h.core.contains(RequestId(1)));
+    let rest = h.drain(7, 20);
+    assert_eq!(
+        rest.iter().map(|f| (f.id, f.reason)).collect::<Vec<_>>(),
+        [(RequestId(2), FinishReason::Length)]
+    );
+    assert_eq!(rest[0].stats.output_tokens, 5);
+    assert_eq!(h.core.stats().kv_usage, 0.0);
+    // A refusal naming an unknown id, or a token for a refused request, is handled as such.
+    h.add(req(3, tokens(1, 6), 5));
+    let plan = h.schedule();
+    let mut bad = Harness::outcome(&plan, 7);
+    bad.refused = vec![RequestId(3)];
+    let mut events = Vec::new();
+    let err = h.core.apply_result(&bad, Timestamp(h.now), &mut events).unwrap_err();
+    assert_eq!(err, ApplyError::UnexpectedToken { step: plan.step_id, id: RequestId(3) });
+    let mut unknown = Harness::outcome(&plan, 7);
+    unknown.refused = vec![RequestId(99)];
+    h.apply(&unknown);
+    h.drain(7, 20);
+}
+
 /// Step with the given tokens (one per step) until the request finishes.
 fn finish_with(mut r: NewRequest, sampled: &[u32]) -> (FinishReason, usize) {
     let mut h = Harness::new(small_cfg());

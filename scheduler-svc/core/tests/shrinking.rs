@@ -221,6 +221,7 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         kv_delay,
         pipeline_pct,
         reuse_pct,
+        refuse_pct: [0, 2, 5][(seed % 3) as usize],
         max_steps: 20_000,
         seed,
     };
@@ -246,11 +247,11 @@ fn cases() -> u32 {
 /// The least share of cases (percent) in which each event occurs: preemption, KV import,
 /// KV export, abort, pipelined steps. About half of what the strategy gives (see the test's
 /// output), so a change that stops exercising one of them fails here.
-const MIN_SHARE_PCT: [u64; 5] = [20, 35, 45, 20, 15];
+const MIN_SHARE_PCT: [u64; 6] = [20, 35, 45, 20, 15, 15];
 
 #[test]
 fn generated_workloads_keep_invariants_and_drain_and_shrink_any_failure() {
-    let seen: [AtomicU64; 5] = Default::default();
+    let seen: [AtomicU64; 6] = Default::default();
     let mut runner = runner(cases());
     let result = runner.run(&shape(), |s| {
         let (cfg, arrivals, opts) = build(&s);

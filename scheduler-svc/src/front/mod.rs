@@ -39,6 +39,7 @@ use crate::executors::ExecutorSet;
 use crate::metrics::SchedulerMetrics;
 use crate::request::RequestSpec;
 use placement::{Placed, Placement};
+pub use prepare::RequestLimits;
 use prepare::{prepare, PrepareError, ServedModel};
 use stream::RequestStream;
 use trace::RequestTrace;
@@ -138,6 +139,11 @@ impl GenerationService {
         self.front.settings.keys.as_ref()
     }
 
+    /// What one request may ask for.
+    pub fn limits(&self) -> &RequestLimits {
+        &self.front.settings.limits
+    }
+
     /// Whether requests can run now: an executor session is up (a remote front: a leader is
     /// known).
     pub fn has_executors(&self) -> bool {
@@ -188,11 +194,13 @@ impl Front {
         caller: Option<&Arc<keys::ApiKey>>,
         trace: &mut RequestTrace,
     ) -> Result<Admitted, Status> {
-        let mut spec = trace.tokenize(|| prepare(&self.model, req)).map_err(|e| match e {
-            PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
-            PrepareError::OtherModel { .. } => Status::failed_precondition(e.to_string()),
-            PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
-        })?;
+        let mut spec = trace
+            .tokenize(|| prepare(&self.model, &self.settings.limits, req))
+            .map_err(|e| match e {
+                PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
+                PrepareError::OtherModel { .. } => Status::failed_precondition(e.to_string()),
+                PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
+            })?;
         let permit = match caller {
             Some(key) => {
                 let tokens = (spec.prompt.len() + spec.max_tokens) as u64;

@@ -14,7 +14,7 @@ use tonic::Status;
 
 use super::remote;
 use super::{Front, Route};
-use crate::link::{LinkError, LinkEvent, LinkHandle, Submission, TransferPlan};
+use crate::link::{AddRefused, LinkError, LinkEvent, LinkHandle, Submission, TransferPlan};
 use crate::request::RequestSpec;
 
 /// Where a live request runs.
@@ -54,6 +54,8 @@ impl Placement {
 pub(crate) enum PlaceError {
     /// No executor is up.
     NoExecutor,
+    /// Every executor up holds its limit of requests (the last one's limit).
+    Full(usize),
     /// The executor refused it (bad for that executor: too long for its cache, …).
     Refused(String),
     /// The leader scheduler refused it, or none answered in time.
@@ -64,6 +66,10 @@ impl From<PlaceError> for Status {
     fn from(e: PlaceError) -> Status {
         match e {
             PlaceError::NoExecutor => Status::unavailable("no executor is connected"),
+            PlaceError::Full(limit) => Status::resource_exhausted(format!(
+                "every executor holds its limit of requests ({limit} on the last one tried, \
+                 --max-live-requests); retry later"
+            )),
             PlaceError::Refused(why) => Status::invalid_argument(why),
             PlaceError::Remote(status) => status,
         }
@@ -74,6 +80,9 @@ impl std::fmt::Display for PlaceError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             PlaceError::NoExecutor => write!(f, "no other executor is up"),
+            PlaceError::Full(limit) => {
+                write!(f, "every executor is full (at its limit of {limit} requests)")
+            }
             PlaceError::Refused(why) => write!(f, "no other executor took it: {why}"),
             PlaceError::Remote(s) => write!(f, "no scheduler took it: {}", s.message()),
         }
@@ -125,7 +134,13 @@ impl Front {
             let alive = executors.wait_alive(left).await;
             let mut sequence = spec.prompt.to_vec();
             sequence.extend_from_slice(delivered);
-            let Some(link) = Self::pick(&alive, &sequence).await else {
+            let roomy: Vec<LinkHandle> = alive.iter().filter(|l| l.has_room()).cloned().collect();
+            if roomy.is_empty() {
+                if let Some(full) = alive.first() {
+                    return Err(PlaceError::Full(full.info.max_live_requests as usize));
+                }
+            }
+            let Some(link) = Self::pick(&roomy, &sequence).await else {
                 return Err(PlaceError::NoExecutor);
             };
             let tier_read = self.tier_read(&link, spec, request_id).await;
@@ -202,7 +217,8 @@ impl Front {
         };
         match link.add(submission).await {
             Ok(Ok(())) => Ok((Placement::Link { link: link.clone(), id }, events_rx)),
-            Ok(Err(e)) => Err(PlaceError::Refused(e.to_string())),
+            Ok(Err(AddRefused::Full { limit })) => Err(PlaceError::Full(limit)),
+            Ok(Err(e @ AddRefused::Core(_))) => Err(PlaceError::Refused(e.to_string())),
             Err(LinkError::Gone | LinkError::Connect { .. } | LinkError::Refused { .. }) => {
                 link.close("its loop stopped");
                 Err(PlaceError::NoExecutor)

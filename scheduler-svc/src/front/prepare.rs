@@ -56,8 +56,39 @@ impl ServedModel {
     }
 }
 
-/// Most stop strings per request (as vLLM's OpenAI server has no limit, this one is generous).
-pub const MAX_STOP_STRINGS: usize = 16;
+/// What one request may ask for (the front's flags; see `FrontArgs`). The lengths are
+/// further capped by the model's maximum length ([`ServedModel::max_model_len`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Most prompt tokens.
+    pub max_prompt_tokens: usize,
+    /// Most tokens generated (`max_tokens`).
+    pub max_output_tokens: usize,
+    /// Most stop strings.
+    pub max_stop_strings: usize,
+    /// Longest stop string, in bytes.
+    pub max_stop_string_bytes: usize,
+    /// Most stop token ids.
+    pub max_stop_token_ids: usize,
+    /// Most alternatives per position (`top_logprobs`, the completions API's `logprobs`).
+    pub max_logprobs: u32,
+    /// Largest request body or message, in bytes.
+    pub max_request_bytes: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_prompt_tokens: usize::MAX,
+            max_output_tokens: usize::MAX,
+            max_stop_strings: 16,
+            max_stop_string_bytes: 1024,
+            max_stop_token_ids: 64,
+            max_logprobs: ferry_model::sampling::MAX_TOP_LOGPROBS,
+            max_request_bytes: 4 << 20,
+        }
+    }
+}
 
 /// Refuses a request for another model than `model`, by name or by fingerprint.
 fn check_model(model: &ServedModel, req: &v1::GenerateRequest) -> Result<(), PrepareError> {
@@ -112,9 +143,39 @@ fn prompt_tokens(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Vec<u
     })
 }
 
-/// Checks `req` against `model`; the spec comes back without a trace context.
+/// Refuses stop rules past `limits`.
+fn check_stop_rules(
+    limits: &RequestLimits,
+    stopping: &v1::StoppingCriteria,
+) -> Result<(), PrepareError> {
+    if stopping.stop.len() > limits.max_stop_strings {
+        return Err(PrepareError::Invalid(format!(
+            "{} stop strings given; at most {} (--max-stop-strings)",
+            stopping.stop.len(),
+            limits.max_stop_strings
+        )));
+    }
+    if let Some(long) = stopping.stop.iter().find(|s| s.len() > limits.max_stop_string_bytes) {
+        return Err(PrepareError::Invalid(format!(
+            "a stop string of {} bytes; at most {} (--max-stop-string-bytes)",
+            long.len(),
+            limits.max_stop_string_bytes
+        )));
+    }
+    if stopping.stop_token_ids.len() > limits.max_stop_token_ids {
+        return Err(PrepareError::Invalid(format!(
+            "{} stop token ids given; at most {} (--max-stop-token-ids)",
+            stopping.stop_token_ids.len(),
+            limits.max_stop_token_ids
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `req` against `model` and `limits`; the spec comes back without a trace context.
 pub fn prepare(
     model: &ServedModel,
+    limits: &RequestLimits,
     req: &v1::GenerateRequest,
 ) -> Result<RequestSpec, PrepareError> {
     let invalid = |m: String| PrepareError::Invalid(m);
@@ -123,6 +184,13 @@ pub fn prepare(
     let prompt = prompt_tokens(model, req)?;
     if prompt.is_empty() {
         return Err(invalid("the prompt is empty".into()));
+    }
+    if prompt.len() > limits.max_prompt_tokens {
+        return Err(invalid(format!(
+            "the prompt has {} tokens; this server accepts at most {} (--max-prompt-tokens)",
+            prompt.len(),
+            limits.max_prompt_tokens
+        )));
     }
     let max_len = model.max_model_len;
     if prompt.len() >= max_len {
@@ -134,7 +202,16 @@ pub fn prepare(
     }
     let stopping = req.stopping.clone().unwrap_or_default();
     let room = max_len - prompt.len();
-    let max_tokens = if stopping.max_tokens == 0 { room } else { stopping.max_tokens as usize };
+    if stopping.max_tokens as usize > limits.max_output_tokens {
+        return Err(invalid(format!(
+            "max_tokens {} is more than this server generates per request, {} (--max-output-tokens)",
+            stopping.max_tokens, limits.max_output_tokens
+        )));
+    }
+    let max_tokens = match stopping.max_tokens {
+        0 => room.min(limits.max_output_tokens),
+        n => n as usize,
+    };
     if max_tokens > room {
         return Err(invalid(format!(
             "max_tokens {max_tokens} + {} prompt tokens exceeds the model's maximum length of {max_len}",
@@ -147,12 +224,7 @@ pub fn prepare(
             stopping.min_tokens
         )));
     }
-    if stopping.stop.len() > MAX_STOP_STRINGS {
-        return Err(invalid(format!(
-            "{} stop strings given; at most {MAX_STOP_STRINGS}",
-            stopping.stop.len()
-        )));
-    }
+    check_stop_rules(limits, &stopping)?;
     let output = req.output_token_ids.clone();
     if let Some(t) = output.iter().find(|t| **t as usize >= tok.vocab_size()) {
         return Err(invalid(format!(
@@ -167,6 +239,12 @@ pub fn prepare(
         )));
     }
     let sampling = req.sampling.unwrap_or_default();
+    if sampling.top_logprobs > limits.max_logprobs {
+        return Err(invalid(format!(
+            "{} log-probabilities per position asked for; at most {} (--max-logprobs)",
+            sampling.top_logprobs, limits.max_logprobs
+        )));
+    }
     SamplingParams::from_proto(&sampling, 0).validate().map_err(|e| invalid(e.to_string()))?;
     Ok(RequestSpec {
         prompt: prompt.into(),

@@ -207,8 +207,15 @@ async fn relay(
             }
             Ok(v1::FinishReason::Length) => FinishReason::Length,
             Ok(v1::FinishReason::Abort) => FinishReason::Abort,
+            // Refused by an executor: another would refuse it too, so it is not moved. Any
+            // other error (its scheduler lost it): moved.
             Ok(v1::FinishReason::Error) => {
-                let _ = tx.send(LinkEvent::Failed);
+                let event = if ev.error.starts_with(crate::link::REFUSED) {
+                    LinkEvent::Refused(ev.error)
+                } else {
+                    LinkEvent::Failed
+                };
+                let _ = tx.send(event);
                 return;
             }
         };

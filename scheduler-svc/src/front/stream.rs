@@ -138,6 +138,7 @@ impl RequestStream {
                 Some(LinkEvent::Finished { reason, stats }) => {
                     Some(self.on_finished(reason, stats).await)
                 }
+                Some(LinkEvent::Refused(why)) => Some(self.end_with_error(why).await),
                 Some(LinkEvent::Failed) | None => self.on_lost().await,
             };
             if let Some(ending) = ended {
@@ -237,7 +238,7 @@ impl RequestStream {
                         | LinkEvent::ExportStarted
                         | LinkEvent::Imported(_),
                     ) => {}
-                    Some(LinkEvent::Failed) | None => return None,
+                    Some(LinkEvent::Refused(_) | LinkEvent::Failed) | None => return None,
                 }
             }
         };
@@ -312,15 +313,20 @@ impl RequestStream {
                 None
             }
             Err(e) => {
-                self.front.metrics.finished(FinishLabel::Error);
-                let text = self.assembler.finish();
-                let mut last = self.event(text, Vec::new(), None);
-                last.finish_reason = v1::FinishReason::Error.into();
-                last.error = format!("where this request ran was lost and {e}");
-                let _ = self.client.send(Ok(last)).await;
-                Some(Ending { label: FinishLabel::Error, stats: None })
+                Some(self.end_with_error(format!("where this request ran was lost and {e}")).await)
             }
         }
+    }
+
+    /// Ends the stream with an error that says why (the text generated so far goes first).
+    async fn end_with_error(&mut self, why: String) -> Ending {
+        self.front.metrics.finished(FinishLabel::Error);
+        let text = self.assembler.finish();
+        let mut last = self.event(text, Vec::new(), None);
+        last.finish_reason = v1::FinishReason::Error.into();
+        last.error = why;
+        let _ = self.client.send(Ok(last)).await;
+        Ending { label: FinishLabel::Error, stats: None }
     }
 
     /// The client went away: abort the request where it runs.
@@ -415,6 +421,7 @@ impl RequestStream {
             Some(LinkEvent::Finished { reason, .. }) => {
                 Some(format!("the export ended {}", FinishLabel::from(*reason).as_str()))
             }
+            Some(LinkEvent::Refused(why)) => Some(format!("the prefill half ended: {why}")),
             Some(LinkEvent::Failed) | None => Some("the prefill executor was lost".to_string()),
             Some(_) => return,
         };

@@ -31,6 +31,8 @@ fn front(set: &Arc<ExecutorSet>) -> GenerationService {
         kv_transfer_timeout: Duration::from_secs(5),
         kv_tier_min_tokens: None,
         keys: None,
+        limits: super::RequestLimits::default(),
+        max_model_len: None,
     };
     GenerationService::new(served, Route::Local(set.clone()), settings)
 }
@@ -108,6 +110,36 @@ async fn a_stream_whose_executor_is_lost_moves_with_its_tokens_and_goes_on_exact
     let usage = last.usage.unwrap();
     assert_eq!((usage.prompt_tokens, usage.completion_tokens), (4, 10));
     assert_eq!(set.metrics.requests_moved.get(), 1, "the stream moved once");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_the_executor_refuses_fails_alone_and_is_not_moved() {
+    let set = ExecutorSet::new();
+    let by_position: TokenFn = Arc::new(|_, pos| 100 + pos as u32);
+    let _links = links(&set, &["a", "b"], &by_position);
+    let svc = front(&set);
+    let refused = request(&[10, crate::link::fake::FAKE_REFUSED_TOKEN, 12], 10, &[]);
+    let (bad, good) =
+        tokio::join!(events(&svc, refused), events(&svc, request(&[10, 11, 12, 13], 10, &[])));
+    let last = bad.last().unwrap();
+    assert_eq!(last.finish_reason(), v1::FinishReason::Error, "{last:?}");
+    assert!(
+        last.error.contains("the executor refused this request")
+            && last.error.contains("is refused here"),
+        "{}",
+        last.error
+    );
+    assert!(bad.iter().all(|e| e.token_ids.is_empty()), "it generated nothing");
+    let tokens: Vec<u32> = good.iter().flat_map(|e| e.token_ids.clone()).collect();
+    assert_eq!(tokens, (104..114).collect::<Vec<u32>>(), "the other ran as if alone");
+    assert_eq!(good.last().unwrap().finish_reason(), v1::FinishReason::Length);
+    assert_eq!(set.metrics.requests_refused.get(), 1);
+    assert_eq!(set.metrics.requests_moved.get(), 0, "a refused request is not moved");
+    assert_eq!(set.metrics.sessions_opened.get(), 0, "no session was reopened");
+    for link in set.alive() {
+        assert_eq!(link.load.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+    assert_eq!(set.alive().len(), 2, "both sessions live on");
 }
 
 #[tokio::test(start_paused = true)]

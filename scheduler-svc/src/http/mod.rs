@@ -22,9 +22,6 @@ use tokio::net::TcpListener;
 
 use crate::front::GenerationService;
 
-/// Largest request body accepted (413 beyond).
-pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
-
 /// The gRPC code → HTTP status table (linkerd's pairing).
 pub fn http_status(code: tonic::Code) -> StatusCode {
     use tonic::Code;
@@ -112,7 +109,7 @@ pub fn router(
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
         .route_layer(middleware::from_fn_with_state(front.clone(), require_key))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(DefaultBodyLimit::max(front.limits().max_request_bytes))
         .with_state(front.clone());
     let mut open = Router::new()
         .route("/health", get(health))

@@ -393,8 +393,9 @@ pub async fn completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let body: CompletionBody = parse(&body)?;
-    // OpenAI's legacy default is 16 tokens.
-    let mut req = generate_request(&body.common, Some(16), body.logprobs)?;
+    // OpenAI's legacy default is 16 tokens (at most --max-output-tokens).
+    let default_max = u32::try_from(front.limits().max_output_tokens).unwrap_or(u32::MAX).min(16);
+    let mut req = generate_request(&body.common, Some(default_max), body.logprobs)?;
     req.input = Some(match body.prompt {
         PromptInput::Text(t) => v1::generate_request::Input::Prompt(t),
         PromptInput::Tokens(ids) => {

@@ -21,6 +21,10 @@ pub(crate) type TokenFn = Arc<dyn Fn(u64, usize) -> u32 + Send + Sync>;
 /// The end-of-sequence id the fake executor states.
 pub(crate) const FAKE_EOS: u32 = 2;
 
+/// A prompt holding this token is refused by the fake executor, as the real one refuses a
+/// request whose data breaks a rule: alone, named in every later step until it is finished.
+pub(crate) const FAKE_REFUSED_TOKEN: u32 = 4093;
+
 /// A running fake executor; dropping it (or [`FakeExecutor::kill`]) ends its session as a
 /// `kill -9` would: the link's result stream ends.
 pub(crate) struct FakeExecutor {
@@ -149,6 +153,7 @@ async fn answer(
     mut gate: watch::Receiver<u64>,
 ) {
     let mut seqs: HashMap<u64, Seq> = HashMap::new();
+    let mut refused: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let mut answered = 0u64;
     while let Some(step) = steps.recv().await {
         let next = answered + 1;
@@ -157,8 +162,13 @@ async fn answer(
         }
         for id in &step.finished_ids {
             seqs.remove(id);
+            refused.remove(id);
         }
         for nr in &step.new_requests {
+            if nr.prompt_token_ids.contains(&FAKE_REFUSED_TOKEN) {
+                refused.insert(nr.id);
+                continue;
+            }
             let len = nr.prompt_token_ids.len() + nr.output_token_ids.len();
             seqs.insert(nr.id, Seq { len, computed: nr.num_computed_tokens as usize });
         }
@@ -170,7 +180,13 @@ async fn answer(
             }
         }
         let mut outputs = Vec::new();
+        let mut refusals = Vec::new();
         for w in &step.work {
+            if refused.contains(&w.id) {
+                let reason = format!("token id {FAKE_REFUSED_TOKEN} is refused here");
+                refusals.push(v1::RefusedRequest { id: w.id, reason });
+                continue;
+            }
             let s = seqs.get_mut(&w.id).expect("work for a request the step introduced");
             s.computed += w.num_tokens as usize;
             if s.computed >= s.len {
@@ -183,7 +199,12 @@ async fn answer(
                 });
             }
         }
-        let result = v1::StepResult { step_id: step.step_id, outputs, ..Default::default() };
+        let result = v1::StepResult {
+            step_id: step.step_id,
+            outputs,
+            refused: refusals,
+            ..Default::default()
+        };
         if results.send(Ok(result)).await.is_err() {
             return;
         }

@@ -38,6 +38,9 @@ pub enum LinkEvent {
         /// Final counters.
         stats: FinishStats,
     },
+    /// It ended with an error, alone, for a reason (the client's message): its executor
+    /// refused it. Not moved: another executor would refuse it too.
+    Refused(String),
     /// The executor was lost; the request did not finish.
     Failed,
     /// The core preempted it (it will run again).
@@ -100,11 +103,29 @@ pub struct Submission {
 
 /// What the handle asks of the loop.
 enum Command {
-    Add(Box<Submission>, oneshot::Sender<Result<(), AddError>>),
+    Add(Box<Submission>, oneshot::Sender<Result<(), AddRefused>>),
     Abort(RequestId),
     PrefixHit(Arc<[u32]>, oneshot::Sender<usize>),
     Views(oneshot::Sender<Vec<ferry_sched_core::RequestView>>),
     Transfers(oneshot::Sender<Vec<transfers::TransferSide>>),
+}
+
+/// How the error of a request an executor refused begins (a front behind a remote scheduler
+/// tells it from a lost request by it, and does not move it).
+pub const REFUSED: &str = "the executor refused this request: ";
+
+/// Why a link did not take a request.
+#[derive(Debug, thiserror::Error)]
+pub enum AddRefused {
+    /// The core refused it (what the client got wrong).
+    #[error(transparent)]
+    Core(#[from] AddError),
+    /// The executor holds as many requests as it takes (its `--max-live-requests`).
+    #[error("the executor holds its limit of {limit} requests (--max-live-requests)")]
+    Full {
+        /// The executor's limit.
+        limit: usize,
+    },
 }
 
 /// A handle to one executor's loop.
@@ -190,14 +211,25 @@ impl LinkHandle {
             layout: crate::tier::layout_key(info.kv_layout.as_ref()),
         };
         let eos = info.eos_token_ids.clone();
-        let step_loop = step_loop::StepLoop::new(core, session, eos, kv, published);
+        let max_live = match info.max_live_requests {
+            0 => usize::MAX,
+            n => n as usize,
+        };
+        let step_loop = step_loop::StepLoop::new(core, session, (eos, max_live), kv, published);
         tokio::spawn(step_loop.run(rx, steps, results, close_rx));
         let close = Arc::new(close_tx);
         LinkHandle { name, epoch, tx, close, info: Arc::new(info), load, stats }
     }
 
-    /// Submits a request; the core's refusal comes back as an error.
-    pub async fn add(&self, sub: Submission) -> Result<Result<(), AddError>, LinkError> {
+    /// Whether the executor takes another request now (below its `--max-live-requests`; an
+    /// executor that states no limit has none).
+    pub fn has_room(&self) -> bool {
+        let limit = self.info.max_live_requests as usize;
+        limit == 0 || self.load.load(std::sync::atomic::Ordering::Relaxed) < limit
+    }
+
+    /// Submits a request; a refusal (the core's, or a full executor) comes back as an error.
+    pub async fn add(&self, sub: Submission) -> Result<Result<(), AddRefused>, LinkError> {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Command::Add(Box::new(sub), reply)).await.map_err(|_| LinkError::Gone)?;
         rx.await.map_err(|_| LinkError::Gone)

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::step_loop::Session;
-use super::{LinkError, LinkHandle};
+use super::{wire, LinkError, LinkHandle};
 use crate::config::{SchedulerSettings, MAX_STEPS_IN_FLIGHT};
 use crate::metrics::SchedulerMetrics;
 
@@ -116,6 +116,17 @@ impl SessionOpener {
             .settings
             .core_config(&info.executor_id, (&info).into())
             .map_err(|e| refused(e.to_string()))?;
+        // The largest step this core can build must fit what the executor decodes.
+        let largest =
+            wire::largest_step_bytes(config.max_num_seqs, config.max_model_len, config.block_size);
+        if info.max_step_bytes != 0 && largest > info.max_step_bytes {
+            return Err(refused(format!(
+                "a step of this scheduler can take up to {largest} bytes (--max-num-seqs {} × \
+                 max_model_len {}), past the executor's --max-step-bytes {}: raise it or lower \
+                 those",
+                config.max_num_seqs, config.max_model_len, info.max_step_bytes
+            )));
+        }
         let core = Scheduler::new(config).map_err(|e| refused(format!("scheduler: {e}")))?;
         let (step_tx, step_rx) = mpsc::channel(MAX_STEPS_IN_FLIGHT + 1);
         let mut stream = tonic::Request::new(ReceiverStream::new(step_rx));

@@ -99,6 +99,8 @@ pub(super) struct StepLoop {
     session: Session,
     /// The executor's end-of-sequence ids, for the core's stop checks.
     eos: Vec<u32>,
+    /// Most requests the executor holds (its `--max-live-requests`): the core holds no more.
+    max_live: usize,
     entries: HashMap<RequestId, Entry>,
     in_flight: VecDeque<InFlight>,
     /// The last step built carried nothing: wait for news before building another.
@@ -141,7 +143,7 @@ impl StepLoop {
     pub(super) fn new(
         core: Scheduler,
         session: Session,
-        eos: Vec<u32>,
+        (eos, max_live): (Vec<u32>, usize),
         kv: KvFacts,
         published: Published,
     ) -> Self {
@@ -149,6 +151,7 @@ impl StepLoop {
             core,
             session,
             eos,
+            max_live,
             entries: HashMap::new(),
             in_flight: VecDeque::new(),
             idle: false,
@@ -261,6 +264,12 @@ impl StepLoop {
                 let _ = reply.send(self.transfers.views());
             }
             Command::Add(sub, reply) => {
+                // Every request the core holds may reach the executor (preempted ones stay
+                // there), so the core holds no more than the executor takes.
+                if self.entries.len() >= self.max_live {
+                    let _ = reply.send(Err(super::AddRefused::Full { limit: self.max_live }));
+                    return;
+                }
                 self.idle = false;
                 let now = self.now();
                 let req =
@@ -275,7 +284,7 @@ impl StepLoop {
                     self.entries.insert(sub.id, entry);
                     self.published.load.fetch_add(1, Ordering::Relaxed);
                 }
-                let _ = reply.send(added);
+                let _ = reply.send(added.map_err(Into::into));
             }
             Command::Abort(id) => {
                 self.idle = false;
@@ -325,10 +334,18 @@ impl StepLoop {
                         let _ = e.events.send(LinkEvent::Token(token, lp));
                     }
                 }
-                RequestEvent::Finished(done) => self.finish(
-                    done.id,
-                    LinkEvent::Finished { reason: done.reason, stats: done.stats },
-                ),
+                RequestEvent::Finished(done) => {
+                    let refused = result.refused.iter().find(|r| r.id == done.id.0);
+                    let event = match refused {
+                        Some(r) => {
+                            tracing::warn!(executor = %self.session.name, request = r.id, reason = %r.reason, "the executor refused a request");
+                            self.published.metrics.requests_refused.add(1);
+                            LinkEvent::Refused(format!("{}{}", super::REFUSED, r.reason))
+                        }
+                        None => LinkEvent::Finished { reason: done.reason, stats: done.stats },
+                    };
+                    self.finish(done.id, event);
+                }
                 &RequestEvent::ExportStarted { id, .. } => {
                     if let Some(e) = self.entries.get(&id) {
                         let _ = e.events.send(LinkEvent::ExportStarted);

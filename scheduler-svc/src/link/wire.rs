@@ -34,7 +34,8 @@ pub fn outcome_of(result: &v1::StepResult) -> StepOutcome {
             Some(KvResult { transfer_id, ok: k.ok })
         })
         .collect();
-    StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results }
+    let refused = result.refused.iter().map(|r| RequestId(r.id)).collect();
+    StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results, refused }
 }
 
 fn work_key(k: WorkKey) -> v1::WorkKey {
@@ -193,5 +194,91 @@ fn kv_op<'a>(
                 block_hashes: plan.hashes(block_hashes).iter().map(|h| h.0).collect(),
             })),
         },
+    }
+}
+
+/// An upper bound on the encoded size of any step a core with these limits builds: every
+/// request slot carrying a new request with a full-length sequence (5 bytes per token id and
+/// block id, the most a varint takes), its work, and a KV operation over all its blocks; plus
+/// a fixed allowance per request for ids, sampling parameters and trace context.
+pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size: usize) -> u64 {
+    const PER_REQUEST: u64 = 1024;
+    let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
+    // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
+    let per_request = 5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST;
+    max_num_seqs as u64 * per_request + PER_REQUEST
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+
+    /// The bound holds for the largest step there can be: every slot a new request of the
+    /// full length with ids at their widest, its work, a KV export of all its blocks with
+    /// 64-bit hashes, every sampling parameter set, a trace context and a preemption.
+    #[test]
+    fn the_largest_step_bound_is_an_upper_bound() {
+        for (seqs, len, block_size) in [(1, 16, 16), (4, 100, 1), (256, 2048, 16), (8, 8192, 16)] {
+            let blocks = len / block_size + 1;
+            let request = |id: u64| v1::NewRequest {
+                id: u64::MAX - id,
+                prompt_token_ids: vec![u32::MAX; len - 1],
+                output_token_ids: vec![u32::MAX; 1],
+                sampling: Some(v1::SamplingParams {
+                    temperature: 1.0,
+                    top_p: 0.5,
+                    top_k: u32::MAX,
+                    min_p: 0.5,
+                    seed: Some(u64::MAX),
+                    repetition_penalty: 1.5,
+                    presence_penalty: 1.5,
+                    frequency_penalty: 1.5,
+                    logprobs: true,
+                    top_logprobs: u32::MAX,
+                }),
+                block_ids: vec![u32::MAX; blocks],
+                num_computed_tokens: u32::MAX,
+                traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+            };
+            let export = |id: u64| v1::KvOperation {
+                transfer_id: u64::MAX.to_string(),
+                deadline_unix_ms: u64::MAX,
+                traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+                op: Some(v1::kv_operation::Op::Export(v1::KvExport {
+                    request_id: u64::MAX - id,
+                    block_ids: vec![u32::MAX; blocks],
+                    block_hashes: vec![u64::MAX; blocks],
+                    destination_agent: "kv-agent-0.ferry.svc.cluster.local:50052".into(),
+                })),
+            };
+            let ids = 0..seqs as u64;
+            let step = v1::Step {
+                session_id: u64::MAX,
+                epoch: u64::MAX,
+                step_id: u64::MAX,
+                new_requests: ids.clone().map(request).collect(),
+                work: ids
+                    .clone()
+                    .map(|id| v1::ScheduledWork {
+                        id: u64::MAX - id,
+                        key: v1::WorkKey::Prompt.into(),
+                        num_tokens: u32::MAX,
+                        draft_token_ids: Vec::new(),
+                    })
+                    .collect(),
+                finished_ids: ids.clone().map(|id| u64::MAX - id).collect(),
+                preempted_ids: ids.clone().map(|id| u64::MAX - id).collect(),
+                kv_ops: ids.map(export).collect(),
+                total_num_tokens: u32::MAX,
+                ..Default::default()
+            };
+            let bound = largest_step_bytes(seqs, len, block_size);
+            let size = step.encoded_len() as u64;
+            assert!(size <= bound, "{seqs} × {len}: {size} bytes, bound {bound}");
+            let slack = bound - size;
+            assert!(slack < size || slack < 4096, "{seqs} × {len}: bound {bound}, {size} bytes");
+        }
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! Validation comes first and changes nothing observable, so a bad result (unknown step, out of
 //! order, a token for a request that did not sample, a missing or duplicate token, an unknown
-//! transfer) is rejected whole and can be retried corrected. Then, in order: tokens are
+//! transfer) is rejected whole and can be retried corrected. A request the executor refused
+//! samples nothing and finishes with an error, alone. Then, in order: tokens are
 //! appended (and dropped for requests finished since the step was built — their step slot is
 //! still accounted), stop rules run, in-flight references drop, the step's fence is lifted,
 //! KV reports resolve, and requests that can retire do.
@@ -38,6 +39,15 @@ impl Scheduler {
         for kv in &outcome.kv_results {
             self.resolve_transfer(kv.transfer_id, kv.ok, now, events);
         }
+        // Refused requests end here, alone; their step slots drop below with everyone's.
+        for &id in &outcome.refused {
+            if let Some(idx) = self.requests.index_of(id) {
+                if !self.requests[idx].status.is_finished() {
+                    let done = self.finish(idx, FinishReason::Error, now);
+                    events.push(RequestEvent::Finished(Box::new(done)));
+                }
+            }
+        }
         if !in_plan_order {
             for s in &outcome.sampled {
                 let idx = self.requests.index_of(s.id).expect("validated: id is live");
@@ -51,6 +61,9 @@ impl Scheduler {
         for k in 0..record.entries.len() {
             self.prefetch_for_apply(&record.entries, k);
             let RecordEntry { idx, id, samples } = record.entries[k];
+            if !in_plan_order && samples && outcome.refused.contains(&id) {
+                self.requests[idx].placeholders -= 1; // refused: no token comes
+            }
             if in_plan_order && samples {
                 // The usual case: tokens in plan order, so the record names each slot.
                 let s = sampled.next().expect("validated: one token per sampling entry");
@@ -129,7 +142,7 @@ impl Scheduler {
             }
         }
         let record = self.steps.oldest().expect("checked above");
-        if outcome.sampled.len() == record.samples {
+        if outcome.refused.is_empty() && outcome.sampled.len() == record.samples {
             let sampling = record.entries.iter().filter(|e| e.samples);
             let in_order = sampling.zip(&outcome.sampled).all(|(e, s)| e.id == s.id);
             if in_order {
@@ -140,10 +153,12 @@ impl Scheduler {
         // each time so a rejected attempt leaves nothing behind.
         let (expected, seen) = self.steps.next_outcome_epoch();
         let record = self.steps.oldest().expect("checked above");
-        for e in record.entries.iter().filter(|e| e.samples) {
+        // A refused request samples nothing.
+        let mut want = 0;
+        for e in record.entries.iter().filter(|e| e.samples && !outcome.refused.contains(&e.id)) {
             self.requests[e.idx].cold.outcome_mark = expected;
+            want += 1;
         }
-        let want = record.samples;
         for s in &outcome.sampled {
             let Some(idx) = self.requests.index_of(s.id) else {
                 return Err(ApplyError::UnexpectedToken { step, id: s.id });

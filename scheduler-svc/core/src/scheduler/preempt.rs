@@ -180,6 +180,7 @@ mod tests {
             step_id: plan.step_id,
             sampled: plan.scheduled.iter().map(|w| SampledToken { id: w.id, token: 9 }).collect(),
             kv_results: vec![],
+            refused: vec![],
         };
         core.apply_result(&outcome, Timestamp(0), &mut Vec::new()).unwrap();
         core

@@ -64,6 +64,9 @@ pub struct SimOpts {
     pub pipeline_pct: u64,
     /// Percent chance, per step, of re-adding a retired id (id reuse).
     pub reuse_pct: u64,
+    /// Percent chance per step that the executor refuses one of the step's requests (it then
+    /// samples nothing for it in that step or any later one).
+    pub refuse_pct: u64,
     /// Give up (livelock) after this many steps.
     pub max_steps: u64,
     pub seed: u64,
@@ -78,6 +81,7 @@ impl Default for SimOpts {
             kv_delay: 1,
             pipeline_pct: 70,
             reuse_pct: 0,
+            refuse_pct: 0,
             max_steps: 20_000,
             seed: 0,
         }
@@ -97,20 +101,24 @@ pub struct Report {
     pub max_in_flight_seen: usize,
     /// Blocks the core had the executor write to the KV tier.
     pub tier_stored: u64,
+    /// Live requests the executor refused (each finished with an error at once).
+    pub refused: u64,
 }
 
 /// The events whose coverage the property tests assert, in [`Report::events`]' order.
-pub const EVENTS: [&str; 5] = ["preemption", "KV import", "KV export", "abort", "pipelined steps"];
+pub const EVENTS: [&str; 6] =
+    ["preemption", "KV import", "KV export", "abort", "pipelined steps", "refusal"];
 
 impl Report {
     /// Which of [`EVENTS`] happened in this run.
-    pub fn events(&self) -> [bool; 5] {
+    pub fn events(&self) -> [bool; 6] {
         [
             self.preemptions > 0,
             self.imports > 0,
             self.exports > 0,
             self.finished.values().any(|&f| f == FinishReason::Abort),
             self.max_in_flight_seen > 1,
+            self.refused > 0,
         ]
     }
 }
@@ -118,7 +126,7 @@ impl Report {
 /// Asserts that each of [`EVENTS`] happened in at least `min_pct` percent of `runs` runs
 /// (`seen`: in how many it did), so a generator that stops exercising one fails instead of
 /// passing vacuously.
-pub fn assert_coverage(seen: [u64; 5], runs: u64, min_pct: [u64; 5], unit: &str) {
+pub fn assert_coverage(seen: [u64; 6], runs: u64, min_pct: [u64; 6], unit: &str) {
     for ((name, n), min_pct) in EVENTS.iter().zip(seen).zip(min_pct) {
         eprintln!("{name}: {n} of {runs} {unit}");
         assert!(
@@ -166,6 +174,9 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
     let mut next_reuse_transfer = 1_000_000u64;
     let mut exec = ExecutorModel::default();
     let mut reuses_left = arrivals.len() / 2;
+    // The executor's refusals: from a stream of their own, so the other draws stay.
+    let mut refusals = Rng::new(opts.seed ^ 0x7265_6675);
+    let mut refused: HashSet<RequestId> = HashSet::new();
     // Each request's prompt and salt (a reused id keeps its request), for the content checks.
     let sequences: HashMap<RequestId, (Vec<u32>, u64)> =
         arrivals.iter().map(|a| (a.req.id, (a.req.prompt.to_vec(), a.req.cache_salt))).collect();
@@ -197,6 +208,7 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
                 if let Some(tid) = &mut req.kv_export {
                     *tid = TransferId(next_reuse_transfer);
                 }
+                refused.remove(&req.id); // the executor forgot it when it was finished
                 add(&mut core, req, &mut live, &mut outputs, &mut max_tokens, &mut finished_once)?;
             }
         }
@@ -220,8 +232,19 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             let outcome = pending.pop_front().expect("non-empty");
             exec.on_apply();
             events.clear();
+            let refused_live: Vec<RequestId> =
+                outcome.refused.iter().copied().filter(|id| live.contains(id)).collect();
             core.apply_result(&outcome, now, &mut events)
                 .map_err(|e| format!("step {step}: apply: {e}"))?;
+            for id in refused_live {
+                let ended = events.iter().any(|e| {
+                    matches!(e, RequestEvent::Finished(d) if d.id == id && d.reason == FinishReason::Error)
+                });
+                if !ended {
+                    return Err(format!("step {step}: refused {id} did not finish with an error"));
+                }
+                report.refused += 1;
+            }
             for e in &events {
                 match e {
                     &RequestEvent::Token { id, index, .. } => {
@@ -292,7 +315,16 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             exec.on_plan(plan, &core, cfg.block_size, &content)
                 .map_err(|e| format!("step {step}: protocol: {e}"))?;
             let mut outcome = StepOutcome { step_id: plan.step_id, ..StepOutcome::default() };
-            for w in plan.scheduled.iter().filter(|w| w.samples_token) {
+            if !plan.scheduled.is_empty() && refusals.pct(opts.refuse_pct) {
+                let k = refusals.range(0, plan.scheduled.len() - 1);
+                refused.insert(plan.scheduled[k].id);
+            }
+            // A refused request samples nothing, here or in any later step that names it.
+            let mut named: Vec<RequestId> =
+                plan.scheduled.iter().map(|w| w.id).filter(|id| refused.contains(id)).collect();
+            named.dedup();
+            outcome.refused = named;
+            for w in plan.scheduled.iter().filter(|w| w.samples_token && !refused.contains(&w.id)) {
                 let pos =
                     outputs.get(&w.id).copied().unwrap_or(0) + pending_samples(&pending, w.id);
                 outcome.sampled.push(SampledToken {
@@ -581,6 +613,7 @@ impl Harness {
                 .map(|w| SampledToken { id: w.id, token })
                 .collect(),
             kv_results: Vec::new(),
+            refused: Vec::new(),
         }
     }
 

@@ -26,7 +26,10 @@ pub struct SideChannel {
 }
 
 /// How long a new connection may take to send enough bytes to tell which protocol it speaks.
-const SNIFF_TIMEOUT: Duration = Duration::from_secs(10);
+/// Clients send their first bytes (the magic, or HTTP/2's preface) in one write, so only a
+/// broken or hostile client takes long; past this its connection goes to the gRPC server,
+/// which refuses what it sent.
+const SNIFF_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Accepts on `listener`, giving side-channel connections to `side` and yielding the others.
 /// The accept loop stops when the returned stream is dropped.
@@ -68,6 +71,10 @@ async fn opens_with(conn: &TcpStream, magic: &[u8]) -> bool {
     let mut buf = [0u8; 16];
     let want = magic.len().min(buf.len());
     let sniff = async {
+        // Peeking cannot tell "no more yet" from "closed after part of the magic" (found by
+        // fuzzing: one byte, then a close, held a task waking every millisecond), so the
+        // wait between looks grows: 1 ms at first, at most 64 ms.
+        let mut pause = Duration::from_millis(1);
         loop {
             let n = conn.peek(&mut buf[..want]).await.unwrap_or(0);
             if n == 0 || buf[..n] != magic[..n] {
@@ -77,7 +84,8 @@ async fn opens_with(conn: &TcpStream, magic: &[u8]) -> bool {
                 return true;
             }
             // Part of the magic so far: wait for more.
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(64));
         }
     };
     tokio::time::timeout(SNIFF_TIMEOUT, sniff).await.unwrap_or(false)

@@ -15,6 +15,8 @@ use clap::Args;
 use ferry_proto::v1;
 use ferry_sched_core as core;
 
+use crate::front::RequestLimits;
+
 /// Steps outstanding at once per executor: one running, one queued behind it (asynchronous
 /// scheduling), so the executor never waits for the scheduler.
 pub const MAX_STEPS_IN_FLIGHT: usize = 2;
@@ -130,21 +132,21 @@ pub struct FrontArgs {
     #[arg(long, env = "FERRY_MAX_OUTPUT_TOKENS")]
     pub max_output_tokens: Option<u32>,
     /// Most stop strings per request.
-    #[arg(long, env = "FERRY_MAX_STOP_STRINGS", default_value_t = 16)]
+    #[arg(long, env = "FERRY_MAX_STOP_STRINGS", default_value_t = RequestLimits::STOP_STRINGS)]
     pub max_stop_strings: u32,
     /// Longest stop string, in bytes.
-    #[arg(long, env = "FERRY_MAX_STOP_STRING_BYTES", default_value_t = 1024)]
+    #[arg(long, env = "FERRY_MAX_STOP_STRING_BYTES", default_value_t = RequestLimits::STOP_STRING_BYTES)]
     pub max_stop_string_bytes: u32,
     /// Most stop token ids per request.
-    #[arg(long, env = "FERRY_MAX_STOP_TOKEN_IDS", default_value_t = 64)]
+    #[arg(long, env = "FERRY_MAX_STOP_TOKEN_IDS", default_value_t = RequestLimits::STOP_TOKEN_IDS)]
     pub max_stop_token_ids: u32,
     /// Most log-probabilities per position a request may ask for (vLLM's flag; at most 20,
     /// what executors compute).
-    #[arg(long, env = "FERRY_MAX_LOGPROBS", default_value_t = 20)]
+    #[arg(long, env = "FERRY_MAX_LOGPROBS", default_value_t = RequestLimits::LOGPROBS)]
     pub max_logprobs: u32,
     /// Largest request, in bytes: an HTTP body (413 past it) or a gRPC message
     /// (`RESOURCE_EXHAUSTED`).
-    #[arg(long, env = "FERRY_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
+    #[arg(long, env = "FERRY_MAX_REQUEST_BYTES", default_value_t = RequestLimits::REQUEST_BYTES)]
     pub max_request_bytes: u32,
 }
 
@@ -182,7 +184,7 @@ pub struct FrontSettings {
     /// The API keys callers must present; `None`: the client APIs are open.
     pub keys: Option<std::sync::Arc<crate::front::keys::ApiKeys>>,
     /// What one request may ask for.
-    pub limits: crate::front::RequestLimits,
+    pub limits: RequestLimits,
     /// `--max-model-len`, if given.
     pub max_model_len: Option<usize>,
 }
@@ -389,7 +391,7 @@ impl FrontArgs {
 
     /// The per-request limits, checked: none may be 0, logprobs at most what executors compute,
     /// and a request must have room for a prompt.
-    fn limits(&self) -> Result<crate::front::RequestLimits, ConfigError> {
+    fn limits(&self) -> Result<RequestLimits, ConfigError> {
         let positive = |flag: &'static str, v: u32| {
             if v == 0 {
                 return Err(ConfigError::Limit { flag, why: "must be at least 1".into() });
@@ -418,7 +420,7 @@ impl FrontArgs {
                 why: format!("is {}; at least 1024 bytes", self.max_request_bytes),
             });
         }
-        Ok(crate::front::RequestLimits {
+        Ok(RequestLimits {
             max_prompt_tokens: self.max_prompt_tokens.map_or(usize::MAX, |n| n as usize),
             max_output_tokens: self.max_output_tokens.map_or(usize::MAX, |n| n as usize),
             max_stop_strings: positive("max-stop-strings", self.max_stop_strings)?,

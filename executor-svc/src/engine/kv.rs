@@ -107,14 +107,20 @@ pub enum KvOpError {
     },
 }
 
-/// The request whose export or import `error` refuses, if it names one of `ops`.
-pub(super) fn request_of(error: &KvOpError, ops: &[v1::KvOperation]) -> Option<u64> {
-    let KvOpError::Invalid { transfer_id, .. } = error else { return None };
-    match &ops.iter().find(|op| &op.transfer_id == transfer_id)?.op {
+/// The request an operation moves blocks of (an export's or an import's; a KV-tier write
+/// belongs to none).
+pub(super) fn request_of_op(op: &v1::KvOperation) -> Option<u64> {
+    match &op.op {
         Some(KvOp::Export(e)) => Some(e.request_id),
         Some(KvOp::Import(i)) => Some(i.request_id),
         Some(KvOp::Store(_)) | None => None,
     }
+}
+
+/// The request whose export or import `error` refuses, if it names one of `ops`.
+pub(super) fn request_of(error: &KvOpError, ops: &[v1::KvOperation]) -> Option<u64> {
+    let KvOpError::Invalid { transfer_id, .. } = error else { return None };
+    request_of_op(ops.iter().find(|op| &op.transfer_id == transfer_id)?)
 }
 
 /// A finished transfer, from its task.

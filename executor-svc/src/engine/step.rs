@@ -306,8 +306,10 @@ impl Engine {
     pub fn execute(&mut self, step: &v1::Step) -> Result<v1::StepResult, StepError> {
         let Admitted { step, planned, refused, named_again, dropped_ops } = self.admit(step)?;
         let step = &*step;
-        for id in &step.finished_ids {
-            self.refused.remove(id);
+        if !self.refused.is_empty() {
+            for id in &step.finished_ids {
+                self.refused.remove(id);
+            }
         }
         self.apply_diff(step);
         let (refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
@@ -563,8 +565,14 @@ impl Engine {
         };
         let mut tables: HashMap<u64, Vec<u32>> = HashMap::new();
         let mut lengths: HashMap<u64, (usize, usize)> = HashMap::new();
-        let live_before = self.requests.len()
-            - step.finished_ids.iter().filter(|id| self.requests.contains_key(id)).count();
+        // Requests live once the step's finished ones go (counted only when the limit is near).
+        let live_before =
+            if self.requests.len() + step.new_requests.len() > self.config.max_live_requests {
+                self.requests.len()
+                    - finished.iter().filter(|id| self.requests.contains_key(id)).count()
+            } else {
+                0
+            };
         for (num_live, nr) in (live_before..).zip(&step.new_requests) {
             if live(&nr.id) || lengths.contains_key(&nr.id) {
                 return Err(StepError::Duplicate { id: nr.id, what: "is already a live request" });
@@ -794,12 +802,7 @@ impl Engine {
 /// operations, which come back beside it), or `None` when it names no part of it. Its
 /// `finished_ids` stay: forgetting a request is never a fault.
 fn without(step: &v1::Step, id: u64) -> Option<(v1::Step, Vec<v1::KvOperation>)> {
-    use v1::kv_operation::Op;
-    let ops_of = |op: &v1::KvOperation| match &op.op {
-        Some(Op::Export(e)) => e.request_id == id,
-        Some(Op::Import(i)) => i.request_id == id,
-        Some(Op::Store(_)) | None => false,
-    };
+    let ops_of = |op: &v1::KvOperation| super::kv::request_of_op(op) == Some(id);
     let named = step.new_requests.iter().any(|r| r.id == id)
         || step.cached_requests.iter().any(|r| r.id == id)
         || step.work.iter().any(|w| w.id == id)

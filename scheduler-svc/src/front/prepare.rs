@@ -76,16 +76,29 @@ pub struct RequestLimits {
     pub max_request_bytes: usize,
 }
 
+impl RequestLimits {
+    /// Default `--max-stop-strings`.
+    pub const STOP_STRINGS: u32 = 16;
+    /// Default `--max-stop-string-bytes`.
+    pub const STOP_STRING_BYTES: u32 = 1024;
+    /// Default `--max-stop-token-ids`.
+    pub const STOP_TOKEN_IDS: u32 = 64;
+    /// Default `--max-logprobs`: what executors compute.
+    pub const LOGPROBS: u32 = ferry_model::sampling::MAX_TOP_LOGPROBS;
+    /// Default `--max-request-bytes`: 4 MiB.
+    pub const REQUEST_BYTES: u32 = 4 << 20;
+}
+
 impl Default for RequestLimits {
     fn default() -> Self {
         Self {
             max_prompt_tokens: usize::MAX,
             max_output_tokens: usize::MAX,
-            max_stop_strings: 16,
-            max_stop_string_bytes: 1024,
-            max_stop_token_ids: 64,
-            max_logprobs: ferry_model::sampling::MAX_TOP_LOGPROBS,
-            max_request_bytes: 4 << 20,
+            max_stop_strings: Self::STOP_STRINGS as usize,
+            max_stop_string_bytes: Self::STOP_STRING_BYTES as usize,
+            max_stop_token_ids: Self::STOP_TOKEN_IDS as usize,
+            max_logprobs: Self::LOGPROBS,
+            max_request_bytes: Self::REQUEST_BYTES as usize,
         }
     }
 }

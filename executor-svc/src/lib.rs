@@ -56,6 +56,7 @@ pub async fn run(
     let service = service::ExecutorService::new(built.info, built.engine, built.identity)
         .with_leadership(cluster.clone(), token);
     let host = GrpcHost::new()
+        .callers(ferry_runtime::tls::EXECUTOR_CALLERS)
         .add_service(
             ferry_proto::v1::executor_server::ExecutorServer::new(service)
                 .max_decoding_message_size(step_bytes),

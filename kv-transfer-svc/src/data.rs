@@ -40,10 +40,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ferry_proto::v1::{self, block_frame::Frame};
+use ferry_runtime::side_channel::{Conn as Accepted, ReadHalf, WriteHalf};
+use ferry_runtime::tls;
 use futures_util::StreamExt;
 use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -53,7 +54,7 @@ use crate::buffers::BufferPool;
 use crate::frames::MAX_CHUNK_BYTES;
 
 /// A client's connection to an agent's data channel, buffered both ways.
-type Conn = (BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>);
+type Conn = (BufReader<ReadHalf>, BufWriter<WriteHalf>);
 
 /// The first bytes of a data-channel connection.
 pub const MAGIC: &[u8; 8] = b"FERRYKV1";
@@ -113,8 +114,10 @@ fn io_status(e: &std::io::Error) -> Status {
 }
 
 /// Serves one data-channel connection.
-pub async fn serve(agent: Arc<Agent>, conn: TcpStream) {
-    let _ = conn.set_nodelay(true);
+pub async fn serve(agent: Arc<Agent>, conn: Accepted) {
+    if let Accepted::Tcp(tcp) = &conn {
+        let _ = tcp.set_nodelay(true);
+    }
     let (read, write) = conn.into_split();
     let mut reader = BufReader::with_capacity(BUFFER, read);
     let mut magic = [0u8; 9];
@@ -161,7 +164,7 @@ pub async fn serve(agent: Arc<Agent>, conn: TcpStream) {
 
 /// The frames of a block stream arriving on `reader` (its header first).
 fn incoming(
-    reader: BufReader<OwnedReadHalf>,
+    reader: BufReader<ReadHalf>,
     header: v1::TransferHeader,
     buffers: Arc<BufferPool>,
 ) -> impl futures_util::Stream<Item = Result<v1::BlockFrame, Status>> + Unpin {
@@ -185,7 +188,7 @@ fn incoming(
 async fn receive(
     agent: &Agent,
     put: bool,
-    mut reader: BufReader<OwnedReadHalf>,
+    mut reader: BufReader<ReadHalf>,
 ) -> Result<v1::TransferReceipt, Status> {
     let header: v1::TransferHeader = read_message(&mut reader).await?;
     let frames = incoming(reader, header, agent.buffers.clone());
@@ -198,8 +201,8 @@ async fn receive(
 
 async fn send(
     agent: &Arc<Agent>,
-    mut reader: BufReader<OwnedReadHalf>,
-    write: OwnedWriteHalf,
+    mut reader: BufReader<ReadHalf>,
+    write: WriteHalf,
 ) -> std::io::Result<()> {
     let mut w = BufWriter::with_capacity(BUFFER, write);
     let request: Result<v1::GetBlocksRequest, Status> = read_message(&mut reader).await;
@@ -377,7 +380,7 @@ async fn read_receipt<R: AsyncRead + Unpin>(
 }
 
 async fn answer(
-    write: OwnedWriteHalf,
+    write: WriteHalf,
     outcome: Result<v1::TransferReceipt, Status>,
 ) -> std::io::Result<()> {
     let mut w = BufWriter::new(write);
@@ -393,9 +396,19 @@ async fn connect(address: &str, op: Op) -> Result<Conn, Status> {
     let hostport =
         address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/');
     let unreachable = |e: std::io::Error| Status::unavailable(format!("agent {address}: {e}"));
-    let conn = TcpStream::connect(hostport).await.map_err(unreachable)?;
-    conn.set_nodelay(true).map_err(unreachable)?;
-    let (read, write) = conn.into_split();
+    // Under mutual TLS the data channel is TLS too, told apart from gRPC by its ALPN; the
+    // server checks this process's role, this side that it reached an agent.
+    let (read, write) = if let Some(tls) = tls::current() {
+        // Boxed: a TLS handshake's state would swell every transfer's future.
+        let handshake = Box::pin(tls.connect(hostport, tls::Role::KvAgent, tls::Protocol::Data));
+        let conn = handshake.await.map_err(unreachable)?;
+        ferry_runtime::side_channel::halves(conn)
+    } else {
+        let conn = TcpStream::connect(hostport).await.map_err(unreachable)?;
+        conn.set_nodelay(true).map_err(unreachable)?;
+        let (read, write) = conn.into_split();
+        (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf)
+    };
     let mut w = BufWriter::with_capacity(BUFFER, write);
     w.write_all(MAGIC).await.map_err(unreachable)?;
     w.write_u8(op as u8).await.map_err(unreachable)?;
@@ -546,7 +559,7 @@ async fn read_region<R: AsyncRead + Unpin>(r: &mut R) -> Result<(String, Vec<u64
 /// `block_bytes` each.
 async fn staged_region(
     agent: &Agent,
-    reader: &mut BufReader<OwnedReadHalf>,
+    reader: &mut BufReader<ReadHalf>,
     blocks: usize,
     block_bytes: usize,
 ) -> Result<(Arc<crate::shm::Region>, Vec<u64>), Status> {
@@ -571,7 +584,7 @@ async fn staged_region(
 /// copied into the store (the executor reuses its slots once answered), which checks them.
 async fn receive_staged(
     agent: &Agent,
-    mut reader: BufReader<OwnedReadHalf>,
+    mut reader: BufReader<ReadHalf>,
 ) -> Result<v1::TransferReceipt, Status> {
     let proto: v1::TransferHeader = read_message(&mut reader).await?;
     let header =
@@ -623,7 +636,7 @@ async fn receive_staged(
 
 /// A staged block's slot offset and chunk checksums, as `PutStaged` sends them.
 async fn read_staged_block(
-    reader: &mut BufReader<OwnedReadHalf>,
+    reader: &mut BufReader<ReadHalf>,
     block_bytes: usize,
 ) -> std::io::Result<(u64, Vec<u32>)> {
     let offset = reader.read_u64_le().await?;
@@ -641,8 +654,8 @@ async fn read_staged_block(
 /// announced as it is ready; then the end record, after which the agent touches no slot.
 async fn send_staged(
     agent: &Arc<Agent>,
-    reader: &mut BufReader<OwnedReadHalf>,
-    w: &mut BufWriter<OwnedWriteHalf>,
+    reader: &mut BufReader<ReadHalf>,
+    w: &mut BufWriter<WriteHalf>,
     held: &mut Vec<bytes::Bytes>,
 ) -> Result<(), Status> {
     let request: v1::GetBlocksRequest = read_message(reader).await?;
@@ -887,7 +900,7 @@ mod tests {
             let serving = agent.clone();
             tokio::spawn(async move {
                 while let Ok((conn, _)) = listener.accept().await {
-                    tokio::spawn(serve(serving.clone(), conn));
+                    tokio::spawn(serve(serving.clone(), Accepted::Tcp(conn)));
                 }
             });
             Self { dir, agent, addr }

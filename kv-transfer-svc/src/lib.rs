@@ -53,8 +53,12 @@ pub async fn run(
     let server = ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service)
         .max_decoding_message_size(frames::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(frames::MAX_MESSAGE_BYTES);
-    let host =
-        GrpcHost::new().bulk().with_side_channel(side).add_service(server).with_metrics(metrics);
+    let host = GrpcHost::new()
+        .bulk()
+        .callers(ferry_runtime::tls::AGENT_CALLERS)
+        .with_side_channel(side)
+        .add_service(server)
+        .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::KvAgent;
     let member = (cluster.as_ref(), kind, id.as_str());
     let served =

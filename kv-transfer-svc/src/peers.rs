@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use ferry_proto::v1::kv_transfer_client::KvTransferClient;
 use ferry_runtime::grpc::{BULK_CONNECTION_WINDOW, BULK_FRAME_SIZE, BULK_STREAM_WINDOW};
-use tonic::transport::{Channel, Endpoint};
+use ferry_runtime::tls;
+use tonic::transport::Channel;
 use tonic::Status;
 
 use crate::frames::MAX_MESSAGE_BYTES;
@@ -13,9 +14,7 @@ use crate::frames::MAX_MESSAGE_BYTES;
 /// A client for block streams to the agent at `address` (`host:port` or a URL), connecting
 /// lazily.
 pub fn client(address: &str) -> Result<KvTransferClient<Channel>, Status> {
-    let url =
-        if address.contains("://") { address.to_string() } else { format!("http://{address}") };
-    let channel = Endpoint::from_shared(url)
+    let endpoint = tls::endpoint(address)
         .map_err(|e| Status::invalid_argument(format!("agent address {address:?}: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .initial_stream_window_size(BULK_STREAM_WINDOW)
@@ -23,8 +22,8 @@ pub fn client(address: &str) -> Result<KvTransferClient<Channel>, Status> {
         .max_frame_size(BULK_FRAME_SIZE)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(5))
-        .keep_alive_timeout(Duration::from_secs(5))
-        .connect_lazy();
+        .keep_alive_timeout(Duration::from_secs(5));
+    let channel = tls::connect_lazy(&endpoint, tls::Role::KvAgent);
     Ok(wrap(channel))
 }
 

@@ -11,7 +11,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::StreamExt;
 use tonic::codegen::{http, Service};
 use tonic::service::RoutesBuilder;
 use tonic_health::server::HealthReporter;
@@ -41,6 +42,8 @@ pub struct GrpcHost {
     bulk: bool,
     /// A raw protocol sharing the port, if any.
     side: Option<crate::side_channel::SideChannel>,
+    /// Under mutual TLS, the roles whose certificates may connect.
+    callers: &'static [crate::tls::Role],
 }
 
 /// HTTP/2 flow-control windows for services that move bulk data (KV blocks): a stream may have
@@ -72,6 +75,7 @@ impl GrpcHost {
             metrics: Vec::new(),
             bulk: false,
             side: None,
+            callers: &crate::tls::Role::ALL,
         }
     }
 
@@ -110,6 +114,14 @@ impl GrpcHost {
         self
     }
 
+    /// Under mutual TLS ([`crate::tls`]), takes connections only from certificates holding
+    /// one of `roles` (default: any role the CA vouches for).
+    #[must_use]
+    pub fn callers(mut self, roles: &'static [crate::tls::Role]) -> Self {
+        self.callers = roles;
+        self
+    }
+
     /// Serves `GET /metrics` (Prometheus text) on the same port, over HTTP/1.1 beside gRPC;
     /// several calls add families in order.
     #[must_use]
@@ -130,13 +142,15 @@ impl GrpcHost {
     }
 
     /// Serves on `listener` until `shutdown` resolves, then reports `NOT_SERVING` and stops
-    /// accepting; in-flight calls finish before this returns.
+    /// accepting; in-flight calls finish before this returns. With the process's TLS
+    /// installed ([`crate::tls::install`]), every connection is mutual TLS from one of
+    /// [`Self::callers`], and the side channel is chosen by ALPN inside TLS.
     pub async fn serve(
         self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), HostError> {
-        let Self { mut routes, service_names, health, metrics, bulk, side } = self;
+        let Self { mut routes, service_names, health, metrics, bulk, side, callers } = self;
         let mut v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -175,12 +189,25 @@ impl GrpcHost {
                 .tcp_nodelay(true);
         }
         let server = server.accept_http1(http1).add_routes(routes);
-        if let Some(side) = side {
+        // Each way of serving is boxed: three servers' state inline would make every caller's
+        // future large.
+        if let Some(tls) = crate::tls::current() {
+            let conns = crate::tls::accept(tls, listener, crate::tls::Callers::Roles(callers));
+            let incoming = ReceiverStream::new(conns).filter_map(move |(conn, _remote)| {
+                if let Some(side) = side.as_ref().filter(|_| crate::tls::is_data_channel(&conn)) {
+                    (side.handler)(crate::side_channel::Conn::Tls(Box::new(conn)));
+                    None
+                } else {
+                    Some(Ok::<_, std::io::Error>(conn))
+                }
+            });
+            Box::pin(server.serve_with_incoming_shutdown(incoming, draining)).await?;
+        } else if let Some(side) = side {
             let incoming = crate::side_channel::split(listener, side);
-            server.serve_with_incoming_shutdown(incoming, draining).await?;
+            Box::pin(server.serve_with_incoming_shutdown(incoming, draining)).await?;
         } else {
             let incoming = TcpListenerStream::new(listener);
-            server.serve_with_incoming_shutdown(incoming, draining).await?;
+            Box::pin(server.serve_with_incoming_shutdown(incoming, draining)).await?;
         }
         Ok(())
     }

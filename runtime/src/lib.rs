@@ -16,6 +16,7 @@ pub mod secret;
 pub mod shutdown;
 pub mod side_channel;
 pub mod telemetry;
+pub mod tls;
 
 pub use backoff::Backoff;
 pub use grpc::{GrpcHost, HostError};

@@ -9,12 +9,47 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-/// What takes over a connection that opened with the magic bytes (the magic still unread).
-pub type Handler = Arc<dyn Fn(TcpStream) + Send + Sync>;
+/// What takes over a side-channel connection: over plain TCP, one that opened with the magic
+/// bytes (still unread); under TLS, one that negotiated [`crate::tls::DATA_ALPN`] (its client
+/// sends the magic all the same).
+pub type Handler = Arc<dyn Fn(Conn) + Send + Sync>;
+
+/// A side-channel connection.
+pub enum Conn {
+    /// Plain TCP.
+    Tcp(TcpStream),
+    /// Mutual TLS.
+    Tls(Box<crate::tls::ServerStream>),
+}
+
+/// The reading half of a connection, whatever carries it.
+pub type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+/// The writing half of a connection, whatever carries it.
+pub type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+
+impl Conn {
+    /// Its two halves, usable from two tasks.
+    pub fn into_split(self) -> (ReadHalf, WriteHalf) {
+        match self {
+            Conn::Tcp(tcp) => {
+                let (r, w) = tcp.into_split();
+                (Box::new(r), Box::new(w))
+            }
+            Conn::Tls(tls) => halves(*tls),
+        }
+    }
+}
+
+/// The halves of any stream (TLS streams cannot be split without a lock; this is tokio's).
+pub fn halves<S: AsyncRead + AsyncWrite + Send + 'static>(stream: S) -> (ReadHalf, WriteHalf) {
+    let (r, w) = tokio::io::split(stream);
+    (Box::new(r), Box::new(w))
+}
 
 /// A side channel: its magic bytes and its handler.
 #[derive(Clone)]
@@ -49,7 +84,7 @@ pub fn split(
                     let (tx, side) = (tx.clone(), side.clone());
                     tokio::spawn(async move {
                         if opens_with(&conn, side.magic).await {
-                            (side.handler)(conn);
+                            (side.handler)(Conn::Tcp(conn));
                         } else {
                             let _ = tx.send(Ok(conn)).await;
                         }

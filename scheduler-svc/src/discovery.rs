@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_runtime::cluster::{watch_members, ClusterArgs, MemberInfo, MemberKind, MembershipEvent};
+use ferry_runtime::tls;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use tokio::task::JoinHandle;
@@ -105,8 +106,9 @@ fn health_probe() -> Probe {
     Arc::new(|url| {
         Box::pin(async move {
             let check = async {
-                let channel = tonic::transport::Endpoint::from_shared(url).ok()?.connect().await;
-                let mut client = HealthClient::new(channel.ok()?);
+                let endpoint = tls::endpoint(&url).ok()?;
+                let channel = tls::connect(&endpoint, tls::Role::Executor).await.ok()?;
+                let mut client = HealthClient::new(channel);
                 let reply = client.check(HealthCheckRequest { service: String::new() }).await;
                 Some(reply.ok()?.into_inner().status == ServingStatus::Serving as i32)
             };

@@ -203,6 +203,7 @@ async fn serve_api(
     let mut http_task =
         http.map(|l| tokio::spawn(http::serve(front.clone(), metrics.clone(), l, stopped())));
     let mut host = GrpcHost::new()
+        .callers(ferry_runtime::tls::API_CALLERS)
         .add_service(
             ferry_proto::v1::generation_server::GenerationServer::new(front.clone())
                 .max_decoding_message_size(front.limits().max_request_bytes),

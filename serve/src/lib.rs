@@ -9,6 +9,8 @@
 //! weights the executor loads, so the two cannot disagree (and the default model is fetched
 //! once).
 
+pub mod certs;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -53,6 +55,10 @@ pub struct ServeArgs {
     /// The drain's limit, every part's.
     #[command(flatten)]
     pub drain: ferry_runtime::DrainArgs,
+    /// Mutual TLS between the parts (one certificate naming every role) and TLS on the APIs;
+    /// plaintext by default on loopback.
+    #[command(flatten)]
+    pub tls: ferry_runtime::tls::TlsArgs,
 }
 
 /// `ferry serve`'s flags, checked.
@@ -70,6 +76,7 @@ impl ServeArgs {
     pub fn resolve(&self) -> anyhow::Result<ServeConfig> {
         self.executor.validate()?;
         self.kv_agent.validate()?;
+        self.tls.validate(&[("listen", &self.listen), ("http-listen", &self.http_listen)])?;
         Ok(ServeConfig {
             scheduler: self.scheduler.resolve()?,
             front: self.front.resolve()?,

@@ -19,16 +19,28 @@ enum Command {
     /// The whole system in one process: front, scheduler, one executor and a KV agent (two of
     /// each with --disaggregate), with the default model (obtained when missing) unless
     /// --model names one.
-    Serve(ferry::ServeArgs),
+    Serve(Box<ferry::ServeArgs>),
+    /// Write a private CA and a certificate per role (front, scheduler, executor, kv, client;
+    /// one naming every role for serve; one for etcd) for mutual TLS: `--tls-*` flags.
+    Certs(ferry::certs::CertsArgs),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let Command::Serve(args) = cli.command;
+    let args = match cli.command {
+        Command::Serve(args) => *args,
+        Command::Certs(args) => {
+            for path in ferry::certs::run(&args)? {
+                println!("{}", path.display());
+            }
+            return Ok(());
+        }
+    };
     let config = args.resolve()?;
     args.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = args.trace.init("ferry").map_err(anyhow::Error::msg)?;
+    ferry_runtime::tls::start(&args.tls)?;
     let (bound, addrs) = ferry::bind(&args.listen, &args.http_listen, args.disaggregate).await?;
     for (kind, addr) in addrs.parts() {
         ferry_runtime::grpc::announce("ferry", kind, addr);

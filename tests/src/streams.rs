@@ -49,14 +49,17 @@ pub async fn run_streams_until(
     (m, k): (usize, usize),
     fault: impl FnOnce(),
 ) -> Vec<Outcome> {
-    let url = format!("http://{grpc}");
+    // Over mutual TLS when the test process installed its TLS (`ferry_runtime::tls`).
+    let endpoint = ferry_runtime::tls::endpoint(&grpc.to_string()).unwrap();
     let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
     let mut tasks = Vec::new();
     for (i, req) in requests.into_iter().enumerate() {
-        let url = url.clone();
+        let endpoint = endpoint.clone();
         let progress = progress_tx.clone();
         tasks.push(tokio::spawn(async move {
-            let mut client = GenerationClient::connect(url).await.unwrap();
+            let role = ferry_runtime::tls::Role::Scheduler;
+            let channel = ferry_runtime::tls::connect(&endpoint, role).await.unwrap();
+            let mut client = GenerationClient::new(channel);
             let mut stream = client.generate(req).await.unwrap().into_inner();
             let mut out = Outcome {
                 tokens: vec![],
@@ -136,6 +139,11 @@ pub fn metric(http: SocketAddr, name: &str) -> f64 {
 /// [`metric`], or `None` when the service cannot be asked or exports no such sample.
 pub fn try_metric(http: SocketAddr, name: &str) -> Option<f64> {
     let (_, body) = crate::http(http, "GET", "/metrics", b"").ok()?;
+    sum_samples(&body, name)
+}
+
+/// The sum of the samples of `name` (as in [`metric`]) in a Prometheus text `body`.
+pub fn sum_samples(body: &str, name: &str) -> Option<f64> {
     let (family, labels) = name.split_once('{').map_or((name, ""), |(f, l)| (f, l));
     let wanted: Vec<&str> = labels.split(',').filter(|l| !l.is_empty()).collect();
     let values: Vec<f64> = body

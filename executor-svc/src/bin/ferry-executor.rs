@@ -28,6 +28,8 @@ struct Cli {
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
     #[command(flatten)]
+    tls: ferry_runtime::tls::TlsArgs,
+    #[command(flatten)]
     drain: ferry_runtime::DrainArgs,
     #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
@@ -115,6 +117,7 @@ async fn main() -> anyhow::Result<()> {
     cli.cluster.validate()?;
     ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
         .map_err(anyhow::Error::msg)?;
+    cli.tls.validate(&[("listen", &cli.listen)])?;
     let drain = cli.drain.timeout().map_err(anyhow::Error::msg)?;
     // A dry run checks the configuration, not this build: a CUDA pool's flags are checked by
     // any build (the CUDA image's executor runs them).
@@ -128,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
     build?;
     cli.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = cli.trace.init("ferry-executor").map_err(anyhow::Error::msg)?;
+    ferry_runtime::tls::start(&cli.tls)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);
     // A simulated model profile reads no model file.

@@ -117,6 +117,10 @@ that points the binaries at it. */}}
   value: {{ .Values.leaseTtlSeconds | quote }}
 - name: FERRY_ETCD_ENDPOINTS
   value: {{ include "ferry.etcd.endpoints" . | quote }}
+# Between Ferry's pods: plaintext, asked for explicitly (the binaries refuse a non-loopback
+# listen address without TLS flags or this); see README "TLS".
+- name: FERRY_PLAINTEXT
+  value: "true"
 {{- if .Values.etcd.tls.enabled }}
 - name: FERRY_ETCD_CACERT
   value: /etc/ferry/etcd-tls/ca.crt

@@ -19,6 +19,8 @@ struct Cli {
     #[command(flatten)]
     cluster: ferry_runtime::cluster::ClusterArgs,
     #[command(flatten)]
+    tls: ferry_runtime::tls::TlsArgs,
+    #[command(flatten)]
     drain: ferry_runtime::DrainArgs,
     #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
@@ -31,12 +33,14 @@ async fn main() -> anyhow::Result<()> {
     cli.cluster.validate()?;
     ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
         .map_err(anyhow::Error::msg)?;
+    cli.tls.validate(&[("listen", &cli.listen)])?;
     let drain = cli.drain.timeout().map_err(anyhow::Error::msg)?;
     if cli.check.dry_run_done("ferry-kv") {
         return Ok(());
     }
     cli.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = cli.trace.init("ferry-kv").map_err(anyhow::Error::msg)?;
+    ferry_runtime::tls::start(&cli.tls)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);
     let cluster = cli.cluster.enabled().then_some(cli.cluster);

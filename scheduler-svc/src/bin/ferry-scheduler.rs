@@ -50,6 +50,8 @@ struct Common {
     #[command(flatten)]
     trace: ferry_runtime::telemetry::TraceArgs,
     #[command(flatten)]
+    tls: ferry_runtime::tls::TlsArgs,
+    #[command(flatten)]
     drain: ferry_runtime::DrainArgs,
     #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
@@ -78,6 +80,7 @@ impl Common {
         let listen = [("listen", self.listen.as_str()), ("http-listen", &self.http_listen)];
         ferry_runtime::check::shared_flags(&listen, &self.log, &self.trace)
             .map_err(anyhow::Error::msg)?;
+        self.tls.validate(&listen)?;
         self.drain.timeout().map_err(anyhow::Error::msg)?;
         if let Some(name) = &self.served_model_name {
             anyhow::ensure!(
@@ -95,6 +98,7 @@ impl Common {
     ) -> anyhow::Result<(Listeners, ferry_runtime::telemetry::Telemetry)> {
         self.log.init().map_err(anyhow::Error::msg)?;
         let telemetry = self.trace.init(service).map_err(anyhow::Error::msg)?;
+        ferry_runtime::tls::start(&self.tls)?;
         let (grpc, addr) = ferry_runtime::grpc::bind(&self.listen).await?;
         let (http, http_addr) = ferry_runtime::grpc::bind(&self.http_listen).await?;
         ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);

@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use ferry_proto::v1::{self, generation_client::GenerationClient};
 use ferry_runtime::cluster::ClusterArgs;
+use ferry_runtime::tls;
 use ferry_sched_core::{FinishReason, FinishStats, StopCause};
 use tokio::sync::{mpsc, watch};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::link::LinkEvent;
 
@@ -48,12 +49,12 @@ impl Leader {
                 return Ok(ch.clone());
             }
         }
-        let endpoint = Endpoint::from_shared(address.to_string())
+        let endpoint = tls::endpoint(address)
             .map_err(|e| tonic::Status::unavailable(format!("leader address {address:?}: {e}")))?
             .connect_timeout(Duration::from_secs(1))
             .http2_keep_alive_interval(Duration::from_secs(1))
             .keep_alive_timeout(Duration::from_secs(2));
-        let ch = endpoint.connect_lazy();
+        let ch = tls::connect_lazy(&endpoint, tls::Role::Scheduler);
         *cached = Some((address.to_string(), ch.clone()));
         Ok(ch)
     }

@@ -154,5 +154,17 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(front, metrics)).with_graceful_shutdown(shutdown).await
+    let router = router(front, metrics);
+    match ferry_runtime::tls::current() {
+        Some(tls) => {
+            // The API authenticates callers by key: server TLS, no client certificate.
+            let listener = ferry_runtime::tls::Listener::new(
+                tls,
+                listener,
+                ferry_runtime::tls::Callers::Anyone,
+            )?;
+            axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+        }
+        None => axum::serve(listener, router).with_graceful_shutdown(shutdown).await,
+    }
 }

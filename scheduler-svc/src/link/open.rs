@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_proto::v1::{self, executor_client::ExecutorClient};
-use ferry_runtime::Backoff;
+use ferry_runtime::{tls, Backoff};
 use ferry_sched_core::Scheduler;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -84,9 +84,11 @@ impl SessionOpener {
     pub async fn open(&self, name: &str, url: &str) -> Result<LinkHandle, LinkError> {
         let unreachable = |reason: String| LinkError::Connect { addr: url.to_string(), reason };
         let refused = |reason: String| LinkError::Refused { addr: url.to_string(), reason };
-        let mut client = ExecutorClient::connect(url.to_string())
+        let endpoint = tls::endpoint(url).map_err(|e| unreachable(e.to_string()))?;
+        let channel = tls::connect(&endpoint, tls::Role::Executor)
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(tls::error_chain(&e)))?;
+        let mut client = ExecutorClient::new(channel);
         let hs = client
             .handshake(v1::HandshakeRequest {
                 scheduler_id: self.settings.scheduler_id.clone(),

@@ -1,6 +1,6 @@
 //! The one HTTP client of Ferry's tools: the load generator streams completions with it and the
-//! integration tests make every HTTP call through it (hyper's client, HTTP/1.1, no TLS: both
-//! talk to endpoints on this machine or a private network).
+//! integration tests make every HTTP call through it (hyper's client, HTTP/1.1; HTTPS when
+//! given a CA to trust, for a server started with `--tls-*`).
 //!
 //! A response's body is read frame by frame, so a streamed (SSE) answer can be timed as it
 //! arrives, or held open while a test looks elsewhere.
@@ -8,9 +8,17 @@
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::rustls::{pki_types::ServerName, ClientConfig};
 
 /// Why an HTTP call failed.
 #[derive(Debug, thiserror::Error)]
@@ -26,21 +34,125 @@ pub enum HttpError {
     Body(#[from] hyper::Error),
 }
 
-/// A client (connections are pooled and reused).
+/// A client: plain HTTP, or HTTPS to servers whose certificate chains to a given CA.
 #[derive(Clone, Debug)]
 pub struct HttpClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
+    inner: Client<Connector, Full<Bytes>>,
+    scheme: &'static str,
 }
 
 impl Default for HttpClient {
     fn default() -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
+        Self::build(None)
+    }
+}
+
+impl HttpClient {
+    /// A client speaking HTTPS with `tls` (see `ferry_runtime::tls::public_client`).
+    pub fn with_tls(tls: Arc<ClientConfig>) -> Self {
+        Self::build(Some(tls))
+    }
+
+    fn build(tls: Option<Arc<ClientConfig>>) -> Self {
+        let scheme = if tls.is_some() { "https" } else { "http" };
         // No pooled connections: each request gets its own, as a client fleet's would, and a
         // connection the server closed (after a 413, say) is never reused.
-        let inner =
-            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(connector);
-        Self { inner }
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
+            .build(Connector { tls });
+        Self { inner, scheme }
+    }
+}
+
+/// Dials TCP (no delay), then TLS when configured.
+#[derive(Clone)]
+pub struct Connector {
+    tls: Option<Arc<ClientConfig>>,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector").field("tls", &self.tls.is_some()).finish()
+    }
+}
+
+impl tower_service::Service<hyper::Uri> for Connector {
+    type Response = TokioIo<Stream>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = std::io::Result<TokioIo<Stream>>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: hyper::Uri) -> Self::Future {
+        let tls = self.tls.clone();
+        Box::pin(async move {
+            let bad = |what| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
+            let host = uri.host().ok_or_else(|| bad("no host"))?.to_string();
+            let port = uri.port_u16().ok_or_else(|| bad("no port"))?;
+            let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
+            tcp.set_nodelay(true)?;
+            let Some(tls) = tls else { return Ok(TokioIo::new(Stream::Plain(tcp))) };
+            let name = ServerName::try_from(host.trim_matches(['[', ']']).to_string())
+                .map_err(|_| bad("not a host name"))?;
+            let conn = tokio_rustls::TlsConnector::from(tls).connect(name, tcp).await?;
+            Ok(TokioIo::new(Stream::Tls(Box::new(conn))))
+        })
+    }
+}
+
+/// A client connection, plain or TLS.
+pub enum Stream {
+    /// Plain TCP.
+    Plain(TcpStream),
+    /// TLS.
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl Connection for Stream {
+    fn connected(&self) -> Connected {
+        Connected::new()
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
     }
 }
 
@@ -99,7 +211,7 @@ impl HttpClient {
     ) -> Result<Response, HttpError> {
         let mut request = hyper::Request::builder()
             .method(method)
-            .uri(format!("http://{addr}{path}"))
+            .uri(format!("{}://{addr}{path}", self.scheme))
             .header("content-type", "application/json")
             .header("accept", "application/json, text/event-stream");
         for (name, value) in headers {

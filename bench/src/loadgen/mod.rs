@@ -41,6 +41,9 @@ pub struct LoadArgs {
     /// Server address, HOST:PORT.
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub target: String,
+    /// HTTPS: the CA (PEM) the server's certificate chains to (`ferry certs`' `ca.pem`).
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
     /// Model name to send (empty: the server's default).
     #[arg(long, default_value = "")]
     pub model: String,
@@ -289,7 +292,10 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
     let start = Instant::now();
     let mut rng = Rng(args.seed ^ 0xA5A5);
     let target = Arc::new(args.target.clone());
-    let client = crate::http::HttpClient::default();
+    let client = match &args.tls_ca {
+        Some(ca) => crate::http::HttpClient::with_tls(ferry_runtime::tls::public_client(ca)?),
+        None => crate::http::HttpClient::default(),
+    };
     let model = args.model.clone();
     let rate = args.rate;
     tokio::spawn(async move {

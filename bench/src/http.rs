@@ -16,7 +16,7 @@ use std::task::{Context, Poll};
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::rustls::{pki_types::ServerName, ClientConfig};
 
@@ -89,70 +89,31 @@ impl tower_service::Service<hyper::Uri> for Connector {
         let tls = self.tls.clone();
         Box::pin(async move {
             let bad = |what| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
-            let host = uri.host().ok_or_else(|| bad("no host"))?.to_string();
+            // An IPv6 host comes bracketed in a URI.
+            let host = uri.host().ok_or_else(|| bad("no host"))?.trim_matches(['[', ']']);
             let port = uri.port_u16().ok_or_else(|| bad("no port"))?;
-            let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
+            let tcp = TcpStream::connect((host, port)).await?;
             tcp.set_nodelay(true)?;
-            let Some(tls) = tls else { return Ok(TokioIo::new(Stream::Plain(tcp))) };
-            let name = ServerName::try_from(host.trim_matches(['[', ']']).to_string())
-                .map_err(|_| bad("not a host name"))?;
+            let Some(tls) = tls else { return Ok(TokioIo::new(Box::new(tcp) as Stream)) };
+            let name =
+                ServerName::try_from(host.to_string()).map_err(|_| bad("not a host name"))?;
             let conn = tokio_rustls::TlsConnector::from(tls).connect(name, tcp).await?;
-            Ok(TokioIo::new(Stream::Tls(Box::new(conn))))
+            Ok(TokioIo::new(Box::new(conn) as Stream))
         })
     }
 }
 
 /// A client connection, plain or TLS.
-pub enum Stream {
-    /// Plain TCP.
-    Plain(TcpStream),
-    /// TLS.
-    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
-}
+pub type Stream = Box<dyn Io>;
 
-impl Connection for Stream {
+/// What a connection is: bytes both ways.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+
+impl Connection for Box<dyn Io> {
     fn connected(&self) -> Connected {
         Connected::new()
-    }
-}
-
-impl AsyncRead for Stream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Stream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
-            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
     }
 }
 

@@ -406,8 +406,7 @@ async fn connect(address: &str, op: Op) -> Result<Conn, Status> {
     } else {
         let conn = TcpStream::connect(hostport).await.map_err(unreachable)?;
         conn.set_nodelay(true).map_err(unreachable)?;
-        let (read, write) = conn.into_split();
-        (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf)
+        ferry_runtime::side_channel::tcp_halves(conn)
     };
     let mut w = BufWriter::with_capacity(BUFFER, write);
     w.write_all(MAGIC).await.map_err(unreachable)?;

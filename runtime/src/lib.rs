@@ -19,5 +19,18 @@ pub mod telemetry;
 pub mod tls;
 
 pub use backoff::Backoff;
+
+/// An error and its sources on one line, `: `-separated (tonic's transport errors say only
+/// "transport error", libloading's "dlopen failed": the reason is in the chain).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
 pub use grpc::{GrpcHost, HostError};
 pub use shutdown::{bounded_drain, shutdown_signal, DrainArgs};

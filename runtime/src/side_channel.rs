@@ -36,13 +36,16 @@ impl Conn {
     /// Its two halves, usable from two tasks.
     pub fn into_split(self) -> (ReadHalf, WriteHalf) {
         match self {
-            Conn::Tcp(tcp) => {
-                let (r, w) = tcp.into_split();
-                (Box::new(r), Box::new(w))
-            }
+            Conn::Tcp(tcp) => tcp_halves(tcp),
             Conn::Tls(tls) => halves(*tls),
         }
     }
+}
+
+/// The halves of a TCP stream (no lock between them).
+pub fn tcp_halves(tcp: TcpStream) -> (ReadHalf, WriteHalf) {
+    let (r, w) = tcp.into_split();
+    (Box::new(r), Box::new(w))
 }
 
 /// The halves of any stream (TLS streams cannot be split without a lock; this is tokio's).

@@ -146,11 +146,6 @@ pub enum TlsError {
 }
 
 impl TlsArgs {
-    /// Whether TLS files are given.
-    pub fn enabled(&self) -> bool {
-        self.cert.is_some() || self.key.is_some() || self.ca.is_some()
-    }
-
     /// Checks the flags against the listen addresses (`(flag, address)`), reading nothing.
     pub fn validate(&self, listens: &[(&'static str, &str)]) -> Result<(), TlsError> {
         let given = [&self.cert, &self.key, &self.ca].iter().filter(|p| p.is_some()).count();
@@ -174,14 +169,13 @@ impl TlsArgs {
             return Ok(None);
         };
         let files = Files { cert: cert.clone(), key: key.clone(), ca: ca.clone() };
-        let configs = Configs::read(&files)?;
-        configs.mutual(&Role::ALL)?; // what every port builds, checked now
-        let stamp = files.stamp();
+        let contents = files.read()?;
+        let configs = Configs::parse(&files, &contents)?;
         Ok(Some(Tls {
             shared: Arc::new(Shared {
                 files,
                 current: RwLock::new(Arc::new(configs)),
-                stamp: std::sync::Mutex::new(stamp),
+                last: std::sync::Mutex::new(contents),
             }),
         }))
     }
@@ -204,7 +198,8 @@ pub struct Tls {
 struct Shared {
     files: Files,
     current: RwLock<Arc<Configs>>,
-    stamp: std::sync::Mutex<Option<Vec<Vec<u8>>>>,
+    /// The files' contents the current set was built from.
+    last: std::sync::Mutex<[Vec<u8>; 3]>,
 }
 
 #[derive(Clone)]
@@ -215,11 +210,17 @@ struct Files {
 }
 
 impl Files {
-    /// The files' contents (`None` if one cannot be read). Contents, not modification times:
-    /// a rewrite within the file system's time granularity, or a secret volume's symlink swap,
-    /// is seen all the same (the files are a few kilobytes, read every few seconds).
-    fn stamp(&self) -> Option<Vec<Vec<u8>>> {
-        [&self.cert, &self.key, &self.ca].iter().map(|p| std::fs::read(p).ok()).collect()
+    /// The certificate, key and CA files' contents, read once and both compared (a change is
+    /// seen by content, not modification time: a rewrite within the file system's time
+    /// granularity, or a secret volume's symlink swap, counts) and parsed.
+    fn read(&self) -> Result<[Vec<u8>; 3], TlsError> {
+        let read =
+            |what, path: &PathBuf| std::fs::read(path).map_err(|e| file_error(what, path, e));
+        Ok([
+            read("--tls-cert", &self.cert)?,
+            read("--tls-key", &self.key)?,
+            read("--tls-ca", &self.ca)?,
+        ])
     }
 }
 
@@ -231,12 +232,8 @@ struct Configs {
     chain: Arc<dyn rustls::server::danger::ClientCertVerifier>,
     /// The HTTP API: no client certificate.
     public: Arc<ServerConfig>,
-    /// Calls over gRPC (ALPN h2), presenting this service's certificate.
-    grpc_client: Arc<ClientConfig>,
-    /// The KV data channel (its ALPN), presenting this service's certificate.
-    data_client: Arc<ClientConfig>,
-    /// HTTP/1.1 (`/metrics` on a gRPC port), presenting this service's certificate.
-    http_client: Arc<ClientConfig>,
+    /// Calls presenting this service's certificate, one per [`Protocol`] (their ALPN).
+    clients: [Arc<ClientConfig>; 3],
 }
 
 /// What a client connection speaks (its ALPN).
@@ -250,22 +247,40 @@ pub enum Protocol {
     Http1,
 }
 
+impl Protocol {
+    const ALL: [Protocol; 3] = [Protocol::Grpc, Protocol::Data, Protocol::Http1];
+
+    fn alpn(self) -> &'static [u8] {
+        match self {
+            Protocol::Grpc => b"h2",
+            Protocol::Data => DATA_ALPN,
+            Protocol::Http1 => b"http/1.1",
+        }
+    }
+}
+
+/// The crypto every configuration here uses (ring: what tonic and etcd-client build).
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
 fn file_error(what: &'static str, path: &Path, reason: impl std::fmt::Display) -> TlsError {
     TlsError::File { what, path: path.display().to_string(), reason: reason.to_string() }
 }
 
 impl Configs {
-    fn read(files: &Files) -> Result<Self, TlsError> {
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
-            .and_then(Iterator::collect)
+    /// Builds the set from the files' `contents` (cert, key, CA; `files` names them in errors).
+    fn parse(files: &Files, [cert, key, ca]: &[Vec<u8>; 3]) -> Result<Self, TlsError> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert)
+            .collect::<Result<_, _>>()
             .map_err(|e| file_error("--tls-cert", &files.cert, e))?;
         if certs.is_empty() {
             return Err(file_error("--tls-cert", &files.cert, "no certificate in the file"));
         }
-        let key = PrivateKeyDer::from_pem_file(&files.key)
+        let key = PrivateKeyDer::from_pem_slice(key)
             .map_err(|e| file_error("--tls-key", &files.key, e))?;
-        let roots = read_roots(&files.ca)?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let roots = parse_roots(&files.ca, ca)?;
+        let provider = provider();
         let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
             .build()
             .map_err(|e| file_error("--tls-ca", &files.ca, e))?;
@@ -274,22 +289,16 @@ impl Configs {
             .with_no_client_auth()
             .with_single_cert(certs.clone(), key.clone_key())?;
         public.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let client = |alpn: &[u8]| -> Result<Arc<ClientConfig>, TlsError> {
-            let mut c = ClientConfig::builder_with_provider(provider.clone())
-                .with_safe_default_protocol_versions()?
-                .with_root_certificates(roots.clone())
-                .with_client_auth_cert(certs.clone(), key.clone_key())?;
-            c.alpn_protocols = vec![alpn.to_vec()];
-            Ok(Arc::new(c))
-        };
-        Ok(Self {
-            identity: (certs.clone(), key.clone_key()),
-            chain: verifier,
-            public: Arc::new(public),
-            grpc_client: client(b"h2")?,
-            data_client: client(DATA_ALPN)?,
-            http_client: client(b"http/1.1")?,
-        })
+        let base = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs.clone(), key.clone_key())?;
+        let clients = Protocol::ALL.map(|p| {
+            let mut c = base.clone();
+            c.alpn_protocols = vec![p.alpn().to_vec()];
+            Arc::new(c)
+        });
+        Ok(Self { identity: (certs, key), chain: verifier, public: Arc::new(public), clients })
     }
 }
 
@@ -298,13 +307,12 @@ impl Configs {
     /// (checked during the handshake, so a refused client is told why at once); ALPN h2, the
     /// data channel, and HTTP/1.1 for `/metrics`.
     fn mutual(&self, allowed: &'static [Role]) -> Result<Arc<ServerConfig>, TlsError> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
         let verifier = Arc::new(RoleVerifier { chain: self.chain.clone(), allowed });
-        let mut config = ServerConfig::builder_with_provider(provider)
+        let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()?
             .with_client_cert_verifier(verifier)
             .with_single_cert(self.identity.0.clone(), self.identity.1.clone_key())?;
-        config.alpn_protocols = vec![b"h2".to_vec(), DATA_ALPN.to_vec(), b"http/1.1".to_vec()];
+        config.alpn_protocols = Protocol::ALL.map(|p| p.alpn().to_vec()).to_vec();
         Ok(Arc::new(config))
     }
 }
@@ -373,9 +381,10 @@ impl rustls::server::danger::ClientCertVerifier for RoleVerifier {
     }
 }
 
-fn read_roots(path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
+/// The CA certificates in `pem` (the contents of `path`).
+fn parse_roots(path: &Path, pem: &[u8]) -> Result<Arc<RootCertStore>, TlsError> {
     let mut roots = RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(path).map_err(|e| file_error("--tls-ca", path, e))? {
+    for cert in CertificateDer::pem_slice_iter(pem) {
         let cert = cert.map_err(|e| file_error("--tls-ca", path, e))?;
         roots.add(cert).map_err(|e| file_error("--tls-ca", path, e))?;
     }
@@ -388,13 +397,13 @@ fn read_roots(path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
 /// A client configuration that trusts the CA in `ca` and presents no certificate (for a
 /// client of the HTTP API, such as the load generator).
 pub fn public_client(ca: &Path) -> Result<Arc<ClientConfig>, TlsError> {
-    let roots = read_roots(ca)?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut c = ClientConfig::builder_with_provider(provider)
+    let pem = std::fs::read(ca).map_err(|e| file_error("--tls-ca", ca, e))?;
+    let roots = parse_roots(ca, &pem)?;
+    let mut c = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    c.alpn_protocols = vec![b"http/1.1".to_vec()];
+    c.alpn_protocols = vec![Protocol::Http1.alpn().to_vec()];
     Ok(Arc::new(c))
 }
 
@@ -405,16 +414,17 @@ impl Tls {
 
     /// Reads the files again if they changed since the last look; true if a new set is in use.
     pub fn reload_if_changed(&self) -> bool {
-        let stamp = self.shared.files.stamp();
+        // Unreadable for now (mid-rotation): look again next time.
+        let Ok(contents) = self.shared.files.read() else { return false };
         {
             let mut last =
-                self.shared.stamp.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if stamp.is_none() || *last == stamp {
+                self.shared.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *last == contents {
                 return false;
             }
-            *last = stamp;
+            last.clone_from(&contents);
         }
-        match Configs::read(&self.shared.files) {
+        match Configs::parse(&self.shared.files, &contents) {
             Ok(configs) => {
                 *self.shared.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
                     Arc::new(configs);
@@ -449,15 +459,10 @@ impl Tls {
         peer: Role,
         protocol: Protocol,
     ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
-        let configs = self.configs();
-        let config = match protocol {
-            Protocol::Grpc => &configs.grpc_client,
-            Protocol::Data => &configs.data_client,
-            Protocol::Http1 => &configs.http_client,
-        };
+        let config = self.configs().clients[protocol as usize].clone();
         let tcp = TcpStream::connect(hostport).await?;
         tcp.set_nodelay(true)?;
-        let connector = tokio_rustls::TlsConnector::from(config.clone());
+        let connector = tokio_rustls::TlsConnector::from(config);
         tokio::time::timeout(HANDSHAKE_TIMEOUT, connector.connect(peer.server_name(), tcp))
             .await
             .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake"))?
@@ -508,19 +513,6 @@ fn connector(
             Ok(TokioIo::new(tls.connect(&format!("{host}:{port}"), peer, Protocol::Grpc).await?))
         }
     })
-}
-
-/// An error and its sources, `: `-separated (tonic's transport errors say only "transport
-/// error"; the TLS reason is in the chain).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 static PROCESS: OnceLock<Tls> = OnceLock::new();

@@ -87,7 +87,7 @@ impl SessionOpener {
         let endpoint = tls::endpoint(url).map_err(|e| unreachable(e.to_string()))?;
         let channel = tls::connect(&endpoint, tls::Role::Executor)
             .await
-            .map_err(|e| unreachable(tls::error_chain(&e)))?;
+            .map_err(|e| unreachable(ferry_runtime::error_chain(&e)))?;
         let mut client = ExecutorClient::new(channel);
         let hs = client
             .handshake(v1::HandshakeRequest {

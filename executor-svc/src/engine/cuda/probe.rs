@@ -56,24 +56,11 @@ pub fn try_load(lib: CudaLibrary) -> Result<(), String> {
             // Dropping the handle unloads it again; cudarc keeps its own.
             Ok(_) => return Ok(()),
             Err(e) => {
-                first_error.get_or_insert_with(|| with_causes(&e));
+                first_error.get_or_insert_with(|| ferry_runtime::error_chain(&e));
             }
         }
     }
     Err(first_error.unwrap_or_else(|| format!("no file name to try for {usual}")))
-}
-
-/// An error and its causes on one line: libloading's own message is only "dlopen failed",
-/// the loader's reason ("cannot open shared object file…") is its source.
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
 }
 
 /// Checks that the driver, NVRTC and cuBLAS can all be loaded, in that order.

@@ -21,7 +21,6 @@ use std::sync::Arc;
 
 use ferry_kv_transfer_svc::shm::Staging;
 use ferry_runtime::GrpcHost;
-use tokio::net::TcpListener;
 
 pub use config::{BackendKind, ExecutorConfig, Role};
 
@@ -35,7 +34,7 @@ pub async fn run(
     config: ExecutorConfig,
     model: Option<std::sync::Arc<ferry_model::ModelFile>>,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
-    listener: TcpListener,
+    ports: impl Into<ferry_runtime::grpc::Ports>,
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain: std::time::Duration,
 ) -> anyhow::Result<()> {
@@ -64,7 +63,7 @@ pub async fn run(
         .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::Executor;
     let member = (cluster.as_ref(), kind, id.as_str());
-    ferry_runtime::cluster::serve_registered(host, listener, member, shutdown, drain).await?;
+    ferry_runtime::cluster::serve_registered(host, ports, member, shutdown, drain).await?;
     Ok(())
 }
 

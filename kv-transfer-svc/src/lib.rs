@@ -18,7 +18,6 @@ pub mod shm;
 pub mod store;
 
 use ferry_runtime::GrpcHost;
-use tokio::net::TcpListener;
 
 pub use config::KvAgentConfig;
 
@@ -29,7 +28,7 @@ pub use config::KvAgentConfig;
 pub async fn run(
     config: KvAgentConfig,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
-    listener: TcpListener,
+    ports: impl Into<ferry_runtime::grpc::Ports>,
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain: std::time::Duration,
 ) -> anyhow::Result<()> {
@@ -62,7 +61,7 @@ pub async fn run(
     let kind = ferry_runtime::cluster::MemberKind::KvAgent;
     let member = (cluster.as_ref(), kind, id.as_str());
     let served =
-        ferry_runtime::cluster::serve_registered(host, listener, member, shutdown, drain).await;
+        ferry_runtime::cluster::serve_registered(host, ports, member, shutdown, drain).await;
     reaper.abort();
     served?;
     Ok(())

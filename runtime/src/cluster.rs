@@ -601,19 +601,20 @@ pub enum RegisteredServeError {
     Etcd(#[from] etcd_client::Error),
 }
 
-/// Serves `host` on `listener` until `shutdown`, registered in etcd as `kind`/`id` while it
+/// Serves `host` on `ports` until `shutdown`, registered in etcd as `kind`/`id` while it
 /// serves when `cluster` configures etcd. On shutdown it drains ([`crate::shutdown`]): health
 /// says `NOT_SERVING`, the registration is withdrawn (others stop sending work here and move
 /// what they had), then the host stops and waits for its calls in flight — all within
 /// `drain`.
 pub async fn serve_registered(
     host: crate::GrpcHost,
-    listener: tokio::net::TcpListener,
+    ports: impl Into<crate::grpc::Ports>,
     (cluster, kind, id): (Option<&ClusterArgs>, MemberKind, &str),
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain: Duration,
 ) -> Result<(), RegisteredServeError> {
-    let bound = listener.local_addr().map_err(crate::HostError::Io)?;
+    let ports = ports.into();
+    let bound = ports.grpc.local_addr().map_err(crate::HostError::Io)?;
     let registration = match cluster {
         Some(c) => c.register(kind, id, bound).await?,
         None => None,
@@ -624,7 +625,7 @@ pub async fn serve_registered(
     };
     let (stop_tx, mut stop_rx) = watch::channel(false);
     let health = host.health_switch();
-    let serving = host.serve(listener, async move {
+    let serving = host.serve(ports, async move {
         let _ = stop_rx.wait_for(|s| *s).await;
     });
     tokio::pin!(serving);

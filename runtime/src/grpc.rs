@@ -6,6 +6,12 @@
 //! Health follows the service's life: each hosted service (and the overall "" entry) is
 //! SERVING once the listener is up, and `NOT_SERVING` from the moment shutdown begins, so load
 //! balancers stop sending work while in-flight work drains.
+//!
+//! A service may also open a **probe port** ([`ProbeArgs`], `--probe-listen`): plaintext, it
+//! serves only the health service and `GET /metrics`. Under mutual TLS every API port wants a
+//! client certificate, which neither the kubelet's gRPC probes nor a Prometheus scrape present;
+//! the probe port answers them without opening the API. (etcd's `--listen-metrics-urls` is the
+//! same idea.)
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -35,6 +41,8 @@ pub enum HostError {
 /// A set of gRPC services to host on one listener, with health and reflection added.
 pub struct GrpcHost {
     routes: RoutesBuilder,
+    /// The probe port's routes: the same health service.
+    probe_routes: RoutesBuilder,
     service_names: Vec<&'static str>,
     health: HealthReporter,
     metrics: Vec<std::sync::Arc<dyn crate::metrics::Render>>,
@@ -67,9 +75,12 @@ impl GrpcHost {
     pub fn new() -> Self {
         let (health, health_service) = tonic_health::server::health_reporter();
         let mut routes = RoutesBuilder::default();
+        let mut probe_routes = RoutesBuilder::default();
+        probe_routes.add_service(health_service.clone());
         routes.add_service(health_service);
         Self {
             routes,
+            probe_routes,
             service_names: Vec::new(),
             health,
             metrics: Vec::new(),
@@ -141,16 +152,20 @@ impl GrpcHost {
         HealthSwitch { health: self.health.clone(), names: self.service_names.clone() }
     }
 
-    /// Serves on `listener` until `shutdown` resolves, then reports `NOT_SERVING` and stops
+    /// Serves on `ports` until `shutdown` resolves, then reports `NOT_SERVING` and stops
     /// accepting; in-flight calls finish before this returns. With the process's TLS
-    /// installed ([`crate::tls::install`]), every connection is mutual TLS from one of
-    /// [`Self::callers`], and the side channel is chosen by ALPN inside TLS.
+    /// installed ([`crate::tls::install`]), every connection to the API port is mutual TLS
+    /// from one of [`Self::callers`], and the side channel is chosen by ALPN inside TLS. The
+    /// probe port, if any, answers health checks (the same statuses) and `/metrics` in
+    /// plaintext until the API port has stopped.
     pub async fn serve(
         self,
-        listener: TcpListener,
+        ports: impl Into<Ports>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), HostError> {
-        let Self { mut routes, service_names, health, metrics, bulk, side, callers } = self;
+        let Self { mut routes, probe_routes, service_names, health, metrics, bulk, side, callers } =
+            self;
+        let Ports { grpc: listener, probe } = ports.into();
         let mut v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -167,6 +182,17 @@ impl GrpcHost {
         }
         routes.add_service(v1.build_v1()?);
         routes.add_service(v1alpha.build_v1alpha()?);
+        // The probe port reflects only what it serves: health.
+        let mut probe_routes = probe_routes;
+        if probe.is_some() {
+            let health_only = || {
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                    .with_service_name("grpc.health.v1.Health")
+            };
+            probe_routes.add_service(health_only().build_v1()?);
+            probe_routes.add_service(health_only().build_v1alpha()?);
+        }
         set_all(&health, &service_names, ServingStatus::Serving).await;
 
         let draining = async {
@@ -174,12 +200,29 @@ impl GrpcHost {
             set_all(&health, &service_names, ServingStatus::NotServing).await;
         };
         let mut routes = routes.routes();
+        let mut probe_routes = probe_routes.routes();
         let http1 = !metrics.is_empty();
         if http1 {
-            let all = std::sync::Arc::new(crate::metrics::All(metrics));
-            let router = routes.into_axum_router().merge(crate::metrics::router(all));
+            let all: std::sync::Arc<dyn crate::metrics::Render> =
+                std::sync::Arc::new(crate::metrics::All(metrics));
+            let router = routes.into_axum_router().merge(crate::metrics::router(all.clone()));
             routes = tonic::service::Routes::from(router);
+            let router = probe_routes.into_axum_router().merge(crate::metrics::router(all));
+            probe_routes = tonic::service::Routes::from(router);
         }
+        // The probe port outlives the API port's drain (it reports NOT_SERVING meanwhile) and
+        // stops when this returns, however it returns.
+        let _probe = probe.map(|listener| {
+            let server = tonic::transport::Server::builder()
+                .accept_http1(http1)
+                .add_routes(probe_routes)
+                .serve_with_incoming(TcpListenerStream::new(listener));
+            AbortOnDrop(tokio::spawn(async move {
+                if let Err(e) = server.await {
+                    tracing::warn!(error = %e, "probe port");
+                }
+            }))
+        });
         let mut server = tonic::transport::Server::builder();
         if bulk {
             server = server
@@ -210,6 +253,57 @@ impl GrpcHost {
             Box::pin(server.serve_with_incoming_shutdown(incoming, draining)).await?;
         }
         Ok(())
+    }
+}
+
+/// The ports a host serves: its API and, if asked for, a plaintext probe port.
+pub struct Ports {
+    /// The gRPC API (and `/metrics`, and a side channel if the host has one).
+    pub grpc: TcpListener,
+    /// Health and `/metrics` only, in plaintext ([`ProbeArgs`]).
+    pub probe: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Ports {
+    fn from(grpc: TcpListener) -> Self {
+        Self { grpc, probe: None }
+    }
+}
+
+/// The probe port's flag, which every service binary takes.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct ProbeArgs {
+    /// A plaintext port (HOST:PORT) serving only health checks (`grpc.health.v1.Health`, the
+    /// API's statuses) and `GET /metrics`: for kubelet probes and Prometheus, which cannot
+    /// present the client certificate the API port wants under mutual TLS. Off by default.
+    #[arg(long = "probe-listen", env = "FERRY_PROBE_LISTEN")]
+    pub probe_listen: Option<String>,
+}
+
+impl ProbeArgs {
+    /// Checks the address's form, binding nothing.
+    pub fn validate(&self) -> Result<(), crate::check::AddressError> {
+        match &self.probe_listen {
+            Some(addr) => crate::check::listen_address("probe-listen", addr),
+            None => Ok(()),
+        }
+    }
+
+    /// Binds the probe port, if asked for, and announces it as `probe=ADDR`.
+    pub async fn bind(&self, program: &str) -> Result<Option<TcpListener>, BindError> {
+        let Some(addr) = &self.probe_listen else { return Ok(None) };
+        let (listener, local) = bind(addr).await?;
+        announce(program, "probe", local);
+        Ok(Some(listener))
+    }
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -56,6 +56,8 @@ pub struct Listeners {
     pub grpc: TcpListener,
     /// The OpenAI HTTP API, when served.
     pub http: Option<TcpListener>,
+    /// The plaintext probe port (health and `/metrics`), when asked for.
+    pub probe: Option<TcpListener>,
 }
 
 /// Serves the scheduling role for `model` — its front's gRPC API on `listeners.grpc` and the
@@ -192,7 +194,7 @@ async fn serve_api(
     listeners: Listeners,
     stop: Stop<impl std::future::Future<Output = ()> + Send, impl std::future::Future<Output = ()>>,
 ) -> anyhow::Result<()> {
-    let Listeners { grpc: listener, http } = listeners;
+    let Listeners { grpc, http, probe } = listeners;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -213,7 +215,7 @@ async fn serve_api(
         host = host.add_service(ferry_proto::v1::admin_server::AdminServer::new(admin));
     }
     let health = host.health_switch();
-    let grpc = host.serve(listener, stopped());
+    let grpc = host.serve(ferry_runtime::grpc::Ports { grpc, probe }, stopped());
     tokio::pin!(grpc);
     let Stop { signal, hand_over, drain } = stop;
     tokio::select! {

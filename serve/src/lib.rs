@@ -146,7 +146,7 @@ pub async fn bind(
         kv_agent: kv_addr,
         prefill: prefill_addrs,
     };
-    Ok((Bound { front: Listeners { grpc, http: Some(http) }, main, prefill }, addrs))
+    Ok((Bound { front: Listeners { grpc, http: Some(http), probe: None }, main, prefill }, addrs))
 }
 
 /// The bound listeners of every part.

@@ -3,7 +3,8 @@
 //! executors, executors to their agents, agent to agent over the data channel, the test to
 //! the scheduler's API) streams exactly what `ferry serve` over TLS streams; every internal
 //! port refuses a client certificate from another CA, no certificate, plaintext, and a
-//! certificate whose role may not call it (an executor may not drive an executor); a rotated
+//! certificate whose role may not call it (an executor may not drive an executor); each
+//! service's plaintext probe port answers health checks and `/metrics` and nothing else; a rotated
 //! certificate set is used without a restart; and a service refuses to listen beyond
 //! loopback in plaintext unless told to.
 //!
@@ -120,7 +121,8 @@ fn node(certs: &Path, role: &str) -> (Service, Service) {
     let mut args: Vec<String> =
         ["--listen", "127.0.0.1:0", "--node-id", role].map(String::from).to_vec();
     args.extend(tls_flags(certs, "kv"));
-    let agent = start("ferry-kv", &args, 1);
+    args.extend(["--probe-listen".into(), "127.0.0.1:0".into()]);
+    let agent = start("ferry-kv", &args, 2);
     let kv = agent.addr("grpc").to_string();
     let mut args: Vec<String> = [
         "--listen",
@@ -137,7 +139,8 @@ fn node(certs: &Path, role: &str) -> (Service, Service) {
     .map(String::from)
     .to_vec();
     args.extend(tls_flags(certs, "executor"));
-    let executor = start("ferry-executor", &args, 1);
+    args.extend(["--probe-listen".into(), "127.0.0.1:0".into()]);
+    let executor = start("ferry-executor", &args, 2);
     (agent, executor)
 }
 
@@ -174,7 +177,8 @@ async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_stra
         args.extend(["--executor".to_string(), e.addr("grpc").to_string()]);
     }
     args.extend(tls_flags(&ours, "scheduler"));
-    let scheduler = start("ferry-scheduler", &args, 2);
+    args.extend(["--probe-listen".into(), "127.0.0.1:0".into()]);
+    let scheduler = start("ferry-scheduler", &args, 3);
     let grpc = scheduler.addr("grpc");
     let mut driven = false;
     for _ in 0..120 {
@@ -229,6 +233,15 @@ async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_stra
         assert!(!grpcurl_lists(prefill_agent.addr("grpc"), &flags), "an agent took a {stem}");
     }
     assert!(!grpcurl_lists(grpc, &grpcurl_tls(&ours, &ours, Some("executor"))));
+    // Probe ports: plaintext health and /metrics (for kubelets and Prometheus), nothing else.
+    let probes = [
+        ("prefill executor", prefill.addr("probe"), "ferry.v1.Executor/Describe"),
+        ("decode agent", decode_agent.addr("probe"), "ferry.v1.KvTransfer/Describe"),
+        ("scheduler", scheduler.addr("probe"), "ferry.v1.Generation/Generate"),
+    ];
+    for (what, addr, api) in probes {
+        assert_probe_port(addr, api, what).await;
+    }
     // The data channel's plaintext opening (its magic) is not TLS: closed without an answer.
     let mut raw = tokio::net::TcpStream::connect(prefill_agent.addr("grpc")).await.unwrap();
     raw.write_all(b"FERRYKV1\x01").await.unwrap();
@@ -240,6 +253,32 @@ async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_stra
     // The cluster still serves after all that.
     let again = run_streams(grpc, requests(4), 0, || {}).await;
     assert_same_streams(&again, &reference);
+}
+
+/// A probe port answers health checks (SERVING) and `GET /metrics` in plaintext, and refuses
+/// the service's API (`api`, a method).
+async fn assert_probe_port(addr: SocketAddr, api: &str, what: &str) {
+    let addr_s = addr.to_string();
+    let health = grpcurl(&["-plaintext", &addr_s, "grpc.health.v1.Health/Check"]).unwrap();
+    let health_out = String::from_utf8_lossy(&health.stdout);
+    assert!(health.status.success() && health_out.contains("\"SERVING\""), "{what}: {health_out}");
+    let protos = concat!(env!("CARGO_MANIFEST_DIR"), "/../proto");
+    let (service, _) = api.rsplit_once('/').unwrap();
+    let file = match service {
+        "ferry.v1.Executor" => "ferry/v1/executor.proto",
+        "ferry.v1.KvTransfer" => "ferry/v1/kv_transfer.proto",
+        _ => "ferry/v1/generation.proto",
+    };
+    let call = ["-plaintext", "-import-path", protos, "-proto", file, "-d", "{}", &addr_s, api];
+    let out = grpcurl(&call).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("Unimplemented"), "{what} probe port: {err}");
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.unwrap();
+    assert!(body.starts_with("HTTP/1.1 200") && body.contains("# TYPE ferry_"), "{what}: {body}");
 }
 
 /// Copies `stem`'s certificate, key and CA from `from` into `to` as `tls.crt`, `tls.key`,

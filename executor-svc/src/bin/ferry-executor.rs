@@ -30,6 +30,8 @@ struct Cli {
     #[command(flatten)]
     tls: ferry_runtime::tls::TlsArgs,
     #[command(flatten)]
+    probe: ferry_runtime::grpc::ProbeArgs,
+    #[command(flatten)]
     drain: ferry_runtime::DrainArgs,
     #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
@@ -118,6 +120,7 @@ async fn main() -> anyhow::Result<()> {
     ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
         .map_err(anyhow::Error::msg)?;
     cli.tls.validate(&[("listen", &cli.listen)])?;
+    cli.probe.validate()?;
     let drain = cli.drain.timeout().map_err(anyhow::Error::msg)?;
     // A dry run checks the configuration, not this build: a CUDA pool's flags are checked by
     // any build (the CUDA image's executor runs them).
@@ -134,6 +137,7 @@ async fn main() -> anyhow::Result<()> {
     ferry_runtime::tls::start(&cli.tls)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);
+    let probe = cli.probe.bind("ferry-executor").await?;
     // A simulated model profile reads no model file.
     let model = if cli.executor.model_profile.is_some() {
         None
@@ -147,7 +151,7 @@ async fn main() -> anyhow::Result<()> {
         cli.executor,
         model,
         cluster,
-        listener,
+        ferry_runtime::grpc::Ports { grpc: listener, probe },
         ferry_runtime::shutdown_signal(),
         drain,
     )

@@ -21,6 +21,8 @@ struct Cli {
     #[command(flatten)]
     tls: ferry_runtime::tls::TlsArgs,
     #[command(flatten)]
+    probe: ferry_runtime::grpc::ProbeArgs,
+    #[command(flatten)]
     drain: ferry_runtime::DrainArgs,
     #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
@@ -34,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
     ferry_runtime::check::shared_flags(&[("listen", &cli.listen)], &cli.log, &cli.trace)
         .map_err(anyhow::Error::msg)?;
     cli.tls.validate(&[("listen", &cli.listen)])?;
+    cli.probe.validate()?;
     let drain = cli.drain.timeout().map_err(anyhow::Error::msg)?;
     if cli.check.dry_run_done("ferry-kv") {
         return Ok(());
@@ -43,7 +46,9 @@ async fn main() -> anyhow::Result<()> {
     ferry_runtime::tls::start(&cli.tls)?;
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);
+    let probe = cli.probe.bind("ferry-kv").await?;
     let cluster = cli.cluster.enabled().then_some(cli.cluster);
     let stop = ferry_runtime::shutdown_signal();
-    ferry_kv_transfer_svc::run(cli.agent, cluster, listener, stop, drain).await
+    let ports = ferry_runtime::grpc::Ports { grpc: listener, probe };
+    ferry_kv_transfer_svc::run(cli.agent, cluster, ports, stop, drain).await
 }

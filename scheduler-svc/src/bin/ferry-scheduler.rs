@@ -52,6 +52,8 @@ struct Common {
     #[command(flatten)]
     tls: ferry_runtime::tls::TlsArgs,
     #[command(flatten)]
+    probe: ferry_runtime::grpc::ProbeArgs,
+    #[command(flatten)]
     drain: ferry_runtime::DrainArgs,
     #[command(flatten)]
     check: ferry_runtime::check::CheckArgs,
@@ -81,6 +83,7 @@ impl Common {
         ferry_runtime::check::shared_flags(&listen, &self.log, &self.trace)
             .map_err(anyhow::Error::msg)?;
         self.tls.validate(&listen)?;
+        self.probe.validate()?;
         self.drain.timeout().map_err(anyhow::Error::msg)?;
         if let Some(name) = &self.served_model_name {
             anyhow::ensure!(
@@ -103,7 +106,8 @@ impl Common {
         let (http, http_addr) = ferry_runtime::grpc::bind(&self.http_listen).await?;
         ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);
         ferry_runtime::grpc::announce("ferry-scheduler", "http", http_addr);
-        Ok((Listeners { grpc, http: Some(http) }, telemetry))
+        let probe = self.probe.bind("ferry-scheduler").await?;
+        Ok((Listeners { grpc, http: Some(http), probe }, telemetry))
     }
 
     /// Reads the model's header (fetching the default model when missing).

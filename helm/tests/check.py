@@ -8,7 +8,10 @@
 - Services select pods, and their target ports are ports of those pods; StatefulSets' governing
   Services exist and are headless;
 - every referenced Secret and ConfigMap exists (or is declared external);
-- probes point at the container's health port, which is the port its service listens on;
+- probes point at the container's probe port (`--probe-listen`, plaintext health and /metrics);
+- mutual TLS between services is on in every Ferry container or in none; each reads its
+  certificate from a mounted Secret, and a Secret that a cert-manager Certificate of the
+  manifest issues names the role of the binary that presents it;
 - etcd endpoints point at the bundled etcd's members through its Service (or at the declared
   external endpoints), the same in every container;
 - each executor's `--kv-agent` is its own pod's agent's advertised address, sharing the
@@ -78,7 +81,7 @@ class Checker:
         for a in p.argv(c)[1:]:
             if a.startswith("--") and "=" in a:
                 flag, value = a[2:].split("=", 1)
-                if flag in ("listen", "http-listen"):
+                if flag in ("listen", "http-listen", "probe-listen"):
                     continue
                 for v in value.split(","):
                     out.append((f"--{flag}", v))
@@ -140,6 +143,7 @@ class Checker:
 
     def check_references(self):
         secrets = {o["metadata"]["name"] for o in self.m.by_kind.get("Secret", [])}
+        secrets |= {c["spec"]["secretName"] for c in self.m.by_kind.get("Certificate", [])}
         secrets |= set(self.args.external_secret)
         configmaps = {o["metadata"]["name"] for o in self.m.by_kind.get("ConfigMap", [])}
 
@@ -195,7 +199,11 @@ class Checker:
                 if c.init:
                     continue
                 ports = c.ports()
-                listen = self.flag(p.argv(c), "listen")
+                listen = None
+                if self.is_ferry(c):
+                    listen = self.flag(p.argv(c), "probe-listen")
+                    if listen is None:
+                        self.fail(f"{p.workload}/{c.name}: no --probe-listen")
                 listen = int(listen.rsplit(":", 1)[1]) if listen else None
                 for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                     probe = c.spec.get(kind)
@@ -215,7 +223,7 @@ class Checker:
                                           "container port")
                             if how == "grpc" and listen is not None and port != listen:
                                 self.fail(f"{p.workload}/{c.name} {kind}: gRPC probe on {port} but "
-                                          f"the service listens on {listen}")
+                                          f"the probe port is {listen}")
                             self.count("probes on a container port")
                     if self.is_ferry(c) and "grpc" not in probe:
                         self.fail(f"{p.workload}/{c.name} {kind}: not a gRPC health probe")
@@ -278,7 +286,8 @@ class Checker:
                 mounts = [vm["mountPath"] for vm in c.spec.get("volumeMounts", [])]
                 env = p.env(c)
                 files = [(k, env.get(k)) for k in
-                         ("FERRY_ETCD_CACERT", "FERRY_ETCD_CERT", "FERRY_ETCD_KEY")]
+                         ("FERRY_ETCD_CACERT", "FERRY_ETCD_CERT", "FERRY_ETCD_KEY",
+                          "FERRY_TLS_CERT", "FERRY_TLS_KEY", "FERRY_TLS_CA")]
                 files.append(("--model", self.flag(argv, "model")))
                 for what, path in files:
                     if path and not any(path.startswith(m.rstrip("/") + "/") for m in mounts):
@@ -310,6 +319,46 @@ class Checker:
                                   f"--shm-dir {ashm} are not one shared volume")
                     self.count("executors wired to their own agent")
 
+    ROLES = {"ferry-executor": "ferry-executor", "ferry-kv": "ferry-kv",
+             "ferry-scheduler": "ferry-scheduler"}
+
+    def check_tls(self):
+        """Mutual TLS between services: all Ferry containers or none, each with its role's
+        certificate."""
+        issued = {c["spec"]["secretName"]: c["spec"].get("dnsNames", [])
+                  for c in self.m.by_kind.get("Certificate", [])}
+        modes = set()
+        for p in self.m.pods:
+            for c in p.containers:
+                if not self.is_ferry(c):
+                    continue
+                env, argv = p.env(c), p.argv(c)
+                cert = env.get("FERRY_TLS_CERT")
+                plaintext = env.get("FERRY_PLAINTEXT") == "true"
+                modes.add(bool(cert))
+                if bool(cert) == plaintext:
+                    self.fail(f"{p.workload}/{c.name}: FERRY_TLS_CERT {cert!r} beside "
+                              f"FERRY_PLAINTEXT {env.get('FERRY_PLAINTEXT')!r}")
+                if not cert:
+                    continue
+                role = "ferry-front" if argv[:2] == ["ferry-scheduler", "front"] \
+                    else self.ROLES[argv[0]]
+                folder = os.path.dirname(cert)
+                mounts = {vm["mountPath"].rstrip("/"): vm["name"]
+                          for vm in c.spec.get("volumeMounts", [])}
+                vols = {v["name"]: v for v in p.spec.get("volumes", [])}
+                secret = vols.get(mounts.get(folder), {}).get("secret", {}).get("secretName")
+                if secret is None:
+                    self.fail(f"{p.workload}/{c.name}: FERRY_TLS_CERT {cert} is not in a Secret")
+                    continue
+                names = issued.get(secret)
+                if names is not None and role not in names:
+                    self.fail(f"{p.workload}/{c.name} ({role}) presents Secret {secret}, whose "
+                              f"Certificate names {names}")
+                self.count("containers presenting their role's certificate")
+        if len(modes) > 1:
+            self.fail("mutual TLS is on in some Ferry containers and off in others")
+
     def check_targets(self):
         workloads = {(w["kind"], w["metadata"]["name"]) for k in ("Deployment", "StatefulSet")
                      for w in self.m.by_kind.get(k, [])}
@@ -334,7 +383,7 @@ class Checker:
                     self.fail(f"ServiceMonitor: no selected Service has port {ep['port']}")
                 self.count("ServiceMonitor endpoints")
             ferry = {s["metadata"]["name"] for s in svcs if
-                     any(p.get("name") in ("grpc", "kv") for p in s["spec"]["ports"])}
+                     any(p.get("name") in ("probe", "kv-probe") for p in s["spec"]["ports"])}
             if not ferry:
                 self.fail("ServiceMonitor scrapes no Ferry Service")
 
@@ -346,6 +395,7 @@ class Checker:
         self.check_probes()
         self.check_etcd()
         self.check_ferry_wiring()
+        self.check_tls()
         self.check_targets()
         return self.failures
 

@@ -13,7 +13,12 @@ before the containers after it, its startup probe passed first; probes are polle
 would (gRPC health, HTTP GET, TCP).
 
 Then, through the front's Service: /v1/models lists the chart's model name, a chat completion
-and a grpcurl Generate answer. Two faults, each under `--streams` streams: the executor pod that
+and a grpcurl Generate answer. With mutual TLS between services (`tls.enabled`, and
+`--client-certs`, the `ferry certs` folder the Secrets came from), every call is made as a
+role's certificate would make it (the front over HTTPS and with a `client` certificate, the
+executors' Describe as a `scheduler`), every internal port is first shown to refuse plaintext
+and a certificate whose role may not call it, and the probes and metrics go to the plaintext
+probe ports. Two faults, each under `--streams` streams: the executor pod that
 holds the most of them is killed (SIGKILL to each of its processes), then the leading
 scheduler's pod; every stream still ends with all its tokens, `ferry_requests_moved` (the
 leader's, then the front's) counts the moves, the standby leads, and each stream's text equals
@@ -21,7 +26,8 @@ an undisturbed run's (greedy decoding). With `--disaggregated`, every stream mus
 prefilled on a prefill pod and its KV moved to a decode pod, none recomputed.
 
 Needs root (network namespaces) and grpcurl (FERRY_GRPCURL). Usage:
-  smoke.py MANIFEST --bin DIR [--wheel-dir DIR] [--image-repo REPO]
+  smoke.py MANIFEST --bin DIR [--wheel-dir DIR] [--image-repo REPO] [--secret NAME=DIR]...
+           [--client-certs DIR]
 """
 
 import argparse
@@ -55,6 +61,19 @@ def sh(*cmd, check=True):
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
+class RoleHTTPS(http.client.HTTPSConnection):
+    """HTTPS to an address, checking the certificate against a role's DNS name (the pods'
+    certificates name their role, not their address)."""
+
+    def __init__(self, ip, port, role, context, timeout):
+        super().__init__(role, port, context=context, timeout=timeout)
+        self.ip = ip
+
+    def connect(self):
+        raw = socket.create_connection((self.ip, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)
+
+
 class Run:
     def __init__(self, manifest, args):
         self.m = manifest
@@ -65,6 +84,9 @@ class Run:
         self.netns = {}
         self.lock = threading.Lock()
         self.errors = []
+        self.tls = any(p.env(c).get("FERRY_TLS_CERT") for p in self.m.pods for c in p.containers)
+        if self.tls and not args.client_certs:
+            raise SystemExit("smoke: the chart has tls.enabled: give --client-certs")
 
     # -- network --------------------------------------------------------------------------
     def network(self):
@@ -259,9 +281,66 @@ class Run:
         return [p for p in self.m.pods
                 if p.labels.get("app.kubernetes.io/component", "").startswith(component_prefix)]
 
-    def grpc_json(self, ip, port, method):
-        r = sh(self.args.grpcurl, "-plaintext", "-d", "{}", f"{ip}:{port}", method, check=False)
+    def grpc_flags(self, server, caller):
+        """grpcurl's flags to reach a service of role `server` as `caller` (e.g. `ferry-front`
+        as `client`): plaintext without TLS."""
+        if not self.tls:
+            return ["-plaintext"]
+        d = self.args.client_certs
+        return ["-cacert", f"{d}/ca.pem", "-cert", f"{d}/{caller}.pem", "-key", f"{d}/{caller}.key",
+                "-servername", server]
+
+    def grpc_json(self, ip, port, method, server="ferry-executor", caller="scheduler"):
+        r = sh(self.args.grpcurl, *self.grpc_flags(server, caller), "-d", "{}", f"{ip}:{port}",
+               method, check=False)
         return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def http(self, path, body=None, timeout=300):
+        """A request to the front Service's HTTP API (HTTPS under TLS, checked against the
+        front's role name); raises on a status other than 200."""
+        _, ip, ports = self.front()
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=f"{self.args.client_certs}/ca.pem")
+            conn = RoleHTTPS(ip, ports["http"], "ferry-front", ctx, timeout)
+        else:
+            conn = http.client.HTTPConnection(ip, ports["http"], timeout=timeout)
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST" if body is not None else "GET", path,
+                     body=json.dumps(body).encode() if body is not None else None, headers=headers)
+        r = conn.getresponse()
+        if r.status != 200:
+            raise OSError(f"{path}: HTTP {r.status}: {r.read()[:300]!r}")
+        return r
+
+    def check_service_tls(self):
+        """Under TLS, each internal port refuses plaintext and a caller whose role may not
+        call it, and answers the role that may (so the refusals mean something)."""
+        if not self.tls:
+            return
+        checked = 0
+        for p in self.m.pods:
+            for c in p.containers:
+                if (c.init and not c.sidecar) or c.image.split(":")[0] != self.args.image_repo:
+                    continue
+                argv = p.argv(c)
+                server, caller, stranger = {
+                    "ferry-executor": ("ferry-executor", "scheduler", "executor"),
+                    "ferry-kv": ("ferry-kv", "executor", "client"),
+                    "ferry-scheduler": ("ferry-scheduler", "client", "executor"),
+                }[argv[0]]
+                if argv[:2] == ["ferry-scheduler", "front"]:
+                    server = "ferry-front"
+                port = int(next(a for a in argv if a.startswith("--listen=")).rsplit(":", 1)[1])
+                target = f"{self.ips[p.name]}:{port}"
+                lists = lambda flags: sh(self.args.grpcurl, "-connect-timeout", "3", *flags,
+                                         target, "list", check=False).returncode == 0
+                assert lists(self.grpc_flags(server, caller)), f"{p.name}/{c.name} refused {caller}"
+                assert not lists(["-plaintext"]), f"{p.name}/{c.name} answered plaintext"
+                assert not lists(self.grpc_flags(server, stranger)), \
+                    f"{p.name}/{c.name} took a {stranger} certificate"
+                checked += 1
+        log(f"mutual TLS: {checked} service ports answer their callers' roles and refuse "
+            "plaintext and other roles")
 
     def executors(self):
         return self.pods_of("executor-")
@@ -269,6 +348,7 @@ class Run:
     def describe(self, p):
         port = p.container("executor").ports()["grpc"]
         return self.grpc_json(self.ips[p.name], port, "ferry.v1.Executor/Describe")
+
 
     def front(self):
         """The front Service: its name, the address it stands for here (its first pod) and its
@@ -325,17 +405,14 @@ class Run:
         raise RuntimeError("executors have no scheduler session")
 
     def post(self, body):
-        _, ip, ports = self.front()
-        req = urllib.request.Request(
-            f"http://{ip}:{ports['http']}/v1/chat/completions", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"})
-        return urllib.request.urlopen(req, timeout=300)
+        return self.http("/v1/chat/completions", body)
 
     def metric(self, name, component):
-        """A counter summed over the live pods of a component (`front`, `scheduler-`)."""
+        """A counter summed over the live pods of a component (`front`, `scheduler-`), read
+        from their probe ports."""
         total = 0
         for p in self.pods_of(component):
-            port = p.containers[-1].ports()["grpc"]
+            port = p.containers[-1].ports()["probe"]
             try:
                 with urllib.request.urlopen(f"http://{self.ips[p.name]}:{port}/metrics",
                                             timeout=5) as r:
@@ -349,8 +426,8 @@ class Run:
 
     def exercise(self):
         name, ip, ports = self.front()
-        log(f"front Service http://{name}:{ports['http']}")
-        with urllib.request.urlopen(f"http://{ip}:{ports['http']}/v1/models", timeout=10) as r:
+        log(f"front Service http{'s' if self.tls else ''}://{name}:{ports['http']}")
+        with self.http("/v1/models", timeout=10) as r:
             models = [m["id"] for m in json.load(r)["data"]]
         assert models == [self.args.model_name], f"/v1/models lists {models}"
         log(f"/v1/models lists {models}")
@@ -362,7 +439,7 @@ class Run:
         assert r.status == 200 and text, answer
         log(f"chat completion through the front: {text!r}")
         # The gRPC API, as NOTES.txt shows it.
-        r = sh(self.args.grpcurl, "-plaintext", "-d",
+        r = sh(self.args.grpcurl, *self.grpc_flags("ferry-front", "client"), "-d",
                '{"prompt": "The capital of France is", "stopping": {"max_tokens": 8}}',
                f"{ip}:{ports['grpc']}", "ferry.v1.Generation/Generate", check=False)
         assert r.returncode == 0 and "FINISH_REASON_LENGTH" in r.stdout, r.stdout + r.stderr
@@ -505,6 +582,8 @@ def main():
                     help="every stream must be prefilled on a prefill pod and handed to decode")
     ap.add_argument("--secret", action="append", default=[], metavar="NAME=DIR",
                     help="a Secret's files (a volume of that Secret gets them)")
+    ap.add_argument("--client-certs", help="with tls.enabled: the `ferry certs` folder whose CA "
+                    "signed the Secrets (the test calls as its roles' certificates)")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
@@ -520,6 +599,7 @@ def main():
         run.start_all()
         run.wait_serving()
         run.check_etcd_tls()
+        run.check_service_tls()
         run.exercise()
         ok = True
     finally:

@@ -89,6 +89,50 @@ that points the binaries at it. */}}
 {{- end }}
 {{- end -}}
 
+{{/* Mutual TLS between Ferry's services (`tls`). These helpers take
+(dict "root" $ "role" ROLE), ROLE one of front, scheduler, executor, kvAgent: the role's Secret
+(given, or `<fullname>-tls-<role>`), its volume and mount, and the environment that points the
+binary at it. Without `tls.enabled` the environment asks for plaintext explicitly (the binaries
+refuse to listen beyond loopback in plaintext unless told to). */}}
+{{- define "ferry.tls.secretName" -}}
+{{- $given := get .root.Values.tls.secrets .role -}}
+{{- if $given -}}{{ $given }}{{- else -}}{{ include "ferry.fullname" .root }}-tls-{{ kebabcase .role }}{{- end -}}
+{{- end -}}
+{{- define "ferry.tls.volume" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls-{{ kebabcase .role }}
+  secret:
+    secretName: {{ include "ferry.tls.secretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+{{- define "ferry.tls.mount" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls-{{ kebabcase .role }}
+  mountPath: /etc/ferry/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "ferry.tls.env" -}}
+{{- if .root.Values.tls.enabled }}
+- name: FERRY_TLS_CERT
+  value: /etc/ferry/tls/tls.crt
+- name: FERRY_TLS_KEY
+  value: /etc/ferry/tls/tls.key
+- name: FERRY_TLS_CA
+  value: /etc/ferry/tls/ca.crt
+{{- else }}
+- name: FERRY_PLAINTEXT
+  value: "true"
+{{- end }}
+{{- end -}}
+{{/* A Service port's appProtocol for Ferry's gRPC ports: cleartext HTTP/2, or none under TLS. */}}
+{{- define "ferry.grpcAppProtocol" -}}
+{{- if not .Values.tls.enabled }}
+appProtocol: kubernetes.io/h2c
+{{- end }}
+{{- end -}}
+
 {{- define "ferry.otlpEndpoint" -}}
 {{- if .Values.tracing.enabled -}}
 {{- if .Values.tracing.otlpEndpoint -}}
@@ -101,7 +145,8 @@ that points the binaries at it. */}}
 {{- end -}}
 {{- end -}}
 
-{{/* Environment every Ferry container gets: its pod's name, logging, etcd, tracing. */}}
+{{/* Environment every Ferry container gets: its pod's name, logging, etcd, tracing (its TLS
+between services comes from ferry.tls.env). */}}
 {{- define "ferry.commonEnv" -}}
 - name: POD_NAME
   valueFrom:
@@ -117,10 +162,6 @@ that points the binaries at it. */}}
   value: {{ .Values.leaseTtlSeconds | quote }}
 - name: FERRY_ETCD_ENDPOINTS
   value: {{ include "ferry.etcd.endpoints" . | quote }}
-# Between Ferry's pods: plaintext, asked for explicitly (the binaries refuse a non-loopback
-# listen address without TLS flags or this); see README "TLS".
-- name: FERRY_PLAINTEXT
-  value: "true"
 {{- if .Values.etcd.tls.enabled }}
 - name: FERRY_ETCD_CACERT
   value: /etc/ferry/etcd-tls/ca.crt
@@ -220,7 +261,8 @@ into place. */}}
 {{- end -}}
 
 {{/* gRPC health probes on `port` (Kubernetes' native gRPC probe, the standard health
-service every Ferry service hosts). */}}
+service): a Ferry container's probe port (`--probe-listen`), plaintext health and /metrics only,
+which the kubelet reaches without the client certificate the API ports want under TLS. */}}
 {{- define "ferry.grpcProbes" -}}
 startupProbe:
   grpc:

@@ -61,9 +61,22 @@ class Checker:
             for c in p.containers:
                 if not self.is_ferry(c):
                     continue
-                argv = p.argv(c)
+                # Files the binary reads to check its flags (an API keys file) come from the
+                # Secrets given with --secret, mapped to where the container mounts them.
+                vols = {v["name"]: v for v in p.spec.get("volumes", [])}
+                mounts = {vm["mountPath"].rstrip("/"): self.args.secrets[name]
+                          for vm in c.spec.get("volumeMounts", [])
+                          if (name := vols.get(vm["name"], {}).get("secret", {})
+                              .get("secretName")) in self.args.secrets}
+
+                def local(v):
+                    for path, folder in mounts.items():
+                        v = v.replace(path + "/", folder + "/")
+                    return v
+
+                argv = [local(a) for a in p.argv(c)]
                 binary = os.path.join(self.args.bin, argv[0])
-                env = {k: v for k, v in p.env(c).items() if v is not None}
+                env = {k: local(v) for k, v in p.env(c).items() if v is not None}
                 env["PATH"] = os.environ.get("PATH", "")
                 env["RUST_BACKTRACE"] = "0"
                 r = subprocess.run(
@@ -289,6 +302,7 @@ class Checker:
                          ("FERRY_ETCD_CACERT", "FERRY_ETCD_CERT", "FERRY_ETCD_KEY",
                           "FERRY_TLS_CERT", "FERRY_TLS_KEY", "FERRY_TLS_CA")]
                 files.append(("--model", self.flag(argv, "model")))
+                files.append(("--api-keys-file", self.flag(argv, "api-keys-file")))
                 for what, path in files:
                     if path and not any(path.startswith(m.rstrip("/") + "/") for m in mounts):
                         self.fail(f"{p.workload}/{c.name}: {what} {path} is on no volume")
@@ -408,8 +422,13 @@ def main():
     ap.add_argument("--cuda-suffix", default="-cuda")
     ap.add_argument("--external-secret", action="append", default=[])
     ap.add_argument("--external-etcd", action="append", default=[])
+    ap.add_argument("--secret", action="append", default=[], metavar="NAME=DIR",
+                    help="a Secret's files, for flags whose files the binary reads (it is "
+                         "also declared external)")
     ap.add_argument("--namespace", default="default")
     args = ap.parse_args()
+    args.secrets = dict(x.split("=", 1) for x in args.secret)
+    args.external_secret += list(args.secrets)
     checker = Checker(Manifest(load(args.manifest), args.namespace), args)
     failures = checker.run()
     name = os.path.basename(args.manifest)

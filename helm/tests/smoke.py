@@ -18,7 +18,8 @@ and a grpcurl Generate answer. With mutual TLS between services (`tls.enabled`, 
 role's certificate would make it (the front over HTTPS and with a `client` certificate, the
 executors' Describe as a `scheduler`), every internal port is first shown to refuse plaintext
 and a certificate whose role may not call it, and the probes and metrics go to the plaintext
-probe ports. Two faults, each under `--streams` streams: the executor pod that
+probe ports. With `--api-key` (front.apiKeys), calls present it, and calls without it are
+shown to be refused. Two faults, each under `--streams` streams: the executor pod that
 holds the most of them is killed (SIGKILL to each of its processes), then the leading
 scheduler's pod; every stream still ends with all its tokens, `ferry_requests_moved` (the
 leader's, then the front's) counts the moves, the standby leads, and each stream's text equals
@@ -295,7 +296,7 @@ class Run:
                method, check=False)
         return json.loads(r.stdout) if r.returncode == 0 else None
 
-    def http(self, path, body=None, timeout=300):
+    def http(self, path, body=None, timeout=300, key=True):
         """A request to the front Service's HTTP API (HTTPS under TLS, checked against the
         front's role name); raises on a status other than 200."""
         _, ip, ports = self.front()
@@ -305,6 +306,8 @@ class Run:
         else:
             conn = http.client.HTTPConnection(ip, ports["http"], timeout=timeout)
         headers = {"Content-Type": "application/json"}
+        if self.args.api_key and key:
+            headers["Authorization"] = f"Bearer {self.args.api_key}"
         conn.request("POST" if body is not None else "GET", path,
                      body=json.dumps(body).encode() if body is not None else None, headers=headers)
         r = conn.getresponse()
@@ -407,6 +410,9 @@ class Run:
     def post(self, body):
         return self.http("/v1/chat/completions", body)
 
+    def post_without_key(self, body):
+        return self.http("/v1/chat/completions", body, key=False)
+
     def metric(self, name, component):
         """A counter summed over the live pods of a component (`front`, `scheduler-`), read
         from their probe ports."""
@@ -439,11 +445,23 @@ class Run:
         assert r.status == 200 and text, answer
         log(f"chat completion through the front: {text!r}")
         # The gRPC API, as NOTES.txt shows it.
-        r = sh(self.args.grpcurl, *self.grpc_flags("ferry-front", "client"), "-d",
+        auth = ["-H", f"authorization: Bearer {self.args.api_key}"] if self.args.api_key else []
+        r = sh(self.args.grpcurl, *self.grpc_flags("ferry-front", "client"), *auth, "-d",
                '{"prompt": "The capital of France is", "stopping": {"max_tokens": 8}}',
                f"{ip}:{ports['grpc']}", "ferry.v1.Generation/Generate", check=False)
         assert r.returncode == 0 and "FINISH_REASON_LENGTH" in r.stdout, r.stdout + r.stderr
         log("grpcurl ferry.v1.Generation/Generate through the front answers")
+        if self.args.api_key:
+            try:
+                self.post_without_key(body)
+                raise AssertionError("the front answered a request without its API key")
+            except OSError as e:
+                assert "HTTP 401" in str(e), e
+            r = sh(self.args.grpcurl, *self.grpc_flags("ferry-front", "client"), "-d",
+                   '{"prompt": "Hi", "stopping": {"max_tokens": 2}}',
+                   f"{ip}:{ports['grpc']}", "ferry.v1.Generation/Generate", check=False)
+            assert r.returncode != 0 and "Unauthenticated" in r.stderr, r.stdout + r.stderr
+            log("without the API key: HTTP 401 and gRPC UNAUTHENTICATED")
 
         disaggregated = self.metric("ferry_requests_disaggregated", "scheduler-")
         recomputed = self.metric("ferry_handoffs_recomputed", "scheduler-")
@@ -584,6 +602,7 @@ def main():
                     help="a Secret's files (a volume of that Secret gets them)")
     ap.add_argument("--client-certs", help="with tls.enabled: the `ferry certs` folder whose CA "
                     "signed the Secrets (the test calls as its roles' certificates)")
+    ap.add_argument("--api-key", help="the API key the front wants (front.apiKeys)")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)

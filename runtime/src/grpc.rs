@@ -166,6 +166,10 @@ impl GrpcHost {
         let Self { mut routes, probe_routes, service_names, health, metrics, bulk, side, callers } =
             self;
         let Ports { grpc: listener, probe } = ports.into();
+        let mut metrics = metrics;
+        if !metrics.is_empty() && crate::tls::current().is_some() {
+            metrics.push(std::sync::Arc::new(crate::tls::HandshakeMetrics));
+        }
         let mut v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(ferry_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)

@@ -106,6 +106,10 @@ fn write_labels(out: &mut String, labels: &[(&str, &str)], le: Option<&str>) {
 pub struct Counter(AtomicU64);
 
 impl Counter {
+    /// A count of zero (usable in a `static`).
+    pub const fn new() -> Self {
+        Self(AtomicU64::new(0))
+    }
     /// Adds `n`.
     pub fn add(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);

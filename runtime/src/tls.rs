@@ -41,6 +41,10 @@ pub const RELOAD_EVERY: Duration = Duration::from_secs(2);
 /// How long a new connection may take to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// At most one log line per this long about refused handshakes (a scanner or a client with a
+/// stale certificate would otherwise write one per attempt); the metric counts every one.
+const REFUSED_LOG_EVERY: Duration = Duration::from_secs(10);
+
 /// ALPN of the KV agents' raw data channel inside TLS (gRPC negotiates `h2`).
 pub const DATA_ALPN: &[u8] = b"ferry-kv-data/1";
 
@@ -616,20 +620,61 @@ pub fn accept(
                 let conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
                 {
                     Ok(Ok(conn)) => conn,
-                    Ok(Err(e)) => {
-                        tracing::warn!(%remote, error = %e, "TLS handshake refused");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::warn!(%remote, "TLS handshake timed out");
-                        return;
-                    }
+                    Ok(Err(e)) => return refused(remote, &e, false),
+                    Err(_) => return refused(remote, &"no handshake within 10 s", true),
                 };
                 let _ = tx.send((conn, remote)).await;
             });
         }
     });
     rx
+}
+
+/// Handshakes this process's ports refused, by why: the peer failed the handshake (no
+/// certificate, another CA, a role not allowed, not TLS at all), or did not finish it in time.
+static REFUSED: [crate::metrics::Counter; 2] =
+    [crate::metrics::Counter::new(), crate::metrics::Counter::new()];
+
+/// When refused handshakes were last logged, and how many since were not.
+static REFUSED_LOG: std::sync::Mutex<(Option<std::time::Instant>, u64)> =
+    std::sync::Mutex::new((None, 0));
+
+/// Counts a refused handshake and logs it, at most once per [`REFUSED_LOG_EVERY`].
+fn refused(remote: std::net::SocketAddr, why: &dyn std::fmt::Display, timed_out: bool) {
+    REFUSED[usize::from(timed_out)].add(1);
+    let mut log = REFUSED_LOG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let now = std::time::Instant::now();
+    if log.0.is_some_and(|last| now.duration_since(last) < REFUSED_LOG_EVERY) {
+        log.1 += 1;
+        return;
+    }
+    let unlogged = std::mem::take(&mut log.1);
+    log.0 = Some(now);
+    drop(log);
+    tracing::warn!(
+        %remote,
+        error = %why,
+        unlogged_since_last = unlogged,
+        "TLS handshake refused (see ferry_tls_handshakes_refused)"
+    );
+}
+
+/// `ferry_tls_handshakes_refused{reason}`: what [`accept`] refused, for every port of the
+/// process.
+pub struct HandshakeMetrics;
+
+impl crate::metrics::Render for HandshakeMetrics {
+    fn render(&self, out: &mut crate::metrics::Text) {
+        let name = "ferry_tls_handshakes_refused";
+        out.family(
+            name,
+            "counter",
+            "TLS handshakes refused on this process's ports (no or untrusted certificate, a role \
+             not allowed on the port, not TLS, or too slow)",
+        );
+        out.sample(name, &[("reason", "refused")], REFUSED[0].get() as f64);
+        out.sample(name, &[("reason", "timeout")], REFUSED[1].get() as f64);
+    }
 }
 
 /// A listener for axum (the HTTP API) whose connections are TLS ([`accept`]).

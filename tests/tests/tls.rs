@@ -239,9 +239,13 @@ async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_stra
         ("decode agent", decode_agent.addr("probe"), "ferry.v1.KvTransfer/Describe"),
         ("scheduler", scheduler.addr("probe"), "ferry.v1.Generation/Generate"),
     ];
+    let mut refused = Vec::new();
     for (what, addr, api) in probes {
-        assert_probe_port(addr, api, what).await;
+        let body = assert_probe_port(addr, api, what).await;
+        refused.push(sum_samples(&body, "ferry_tls_handshakes_refused{").unwrap_or(0.0));
     }
+    // The prefill executor refused another CA, no certificate, plaintext and four roles.
+    assert!(refused[0] >= 7.0, "the prefill executor counted {} refused handshakes", refused[0]);
     // The data channel's plaintext opening (its magic) is not TLS: closed without an answer.
     let mut raw = tokio::net::TcpStream::connect(prefill_agent.addr("grpc")).await.unwrap();
     raw.write_all(b"FERRYKV1\x01").await.unwrap();
@@ -256,8 +260,8 @@ async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_stra
 }
 
 /// A probe port answers health checks (SERVING) and `GET /metrics` in plaintext, and refuses
-/// the service's API (`api`, a method).
-async fn assert_probe_port(addr: SocketAddr, api: &str, what: &str) {
+/// the service's API (`api`, a method); returns the metrics.
+async fn assert_probe_port(addr: SocketAddr, api: &str, what: &str) -> String {
     let addr_s = addr.to_string();
     let health = grpcurl(&["-plaintext", &addr_s, "grpc.health.v1.Health/Check"]).unwrap();
     let health_out = String::from_utf8_lossy(&health.stdout);
@@ -279,6 +283,7 @@ async fn assert_probe_port(addr: SocketAddr, api: &str, what: &str) {
     let mut body = String::new();
     conn.read_to_string(&mut body).await.unwrap();
     assert!(body.starts_with("HTTP/1.1 200") && body.contains("# TYPE ferry_"), "{what}: {body}");
+    body
 }
 
 /// Copies `stem`'s certificate, key and CA from `from` into `to` as `tls.crt`, `tls.key`,

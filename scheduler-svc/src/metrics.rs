@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::executors::ExecutorSet;
 
-/// Finish reasons as vLLM's `vllm:request_success` labels them.
+/// Finish reasons as vLLM's `vllm:request_success_total` labels them.
 const REASONS: [&str; 4] = ["stop", "length", "abort", "error"];
 
 /// Everything a scheduler process (or a front) counts.
@@ -391,19 +391,19 @@ impl MetricsView {
     /// Counters and histograms.
     fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
         let counters: [(&str, &str, &Counter); 8] = [
-            ("vllm:prompt_tokens", "Prefill tokens computed.", &self.metrics.prompt_tokens),
-            ("vllm:generation_tokens", "Tokens generated.", &self.metrics.generation_tokens),
+            ("vllm:prompt_tokens_total", "Prefill tokens computed.", &self.metrics.prompt_tokens),
+            ("vllm:generation_tokens_total", "Tokens generated.", &self.metrics.generation_tokens),
             (
-                "vllm:prefix_cache_queries",
+                "vllm:prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache.",
                 &self.metrics.prefix_queries,
             ),
             (
-                "vllm:prefix_cache_hits",
+                "vllm:prefix_cache_hits_total",
                 "Prompt tokens found in the prefix cache.",
                 &self.metrics.prefix_hits,
             ),
-            ("vllm:num_preemptions", "Requests preempted.", &self.metrics.preemptions),
+            ("vllm:num_preemptions_total", "Requests preempted.", &self.metrics.preemptions),
             (
                 "ferry_requests_moved",
                 "Requests moved after their executor or scheduler failed.",
@@ -424,9 +424,13 @@ impl MetricsView {
             t.counter(name, help, m, c.get() as f64);
         }
         self.render_kv(t, m);
-        t.family("vllm:request_success", "counter", "Finished requests by finish reason.");
+        t.family("vllm:request_success_total", "counter", "Finished requests by finish reason.");
         for (reason, c) in REASONS.iter().zip(&self.metrics.success) {
-            t.sample("vllm:request_success", &[m[0], ("finished_reason", reason)], c.get() as f64);
+            t.sample(
+                "vllm:request_success_total",
+                &[m[0], ("finished_reason", reason)],
+                c.get() as f64,
+            );
         }
         let histograms: [(&str, &str, &Histogram); 6] = [
             ("vllm:time_to_first_token_seconds", "Time to first token.", &self.metrics.ttft),

@@ -120,11 +120,11 @@ async fn a_prefix_computed_on_one_node_is_read_from_its_agent_by_another() {
 
     // The next requests share the prefix: the surviving executor reads it from the dead
     // executor's agent, computes only the rest, and answers as if it had computed it all.
-    let prompt_before = metric(http, "vllm:prompt_tokens{");
+    let prompt_before = metric(http, "vllm:prompt_tokens_total{");
     let got = run_streams(scheduler.addr("grpc"), second(), 0, || {}).await;
     assert_complete(&got, MAX_TOKENS as usize);
     assert_same_streams(&got, &expected);
-    let computed = metric(http, "vllm:prompt_tokens{") - prompt_before;
+    let computed = metric(http, "vllm:prompt_tokens_total{") - prompt_before;
     let imported = metric(http, "ferry_kv_tier_imported_blocks{");
     assert!(metric(http, "ferry_kv_tier_hits{") >= 1.0, "no request read the tier");
     assert!(imported >= 20.0, "{imported} blocks read from the tier");
@@ -192,12 +192,12 @@ async fn a_dead_agent_is_not_read_from_and_its_blocks_are_forgotten() {
 
     // The same prefix again: nothing is read from the dead agent (no read tried, none
     // failed); the prefix is computed and the streams are exact.
-    let before = metric(http, "vllm:prompt_tokens{");
+    let before = metric(http, "vllm:prompt_tokens_total{");
     let got = run_streams(scheduler.addr("grpc"), second(), 0, || {}).await;
     assert_complete(&got, MAX_TOKENS as usize);
     assert_same_streams(&got, &expected);
     assert_eq!(metric(http, "ferry_kv_tier_hits{"), 0.0, "a read from a dead agent was planned");
     assert_eq!(metric(http, "ferry_kv_tier_import_failures{"), 0.0);
-    let computed = metric(http, "vllm:prompt_tokens{") - before;
+    let computed = metric(http, "vllm:prompt_tokens_total{") - before;
     assert!(computed > 300.0, "{computed}: the prefix came from somewhere");
 }

@@ -108,12 +108,12 @@ fn metrics_use_vllm_names_and_move_as_requests_run() {
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
-        "vllm:prefix_cache_queries",
-        "vllm:prefix_cache_hits",
-        "vllm:num_preemptions",
-        "vllm:prompt_tokens",
-        "vllm:generation_tokens",
-        "vllm:request_success",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
         "vllm:time_to_first_token_seconds",
         "vllm:inter_token_latency_seconds",
         "vllm:e2e_request_latency_seconds",
@@ -131,16 +131,19 @@ fn metrics_use_vllm_names_and_move_as_requests_run() {
     }
     let after = scrape(h);
     let delta = |name: &str, with: &[&str]| after.sum(name, with) - before.sum(name, with);
-    assert_eq!(delta("vllm:generation_tokens", &[]), 24.0);
-    assert!(delta("vllm:prompt_tokens", &[]) >= 3.0);
-    assert_eq!(delta("vllm:request_success", &["finished_reason=\"length\""]), 3.0);
+    assert_eq!(delta("vllm:generation_tokens_total", &[]), 24.0);
+    assert!(delta("vllm:prompt_tokens_total", &[]) >= 3.0);
+    assert_eq!(delta("vllm:request_success_total", &["finished_reason=\"length\""]), 3.0);
     assert_eq!(delta("vllm:time_to_first_token_seconds_count", &[]), 3.0);
     assert_eq!(delta("vllm:inter_token_latency_seconds_count", &[]), 21.0);
     assert_eq!(delta("vllm:e2e_request_latency_seconds_count", &[]), 3.0);
     assert_eq!(delta("vllm:request_queue_time_seconds_count", &[]), 3.0);
     assert!(delta("ferry_step_duration_seconds_count", &[]) >= 8.0);
-    assert!(delta("vllm:prefix_cache_queries", &[]) >= 3.0);
-    assert!(delta("vllm:prefix_cache_hits", &[]) > 0.0, "the same prompt thrice hits the cache");
+    assert!(delta("vllm:prefix_cache_queries_total", &[]) >= 3.0);
+    assert!(
+        delta("vllm:prefix_cache_hits_total", &[]) > 0.0,
+        "the same prompt thrice hits the cache"
+    );
     assert_eq!(after.sum("vllm:num_requests_running", &[]), 0.0);
     assert_eq!(after.sum("vllm:kv_cache_usage_perc", &[]), 0.0);
 
@@ -165,7 +168,7 @@ fn metrics_use_vllm_names_and_move_as_requests_run() {
     assert!(kv_scrape.sum("ferry_kv_store_capacity_bytes", &[]) > 0.0);
     dashboard_queries_only_exported_metrics(&[&after, &exec_after, &kv_scrape]);
     // And the scheduler's gRPC port too.
-    assert!(scrape(svc.addr("grpc")).types.contains_key("vllm:generation_tokens"));
+    assert!(scrape(svc.addr("grpc")).types.contains_key("vllm:generation_tokens_total"));
 
     // The admin view over gRPC (real grpcurl): a running request, its WorkKey, blocks and the
     // reason for the last decision; and the executor's gauges.

@@ -289,11 +289,64 @@ fn serve_speaks_the_openai_http_api() {
         ("/v1/completions", &br#"{"prompt":"hi","max_tokens":0}"#[..], 400, "at least 1"),
         ("/v1/completions", &br#"{"prompt":""}"#[..], 400, "empty"),
         ("/v1/completions", &br#"{"prompt":"hi","temperature":-2}"#[..], 400, "temperature"),
+        // Fields Ferry does not implement: refused by name, never served as if absent.
+        (
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#[..],
+            400,
+            "response_format = ",
+        ),
+        (
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#[..],
+            400,
+            "tools = ",
+        ),
+        ("/v1/completions", &br#"{"prompt":"hi","echo":true}"#[..], 400, "echo = true"),
+        ("/v1/completions", &br#"{"prompt":"hi","logit_bias":{"1":5}}"#[..], 400, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi","name":"ann"}]}"#[..],
+            400,
+            "messages[0].name",
+        ),
+        // Values vLLM refuses.
+        ("/v1/completions", &br#"{"prompt":"hi","top_p":0}"#[..], 400, "top_p must be in (0, 1]"),
+        ("/v1/completions", &br#"{"prompt":"hi","top_k":-5}"#[..], 400, "top_k must be"),
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","repetition_penalty":0}"#[..],
+            400,
+            "repetition_penalty must be greater than zero",
+        ),
+        ("/v1/completions", &br#"{"prompt":"hi","stop":["a",""]}"#[..], 400, "empty string"),
+        (
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi"}],"top_logprobs":2}"#[..],
+            400,
+            "needs logprobs = true",
+        ),
     ] {
         let (status, text) = http(h, "POST", path, body).unwrap();
         assert_eq!(status, want, "{path} {text}");
         assert!(text.contains(needle), "{text} should mention {needle:?}");
     }
+    // No-op values of unimplemented fields, and fields Ferry has never heard of, are accepted;
+    // add_generation_prompt is honoured (without it the prompt lacks the assistant header).
+    let prompt_tokens = |extra: &str| {
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":1,"temperature":0{extra}}}"#
+        );
+        let (status, text) = http(h, "POST", "/v1/chat/completions", body.as_bytes()).unwrap();
+        assert_eq!(status, 200, "{extra}: {text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let with = prompt_tokens(
+        r#","tools":[],"echo":false,"best_of":1,"response_format":{"type":"text"},"some_future_field":7"#,
+    );
+    let without = prompt_tokens(r#","add_generation_prompt":false"#);
+    assert!(without < with, "add_generation_prompt false: {without} tokens, true: {with}");
     // Logprobs in the completions shape: one per token, the top alternatives best first.
     let (status, body) = http(
         h,

@@ -251,7 +251,14 @@ pub fn prepare(
             output.len()
         )));
     }
-    let sampling = req.sampling.unwrap_or_default();
+    let mut sampling = req.sampling.unwrap_or_default();
+    // A request without a seed gets one here, once: it travels with the request wherever it
+    // moves (another executor, another scheduler), so a moved request's draws, keyed by seed
+    // and position, continue exactly as they would have where it started.
+    if sampling.seed.is_none() {
+        let bytes = ferry_runtime::secret::random();
+        sampling.seed = Some(u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")));
+    }
     if sampling.top_logprobs > limits.max_logprobs {
         return Err(invalid(format!(
             "{} log-probabilities per position asked for; at most {} (--max-logprobs)",

@@ -113,6 +113,36 @@ async fn a_stream_whose_executor_is_lost_moves_with_its_tokens_and_goes_on_exact
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_without_a_seed_gets_one_that_moves_with_it() {
+    // The executors' draws are keyed by (seed, position): a moved request continues exactly
+    // only if it arrives at the next executor with the seed it had at the first.
+    let set = ExecutorSet::new();
+    let by_position: TokenFn = Arc::new(|_, pos| 100 + pos as u32);
+    let (gate_tx, gate) = tokio::sync::watch::channel(2);
+    let (a, a_exec) = gated_link("a", by_position.clone(), set.metrics.clone(), gate);
+    set.insert(a);
+    let (_, b_exec) = links(&set, &["b"], &by_position).pop().unwrap();
+    let svc = front(&set);
+    let mut req = request(&[10, 11, 12, 13], 6, &[]);
+    req.sampling = Some(v1::SamplingParams { temperature: 0.8, top_p: 1.0, ..Default::default() });
+    let mut stream = svc.generate(Request::new(req)).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    while tokens.len() < 2 {
+        tokens.extend(stream.next().await.unwrap().unwrap().token_ids);
+    }
+    a_exec.kill();
+    drop(gate_tx);
+    while let Some(ev) = stream.next().await {
+        tokens.extend(ev.unwrap().token_ids);
+    }
+    assert_eq!(tokens.len(), 6);
+    assert_eq!(set.metrics.requests_moved.get(), 1, "the stream moved once");
+    let (first, then) = (a_exec.seeds(), b_exec.seeds());
+    assert!(matches!(first[..], [Some(_)]), "A was given the request with a seed: {first:?}");
+    assert_eq!(then, first, "B was given it with the same seed");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_the_executor_refuses_fails_alone_and_is_not_moved() {
     let set = ExecutorSet::new();
     let by_position: TokenFn = Arc::new(|_, pos| 100 + pos as u32);

@@ -8,6 +8,7 @@
 //! With API keys (`front/keys.rs`), every `/v1/` route needs `Authorization: Bearer <key>`
 //! before its body is read (401 otherwise); `/health` and `/metrics` too when configured.
 
+mod fields;
 mod openai;
 
 use std::future::Future;
@@ -56,6 +57,11 @@ impl ApiError {
     /// A 400 with `message`.
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self { status: StatusCode::BAD_REQUEST, message: message.into(), retry_after: None }
+    }
+
+    /// What the client is told.
+    pub fn message(&self) -> &str {
+        &self.message
     }
 }
 

@@ -1,6 +1,7 @@
 //! OpenAI request and response bodies, and their translation to and from the front's
-//! `Generate`. Field names and defaults follow OpenAI's API and vLLM's extensions (`top_k`,
-//! `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`).
+//! `Generate`. Field names, defaults and value checks follow OpenAI's API and vLLM's extensions
+//! (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`);
+//! fields Ferry does not implement are refused by name ([`super::fields`]).
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -15,6 +16,7 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::fields::{self, Endpoint};
 use super::ApiError;
 use crate::front::GenerationService;
 
@@ -60,7 +62,8 @@ struct StreamOptions {
     include_usage: bool,
 }
 
-/// Parameters both endpoints take (unknown fields are ignored, as OpenAI clients send many).
+/// Parameters both endpoints take ([`super::fields`] has already refused what they cannot
+/// serve; unknown fields are ignored here).
 #[derive(Deserialize, Default)]
 struct Common {
     model: Option<String>,
@@ -101,11 +104,49 @@ struct ChatBody {
     messages: Vec<ChatMessage>,
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
+    add_generation_prompt: Option<bool>,
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+/// Parses a request body: a JSON object whose fields [`fields::check`] accepts, then its
+/// typed form.
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, endpoint: Endpoint) -> Result<T, ApiError> {
+    let invalid =
+        |e: serde_json::Error| ApiError::bad_request(format!("invalid request body: {e}"));
+    let value: Value = serde_json::from_slice(body).map_err(invalid)?;
+    let Value::Object(fields) = &value else {
+        return Err(ApiError::bad_request("invalid request body: expected a JSON object"));
+    };
+    fields::check(fields, endpoint)?;
+    serde_json::from_value(value).map_err(invalid)
+}
+
+/// vLLM's checks of the sampling values (the same messages), which OpenAI clients rely on.
+fn check_values(c: &Common) -> Result<(), ApiError> {
+    let bad = |m: String| Err(ApiError::bad_request(m));
+    if let Some(t) = c.temperature.filter(|t| !(t.is_finite() && *t >= 0.0)) {
+        return bad(format!("temperature must be non-negative, got {t}"));
+    }
+    if let Some(p) = c.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+        return bad(format!("top_p must be in (0, 1], got {p}"));
+    }
+    if let Some(k) = c.top_k.filter(|k| *k < -1) {
+        return bad(format!("top_k must be 0 or -1 (disable), or at least 1, got {k}"));
+    }
+    if let Some(p) = c.min_p.filter(|p| !(0.0..=1.0).contains(p)) {
+        return bad(format!("min_p must be in [0, 1], got {p}"));
+    }
+    if let Some(r) = c.repetition_penalty.filter(|r| !(r.is_finite() && *r > 0.0)) {
+        return bad(format!("repetition_penalty must be greater than zero, got {r}"));
+    }
+    let empty_stop = match &c.stop {
+        Some(OneOrMany::One(s)) => s.is_empty(),
+        Some(OneOrMany::Many(v)) => v.iter().any(String::is_empty),
+        None => false,
+    };
+    if empty_stop {
+        return bad("stop cannot contain an empty string".into());
+    }
+    Ok(())
 }
 
 /// The shared part of a `GenerateRequest`; `default_max` applies when the client gives none.
@@ -114,6 +155,7 @@ fn generate_request(
     default_max: Option<u32>,
     logprobs: Option<u32>,
 ) -> Result<v1::GenerateRequest, ApiError> {
+    check_values(c)?;
     if c.n.unwrap_or(1) != 1 {
         return Err(ApiError::bad_request(format!(
             "n = {} is not supported; only n = 1 is",
@@ -392,7 +434,7 @@ pub async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let body: CompletionBody = parse(&body)?;
+    let body: CompletionBody = parse(&body, Endpoint::Completions)?;
     // OpenAI's legacy default is 16 tokens (at most --max-output-tokens).
     let default_max = u32::try_from(front.limits().max_output_tokens).unwrap_or(u32::MAX).min(16);
     let mut req = generate_request(&body.common, Some(default_max), body.logprobs)?;
@@ -420,7 +462,7 @@ pub async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let body: ChatBody = parse(&body)?;
+    let body: ChatBody = parse(&body, Endpoint::Chat)?;
     let logprobs = body.logprobs.unwrap_or(false).then_some(body.top_logprobs.unwrap_or(0));
     let mut req = generate_request(&body.common, None, logprobs)?;
     let messages = body
@@ -443,8 +485,9 @@ pub async fn chat_completions(
             Ok(v1::ChatMessage { role: m.role, content })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let add_generation_prompt = body.add_generation_prompt.unwrap_or(true);
     req.input =
-        Some(v1::generate_request::Input::Chat(v1::Chat { messages, add_generation_prompt: true }));
+        Some(v1::generate_request::Input::Chat(v1::Chat { messages, add_generation_prompt }));
     run(front, Kind::Chat, &body.common, req, &headers).await
 }
 
@@ -456,4 +499,51 @@ pub async fn models(State(front): State<GenerationService>) -> Response {
         "data": [{ "id": m.name(), "object": "model", "created": 0, "owned_by": "ferry", "max_model_len": m.max_model_len }],
     });
     ([("content-type", "application/json")], body.to_string()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{generate_request, parse, ChatBody, Endpoint};
+    use axum::body::Bytes;
+    use serde_json::json;
+
+    fn chat(extra: &serde_json::Value) -> Result<(), String> {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let bytes = Bytes::from(body.to_string());
+        let parsed: ChatBody =
+            parse(&bytes, Endpoint::Chat).map_err(|e| e.message().to_string())?;
+        generate_request(&parsed.common, None, None).map_err(|e| e.message().to_string())?;
+        Ok(())
+    }
+
+    #[test]
+    fn sampling_values_are_checked_as_vllm_checks_them() {
+        for (extra, needle) in [
+            (json!({"temperature": -0.5}), "temperature must be non-negative"),
+            (json!({"top_p": 0}), "top_p must be in (0, 1], got 0"),
+            (json!({"top_p": 1.5}), "top_p must be in (0, 1]"),
+            (json!({"top_k": -2}), "top_k must be 0 or -1 (disable), or at least 1, got -2"),
+            (json!({"min_p": 1.5}), "min_p must be in [0, 1]"),
+            (json!({"repetition_penalty": 0}), "repetition_penalty must be greater than zero"),
+            (json!({"stop": ""}), "stop cannot contain an empty string"),
+            (json!({"stop": ["x", ""]}), "stop cannot contain an empty string"),
+        ] {
+            let err = chat(&extra).expect_err(&extra.to_string());
+            assert!(err.contains(needle), "{extra}: {err}");
+        }
+        for extra in [
+            json!({"top_k": -1}),
+            json!({"top_k": 0}),
+            json!({"top_k": 40, "top_p": 1, "min_p": 0, "repetition_penalty": 1.1}),
+            json!({"temperature": 0, "stop": ["\n"]}),
+        ] {
+            assert_eq!(chat(&extra), Ok(()), "{extra}");
+        }
+        let err = chat(&json!({"tools": [{"type": "function"}]})).unwrap_err();
+        assert!(err.starts_with("tools = "), "{err}");
+        let bytes = Bytes::from_static(b"[1, 2]");
+        let err = parse::<ChatBody>(&bytes, Endpoint::Chat).err().unwrap();
+        assert!(err.message().contains("expected a JSON object"), "{}", err.message());
+    }
 }

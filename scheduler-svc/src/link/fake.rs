@@ -29,12 +29,21 @@ pub(crate) const FAKE_REFUSED_TOKEN: u32 = 4093;
 /// `kill -9` would: the link's result stream ends.
 pub(crate) struct FakeExecutor {
     task: tokio::task::JoinHandle<()>,
+    seeds: Seeds,
 }
+
+/// The sampling seed of each request a fake executor was given, in order.
+type Seeds = Arc<std::sync::Mutex<Vec<Option<u64>>>>;
 
 impl FakeExecutor {
     /// Ends the session at once.
     pub(crate) fn kill(&self) {
         self.task.abort();
+    }
+
+    /// The sampling seed each new request arrived with, in order.
+    pub(crate) fn seeds(&self) -> Vec<Option<u64>> {
+        self.seeds.lock().expect("not poisoned").clone()
     }
 }
 
@@ -66,8 +75,9 @@ pub(crate) fn fake_link(
 ) -> (LinkHandle, FakeExecutor) {
     let (link, steps, results) = raw_link(name, metrics);
     let (_, gate) = watch::channel(u64::MAX);
-    let task = tokio::spawn(answer(steps, results, token, gate));
-    (link, FakeExecutor { task })
+    let seeds = Seeds::default();
+    let task = tokio::spawn(answer(steps, results, token, gate, seeds.clone()));
+    (link, FakeExecutor { task, seeds })
 }
 
 /// [`fake_link`] whose executor answers only as many steps as `gate` allows (it waits for the
@@ -79,8 +89,9 @@ pub(crate) fn gated_link(
     gate: watch::Receiver<u64>,
 ) -> (LinkHandle, FakeExecutor) {
     let (link, steps, results) = raw_link(name, metrics);
-    let task = tokio::spawn(answer(steps, results, token, gate));
-    (link, FakeExecutor { task })
+    let seeds = Seeds::default();
+    let task = tokio::spawn(answer(steps, results, token, gate, seeds.clone()));
+    (link, FakeExecutor { task, seeds })
 }
 
 /// Where a link's results come from.
@@ -105,8 +116,9 @@ pub(crate) fn leader_link(
 ) -> (LinkHandle, FakeExecutor) {
     let (link, steps, results) = raw_session(name, epoch, shared_of(set));
     let (_, gate) = watch::channel(u64::MAX);
-    let task = tokio::spawn(answer(steps, results, token, gate));
-    (link, FakeExecutor { task })
+    let seeds = Seeds::default();
+    let task = tokio::spawn(answer(steps, results, token, gate, seeds.clone()));
+    (link, FakeExecutor { task, seeds })
 }
 
 /// What a link of `set` shares with it.
@@ -151,6 +163,7 @@ async fn answer(
     results: ResultTx,
     token: TokenFn,
     mut gate: watch::Receiver<u64>,
+    seeds: Seeds,
 ) {
     let mut seqs: HashMap<u64, Seq> = HashMap::new();
     let mut refused: std::collections::HashSet<u64> = std::collections::HashSet::new();
@@ -165,6 +178,8 @@ async fn answer(
             refused.remove(id);
         }
         for nr in &step.new_requests {
+            let seed = nr.sampling.as_ref().and_then(|s| s.seed);
+            seeds.lock().expect("not poisoned").push(seed);
             if nr.prompt_token_ids.contains(&FAKE_REFUSED_TOKEN) {
                 refused.insert(nr.id);
                 continue;

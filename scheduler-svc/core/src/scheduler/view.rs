@@ -31,15 +31,15 @@ pub struct SchedulerStats {
     pub cached_free_blocks: usize,
     /// Blocks waiting behind an in-flight step's fence.
     pub fenced_blocks: usize,
-    /// Prompt tokens looked up in the prefix cache (vLLM `vllm:prefix_cache_queries`).
+    /// Prompt tokens looked up in the prefix cache (vLLM `vllm:prefix_cache_queries_total`).
     pub prefix_cache_queries: u64,
-    /// Of those, tokens found (vLLM `vllm:prefix_cache_hits`).
+    /// Of those, tokens found (vLLM `vllm:prefix_cache_hits_total`).
     pub prefix_cache_hits: u64,
-    /// Preemptions so far (vLLM `vllm:num_preemptions`).
+    /// Preemptions so far (vLLM `vllm:num_preemptions_total`).
     pub num_preemptions: u64,
-    /// Prefill tokens computed (hits excluded) (vLLM `vllm:prompt_tokens`).
+    /// Prefill tokens computed (hits excluded) (vLLM `vllm:prompt_tokens_total`).
     pub prompt_tokens: u64,
-    /// Output tokens appended (vLLM `vllm:generation_tokens`).
+    /// Output tokens appended (vLLM `vllm:generation_tokens_total`).
     pub generation_tokens: u64,
     /// Steps built.
     pub steps: u64,

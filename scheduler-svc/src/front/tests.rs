@@ -77,16 +77,31 @@ fn links(
         .collect()
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_stream_whose_executor_is_lost_moves_with_its_tokens_and_goes_on_exactly() {
+/// Executor A (placed first), which answers `steps` steps and then waits on `gate_tx`, and a
+/// healthy B, both answering 100 + position, behind a front.
+struct TwoExecutors {
+    set: Arc<ExecutorSet>,
+    a_exec: FakeExecutor,
+    b_exec: FakeExecutor,
+    gate_tx: tokio::sync::watch::Sender<u64>,
+    svc: GenerationService,
+}
+
+fn a_then_b(steps: u64) -> TwoExecutors {
     let set = ExecutorSet::new();
     let by_position: TokenFn = Arc::new(|_, pos| 100 + pos as u32);
-    // Executor A answers three steps and then dies; B is healthy.
-    let (gate_tx, gate) = tokio::sync::watch::channel(3);
+    let (gate_tx, gate) = tokio::sync::watch::channel(steps);
     let (a, a_exec) = gated_link("a", by_position.clone(), set.metrics.clone(), gate);
     set.insert(a);
-    let _b = links(&set, &["b"], &by_position);
+    let (_, b_exec) = links(&set, &["b"], &by_position).pop().expect("one link");
     let svc = front(&set);
+    TwoExecutors { set, a_exec, b_exec, gate_tx, svc }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_whose_executor_is_lost_moves_with_its_tokens_and_goes_on_exactly() {
+    // Executor A answers three steps and then dies; B is healthy.
+    let TwoExecutors { set, a_exec, b_exec: _b, gate_tx, svc } = a_then_b(3);
     let mut stream =
         svc.generate(Request::new(request(&[10, 11, 12, 13], 10, &[]))).await.unwrap().into_inner();
     let mut tokens = Vec::new();
@@ -116,13 +131,7 @@ async fn a_stream_whose_executor_is_lost_moves_with_its_tokens_and_goes_on_exact
 async fn a_request_without_a_seed_gets_one_that_moves_with_it() {
     // The executors' draws are keyed by (seed, position): a moved request continues exactly
     // only if it arrives at the next executor with the seed it had at the first.
-    let set = ExecutorSet::new();
-    let by_position: TokenFn = Arc::new(|_, pos| 100 + pos as u32);
-    let (gate_tx, gate) = tokio::sync::watch::channel(2);
-    let (a, a_exec) = gated_link("a", by_position.clone(), set.metrics.clone(), gate);
-    set.insert(a);
-    let (_, b_exec) = links(&set, &["b"], &by_position).pop().unwrap();
-    let svc = front(&set);
+    let TwoExecutors { set, a_exec, b_exec, gate_tx, svc } = a_then_b(2);
     let mut req = request(&[10, 11, 12, 13], 6, &[]);
     req.sampling = Some(v1::SamplingParams { temperature: 0.8, top_p: 1.0, ..Default::default() });
     let mut stream = svc.generate(Request::new(req)).await.unwrap().into_inner();

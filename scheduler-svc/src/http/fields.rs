@@ -54,6 +54,18 @@ const SERVED_COMPLETIONS: &[&str] = &["prompt"];
 /// Fields only `/v1/chat/completions` serves.
 const SERVED_CHAT: &[&str] = &["messages", "top_logprobs", "add_generation_prompt"];
 
+/// vLLM's structured-output fields besides `response_format`: any non-empty value constrains
+/// the output.
+const STRUCTURED: &[&str] = &[
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+];
+
 /// Whether `value` of the defined-but-unimplemented `field` leaves the answer as if the field
 /// were absent; `None` when Ferry does not know the field at all.
 fn inert(field: &str, value: &Value) -> Option<bool> {
@@ -63,21 +75,17 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
         Value::String(s) => s.is_empty(),
         _ => false,
     };
+    if STRUCTURED.contains(&field) {
+        return Some(empty());
+    }
     Some(match field {
-        // Tool calling, structured outputs, token masks, prompt rendering: set to anything
-        // but an empty value, the answer would differ.
+        // Tool calling, token masks, prompt rendering: set to anything but an empty value,
+        // the answer would differ.
         "tools"
         | "functions"
         | "logit_bias"
         | "bad_words"
         | "allowed_token_ids"
-        | "guided_json"
-        | "guided_regex"
-        | "guided_choice"
-        | "guided_grammar"
-        | "structured_outputs"
-        | "guided_decoding_backend"
-        | "guided_whitespace_pattern"
         | "suffix"
         | "chat_template"
         | "chat_template_kwargs"
@@ -99,14 +107,8 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
 fn refusal(field: &str, value: &Value) -> String {
     let what = match field {
         "tools" | "tool_choice" | "functions" | "function_call" => "tool calling",
-        "response_format"
-        | "guided_json"
-        | "guided_regex"
-        | "guided_choice"
-        | "guided_grammar"
-        | "structured_outputs"
-        | "guided_decoding_backend"
-        | "guided_whitespace_pattern" => "structured outputs",
+        "response_format" => "structured outputs",
+        f if STRUCTURED.contains(&f) => "structured outputs",
         _ => "this field",
     };
     // The value as sent, cut short: a tools list can be long.

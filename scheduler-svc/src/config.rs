@@ -55,6 +55,20 @@ pub struct SchedulerArgs {
     /// off. Executors without an agent write nothing.
     #[arg(long, env = "FERRY_KV_TIER_STORE_BLOCKS_PER_STEP", default_value_t = 16)]
     pub kv_tier_store_blocks_per_step: u32,
+    /// Which waiting request is admitted first and which running one gives way when blocks
+    /// run out (vLLM's flag): `fcfs`, by arrival; `priority`, by each request's `priority`
+    /// (lower first, then arrival). Under `fcfs` a request that sets a priority is refused.
+    #[arg(long, env = "FERRY_SCHEDULING_POLICY", value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    pub scheduling_policy: SchedulingPolicy,
+}
+
+/// `--scheduling-policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedulingPolicy {
+    /// First come, first served.
+    Fcfs,
+    /// By request priority (lower first), then arrival.
+    Priority,
 }
 
 /// Executors listed by hand (without etcd, or beside it).
@@ -187,6 +201,9 @@ pub struct FrontSettings {
     pub limits: RequestLimits,
     /// `--max-model-len`, if given.
     pub max_model_len: Option<usize>,
+    /// Whether requests may set a priority: the scheduler that serves them orders by it. A
+    /// front in its own process forwards it and its leader decides.
+    pub accepts_priority: bool,
 }
 
 /// A flag value, or a combination, that Ferry will not run with. Each message names the
@@ -337,6 +354,10 @@ impl SchedulerArgs {
             enable_chunked_prefill: self.enable_chunked_prefill,
             max_steps_in_flight: MAX_STEPS_IN_FLIGHT,
             kv_tier_store_blocks_per_step: self.kv_tier_store_blocks_per_step as usize,
+            preemption_policy: match self.scheduling_policy {
+                SchedulingPolicy::Fcfs => core::PreemptionPolicy::Fcfs,
+                SchedulingPolicy::Priority => core::PreemptionPolicy::Priority,
+            },
             ..core::SchedulerConfig::default()
         };
         // The core's default geometry is valid, so whatever the core refuses here is a flag's.
@@ -386,6 +407,7 @@ impl FrontArgs {
             .map(std::sync::Arc::new),
             limits: self.limits()?,
             max_model_len: self.max_model_len.map(|n| n as usize),
+            accepts_priority: true,
         })
     }
 
@@ -433,6 +455,11 @@ impl FrontArgs {
 }
 
 impl SchedulerSettings {
+    /// Whether the core orders requests by their priority (`--scheduling-policy priority`).
+    pub fn orders_by_priority(&self) -> bool {
+        self.policy.preemption_policy == core::PreemptionPolicy::Priority
+    }
+
     /// The core's configuration for the executor `executor_id` with `geometry` (from its
     /// handshake): the flags' policy plus what the executor stated. Refused when the executor
     /// stated something the core cannot run with (no blocks, say).
@@ -519,6 +546,25 @@ mod tests {
             let err = parse(args).front.resolve().expect_err("refused");
             assert!(err.to_string().contains(want), "{args:?}: {err}");
         }
+    }
+
+    #[test]
+    fn the_scheduling_policy_flag_orders_the_core_by_priority() {
+        let geometry = ExecutorGeometry {
+            block_size: 16,
+            num_blocks: 100,
+            max_model_len: 2048,
+            kv_agent: false,
+        };
+        let fcfs = parse(&[]).scheduler.resolve().unwrap();
+        assert!(!fcfs.orders_by_priority());
+        let config = fcfs.core_config("e", geometry).unwrap();
+        assert_eq!(config.preemption_policy, core::PreemptionPolicy::Fcfs);
+        let by_priority = parse(&["--scheduling-policy", "priority"]).scheduler.resolve().unwrap();
+        assert!(by_priority.orders_by_priority());
+        let config = by_priority.core_config("e", geometry).unwrap();
+        assert_eq!(config.preemption_policy, core::PreemptionPolicy::Priority);
+        assert!(Cli::try_parse_from(["x", "--scheduling-policy", "lifo"]).is_err());
     }
 
     #[test]

@@ -107,10 +107,13 @@ pub async fn run(
         max_model_len: role.front.max_model_len.map_or(usable, |cap| cap.min(usable)),
     };
     // Statically listed executors never come back once lost; discovered ones may.
-    let front_settings = match &role.cluster {
+    let mut front_settings = match &role.cluster {
         Some(_) => role.front,
         None => FrontSettings { failover_wait: Duration::ZERO, ..role.front },
     };
+    // This process schedules what its front admits: a priority means something only if it
+    // orders by priority.
+    front_settings.accepts_priority = role.scheduler.orders_by_priority();
     // Executors listed by hand are reconnected when they come back after a failure.
     let reconnect = (!role.listed.is_empty()).then(|| {
         let (listed, set) = (role.listed.clone(), executors.clone());

@@ -313,6 +313,13 @@ fn serve_speaks_the_openai_http_api() {
         // Values vLLM refuses.
         ("/v1/completions", &br#"{"prompt":"hi","top_p":0}"#[..], 400, "top_p must be in (0, 1]"),
         ("/v1/completions", &br#"{"prompt":"hi","top_k":-5}"#[..], 400, "top_k must be"),
+        // Under the default first-come-first-served policy a priority would be ignored.
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","priority":-3}"#[..],
+            400,
+            "--scheduling-policy priority",
+        ),
         (
             "/v1/completions",
             &br#"{"prompt":"hi","repetition_penalty":0}"#[..],
@@ -588,4 +595,41 @@ fn a_scheduler_and_an_executor_with_different_models_refuse_each_other() {
     ])
     .unwrap();
     assert!(!described.contains("sessionId"), "{described}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_priority_policy_a_more_important_request_is_admitted_first() {
+    // One admission slot: while a long request holds it, a request of priority 5 and then one
+    // of priority -5 wait; the second, more important (lower number), must run first.
+    let (_exec, sched) = start_split(&["--scheduling-policy", "priority", "--max-num-seqs", "1"]);
+    let mut client =
+        GenerationClient::connect(format!("http://{}", sched.addr("grpc"))).await.unwrap();
+    let mut holder = client.generate(prompt("Once upon a time", 128)).await.unwrap().into_inner();
+    holder.message().await.unwrap().expect("the first request runs");
+    let finished = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiting = Vec::new();
+    let http = sched.addr("http");
+    let queued = move || {
+        let (_, body) = ferry_tests::http(http, "GET", "/metrics", b"").unwrap();
+        ferry_tests::streams::sum_samples(&body, "vllm:num_requests_waiting").unwrap_or(0.0)
+    };
+    for (sent, priority) in [5, -5].into_iter().enumerate() {
+        let mut req = prompt(&format!("Request of priority {priority}:"), 4);
+        req.priority = priority;
+        let (mut c, finished) = (client.clone(), finished.clone());
+        waiting.push(tokio::spawn(async move {
+            generate(&mut c, req).await.expect("served");
+            finished.lock().unwrap().push(priority);
+        }));
+        // Each is queued (behind the holder) before the next is sent.
+        let ahead = (sent + 1) as f64;
+        let queued_in_time =
+            ferry_tests::streams::wait_for(Duration::from_secs(30), || queued() >= ahead).await;
+        assert!(queued_in_time.is_some(), "request of priority {priority} never queued");
+    }
+    while holder.message().await.unwrap().is_some() {}
+    for w in waiting {
+        w.await.unwrap();
+    }
+    assert_eq!(*finished.lock().unwrap(), [-5, 5], "the lower priority number ran first");
 }

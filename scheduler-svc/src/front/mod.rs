@@ -194,6 +194,13 @@ impl Front {
         caller: Option<&Arc<keys::ApiKey>>,
         trace: &mut RequestTrace,
     ) -> Result<Admitted, Status> {
+        if req.priority != 0 && !self.settings.accepts_priority {
+            return Err(Status::invalid_argument(format!(
+                "priority {} given, but this scheduler serves first come, first served: start \
+                 it with --scheduling-policy priority, or leave priority at 0",
+                req.priority
+            )));
+        }
         let mut spec = trace
             .tokenize(|| prepare(&self.model, &self.settings.limits, req))
             .map_err(|e| match e {

@@ -33,6 +33,7 @@ fn front(set: &Arc<ExecutorSet>) -> GenerationService {
         keys: None,
         limits: super::RequestLimits::default(),
         max_model_len: None,
+        accepts_priority: false,
     };
     GenerationService::new(served, Route::Local(set.clone()), settings)
 }

@@ -108,6 +108,8 @@ pub fn build(
     // The CPU backend keeps its KV pool in the region it shares with its agent, so that an
     // export's blocks leave from where they are, without a copy on the engine thread.
     let pool_blocks = if config.backend == BackendKind::Cpu { num_blocks as u32 } else { 0 };
+    // Backends that produce logits can mask them for structured outputs; the simulator cannot.
+    let grammars = (config.backend != BackendKind::Sim).then(|| model.file.clone());
     let (staging, pool) = engine::kv::staging(config, &kv_layout, pool_blocks).unzip();
     let backend: Box<dyn engine::ModelBackend> = match config.backend {
         BackendKind::Cpu => match pool.flatten() {
@@ -146,6 +148,7 @@ pub fn build(
         max_model_len: shape.max_model_len as u32,
         vocab_size: shape.vocab_size as u32,
         eos: Some(eos),
+        grammars,
     };
     assemble(config, backend, (num_blocks as u32, kv_layout, staging), serves, None)
 }
@@ -157,6 +160,7 @@ struct Serves {
     max_model_len: u32,
     vocab_size: u32,
     eos: Option<u32>,
+    grammars: engine::grammar::GrammarSource,
 }
 
 /// Starts the engine thread on `backend` with its KV port and states what the handshake says.
@@ -173,7 +177,7 @@ fn assemble(
     let eos_token_id = serves.eos.unwrap_or(u32::MAX);
     let engine_config =
         engine::EngineConfig { eos_token_id, max_live_requests: config.max_live_requests as usize };
-    let engine = engine::Engine::new(backend, engine_config);
+    let engine = engine::Engine::new(backend, engine_config).with_grammars(serves.grammars);
     let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
         executor_id: config.executor_id.clone(),
@@ -256,6 +260,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         max_model_len: SIMULATED_MAX_MODEL_LEN as u32,
         vocab_size: profile.vocab_size,
         eos: None,
+        grammars: None,
     };
     let staging = engine::kv::staging(config, &kv_layout, 0).map(|(region, _)| region);
     let kv = (num_blocks, kv_layout, staging);

@@ -90,7 +90,7 @@ impl Driver {
                         id: r.id,
                         prompt_token_ids: r.tokens[..r.prompt_len].to_vec(),
                         output_token_ids: r.tokens[r.prompt_len..].to_vec(),
-                        sampling: Some(r.sampling),
+                        sampling: Some(r.sampling.clone()),
                         block_ids: r.table.clone(),
                         num_computed_tokens: r.computed as u32,
                         traceparent: String::new(),
@@ -480,4 +480,140 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
     assert!(refused.len() == 1 && refused[0].reason.contains("unknown"), "{refused:?}");
     let bad_sum = v1::Step { step_id: 1, total_num_tokens: 1, ..Default::default() };
     assert!(d.engine.execute(&bad_sum).unwrap_err().to_string().contains("adds up to 0"));
+}
+
+/// An engine that compiles structured outputs for the default model's vocabulary.
+fn grammar_engine() -> Engine {
+    engine().with_grammars(Some(shared().clone()))
+}
+
+fn constrained(
+    kind: v1::structured_output::Kind,
+    temperature: f32,
+    seed: u64,
+) -> v1::SamplingParams {
+    v1::SamplingParams {
+        temperature,
+        seed: Some(seed),
+        structured_output: Some(v1::StructuredOutput { kind: Some(kind) }),
+        ..Default::default()
+    }
+}
+
+/// The generated text before the end-of-sequence token, which must have come.
+fn until_eos(r: &Req) -> String {
+    let out = generated(r);
+    let eos = tokenizer().eos_token_id;
+    let end = out.iter().position(|t| *t == eos);
+    let end = end.unwrap_or_else(|| panic!("no end of sequence in {:?}", tokenizer().decode(&out)));
+    // Once the grammar is complete only the end of sequence is allowed.
+    assert!(out[end..].iter().all(|t| *t == eos), "{out:?}");
+    tokenizer().decode(&out[..end])
+}
+
+fn chat(user: &str) -> String {
+    let messages = vec![ChatMessage { role: "user".into(), content: user.into() }];
+    tokenizer().apply_chat_template(&messages, true).unwrap()
+}
+
+const PERSON: &str = r#"{"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": false}"#;
+
+#[test]
+fn a_json_schema_output_parses_batched_and_continues_exactly_after_a_restart() {
+    use v1::structured_output::Kind;
+    let prompt = chat("Describe a person as JSON.");
+    let mut neighbour = [req(2, "The quick brown fox", seeded())];
+    Driver::new(engine(), 0).run(&mut neighbour, 12, 16);
+    for seed in 0..3 {
+        let sampling = constrained(Kind::JsonSchema(PERSON.into()), 1.0, seed);
+        let mut r = [req(1, &prompt, sampling.clone()), req(2, "The quick brown fox", seeded())];
+        Driver::new(grammar_engine(), 0).run(&mut r, 48, 16);
+        let text = until_eos(&r[0]);
+        let v: serde_json::Value = serde_json::from_str(&text).expect(&text);
+        let o = v.as_object().expect(&text);
+        assert_eq!(o.len(), 2, "{text}");
+        assert!(o["name"].as_str().is_some_and(|s| s.chars().count() <= 12), "{text}");
+        assert!(o["age"].as_u64().is_some_and(|a| a <= 120), "{text}");
+        assert_eq!(
+            generated(&r[1])[..12],
+            generated(&neighbour[0])[..],
+            "a constrained request changed its unconstrained neighbour"
+        );
+        // On a fresh executor from the prompt and its first 5 tokens (a move): the grammar is
+        // replayed and the draws continue exactly.
+        let mut moved = [req(1, &prompt, sampling)];
+        moved[0].tokens.extend_from_slice(&generated(&r[0])[..5]);
+        Driver::new(grammar_engine(), 0).run(&mut moved, 48, 16);
+        assert_eq!(generated(&moved[0]), generated(&r[0]), "seed {seed}");
+    }
+}
+
+#[test]
+fn a_choice_and_a_regex_hold_whatever_the_model_prefers() {
+    use v1::structured_output::Kind;
+    let cities = Kind::Choice(v1::Choices { choices: vec!["London".into(), "Paris".into()] });
+    let mut r = [req(1, &chat("What is the capital of France?"), constrained(cities, 0.0, 0))];
+    Driver::new(grammar_engine(), 0).run(&mut r, 6, 64);
+    let city = until_eos(&r[0]);
+    assert!(city == "London" || city == "Paris", "{city:?}");
+    // Unconstrained, the model answers with a sentence, not a phone number.
+    let phone = Kind::Regex("[0-9]{3}-[0-9]{4}".into());
+    for seed in 0..3 {
+        let mut r = [req(1, &chat("Tell me a story."), constrained(phone.clone(), 1.0, seed))];
+        Driver::new(grammar_engine(), 0).run(&mut r, 12, 64);
+        let text = until_eos(&r[0]);
+        let b = text.as_bytes();
+        assert!(
+            b.len() == 8
+                && b[3] == b'-'
+                && b.iter().enumerate().all(|(i, c)| i == 3 || c.is_ascii_digit()),
+            "{text:?}"
+        );
+    }
+}
+
+#[test]
+fn a_grammar_that_cannot_hold_is_refused_alone_with_why() {
+    use v1::structured_output::Kind;
+    let tok = tokenizer();
+    let prompt = tok.encode("Hello").unwrap();
+    let new = |id: u64, sampling: v1::SamplingParams, output: Vec<u32>| v1::NewRequest {
+        id,
+        prompt_token_ids: prompt.clone(),
+        output_token_ids: output,
+        sampling: Some(sampling),
+        block_ids: vec![id as u32],
+        num_computed_tokens: 0,
+        traceparent: String::new(),
+    };
+    let work = |id: u64| v1::ScheduledWork {
+        id,
+        key: v1::WorkKey::PromptChunk.into(),
+        num_tokens: prompt.len() as u32,
+        draft_token_ids: vec![],
+    };
+    let step = v1::Step {
+        new_requests: vec![
+            new(1, constrained(Kind::Regex("(".into()), 0.0, 0), vec![]),
+            // Its earlier output ("Hello") is not a number.
+            new(2, constrained(Kind::Regex("[0-9]+".into()), 0.0, 0), prompt.clone()),
+            new(3, v1::SamplingParams::default(), vec![]),
+        ],
+        work: vec![work(1), work(2), work(3)],
+        total_num_tokens: 3 * prompt.len() as u32,
+        ..Default::default()
+    };
+    // Request 2's table must hold prompt and output.
+    let mut step = step;
+    step.new_requests[1].block_ids = vec![2, 4];
+    let result = grammar_engine().execute(&step).unwrap();
+    let refused: Vec<(u64, &str)> =
+        result.refused.iter().map(|r| (r.id, r.reason.as_str())).collect();
+    assert_eq!(refused.len(), 2, "{refused:?}");
+    assert!(refused[0].0 == 1 && refused[0].1.contains("structured output"), "{refused:?}");
+    assert!(refused[1].0 == 2 && refused[1].1.contains("break the grammar"), "{refused:?}");
+    assert_eq!(result.outputs.iter().map(|o| o.id).collect::<Vec<_>>(), vec![3]);
 }

@@ -15,6 +15,7 @@ pub mod fetch;
 pub mod gguf;
 pub mod sampling;
 pub mod shape;
+pub mod structured;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
@@ -22,6 +23,7 @@ use std::path::{Path, PathBuf};
 pub use fetch::{default_model_path, model_dir, FetchError, DEFAULT_MODEL_NAME};
 pub use gguf::{GgufError, GgufHeader};
 pub use shape::{LlamaShape, ShapeError};
+pub use structured::{GrammarError, Grammars};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer, TokenizerError};
 
 /// A model file as the services know it: where it is, what to call it, its fingerprint, its
@@ -38,6 +40,8 @@ pub struct ModelFile {
     pub shape: LlamaShape,
     /// The tokenizer and chat template.
     pub tokenizer: Tokenizer,
+    /// The structured-output compiler for this vocabulary, built on first use.
+    grammars: std::sync::OnceLock<Result<Grammars, GrammarError>>,
 }
 
 /// Why a model could not be opened.
@@ -95,7 +99,13 @@ impl ModelFile {
         let tokenizer = Tokenizer::from_gguf(&header)
             .map_err(|source| ModelError::Tokenizer { path: path.clone(), source })?;
         let fingerprint = fingerprint(&header);
-        Ok(Self { name, path, fingerprint, shape, tokenizer })
+        Ok(Self { name, path, fingerprint, shape, tokenizer, grammars: std::sync::OnceLock::new() })
+    }
+
+    /// The structured-output compiler for this model's vocabulary (built on the first call,
+    /// which takes about 100 ms; later calls return the same one).
+    pub fn grammars(&self) -> Result<&Grammars, GrammarError> {
+        self.grammars.get_or_init(|| Grammars::new(&self.tokenizer)).as_ref().map_err(Clone::clone)
     }
 }
 

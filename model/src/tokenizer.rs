@@ -66,6 +66,8 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     /// Control tokens (`<|im_end|>` …), which decoded output leaves out.
     special: Vec<bool>,
+    /// User-defined tokens: matched whole in text, kept in decoded output.
+    added: Vec<bool>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -183,7 +185,17 @@ impl Tokenizer {
             })
             .collect();
         let special = types.iter().map(|t| *t == TOKEN_TYPE_CONTROL).collect();
-        Ok(Self { inner, token_bytes, eos_token_id, bos_token_id, add_bos, chat_template, special })
+        let added = types.iter().map(|t| *t == TOKEN_TYPE_USER_DEFINED).collect();
+        Ok(Self {
+            inner,
+            token_bytes,
+            eos_token_id,
+            bos_token_id,
+            add_bos,
+            chat_template,
+            special,
+            added,
+        })
     }
 
     /// Number of token ids.
@@ -210,6 +222,12 @@ impl Tokenizer {
     /// `skip_special_tokens` does by default).
     pub fn is_special(&self, id: u32) -> bool {
         self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Whether `id` is a user-defined token (matched whole in a text, like a control token,
+    /// but kept in generated text).
+    pub fn is_added(&self, id: u32) -> bool {
+        self.added.get(id as usize).copied().unwrap_or(false)
     }
 
     /// The raw bytes of a token (empty for an id out of range).

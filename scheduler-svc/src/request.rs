@@ -82,7 +82,7 @@ impl RequestSpec {
                 ids: self.prompt.to_vec(),
             })),
             output_token_ids: delivered.to_vec(),
-            sampling: Some(self.sampling),
+            sampling: Some(self.sampling.clone()),
             stopping: Some(v1::StoppingCriteria {
                 max_tokens: u32::try_from(self.max_tokens).unwrap_or(u32::MAX),
                 min_tokens: u32::try_from(self.min_tokens).unwrap_or(u32::MAX),

@@ -116,21 +116,38 @@ fn sampling() -> impl Strategy<Value = Option<v1::SamplingParams>> {
     let params = (
         (float(), float(), 0u32..100, float()),
         (proptest::option::of(any::<u64>()), float(), float(), float()),
-        (any::<bool>(), 0u32..25),
+        (any::<bool>(), 0u32..25, structured_output()),
     )
-        .prop_map(|((t, p, k, m), (seed, rep, pres, freq), (lp, top))| v1::SamplingParams {
-            temperature: t,
-            top_p: p,
-            top_k: k,
-            min_p: m,
-            seed,
-            repetition_penalty: rep,
-            presence_penalty: pres,
-            frequency_penalty: freq,
-            logprobs: lp,
-            top_logprobs: top,
+        .prop_map(|((t, p, k, m), (seed, rep, pres, freq), (lp, top, structured))| {
+            v1::SamplingParams {
+                temperature: t,
+                top_p: p,
+                top_k: k,
+                min_p: m,
+                seed,
+                repetition_penalty: rep,
+                presence_penalty: pres,
+                frequency_penalty: freq,
+                logprobs: lp,
+                top_logprobs: top,
+                structured_output: structured,
+            }
         });
     proptest::option::of(params)
+}
+
+/// Grammars that hold, that cannot compile, and that refuse the fuzzed tokens.
+fn structured_output() -> impl Strategy<Value = Option<v1::StructuredOutput>> {
+    use v1::structured_output::Kind;
+    let kind = prop_oneof![
+        Just(Kind::JsonObject(true)),
+        Just(Kind::Regex("[0-9]{1,3}".into())),
+        Just(Kind::Regex("(".into())),
+        Just(Kind::Lark("start: /[a-z ]+/ \".\"".into())),
+        Just(Kind::JsonSchema("{\"type\": \"nonsense\"}".into())),
+        vec("[a-z]{0,3}", 0..3).prop_map(|choices| Kind::Choice(v1::Choices { choices })),
+    ];
+    prop_oneof![4 => Just(None), 1 => kind.prop_map(|k| Some(v1::StructuredOutput { kind: Some(k) }))]
 }
 
 fn new_request() -> impl Strategy<Value = v1::NewRequest> {
@@ -247,7 +264,9 @@ fn fuzz_executor_steps() {
     let vocab = model.tokenizer.vocab_size() as u32;
     let weights = LoadedModel::load(model.clone()).expect("weights").weights;
     let config = EngineConfig { max_live_requests: MAX_LIVE, ..EngineConfig::new(2) };
-    let engine = RefCell::new(Engine::new(Box::new(CpuBackend::new(weights, 4, 32)), config));
+    let engine = Engine::new(Box::new(CpuBackend::new(weights, 4, 32)), config)
+        .with_grammars(Some(model.clone()));
+    let engine = RefCell::new(engine);
     let ran = Cell::new(0u64);
     let forwards = Cell::new(0u64);
     let sessions = prop_oneof![vec(step(), 1..12), running_session()];
@@ -307,6 +326,20 @@ const FIELDS: &[&str] = &[
     "include_stop_str_in_output",
     "role",
     "content",
+    // Structured outputs, and the keys of their objects.
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "type",
+    "json_schema",
+    "schema",
+    "json",
+    "regex",
+    "choice",
+    "grammar",
 ];
 
 fn json_value() -> impl Strategy<Value = serde_json::Value> {
@@ -343,6 +376,9 @@ fn api_body() -> impl Strategy<Value = (bool, Vec<u8>)> {
             r#"{"prompt":"The capital of France is","max_tokens":3,"temperature":0}"#,
             r#"{"messages":[{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":2}"#,
             r#"{"prompt":[1,2,3],"stop":["a","b"],"stream":true,"stream_options":{"include_usage":true}}"#,
+            r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object","properties":{"a":{"type":"integer","maximum":9}},"required":["a"]}}}}"#,
+            r#"{"prompt":"x","guided_regex":"[a-z]{3}(-[0-9]+)?","max_tokens":4}"#,
+            r#"{"prompt":"x","structured_outputs":{"grammar":"start: \"a\" | b\nb: /[0-9]+/"}}"#,
         ][..],
     );
     let mutated = (valid, vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)).prop_map(

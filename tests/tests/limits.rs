@@ -142,7 +142,7 @@ async fn a_full_executor_turns_new_requests_away_until_it_has_room() {
 /// drive it (its steps could not be decoded); one whose steps fit does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduler_drives_an_executor_only_if_its_largest_step_fits() {
-    let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--max-step-bytes", "65536"];
+    let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--max-step-bytes", "262144"];
     let exec = Service::start("ferry-executor", &args, 1).unwrap();
     let body = br#"{"prompt":"The capital of France is","max_tokens":2,"temperature":0}"#;
     // 256 requests of up to 8192 tokens: megabytes.
@@ -150,7 +150,7 @@ async fn a_scheduler_drives_an_executor_only_if_its_largest_step_fits() {
     let (code, text) = http(wide.addr("http"), "POST", "/v1/completions", body).unwrap();
     assert_eq!(code, 503, "{text}");
     assert!(text.contains("no executor is connected"), "{text}");
-    // One request of up to 8192 tokens: about 54 KB.
+    // One request of up to 8192 tokens and a structured-output grammar: about 120 KB.
     let narrow = start_scheduler(&[&exec], &["--max-num-seqs", "1"]);
     let (code, text) = http(narrow.addr("http"), "POST", "/v1/completions", body).unwrap();
     assert_eq!(code, 200, "{text}");

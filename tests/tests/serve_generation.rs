@@ -290,11 +290,18 @@ fn serve_speaks_the_openai_http_api() {
         ("/v1/completions", &br#"{"prompt":""}"#[..], 400, "empty"),
         ("/v1/completions", &br#"{"prompt":"hi","temperature":-2}"#[..], 400, "temperature"),
         // Fields Ferry does not implement: refused by name, never served as if absent.
+        // A grammar llguidance refuses, and two constraints at once.
         (
             "/v1/chat/completions",
-            &br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#[..],
+            &br#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"nonsense"}}}}"#[..],
             400,
-            "response_format = ",
+            "structured output: ",
+        ),
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","guided_regex":"a+","guided_choice":["a"]}"#[..],
+            400,
+            "only use one kind of structured outputs constraint",
         ),
         (
             "/v1/chat/completions",

@@ -2,7 +2,7 @@
 //! per-request state and applies each validated `Step`; `backend` runs batches (the real model
 //! on the CPU, or the simulator); `cuda` (feature `cuda`) runs the real model on a GPU.
 //! `sampling` picks each
-//! request's next token from its logits; `sim` is the roofline timing model behind the `sim`
+//! request's next token from its logits, after `grammar` masks a constrained request's; `sim` is the roofline timing model behind the `sim`
 //! backend, so many simulated GPUs can run on one machine (DESIGN.md section 5).
 
 pub mod backend;
@@ -11,6 +11,7 @@ pub mod backend;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod cuda;
+pub mod grammar;
 pub mod kv;
 pub mod sampling;
 pub mod sim;

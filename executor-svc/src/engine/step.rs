@@ -26,6 +26,7 @@ use std::time::Instant;
 use ferry_proto::v1;
 
 use super::backend::{BatchOutput, ModelBackend};
+use super::grammar::{self, Grammar, GrammarSource, MaskJob, TokenMask};
 use super::sampling::{Sampler, SamplingError, SamplingParams};
 use super::sim::sim_token_except;
 use crate::model::paged::{BatchError, SeqSlice};
@@ -106,6 +107,8 @@ struct Admitted<'s> {
     named_again: Vec<u64>,
     /// KV operations of refused requests, not started, with why.
     dropped_ops: Vec<(v1::KvOperation, String)>,
+    /// Grammar matchers of the new constrained requests, compiled while validating.
+    matchers: Vec<(u64, Grammar)>,
 }
 
 /// What the engine keeps per request.
@@ -119,6 +122,8 @@ struct ExecRequest {
     computed: usize,
     /// Preempted and not resumed: no work until a resuming update.
     preempted: bool,
+    /// Its structured output's matcher, which has consumed `output`; `None` when unconstrained.
+    grammar: Option<Grammar>,
     /// Its `execute` span (a child of the request's span at the scheduler), when traced.
     trace: Option<RequestTrace>,
 }
@@ -204,6 +209,8 @@ pub struct Engine {
     kv: super::kv::KvOps,
     /// Requests refused and forgotten, with why, until a step lists them as finished.
     refused: HashMap<u64, String>,
+    /// Where structured-output grammars are compiled (the served model's vocabulary).
+    grammars: GrammarSource,
 }
 
 /// The requests' tables as a step leaves them, for checking its KV operations.
@@ -248,7 +255,16 @@ impl Engine {
             gathered: Vec::new(),
             kv: super::kv::KvOps::new(None),
             refused: HashMap::new(),
+            grammars: None,
         }
+    }
+
+    /// The same engine, compiling structured outputs for `model`'s vocabulary (without it,
+    /// a constrained request is refused).
+    #[must_use]
+    pub fn with_grammars(mut self, model: GrammarSource) -> Self {
+        self.grammars = model;
+        self
     }
 
     /// The same engine, carrying out KV operations through `port` (its node's agent).
@@ -304,43 +320,23 @@ impl Engine {
     /// Validates and runs one step, less the requests it refuses (listed in the result); on
     /// error nothing changed.
     pub fn execute(&mut self, step: &v1::Step) -> Result<v1::StepResult, StepError> {
-        let Admitted { step, planned, refused, named_again, dropped_ops } = self.admit(step)?;
+        let Admitted { step, planned, refused, named_again, dropped_ops, matchers } =
+            self.admit(step)?;
         let step = &*step;
         if !self.refused.is_empty() {
             for id in &step.finished_ids {
                 self.refused.remove(id);
             }
         }
-        self.apply_diff(step);
-        let (refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
+        self.apply_diff(step, matchers);
+        let (mut refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
         self.kv.start(&step.kv_ops, self.backend.as_mut());
         // Imports that arrived are written now, before this step's forward (which does not
         // read them: their requests are scheduled only once the import is reported).
         kv_results.extend(self.kv.finish(self.backend.as_mut()));
         let t0 = Instant::now();
-        // Gather the tokens each scheduled request computes.
-        self.gathered.resize_with(planned.len(), Vec::new);
-        for (buf, p) in self.gathered.iter_mut().zip(&planned) {
-            let r = &self.requests[&p.id];
-            buf.clear();
-            buf.extend((p.start..p.start + p.n).map(|i| r.token(i)));
-        }
-        let batch: Vec<SeqSlice> = planned
-            .iter()
-            .zip(&self.gathered)
-            .map(|(p, toks)| SeqSlice {
-                tokens: toks,
-                start: p.start,
-                block_table: &self.requests[&p.id].table,
-                wants_logits: p.start + p.n == p.total,
-            })
-            .collect();
-        let output = if batch.is_empty() {
-            BatchOutput::Logits(Vec::new())
-        } else {
-            self.backend.run(&batch)?
-        };
-        let forward_us = t0.elapsed().as_micros() as u64;
+        let Forward { output, mut masks, masks_busy, grammar_wait } = self.forward(&planned)?;
+        let forward_us = t0.elapsed().saturating_sub(grammar_wait).as_micros() as u64;
         let step_started = std::time::SystemTime::now() - t0.elapsed();
         let t1 = Instant::now();
         let mut outputs = Vec::new();
@@ -353,6 +349,7 @@ impl Engine {
         let vocab = self.backend.facts().shape.vocab_size as u32;
         // A simulated end token (none when the model served has none) is never emitted.
         let eos = self.backend.sim_eos().unwrap_or(self.config.eos_token_id);
+        let mut failed = Vec::new();
         for p in &planned {
             let r = self.requests.get_mut(&p.id).expect("planned requests exist after apply_diff");
             r.computed = p.start + p.n;
@@ -362,21 +359,14 @@ impl Engine {
             let position = r.len() as u64;
             let (token, logprobs) = match logits.as_mut() {
                 Some(it) => {
-                    let mut row =
-                        it.next().expect("the backend returns one row per sampling request");
-                    let s = self
-                        .sampler
-                        .sample(&mut row, &r.sampling, &r.prompt, &r.output, position)
-                        .map_err(|source| StepError::Sampling { id: p.id, source })?;
-                    let lp = s.logprob.map(|logprob| v1::PositionLogprobs {
-                        sampled: Some(v1::TokenLogprob { token_id: s.token, logprob }),
-                        top: s
-                            .top_logprobs
-                            .iter()
-                            .map(|&(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
-                            .collect(),
-                    });
-                    (s.token, lp)
+                    let row = it.next().expect("the backend returns one row per sampling request");
+                    match sample_row(&mut self.sampler, r, row, masks.remove(&p.id), position) {
+                        Ok(sampled) => sampled,
+                        Err(why) => {
+                            failed.push((p.id, why));
+                            continue;
+                        }
+                    }
                 }
                 None => (sim_token_except(r.sampling.seed, position, vocab, eos), None),
             };
@@ -386,6 +376,9 @@ impl Engine {
                 token_ids: vec![token],
                 logprobs: logprobs.into_iter().collect(),
             });
+        }
+        for (id, reason) in failed {
+            refused.push(self.refuse(id, reason));
         }
         self.steps_executed += 1;
         self.trace_step(step, &planned, step_started, forward_us);
@@ -398,9 +391,67 @@ impl Engine {
                 forward_us,
                 sample_us: t1.elapsed().as_micros() as u64,
                 simulated_us,
+                grammar_us: masks_busy.as_micros() as u64,
+                grammar_wait_us: grammar_wait.as_micros() as u64,
                 ..Default::default()
             }),
         })
+    }
+
+    /// Runs the batch of `planned` through the backend while the masks of the constrained
+    /// requests that sample in it are computed beside it; on error nothing changed.
+    fn forward(&mut self, planned: &[Planned]) -> Result<Forward, StepError> {
+        // Gather the tokens each scheduled request computes.
+        self.gathered.resize_with(planned.len(), Vec::new);
+        for (buf, p) in self.gathered.iter_mut().zip(planned) {
+            let r = &self.requests[&p.id];
+            buf.clear();
+            buf.extend((p.start..p.start + p.n).map(|i| r.token(i)));
+        }
+        // The masks of the constrained requests that sample, computed beside the forward.
+        let mask_job = MaskJob {
+            matchers: planned
+                .iter()
+                .filter(|p| p.start + p.n == p.total)
+                .filter_map(|p| {
+                    let r = self.requests.get_mut(&p.id)?;
+                    r.grammar.take().map(|m| (p.id, m))
+                })
+                .collect(),
+        };
+        let batch: Vec<SeqSlice> = planned
+            .iter()
+            .zip(&self.gathered)
+            .map(|(p, toks)| SeqSlice {
+                tokens: toks,
+                start: p.start,
+                block_table: &self.requests[&p.id].table,
+                wants_logits: p.start + p.n == p.total,
+            })
+            .collect();
+        let backend = &mut self.backend;
+        let (output, masks, grammar_wait) = mask_job.beside(|| {
+            if batch.is_empty() {
+                Ok(BatchOutput::Logits(Vec::new()))
+            } else {
+                backend.run(&batch)
+            }
+        });
+        let masks_busy = masks.busy;
+        let masks: HashMap<u64, _> =
+            masks.masks.into_iter().map(|(id, m, mask)| (id, (m, mask))).collect();
+        match output {
+            Ok(output) => Ok(Forward { output, masks, masks_busy, grammar_wait }),
+            Err(e) => {
+                // Nothing ran: the matchers go back unchanged.
+                for (id, (m, _)) in masks {
+                    if let Some(r) = self.requests.get_mut(&id) {
+                        r.grammar = Some(m);
+                    }
+                }
+                Err(e.into())
+            }
+        }
     }
 
     /// Records a `step` span (its own trace) linked to the `execute` spans of the traced
@@ -472,14 +523,19 @@ impl Engine {
             .map(|id| v1::RefusedRequest { id, reason: self.refused[&id].clone() })
             .collect();
         for (id, reason) in refused {
-            tracing::warn!(request = id, %reason, "request refused");
-            if let Some(t) = self.requests.remove(&id).and_then(|r| r.trace) {
-                t.end("refused");
-            }
-            out.push(v1::RefusedRequest { id, reason: reason.clone() });
-            self.refused.insert(id, reason);
+            out.push(self.refuse(id, reason));
         }
         (out, failed)
+    }
+
+    /// Forgets request `id` and remembers why, until a step lists it as finished.
+    fn refuse(&mut self, id: u64, reason: String) -> v1::RefusedRequest {
+        tracing::warn!(request = id, %reason, "request refused");
+        if let Some(t) = self.requests.remove(&id).and_then(|r| r.trace) {
+            t.end("refused");
+        }
+        self.refused.insert(id, reason.clone());
+        v1::RefusedRequest { id, reason }
     }
 
     /// Takes the refused requests out of `step` until what remains passes [`Self::validate`]:
@@ -492,6 +548,7 @@ impl Engine {
             refused: Vec::new(),
             named_again: Vec::new(),
             dropped_ops: Vec::new(),
+            matchers: Vec::new(),
         };
         if !self.refused.is_empty() {
             let mut earlier: Vec<u64> =
@@ -508,8 +565,9 @@ impl Engine {
         }
         loop {
             let fault = match self.validate(&admitted.step) {
-                Ok(planned) => {
+                Ok((planned, matchers)) => {
                     admitted.planned = planned;
+                    admitted.matchers = matchers;
                     return Ok(admitted);
                 }
                 Err(fault) => fault,
@@ -527,7 +585,7 @@ impl Engine {
     /// its checks build one picture of the step (which ids are new, resumed, finished) that
     /// each later check reads, and it reads top to bottom in the order a step is applied.
     #[allow(clippy::too_many_lines)]
-    fn validate(&self, step: &v1::Step) -> Result<Vec<Planned>, StepError> {
+    fn validate(&self, step: &v1::Step) -> Result<(Vec<Planned>, Compiled), StepError> {
         let facts = self.backend.facts();
         let finished: HashSet<u64> = step.finished_ids.iter().copied().collect();
         let live = |id: &u64| self.requests.contains_key(id) && !finished.contains(id);
@@ -564,6 +622,7 @@ impl Engine {
             Ok(())
         };
         let mut tables: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut matchers = Vec::new();
         let mut lengths: HashMap<u64, (usize, usize)> = HashMap::new();
         // Requests live once the step's finished ones go (counted only when the limit is near).
         let live_before =
@@ -620,8 +679,14 @@ impl Engine {
                 });
             }
             block_ok(nr.id, &nr.block_ids)?;
-            let params = SamplingParams::from_proto(&nr.sampling.unwrap_or_default(), nr.id);
+            let proto = nr.sampling.clone().unwrap_or_default();
+            let params = SamplingParams::from_proto(&proto, nr.id);
             params.validate().map_err(|source| StepError::Sampling { id: nr.id, source })?;
+            if let Some(constraint) = &proto.structured_output {
+                let matcher = grammar::compile(&self.grammars, constraint, &nr.output_token_ids)
+                    .map_err(|reason| StepError::Invalid { id: nr.id, reason })?;
+                matchers.push((nr.id, matcher));
+            }
             tables.insert(nr.id, nr.block_ids.clone());
             lengths.insert(nr.id, (len, nr.num_computed_tokens as usize));
         }
@@ -752,11 +817,12 @@ impl Engine {
             Some(seq) => StepError::Invalid { id: planned[seq].id, reason: e.to_string() },
             None => e.into(),
         })?;
-        Ok(planned)
+        Ok((planned, matchers))
     }
 
-    /// Applies the request diffs of a validated step.
-    fn apply_diff(&mut self, step: &v1::Step) {
+    /// Applies the request diffs of a validated step; `matchers` are the new requests'.
+    fn apply_diff(&mut self, step: &v1::Step, matchers: Vec<(u64, Grammar)>) {
+        let mut matchers: HashMap<u64, Grammar> = matchers.into_iter().collect();
         for id in &step.finished_ids {
             if let Some(t) = self.requests.remove(id).and_then(|r| r.trace) {
                 t.end("finished");
@@ -777,10 +843,14 @@ impl Engine {
                 ExecRequest {
                     prompt: nr.prompt_token_ids.clone(),
                     output: nr.output_token_ids.clone(),
-                    sampling: SamplingParams::from_proto(&nr.sampling.unwrap_or_default(), nr.id),
+                    sampling: SamplingParams::from_proto(
+                        &nr.sampling.clone().unwrap_or_default(),
+                        nr.id,
+                    ),
                     table: nr.block_ids.clone(),
                     computed: nr.num_computed_tokens as usize,
                     preempted: false,
+                    grammar: matchers.remove(&nr.id),
                     trace: RequestTrace::start(&nr.traceparent, nr.id),
                 },
             );
@@ -796,6 +866,52 @@ impl Engine {
             }
         }
     }
+}
+
+/// What a step's forward produced: the batch's output, the constrained requests' matchers with
+/// their masks, the time the masks took, and how long the step waited for them.
+struct Forward {
+    output: BatchOutput,
+    masks: HashMap<u64, (Grammar, Result<TokenMask, String>)>,
+    masks_busy: std::time::Duration,
+    grammar_wait: std::time::Duration,
+}
+
+/// The grammars of a step's new constrained requests, compiled while validating it.
+type Compiled = Vec<(u64, Grammar)>;
+
+/// Samples request `r`'s next token from its logits `row` at `position`, after its grammar's
+/// mask when it has one (`constrained`: its matcher, taken out for the step, and the mask);
+/// the token and its log-probabilities, or why this request cannot go on (the others can).
+fn sample_row(
+    sampler: &mut Sampler,
+    r: &mut ExecRequest,
+    mut row: Vec<f32>,
+    constrained: Option<(Grammar, Result<TokenMask, String>)>,
+    position: u64,
+) -> Result<(u32, Option<v1::PositionLogprobs>), String> {
+    let mut grammar = None;
+    if let Some((g, mask)) = constrained {
+        grammar::apply_mask(&mut row, &mask?);
+        grammar = Some(g);
+    }
+    // An error is about this request's logits (all masked, or none finite).
+    let s = sampler
+        .sample(&mut row, &r.sampling, &r.prompt, &r.output, position)
+        .map_err(|e| format!("sampling: {e}"))?;
+    if let Some(mut g) = grammar {
+        g.advance(s.token)?;
+        r.grammar = Some(g);
+    }
+    let logprobs = s.logprob.map(|logprob| v1::PositionLogprobs {
+        sampled: Some(v1::TokenLogprob { token_id: s.token, logprob }),
+        top: s
+            .top_logprobs
+            .iter()
+            .map(|&(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
+            .collect(),
+    });
+    Ok((s.token, logprobs))
 }
 
 /// `step` without request `id`'s parts (its new request, update, work, preemption and KV

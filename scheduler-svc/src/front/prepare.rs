@@ -185,6 +185,25 @@ fn check_stop_rules(
     Ok(())
 }
 
+/// Compiles a structured output's grammar for the model's vocabulary (and replays a
+/// continuation's tokens into it), so that a bad grammar is refused here, with llguidance's
+/// reason, rather than by the executor after placement.
+fn check_grammar(
+    model: &ServedModel,
+    constraint: &v1::StructuredOutput,
+    output: &[u32],
+) -> Result<(), PrepareError> {
+    let invalid = |m: String| PrepareError::Invalid(format!("structured output: {m}"));
+    let grammars = model.file.grammars().map_err(|e| invalid(e.to_string()))?;
+    let mut matcher = grammars.compile(constraint).map_err(|e| invalid(e.to_string()))?;
+    if !output.is_empty() {
+        matcher.consume_tokens(output).map_err(|e| {
+            invalid(format!("the {} output_token_ids break the grammar: {e}", output.len()))
+        })?;
+    }
+    Ok(())
+}
+
 /// Checks `req` against `model` and `limits`; the spec comes back without a trace context.
 pub fn prepare(
     model: &ServedModel,
@@ -251,7 +270,7 @@ pub fn prepare(
             output.len()
         )));
     }
-    let mut sampling = req.sampling.unwrap_or_default();
+    let mut sampling = req.sampling.clone().unwrap_or_default();
     // A request without a seed gets one here, once: it travels with the request wherever it
     // moves (another executor, another scheduler), so a moved request's draws, keyed by seed
     // and position, continue exactly as they would have where it started.
@@ -266,6 +285,9 @@ pub fn prepare(
         )));
     }
     SamplingParams::from_proto(&sampling, 0).validate().map_err(|e| invalid(e.to_string()))?;
+    if let Some(constraint) = &sampling.structured_output {
+        check_grammar(model, constraint, &output)?;
+    }
     Ok(RequestSpec {
         prompt: prompt.into(),
         prior_output: output,

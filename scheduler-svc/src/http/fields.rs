@@ -44,6 +44,16 @@ const SERVED: &[&str] = &[
     "stream",
     "stream_options",
     "logprobs",
+    // Structured outputs (OpenAI's, then vLLM's), parsed and checked in `openai`.
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    // Which engine computes the masks: Ferry has one (llguidance), and any engine gives the
+    // same constraint, so the choice changes nothing in the answer.
+    "guided_decoding_backend",
     // OpenAI's end-user id, for the provider's abuse monitoring: nothing to compute.
     "user",
 ];
@@ -54,18 +64,6 @@ const SERVED_COMPLETIONS: &[&str] = &["prompt"];
 /// Fields only `/v1/chat/completions` serves.
 const SERVED_CHAT: &[&str] = &["messages", "top_logprobs", "add_generation_prompt"];
 
-/// vLLM's structured-output fields besides `response_format`: any non-empty value constrains
-/// the output.
-const STRUCTURED: &[&str] = &[
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-];
-
 /// Whether `value` of the defined-but-unimplemented `field` leaves the answer as if the field
 /// were absent; `None` when Ferry does not know the field at all.
 fn inert(field: &str, value: &Value) -> Option<bool> {
@@ -75,9 +73,6 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
         Value::String(s) => s.is_empty(),
         _ => false,
     };
-    if STRUCTURED.contains(&field) {
-        return Some(empty());
-    }
     Some(match field {
         // Tool calling, token masks, prompt rendering: set to anything but an empty value,
         // the answer would differ.
@@ -89,11 +84,11 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
         | "suffix"
         | "chat_template"
         | "chat_template_kwargs"
-        | "truncate_prompt_tokens" => empty(),
+        | "truncate_prompt_tokens"
+        | "guided_whitespace_pattern" => empty(),
         "tool_choice" | "function_call" => value == "none" || value == "auto",
         // Without tools there is nothing to call in parallel.
         "parallel_tool_calls" => true,
-        "response_format" => value.get("type").is_some_and(|t| t == "text"),
         // Output shaping.
         "echo" | "continue_final_message" => value == false,
         "best_of" => value == 1,
@@ -107,8 +102,7 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
 fn refusal(field: &str, value: &Value) -> String {
     let what = match field {
         "tools" | "tool_choice" | "functions" | "function_call" => "tool calling",
-        "response_format" => "structured outputs",
-        f if STRUCTURED.contains(&f) => "structured outputs",
+        "guided_whitespace_pattern" => "whitespace patterns (JSON is written compactly)",
         _ => "this field",
     };
     // The value as sent, cut short: a tools list can be long.
@@ -227,13 +221,7 @@ mod tests {
             json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
             json!({"tool_choice": "required"}),
             json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
-            json!({"response_format": {"type": "json_object"}}),
-            json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
-            json!({"guided_json": {"type": "object"}}),
-            json!({"guided_regex": "[a-z]+"}),
-            json!({"guided_choice": ["a", "b"]}),
-            json!({"guided_grammar": "start: \"a\""}),
-            json!({"structured_outputs": {"json": {}}}),
+            json!({"guided_whitespace_pattern": "[ ]?"}),
             json!({"logit_bias": {"42": 100}}),
             json!({"bad_words": ["x"]}),
             json!({"allowed_token_ids": [1, 2]}),

@@ -1,7 +1,8 @@
 //! OpenAI request and response bodies, and their translation to and from the front's
 //! `Generate`. Field names, defaults and value checks follow OpenAI's API and vLLM's extensions
-//! (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`);
-//! fields Ferry does not implement are refused by name ([`super::fields`]).
+//! (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+//! structured outputs); fields Ferry does not implement are refused by name
+//! ([`super::fields`]).
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -87,6 +88,12 @@ struct Common {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<String>,
+    guided_choice: Option<Vec<String>>,
+    guided_grammar: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -149,6 +156,101 @@ fn check_values(c: &Common) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The grammar a request's output must follow, from OpenAI's `response_format` or vLLM's
+/// `structured_outputs` and `guided_*` fields, at most one of them (vLLM's rule and message);
+/// `None` when unconstrained. The grammar itself is compiled (and a bad one refused) when the
+/// front prepares the request.
+fn structured_output(c: &Common) -> Result<Option<v1::StructuredOutput>, ApiError> {
+    use v1::structured_output::Kind;
+    let bad = |m: String| ApiError::bad_request(m);
+    // A JSON schema given as an object or as its text.
+    let schema_text = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    let mut kinds: Vec<(&str, Kind)> = Vec::new();
+    if let Some(rf) = c.response_format.as_ref().filter(|v| !v.is_null()) {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => kinds.push(("response_format", Kind::JsonObject(true))),
+            Some("json_schema") => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .filter(|s| !s.is_null())
+                    .ok_or_else(|| {
+                        bad("response_format of type json_schema needs json_schema.schema".into())
+                    })?;
+                kinds.push(("response_format", Kind::JsonSchema(schema_text(schema))));
+            }
+            Some(other) => {
+                return Err(bad(format!(
+                    "response_format type {other:?} is not supported: use text, json_object or \
+                     json_schema"
+                )))
+            }
+            None => {
+                return Err(bad(
+                    "response_format needs a type: text, json_object or json_schema".into()
+                ))
+            }
+        }
+    }
+    if let Some(v) = c.guided_json.as_ref().filter(|v| !v.is_null()) {
+        kinds.push(("guided_json", Kind::JsonSchema(schema_text(v))));
+    }
+    if let Some(rx) = &c.guided_regex {
+        kinds.push(("guided_regex", Kind::Regex(rx.clone())));
+    }
+    if let Some(choices) = &c.guided_choice {
+        kinds.push(("guided_choice", Kind::Choice(v1::Choices { choices: choices.clone() })));
+    }
+    if let Some(g) = &c.guided_grammar {
+        kinds.push(("guided_grammar", Kind::Lark(g.clone())));
+    }
+    if let Some(so) = c.structured_outputs.as_ref().filter(|v| !v.is_null()) {
+        let Some(so) = so.as_object() else {
+            return Err(bad("structured_outputs must be an object".into()));
+        };
+        let must = |key: &str, what: &str| bad(format!("structured_outputs.{key} must be {what}"));
+        for (key, v) in so.iter().filter(|(_, v)| !v.is_null()) {
+            let kind = match key.as_str() {
+                "json" => Kind::JsonSchema(schema_text(v)),
+                "json_object" if v == true => Kind::JsonObject(true),
+                "regex" => Kind::Regex(v.as_str().ok_or_else(|| must(key, "a string"))?.into()),
+                "grammar" => Kind::Lark(v.as_str().ok_or_else(|| must(key, "a string"))?.into()),
+                "choice" => Kind::Choice(v1::Choices {
+                    choices: serde_json::from_value(v.clone())
+                        .map_err(|_| must(key, "a list of strings"))?,
+                }),
+                // Options that leave the constraint as given: JSON is already written without
+                // free whitespace, and there is one engine (no fallback to disable).
+                "json_object" | "disable_any_whitespace" | "disable_fallback" => continue,
+                "disable_additional_properties" if v == false => continue,
+                other => {
+                    return Err(bad(format!(
+                        "structured_outputs.{other} = {v} is not supported: Ferry implements \
+                     json, json_object, regex, choice and grammar (Lark)"
+                    )))
+                }
+            };
+            kinds.push(("structured_outputs", kind));
+        }
+    }
+    match kinds.len() {
+        0 => Ok(None),
+        1 => Ok(kinds.pop().map(|(_, kind)| v1::StructuredOutput { kind: Some(kind) })),
+        _ => {
+            let names: Vec<&str> = kinds.iter().map(|(name, _)| *name).collect();
+            Err(bad(format!(
+                "You can only use one kind of structured outputs constraint but multiple are \
+                     specified: {}",
+                names.join(", ")
+            )))
+        }
+    }
+}
+
 /// The shared part of a `GenerateRequest`; `default_max` applies when the client gives none.
 fn generate_request(
     c: &Common,
@@ -189,6 +291,7 @@ fn generate_request(
             frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
             logprobs: logprobs.is_some(),
             top_logprobs: logprobs.unwrap_or(0),
+            structured_output: structured_output(c)?,
         }),
         stopping: Some(v1::StoppingCriteria {
             max_tokens: c.max_completion_tokens.or(c.max_tokens).or(default_max).unwrap_or(0),
@@ -505,6 +608,7 @@ pub async fn models(State(front): State<GenerationService>) -> Response {
 mod tests {
     use super::{generate_request, parse, ChatBody, Endpoint};
     use axum::body::Bytes;
+    use ferry_proto::v1::{self, structured_output::Kind};
     use serde_json::json;
 
     fn chat(extra: &serde_json::Value) -> Result<(), String> {
@@ -545,5 +649,73 @@ mod tests {
         let bytes = Bytes::from_static(b"[1, 2]");
         let err = parse::<ChatBody>(&bytes, Endpoint::Chat).err().unwrap();
         assert!(err.message().contains("expected a JSON object"), "{}", err.message());
+    }
+
+    /// The constraint a chat body asks for, or the 400's message.
+    fn constraint(extra: &serde_json::Value) -> Result<Option<Kind>, String> {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let bytes = Bytes::from(body.to_string());
+        let parsed: ChatBody =
+            parse(&bytes, Endpoint::Chat).map_err(|e| e.message().to_string())?;
+        let req =
+            generate_request(&parsed.common, None, None).map_err(|e| e.message().to_string())?;
+        Ok(req.sampling.unwrap().structured_output.and_then(|s| s.kind))
+    }
+
+    #[test]
+    fn every_structured_output_field_becomes_one_constraint() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let schema_text = schema.to_string();
+        let choices = |c: &[&str]| {
+            Kind::Choice(v1::Choices { choices: c.iter().map(|s| (*s).to_string()).collect() })
+        };
+        for (extra, want) in [
+            (json!({"response_format": {"type": "text"}}), None),
+            (json!({"response_format": {"type": "json_object"}}), Some(Kind::JsonObject(true))),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": true}}}),
+                Some(Kind::JsonSchema(schema_text.clone())),
+            ),
+            (json!({"guided_json": schema}), Some(Kind::JsonSchema(schema_text.clone()))),
+            (json!({"guided_json": schema_text}), Some(Kind::JsonSchema(schema_text.clone()))),
+            (json!({"guided_regex": "a+"}), Some(Kind::Regex("a+".into()))),
+            (json!({"guided_choice": ["x", "y"]}), Some(choices(&["x", "y"]))),
+            (json!({"guided_grammar": "start: \"a\""}), Some(Kind::Lark("start: \"a\"".into()))),
+            (
+                json!({"structured_outputs": {"json": schema}}),
+                Some(Kind::JsonSchema(schema_text.clone())),
+            ),
+            (json!({"structured_outputs": {"regex": "b"}}), Some(Kind::Regex("b".into()))),
+            (json!({"structured_outputs": {"choice": ["z"]}}), Some(choices(&["z"]))),
+            (json!({"structured_outputs": {"grammar": "g"}}), Some(Kind::Lark("g".into()))),
+            (
+                json!({"structured_outputs": {"json_object": true, "disable_any_whitespace": true}}),
+                Some(Kind::JsonObject(true)),
+            ),
+            (
+                json!({"guided_decoding_backend": "xgrammar", "guided_regex": "c"}),
+                Some(Kind::Regex("c".into())),
+            ),
+            (json!({"structured_outputs": {}}), None),
+        ] {
+            assert_eq!(constraint(&extra), Ok(want), "{extra}");
+        }
+        for (extra, needle) in [
+            (json!({"guided_regex": "a", "guided_choice": ["a"]}), "You can only use one kind of structured outputs constraint but multiple are specified: guided_regex, guided_choice"),
+            (json!({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}), "multiple are specified: response_format, structured_outputs"),
+            (json!({"structured_outputs": {"regex": "a", "choice": ["a"]}}), "multiple are specified"),
+            (json!({"response_format": {"type": "json_schema"}}), "json_schema needs json_schema.schema"),
+            (json!({"response_format": {"type": "structural_tag"}}), "response_format type \"structural_tag\" is not supported"),
+            (json!({"response_format": {}}), "response_format needs a type"),
+            (json!({"structured_outputs": {"structural_tag": "{}"}}), "structured_outputs.structural_tag = "),
+            (json!({"structured_outputs": {"choice": "a"}}), "structured_outputs.choice must be a list of strings"),
+            (json!({"structured_outputs": {"regex": 3}}), "structured_outputs.regex must be a string"),
+            (json!({"structured_outputs": 3}), "structured_outputs must be an object"),
+            (json!({"guided_whitespace_pattern": " *"}), "guided_whitespace_pattern = "),
+        ] {
+            let err = constraint(&extra).expect_err(&extra.to_string());
+            assert!(err.contains(needle), "{extra}: {err}");
+        }
     }
 }

@@ -86,7 +86,7 @@ pub fn to_proto<'a>(
                     id: n.id.0,
                     prompt_token_ids: n.prompt.to_vec(),
                     output_token_ids: n.output.to_vec(),
-                    sampling: spec.map(|s| s.sampling),
+                    sampling: spec.map(|s| s.sampling.clone()),
                     block_ids: plan.blocks(n.block_ids).iter().map(|b| b.0).collect(),
                     num_computed_tokens: wire_u32(n.num_computed_tokens),
                     traceparent: spec.map(|s| s.traceparent.clone()).unwrap_or_default(),
@@ -200,12 +200,14 @@ fn kv_op<'a>(
 /// An upper bound on the encoded size of any step a core with these limits builds: every
 /// request slot carrying a new request with a full-length sequence (5 bytes per token id and
 /// block id, the most a varint takes), its work, and a KV operation over all its blocks; plus
-/// a fixed allowance per request for ids, sampling parameters and trace context.
+/// a fixed allowance per request for ids, sampling parameters and trace context, and the
+/// largest structured-output constraint.
 pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size: usize) -> u64 {
     const PER_REQUEST: u64 = 1024;
+    const GRAMMAR: u64 = ferry_model::structured::MAX_GRAMMAR_BYTES as u64;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
     // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
-    let per_request = 5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST;
+    let per_request = 5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST + GRAMMAR;
     max_num_seqs as u64 * per_request + PER_REQUEST
 }
 
@@ -237,6 +239,11 @@ mod tests {
                     frequency_penalty: 1.5,
                     logprobs: true,
                     top_logprobs: u32::MAX,
+                    structured_output: Some(v1::StructuredOutput {
+                        kind: Some(v1::structured_output::Kind::Regex(
+                            "a".repeat(ferry_model::structured::MAX_GRAMMAR_BYTES - 4),
+                        )),
+                    }),
                 }),
                 block_ids: vec![u32::MAX; blocks],
                 num_computed_tokens: u32::MAX,

@@ -56,6 +56,11 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Measure structured outputs instead: sampled decode through the engine with and
+        /// without a JSON schema (rounds A B B A per batch size), the masks' time per token
+        /// and how long steps waited for them.
+        #[arg(long)]
+        structured: bool,
     },
 }
 
@@ -93,10 +98,50 @@ fn run_bench(
     Ok(())
 }
 
+fn run_structured_bench(
+    model: Option<&std::path::Path>,
+    batches: &[usize],
+    steps: usize,
+    json: bool,
+) -> anyhow::Result<()> {
+    let model = LoadedModel::open(model)?;
+    if !json {
+        println!("model {}; sampled decode, {steps} steps per round", model.file.name);
+        println!(
+            "{:>6} {:>12} {:>12} {:>18} {:>18}",
+            "batch", "grammar", "tokens/s", "mask us/token", "wait us/step"
+        );
+    }
+    let rows = bench::run_structured(model, batches, steps, |r| {
+        if !json {
+            println!(
+                "{:>6} {:>12} {:>12.1} {:>18.1} {:>18.1}",
+                r.batch,
+                if r.constrained { "json_schema" } else { "none" },
+                r.tokens_per_s,
+                r.mask_us_per_token,
+                r.wait_us_per_step
+            );
+        }
+    })?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut cli = Cli::parse();
-    if let Some(Command::Bench { model, batches, steps, prefill_reps, json }) = cli.command {
+    if let Some(Command::Bench { model, batches, steps, prefill_reps, json, structured }) =
+        cli.command
+    {
+        if structured {
+            return tokio::task::spawn_blocking(move || {
+                run_structured_bench(model.as_deref(), &batches, steps, json)
+            })
+            .await?;
+        }
         return tokio::task::spawn_blocking(move || {
             run_bench(
                 model.as_deref(),

@@ -9,6 +9,15 @@ use ferry_proto::v1;
 /// The most alternatives a request may ask for per position (as OpenAI's `top_logprobs`).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// The most entries a request's `logit_bias` may have.
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// The largest bias one token may get, either way (OpenAI's range).
+pub const MAX_BIAS: f32 = 100.0;
+
+/// The most ids a request's `allowed_token_ids` may list (it travels with every placement).
+pub const MAX_ALLOWED_TOKEN_IDS: usize = 4096;
+
 /// Presence and frequency penalties must lie in `[-MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY]`
 /// (OpenAI's range).
 pub const MAX_ADDITIVE_PENALTY: f32 = 2.0;
@@ -69,6 +78,89 @@ pub enum SamplingError {
     /// Every logit is `-inf` or NaN (after penalties), so no token has any probability.
     #[error("cannot sample: no token has a finite logit")]
     NoFiniteLogit,
+    /// A `logit_bias` or `allowed_token_ids` entry is out of range.
+    #[error("{0}")]
+    Adjust(String),
+}
+
+/// Per-request changes to the logits that come before the penalties: OpenAI's `logit_bias`
+/// and vLLM's `allowed_token_ids`. They change what is drawn, not the log-probabilities a
+/// client sees (those of the model's own distribution, as vLLM's `raw_logprobs`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LogitAdjust {
+    /// (token id, bias) added to the token's logit, in id order.
+    pub bias: Vec<(u32, f32)>,
+    /// The only ids that may be sampled, in order, without repeats; empty: any.
+    pub allowed: Vec<u32>,
+}
+
+impl LogitAdjust {
+    /// The adjustments of a wire `SamplingParams` (unchecked: see [`Self::validate`]).
+    pub fn from_proto(p: &v1::SamplingParams) -> Self {
+        let mut bias: Vec<(u32, f32)> = p.logit_bias.iter().map(|(t, b)| (*t, *b)).collect();
+        bias.sort_unstable_by_key(|(t, _)| *t);
+        let mut allowed = p.allowed_token_ids.clone();
+        allowed.sort_unstable();
+        allowed.dedup();
+        Self { bias, allowed }
+    }
+
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.bias.is_empty() && self.allowed.is_empty()
+    }
+
+    /// Checks the sizes, the token ids against a `vocab`-token vocabulary and the biases'
+    /// range, with vLLM's wording where it has one.
+    pub fn validate(&self, vocab: usize) -> Result<(), SamplingError> {
+        let bad = |m: String| Err(SamplingError::Adjust(m));
+        if self.bias.len() > MAX_LOGIT_BIAS {
+            return bad(format!(
+                "logit_bias has {} entries; at most {MAX_LOGIT_BIAS}",
+                self.bias.len()
+            ));
+        }
+        if let Some((t, _)) = self.bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return bad(format!(
+                "token_id {t} in logit_bias is out of vocabulary (vocabulary size: {vocab})"
+            ));
+        }
+        if let Some((t, b)) = self.bias.iter().find(|(_, b)| !(-MAX_BIAS..=MAX_BIAS).contains(b)) {
+            return bad(format!("logit_bias for token {t} is {b}; it must be in [-100, 100]"));
+        }
+        if self.allowed.len() > MAX_ALLOWED_TOKEN_IDS {
+            return bad(format!(
+                "allowed_token_ids has {} ids; at most {MAX_ALLOWED_TOKEN_IDS}",
+                self.allowed.len()
+            ));
+        }
+        if let Some(t) = self.allowed.iter().find(|t| **t as usize >= vocab) {
+            return bad(format!(
+                "allowed_token_ids contains out-of-vocab token id {t} (vocabulary size: {vocab})"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Adds the biases and sets every token outside `allowed` to `-inf`.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for &(t, b) in &self.bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if self.allowed.is_empty() {
+            return;
+        }
+        let mut next = self.allowed.iter().peekable();
+        for (i, l) in logits.iter_mut().enumerate() {
+            if next.peek().is_some_and(|t| **t as usize == i) {
+                next.next();
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
 }
 
 /// One sampled token and, when asked for, its log-probabilities.

@@ -359,3 +359,52 @@ pub fn announce(program: &str, kind: &str, addr: SocketAddr) {
     let _ = writeln!(out, "{program} listening {kind}={addr}");
     let _ = out.flush();
 }
+
+/// vLLM's `--host` and `--port` for the OpenAI HTTP API, beside Ferry's `--http-listen`, so a
+/// vLLM command line moves over unchanged. No environment variables: Kubernetes sets
+/// `<SERVICE>_PORT` for every service, and a service named `ferry` would set `FERRY_PORT`.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct HostPortArgs {
+    /// Host of the OpenAI HTTP API (vLLM's flag); replaces --http-listen's host.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port of the OpenAI HTTP API (vLLM's flag); replaces --http-listen's port.
+    #[arg(long)]
+    pub port: Option<u16>,
+}
+
+impl HostPortArgs {
+    /// `http_listen` with `--host` and `--port` put in where given.
+    pub fn http_listen(&self, http_listen: &str) -> String {
+        if self.host.is_none() && self.port.is_none() {
+            return http_listen.to_string();
+        }
+        let (host, port) = http_listen.rsplit_once(':').unwrap_or((http_listen, "8000"));
+        let host = self.host.as_deref().unwrap_or(host);
+        let port = self.port.map_or_else(|| port.to_string(), |p| p.to_string());
+        // An IPv6 address given bare gets its brackets.
+        if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        }
+    }
+}
+
+#[cfg(test)]
+mod host_port_tests {
+    use super::HostPortArgs;
+
+    #[test]
+    fn host_and_port_replace_their_part_of_the_listen_address() {
+        let hp = |host: Option<&str>, port: Option<u16>| HostPortArgs {
+            host: host.map(str::to_string),
+            port,
+        };
+        assert_eq!(hp(None, None).http_listen("127.0.0.1:8000"), "127.0.0.1:8000");
+        assert_eq!(hp(Some("0.0.0.0"), None).http_listen("127.0.0.1:8000"), "0.0.0.0:8000");
+        assert_eq!(hp(None, Some(9000)).http_listen("127.0.0.1:8000"), "127.0.0.1:9000");
+        assert_eq!(hp(Some("::"), Some(1)).http_listen("127.0.0.1:8000"), "[::]:1");
+        assert_eq!(hp(Some("[::1]"), None).http_listen("[::]:8000"), "[::1]:8000");
+    }
+}

@@ -60,6 +60,28 @@ pub struct SchedulerArgs {
     /// (lower first, then arrival). Under `fcfs` a request that sets a priority is refused.
     #[arg(long, env = "FERRY_SCHEDULING_POLICY", value_enum, default_value_t = SchedulingPolicy::Fcfs)]
     pub scheduling_policy: SchedulingPolicy,
+    /// Reuse the KV of a prompt's leading full blocks that another request computed (vLLM's
+    /// flag; on by default).
+    #[arg(long, env = "FERRY_ENABLE_PREFIX_CACHING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_prefix_caching: bool,
+    /// What preemption does with a running request's KV when blocks run out: `recompute`
+    /// frees its blocks and computes its tokens again later (vLLM v1's only mode); `yield`
+    /// keeps its blocks while it waits, and resumes it without recompute.
+    #[arg(long, env = "FERRY_PREEMPTION_MODE", value_enum, default_value_t = PreemptionModeArg::Recompute)]
+    pub preemption_mode: PreemptionModeArg,
+    /// Largest prompt chunk one request computes in one step, so a long prompt shares steps
+    /// with others (vLLM's flag); 0: only --max-num-batched-tokens limits it.
+    #[arg(long, env = "FERRY_LONG_PREFILL_TOKEN_THRESHOLD", default_value_t = 0)]
+    pub long_prefill_token_threshold: u32,
+}
+
+/// `--preemption-mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PreemptionModeArg {
+    /// Free the victim's blocks; its tokens are computed again when it resumes.
+    Recompute,
+    /// The victim keeps its blocks while it waits.
+    Yield,
 }
 
 /// `--scheduling-policy`.
@@ -358,6 +380,13 @@ impl SchedulerArgs {
                 SchedulingPolicy::Fcfs => core::PreemptionPolicy::Fcfs,
                 SchedulingPolicy::Priority => core::PreemptionPolicy::Priority,
             },
+            preemption_mode: match self.preemption_mode {
+                PreemptionModeArg::Recompute => core::PreemptionMode::Recompute,
+                PreemptionModeArg::Yield => core::PreemptionMode::Yield,
+            },
+            enable_prefix_caching: self.enable_prefix_caching,
+            long_prefill_token_threshold: (self.long_prefill_token_threshold > 0)
+                .then_some(self.long_prefill_token_threshold as usize),
             ..core::SchedulerConfig::default()
         };
         // The core's default geometry is valid, so whatever the core refuses here is a flag's.
@@ -565,6 +594,33 @@ mod tests {
         let config = by_priority.core_config("e", geometry).unwrap();
         assert_eq!(config.preemption_policy, core::PreemptionPolicy::Priority);
         assert!(Cli::try_parse_from(["x", "--scheduling-policy", "lifo"]).is_err());
+    }
+
+    #[test]
+    fn vllm_flags_set_the_core_as_vllm_names_them() {
+        let geometry = ExecutorGeometry {
+            block_size: 16,
+            num_blocks: 100,
+            max_model_len: 2048,
+            kv_agent: false,
+        };
+        let default = parse(&[]).scheduler.resolve().unwrap().core_config("e", geometry).unwrap();
+        assert!(default.enable_prefix_caching);
+        assert_eq!(default.preemption_mode, core::PreemptionMode::Recompute);
+        assert_eq!(default.long_prefill_token_threshold, None);
+        let set = parse(&[
+            "--enable-prefix-caching",
+            "false",
+            "--preemption-mode",
+            "yield",
+            "--long-prefill-token-threshold",
+            "128",
+        ]);
+        let config = set.scheduler.resolve().unwrap().core_config("e", geometry).unwrap();
+        assert!(!config.enable_prefix_caching);
+        assert_eq!(config.preemption_mode, core::PreemptionMode::Yield);
+        assert_eq!(config.long_prefill_token_threshold, Some(128));
+        assert!(Cli::try_parse_from(["x", "--preemption-mode", "swap"]).is_err());
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// Address for the OpenAI-compatible HTTP API (port 0 picks a free port).
     #[arg(long, env = "FERRY_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
     pub http_listen: String,
+    /// vLLM's `--host` and `--port` for the HTTP API.
+    #[command(flatten)]
+    pub host_port: ferry_runtime::grpc::HostPortArgs,
     /// How the scheduler schedules.
     #[command(flatten)]
     pub scheduler: SchedulerArgs,
@@ -72,11 +75,16 @@ pub struct ServeConfig {
 }
 
 impl ServeArgs {
+    /// The HTTP API's address: `--http-listen` with `--host` and `--port` put in.
+    pub fn http_address(&self) -> String {
+        self.host_port.http_listen(&self.http_listen)
+    }
+
     /// Checks every flag of every part; the error names the flag.
     pub fn resolve(&self) -> anyhow::Result<ServeConfig> {
         self.executor.validate()?;
         self.kv_agent.validate()?;
-        self.tls.validate(&[("listen", &self.listen), ("http-listen", &self.http_listen)])?;
+        self.tls.validate(&[("listen", &self.listen), ("http-listen", &self.http_address())])?;
         Ok(ServeConfig {
             scheduler: self.scheduler.resolve()?,
             front: self.front.resolve()?,

@@ -41,7 +41,7 @@ async fn main() -> anyhow::Result<()> {
     args.log.init().map_err(anyhow::Error::msg)?;
     let _telemetry = args.trace.init("ferry").map_err(anyhow::Error::msg)?;
     ferry_runtime::tls::start(&args.tls)?;
-    let (bound, addrs) = ferry::bind(&args.listen, &args.http_listen, args.disaggregate).await?;
+    let (bound, addrs) = ferry::bind(&args.listen, &args.http_address(), args.disaggregate).await?;
     for (kind, addr) in addrs.parts() {
         ferry_runtime::grpc::announce("ferry", kind, addr);
     }

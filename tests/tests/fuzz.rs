@@ -117,23 +117,33 @@ fn sampling() -> impl Strategy<Value = Option<v1::SamplingParams>> {
         (float(), float(), 0u32..100, float()),
         (proptest::option::of(any::<u64>()), float(), float(), float()),
         (any::<bool>(), 0u32..25, structured_output()),
+        (vec((token(), bias()), 0..3), vec(token(), 0..3)),
     )
-        .prop_map(|((t, p, k, m), (seed, rep, pres, freq), (lp, top, structured))| {
-            v1::SamplingParams {
-                temperature: t,
-                top_p: p,
-                top_k: k,
-                min_p: m,
-                seed,
-                repetition_penalty: rep,
-                presence_penalty: pres,
-                frequency_penalty: freq,
-                logprobs: lp,
-                top_logprobs: top,
-                structured_output: structured,
-            }
-        });
+        .prop_map(
+            |((t, p, k, m), (seed, rep, pres, freq), (lp, top, structured), (lb, allowed))| {
+                v1::SamplingParams {
+                    temperature: t,
+                    top_p: p,
+                    top_k: k,
+                    min_p: m,
+                    seed,
+                    repetition_penalty: rep,
+                    presence_penalty: pres,
+                    frequency_penalty: freq,
+                    logprobs: lp,
+                    top_logprobs: top,
+                    structured_output: structured,
+                    logit_bias: lb.into_iter().collect(),
+                    allowed_token_ids: allowed,
+                }
+            },
+        );
     proptest::option::of(params)
+}
+
+/// Logit biases in range, at its ends, past them, and not a number.
+fn bias() -> impl Strategy<Value = f32> {
+    prop_oneof![4 => -100.0f32..=100.0, 1 => Just(100.0f32), 1 => Just(-100.5f32), 1 => Just(f32::NAN)]
 }
 
 /// Grammars that hold, that cannot compile, and that refuse the fuzzed tokens.
@@ -340,6 +350,9 @@ const FIELDS: &[&str] = &[
     "regex",
     "choice",
     "grammar",
+    "logit_bias",
+    "allowed_token_ids",
+    "echo",
 ];
 
 fn json_value() -> impl Strategy<Value = serde_json::Value> {

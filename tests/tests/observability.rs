@@ -146,6 +146,14 @@ fn metrics_use_vllm_names_and_move_as_requests_run() {
     );
     assert_eq!(after.sum("vllm:num_requests_running", &[]), 0.0);
     assert_eq!(after.sum("vllm:kv_cache_usage_perc", &[]), 0.0);
+    // vLLM's per-request histograms.
+    assert_eq!(delta("vllm:request_prompt_tokens_count", &[]), 3.0);
+    assert_eq!(delta("vllm:request_generation_tokens_sum", &[]), 24.0);
+    assert_eq!(delta("vllm:request_max_num_generation_tokens_sum", &[]), 24.0);
+    assert_eq!(delta("vllm:request_prefill_time_seconds_count", &[]), 3.0);
+    assert_eq!(delta("vllm:request_decode_time_seconds_count", &[]), 3.0);
+    assert_eq!(delta("vllm:time_per_output_token_seconds_count", &[]), 21.0);
+    vllm_dashboard_finds_a_series_for_every_query(&after);
 
     // The executor and the KV agent serve /metrics on their gRPC ports.
     // The executor learns of a request's end in the step after its last token, which may
@@ -232,6 +240,63 @@ async fn health_reports_not_serving_while_draining() {
     }
     assert!(tokens >= 120, "the in-flight request finished during the drain");
     assert!(sched.terminate(Duration::from_secs(30)).unwrap().success());
+}
+
+/// The series vLLM's published Grafana dashboard queries
+/// (`examples/online_serving/prometheus_grafana/grafana.json` in vLLM's repository, as of
+/// commit e88892c), each selected by `model_name` as the dashboard does.
+const VLLM_DASHBOARD_SERIES: &[&str] = &[
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+];
+
+/// What that dashboard queries and Ferry cannot have, with why.
+const VLLM_DASHBOARD_ABSENT: &[(&str, &str)] = &[
+    (
+        "vllm:num_requests_swapped",
+        "requests swapped to host memory: vLLM v1 dropped swapping; a preempted Ferry request \
+         is recomputed or, under --preemption-mode yield, keeps its blocks on the device",
+    ),
+    (
+        "vllm:cpu_cache_usage_perc",
+        "vLLM v0's swap space; Ferry's host-memory KV is the node's KV agent, a shared tier \
+         with its own metrics (ferry_kv_store_*), not a per-executor swap space",
+    ),
+];
+
+/// Every query of vLLM's own dashboard finds a series here, with the served model's
+/// `model_name`, except the two it cannot have ([`VLLM_DASHBOARD_ABSENT`]).
+fn vllm_dashboard_finds_a_series_for_every_query(scrape: &Scrape) {
+    let model = "model_name=\"SmolLM2-135M-Instruct\"";
+    for name in VLLM_DASHBOARD_SERIES {
+        assert!(
+            scrape.samples.keys().any(|k| k.split('{').next() == Some(name) && k.contains(model)),
+            "vLLM's dashboard queries {name}{{{model}}}, which Ferry does not export"
+        );
+    }
+    for (name, why) in VLLM_DASHBOARD_ABSENT {
+        assert!(!why.is_empty());
+        assert!(!scrape.types.contains_key(*name), "{name} is exported after all");
+    }
 }
 
 /// Every metric the Grafana dashboard (`helm/ferry/dashboards/ferry.json`) queries is one the

@@ -309,8 +309,36 @@ fn serve_speaks_the_openai_http_api() {
             400,
             "tools = ",
         ),
-        ("/v1/completions", &br#"{"prompt":"hi","echo":true}"#[..], 400, "echo = true"),
-        ("/v1/completions", &br#"{"prompt":"hi","logit_bias":{"1":5}}"#[..], 400, "logit_bias"),
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","echo":true,"logprobs":1}"#[..],
+            400,
+            "echo = true with logprobs is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi"}],"echo":true}"#[..],
+            400,
+            "echo = true",
+        ),
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","logit_bias":{"1":500}}"#[..],
+            400,
+            "logit_bias for token 1 is 500; it must be in [-100, 100]",
+        ),
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","logit_bias":{"word":5}}"#[..],
+            400,
+            "is not a token id",
+        ),
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","allowed_token_ids":[99999999]}"#[..],
+            400,
+            "allowed_token_ids contains out-of-vocab token id 99999999",
+        ),
         (
             "/v1/chat/completions",
             &br#"{"messages":[{"role":"user","content":"hi","name":"ann"}]}"#[..],
@@ -639,4 +667,36 @@ async fn under_the_priority_policy_a_more_important_request_is_admitted_first() 
         w.await.unwrap();
     }
     assert_eq!(*finished.lock().unwrap(), [-5, 5], "the lower priority number ran first");
+}
+
+/// `logit_bias` and `allowed_token_ids` change a greedy answer as OpenAI and vLLM define them;
+/// `echo` puts the prompt before it.
+#[test]
+fn logit_bias_allowed_token_ids_and_echo_shape_the_answer() {
+    use ferry_tests::http;
+    let tok = ferry_model::ModelFile::open(None).unwrap().tokenizer;
+    let id = |word: &str| {
+        let ids = tok.encode(word).unwrap();
+        assert_eq!(tok.decode(&ids[ids.len() - 1..]), word, "{word} is one token");
+        ids[ids.len() - 1]
+    };
+    let (london, rome) = (id(" London"), id(" Rome"));
+    let svc = start_serve("64");
+    let ask = |extra: String| {
+        let body = format!(
+            r#"{{"prompt":"The capital of France is","max_tokens":1,"temperature":0{extra}}}"#
+        );
+        let (status, text) =
+            http(svc.addr("http"), "POST", "/v1/completions", body.as_bytes()).unwrap();
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    assert_eq!(ask(String::new()), " Paris");
+    assert_eq!(ask(format!(r#","logit_bias":{{"{london}":100}}"#)), " London");
+    let paris = id(" Paris");
+    assert_ne!(ask(format!(r#","logit_bias":{{"{paris}":-100}}"#)), " Paris");
+    let only = ask(format!(r#","allowed_token_ids":[{london},{rome}]"#));
+    assert!(only == " London" || only == " Rome", "{only:?}");
+    assert_eq!(ask(r#","echo":true"#.into()), "The capital of France is Paris");
 }

@@ -6,11 +6,23 @@
 
 use std::process::Command;
 
-use ferry_tests::start_serve;
+use ferry_tests::Service;
 
 #[test]
 fn structured_outputs_hold_through_the_openai_client() {
-    let svc = start_serve("64");
+    // vLLM's --host and --port in place of --http-listen.
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--kv-cache-mib",
+        "64",
+    ];
+    let svc = Service::start("ferry", &args, 4).expect("starting ferry serve");
     let base = format!("http://{}/v1", svc.addr("http"));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/structured_outputs.py");
     let out = Command::new("python3").arg(script).arg(&base).output().expect("python3 runs");

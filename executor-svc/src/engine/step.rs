@@ -27,7 +27,7 @@ use ferry_proto::v1;
 
 use super::backend::{BatchOutput, ModelBackend};
 use super::grammar::{self, Grammar, GrammarSource, MaskJob, TokenMask};
-use super::sampling::{Sampler, SamplingError, SamplingParams};
+use super::sampling::{LogitAdjust, Sampler, SamplingError, SamplingParams};
 use super::sim::sim_token_except;
 use crate::model::paged::{BatchError, SeqSlice};
 
@@ -117,6 +117,8 @@ struct ExecRequest {
     prompt: Vec<u32>,
     output: Vec<u32>,
     sampling: SamplingParams,
+    /// Its logit biases and allowed tokens.
+    adjust: LogitAdjust,
     table: Vec<u32>,
     /// Leading tokens whose KV is in the cache.
     computed: usize,
@@ -682,6 +684,9 @@ impl Engine {
             let proto = nr.sampling.clone().unwrap_or_default();
             let params = SamplingParams::from_proto(&proto, nr.id);
             params.validate().map_err(|source| StepError::Sampling { id: nr.id, source })?;
+            LogitAdjust::from_proto(&proto)
+                .validate(facts.shape.vocab_size)
+                .map_err(|source| StepError::Sampling { id: nr.id, source })?;
             if let Some(constraint) = &proto.structured_output {
                 let matcher = grammar::compile(&self.grammars, constraint, &nr.output_token_ids)
                     .map_err(|reason| StepError::Invalid { id: nr.id, reason })?;
@@ -838,15 +843,14 @@ impl Engine {
             }
         }
         for nr in &step.new_requests {
+            let proto = nr.sampling.clone().unwrap_or_default();
             self.requests.insert(
                 nr.id,
                 ExecRequest {
                     prompt: nr.prompt_token_ids.clone(),
                     output: nr.output_token_ids.clone(),
-                    sampling: SamplingParams::from_proto(
-                        &nr.sampling.clone().unwrap_or_default(),
-                        nr.id,
-                    ),
+                    sampling: SamplingParams::from_proto(&proto, nr.id),
+                    adjust: LogitAdjust::from_proto(&proto),
                     table: nr.block_ids.clone(),
                     computed: nr.num_computed_tokens as usize,
                     preempted: false,
@@ -897,7 +901,7 @@ fn sample_row(
     }
     // An error is about this request's logits (all masked, or none finite).
     let s = sampler
-        .sample(&mut row, &r.sampling, &r.prompt, &r.output, position)
+        .sample_adjusted(&mut row, &r.sampling, &r.adjust, &r.prompt, &r.output, position)
         .map_err(|e| format!("sampling: {e}"))?;
     if let Some(mut g) = grammar {
         g.advance(s.token)?;

@@ -37,6 +37,8 @@ struct Common {
     /// Address for the OpenAI-compatible HTTP API (port 0 picks a free port).
     #[arg(long, env = "FERRY_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
     http_listen: String,
+    #[command(flatten)]
+    host_port: ferry_runtime::grpc::HostPortArgs,
     /// GGUF model whose tokenizer the front uses (it must be the executors' model); the
     /// default model if absent.
     #[arg(long, env = "FERRY_MODEL")]
@@ -79,7 +81,8 @@ enum Command {
 impl Common {
     /// Checks the flags `start` and `model` would use, without binding or reading anything.
     fn validate(&self) -> anyhow::Result<()> {
-        let listen = [("listen", self.listen.as_str()), ("http-listen", &self.http_listen)];
+        let http = self.host_port.http_listen(&self.http_listen);
+        let listen = [("listen", self.listen.as_str()), ("http-listen", &http)];
         ferry_runtime::check::shared_flags(&listen, &self.log, &self.trace)
             .map_err(anyhow::Error::msg)?;
         self.tls.validate(&listen)?;
@@ -103,7 +106,8 @@ impl Common {
         let telemetry = self.trace.init(service).map_err(anyhow::Error::msg)?;
         ferry_runtime::tls::start(&self.tls)?;
         let (grpc, addr) = ferry_runtime::grpc::bind(&self.listen).await?;
-        let (http, http_addr) = ferry_runtime::grpc::bind(&self.http_listen).await?;
+        let (http, http_addr) =
+            ferry_runtime::grpc::bind(&self.host_port.http_listen(&self.http_listen)).await?;
         ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);
         ferry_runtime::grpc::announce("ferry-scheduler", "http", http_addr);
         let probe = self.probe.bind("ferry-scheduler").await?;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use ferry_model::sampling::SamplingParams;
+use ferry_model::sampling::{LogitAdjust, SamplingParams};
 use ferry_model::{ChatMessage, ModelFile};
 use ferry_proto::v1;
 
@@ -285,6 +285,9 @@ pub fn prepare(
         )));
     }
     SamplingParams::from_proto(&sampling, 0).validate().map_err(|e| invalid(e.to_string()))?;
+    LogitAdjust::from_proto(&sampling)
+        .validate(tok.vocab_size())
+        .map_err(|e| invalid(e.to_string()))?;
     if let Some(constraint) = &sampling.structured_output {
         check_grammar(model, constraint, &output)?;
     }

@@ -71,6 +71,7 @@ pub(crate) struct RequestStream {
     assembler: TextAssembler,
     client: ClientTx,
     arrived: Instant,
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
     trace: RequestTrace,
 }
@@ -102,6 +103,7 @@ impl RequestStream {
             assembler,
             client,
             arrived,
+            first_token: None,
             last_token: None,
             trace,
         }
@@ -194,6 +196,7 @@ impl RequestStream {
         match self.last_token {
             None => {
                 metrics.ttft.observe((now - self.arrived).as_secs_f64());
+                self.first_token = Some(now);
                 self.trace.event("first_token", Vec::new());
             }
             Some(t) => metrics.itl.observe((now - t).as_secs_f64()),
@@ -214,14 +217,31 @@ impl RequestStream {
         self.stop_export("the request ended at a stop string").await;
         self.placement.abort().await;
         let stats = self.account_after_abort().await;
-        let metrics = &self.front.metrics;
-        metrics.finished(FinishLabel::Stop);
-        metrics.e2e.observe(self.arrived.elapsed().as_secs_f64());
+        self.front.metrics.finished(FinishLabel::Stop);
+        self.observe_end(stats.as_ref().and_then(|s| s.queue_time));
         last.finish_reason = v1::FinishReason::Stop.into();
         last.stop_reason = stop;
         last.usage = Some(self.usage(stats.map_or(0, |s| s.prefix_hit_tokens)));
         let _ = self.client.send(Ok(last)).await;
         Ending { label: FinishLabel::Stop, stats }
+    }
+
+    /// Records a finished request's latencies and sizes (vLLM's request histograms);
+    /// `queue_time` is the scheduler's arrival-to-first-scheduled, seconds, when it said.
+    fn observe_end(&self, queue_time: Option<f64>) {
+        let m = &self.front.metrics;
+        m.e2e.observe(self.arrived.elapsed().as_secs_f64());
+        if let Some(q) = queue_time {
+            m.queue_time.observe(q);
+        }
+        m.request_prompt_tokens.observe(self.spec.prompt.len() as f64);
+        m.request_generation_tokens.observe(self.delivered.len() as f64);
+        m.request_max_tokens.observe(self.spec.max_tokens as f64);
+        if let Some(first) = self.first_token {
+            let to_first = (first - self.arrived).as_secs_f64();
+            m.prefill_time.observe(to_first - queue_time.unwrap_or(0.0));
+            m.decode_time.observe(first.elapsed().as_secs_f64());
+        }
     }
 
     /// After an abort, the scheduler's final account of the request: its `Finished` event
@@ -247,12 +267,8 @@ impl RequestStream {
 
     /// The scheduler finished the request: send what text is held and the final event.
     async fn on_finished(&mut self, reason: FinishReason, stats: FinishStats) -> Ending {
-        let metrics = &self.front.metrics;
-        metrics.finished(reason.into());
-        metrics.e2e.observe(self.arrived.elapsed().as_secs_f64());
-        if let Some(q) = stats.queue_time {
-            metrics.queue_time.observe(q);
-        }
+        self.front.metrics.finished(reason.into());
+        self.observe_end(stats.queue_time);
         let text = self.assembler.finish();
         let mut last = self.event(text, Vec::new(), None);
         let (finish_reason, stop_reason) = wire_finish(reason);

@@ -54,12 +54,14 @@ const SERVED: &[&str] = &[
     // Which engine computes the masks: Ferry has one (llguidance), and any engine gives the
     // same constraint, so the choice changes nothing in the answer.
     "guided_decoding_backend",
+    "logit_bias",
+    "allowed_token_ids",
     // OpenAI's end-user id, for the provider's abuse monitoring: nothing to compute.
     "user",
 ];
 
 /// Fields only `/v1/completions` serves.
-const SERVED_COMPLETIONS: &[&str] = &["prompt"];
+const SERVED_COMPLETIONS: &[&str] = &["prompt", "echo"];
 
 /// Fields only `/v1/chat/completions` serves.
 const SERVED_CHAT: &[&str] = &["messages", "top_logprobs", "add_generation_prompt"];
@@ -78,9 +80,7 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
         // the answer would differ.
         "tools"
         | "functions"
-        | "logit_bias"
         | "bad_words"
-        | "allowed_token_ids"
         | "suffix"
         | "chat_template"
         | "chat_template_kwargs"
@@ -222,9 +222,7 @@ mod tests {
             json!({"tool_choice": "required"}),
             json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
             json!({"guided_whitespace_pattern": "[ ]?"}),
-            json!({"logit_bias": {"42": 100}}),
             json!({"bad_words": ["x"]}),
-            json!({"allowed_token_ids": [1, 2]}),
             json!({"echo": true}),
             json!({"suffix": "end"}),
             json!({"best_of": 2}),

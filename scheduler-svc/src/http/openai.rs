@@ -94,6 +94,8 @@ struct Common {
     guided_regex: Option<String>,
     guided_choice: Option<Vec<String>>,
     guided_grammar: Option<String>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    allowed_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Deserialize)]
@@ -102,6 +104,7 @@ struct CompletionBody {
     common: Common,
     prompt: PromptInput,
     logprobs: Option<u32>,
+    echo: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -251,6 +254,23 @@ fn structured_output(c: &Common) -> Result<Option<v1::StructuredOutput>, ApiErro
     }
 }
 
+/// OpenAI's `logit_bias`: token ids (as JSON object keys) to a bias; the range is checked when
+/// the front prepares the request.
+fn logit_bias(c: &Common) -> Result<std::collections::HashMap<u32, f32>, ApiError> {
+    let Some(map) = &c.logit_bias else { return Ok(std::collections::HashMap::new()) };
+    map.iter()
+        .map(|(k, v)| {
+            let id = k.parse::<u32>().map_err(|_| {
+                ApiError::bad_request(format!("logit_bias key {k:?} is not a token id"))
+            })?;
+            let bias = v.as_f64().ok_or_else(|| {
+                ApiError::bad_request(format!("logit_bias for token {id} is {v}, not a number"))
+            })?;
+            Ok((id, bias as f32))
+        })
+        .collect()
+}
+
 /// The shared part of a `GenerateRequest`; `default_max` applies when the client gives none.
 fn generate_request(
     c: &Common,
@@ -292,6 +312,8 @@ fn generate_request(
             logprobs: logprobs.is_some(),
             top_logprobs: logprobs.unwrap_or(0),
             structured_output: structured_output(c)?,
+            logit_bias: logit_bias(c)?,
+            allowed_token_ids: c.allowed_token_ids.clone().unwrap_or_default(),
         }),
         stopping: Some(v1::StoppingCriteria {
             max_tokens: c.max_completion_tokens.or(c.max_tokens).or(default_max).unwrap_or(0),
@@ -343,6 +365,8 @@ struct Shaper {
     created: u64,
     model: String,
     front: GenerationService,
+    /// The prompt's text, put before the answer (`echo`); empty when not asked.
+    echo: String,
 }
 
 impl Shaper {
@@ -375,10 +399,14 @@ impl Shaper {
     fn chunk(&self, ev: &v1::GenerateEvent, first: bool) -> Value {
         let finish = finish_reason(ev.finish_reason());
         match self.kind {
-            Kind::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{ "index": 0, "text": ev.text, "logprobs": self.logprobs(ev), "finish_reason": finish }],
-            }),
+            Kind::Completion => {
+                let text =
+                    if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
+                json!({
+                    "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [{ "index": 0, "text": text, "logprobs": self.logprobs(ev), "finish_reason": finish }],
+                })
+            }
             Kind::Chat => {
                 let mut delta = json!({ "content": ev.text });
                 if first {
@@ -399,7 +427,9 @@ impl Shaper {
     }
 
     fn whole(&self, events: &[v1::GenerateEvent]) -> Value {
-        let text: String = events.iter().map(|e| e.text.as_str()).collect();
+        let text: String = std::iter::once(self.echo.as_str())
+            .chain(events.iter().map(|e| e.text.as_str()))
+            .collect();
         let last = events.last();
         let finish = last.and_then(|e| finish_reason(e.finish_reason()));
         let merged = v1::GenerateEvent {
@@ -425,7 +455,7 @@ impl Shaper {
 
 async fn run(
     front: GenerationService,
-    kind: Kind,
+    (kind, echo): (Kind, String),
     common: &Common,
     req: v1::GenerateRequest,
     headers: &HeaderMap,
@@ -449,6 +479,7 @@ async fn run(
         created: unix_now(),
         model,
         front: front.clone(),
+        echo,
     };
     if !common.stream {
         let mut events = Vec::new();
@@ -541,6 +572,20 @@ pub async fn completions(
     // OpenAI's legacy default is 16 tokens (at most --max-output-tokens).
     let default_max = u32::try_from(front.limits().max_output_tokens).unwrap_or(u32::MAX).min(16);
     let mut req = generate_request(&body.common, Some(default_max), body.logprobs)?;
+    let echo = body.echo.unwrap_or(false);
+    if echo && body.logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            "echo = true with logprobs is not supported: it needs the prompt's log-probabilities \
+             (prompt_logprobs), which Ferry does not compute yet",
+        ));
+    }
+    // The prompt as text, for `echo`: as given, or its tokens decoded.
+    let echoed = match (&body.prompt, echo) {
+        (_, false) => String::new(),
+        (PromptInput::Text(t), true) => t.clone(),
+        (PromptInput::Texts(v), true) => v.concat(),
+        (PromptInput::Tokens(ids), true) => front.model().file.tokenizer.decode(ids),
+    };
     req.input = Some(match body.prompt {
         PromptInput::Text(t) => v1::generate_request::Input::Prompt(t),
         PromptInput::Tokens(ids) => {
@@ -556,7 +601,7 @@ pub async fn completions(
             )))
         }
     });
-    run(front, Kind::Completion, &body.common, req, &headers).await
+    run(front, (Kind::Completion, echoed), &body.common, req, &headers).await
 }
 
 /// `POST /v1/chat/completions`.
@@ -591,7 +636,7 @@ pub async fn chat_completions(
     let add_generation_prompt = body.add_generation_prompt.unwrap_or(true);
     req.input =
         Some(v1::generate_request::Input::Chat(v1::Chat { messages, add_generation_prompt }));
-    run(front, Kind::Chat, &body.common, req, &headers).await
+    run(front, (Kind::Chat, String::new()), &body.common, req, &headers).await
 }
 
 /// `GET /v1/models`.

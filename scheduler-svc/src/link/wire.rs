@@ -204,7 +204,12 @@ fn kv_op<'a>(
 /// largest structured-output constraint.
 pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size: usize) -> u64 {
     const PER_REQUEST: u64 = 1024;
-    const GRAMMAR: u64 = ferry_model::structured::MAX_GRAMMAR_BYTES as u64;
+    // A constraint, and the logit biases (an entry is a tag, a length and the id and float
+    // fields: at most 13 bytes) and allowed ids (5 bytes each, packed).
+    const GRAMMAR: u64 = ferry_model::structured::MAX_GRAMMAR_BYTES as u64
+        + 13 * ferry_model::sampling::MAX_LOGIT_BIAS as u64
+        + 5 * ferry_model::sampling::MAX_ALLOWED_TOKEN_IDS as u64
+        + 8;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
     // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
     let per_request = 5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST + GRAMMAR;
@@ -244,6 +249,10 @@ mod tests {
                             "a".repeat(ferry_model::structured::MAX_GRAMMAR_BYTES - 4),
                         )),
                     }),
+                    logit_bias: (0..ferry_model::sampling::MAX_LOGIT_BIAS as u32)
+                        .map(|i| (u32::MAX - i, f32::MAX))
+                        .collect(),
+                    allowed_token_ids: vec![u32::MAX; ferry_model::sampling::MAX_ALLOWED_TOKEN_IDS],
                 }),
                 block_ids: vec![u32::MAX; blocks],
                 num_computed_tokens: u32::MAX,

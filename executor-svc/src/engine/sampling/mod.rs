@@ -70,6 +70,8 @@ pub struct Sampler {
     weights: Vec<f32>,
     /// Rank keys ([`rank_key`]) for the top-k and top-p selections.
     keys: Vec<u64>,
+    /// The raw logits, kept when a [`LogitAdjust`] changes them and log-probabilities are asked.
+    raw: Vec<f32>,
 }
 
 impl Sampler {
@@ -92,6 +94,20 @@ impl Sampler {
         output: &[u32],
         position: u64,
     ) -> Result<Sampled, SamplingError> {
+        self.sample_adjusted(logits, params, &LogitAdjust::default(), prompt, output, position)
+    }
+
+    /// As [`Self::sample`], with `adjust` (logit biases, allowed tokens) applied to the logits
+    /// after the raw log-probabilities are taken and before the penalties, as vLLM orders them.
+    pub fn sample_adjusted(
+        &mut self,
+        logits: &mut [f32],
+        params: &SamplingParams,
+        adjust: &LogitAdjust,
+        prompt: &[u32],
+        output: &[u32],
+        position: u64,
+    ) -> Result<Sampled, SamplingError> {
         params.validate()?;
         if logits.is_empty() {
             return Err(SamplingError::EmptyLogits);
@@ -106,6 +122,12 @@ impl Sampler {
         } else {
             None
         };
+        let keep_raw = log_z.is_some() && !adjust.is_empty();
+        if keep_raw {
+            self.raw.clear();
+            self.raw.extend_from_slice(logits);
+        }
+        adjust.apply(logits);
         self.apply_penalties(logits, params, prompt, output);
         let token = if params.is_greedy() {
             argmax(logits)?
@@ -113,11 +135,14 @@ impl Sampler {
             self.draw(logits, params, position_uniform(params.seed, position))?
         };
         let logprob = log_z.map(|log_z| {
-            let raw = self
-                .raw_touched
-                .iter()
-                .find(|(id, _)| *id == token)
-                .map_or(logits[token as usize], |&(_, raw)| raw);
+            let raw = if keep_raw {
+                self.raw[token as usize]
+            } else {
+                self.raw_touched
+                    .iter()
+                    .find(|(id, _)| *id == token)
+                    .map_or(logits[token as usize], |&(_, raw)| raw)
+            };
             (f64::from(raw) - log_z) as f32
         });
         for entry in &mut top_logprobs {

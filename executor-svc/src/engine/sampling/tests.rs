@@ -483,3 +483,69 @@ fn proto_conversion_fills_a_missing_seed() {
     let seeded = v1::SamplingParams { seed: Some(9), ..wire };
     assert_eq!(SamplingParams::from_proto(&seeded, 1234).seed, 9);
 }
+
+#[test]
+fn a_logit_bias_changes_the_draw_but_not_the_reported_logprob() {
+    let logits = random_logits(300, 3);
+    let params = SamplingParams { logprobs: true, top_logprobs: 2, ..SamplingParams::default() };
+    let plain = sample_once(&logits, &params, 0);
+    // +100 on the worst token makes it the greedy choice.
+    let worst = best_first(&logits).last().unwrap().0;
+    let adjust = LogitAdjust { bias: vec![(worst, 100.0)], allowed: vec![] };
+    let mut row = logits.clone();
+    let biased = Sampler::new().sample_adjusted(&mut row, &params, &adjust, &[], &[], 0).unwrap();
+    assert_eq!(biased.token, worst);
+    // Its log-probability and the top alternatives are the model's, as if unbiased.
+    let raw = f64::from(logits[worst as usize]) - log_sum_exp(&logits, &mut Vec::new());
+    assert!((f64::from(biased.logprob.unwrap()) - raw).abs() < 1e-5, "{biased:?}");
+    assert_eq!(biased.top_logprobs, plain.top_logprobs);
+    // -100 on the best token: never chosen.
+    let best = plain.token;
+    let adjust = LogitAdjust { bias: vec![(best, -100.0)], allowed: vec![] };
+    let mut row = logits.clone();
+    let s = Sampler::new().sample_adjusted(&mut row, &params, &adjust, &[], &[], 0).unwrap();
+    assert_ne!(s.token, best);
+}
+
+#[test]
+fn allowed_token_ids_bound_every_draw() {
+    let logits = random_logits(500, 9);
+    let allowed = vec![3, 77, 499];
+    let adjust = LogitAdjust { bias: vec![], allowed: allowed.clone() };
+    let params = with_temperature(1.5);
+    let mut sampler = Sampler::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for position in 0..300 {
+        let mut row = logits.clone();
+        let t = sampler.sample_adjusted(&mut row, &params, &adjust, &[], &[], position).unwrap();
+        seen.insert(t.token);
+    }
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), allowed, "each allowed id drawn, no other");
+}
+
+#[test]
+fn logit_adjustments_are_checked_with_vllm_wording() {
+    let check = |bias: Vec<(u32, f32)>, allowed: Vec<u32>| {
+        LogitAdjust { bias, allowed }.validate(100).map_err(|e| e.to_string())
+    };
+    assert_eq!(check(vec![(5, 100.0), (6, -100.0)], vec![0, 99]), Ok(()));
+    let err = check(vec![(100, 1.0)], vec![]).unwrap_err();
+    assert!(err.contains("token_id 100 in logit_bias is out of vocabulary"), "{err}");
+    let err = check(vec![(1, 100.5)], vec![]).unwrap_err();
+    assert!(err.contains("must be in [-100, 100]"), "{err}");
+    let err = check(vec![(1, f32::NAN)], vec![]).unwrap_err();
+    assert!(err.contains("must be in [-100, 100]"), "{err}");
+    let err = check(vec![], vec![100]).unwrap_err();
+    assert!(err.contains("allowed_token_ids contains out-of-vocab token id 100"), "{err}");
+    let many: Vec<(u32, f32)> = (0..=MAX_LOGIT_BIAS as u32).map(|t| (t, 1.0)).collect();
+    let err = LogitAdjust { bias: many, allowed: vec![] }.validate(1000).unwrap_err();
+    assert!(err.to_string().contains("at most 300"), "{err}");
+    // The wire form sorts and deduplicates.
+    let p = v1::SamplingParams {
+        logit_bias: [(9, 1.0), (2, -1.0)].into_iter().collect(),
+        allowed_token_ids: vec![5, 1, 5],
+        ..Default::default()
+    };
+    let a = LogitAdjust::from_proto(&p);
+    assert_eq!((a.bias, a.allowed), (vec![(2, -1.0), (9, 1.0)], vec![1, 5]));
+}

@@ -312,7 +312,9 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     const TTL: Duration = Duration::from_secs(2);
-    const TOKENS: u32 = 256;
+    // Long enough that every stream outlives the outage (three TTLs and etcd's restart) on a
+    // machine several times faster than this one's 2 cores: 256 did not always.
+    const TOKENS: u32 = 640;
     let etcd = Etcd::start().unwrap();
     let sched = start_scheduler(&etcd);
     let exec = start_executor(&etcd, "exec-a");
@@ -321,6 +323,14 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     let epoch = metric("ferry_scheduler_epoch{");
     let undisturbed = run_streams(sched.addr("grpc"), requests(8, TOKENS), 0, || {}).await;
     assert_complete(&undisturbed, TOKENS as usize);
+    // The streams must span the outage, or the test shows nothing: say so plainly.
+    let span = undisturbed.iter().map(|o| o.arrived[TOKENS as usize - 1] - o.arrived[48]).min();
+    assert!(
+        span.is_some_and(|s| s > TTL * 4),
+        "streams last {span:?} after their 48th token, too short to span an outage of {:?}: \
+         raise TOKENS",
+        TTL * 3
+    );
     let moved_before = metric("ferry_requests_moved");
 
     // Once every stream has 48 tokens (a baseline of gaps), etcd dies (kill -9) for three lease

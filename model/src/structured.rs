@@ -65,6 +65,14 @@ pub enum GrammarError {
     /// The model's vocabulary could not be turned into a token trie.
     #[error("structured outputs are unavailable for this model: {0}")]
     Vocabulary(String),
+    /// Tokens already generated (a continuation) leave the grammar.
+    #[error("its {count} earlier tokens break the grammar: {reason}")]
+    Replay {
+        /// How many tokens were replayed.
+        count: usize,
+        /// llguidance's reason.
+        reason: String,
+    },
 }
 
 /// llguidance's view of the model's vocabulary: each token's bytes, with control tokens marked
@@ -137,6 +145,22 @@ impl Grammars {
     /// Tokens in the vocabulary (a mask's length).
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// A matcher for `constraint` that has consumed `output` (the tokens a continuation
+    /// already generated), where the next token is drawn.
+    pub fn compile_after(
+        &self,
+        constraint: &v1::StructuredOutput,
+        output: &[u32],
+    ) -> Result<Matcher, GrammarError> {
+        let mut matcher = self.compile(constraint)?;
+        if !output.is_empty() {
+            matcher
+                .consume_tokens(output)
+                .map_err(|e| GrammarError::Replay { count: output.len(), reason: e.to_string() })?;
+        }
+        Ok(matcher)
     }
 
     /// A matcher at the start of `constraint`'s grammar.

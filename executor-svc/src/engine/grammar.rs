@@ -68,14 +68,10 @@ pub fn compile(
                     (a simulated one) has none"
             .into());
     };
-    let grammars = model.grammars().map_err(|e| e.to_string())?;
-    let mut matcher =
-        grammars.compile(constraint).map_err(|e| format!("structured output: {e}"))?;
-    if !output.is_empty() {
-        matcher.consume_tokens(output).map_err(|e| {
-            format!("structured output: its {} earlier tokens break the grammar: {e}", output.len())
-        })?;
-    }
+    let matcher = model
+        .grammars()
+        .and_then(|g| g.compile_after(constraint, output))
+        .map_err(|e| format!("structured output: {e}"))?;
     Ok(Grammar(Box::new(matcher)))
 }
 
@@ -111,7 +107,7 @@ impl MaskJob {
     /// Runs `forward` on this thread while the masks are computed on another; with no
     /// constrained request, just `forward`. Returns the forward's result, the masks, and how
     /// long the masks kept the step waiting after the forward.
-    pub fn beside<T: Send>(self, forward: impl FnOnce() -> T) -> (T, Masks, Duration) {
+    pub fn beside<T>(self, forward: impl FnOnce() -> T) -> (T, Masks, Duration) {
         if self.matchers.is_empty() {
             return (forward(), Masks { masks: Vec::new(), busy: Duration::ZERO }, Duration::ZERO);
         }

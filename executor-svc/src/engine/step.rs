@@ -107,8 +107,8 @@ struct Admitted<'s> {
     named_again: Vec<u64>,
     /// KV operations of refused requests, not started, with why.
     dropped_ops: Vec<(v1::KvOperation, String)>,
-    /// Grammar matchers of the new constrained requests, compiled while validating.
-    matchers: Vec<(u64, Grammar)>,
+    /// What validating the new requests prepared for them.
+    prepared: Prepared,
 }
 
 /// What the engine keeps per request.
@@ -322,7 +322,7 @@ impl Engine {
     /// Validates and runs one step, less the requests it refuses (listed in the result); on
     /// error nothing changed.
     pub fn execute(&mut self, step: &v1::Step) -> Result<v1::StepResult, StepError> {
-        let Admitted { step, planned, refused, named_again, dropped_ops, matchers } =
+        let Admitted { step, planned, refused, named_again, dropped_ops, prepared } =
             self.admit(step)?;
         let step = &*step;
         if !self.refused.is_empty() {
@@ -330,7 +330,7 @@ impl Engine {
                 self.refused.remove(id);
             }
         }
-        self.apply_diff(step, matchers);
+        self.apply_diff(step, prepared);
         let (mut refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
         self.kv.start(&step.kv_ops, self.backend.as_mut());
         // Imports that arrived are written now, before this step's forward (which does not
@@ -550,7 +550,7 @@ impl Engine {
             refused: Vec::new(),
             named_again: Vec::new(),
             dropped_ops: Vec::new(),
-            matchers: Vec::new(),
+            prepared: HashMap::new(),
         };
         if !self.refused.is_empty() {
             let mut earlier: Vec<u64> =
@@ -567,9 +567,9 @@ impl Engine {
         }
         loop {
             let fault = match self.validate(&admitted.step) {
-                Ok((planned, matchers)) => {
+                Ok((planned, prepared)) => {
                     admitted.planned = planned;
-                    admitted.matchers = matchers;
+                    admitted.prepared = prepared;
                     return Ok(admitted);
                 }
                 Err(fault) => fault,
@@ -587,7 +587,7 @@ impl Engine {
     /// its checks build one picture of the step (which ids are new, resumed, finished) that
     /// each later check reads, and it reads top to bottom in the order a step is applied.
     #[allow(clippy::too_many_lines)]
-    fn validate(&self, step: &v1::Step) -> Result<(Vec<Planned>, Compiled), StepError> {
+    fn validate(&self, step: &v1::Step) -> Result<(Vec<Planned>, Prepared), StepError> {
         let facts = self.backend.facts();
         let finished: HashSet<u64> = step.finished_ids.iter().copied().collect();
         let live = |id: &u64| self.requests.contains_key(id) && !finished.contains(id);
@@ -624,7 +624,8 @@ impl Engine {
             Ok(())
         };
         let mut tables: HashMap<u64, Vec<u32>> = HashMap::new();
-        let mut matchers = Vec::new();
+        let mut prepared = HashMap::new();
+        let no_sampling = v1::SamplingParams::default();
         let mut lengths: HashMap<u64, (usize, usize)> = HashMap::new();
         // Requests live once the step's finished ones go (counted only when the limit is near).
         let live_before =
@@ -681,17 +682,21 @@ impl Engine {
                 });
             }
             block_ok(nr.id, &nr.block_ids)?;
-            let proto = nr.sampling.clone().unwrap_or_default();
-            let params = SamplingParams::from_proto(&proto, nr.id);
-            params.validate().map_err(|source| StepError::Sampling { id: nr.id, source })?;
-            LogitAdjust::from_proto(&proto)
+            let proto = nr.sampling.as_ref().unwrap_or(&no_sampling);
+            let sampling = SamplingParams::from_proto(proto, nr.id);
+            sampling.validate().map_err(|source| StepError::Sampling { id: nr.id, source })?;
+            let adjust = LogitAdjust::from_proto(proto);
+            adjust
                 .validate(facts.shape.vocab_size)
                 .map_err(|source| StepError::Sampling { id: nr.id, source })?;
-            if let Some(constraint) = &proto.structured_output {
-                let matcher = grammar::compile(&self.grammars, constraint, &nr.output_token_ids)
-                    .map_err(|reason| StepError::Invalid { id: nr.id, reason })?;
-                matchers.push((nr.id, matcher));
-            }
+            let grammar = match &proto.structured_output {
+                Some(constraint) => Some(
+                    grammar::compile(&self.grammars, constraint, &nr.output_token_ids)
+                        .map_err(|reason| StepError::Invalid { id: nr.id, reason })?,
+                ),
+                None => None,
+            };
+            prepared.insert(nr.id, NewParts { sampling, adjust, grammar });
             tables.insert(nr.id, nr.block_ids.clone());
             lengths.insert(nr.id, (len, nr.num_computed_tokens as usize));
         }
@@ -822,12 +827,12 @@ impl Engine {
             Some(seq) => StepError::Invalid { id: planned[seq].id, reason: e.to_string() },
             None => e.into(),
         })?;
-        Ok((planned, matchers))
+        Ok((planned, prepared))
     }
 
-    /// Applies the request diffs of a validated step; `matchers` are the new requests'.
-    fn apply_diff(&mut self, step: &v1::Step, matchers: Vec<(u64, Grammar)>) {
-        let mut matchers: HashMap<u64, Grammar> = matchers.into_iter().collect();
+    /// Applies the request diffs of a validated step; `prepared` holds its new requests'
+    /// parts.
+    fn apply_diff(&mut self, step: &v1::Step, mut prepared: Prepared) {
         for id in &step.finished_ids {
             if let Some(t) = self.requests.remove(id).and_then(|r| r.trace) {
                 t.end("finished");
@@ -843,18 +848,19 @@ impl Engine {
             }
         }
         for nr in &step.new_requests {
-            let proto = nr.sampling.clone().unwrap_or_default();
+            let NewParts { sampling, adjust, grammar } =
+                prepared.remove(&nr.id).expect("validated: every new request is prepared");
             self.requests.insert(
                 nr.id,
                 ExecRequest {
                     prompt: nr.prompt_token_ids.clone(),
                     output: nr.output_token_ids.clone(),
-                    sampling: SamplingParams::from_proto(&proto, nr.id),
-                    adjust: LogitAdjust::from_proto(&proto),
+                    sampling,
+                    adjust,
                     table: nr.block_ids.clone(),
                     computed: nr.num_computed_tokens as usize,
                     preempted: false,
-                    grammar: matchers.remove(&nr.id),
+                    grammar,
                     trace: RequestTrace::start(&nr.traceparent, nr.id),
                 },
             );
@@ -881,8 +887,17 @@ struct Forward {
     grammar_wait: std::time::Duration,
 }
 
-/// The grammars of a step's new constrained requests, compiled while validating it.
-type Compiled = Vec<(u64, Grammar)>;
+/// A new request's sampling parts, read from the wire and checked once, while validating the
+/// step: its parameters, its logit adjustments, and its grammar compiled (with its earlier
+/// output replayed) when it has a structured output.
+struct NewParts {
+    sampling: SamplingParams,
+    adjust: LogitAdjust,
+    grammar: Option<Grammar>,
+}
+
+/// The parts of a step's new requests, by id.
+type Prepared = HashMap<u64, NewParts>;
 
 /// Samples request `r`'s next token from its logits `row` at `position`, after its grammar's
 /// mask when it has one (`constrained`: its matcher, taken out for the step, and the mask);

@@ -193,14 +193,9 @@ fn check_grammar(
     constraint: &v1::StructuredOutput,
     output: &[u32],
 ) -> Result<(), PrepareError> {
-    let invalid = |m: String| PrepareError::Invalid(format!("structured output: {m}"));
-    let grammars = model.file.grammars().map_err(|e| invalid(e.to_string()))?;
-    let mut matcher = grammars.compile(constraint).map_err(|e| invalid(e.to_string()))?;
-    if !output.is_empty() {
-        matcher.consume_tokens(output).map_err(|e| {
-            invalid(format!("the {} output_token_ids break the grammar: {e}", output.len()))
-        })?;
-    }
+    let invalid =
+        |e: ferry_model::GrammarError| PrepareError::Invalid(format!("structured output: {e}"));
+    model.file.grammars().map_err(invalid)?.compile_after(constraint, output).map_err(invalid)?;
     Ok(())
 }
 

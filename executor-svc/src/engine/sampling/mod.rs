@@ -70,8 +70,8 @@ pub struct Sampler {
     weights: Vec<f32>,
     /// Rank keys ([`rank_key`]) for the top-k and top-p selections.
     keys: Vec<u64>,
-    /// The raw logits, kept when a [`LogitAdjust`] changes them and log-probabilities are asked.
-    raw: Vec<f32>,
+    /// (id, raw logit) of the tokens a [`LogitAdjust`] biased, for the raw log-probability.
+    raw_biased: Vec<(u32, f32)>,
 }
 
 impl Sampler {
@@ -122,10 +122,13 @@ impl Sampler {
         } else {
             None
         };
-        let keep_raw = log_z.is_some() && !adjust.is_empty();
-        if keep_raw {
-            self.raw.clear();
-            self.raw.extend_from_slice(logits);
+        // The sampled token is always allowed, so only a bias can change its logit: remember
+        // the raw logits of the biased tokens (at most a few hundred), not the whole row.
+        self.raw_biased.clear();
+        if log_z.is_some() {
+            self.raw_biased.extend(
+                adjust.bias.iter().filter_map(|&(t, _)| Some((t, *logits.get(t as usize)?))),
+            );
         }
         adjust.apply(logits);
         self.apply_penalties(logits, params, prompt, output);
@@ -135,14 +138,14 @@ impl Sampler {
             self.draw(logits, params, position_uniform(params.seed, position))?
         };
         let logprob = log_z.map(|log_z| {
-            let raw = if keep_raw {
-                self.raw[token as usize]
-            } else {
-                self.raw_touched
-                    .iter()
-                    .find(|(id, _)| *id == token)
-                    .map_or(logits[token as usize], |&(_, raw)| raw)
-            };
+            // A biased token's raw logit is from before the bias; the penalties' record of it
+            // would hold the biased one.
+            let raw = self
+                .raw_biased
+                .iter()
+                .chain(&self.raw_touched)
+                .find(|(id, _)| *id == token)
+                .map_or(logits[token as usize], |&(_, raw)| raw);
             (f64::from(raw) - log_z) as f32
         });
         for entry in &mut top_logprobs {

@@ -11,6 +11,7 @@
 //! executor that runs another refuse to work together, instead of producing text from the
 //! wrong vocabulary.
 
+pub mod chat;
 pub mod fetch;
 pub mod gguf;
 pub mod sampling;
@@ -20,6 +21,7 @@ pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
+pub use chat::{ChatOptions, ToolCallParser, ToolPiece};
 pub use fetch::{default_model_path, model_dir, FetchError, DEFAULT_MODEL_NAME};
 pub use gguf::{GgufError, GgufHeader};
 pub use shape::{LlamaShape, ShapeError};

@@ -179,7 +179,7 @@ impl Grammars {
 }
 
 /// The JSON compile options this service defaults to (see the module's head).
-fn json_defaults() -> Value {
+pub(crate) fn json_defaults() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 

@@ -9,6 +9,8 @@
 use std::collections::HashMap;
 
 use minijinja::Environment;
+
+use crate::chat::{self, ChatOptions};
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -198,6 +200,13 @@ impl Tokenizer {
         })
     }
 
+    /// This tokenizer with `template` in place of the model's chat template.
+    #[must_use]
+    pub fn with_chat_template(mut self, template: String) -> Self {
+        self.chat_template = Some(template);
+        self
+    }
+
     /// Number of token ids.
     pub fn vocab_size(&self) -> usize {
         self.token_bytes.len()
@@ -248,22 +257,100 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        let messages: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        self.render_chat(messages, &ChatOptions { add_generation_prompt, ..ChatOptions::default() })
+    }
+
+    /// Renders a conversation (messages as [`crate::chat::message`] builds them) with the
+    /// model's chat template, with tools, names and calls written in when the template does
+    /// not render them ([`crate::chat`]).
+    pub fn render_chat(
+        &self,
+        mut messages: Vec<serde_json::Value>,
+        options: &ChatOptions<'_>,
+    ) -> Result<String, TokenizerError> {
+        let err = |m: String| TokenizerError::Template(m);
         let source = self
             .chat_template
             .as_deref()
-            .ok_or_else(|| TokenizerError::Template("the model has no chat template".into()))?;
+            .ok_or_else(|| err("the model has no chat template".into()))?;
+        if options.add_generation_prompt && options.continue_final_message {
+            return Err(err(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                    .into(),
+            ));
+        }
         let mut env = Environment::new();
-        env.add_template("chat", source).map_err(|e| TokenizerError::Template(e.to_string()))?;
-        let template =
-            env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
-        template
-            .render(minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token_id.map(|id| self.decode(&[id])).unwrap_or_default(),
-                eos_token => self.decode(&[self.eos_token_id]),
-            })
-            .map_err(|e| TokenizerError::Template(e.to_string()))
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_template("chat", source).map_err(|e| err(e.to_string()))?;
+        let template = env.get_template("chat").map_err(|e| err(e.to_string()))?;
+        // Whether the template renders names: asked with a probe only when a message has one.
+        if messages.iter().any(|m| m.get("name").is_some()) {
+            const PROBE: &str = "ferry-name-probe";
+            let probe = serde_json::json!([{"role": "user", "content": "x", "name": PROBE}]);
+            let shown = template
+                .render(minijinja::context! { messages => probe, add_generation_prompt => false })
+                .is_ok_and(|t| t.contains(PROBE));
+            if !shown {
+                chat::names_in_content(&mut messages);
+            }
+        }
+        let renders_tools = template.undeclared_variables(false).contains("tools");
+        if !renders_tools {
+            messages = chat::hermes(messages, options.tools);
+        }
+        let last = if options.continue_final_message {
+            let text = messages
+                .last()
+                .and_then(|m| m.get("content"))
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            if text.is_empty() {
+                return Err(err(
+                    "continue_final_message needs a last message with text to continue".into(),
+                ));
+            }
+            Some(text)
+        } else {
+            None
+        };
+        let mut context = options.kwargs.cloned().unwrap_or_default();
+        if let Some(k) =
+            context.keys().find(|k| chat::RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str()))
+        {
+            return Err(err(format!("chat_template_kwargs may not set {k:?}")));
+        }
+        context.insert("messages".into(), messages.into());
+        if renders_tools && !options.tools.is_empty() {
+            context.insert("tools".into(), options.tools.to_vec().into());
+        }
+        context.insert("add_generation_prompt".into(), options.add_generation_prompt.into());
+        context.insert("continue_final_message".into(), options.continue_final_message.into());
+        context.insert(
+            "bos_token".into(),
+            self.bos_token_id.map(|id| self.decode(&[id])).unwrap_or_default().into(),
+        );
+        context.insert("eos_token".into(), self.decode(&[self.eos_token_id]).into());
+        let mut text = template.render(context).map_err(|e| err(e.to_string()))?;
+        if let Some(last) = last {
+            // As vLLM does: cut the rendering right after the last message's text.
+            let end = text.rfind(&last).ok_or_else(|| {
+                err("continue_final_message: the template does not render the last message's \
+                     text as given, so it cannot be left open"
+                    .into())
+            })? + last.len();
+            text.truncate(end);
+        }
+        Ok(text)
     }
 }
 

@@ -86,3 +86,72 @@ fn chat_template_renders_the_conversation() {
     assert!(text.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"));
     assert!(!text.ends_with("assistant\n"));
 }
+
+fn msg(role: &str, content: &str) -> serde_json::Value {
+    ferry_model::chat::message(role, content, "", "", "").unwrap()
+}
+
+#[test]
+fn a_template_without_tools_gets_them_in_the_hermes_format() {
+    use ferry_model::chat::{message, ChatOptions};
+    let tok = tokenizer();
+    let tools = [
+        serde_json::json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}),
+    ];
+    let calls = r#"[{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"UTC\"}"}}]"#;
+    let messages = vec![
+        msg("user", "What time is it?"),
+        message("assistant", "", "", calls, "").unwrap(),
+        message("tool", "12:00", "", "", "c1").unwrap(),
+    ];
+    let options =
+        ChatOptions { add_generation_prompt: true, tools: &tools, ..ChatOptions::default() };
+    let text = tok.render_chat(messages, &options).unwrap();
+    assert!(text.starts_with("<|im_start|>system\n# Tools\n"), "{text}");
+    assert!(
+        text.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_time\""),
+        "{text}"
+    );
+    assert!(text.contains("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\"}}\n</tool_call><|im_end|>"), "{text}");
+    assert!(text.contains("<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), "{text}");
+}
+
+#[test]
+fn names_continuations_and_template_variables_reach_the_prompt() {
+    use ferry_model::chat::{message, ChatOptions};
+    let tok = tokenizer();
+    // SmolLM2's template renders no names: the name goes before the text.
+    let named = vec![message("user", "hello", "ann", "", "").unwrap()];
+    let text = tok.render_chat(named, &ChatOptions::default()).unwrap();
+    assert!(text.contains("<|im_start|>user\nann: hello<|im_end|>"), "{text}");
+    // The last message left open.
+    let open = vec![msg("user", "Capital of France?"), msg("assistant", "The capital is")];
+    let options = ChatOptions { continue_final_message: true, ..ChatOptions::default() };
+    let text = tok.render_chat(open.clone(), &options).unwrap();
+    assert!(text.ends_with("<|im_start|>assistant\nThe capital is"), "{text}");
+    let both = ChatOptions { add_generation_prompt: true, ..options };
+    let err = tok.render_chat(open, &both).unwrap_err().to_string();
+    assert!(
+        err.contains("Cannot set both `continue_final_message` and `add_generation_prompt`"),
+        "{err}"
+    );
+    // A template that knows tools, names and variables gets them as values.
+    let own = "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}]{{ m.content }}{% for c in m.tool_calls or [] %}<call {{ c.function.name }} {{ c.function.arguments.tz }}>{% endfor %}{% endfor %}{% if tools %}tools={{ tools | length }}{% endif %}{% if enable_thinking is defined %} thinking={{ enable_thinking }}{% endif %}";
+    let tok = tok.with_chat_template(own.into());
+    let calls = r#"[{"type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"UTC\"}"}}]"#;
+    let messages = vec![
+        message("user", "hi", "ann", "", "").unwrap(),
+        message("assistant", "", "", calls, "").unwrap(),
+    ];
+    let tools = [serde_json::json!({"type": "function", "function": {"name": "get_time"}})];
+    let kwargs: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+    let options = ChatOptions { tools: &tools, kwargs: Some(&kwargs), ..ChatOptions::default() };
+    let text = tok.render_chat(messages.clone(), &options).unwrap();
+    assert_eq!(text, "[user:ann]hi[assistant]<call get_time UTC>tools=1 thinking=False");
+    let reserved: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(r#"{"messages": []}"#).unwrap();
+    let options = ChatOptions { kwargs: Some(&reserved), ..ChatOptions::default() };
+    let err = tok.render_chat(messages, &options).unwrap_err().to_string();
+    assert!(err.contains("chat_template_kwargs may not set \"messages\""), "{err}");
+}

@@ -29,9 +29,14 @@ fn chat(messages: &[(&str, &str)], max_tokens: u32) -> v1::GenerateRequest {
         input: Some(v1::generate_request::Input::Chat(v1::Chat {
             messages: messages
                 .iter()
-                .map(|(r, c)| v1::ChatMessage { role: r.to_string(), content: c.to_string() })
+                .map(|(r, c)| v1::ChatMessage {
+                    role: r.to_string(),
+                    content: c.to_string(),
+                    ..Default::default()
+                })
                 .collect(),
             add_generation_prompt: true,
+            ..Default::default()
         })),
         stopping: Some(v1::StoppingCriteria { max_tokens, ..Default::default() }),
         ..Default::default()
@@ -305,9 +310,15 @@ fn serve_speaks_the_openai_http_api() {
         ),
         (
             "/v1/chat/completions",
-            &br#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#[..],
+            &br#"{"messages":[{"role":"user","content":"hi"}],"functions":[{"name":"f"}]}"#[..],
             400,
-            "tools = ",
+            "functions = ",
+        ),
+        (
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"g"}}}"#[..],
+            400,
+            "which is not in tools",
         ),
         (
             "/v1/completions",
@@ -341,9 +352,9 @@ fn serve_speaks_the_openai_http_api() {
         ),
         (
             "/v1/chat/completions",
-            &br#"{"messages":[{"role":"user","content":"hi","name":"ann"}]}"#[..],
+            &br#"{"messages":[{"role":"user","content":"hi","function_call":{"name":"f"}}]}"#[..],
             400,
-            "messages[0].name",
+            "messages[0].function_call",
         ),
         // Values vLLM refuses.
         ("/v1/completions", &br#"{"prompt":"hi","top_p":0}"#[..], 400, "top_p must be in (0, 1]"),

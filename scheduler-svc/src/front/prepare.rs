@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use ferry_model::sampling::{LogitAdjust, SamplingParams};
-use ferry_model::{ChatMessage, ModelFile};
+use ferry_model::ModelFile;
 use ferry_proto::v1;
 
 use crate::request::RequestSpec;
@@ -142,18 +142,50 @@ fn prompt_tokens(model: &ServedModel, req: &v1::GenerateRequest) -> Result<Vec<u
             if chat.messages.is_empty() {
                 return Err(invalid("chat has no messages".into()));
             }
-            let messages: Vec<ChatMessage> = chat
-                .messages
-                .iter()
-                .map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() })
-                .collect();
-            let text = tok
-                .apply_chat_template(&messages, chat.add_generation_prompt)
-                .map_err(|e| invalid(format!("chat: {e}")))?;
-            tok.encode(&text).map_err(|e| invalid(format!("chat: {e}")))?
+            tok.encode(&render_chat(tok, chat)?).map_err(|e| invalid(format!("chat: {e}")))?
         }
         None => return Err(invalid("no input: give a prompt, prompt_token_ids or a chat".into())),
     })
+}
+
+/// A chat rendered with the model's template: its messages, tools and template variables
+/// read from their JSON and checked.
+fn render_chat(tok: &ferry_model::Tokenizer, chat: &v1::Chat) -> Result<String, PrepareError> {
+    use ferry_model::chat;
+    let invalid = |m: String| PrepareError::Invalid(format!("chat: {m}"));
+    let messages = chat
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            chat::message(&m.role, &m.content, &m.name, &m.tool_calls_json, &m.tool_call_id)
+                .map_err(|e| invalid(format!("messages[{i}].{e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let tools: Vec<serde_json::Value> = if chat.tools_json.is_empty() {
+        Vec::new()
+    } else {
+        serde_json::from_str(&chat.tools_json)
+            .map_err(|e| invalid(format!("tools is not a JSON array: {e}")))?
+    };
+    chat::check_tools(&tools).map_err(invalid)?;
+    let kwargs: Option<serde_json::Map<String, serde_json::Value>> =
+        if chat.template_kwargs_json.is_empty() {
+            None
+        } else {
+            Some(
+                serde_json::from_str(&chat.template_kwargs_json).map_err(|e| {
+                    invalid(format!("chat_template_kwargs is not a JSON object: {e}"))
+                })?,
+            )
+        };
+    let options = chat::ChatOptions {
+        add_generation_prompt: chat.add_generation_prompt,
+        continue_final_message: chat.continue_final_message,
+        tools: &tools,
+        kwargs: kwargs.as_ref(),
+    };
+    tok.render_chat(messages, &options).map_err(|e| invalid(e.to_string()))
 }
 
 /// Refuses stop rules past `limits`.

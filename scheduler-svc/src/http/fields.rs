@@ -64,7 +64,16 @@ const SERVED: &[&str] = &[
 const SERVED_COMPLETIONS: &[&str] = &["prompt", "echo"];
 
 /// Fields only `/v1/chat/completions` serves.
-const SERVED_CHAT: &[&str] = &["messages", "top_logprobs", "add_generation_prompt"];
+const SERVED_CHAT: &[&str] = &[
+    "messages",
+    "top_logprobs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 /// Whether `value` of the defined-but-unimplemented `field` leaves the answer as if the field
 /// were absent; `None` when Ferry does not know the field at all.
@@ -78,19 +87,15 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
     Some(match field {
         // Tool calling, token masks, prompt rendering: set to anything but an empty value,
         // the answer would differ.
-        "tools"
-        | "functions"
+        "functions"
         | "bad_words"
         | "suffix"
         | "chat_template"
-        | "chat_template_kwargs"
         | "truncate_prompt_tokens"
         | "guided_whitespace_pattern" => empty(),
-        "tool_choice" | "function_call" => value == "none" || value == "auto",
-        // Without tools there is nothing to call in parallel.
-        "parallel_tool_calls" => true,
+        "function_call" => value == "none" || value == "auto",
         // Output shaping.
-        "echo" | "continue_final_message" => value == false,
+        "echo" => value == false,
         "best_of" => value == 1,
         "prompt_logprobs" => false,
         "skip_special_tokens" | "spaces_between_special_tokens" => value == true,
@@ -101,7 +106,11 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
 /// Why a defined field cannot be served (the 400's message).
 fn refusal(field: &str, value: &Value) -> String {
     let what = match field {
-        "tools" | "tool_choice" | "functions" | "function_call" => "tool calling",
+        "functions" | "function_call" => "OpenAI's deprecated functions (use tools)",
+        "chat_template" => {
+            "a request's own chat template (the model's is used; vLLM too refuses one unless \
+             started with --trust-request-chat-template)"
+        }
         "guided_whitespace_pattern" => "whitespace patterns (JSON is written compactly)",
         _ => "this field",
     };
@@ -155,29 +164,23 @@ pub fn check(body: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiErr
     Ok(())
 }
 
-/// Message fields the chat template does not render: refused rather than dropped.
+/// Message fields of OpenAI's deprecated function calling, which Ferry does not serve (tool
+/// calls and "tool" messages it does).
 fn check_messages(messages: Option<&Value>) -> Result<(), ApiError> {
     let Some(messages) = messages.and_then(Value::as_array) else { return Ok(()) };
     for (i, m) in messages.iter().enumerate() {
         let Some(m) = m.as_object() else { continue };
-        if let Some(role) = m.get("role").and_then(Value::as_str) {
-            if role == "tool" || role == "function" {
-                return Err(ApiError::bad_request(format!(
-                    "messages[{i}].role = {role:?} is not supported: Ferry does not implement \
-                     tool calling yet"
-                )));
-            }
+        if m.get("role").and_then(Value::as_str) == Some("function") {
+            return Err(ApiError::bad_request(format!(
+                "messages[{i}].role = \"function\" is not supported: it is OpenAI's deprecated \
+                 function calling; use tools and \"tool\" messages"
+            )));
         }
-        for field in ["name", "tool_calls", "tool_call_id", "function_call"] {
-            let Some(value) = m.get(field).filter(|v| !v.is_null()) else { continue };
-            let empty = value.as_array().is_some_and(Vec::is_empty)
-                || value.as_str().is_some_and(str::is_empty);
-            if !empty {
-                return Err(ApiError::bad_request(format!(
-                    "messages[{i}].{field} is not supported: the chat template would not \
-                     render it"
-                )));
-            }
+        if m.get("function_call").is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::bad_request(format!(
+                "messages[{i}].function_call is not supported: it is OpenAI's deprecated \
+                 function calling; use tool_calls"
+            )));
         }
     }
     Ok(())
@@ -218,9 +221,8 @@ mod tests {
     fn a_field_that_would_change_the_answer_is_refused_by_name() {
         let chat = Endpoint::Chat;
         let refused = [
-            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-            json!({"tool_choice": "required"}),
-            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            json!({"functions": [{"name": "f"}]}),
+            json!({"function_call": {"name": "f"}}),
             json!({"guided_whitespace_pattern": "[ ]?"}),
             json!({"bad_words": ["x"]}),
             json!({"echo": true}),
@@ -228,9 +230,7 @@ mod tests {
             json!({"best_of": 2}),
             json!({"prompt_logprobs": 1}),
             json!({"skip_special_tokens": false}),
-            json!({"continue_final_message": true}),
             json!({"chat_template": "{{ messages }}"}),
-            json!({"chat_template_kwargs": {"enable_thinking": false}}),
             json!({"truncate_prompt_tokens": 100}),
         ];
         for body in refused {
@@ -243,11 +243,10 @@ mod tests {
         let err = verdict(&json!({"top_logprobs": 3}), chat).unwrap_err();
         assert!(err.contains("top_logprobs = 3 needs logprobs = true"), "{err}");
         for (message, field) in [
-            (json!({"role": "user", "content": "hi", "name": "ann"}), "messages[0].name"),
-            (json!({"role": "tool", "content": "42"}), "messages[0].role"),
+            (json!({"role": "function", "content": "42"}), "messages[0].role"),
             (
-                json!({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}),
-                "messages[0].tool_calls",
+                json!({"role": "assistant", "function_call": {"name": "f"}}),
+                "messages[0].function_call",
             ),
         ] {
             let err = verdict(&json!({"messages": [message]}), chat).unwrap_err();

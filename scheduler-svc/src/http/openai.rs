@@ -55,6 +55,9 @@ struct ContentPart {
 struct ChatMessage {
     role: String,
     content: Option<Content>,
+    name: Option<String>,
+    tool_calls: Option<Vec<Value>>,
+    tool_call_id: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -115,6 +118,64 @@ struct ChatBody {
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
     add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
+}
+
+/// How a chat request uses its tools.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ToolUse {
+    /// The model may answer with calls (`tool_choice: "auto"`, the default with tools).
+    Auto,
+    /// The model must call at least one tool (`"required"`).
+    Required,
+    /// The model must call this function.
+    Named(String),
+}
+
+/// What `tools` and `tool_choice` ask for: `None` when no calls are read (no tools, or
+/// `tool_choice: "none"`, where the tools are still shown to the model, as vLLM does).
+fn tool_use(body: &ChatBody) -> Result<Option<ToolUse>, ApiError> {
+    let tools = body.tools.as_deref().unwrap_or_default();
+    ferry_model::chat::check_tools(tools).map_err(ApiError::bad_request)?;
+    let choice = match body.tool_choice.as_ref().filter(|v| !v.is_null()) {
+        None if tools.is_empty() => return Ok(None),
+        None => ToolUse::Auto,
+        Some(Value::String(s)) if s == "none" => return Ok(None),
+        Some(Value::String(s)) if s == "auto" => ToolUse::Auto,
+        Some(Value::String(s)) if s == "required" => ToolUse::Required,
+        Some(v) => {
+            let named = (v.get("type").and_then(Value::as_str) == Some("function"))
+                .then(|| v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str))
+                .flatten();
+            match named {
+                Some(name) => ToolUse::Named(name.to_string()),
+                None => {
+                    return Err(ApiError::bad_request(format!(
+                        "tool_choice = {v} is not valid: use \"none\", \"auto\", \"required\" or \
+                         {{\"type\": \"function\", \"function\": {{\"name\": …}}}}"
+                    )))
+                }
+            }
+        }
+    };
+    if tools.is_empty() {
+        if choice == ToolUse::Auto {
+            return Ok(None);
+        }
+        return Err(ApiError::bad_request("When using `tool_choice`, `tools` must be set."));
+    }
+    if let ToolUse::Named(name) = &choice {
+        if !tools.iter().any(|t| t["function"]["name"] == name.as_str()) {
+            return Err(ApiError::bad_request(format!(
+                "tool_choice names the function {name:?}, which is not in tools"
+            )));
+        }
+    }
+    Ok(Some(choice))
 }
 
 /// Parses a request body: a JSON object whose fields [`fields::check`] accepts, then its
@@ -367,6 +428,53 @@ struct Shaper {
     front: GenerationService,
     /// The prompt's text, put before the answer (`echo`); empty when not asked.
     echo: String,
+    /// Reads tool calls out of a chat answer, when its request has tools.
+    tools: Option<ToolReader>,
+}
+
+/// A chat answer's tool calls, read as the text arrives.
+struct ToolReader {
+    parser: ferry_model::ToolCallParser,
+    /// A named `tool_choice`: the answer finishes with "stop", as OpenAI's does.
+    named: bool,
+    /// Calls given out so far (their stream index).
+    given: usize,
+}
+
+impl ToolReader {
+    /// Content and calls (OpenAI's `tool_calls` items, with their stream index) in `text`,
+    /// and the rest of the answer when `last`.
+    fn read(&mut self, text: &str, last: bool) -> (String, Vec<Value>) {
+        let mut pieces = self.parser.push(text);
+        if last {
+            pieces.extend(self.parser.finish());
+        }
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        for piece in pieces {
+            match piece {
+                ferry_model::ToolPiece::Content(c) => content.push_str(&c),
+                ferry_model::ToolPiece::Call { name, arguments } => {
+                    calls.push(json!({
+                        "index": self.given,
+                        "id": format!("chatcmpl-tool-{:016x}", rand_id()),
+                        "type": "function",
+                        "function": { "name": name, "arguments": arguments },
+                    }));
+                    self.given += 1;
+                }
+            }
+        }
+        (content, calls)
+    }
+
+    /// OpenAI's finish reason for an answer that ended with `reason`.
+    fn finish_reason(&self, reason: Option<&'static str>) -> Option<&'static str> {
+        match reason {
+            Some("stop") if self.given > 0 && !self.named => Some("tool_calls"),
+            r => r,
+        }
+    }
 }
 
 impl Shaper {
@@ -396,8 +504,8 @@ impl Shaper {
         }
     }
 
-    fn chunk(&self, ev: &v1::GenerateEvent, first: bool) -> Value {
-        let finish = finish_reason(ev.finish_reason());
+    fn chunk(&mut self, ev: &v1::GenerateEvent, first: bool) -> Value {
+        let mut finish = finish_reason(ev.finish_reason());
         match self.kind {
             Kind::Completion => {
                 let text =
@@ -409,6 +517,14 @@ impl Shaper {
             }
             Kind::Chat => {
                 let mut delta = json!({ "content": ev.text });
+                if let Some(reader) = &mut self.tools {
+                    let (content, calls) = reader.read(&ev.text, finish.is_some());
+                    finish = reader.finish_reason(finish);
+                    delta = json!({ "content": content });
+                    if !calls.is_empty() {
+                        delta["tool_calls"] = Value::Array(calls);
+                    }
+                }
                 if first {
                     delta["role"] = json!("assistant");
                 }
@@ -426,12 +542,12 @@ impl Shaper {
         json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": usage_json(usage) })
     }
 
-    fn whole(&self, events: &[v1::GenerateEvent]) -> Value {
+    fn whole(&mut self, events: &[v1::GenerateEvent]) -> Value {
         let text: String = std::iter::once(self.echo.as_str())
             .chain(events.iter().map(|e| e.text.as_str()))
             .collect();
         let last = events.last();
-        let finish = last.and_then(|e| finish_reason(e.finish_reason()));
+        let mut finish = last.and_then(|e| finish_reason(e.finish_reason()));
         let merged = v1::GenerateEvent {
             logprobs: events.iter().flat_map(|e| e.logprobs.clone()).collect(),
             ..Default::default()
@@ -440,10 +556,27 @@ impl Shaper {
             Kind::Completion => {
                 json!({ "index": 0, "text": text, "logprobs": self.logprobs(&merged), "finish_reason": finish })
             }
-            Kind::Chat => json!({
-                "index": 0, "message": { "role": "assistant", "content": text },
-                "logprobs": self.logprobs(&merged), "finish_reason": finish,
-            }),
+            Kind::Chat => {
+                let mut message = json!({ "role": "assistant", "content": text });
+                if let Some(reader) = &mut self.tools {
+                    let (content, calls) = reader.read(&text, true);
+                    finish = reader.finish_reason(finish);
+                    let content = Some(content).filter(|c| !c.is_empty());
+                    let calls: Vec<Value> = calls
+                        .into_iter()
+                        .map(|mut c| {
+                            c.as_object_mut().map(|o| o.remove("index"));
+                            c
+                        })
+                        .collect();
+                    message =
+                        json!({ "role": "assistant", "content": content, "tool_calls": calls });
+                }
+                json!({
+                    "index": 0, "message": message,
+                    "logprobs": self.logprobs(&merged), "finish_reason": finish,
+                })
+            }
         };
         let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
         json!({
@@ -455,7 +588,7 @@ impl Shaper {
 
 async fn run(
     front: GenerationService,
-    (kind, echo): (Kind, String),
+    (kind, echo, tools): (Kind, String, Option<ToolReader>),
     common: &Common,
     req: v1::GenerateRequest,
     headers: &HeaderMap,
@@ -473,13 +606,14 @@ async fn run(
     }
     let stream = front.generate(call).await?.into_inner();
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-    let shaper = Shaper {
+    let mut shaper = Shaper {
         kind,
         id: format!("{prefix}-{:016x}", rand_id()),
         created: unix_now(),
         model,
         front: front.clone(),
         echo,
+        tools,
     };
     if !common.stream {
         let mut events = Vec::new();
@@ -601,7 +735,7 @@ pub async fn completions(
             )))
         }
     });
-    run(front, (Kind::Completion, echoed), &body.common, req, &headers).await
+    run(front, (Kind::Completion, echoed, None), &body.common, req, &headers).await
 }
 
 /// `POST /v1/chat/completions`.
@@ -613,10 +747,38 @@ pub async fn chat_completions(
     let body: ChatBody = parse(&body, Endpoint::Chat)?;
     let logprobs = body.logprobs.unwrap_or(false).then_some(body.top_logprobs.unwrap_or(0));
     let mut req = generate_request(&body.common, None, logprobs)?;
+    let tool_use = tool_use(&body)?;
+    let tools = body.tools.unwrap_or_default();
+    let parallel = body.parallel_tool_calls.unwrap_or(true);
+    let forced = match &tool_use {
+        Some(ToolUse::Required) => Some(ferry_model::chat::ForcedCall::Required),
+        Some(ToolUse::Named(name)) => Some(ferry_model::chat::ForcedCall::Named(name)),
+        _ => None,
+    };
+    if let Some(forced) = forced {
+        let sampling = req.sampling.get_or_insert_with(Default::default);
+        if sampling.structured_output.is_some() {
+            return Err(ApiError::bad_request(
+                "a required or named tool_choice cannot be combined with a structured output \
+                 (response_format, structured_outputs or guided_*): the call's grammar is the \
+                 constraint",
+            ));
+        }
+        let grammar = ferry_model::chat::tool_call_grammar(&tools, forced, parallel)
+            .expect("tool_use checked the named function");
+        sampling.structured_output =
+            Some(v1::StructuredOutput { kind: Some(v1::structured_output::Kind::Lark(grammar)) });
+    }
+    let reader = tool_use.as_ref().map(|u| ToolReader {
+        parser: ferry_model::ToolCallParser::new(!parallel),
+        named: matches!(u, ToolUse::Named(_)),
+        given: 0,
+    });
     let messages = body
         .messages
         .into_iter()
-        .map(|m| {
+        .enumerate()
+        .map(|(i, m)| {
             let content = match m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t,
@@ -630,13 +792,46 @@ pub async fn chat_completions(
                     parts.into_iter().map(|p| p.text).collect()
                 }
             };
-            Ok(v1::ChatMessage { role: m.role, content })
+            let tool_calls_json = match m.tool_calls.filter(|c| !c.is_empty()) {
+                None => String::new(),
+                Some(calls) if m.role == "assistant" => Value::Array(calls).to_string(),
+                Some(_) => {
+                    return Err(ApiError::bad_request(format!(
+                        "messages[{i}].tool_calls is only for assistant messages"
+                    )))
+                }
+            };
+            Ok(v1::ChatMessage {
+                role: m.role,
+                content,
+                name: m.name.unwrap_or_default(),
+                tool_calls_json,
+                tool_call_id: m.tool_call_id.unwrap_or_default(),
+            })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let add_generation_prompt = body.add_generation_prompt.unwrap_or(true);
-    req.input =
-        Some(v1::generate_request::Input::Chat(v1::Chat { messages, add_generation_prompt }));
-    run(front, (Kind::Chat, String::new()), &body.common, req, &headers).await
+    let continue_final_message = body.continue_final_message.unwrap_or(false);
+    if add_generation_prompt && continue_final_message {
+        // vLLM's message (its add_generation_prompt also defaults to true).
+        return Err(ApiError::bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        ));
+    }
+    let template_kwargs_json = body
+        .chat_template_kwargs
+        .filter(|k| !k.is_empty())
+        .map(|k| Value::Object(k).to_string())
+        .unwrap_or_default();
+    let tools_json = if tools.is_empty() { String::new() } else { Value::Array(tools).to_string() };
+    req.input = Some(v1::generate_request::Input::Chat(v1::Chat {
+        messages,
+        add_generation_prompt,
+        tools_json,
+        continue_final_message,
+        template_kwargs_json,
+    }));
+    run(front, (Kind::Chat, String::new(), reader), &body.common, req, &headers).await
 }
 
 /// `GET /v1/models`.
@@ -651,17 +846,20 @@ pub async fn models(State(front): State<GenerationService>) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use super::{generate_request, parse, ChatBody, Endpoint};
+    use super::{generate_request, parse, tool_use, ChatBody, Endpoint, ToolUse};
     use axum::body::Bytes;
     use ferry_proto::v1::{self, structured_output::Kind};
     use serde_json::json;
 
-    fn chat(extra: &serde_json::Value) -> Result<(), String> {
+    /// A chat body with `extra`'s fields, parsed, or the 400's message.
+    fn chat_body(extra: &serde_json::Value) -> Result<ChatBody, String> {
         let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        let bytes = Bytes::from(body.to_string());
-        let parsed: ChatBody =
-            parse(&bytes, Endpoint::Chat).map_err(|e| e.message().to_string())?;
+        parse(&Bytes::from(body.to_string()), Endpoint::Chat).map_err(|e| e.message().to_string())
+    }
+
+    fn chat(extra: &serde_json::Value) -> Result<(), String> {
+        let parsed = chat_body(extra)?;
         generate_request(&parsed.common, None, None).map_err(|e| e.message().to_string())?;
         Ok(())
     }
@@ -689,8 +887,8 @@ mod tests {
         ] {
             assert_eq!(chat(&extra), Ok(()), "{extra}");
         }
-        let err = chat(&json!({"tools": [{"type": "function"}]})).unwrap_err();
-        assert!(err.starts_with("tools = "), "{err}");
+        let err = chat(&json!({"functions": [{"name": "f"}]})).unwrap_err();
+        assert!(err.starts_with("functions = "), "{err}");
         let bytes = Bytes::from_static(b"[1, 2]");
         let err = parse::<ChatBody>(&bytes, Endpoint::Chat).err().unwrap();
         assert!(err.message().contains("expected a JSON object"), "{}", err.message());
@@ -698,11 +896,7 @@ mod tests {
 
     /// The constraint a chat body asks for, or the 400's message.
     fn constraint(extra: &serde_json::Value) -> Result<Option<Kind>, String> {
-        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        let bytes = Bytes::from(body.to_string());
-        let parsed: ChatBody =
-            parse(&bytes, Endpoint::Chat).map_err(|e| e.message().to_string())?;
+        let parsed = chat_body(extra)?;
         let req =
             generate_request(&parsed.common, None, None).map_err(|e| e.message().to_string())?;
         Ok(req.sampling.unwrap().structured_output.and_then(|s| s.kind))
@@ -760,6 +954,48 @@ mod tests {
             (json!({"guided_whitespace_pattern": " *"}), "guided_whitespace_pattern = "),
         ] {
             let err = constraint(&extra).expect_err(&extra.to_string());
+            assert!(err.contains(needle), "{extra}: {err}");
+        }
+    }
+
+    /// What a chat body's `tools` and `tool_choice` ask for, or the 400's message.
+    fn tools(extra: &serde_json::Value) -> Result<Option<ToolUse>, String> {
+        let parsed = chat_body(extra)?;
+        tool_use(&parsed).map_err(|e| e.message().to_string())
+    }
+
+    #[test]
+    fn tool_choice_is_read_and_checked_as_openai_and_vllm_do() {
+        let f = json!([{"type": "function", "function": {"name": "f"}}]);
+        let named = json!({"type": "function", "function": {"name": "f"}});
+        for (extra, want) in [
+            (json!({}), None),
+            (json!({"tool_choice": "auto"}), None),
+            (json!({"tool_choice": "none"}), None),
+            (json!({"tools": []}), None),
+            (json!({"tools": f}), Some(ToolUse::Auto)),
+            (json!({"tools": f, "tool_choice": "auto"}), Some(ToolUse::Auto)),
+            (json!({"tools": f, "tool_choice": "none"}), None),
+            (json!({"tools": f, "tool_choice": "required"}), Some(ToolUse::Required)),
+            (json!({"tools": f, "tool_choice": named}), Some(ToolUse::Named("f".into()))),
+        ] {
+            assert_eq!(tools(&extra), Ok(want), "{extra}");
+        }
+        for (extra, needle) in [
+            (json!({"tool_choice": "required"}), "When using `tool_choice`, `tools` must be set."),
+            (json!({"tool_choice": named}), "`tools` must be set"),
+            (json!({"tools": f, "tool_choice": "always"}), "tool_choice = \"always\" is not valid"),
+            (json!({"tools": f, "tool_choice": {"type": "function"}}), "is not valid"),
+            (
+                json!({"tools": f, "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+                "tool_choice names the function \"g\", which is not in tools",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f g"}}]}),
+                "tools[0].function.name \"f g\" must be",
+            ),
+        ] {
+            let err = tools(&extra).expect_err(&extra.to_string());
             assert!(err.contains(needle), "{extra}: {err}");
         }
     }

@@ -28,10 +28,8 @@ pub struct RequestSpec {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past EOS.
     pub ignore_eos: bool,
-    /// Strings that end it; the front matches them in the detokenized text.
-    pub stop: Vec<String>,
-    /// Return the matched stop string at the end of the text.
-    pub include_stop_str: bool,
+    /// What the front does with its text and events.
+    pub output: OutputShape,
     /// Lower runs first.
     pub priority: i32,
     /// How the executor samples.
@@ -39,6 +37,20 @@ pub struct RequestSpec {
     /// The W3C trace context of its `request` span, for the executors' spans (empty when
     /// untraced).
     pub traceparent: String,
+}
+
+/// How the front turns a request's tokens into what its client sees.
+#[derive(Debug, Clone, Default)]
+pub struct OutputShape {
+    /// Strings that end it; the front matches them in the detokenized text.
+    pub stop: Vec<String>,
+    /// Return the matched stop string at the end of the text.
+    pub include_stop_str: bool,
+    /// Put control tokens' text in the output (all but the one that ends it, unless
+    /// `include_stop_str`).
+    pub keep_special_tokens: bool,
+    /// Send the usage so far with every event.
+    pub continuous_usage: bool,
 }
 
 impl RequestSpec {

@@ -683,7 +683,7 @@ async fn under_the_priority_policy_a_more_important_request_is_admitted_first() 
 /// `logit_bias` and `allowed_token_ids` change a greedy answer as OpenAI and vLLM define them;
 /// `echo` puts the prompt before it.
 #[test]
-fn logit_bias_allowed_token_ids_and_echo_shape_the_answer() {
+fn vllm_request_fields_shape_the_answer() {
     use ferry_tests::http;
     let tok = ferry_model::ModelFile::open(None).unwrap().tokenizer;
     let id = |word: &str| {
@@ -710,4 +710,62 @@ fn logit_bias_allowed_token_ids_and_echo_shape_the_answer() {
     let only = ask(format!(r#","allowed_token_ids":[{london},{rome}]"#));
     assert!(only == " London" || only == " Rome", "{only:?}");
     assert_eq!(ask(r#","echo":true"#.into()), "The capital of France is Paris");
+
+    // skip_special_tokens false: control tokens in the text, the one that ends it only with
+    // include_stop_str_in_output.
+    let h = svc.addr("http");
+    let chat = |extra: &str| {
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"What is the capital of France?"}}],"max_tokens":24,"temperature":0{extra}}}"#
+        );
+        let (status, text) = http(h, "POST", "/v1/chat/completions", body.as_bytes()).unwrap();
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+    };
+    let plain = chat("");
+    assert_eq!(plain, "The capital of France is Paris.");
+    assert_eq!(chat(r#","skip_special_tokens":false"#), plain);
+    let with_end = chat(r#","skip_special_tokens":false,"include_stop_str_in_output":true"#);
+    assert_eq!(with_end, format!("{plain}<|im_end|>"));
+    let past_end = chat(r#","skip_special_tokens":false,"ignore_eos":true"#);
+    assert!(past_end.starts_with(&with_end) && past_end.contains("<|im_start|>"), "{past_end}");
+    assert!(!chat(r#","ignore_eos":true"#).contains("<|im"));
+
+    // truncate_prompt_tokens keeps the prompt's last tokens.
+    let usage = |body: &str| {
+        let (status, text) = http(h, "POST", "/v1/completions", body.as_bytes()).unwrap();
+        (status, text)
+    };
+    let prompt = r#""prompt":"one two three four five six seven","max_tokens":2,"temperature":0"#;
+    let (_, text) = usage(&format!(r#"{{{prompt},"truncate_prompt_tokens":3}}"#));
+    assert!(text.contains(r#""prompt_tokens":3,"#), "{text}");
+    let (_, text) = usage(&format!(r#"{{{prompt},"truncate_prompt_tokens":-1}}"#));
+    assert!(text.contains(r#""prompt_tokens":7,"#), "{text}");
+    for (bad, needle) in [
+        ("0", "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+        ("-2", "got -2"),
+        ("100000000", "is more than the longest prompt this server takes"),
+    ] {
+        let (status, text) = usage(&format!(r#"{{{prompt},"truncate_prompt_tokens":{bad}}}"#));
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(needle), "{text}");
+    }
+
+    // continuous_usage_stats: every chunk counts the tokens so far.
+    let (status, text) = usage(&format!(
+        r#"{{{prompt},"stream":true,"stream_options":{{"include_usage":true,"continuous_usage_stats":true}}}}"#
+    ));
+    assert_eq!(status, 200, "{text}");
+    let counts: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| {
+            let v: serde_json::Value = serde_json::from_str(d).unwrap();
+            assert_eq!(v["usage"]["prompt_tokens"], 7, "{d}");
+            v["usage"]["completion_tokens"].as_u64().unwrap()
+        })
+        .collect();
+    assert_eq!(counts, [1, 2, 2, 2], "token, token, finish, usage chunk: {text}");
 }

@@ -13,7 +13,7 @@ use ferry_proto::v1;
 use ferry_sched_core::{RequestEvent, RequestId, Scheduler, Timestamp};
 use ferry_scheduler_svc::config::{ExecutorGeometry, SchedulerSettings};
 use ferry_scheduler_svc::link::wire;
-use ferry_scheduler_svc::request::RequestSpec;
+use ferry_scheduler_svc::request::{OutputShape, RequestSpec};
 
 use super::{Job, Percentiles, Report};
 
@@ -62,8 +62,7 @@ pub fn run(
         min_tokens: 0,
         stop_token_ids: Vec::new(),
         ignore_eos: true,
-        stop: Vec::new(),
-        include_stop_str: false,
+        output: OutputShape::default(),
         priority: 0,
         sampling: v1::SamplingParams::default(),
         traceparent: String::new(),

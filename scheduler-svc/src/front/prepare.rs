@@ -7,7 +7,7 @@ use ferry_model::sampling::{LogitAdjust, SamplingParams};
 use ferry_model::ModelFile;
 use ferry_proto::v1;
 
-use crate::request::RequestSpec;
+use crate::request::{OutputShape, RequestSpec};
 
 /// Why a request was refused.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -231,16 +231,29 @@ fn check_grammar(
     Ok(())
 }
 
-/// Checks `req` against `model` and `limits`; the spec comes back without a trace context.
-pub fn prepare(
+/// The prompt's tokens, truncated as asked and checked against the limits and the model's
+/// length.
+fn checked_prompt(
     model: &ServedModel,
     limits: &RequestLimits,
     req: &v1::GenerateRequest,
-) -> Result<RequestSpec, PrepareError> {
+) -> Result<Vec<u32>, PrepareError> {
     let invalid = |m: String| PrepareError::Invalid(m);
-    check_model(model, req)?;
-    let tok = &model.file.tokenizer;
-    let prompt = prompt_tokens(model, req)?;
+    let mut prompt = prompt_tokens(model, req)?;
+    let keep = req.truncate_prompt_tokens as usize;
+    // The longest prompt this server takes: its limit, and the model's length less one token
+    // to generate.
+    let longest = limits.max_prompt_tokens.min(model.max_model_len.saturating_sub(1));
+    if keep > longest {
+        return Err(invalid(format!(
+            "truncate_prompt_tokens = {keep} is more than the longest prompt this server \
+             takes, {longest} tokens"
+        )));
+    }
+    if keep > 0 && prompt.len() > keep {
+        // vLLM's truncation: the prompt's last tokens are kept.
+        prompt.drain(..prompt.len() - keep);
+    }
     if prompt.is_empty() {
         return Err(invalid("the prompt is empty".into()));
     }
@@ -259,6 +272,20 @@ pub fn prepare(
             max_len
         )));
     }
+    Ok(prompt)
+}
+
+/// Checks `req` against `model` and `limits`; the spec comes back without a trace context.
+pub fn prepare(
+    model: &ServedModel,
+    limits: &RequestLimits,
+    req: &v1::GenerateRequest,
+) -> Result<RequestSpec, PrepareError> {
+    let invalid = |m: String| PrepareError::Invalid(m);
+    check_model(model, req)?;
+    let tok = &model.file.tokenizer;
+    let prompt = checked_prompt(model, limits, req)?;
+    let max_len = model.max_model_len;
     let stopping = req.stopping.clone().unwrap_or_default();
     let room = max_len - prompt.len();
     if stopping.max_tokens as usize > limits.max_output_tokens {
@@ -323,10 +350,14 @@ pub fn prepare(
         prior_output: output,
         max_tokens,
         min_tokens: stopping.min_tokens as usize,
-        stop: stopping.stop,
         stop_token_ids: stopping.stop_token_ids,
         ignore_eos: stopping.ignore_eos,
-        include_stop_str: stopping.include_stop_str_in_output,
+        output: OutputShape {
+            stop: stopping.stop,
+            include_stop_str: stopping.include_stop_str_in_output,
+            keep_special_tokens: req.keep_special_tokens,
+            continuous_usage: req.continuous_usage,
+        },
         sampling,
         priority: req.priority,
         traceparent: String::new(),

@@ -88,7 +88,11 @@ impl RequestStream {
         arrived: Instant,
         trace: RequestTrace,
     ) -> Self {
-        let assembler = TextAssembler::new(&spec.stop, spec.include_stop_str);
+        let assembler = TextAssembler::new(
+            &spec.output.stop,
+            spec.output.include_stop_str,
+            spec.output.keep_special_tokens,
+        );
         let delivered = spec.prior_output.clone();
         Self {
             front,
@@ -163,6 +167,7 @@ impl RequestStream {
             text,
             token_ids,
             logprobs: logprobs.into_iter().collect(),
+            usage: self.spec.output.continuous_usage.then(|| self.usage(0)),
             ..Default::default()
         }
     }
@@ -269,7 +274,8 @@ impl RequestStream {
     async fn on_finished(&mut self, reason: FinishReason, stats: FinishStats) -> Ending {
         self.front.metrics.finished(reason.into());
         self.observe_end(stats.queue_time);
-        let text = self.assembler.finish();
+        let by_token = matches!(reason, FinishReason::Stop(_));
+        let text = self.assembler.finish(by_token);
         let mut last = self.event(text, Vec::new(), None);
         let (finish_reason, stop_reason) = wire_finish(reason);
         last.finish_reason = finish_reason.into();
@@ -337,7 +343,7 @@ impl RequestStream {
     /// Ends the stream with an error that says why (the text generated so far goes first).
     async fn end_with_error(&mut self, why: String) -> Ending {
         self.front.metrics.finished(FinishLabel::Error);
-        let text = self.assembler.finish();
+        let text = self.assembler.finish(false);
         let mut last = self.event(text, Vec::new(), None);
         last.finish_reason = v1::FinishReason::Error.into();
         last.error = why;

@@ -21,11 +21,17 @@ pub struct TextAssembler {
     stops: Vec<String>,
     include_stop: bool,
     hold: usize,
+    /// Put control tokens' text in the output.
+    keep_special: bool,
+    /// The text of the last token, a control token kept, until the next token shows it did not
+    /// end the request.
+    held_special: Option<String>,
 }
 
 impl TextAssembler {
-    /// A fresh assembler for `stops` (empty strings are ignored).
-    pub fn new(stops: &[String], include_stop: bool) -> Self {
+    /// A fresh assembler for `stops` (empty strings are ignored); with `keep_special`,
+    /// control tokens' text is output too.
+    pub fn new(stops: &[String], include_stop: bool, keep_special: bool) -> Self {
         let stops: Vec<String> = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
         let hold = stops.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
         Self {
@@ -34,13 +40,22 @@ impl TextAssembler {
             stops,
             include_stop,
             hold,
+            keep_special,
+            held_special: None,
         }
     }
 
-    /// Adds one token. Control tokens (EOS and the like) add no text.
+    /// Adds one token. Control tokens (EOS and the like) add no text, unless kept.
     pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> Pushed {
+        if let Some(held) = self.held_special.take() {
+            self.pending.push_str(&held);
+        }
         if !tokenizer.is_special(token) {
             self.pending.push_str(&self.decoder.push(tokenizer, token));
+        } else if self.keep_special {
+            // A control token is whole bytes: what the decoder holds goes first.
+            self.pending.push_str(&self.decoder.finish());
+            self.held_special = Some(tokenizer.decode(&[token]));
         }
         // The earliest stop string in the pending text wins.
         let first = self
@@ -64,10 +79,14 @@ impl TextAssembler {
         Pushed { text, stopped: None }
     }
 
-    /// Whatever is held at the end of the stream.
-    pub fn finish(&mut self) -> String {
+    /// Whatever is held at the end of the stream; `by_token` when the last token (EOS or a
+    /// stop token) ended it, whose text then stays out unless stop strings are included.
+    pub fn finish(&mut self, by_token: bool) -> String {
         let mut rest = std::mem::take(&mut self.pending);
         rest.push_str(&self.decoder.finish());
+        if let Some(held) = self.held_special.take().filter(|_| !by_token || self.include_stop) {
+            rest.push_str(&held);
+        }
         rest
     }
 }

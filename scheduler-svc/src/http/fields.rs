@@ -56,6 +56,8 @@ const SERVED: &[&str] = &[
     "guided_decoding_backend",
     "logit_bias",
     "allowed_token_ids",
+    "skip_special_tokens",
+    "truncate_prompt_tokens",
     // OpenAI's end-user id, for the provider's abuse monitoring: nothing to compute.
     "user",
 ];
@@ -87,18 +89,15 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
     Some(match field {
         // Tool calling, token masks, prompt rendering: set to anything but an empty value,
         // the answer would differ.
-        "functions"
-        | "bad_words"
-        | "suffix"
-        | "chat_template"
-        | "truncate_prompt_tokens"
-        | "guided_whitespace_pattern" => empty(),
+        "functions" | "bad_words" | "suffix" | "chat_template" | "guided_whitespace_pattern" => {
+            empty()
+        }
         "function_call" => value == "none" || value == "auto",
         // Output shaping.
         "echo" => value == false,
         "best_of" => value == 1,
         "prompt_logprobs" => false,
-        "skip_special_tokens" | "spaces_between_special_tokens" => value == true,
+        "spaces_between_special_tokens" => value == true,
         _ => return None,
     })
 }
@@ -141,14 +140,6 @@ pub fn check(body: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiErr
             Some(true) => {}
             Some(false) => return Err(ApiError::bad_request(refusal(field, value))),
             None => unknown(field),
-        }
-    }
-    if let Some(options) = body.get("stream_options").and_then(Value::as_object) {
-        if options.get("continuous_usage_stats").is_some_and(|v| v == true) {
-            return Err(ApiError::bad_request(
-                "stream_options.continuous_usage_stats = true is not supported: usage is sent \
-                 once, at the end of the stream (include_usage)",
-            ));
         }
     }
     if endpoint == Endpoint::Chat {
@@ -229,17 +220,14 @@ mod tests {
             json!({"suffix": "end"}),
             json!({"best_of": 2}),
             json!({"prompt_logprobs": 1}),
-            json!({"skip_special_tokens": false}),
             json!({"chat_template": "{{ messages }}"}),
-            json!({"truncate_prompt_tokens": 100}),
+            json!({"spaces_between_special_tokens": false}),
         ];
         for body in refused {
             let field = body.as_object().unwrap().keys().next().unwrap().clone();
             let err = verdict(&body, chat).expect_err(&body.to_string());
             assert!(err.starts_with(&format!("{field} = ")), "{err}");
         }
-        let err = verdict(&json!({"stream_options": {"continuous_usage_stats": true}}), chat);
-        assert!(err.unwrap_err().contains("continuous_usage_stats"));
         let err = verdict(&json!({"top_logprobs": 3}), chat).unwrap_err();
         assert!(err.contains("top_logprobs = 3 needs logprobs = true"), "{err}");
         for (message, field) in [

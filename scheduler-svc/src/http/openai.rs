@@ -64,6 +64,8 @@ struct ChatMessage {
 struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
+    #[serde(default)]
+    continuous_usage_stats: bool,
 }
 
 /// Parameters both endpoints take ([`super::fields`] has already refused what they cannot
@@ -99,6 +101,8 @@ struct Common {
     guided_grammar: Option<String>,
     logit_bias: Option<serde_json::Map<String, Value>>,
     allowed_token_ids: Option<Vec<u32>>,
+    skip_special_tokens: Option<bool>,
+    truncate_prompt_tokens: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -216,6 +220,9 @@ fn check_values(c: &Common) -> Result<(), ApiError> {
     };
     if empty_stop {
         return bad("stop cannot contain an empty string".into());
+    }
+    if let Some(t) = c.truncate_prompt_tokens.filter(|t| *t == 0 || *t < -1) {
+        return bad(format!("truncate_prompt_tokens must be an integer >= 1 or -1, got {t}"));
     }
     Ok(())
 }
@@ -385,6 +392,16 @@ fn generate_request(
             include_stop_str_in_output: c.include_stop_str_in_output.unwrap_or(false),
         }),
         priority: c.priority.unwrap_or(0),
+        keep_special_tokens: !c.skip_special_tokens.unwrap_or(true),
+        // -1 (vLLM's "as many as the model takes") is set by `run`, which knows the limit.
+        truncate_prompt_tokens: c
+            .truncate_prompt_tokens
+            .filter(|t| *t > 0)
+            .map_or(0, |t| u32::try_from(t).unwrap_or(u32::MAX)),
+        continuous_usage: c
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage && o.continuous_usage_stats),
     })
 }
 
@@ -430,6 +447,8 @@ struct Shaper {
     echo: String,
     /// Reads tool calls out of a chat answer, when its request has tools.
     tools: Option<ToolReader>,
+    /// Every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
+    continuous_usage: bool,
 }
 
 /// A chat answer's tool calls, read as the text arrives.
@@ -506,7 +525,7 @@ impl Shaper {
 
     fn chunk(&mut self, ev: &v1::GenerateEvent, first: bool) -> Value {
         let mut finish = finish_reason(ev.finish_reason());
-        match self.kind {
+        let mut chunk = match self.kind {
             Kind::Completion => {
                 let text =
                     if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
@@ -533,7 +552,11 @@ impl Shaper {
                     "choices": [{ "index": 0, "delta": delta, "logprobs": self.logprobs(ev), "finish_reason": finish }],
                 })
             }
+        };
+        if self.continuous_usage {
+            chunk["usage"] = usage_json(ev.usage);
         }
+        chunk
     }
 
     fn usage_chunk(&self, usage: Option<v1::Usage>) -> Value {
@@ -594,6 +617,13 @@ async fn run(
     headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
     let model = front.model().name().to_string();
+    let mut req = req;
+    if common.truncate_prompt_tokens == Some(-1) {
+        let longest =
+            front.limits().max_prompt_tokens.min(front.model().max_model_len.saturating_sub(1));
+        req.truncate_prompt_tokens = u32::try_from(longest).unwrap_or(u32::MAX);
+    }
+    let continuous_usage = req.continuous_usage;
     let mut call = tonic::Request::new(req);
     // W3C trace context: the caller's `traceparent` (and `tracestate`) become the parent of
     // this request's spans, as on the gRPC API.
@@ -614,6 +644,7 @@ async fn run(
         front: front.clone(),
         echo,
         tools,
+        continuous_usage,
     };
     if !common.stream {
         let mut events = Vec::new();

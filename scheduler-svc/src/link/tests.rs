@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use super::fake::{fake_link, raw_link, TokenFn};
 use super::{LinkEvent, LinkHandle, Submission};
 use crate::metrics::SchedulerMetrics;
-use crate::request::RequestSpec;
+use crate::request::{OutputShape, RequestSpec};
 
 pub(crate) fn spec(prompt: &[u32], max_tokens: usize) -> Arc<RequestSpec> {
     Arc::new(RequestSpec {
@@ -23,8 +23,7 @@ pub(crate) fn spec(prompt: &[u32], max_tokens: usize) -> Arc<RequestSpec> {
         min_tokens: 0,
         stop_token_ids: Vec::new(),
         ignore_eos: false,
-        stop: Vec::new(),
-        include_stop_str: false,
+        output: OutputShape::default(),
         priority: 0,
         sampling: v1::SamplingParams::default(),
         traceparent: String::new(),

@@ -18,6 +18,9 @@ pub const MAX_BIAS: f32 = 100.0;
 /// The most ids a request's `allowed_token_ids` may list (it travels with every placement).
 pub const MAX_ALLOWED_TOKEN_IDS: usize = 4096;
 
+/// The most token ids a request's `bad_words` may take, all sequences together.
+pub const MAX_BAD_WORD_TOKENS: usize = 1024;
+
 /// Presence and frequency penalties must lie in `[-MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY]`
 /// (OpenAI's range).
 pub const MAX_ADDITIVE_PENALTY: f32 = 2.0;
@@ -92,6 +95,9 @@ pub struct LogitAdjust {
     pub bias: Vec<(u32, f32)>,
     /// The only ids that may be sampled, in order, without repeats; empty: any.
     pub allowed: Vec<u32>,
+    /// Token sequences that may not be generated: the last token of each is masked when the
+    /// output ends with the rest.
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl LogitAdjust {
@@ -102,12 +108,43 @@ impl LogitAdjust {
         let mut allowed = p.allowed_token_ids.clone();
         allowed.sort_unstable();
         allowed.dedup();
-        Self { bias, allowed }
+        let bad_words = p.bad_words.iter().map(|w| w.ids.clone()).collect();
+        Self { bias, allowed, bad_words }
+    }
+
+    /// vLLM's `bad_words` as token sequences: each word alone and, when that makes another
+    /// first token of the same length, after a space (a word at the start of the text and in
+    /// its middle tokenize differently).
+    pub fn bad_word_sequences(
+        tokenizer: &crate::Tokenizer,
+        words: &[String],
+    ) -> Result<Vec<v1::TokenSequence>, crate::TokenizerError> {
+        let plain = |text: &str| -> Result<Vec<u32>, crate::TokenizerError> {
+            let mut ids = tokenizer.encode(text)?;
+            if tokenizer.add_bos && ids.first().copied() == tokenizer.bos_token_id {
+                ids.remove(0);
+            }
+            Ok(ids)
+        };
+        let mut out = Vec::with_capacity(2 * words.len());
+        for word in words {
+            let word = word.trim_start();
+            let alone = plain(word)?;
+            let spaced = plain(&format!(" {word}"))?;
+            let distinct = spaced.len() == alone.len() && spaced.first() != alone.first();
+            if !alone.is_empty() {
+                out.push(v1::TokenSequence { ids: alone });
+            }
+            if distinct && !spaced.is_empty() {
+                out.push(v1::TokenSequence { ids: spaced });
+            }
+        }
+        Ok(out)
     }
 
     /// Whether it changes nothing.
     pub fn is_empty(&self) -> bool {
-        self.bias.is_empty() && self.allowed.is_empty()
+        self.bias.is_empty() && self.allowed.is_empty() && self.bad_words.is_empty()
     }
 
     /// Checks the sizes, the token ids against a `vocab`-token vocabulary and the biases'
@@ -139,14 +176,37 @@ impl LogitAdjust {
                 "allowed_token_ids contains out-of-vocab token id {t} (vocabulary size: {vocab})"
             ));
         }
+        let ids: usize = self.bad_words.iter().map(Vec::len).sum();
+        if ids > MAX_BAD_WORD_TOKENS {
+            return bad(format!(
+                "bad_words take {ids} token ids; at most {MAX_BAD_WORD_TOKENS} in all"
+            ));
+        }
+        if self.bad_words.iter().any(Vec::is_empty) {
+            return bad("bad_words has an empty token sequence".into());
+        }
+        if let Some(t) = self.bad_words.iter().flatten().find(|t| **t as usize >= vocab) {
+            return bad(format!(
+                "bad_words contains out-of-vocab token id {t} (vocabulary size: {vocab})"
+            ));
+        }
         Ok(())
     }
 
-    /// Adds the biases and sets every token outside `allowed` to `-inf`.
-    pub fn apply(&self, logits: &mut [f32]) {
+    /// Adds the biases, sets every token outside `allowed` to `-inf`, and the last token of
+    /// each bad word whose other tokens end `output`.
+    pub fn apply(&self, logits: &mut [f32], output: &[u32]) {
         for &(t, b) in &self.bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
+            }
+        }
+        for word in &self.bad_words {
+            let Some((last, rest)) = word.split_last() else { continue };
+            if output.ends_with(rest) {
+                if let Some(l) = logits.get_mut(*last as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
             }
         }
         if self.allowed.is_empty() {

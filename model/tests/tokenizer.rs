@@ -155,3 +155,15 @@ fn names_continuations_and_template_variables_reach_the_prompt() {
     let err = tok.render_chat(messages, &options).unwrap_err().to_string();
     assert!(err.contains("chat_template_kwargs may not set \"messages\""), "{err}");
 }
+
+#[test]
+fn bad_words_are_masked_alone_and_after_a_space() {
+    use ferry_model::sampling::LogitAdjust;
+    let tok = tokenizer();
+    let seqs =
+        LogitAdjust::bad_word_sequences(&tok, &["Paris".into(), " hello world".into()]).unwrap();
+    let texts: Vec<String> = seqs.iter().map(|s| tok.decode(&s.ids)).collect();
+    // Each word as it starts a text and as it follows a space (vLLM's two forms).
+    assert_eq!(texts, ["Paris", " Paris", "hello world", " hello world"], "{seqs:?}");
+    assert!(seqs.iter().all(|s| tok.bos_token_id.is_none_or(|b| s.ids[0] != b)));
+}

@@ -117,10 +117,10 @@ fn sampling() -> impl Strategy<Value = Option<v1::SamplingParams>> {
         (float(), float(), 0u32..100, float()),
         (proptest::option::of(any::<u64>()), float(), float(), float()),
         (any::<bool>(), 0u32..25, structured_output()),
-        (vec((token(), bias()), 0..3), vec(token(), 0..3)),
+        (vec((token(), bias()), 0..3), vec(token(), 0..3), vec(vec(token(), 0..3), 0..3)),
     )
         .prop_map(
-            |((t, p, k, m), (seed, rep, pres, freq), (lp, top, structured), (lb, allowed))| {
+            |((t, p, k, m), (seed, rep, pres, freq), (lp, top, structured), (lb, allowed, bad))| {
                 v1::SamplingParams {
                     temperature: t,
                     top_p: p,
@@ -135,6 +135,7 @@ fn sampling() -> impl Strategy<Value = Option<v1::SamplingParams>> {
                     structured_output: structured,
                     logit_bias: lb.into_iter().collect(),
                     allowed_token_ids: allowed,
+                    bad_words: bad.into_iter().map(|ids| v1::TokenSequence { ids }).collect(),
                 }
             },
         );
@@ -353,6 +354,25 @@ const FIELDS: &[&str] = &[
     "logit_bias",
     "allowed_token_ids",
     "echo",
+    // Tools, chat rendering and output options.
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "function",
+    "name",
+    "parameters",
+    "arguments",
+    "tool_calls",
+    "tool_call_id",
+    "continue_final_message",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+    "bad_words",
+    "skip_special_tokens",
+    "truncate_prompt_tokens",
+    "stream_options",
+    "continuous_usage_stats",
+    "include_usage",
 ];
 
 fn json_value() -> impl Strategy<Value = serde_json::Value> {
@@ -392,6 +412,7 @@ fn api_body() -> impl Strategy<Value = (bool, Vec<u8>)> {
             r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object","properties":{"a":{"type":"integer","maximum":9}},"required":["a"]}}}}"#,
             r#"{"prompt":"x","guided_regex":"[a-z]{3}(-[0-9]+)?","max_tokens":4}"#,
             r#"{"prompt":"x","structured_outputs":{"grammar":"start: \"a\" | b\nb: /[0-9]+/"}}"#,
+            r#"{"messages":[{"role":"user","content":"hi","name":"a"},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]},{"role":"tool","tool_call_id":"c","content":"2"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],"tool_choice":"required","bad_words":["x"],"skip_special_tokens":false}"#,
         ][..],
     );
     let mutated = (valid, vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)).prop_map(

@@ -710,6 +710,8 @@ fn vllm_request_fields_shape_the_answer() {
     let only = ask(format!(r#","allowed_token_ids":[{london},{rome}]"#));
     assert!(only == " London" || only == " Rome", "{only:?}");
     assert_eq!(ask(r#","echo":true"#.into()), "The capital of France is Paris");
+    let without_paris = ask(r#","bad_words":["Paris"]"#.into());
+    assert!(!without_paris.contains("Paris"), "{without_paris:?}");
 
     // skip_special_tokens false: control tokens in the text, the one that ends it only with
     // include_stop_str_in_output.

@@ -58,6 +58,7 @@ const SERVED: &[&str] = &[
     "allowed_token_ids",
     "skip_special_tokens",
     "truncate_prompt_tokens",
+    "bad_words",
     // OpenAI's end-user id, for the provider's abuse monitoring: nothing to compute.
     "user",
 ];
@@ -89,9 +90,7 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
     Some(match field {
         // Tool calling, token masks, prompt rendering: set to anything but an empty value,
         // the answer would differ.
-        "functions" | "bad_words" | "suffix" | "chat_template" | "guided_whitespace_pattern" => {
-            empty()
-        }
+        "functions" | "suffix" | "chat_template" | "guided_whitespace_pattern" => empty(),
         "function_call" => value == "none" || value == "auto",
         // Output shaping.
         "echo" => value == false,
@@ -215,7 +214,6 @@ mod tests {
             json!({"functions": [{"name": "f"}]}),
             json!({"function_call": {"name": "f"}}),
             json!({"guided_whitespace_pattern": "[ ]?"}),
-            json!({"bad_words": ["x"]}),
             json!({"echo": true}),
             json!({"suffix": "end"}),
             json!({"best_of": 2}),

@@ -103,6 +103,7 @@ struct Common {
     allowed_token_ids: Option<Vec<u32>>,
     skip_special_tokens: Option<bool>,
     truncate_prompt_tokens: Option<i64>,
+    bad_words: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -382,6 +383,8 @@ fn generate_request(
             structured_output: structured_output(c)?,
             logit_bias: logit_bias(c)?,
             allowed_token_ids: c.allowed_token_ids.clone().unwrap_or_default(),
+            // Tokenized by `run`, which has the tokenizer.
+            bad_words: Vec::new(),
         }),
         stopping: Some(v1::StoppingCriteria {
             max_tokens: c.max_completion_tokens.or(c.max_tokens).or(default_max).unwrap_or(0),
@@ -622,6 +625,12 @@ async fn run(
         let longest =
             front.limits().max_prompt_tokens.min(front.model().max_model_len.saturating_sub(1));
         req.truncate_prompt_tokens = u32::try_from(longest).unwrap_or(u32::MAX);
+    }
+    if let Some(words) = common.bad_words.as_deref().filter(|w| !w.is_empty()) {
+        let tok = &front.model().file.tokenizer;
+        let sequences = ferry_model::sampling::LogitAdjust::bad_word_sequences(tok, words)
+            .map_err(|e| ApiError::bad_request(format!("bad_words: {e}")))?;
+        req.sampling.get_or_insert_with(Default::default).bad_words = sequences;
     }
     let continuous_usage = req.continuous_usage;
     let mut call = tonic::Request::new(req);

@@ -209,6 +209,9 @@ pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size:
     const GRAMMAR: u64 = ferry_model::structured::MAX_GRAMMAR_BYTES as u64
         + 13 * ferry_model::sampling::MAX_LOGIT_BIAS as u64
         + 5 * ferry_model::sampling::MAX_ALLOWED_TOKEN_IDS as u64
+        // Bad words: 5 bytes an id, and a sequence's two tags and lengths (6 bytes) at most
+        // once an id.
+        + 11 * ferry_model::sampling::MAX_BAD_WORD_TOKENS as u64
         + 8;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
     // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
@@ -253,6 +256,10 @@ mod tests {
                         .map(|i| (u32::MAX - i, f32::MAX))
                         .collect(),
                     allowed_token_ids: vec![u32::MAX; ferry_model::sampling::MAX_ALLOWED_TOKEN_IDS],
+                    bad_words: vec![
+                        v1::TokenSequence { ids: vec![u32::MAX] };
+                        ferry_model::sampling::MAX_BAD_WORD_TOKENS
+                    ],
                 }),
                 block_ids: vec![u32::MAX; blocks],
                 num_computed_tokens: u32::MAX,

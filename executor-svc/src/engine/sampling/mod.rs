@@ -130,7 +130,7 @@ impl Sampler {
                 adjust.bias.iter().filter_map(|&(t, _)| Some((t, *logits.get(t as usize)?))),
             );
         }
-        adjust.apply(logits);
+        adjust.apply(logits, output);
         self.apply_penalties(logits, params, prompt, output);
         let token = if params.is_greedy() {
             argmax(logits)?

@@ -491,7 +491,8 @@ fn a_logit_bias_changes_the_draw_but_not_the_reported_logprob() {
     let plain = sample_once(&logits, &params, 0);
     // +100 on the worst token makes it the greedy choice.
     let worst = best_first(&logits).last().unwrap().0;
-    let adjust = LogitAdjust { bias: vec![(worst, 100.0)], allowed: vec![] };
+    let adjust =
+        LogitAdjust { bias: vec![(worst, 100.0)], allowed: vec![], ..LogitAdjust::default() };
     let mut row = logits.clone();
     let biased = Sampler::new().sample_adjusted(&mut row, &params, &adjust, &[], &[], 0).unwrap();
     assert_eq!(biased.token, worst);
@@ -501,7 +502,8 @@ fn a_logit_bias_changes_the_draw_but_not_the_reported_logprob() {
     assert_eq!(biased.top_logprobs, plain.top_logprobs);
     // -100 on the best token: never chosen.
     let best = plain.token;
-    let adjust = LogitAdjust { bias: vec![(best, -100.0)], allowed: vec![] };
+    let adjust =
+        LogitAdjust { bias: vec![(best, -100.0)], allowed: vec![], ..LogitAdjust::default() };
     let mut row = logits.clone();
     let s = Sampler::new().sample_adjusted(&mut row, &params, &adjust, &[], &[], 0).unwrap();
     assert_ne!(s.token, best);
@@ -511,7 +513,7 @@ fn a_logit_bias_changes_the_draw_but_not_the_reported_logprob() {
 fn allowed_token_ids_bound_every_draw() {
     let logits = random_logits(500, 9);
     let allowed = vec![3, 77, 499];
-    let adjust = LogitAdjust { bias: vec![], allowed: allowed.clone() };
+    let adjust = LogitAdjust { bias: vec![], allowed: allowed.clone(), ..LogitAdjust::default() };
     let params = with_temperature(1.5);
     let mut sampler = Sampler::new();
     let mut seen = std::collections::BTreeSet::new();
@@ -526,7 +528,9 @@ fn allowed_token_ids_bound_every_draw() {
 #[test]
 fn logit_adjustments_are_checked_with_vllm_wording() {
     let check = |bias: Vec<(u32, f32)>, allowed: Vec<u32>| {
-        LogitAdjust { bias, allowed }.validate(100).map_err(|e| e.to_string())
+        LogitAdjust { bias, allowed, ..LogitAdjust::default() }
+            .validate(100)
+            .map_err(|e| e.to_string())
     };
     assert_eq!(check(vec![(5, 100.0), (6, -100.0)], vec![0, 99]), Ok(()));
     let err = check(vec![(100, 1.0)], vec![]).unwrap_err();
@@ -538,7 +542,9 @@ fn logit_adjustments_are_checked_with_vllm_wording() {
     let err = check(vec![], vec![100]).unwrap_err();
     assert!(err.contains("allowed_token_ids contains out-of-vocab token id 100"), "{err}");
     let many: Vec<(u32, f32)> = (0..=MAX_LOGIT_BIAS as u32).map(|t| (t, 1.0)).collect();
-    let err = LogitAdjust { bias: many, allowed: vec![] }.validate(1000).unwrap_err();
+    let err = LogitAdjust { bias: many, allowed: vec![], ..LogitAdjust::default() }
+        .validate(1000)
+        .unwrap_err();
     assert!(err.to_string().contains("at most 300"), "{err}");
     // The wire form sorts and deduplicates.
     let p = v1::SamplingParams {
@@ -548,4 +554,36 @@ fn logit_adjustments_are_checked_with_vllm_wording() {
     };
     let a = LogitAdjust::from_proto(&p);
     assert_eq!((a.bias, a.allowed), (vec![(2, -1.0), (9, 1.0)], vec![1, 5]));
+}
+
+#[test]
+fn a_bad_word_is_never_completed() {
+    let logits = random_logits(200, 4);
+    let order = best_first(&logits);
+    let (first, second) = (order[0].0, order[1].0);
+    let greedy = SamplingParams::default();
+    let draw = |adjust: &LogitAdjust, output: &[u32]| {
+        let mut row = logits.clone();
+        Sampler::new().sample_adjusted(&mut row, &greedy, adjust, &[], output, 0).unwrap().token
+    };
+    // A one-token word is masked everywhere.
+    let one = LogitAdjust { bad_words: vec![vec![first]], ..LogitAdjust::default() };
+    assert_eq!(draw(&one, &[]), second);
+    assert_eq!(draw(&one, &[7, 8]), second);
+    // A two-token word: its last token is masked only right after its first.
+    let two = LogitAdjust { bad_words: vec![vec![42, first]], ..LogitAdjust::default() };
+    assert_eq!(draw(&two, &[1, 42]), second);
+    assert_eq!(draw(&two, &[42, 1]), first);
+    assert_eq!(draw(&two, &[]), first);
+    // Checks: sizes, empty sequences, the vocabulary.
+    let check = |bad_words: Vec<Vec<u32>>| {
+        LogitAdjust { bad_words, ..LogitAdjust::default() }.validate(100).map_err(|e| e.to_string())
+    };
+    assert_eq!(check(vec![vec![1, 2], vec![99]]), Ok(()));
+    assert!(check(vec![vec![]]).unwrap_err().contains("empty token sequence"));
+    assert!(check(vec![vec![100]])
+        .unwrap_err()
+        .contains("bad_words contains out-of-vocab token id 100"));
+    let many = vec![vec![1; 512], vec![2; 513]];
+    assert!(check(many).unwrap_err().contains("bad_words take 1025 token ids; at most 1024"));
 }

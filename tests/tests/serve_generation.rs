@@ -328,9 +328,9 @@ fn serve_speaks_the_openai_http_api() {
         ),
         (
             "/v1/chat/completions",
-            &br#"{"messages":[{"role":"user","content":"hi"}],"echo":true}"#[..],
+            &br#"{"messages":[{"role":"user","content":"hi"}],"guided_regex":"a","guided_whitespace_pattern":" "}"#[..],
             400,
-            "echo = true",
+            "guided_whitespace_pattern applies to JSON constraints",
         ),
         (
             "/v1/completions",
@@ -733,6 +733,21 @@ fn vllm_request_fields_shape_the_answer() {
     let past_end = chat(r#","skip_special_tokens":false,"ignore_eos":true"#);
     assert!(past_end.starts_with(&with_end) && past_end.contains("<|im_start|>"), "{past_end}");
     assert!(!chat(r#","ignore_eos":true"#).contains("<|im"));
+
+    // Chat echo: a continued assistant message comes back whole (vLLM's echo).
+    let body = br#"{"messages":[{"role":"user","content":"What is the capital of France?"},{"role":"assistant","content":"The capital of France is"}],"max_tokens":2,"temperature":0,"echo":true,"continue_final_message":true,"add_generation_prompt":false}"#;
+    let (status, text) = http(h, "POST", "/v1/chat/completions", body).unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains(r#""content":"The capital of France is Paris."#), "{text}");
+
+    // guided_whitespace_pattern: JSON with the pattern's whitespace between its tokens.
+    let body = br#"{"messages":[{"role":"user","content":"A person as JSON"}],"max_tokens":60,"temperature":0,"guided_json":{"type":"object","properties":{"name":{"type":"string","maxLength":8},"age":{"type":"integer","maximum":99}},"required":["name","age"],"additionalProperties":false},"guided_whitespace_pattern":"\n  "}"#;
+    let (status, text) = http(h, "POST", "/v1/chat/completions", body).unwrap();
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let parsed: serde_json::Value = serde_json::from_str(content).expect(content);
+    assert!(parsed["age"].is_u64() && content.contains("\n  \""), "{content:?}");
 
     // truncate_prompt_tokens keeps the prompt's last tokens.
     let usage = |body: &str| {

@@ -54,6 +54,8 @@ const SERVED: &[&str] = &[
     // Which engine computes the masks: Ferry has one (llguidance), and any engine gives the
     // same constraint, so the choice changes nothing in the answer.
     "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "echo",
     "logit_bias",
     "allowed_token_ids",
     "skip_special_tokens",
@@ -64,7 +66,7 @@ const SERVED: &[&str] = &[
 ];
 
 /// Fields only `/v1/completions` serves.
-const SERVED_COMPLETIONS: &[&str] = &["prompt", "echo"];
+const SERVED_COMPLETIONS: &[&str] = &["prompt"];
 
 /// Fields only `/v1/chat/completions` serves.
 const SERVED_CHAT: &[&str] = &[
@@ -90,10 +92,9 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
     Some(match field {
         // Tool calling, token masks, prompt rendering: set to anything but an empty value,
         // the answer would differ.
-        "functions" | "suffix" | "chat_template" | "guided_whitespace_pattern" => empty(),
+        "functions" | "suffix" | "chat_template" => empty(),
         "function_call" => value == "none" || value == "auto",
         // Output shaping.
-        "echo" => value == false,
         "best_of" => value == 1,
         "prompt_logprobs" => false,
         "spaces_between_special_tokens" => value == true,
@@ -109,7 +110,6 @@ fn refusal(field: &str, value: &Value) -> String {
             "a request's own chat template (the model's is used; vLLM too refuses one unless \
              started with --trust-request-chat-template)"
         }
-        "guided_whitespace_pattern" => "whitespace patterns (JSON is written compactly)",
         _ => "this field",
     };
     // The value as sent, cut short: a tools list can be long.
@@ -213,8 +213,6 @@ mod tests {
         let refused = [
             json!({"functions": [{"name": "f"}]}),
             json!({"function_call": {"name": "f"}}),
-            json!({"guided_whitespace_pattern": "[ ]?"}),
-            json!({"echo": true}),
             json!({"suffix": "end"}),
             json!({"best_of": 2}),
             json!({"prompt_logprobs": 1}),

@@ -99,6 +99,8 @@ struct Common {
     guided_regex: Option<String>,
     guided_choice: Option<Vec<String>>,
     guided_grammar: Option<String>,
+    guided_whitespace_pattern: Option<String>,
+    echo: Option<bool>,
     logit_bias: Option<serde_json::Map<String, Value>>,
     allowed_token_ids: Option<Vec<u32>>,
     skip_special_tokens: Option<bool>,
@@ -112,7 +114,6 @@ struct CompletionBody {
     common: Common,
     prompt: PromptInput,
     logprobs: Option<u32>,
-    echo: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -311,7 +312,14 @@ fn structured_output(c: &Common) -> Result<Option<v1::StructuredOutput>, ApiErro
     }
     match kinds.len() {
         0 => Ok(None),
-        1 => Ok(kinds.pop().map(|(_, kind)| v1::StructuredOutput { kind: Some(kind) })),
+        1 => {
+            let (_, kind) = kinds.pop().expect("one kind");
+            let kind = match &c.guided_whitespace_pattern {
+                Some(pattern) => with_whitespace(kind, pattern)?,
+                None => kind,
+            };
+            Ok(Some(v1::StructuredOutput { kind: Some(kind) }))
+        }
         _ => {
             let names: Vec<&str> = kinds.iter().map(|(name, _)| *name).collect();
             Err(bad(format!(
@@ -319,6 +327,54 @@ fn structured_output(c: &Common) -> Result<Option<v1::StructuredOutput>, ApiErro
                      specified: {}",
                 names.join(", ")
             )))
+        }
+    }
+}
+
+/// A JSON constraint whose whitespace between tokens follows `pattern` (vLLM's
+/// `guided_whitespace_pattern`, a regular expression) instead of none; separators are then
+/// bare `,` and `:`. A schema's own `x-guidance` options win.
+fn with_whitespace(
+    kind: v1::structured_output::Kind,
+    pattern: &str,
+) -> Result<v1::structured_output::Kind, ApiError> {
+    use v1::structured_output::Kind;
+    let mut schema: Value = match kind {
+        Kind::JsonSchema(text) => serde_json::from_str(&text).map_err(|e| {
+            ApiError::bad_request(format!("the JSON schema is not valid JSON: {e}"))
+        })?,
+        Kind::JsonObject(_) => json!({"type": "object"}),
+        _ => {
+            return Err(ApiError::bad_request(
+                "guided_whitespace_pattern applies to JSON constraints (json_schema, \
+                 json_object, guided_json) only",
+            ))
+        }
+    };
+    let options =
+        json!({"whitespace_pattern": pattern, "item_separator": ",", "key_separator": ":"});
+    match &mut schema {
+        Value::Object(o) => {
+            let mut merged = options;
+            if let Some(own) = o.get("x-guidance") {
+                llguidance_merge(&mut merged, own);
+            }
+            o.insert("x-guidance".into(), merged);
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "guided_whitespace_pattern needs a JSON schema that is an object",
+            ))
+        }
+    }
+    Ok(Kind::JsonSchema(schema.to_string()))
+}
+
+/// `own`'s keys over `base`'s (one level: the options are flat).
+fn llguidance_merge(base: &mut Value, own: &Value) {
+    if let (Value::Object(b), Value::Object(o)) = (base, own) {
+        for (k, v) in o {
+            b.insert(k.clone(), v.clone());
         }
     }
 }
@@ -538,9 +594,11 @@ impl Shaper {
                 })
             }
             Kind::Chat => {
-                let mut delta = json!({ "content": ev.text });
+                let text =
+                    if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
+                let mut delta = json!({ "content": text });
                 if let Some(reader) = &mut self.tools {
-                    let (content, calls) = reader.read(&ev.text, finish.is_some());
+                    let (content, calls) = reader.read(&text, finish.is_some());
                     finish = reader.finish_reason(finish);
                     delta = json!({ "content": content });
                     if !calls.is_empty() {
@@ -746,7 +804,7 @@ pub async fn completions(
     // OpenAI's legacy default is 16 tokens (at most --max-output-tokens).
     let default_max = u32::try_from(front.limits().max_output_tokens).unwrap_or(u32::MAX).min(16);
     let mut req = generate_request(&body.common, Some(default_max), body.logprobs)?;
-    let echo = body.echo.unwrap_or(false);
+    let echo = body.common.echo.unwrap_or(false);
     if echo && body.logprobs.is_some() {
         return Err(ApiError::bad_request(
             "echo = true with logprobs is not supported: it needs the prompt's log-probabilities \
@@ -864,14 +922,21 @@ pub async fn chat_completions(
         .map(|k| Value::Object(k).to_string())
         .unwrap_or_default();
     let tools_json = if tools.is_empty() { String::new() } else { Value::Array(tools).to_string() };
-    req.input = Some(v1::generate_request::Input::Chat(v1::Chat {
+    // vLLM's chat echo: the answer starts with the last message's text when that message is
+    // the assistant's (a reply being continued).
+    let echoed = match (body.common.echo, messages.last()) {
+        (Some(true), Some(last)) if last.role == "assistant" => last.content.clone(),
+        _ => String::new(),
+    };
+    let input = v1::Chat {
         messages,
         add_generation_prompt,
         tools_json,
         continue_final_message,
         template_kwargs_json,
-    }));
-    run(front, (Kind::Chat, String::new(), reader), &body.common, req, &headers).await
+    };
+    req.input = Some(v1::generate_request::Input::Chat(input));
+    run(front, (Kind::Chat, echoed, reader), &body.common, req, &headers).await
 }
 
 /// `GET /v1/models`.
@@ -977,6 +1042,12 @@ mod tests {
                 Some(Kind::Regex("c".into())),
             ),
             (json!({"structured_outputs": {}}), None),
+            (
+                json!({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " ?"}),
+                Some(Kind::JsonSchema(
+                    json!({"type": "object", "x-guidance": {"whitespace_pattern": " ?", "item_separator": ",", "key_separator": ":"}}).to_string(),
+                )),
+            ),
         ] {
             assert_eq!(constraint(&extra), Ok(want), "{extra}");
         }
@@ -991,7 +1062,7 @@ mod tests {
             (json!({"structured_outputs": {"choice": "a"}}), "structured_outputs.choice must be a list of strings"),
             (json!({"structured_outputs": {"regex": 3}}), "structured_outputs.regex must be a string"),
             (json!({"structured_outputs": 3}), "structured_outputs must be an object"),
-            (json!({"guided_whitespace_pattern": " *"}), "guided_whitespace_pattern = "),
+            (json!({"guided_whitespace_pattern": " *", "guided_regex": "a"}), "applies to JSON constraints"),
         ] {
             let err = constraint(&extra).expect_err(&extra.to_string());
             assert!(err.contains(needle), "{extra}: {err}");

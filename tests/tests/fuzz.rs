@@ -13,6 +13,11 @@
 //! - **OpenAI API**: JSON bodies with the API's fields holding values of any type, and byte
 //!   mutations of valid bodies, against a real scheduler (no executor: a valid request ends
 //!   at 503). Every answer is a 4xx or that 503 with an error body, never a 500.
+//! - **Chats and tool calls**: conversations of random roles, names, tool calls (their
+//!   arguments valid JSON or not) and tools rendered with the model's template (an answer or
+//!   an error, never a panic); answers made of call blocks, broken blocks, partial tags and
+//!   text read by the tool-call parser whole and split at random points, which must give the
+//!   same content and calls, each call's arguments a JSON object.
 //! - **GGUF and tokenizer**: mutated copies of the real model's header (bytes flipped, 64-bit
 //!   lengths smashed, truncated) read, then the shape and tokenizer built from whatever reads.
 //! - **KV agent**: mutated `Put` streams and random bytes on a real agent's data channel (an
@@ -452,6 +457,117 @@ fn fuzz_openai_api() {
         Ok(())
     });
     assert_eq!(http(addr, "GET", "/health", b"").unwrap().0, 503, "alive, and without executors");
+}
+
+// ---- Chats and tool calls ----------------------------------------------------------------
+
+/// Pieces an answer with tool calls is made of.
+fn answer_piece() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("<tool_call>".to_string()),
+        Just("</tool_call>".to_string()),
+        Just("<tool_c".to_string()),
+        Just("\n".to_string()),
+        Just(" ".to_string()),
+        Just(r#"{"name": "f", "arguments": {"a": [1, "x"]}}"#.to_string()),
+        Just(r#"{"name": "g", "parameters": "{\"b\": null}"}"#.to_string()),
+        Just(r#"{"name": 3}"#.to_string()),
+        Just(r#"{"name": "h", "arguments": "not json"}"#.to_string()),
+        "[a-zé<>/{}\" \u{1F600}]{0,8}",
+    ]
+}
+
+fn merged(pieces: Vec<ferry_model::ToolPiece>) -> Vec<ferry_model::ToolPiece> {
+    use ferry_model::ToolPiece;
+    let mut out: Vec<ToolPiece> = Vec::new();
+    for piece in pieces {
+        match (out.last_mut(), piece) {
+            (Some(ToolPiece::Content(a)), ToolPiece::Content(b)) => a.push_str(&b),
+            (_, piece) => out.push(piece),
+        }
+    }
+    out
+}
+
+fn chat_message() -> impl Strategy<Value = serde_json::Value> {
+    let role = proptest::sample::select(&["system", "user", "assistant", "tool", "other"][..]);
+    let calls = prop_oneof![
+        Just(String::new()),
+        Just(r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]"#.to_string()),
+        Just(r#"[{"function": {"name": "f", "arguments": "{"}}]"#.to_string()),
+        Just(r#"[{"function": 3}]"#.to_string()),
+        Just("not json".to_string()),
+    ];
+    (role, "[a-z {}<>]{0,12}", proptest::option::of("[a-z]{0,4}"), calls).prop_filter_map(
+        "a message the wire can carry",
+        |(role, content, name, calls)| {
+            ferry_model::chat::message(role, &content, &name.unwrap_or_default(), &calls, "c").ok()
+        },
+    )
+}
+
+#[test]
+fn fuzz_chats_and_tool_calls() {
+    use ferry_model::chat::{check_tools, ChatOptions};
+    use ferry_model::ToolCallParser;
+    let tok = ModelFile::open(None).expect("the default model").tokenizer;
+    let tool = prop_oneof![
+        Just(
+            serde_json::json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})
+        ),
+        Just(serde_json::json!({"type": "function", "function": {"name": "bad name"}})),
+        Just(serde_json::json!({"type": "other"})),
+    ];
+    let chats = (vec(chat_message(), 1..5), vec(tool, 0..3), any::<bool>(), any::<bool>());
+    fuzz("chat rendering", &chats, |(messages, tools, generation, continued)| {
+        let valid = check_tools(&tools).is_ok();
+        let options = ChatOptions {
+            add_generation_prompt: generation,
+            continue_final_message: continued,
+            tools: if valid { &tools } else { &[] },
+            kwargs: None,
+        };
+        match tok.render_chat(messages, &options) {
+            Ok(text) => {
+                prop_assert!(!generation || text.ends_with("<|im_start|>assistant\n"), "{text}");
+            }
+            Err(e) => prop_assert!(!e.to_string().is_empty()),
+        }
+        Ok(())
+    });
+    let answers = (vec(answer_piece(), 0..12), vec(any::<prop::sample::Index>(), 0..6));
+    fuzz("tool-call parser", &answers, |(pieces, cuts)| {
+        use ferry_model::ToolPiece;
+        let text: String = pieces.concat();
+        let mut whole = ToolCallParser::new(false);
+        let mut all = whole.push(&text);
+        all.extend(whole.finish());
+        let all = merged(all);
+        // The same text in pieces, cut at char boundaries.
+        let mut at: Vec<usize> = cuts
+            .iter()
+            .map(|i| i.index(text.len() + 1))
+            .filter(|i| text.is_char_boundary(*i))
+            .collect();
+        at.sort_unstable();
+        let mut parser = ToolCallParser::new(false);
+        let mut split = Vec::new();
+        let mut from = 0;
+        for cut in at.into_iter().chain([text.len()]) {
+            split.extend(parser.push(&text[from..cut]));
+            from = cut;
+        }
+        split.extend(parser.finish());
+        prop_assert_eq!(&merged(split), &all, "{:?}", text);
+        for piece in &all {
+            if let ToolPiece::Call { arguments, .. } = piece {
+                let v: serde_json::Value = serde_json::from_str(arguments)
+                    .map_err(|e| TestCaseError::fail(format!("{e}: {arguments}")))?;
+                prop_assert!(v.is_object(), "{arguments}");
+            }
+        }
+        Ok(())
+    });
 }
 
 // ---- GGUF and tokenizer -------------------------------------------------------------------

@@ -75,7 +75,7 @@ pub fn run(
     let mut times = Vec::new();
     for rep in 0..opts.prefill_reps {
         let toks = prompt(rep, len);
-        let batch = [SeqSlice { tokens: &toks, start: 0, block_table: &table, wants_logits: true }];
+        let batch = [SeqSlice { tokens: &toks, start: 0, block_table: &table, logits: 1 }];
         let t = Instant::now();
         forward(w, &mut cache, &batch, &mut scratch).expect("bench batch is valid");
         times.push(t.elapsed().as_secs_f64());
@@ -103,7 +103,7 @@ pub fn run(
         let batch: Vec<SeqSlice> = seqs
             .iter()
             .zip(&tables)
-            .map(|(t, tb)| SeqSlice { tokens: t, start: 0, block_table: tb, wants_logits: true })
+            .map(|(t, tb)| SeqSlice { tokens: t, start: 0, block_table: tb, logits: 1 })
             .collect();
         let logits = forward(w, &mut cache, &batch, &mut scratch).expect("bench batch is valid");
         for (s, l) in seqs.iter_mut().zip(logits) {
@@ -118,7 +118,7 @@ pub fn run(
                     tokens: &t[t.len() - 1..],
                     start: t.len() - 1,
                     block_table: tb,
-                    wants_logits: true,
+                    logits: 1,
                 })
                 .collect();
             let t = Instant::now();

@@ -45,6 +45,8 @@ struct Req {
     table: Vec<u32>,
     sent: bool,
     sampling: v1::SamplingParams,
+    /// (prompt position, its log-probabilities) as the results reported them.
+    prompt_logprobs: Vec<(usize, v1::PositionLogprobs)>,
 }
 
 impl Driver {
@@ -137,6 +139,10 @@ impl Driver {
             for o in result.outputs {
                 let r = reqs.iter_mut().find(|r| r.id == o.id).unwrap();
                 r.tokens.extend(o.token_ids);
+                let from = o.prompt_logprobs_from as usize;
+                r.prompt_logprobs.extend(
+                    o.prompt_logprobs.into_iter().enumerate().map(|(i, lp)| (from + i, lp)),
+                );
             }
         }
     }
@@ -152,6 +158,7 @@ fn req(id: u64, text: &str, sampling: v1::SamplingParams) -> Req {
         table: vec![],
         sent: false,
         sampling,
+        prompt_logprobs: Vec::new(),
     }
 }
 
@@ -453,6 +460,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
         table: vec![],
         sent: false,
         sampling: seeded(),
+        prompt_logprobs: Vec::new(),
     };
     let mut a = [prompt(1), prompt(2)];
     Driver::new(sim(), 0).run(&mut a, 20, 16);
@@ -480,6 +488,31 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
     assert!(refused.len() == 1 && refused[0].reason.contains("unknown"), "{refused:?}");
     let bad_sum = v1::Step { step_id: 1, total_num_tokens: 1, ..Default::default() };
     assert!(d.engine.execute(&bad_sum).unwrap_err().to_string().contains("adds up to 0"));
+    // It computes no logits, so it cannot score a prompt: refused alone, with why.
+    let mut d = Driver::new(sim(), 0);
+    let step = v1::Step {
+        step_id: 0,
+        new_requests: vec![v1::NewRequest {
+            id: 9,
+            prompt_token_ids: (100..140).collect(),
+            sampling: Some(v1::SamplingParams { prompt_logprobs: Some(1), ..Default::default() }),
+            block_ids: (0..5).collect(),
+            ..Default::default()
+        }],
+        work: vec![v1::ScheduledWork {
+            id: 9,
+            key: v1::WorkKey::Prompt.into(),
+            num_tokens: 40,
+            draft_token_ids: vec![],
+        }],
+        total_num_tokens: 40,
+        ..Default::default()
+    };
+    let refused = d.engine.execute(&step).unwrap().refused;
+    assert!(
+        refused.len() == 1 && refused[0].reason.contains("prompt_logprobs need the model's logits"),
+        "{refused:?}"
+    );
 }
 
 /// An engine that compiles structured outputs for the default model's vocabulary.
@@ -616,4 +649,40 @@ fn a_grammar_that_cannot_hold_is_refused_alone_with_why() {
     assert!(refused[0].0 == 1 && refused[0].1.contains("structured output"), "{refused:?}");
     assert!(refused[1].0 == 2 && refused[1].1.contains("break the grammar"), "{refused:?}");
     assert_eq!(result.outputs.iter().map(|o| o.id).collect::<Vec<_>>(), vec![3]);
+}
+
+#[test]
+fn prompt_logprobs_score_every_prompt_token_once_however_the_prompt_is_chunked() {
+    let text = "The capital of France is Paris, and the capital of Italy is Rome.";
+    let scoring = v1::SamplingParams { prompt_logprobs: Some(3), ..Default::default() };
+    let run = |chunk: usize| {
+        let mut d = Driver::new(engine(), 0);
+        let mut reqs = [req(1, text, scoring.clone()), req(2, "Hello there", seeded())];
+        d.run(&mut reqs, 2, chunk);
+        let [scored, other] = reqs;
+        assert!(other.prompt_logprobs.is_empty(), "asked only by request 1");
+        scored
+    };
+    let whole = run(1000);
+    let n = whole.prompt_len;
+    let positions: Vec<usize> = whole.prompt_logprobs.iter().map(|(p, _)| *p).collect();
+    assert_eq!(positions, (1..n).collect::<Vec<_>>(), "each prompt token after the first, once");
+    for (pos, lp) in &whole.prompt_logprobs {
+        let own = lp.sampled.unwrap();
+        assert_eq!(own.token_id, whole.tokens[*pos]);
+        assert!(own.logprob <= 0.0 && lp.top.len() == 3, "{lp:?}");
+        // The most likely first, and the prompt token no likelier than the best.
+        assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        assert!(own.logprob <= lp.top[0].logprob + 1e-6);
+    }
+    for chunk in [1, 4, 7] {
+        let chunked = run(chunk);
+        assert_eq!(chunked.tokens, whole.tokens, "chunk {chunk}: same greedy answer");
+        for ((p, a), (q, b)) in chunked.prompt_logprobs.iter().zip(&whole.prompt_logprobs) {
+            assert_eq!(p, q);
+            let (a, b) = (a.sampled.unwrap(), b.sampled.unwrap());
+            assert!((a.logprob - b.logprob).abs() < 1e-4, "chunk {chunk} at {p}: {a:?} {b:?}");
+        }
+        assert_eq!(chunked.prompt_logprobs.len(), n - 1, "chunk {chunk}");
+    }
 }

@@ -97,11 +97,11 @@ fn run_paged(
                     tokens: &s.tokens[s.computed..s.computed + n],
                     start: s.computed,
                     block_table: &s.table,
-                    wants_logits: s.computed + n == s.tokens.len(),
+                    logits: usize::from(s.computed + n == s.tokens.len()),
                 }
             })
             .collect();
-        let wants: Vec<bool> = batch.iter().map(|b| b.wants_logits).collect();
+        let wants: Vec<bool> = batch.iter().map(|b| b.logits > 0).collect();
         let mut out = forward(&m.w, cache, &batch, &mut scratch).unwrap().into_iter();
         for (&(i, n), want) in plan.iter().zip(wants) {
             let s = &mut seqs[i];
@@ -193,8 +193,7 @@ fn bad_batches_are_refused_before_anything_is_written() {
     let mut cache = PagedKvCache::new(&m.w.shape, BS, 8);
     let mut scratch = ForwardScratch::default();
     let toks = [1u32, 2, 3, 4, 5];
-    let slice =
-        |tokens, start, table| SeqSlice { tokens, start, block_table: table, wants_logits: true };
+    let slice = |tokens, start, table| SeqSlice { tokens, start, block_table: table, logits: 1 };
     let cases: Vec<(Vec<SeqSlice>, &str)> = vec![
         (vec![slice(&toks[..], 0, &[0u32][..])], "need 2 blocks"),
         (vec![slice(&toks[..2], 0, &[9u32][..])], "out of range"),

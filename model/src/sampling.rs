@@ -52,6 +52,8 @@ pub struct SamplingParams {
     /// Also return this many most likely tokens with their log-probabilities; honoured only
     /// with `logprobs`.
     pub top_logprobs: u32,
+    /// Score the prompt's tokens too, each with this many alternatives.
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// Why a token could not be sampled.
@@ -68,8 +70,10 @@ pub enum SamplingError {
         expected: &'static str,
     },
     /// More alternatives were asked for than [`MAX_TOP_LOGPROBS`].
-    #[error("sampling parameter `top_logprobs` is {requested}, expected at most {max}")]
+    #[error("sampling parameter `{param}` is {requested}, expected at most {max}")]
     TooManyTopLogprobs {
+        /// `top_logprobs` or `prompt_logprobs`.
+        param: &'static str,
         /// The number asked for.
         requested: u32,
         /// [`MAX_TOP_LOGPROBS`].
@@ -250,6 +254,7 @@ impl SamplingParams {
             frequency_penalty: p.frequency_penalty,
             logprobs: p.logprobs,
             top_logprobs: p.top_logprobs,
+            prompt_logprobs: p.prompt_logprobs,
         }
     }
 
@@ -268,11 +273,17 @@ impl SamplingParams {
         )?;
         check("presence_penalty", self.presence_penalty, -max, max, "a number in [-2, 2]")?;
         check("frequency_penalty", self.frequency_penalty, -max, max, "a number in [-2, 2]")?;
-        if self.top_logprobs > MAX_TOP_LOGPROBS {
-            return Err(SamplingError::TooManyTopLogprobs {
-                requested: self.top_logprobs,
-                max: MAX_TOP_LOGPROBS,
-            });
+        for (param, n) in [
+            ("top_logprobs", self.top_logprobs),
+            ("prompt_logprobs", self.prompt_logprobs.unwrap_or(0)),
+        ] {
+            if n > MAX_TOP_LOGPROBS {
+                return Err(SamplingError::TooManyTopLogprobs {
+                    param,
+                    requested: n,
+                    max: MAX_TOP_LOGPROBS,
+                });
+            }
         }
         Ok(())
     }

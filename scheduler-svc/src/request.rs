@@ -81,6 +81,10 @@ impl RequestSpec {
         req.ignore_eos = self.ignore_eos;
         req.priority = self.priority;
         req.output = output;
+        if self.sampling.prompt_logprobs.is_some() {
+            // Its own prefix cache (salt): every prompt token is computed, and so scored.
+            req.cache_salt = (1 << 63) | id.0;
+        }
         req
     }
 

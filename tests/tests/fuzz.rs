@@ -121,11 +121,16 @@ fn sampling() -> impl Strategy<Value = Option<v1::SamplingParams>> {
     let params = (
         (float(), float(), 0u32..100, float()),
         (proptest::option::of(any::<u64>()), float(), float(), float()),
-        (any::<bool>(), 0u32..25, structured_output()),
+        (any::<bool>(), 0u32..25, structured_output(), proptest::option::of(0u32..25)),
         (vec((token(), bias()), 0..3), vec(token(), 0..3), vec(vec(token(), 0..3), 0..3)),
     )
         .prop_map(
-            |((t, p, k, m), (seed, rep, pres, freq), (lp, top, structured), (lb, allowed, bad))| {
+            |(
+                (t, p, k, m),
+                (seed, rep, pres, freq),
+                (lp, top, structured, prompt_lp),
+                (lb, allowed, bad),
+            )| {
                 v1::SamplingParams {
                     temperature: t,
                     top_p: p,
@@ -141,6 +146,7 @@ fn sampling() -> impl Strategy<Value = Option<v1::SamplingParams>> {
                     logit_bias: lb.into_iter().collect(),
                     allowed_token_ids: allowed,
                     bad_words: bad.into_iter().map(|ids| v1::TokenSequence { ids }).collect(),
+                    prompt_logprobs: prompt_lp,
                 }
             },
         );

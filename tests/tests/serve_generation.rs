@@ -322,9 +322,9 @@ fn serve_speaks_the_openai_http_api() {
         ),
         (
             "/v1/completions",
-            &br#"{"prompt":"hi","echo":true,"logprobs":1}"#[..],
+            &br#"{"prompt":"hi","best_of":3}"#[..],
             400,
-            "echo = true with logprobs is not supported",
+            "best_of = 3",
         ),
         (
             "/v1/chat/completions",
@@ -712,6 +712,50 @@ fn vllm_request_fields_shape_the_answer() {
     assert_eq!(ask(r#","echo":true"#.into()), "The capital of France is Paris");
     let without_paris = ask(r#","bad_words":["Paris"]"#.into());
     assert!(!without_paris.contains("Paris"), "{without_paris:?}");
+
+    // prompt_logprobs: the prompt's last token is scored as it would be sampled, every time
+    // (the second time its prefix is cached, and still computed); with echo, logprobs start
+    // with the prompt's.
+    let completion = |body: &str| -> serde_json::Value {
+        let (status, text) =
+            http(svc.addr("http"), "POST", "/v1/completions", body.as_bytes()).unwrap();
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str(&text).unwrap()
+    };
+    let sampled = completion(
+        r#"{"prompt":"The capital of France is","max_tokens":1,"temperature":0,"logprobs":1}"#,
+    );
+    let sampled = sampled["choices"][0]["logprobs"]["token_logprobs"][0].as_f64().unwrap();
+    let prompt_len = tok.encode("The capital of France is Paris").unwrap().len();
+    for _ in 0..2 {
+        let scored = completion(
+            r#"{"prompt":"The capital of France is Paris","max_tokens":1,"temperature":0,"prompt_logprobs":2}"#,
+        );
+        let entries = scored["choices"][0]["prompt_logprobs"].as_array().unwrap().clone();
+        assert_eq!(entries.len(), prompt_len, "{scored}");
+        assert!(entries[0].is_null());
+        let last = entries[prompt_len - 1].as_object().unwrap();
+        let paris = last[&paris.to_string()]["logprob"].as_f64().unwrap();
+        assert!((paris - sampled).abs() < 1e-4, "scored {paris}, sampled {sampled}");
+        // Each entry: the prompt token's own and the two most likely.
+        assert!(entries[1..].iter().all(|e| (2..=3).contains(&e.as_object().unwrap().len())));
+    }
+    let echoed = completion(
+        r#"{"prompt":"The capital of France is","max_tokens":1,"temperature":0,"logprobs":1,"echo":true}"#,
+    );
+    let lp = &echoed["choices"][0]["logprobs"];
+    assert_eq!(echoed["choices"][0]["text"], "The capital of France is Paris");
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), prompt_len, "{echoed}");
+    assert!(lp["token_logprobs"][0].is_null() && lp["token_logprobs"][1].is_f64(), "{echoed}");
+    let (status, text) = http(
+        svc.addr("http"),
+        "POST",
+        "/v1/completions",
+        br#"{"prompt":"x","prompt_logprobs":21}"#,
+    )
+    .unwrap();
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("`prompt_logprobs` is 21, expected at most 20"), "{text}");
 
     // skip_special_tokens false: control tokens in the text, the one that ends it only with
     // include_stop_str_in_output.

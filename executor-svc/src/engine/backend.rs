@@ -57,6 +57,11 @@ pub trait ModelBackend: Send {
     fn sim_eos(&self) -> Option<u32> {
         None
     }
+    /// Whether it computes logits (a simulating backend does not: it returns
+    /// [`BatchOutput::Synthetic`]).
+    fn computes_logits(&self) -> bool {
+        true
+    }
 }
 
 /// `floats` as little-endian bytes into `out` (its length is checked).
@@ -216,6 +221,10 @@ impl ModelBackend for SimBackend {
 
     fn sim_eos(&self) -> Option<u32> {
         self.identity.as_ref().and_then(|id| id.eos())
+    }
+
+    fn computes_logits(&self) -> bool {
+        false
     }
 
     fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError> {

@@ -354,14 +354,29 @@ impl Engine {
         let mut failed = Vec::new();
         for p in &planned {
             let r = self.requests.get_mut(&p.id).expect("planned requests exist after apply_diff");
+            // This request's rows of logits: the prompt positions it scores, then its last.
+            let mut rows: Vec<Vec<f32>> = match logits.as_mut() {
+                Some(it) => it.by_ref().take(logit_rows(p, r)).collect(),
+                None => Vec::new(),
+            };
+            let (prompt_logprobs, prompt_logprobs_from) =
+                score_prompt(&mut self.sampler, r, p, &mut rows);
             r.computed = p.start + p.n;
             if r.computed != p.total {
+                if !prompt_logprobs.is_empty() {
+                    outputs.push(v1::RequestOutput {
+                        id: p.id,
+                        prompt_logprobs,
+                        prompt_logprobs_from,
+                        ..Default::default()
+                    });
+                }
                 continue;
             }
             let position = r.len() as u64;
             let (token, logprobs) = match logits.as_mut() {
-                Some(it) => {
-                    let row = it.next().expect("the backend returns one row per sampling request");
+                Some(_) => {
+                    let row = rows.pop().expect("the backend returns a row per sampling request");
                     match sample_row(&mut self.sampler, r, row, masks.remove(&p.id), position) {
                         Ok(sampled) => sampled,
                         Err(why) => {
@@ -377,6 +392,8 @@ impl Engine {
                 id: p.id,
                 token_ids: vec![token],
                 logprobs: logprobs.into_iter().collect(),
+                prompt_logprobs,
+                prompt_logprobs_from,
             });
         }
         for (id, reason) in failed {
@@ -428,7 +445,7 @@ impl Engine {
                 tokens: toks,
                 start: p.start,
                 block_table: &self.requests[&p.id].table,
-                wants_logits: p.start + p.n == p.total,
+                logits: logit_rows(p, &self.requests[&p.id]),
             })
             .collect();
         let backend = &mut self.backend;
@@ -689,6 +706,14 @@ impl Engine {
             adjust
                 .validate(facts.shape.vocab_size)
                 .map_err(|source| StepError::Sampling { id: nr.id, source })?;
+            if proto.prompt_logprobs.is_some() && !self.backend.computes_logits() {
+                return Err(StepError::Invalid {
+                    id: nr.id,
+                    reason: "prompt_logprobs need the model's logits, and this executor (a \
+                             simulated one) computes none"
+                        .into(),
+                });
+            }
             let grammar = match &proto.structured_output {
                 Some(constraint) => Some(
                     grammar::compile(&self.grammars, constraint, &nr.output_token_ids)
@@ -820,7 +845,7 @@ impl Engine {
                 tokens: &zeros[..p.n],
                 start: p.start,
                 block_table: tables.get(&p.id).unwrap_or_else(|| &self.requests[&p.id].table),
-                wants_logits: false,
+                logits: 0,
             })
             .collect();
         self.backend.check(&batch).map_err(|e| match e.sequence() {
@@ -902,6 +927,56 @@ type Prepared = HashMap<u64, NewParts>;
 /// Samples request `r`'s next token from its logits `row` at `position`, after its grammar's
 /// mask when it has one (`constrained`: its matcher, taken out for the step, and the mask);
 /// the token and its log-probabilities, or why this request cannot go on (the others can).
+/// Rows of logits planned `p` needs: all of its chunk when it scores prompt tokens in it
+/// (`prompt_logprobs`), else its last when it samples.
+fn logit_rows(p: &Planned, r: &ExecRequest) -> usize {
+    let samples = p.start + p.n == p.total;
+    if r.sampling.prompt_logprobs.is_some() && p.start + 1 < r.prompt.len() {
+        p.n
+    } else {
+        usize::from(samples)
+    }
+}
+
+/// The prompt log-probabilities planned `p` computes: the rows of its chunk that predict a
+/// prompt token, scored and taken out of `rows` (the last row stays when it samples); and the
+/// prompt position of the first. Empty unless asked.
+fn score_prompt(
+    sampler: &mut Sampler,
+    r: &ExecRequest,
+    p: &Planned,
+    rows: &mut Vec<Vec<f32>>,
+) -> (Vec<v1::PositionLogprobs>, u32) {
+    let Some(top) = r.sampling.prompt_logprobs else { return (Vec::new(), 0) };
+    if rows.len() != p.n || p.start + 1 >= r.prompt.len() {
+        return (Vec::new(), 0);
+    }
+    // Row i (position start + i) predicts the token at start + i + 1.
+    let scored = (p.start + p.n).min(r.prompt.len() - 1) - p.start;
+    let samples = p.start + p.n == p.total;
+    let out = rows
+        .iter_mut()
+        .take(scored)
+        .enumerate()
+        .map(|(i, row)| {
+            let token = r.prompt[p.start + i + 1];
+            let (logprob, best) = sampler.score(row, token, top);
+            v1::PositionLogprobs {
+                sampled: Some(v1::TokenLogprob { token_id: token, logprob }),
+                top: best
+                    .into_iter()
+                    .map(|(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
+                    .collect(),
+            }
+        })
+        .collect();
+    // Only the sampling row (the chunk's last) is needed after this.
+    let last = if samples { rows.pop() } else { None };
+    rows.clear();
+    rows.extend(last);
+    (out, (p.start + 1) as u32)
+}
+
 fn sample_row(
     sampler: &mut Sampler,
     r: &mut ExecRequest,

@@ -27,8 +27,9 @@ pub struct SeqSlice<'a> {
     pub start: usize,
     /// Where the sequence's positions live: block `i` holds `[i·bs, (i+1)·bs)`.
     pub block_table: &'a [u32],
-    /// Whether to return logits for the last token.
-    pub wants_logits: bool,
+    /// Return the logits of this many of its last tokens: 1 for a sequence that samples, all
+    /// of them to score a prompt chunk, 0 for none.
+    pub logits: usize,
 }
 
 /// A batch the cache cannot serve as asked. Checked before anything is written.
@@ -49,6 +50,16 @@ pub enum BatchError {
     Empty {
         /// Index in the batch.
         seq: usize,
+    },
+    /// Logits asked for more rows than the sequence computes.
+    #[error("sequence {seq}: logits of {logits} rows asked for, it computes {rows}")]
+    TooManyLogits {
+        /// Index in the batch.
+        seq: usize,
+        /// Rows asked for.
+        logits: usize,
+        /// Rows it computes.
+        rows: usize,
     },
     /// Positions past what the block table covers, or past the model's length.
     #[error("sequence {seq}: positions up to {end} need {needed} blocks, its table has {have}")]
@@ -90,6 +101,7 @@ impl BatchError {
         match self {
             Self::Token { seq, .. }
             | Self::Empty { seq }
+            | Self::TooManyLogits { seq, .. }
             | Self::TableTooShort { seq, .. }
             | Self::BlockOutOfRange { seq, .. } => Some(*seq),
             Self::SharedWrite { writer, .. } => Some(*writer),
@@ -138,6 +150,9 @@ pub fn check_geometry(
         if s.tokens.is_empty() {
             return Err(BatchError::Empty { seq });
         }
+        if s.logits > s.tokens.len() {
+            return Err(BatchError::TooManyLogits { seq, logits: s.logits, rows: s.tokens.len() });
+        }
         if let Some(&token) = s.tokens.iter().find(|t| **t as usize >= vocab_size) {
             return Err(BatchError::Token { seq, token, vocab: vocab_size });
         }
@@ -172,7 +187,7 @@ pub fn check_geometry(
 }
 
 /// Runs `batch` through the model, writing each new token's keys and values into the cache.
-/// Returns the logits (`vocab` each) of the sequences that want them, in batch order.
+/// Returns the logits (`vocab` each) of the rows the sequences ask for, in batch order.
 ///
 /// The whole forward runs on a rayon worker (`install`): its ~150 parallel sections per token
 /// (5 per layer) then fork and join inside the pool, where the other workers are still spinning
@@ -276,9 +291,7 @@ fn forward_in_pool(
     let mut row = 0;
     for sl in batch {
         row += sl.tokens.len();
-        if sl.wants_logits {
-            last.extend_from_slice(&x[(row - 1) * h..row * h]);
-        }
+        last.extend_from_slice(&x[(row - sl.logits) * h..row * h]);
     }
     let m = last.len() / h;
     if m == 0 {

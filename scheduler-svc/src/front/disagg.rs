@@ -131,7 +131,11 @@ impl Front {
     ) -> Option<(LinkHandle, Handoff)> {
         let min_tokens = self.settings.disaggregation_min_tokens?;
         let Route::Local(set) = &self.route else { return None };
-        if !spec.prior_output.is_empty() || spec.prompt.len() < min_tokens {
+        // A request scoring its prompt (prompt_logprobs) computes it where it decodes.
+        if !spec.prior_output.is_empty()
+            || spec.prompt.len() < min_tokens
+            || spec.sampling.prompt_logprobs.is_some()
+        {
             return None;
         }
         let alive = set.alive();

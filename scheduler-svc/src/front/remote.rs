@@ -197,6 +197,9 @@ async fn relay(
         if remote_id.get().is_none() && !ev.request_id.is_empty() {
             let _ = remote_id.set(ev.request_id.clone());
         }
+        if !ev.prompt_logprobs.is_empty() {
+            let _ = tx.send(LinkEvent::PromptLogprobs { from: 1, logprobs: ev.prompt_logprobs });
+        }
         let mut logprobs = ev.logprobs.into_iter();
         for &t in &ev.token_ids {
             let _ = tx.send(LinkEvent::Token(t, logprobs.next()));

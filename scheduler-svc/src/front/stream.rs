@@ -69,6 +69,9 @@ pub(crate) struct RequestStream {
     /// else it is a KV-tier read).
     handed_off: bool,
     assembler: TextAssembler,
+    /// The prompt's log-probabilities as they arrive (slot j for prompt token j + 1), when
+    /// asked for; taken by the first event.
+    prompt_logprobs: Option<Vec<Option<v1::PositionLogprobs>>>,
     client: ClientTx,
     arrived: Instant,
     first_token: Option<Instant>,
@@ -94,7 +97,10 @@ impl RequestStream {
             spec.output.keep_special_tokens,
         );
         let delivered = spec.prior_output.clone();
+        let prompt_logprobs =
+            spec.sampling.prompt_logprobs.map(|_| vec![None; spec.prompt.len().saturating_sub(1)]);
         Self {
+            prompt_logprobs,
             front,
             request_id,
             spec,
@@ -137,6 +143,10 @@ impl RequestStream {
                     None
                 }
                 Some(LinkEvent::Token(token, logprobs)) => self.on_token(token, logprobs).await,
+                Some(LinkEvent::PromptLogprobs { from, logprobs }) => {
+                    self.on_prompt_logprobs(from, logprobs);
+                    None
+                }
                 Some(LinkEvent::Preempted) => {
                     self.trace.event("preempted", Vec::new());
                     None
@@ -156,13 +166,31 @@ impl RequestStream {
         front.forget(&request_id);
     }
 
+    /// Keeps the prompt log-probabilities not received before (a prompt computed again
+    /// reports them again), until the first event carries them.
+    fn on_prompt_logprobs(&mut self, from: usize, logprobs: Vec<v1::PositionLogprobs>) {
+        let Some(slots) = self.prompt_logprobs.as_mut() else { return };
+        for (i, lp) in logprobs.into_iter().enumerate() {
+            // Slot j holds prompt token j + 1's.
+            if let Some(slot) = (from + i).checked_sub(1).and_then(|j| slots.get_mut(j)) {
+                slot.get_or_insert(lp);
+            }
+        }
+    }
+
     fn event(
-        &self,
+        &mut self,
         text: String,
         token_ids: Vec<u32>,
         logprobs: Option<v1::PositionLogprobs>,
     ) -> v1::GenerateEvent {
+        let prompt_logprobs = self
+            .prompt_logprobs
+            .take()
+            .map(|slots| slots.into_iter().map(Option::unwrap_or_default).collect())
+            .unwrap_or_default();
         v1::GenerateEvent {
+            prompt_logprobs,
             request_id: self.request_id.clone(),
             text,
             token_ids,
@@ -260,6 +288,7 @@ impl RequestStream {
                     Some(
                         LinkEvent::Token(..)
                         | LinkEvent::Preempted
+                        | LinkEvent::PromptLogprobs { .. }
                         | LinkEvent::ExportStarted
                         | LinkEvent::Imported(_),
                     ) => {}

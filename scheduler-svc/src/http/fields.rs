@@ -61,6 +61,7 @@ const SERVED: &[&str] = &[
     "skip_special_tokens",
     "truncate_prompt_tokens",
     "bad_words",
+    "prompt_logprobs",
     // OpenAI's end-user id, for the provider's abuse monitoring: nothing to compute.
     "user",
 ];
@@ -96,7 +97,6 @@ fn inert(field: &str, value: &Value) -> Option<bool> {
         "function_call" => value == "none" || value == "auto",
         // Output shaping.
         "best_of" => value == 1,
-        "prompt_logprobs" => false,
         "spaces_between_special_tokens" => value == true,
         _ => return None,
     })
@@ -215,7 +215,6 @@ mod tests {
             json!({"function_call": {"name": "f"}}),
             json!({"suffix": "end"}),
             json!({"best_of": 2}),
-            json!({"prompt_logprobs": 1}),
             json!({"chat_template": "{{ messages }}"}),
             json!({"spaces_between_special_tokens": false}),
         ];

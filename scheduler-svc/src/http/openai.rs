@@ -106,6 +106,7 @@ struct Common {
     skip_special_tokens: Option<bool>,
     truncate_prompt_tokens: Option<i64>,
     bad_words: Option<Vec<String>>,
+    prompt_logprobs: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -441,6 +442,7 @@ fn generate_request(
             allowed_token_ids: c.allowed_token_ids.clone().unwrap_or_default(),
             // Tokenized by `run`, which has the tokenizer.
             bad_words: Vec::new(),
+            prompt_logprobs: c.prompt_logprobs,
         }),
         stopping: Some(v1::StoppingCriteria {
             max_tokens: c.max_completion_tokens.or(c.max_tokens).or(default_max).unwrap_or(0),
@@ -508,6 +510,9 @@ struct Shaper {
     tools: Option<ToolReader>,
     /// Every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
     continuous_usage: bool,
+    /// Completions with `echo` and `logprobs`: the prompt's first token, whose log-probability
+    /// (none) leads the echoed prompt's.
+    echo_first: Option<u32>,
 }
 
 /// A chat answer's tool calls, read as the text arrives.
@@ -560,8 +565,46 @@ impl Shaper {
         self.front.model().file.tokenizer.decode(&[id])
     }
 
-    /// Logprobs of one event, in the endpoint's shape.
+    /// vLLM's `prompt_logprobs`: `null` for the first prompt token, then for each next one
+    /// its own and the most likely tokens by id, with log-probability, rank (1 for the most
+    /// likely; the prompt token's only when it is among them) and text.
+    fn prompt_logprobs(&self, entries: &[v1::PositionLogprobs]) -> Value {
+        let entry = |p: &v1::PositionLogprobs| {
+            let mut map = serde_json::Map::new();
+            for (rank, t) in p.top.iter().enumerate() {
+                let v = json!({"logprob": t.logprob, "rank": rank + 1, "decoded_token": self.token_text(t.token_id)});
+                map.insert(t.token_id.to_string(), v);
+            }
+            if let Some(s) = p.sampled {
+                map.entry(s.token_id.to_string()).or_insert_with(|| {
+                    json!({"logprob": s.logprob, "rank": null, "decoded_token": self.token_text(s.token_id)})
+                });
+            }
+            Value::Object(map)
+        };
+        Value::Array(std::iter::once(Value::Null).chain(entries.iter().map(entry)).collect())
+    }
+
+    /// Logprobs of one event, in the endpoint's shape; on completions with `echo`, the
+    /// prompt's first (the first event's prompt log-probabilities then lead).
     fn logprobs(&self, ev: &v1::GenerateEvent) -> Value {
+        if let (Kind::Completion, Some(first), false) =
+            (self.kind, self.echo_first, ev.prompt_logprobs.is_empty())
+        {
+            let all: Vec<v1::PositionLogprobs> =
+                ev.prompt_logprobs.iter().chain(&ev.logprobs).cloned().collect();
+            let mut v = self.logprobs(&v1::GenerateEvent { logprobs: all, ..Default::default() });
+            // The prompt's first token has no log-probability.
+            if let Some(tokens) = v["tokens"].as_array_mut() {
+                tokens.insert(0, self.token_text(first).into());
+            }
+            for key in ["token_logprobs", "top_logprobs"] {
+                if let Some(list) = v[key].as_array_mut() {
+                    list.insert(0, Value::Null);
+                }
+            }
+            return v;
+        }
         if ev.logprobs.is_empty() {
             return Value::Null;
         }
@@ -588,9 +631,13 @@ impl Shaper {
             Kind::Completion => {
                 let text =
                     if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
+                let mut choice = json!({ "index": 0, "text": text, "logprobs": self.logprobs(ev), "finish_reason": finish });
+                if !ev.prompt_logprobs.is_empty() {
+                    choice["prompt_logprobs"] = self.prompt_logprobs(&ev.prompt_logprobs);
+                }
                 json!({
                     "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{ "index": 0, "text": text, "logprobs": self.logprobs(ev), "finish_reason": finish }],
+                    "choices": [choice],
                 })
             }
             Kind::Chat => {
@@ -614,6 +661,9 @@ impl Shaper {
                 })
             }
         };
+        if self.kind == Kind::Chat && !ev.prompt_logprobs.is_empty() {
+            chunk["prompt_logprobs"] = self.prompt_logprobs(&ev.prompt_logprobs);
+        }
         if self.continuous_usage {
             chunk["usage"] = usage_json(ev.usage);
         }
@@ -634,11 +684,18 @@ impl Shaper {
         let mut finish = last.and_then(|e| finish_reason(e.finish_reason()));
         let merged = v1::GenerateEvent {
             logprobs: events.iter().flat_map(|e| e.logprobs.clone()).collect(),
+            prompt_logprobs: events.iter().flat_map(|e| e.prompt_logprobs.clone()).collect(),
             ..Default::default()
         };
+        let prompt_logprobs = (!merged.prompt_logprobs.is_empty())
+            .then(|| self.prompt_logprobs(&merged.prompt_logprobs));
         let choice = match self.kind {
             Kind::Completion => {
-                json!({ "index": 0, "text": text, "logprobs": self.logprobs(&merged), "finish_reason": finish })
+                let mut choice = json!({ "index": 0, "text": text, "logprobs": self.logprobs(&merged), "finish_reason": finish });
+                if let Some(p) = &prompt_logprobs {
+                    choice["prompt_logprobs"] = p.clone();
+                }
+                choice
             }
             Kind::Chat => {
                 let mut message = json!({ "role": "assistant", "content": text });
@@ -663,16 +720,20 @@ impl Shaper {
             }
         };
         let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
-        json!({
+        let mut whole = json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
             "choices": [choice], "usage": usage_json(last.and_then(|e| e.usage)),
-        })
+        });
+        if let (Kind::Chat, Some(p)) = (self.kind, prompt_logprobs) {
+            whole["prompt_logprobs"] = p;
+        }
+        whole
     }
 }
 
 async fn run(
     front: GenerationService,
-    (kind, echo, tools): (Kind, String, Option<ToolReader>),
+    (kind, echo, tools, echo_first): (Kind, String, Option<ToolReader>, Option<u32>),
     common: &Common,
     req: v1::GenerateRequest,
     headers: &HeaderMap,
@@ -712,6 +773,7 @@ async fn run(
         echo,
         tools,
         continuous_usage,
+        echo_first,
     };
     if !common.stream {
         let mut events = Vec::new();
@@ -805,11 +867,11 @@ pub async fn completions(
     let default_max = u32::try_from(front.limits().max_output_tokens).unwrap_or(u32::MAX).min(16);
     let mut req = generate_request(&body.common, Some(default_max), body.logprobs)?;
     let echo = body.common.echo.unwrap_or(false);
-    if echo && body.logprobs.is_some() {
-        return Err(ApiError::bad_request(
-            "echo = true with logprobs is not supported: it needs the prompt's log-probabilities \
-             (prompt_logprobs), which Ferry does not compute yet",
-        ));
+    // With echo, logprobs cover the prompt too (as vLLM: its prompt_logprobs, as many).
+    let echo_logprobs = echo && body.logprobs.is_some();
+    if echo_logprobs {
+        let sampling = req.sampling.get_or_insert_with(Default::default);
+        sampling.prompt_logprobs = sampling.prompt_logprobs.max(body.logprobs);
     }
     // The prompt as text, for `echo`: as given, or its tokens decoded.
     let echoed = match (&body.prompt, echo) {
@@ -817,6 +879,12 @@ pub async fn completions(
         (PromptInput::Text(t), true) => t.clone(),
         (PromptInput::Texts(v), true) => v.concat(),
         (PromptInput::Tokens(ids), true) => front.model().file.tokenizer.decode(ids),
+    };
+    // The prompt's first token, which leads the echoed log-probabilities.
+    let echo_first = match &body.prompt {
+        _ if !echo_logprobs => None,
+        PromptInput::Tokens(ids) => ids.first().copied(),
+        _ => front.model().file.tokenizer.encode(&echoed).ok().and_then(|ids| ids.first().copied()),
     };
     req.input = Some(match body.prompt {
         PromptInput::Text(t) => v1::generate_request::Input::Prompt(t),
@@ -833,7 +901,7 @@ pub async fn completions(
             )))
         }
     });
-    run(front, (Kind::Completion, echoed, None), &body.common, req, &headers).await
+    run(front, (Kind::Completion, echoed, None, echo_first), &body.common, req, &headers).await
 }
 
 /// `POST /v1/chat/completions`.
@@ -936,7 +1004,7 @@ pub async fn chat_completions(
         template_kwargs_json,
     };
     req.input = Some(v1::generate_request::Input::Chat(input));
-    run(front, (Kind::Chat, echoed, reader), &body.common, req, &headers).await
+    run(front, (Kind::Chat, echoed, reader, None), &body.common, req, &headers).await
 }
 
 /// `GET /v1/models`.

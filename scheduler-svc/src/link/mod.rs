@@ -45,6 +45,14 @@ pub enum LinkEvent {
     Failed,
     /// The core preempted it (it will run again).
     Preempted,
+    /// Log-probabilities of prompt tokens (`prompt_logprobs`): entry i scores prompt token
+    /// `from + i`. A prompt computed again (after a preemption or a move) reports again.
+    PromptLogprobs {
+        /// The prompt position of the first entry.
+        from: usize,
+        /// The entries.
+        logprobs: Vec<v1::PositionLogprobs>,
+    },
     /// Its prompt is done here and its KV export starts (a prefill-only request); it finishes
     /// `Transferred` once the export is done, or with an error if it failed.
     ExportStarted,

@@ -320,6 +320,15 @@ impl StepLoop {
             .filter(|o| !o.logprobs.is_empty())
             .map(|o| (o.id, o.logprobs.iter()))
             .collect();
+        // So do the prompt's, before the tokens they precede.
+        for o in result.outputs.iter().filter(|o| !o.prompt_logprobs.is_empty()) {
+            if let Some(e) = self.entries.get(&RequestId(o.id)) {
+                let _ = e.events.send(LinkEvent::PromptLogprobs {
+                    from: o.prompt_logprobs_from as usize,
+                    logprobs: o.prompt_logprobs.clone(),
+                });
+            }
+        }
         let now = self.now();
         let mut events = std::mem::take(&mut self.events);
         events.clear();

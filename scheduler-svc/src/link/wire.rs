@@ -212,7 +212,8 @@ pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size:
         // Bad words: 5 bytes an id, and a sequence's two tags and lengths (6 bytes) at most
         // once an id.
         + 11 * ferry_model::sampling::MAX_BAD_WORD_TOKENS as u64
-        + 8;
+        + 8
+        + 6;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
     // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
     let per_request = 5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST + GRAMMAR;
@@ -260,6 +261,7 @@ mod tests {
                         v1::TokenSequence { ids: vec![u32::MAX] };
                         ferry_model::sampling::MAX_BAD_WORD_TOKENS
                     ],
+                    prompt_logprobs: Some(u32::MAX),
                 }),
                 block_ids: vec![u32::MAX; blocks],
                 num_computed_tokens: u32::MAX,

@@ -56,10 +56,9 @@ impl BatchPlan {
                 plan.positions.push((s.start + i) as u64);
                 plan.row_table.push(table_start);
             }
-            if s.wants_logits {
-                // `rows <= i32::MAX` was checked above, so the row index fits.
-                plan.logit_rows.push((plan.tokens.len() - 1) as u32);
-            }
+            // `rows <= i32::MAX` was checked above, so the row indices fit.
+            let end = plan.tokens.len();
+            plan.logit_rows.extend((end - s.logits.min(end)..end).map(|r| r as u32));
         }
         Ok(plan)
     }
@@ -78,11 +77,11 @@ mod tests {
     fn rows_follow_batch_order_with_their_positions_tables_and_logit_rows() {
         let batch = [
             // A prefill chunk continuing at position 5, sampling.
-            SeqSlice { tokens: &[7, 8, 9], start: 5, block_table: &[3, 1], wants_logits: true },
+            SeqSlice { tokens: &[7, 8, 9], start: 5, block_table: &[3, 1], logits: 1 },
             // A chunk that does not finish its prompt: no logits.
-            SeqSlice { tokens: &[4, 4], start: 0, block_table: &[0], wants_logits: false },
+            SeqSlice { tokens: &[4, 4], start: 0, block_table: &[0], logits: 0 },
             // A decode.
-            SeqSlice { tokens: &[2], start: 12, block_table: &[6, 2, 5, 4], wants_logits: true },
+            SeqSlice { tokens: &[2], start: 12, block_table: &[6, 2, 5, 4], logits: 1 },
         ];
         let plan = BatchPlan::new(&batch).unwrap();
         assert_eq!(plan.tokens, [7, 8, 9, 4, 4, 2]);
@@ -95,8 +94,7 @@ mod tests {
 
     #[test]
     fn a_batch_without_sampling_has_no_logit_rows() {
-        let batch =
-            [SeqSlice { tokens: &[1, 2], start: 0, block_table: &[0], wants_logits: false }];
+        let batch = [SeqSlice { tokens: &[1, 2], start: 0, block_table: &[0], logits: 0 }];
         let plan = BatchPlan::new(&batch).unwrap();
         assert!(plan.logit_rows.is_empty());
         assert_eq!(plan.rows(), 2);

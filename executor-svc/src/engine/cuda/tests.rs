@@ -148,13 +148,8 @@ fn on_a_gpu_mixed_batches_match_the_cpu_backend() {
     let steps: Vec<Vec<SeqSlice>> = vec![
         vec![
             // A: a whole 5-token prompt; B: the first chunk of its prompt (no logits).
-            SeqSlice {
-                tokens: &[1, 5, 9, 13, 17],
-                start: 0,
-                block_table: &table_a,
-                wants_logits: true,
-            },
-            SeqSlice { tokens: &[2, 4, 6], start: 0, block_table: &table_b, wants_logits: false },
+            SeqSlice { tokens: &[1, 5, 9, 13, 17], start: 0, block_table: &table_a, logits: 1 },
+            SeqSlice { tokens: &[2, 4, 6], start: 0, block_table: &table_b, logits: 0 },
         ],
         vec![
             // B's second chunk crosses a block boundary; A decodes; C is a 1-token prompt.
@@ -162,14 +157,14 @@ fn on_a_gpu_mixed_batches_match_the_cpu_backend() {
                 tokens: &[8, 10, 12, 14, 16, 18],
                 start: 3,
                 block_table: &table_b,
-                wants_logits: true,
+                logits: 1,
             },
-            SeqSlice { tokens: &[21], start: 5, block_table: &table_a, wants_logits: true },
-            SeqSlice { tokens: &[33], start: 0, block_table: &table_c, wants_logits: true },
+            SeqSlice { tokens: &[21], start: 5, block_table: &table_a, logits: 1 },
+            SeqSlice { tokens: &[33], start: 0, block_table: &table_c, logits: 1 },
         ],
         vec![
-            SeqSlice { tokens: &[40], start: 6, block_table: &table_a, wants_logits: true },
-            SeqSlice { tokens: &[41], start: 9, block_table: &table_b, wants_logits: true },
+            SeqSlice { tokens: &[40], start: 6, block_table: &table_a, logits: 1 },
+            SeqSlice { tokens: &[41], start: 9, block_table: &table_b, logits: 1 },
         ],
     ];
     for (i, batch) in steps.iter().enumerate() {
@@ -186,7 +181,7 @@ fn on_a_gpu_mixed_batches_match_the_cpu_backend() {
 fn on_a_gpu_bad_batches_are_refused_like_on_the_cpu() {
     let w = tiny_model();
     let Some(mut gpu) = gpu_backend(&w, 4, 8) else { return };
-    let out_of_range = [SeqSlice { tokens: &[1], start: 0, block_table: &[8], wants_logits: true }];
+    let out_of_range = [SeqSlice { tokens: &[1], start: 0, block_table: &[8], logits: 1 }];
     let cpu = CpuBackend::new(tiny_model(), 4, 8);
     assert_eq!(gpu.check(&out_of_range), cpu.check(&out_of_range));
     assert!(gpu.run(&out_of_range).is_err(), "run validates before touching the device");
@@ -210,8 +205,7 @@ fn on_a_gpu_the_real_model_greedy_decodes_like_the_cpu() {
     // CUDA: the greedy tokens were " Paris.\n\nThe answer" on both paths, and the logits
     // within 4% of the largest (the CPU's 8-bit activations), so 10% leaves room.
     for step in 0..6 {
-        let batch =
-            [SeqSlice { tokens: &toks[start..], start, block_table: &table, wants_logits: true }];
+        let batch = [SeqSlice { tokens: &toks[start..], start, block_table: &table, logits: 1 }];
         let g = logits(gpu.run(&batch).expect("gpu step"));
         let c = logits(cpu.run(&batch).expect("cpu step"));
         assert_close(&g, &c, 0.1, &format!("step {step}"));

@@ -97,6 +97,24 @@ impl Sampler {
         self.sample_adjusted(logits, params, &LogitAdjust::default(), prompt, output, position)
     }
 
+    /// The raw log-probability of `token` in `row` (the model's distribution: no mask, bias or
+    /// penalty, as vLLM's prompt log-probabilities) and the `top` most likely tokens, best
+    /// first.
+    pub fn score(&mut self, row: &mut [f32], token: u32, top: u32) -> (f32, Vec<(u32, f32)>) {
+        for l in row.iter_mut() {
+            *l = if l.is_nan() { f32::NEG_INFINITY } else { l.min(f32::MAX) };
+        }
+        let mut best = Vec::new();
+        top_n(row, top as usize, &mut self.keys, &mut best);
+        let log_z = log_sum_exp(row, &mut self.weights);
+        let logprob =
+            row.get(token as usize).map_or(f32::NEG_INFINITY, |l| (f64::from(*l) - log_z) as f32);
+        for entry in &mut best {
+            entry.1 = (f64::from(entry.1) - log_z) as f32;
+        }
+        (logprob, best)
+    }
+
     /// As [`Self::sample`], with `adjust` (logit biases, allowed tokens) applied to the logits
     /// after the raw log-probabilities are taken and before the penalties, as vLLM orders them.
     pub fn sample_adjusted(

@@ -442,7 +442,7 @@ fn validation_names_the_bad_parameter() {
     let too_many = SamplingParams { top_logprobs: MAX_TOP_LOGPROBS + 1, ..ok };
     assert_eq!(
         too_many.validate(),
-        Err(SamplingError::TooManyTopLogprobs { requested: 21, max: 20 })
+        Err(SamplingError::TooManyTopLogprobs { param: "top_logprobs", requested: 21, max: 20 })
     );
     let edges = SamplingParams { top_p: 1.0, min_p: 1.0, presence_penalty: -2.0, ..ok };
     assert_eq!(edges.validate(), Ok(()));

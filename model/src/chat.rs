@@ -327,6 +327,18 @@ pub enum ToolPiece {
     },
 }
 
+/// `pieces` with adjacent content joined, as a client joins streamed deltas.
+pub fn merged(pieces: Vec<ToolPiece>) -> Vec<ToolPiece> {
+    let mut out: Vec<ToolPiece> = Vec::with_capacity(pieces.len());
+    for piece in pieces {
+        match (out.last_mut(), piece) {
+            (Some(ToolPiece::Content(a)), ToolPiece::Content(b)) => a.push_str(&b),
+            (_, piece) => out.push(piece),
+        }
+    }
+    out
+}
+
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 
@@ -465,19 +477,7 @@ mod tests {
         let mut p = ToolCallParser::new(false);
         let mut out = p.push(text);
         out.extend(p.finish());
-        merge(out)
-    }
-
-    /// Adjacent content pieces joined, as a client joins streamed deltas.
-    fn merge(pieces: Vec<ToolPiece>) -> Vec<ToolPiece> {
-        let mut merged: Vec<ToolPiece> = Vec::new();
-        for piece in pieces {
-            match (merged.last_mut(), piece) {
-                (Some(ToolPiece::Content(a)), ToolPiece::Content(b)) => a.push_str(&b),
-                (_, piece) => merged.push(piece),
-            }
-        }
-        merged
+        merged(out)
     }
 
     /// The pieces of `text` fed one char at a time, merged as a client would.
@@ -488,7 +488,7 @@ mod tests {
             pieces.extend(p.push(&c.to_string()));
         }
         pieces.extend(p.finish());
-        merge(pieces)
+        merged(pieces)
     }
 
     fn call(name: &str, arguments: &str) -> ToolPiece {

@@ -183,6 +183,18 @@ pub(crate) fn json_defaults() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 
+/// `schema` (a JSON schema object) with whitespace between its tokens following `pattern` (a
+/// regular expression; vLLM's `guided_whitespace_pattern`) and bare `,` and `:` separators;
+/// the schema's own `x-guidance` options win, as they win over the defaults.
+pub fn with_whitespace_pattern(schema: &mut serde_json::Map<String, Value>, pattern: &str) {
+    let mut options =
+        json!({"whitespace_pattern": pattern, "item_separator": ",", "key_separator": ":"});
+    if let Some(own) = schema.get("x-guidance") {
+        llguidance::json_merge(&mut options, own);
+    }
+    schema.insert("x-guidance".into(), options);
+}
+
 /// The encoded size of `constraint`, checked against [`MAX_GRAMMAR_BYTES`].
 fn check_size(constraint: &v1::StructuredOutput) -> Result<(), GrammarError> {
     let len = prost::Message::encoded_len(constraint);

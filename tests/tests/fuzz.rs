@@ -483,18 +483,6 @@ fn answer_piece() -> impl Strategy<Value = String> {
     ]
 }
 
-fn merged(pieces: Vec<ferry_model::ToolPiece>) -> Vec<ferry_model::ToolPiece> {
-    use ferry_model::ToolPiece;
-    let mut out: Vec<ToolPiece> = Vec::new();
-    for piece in pieces {
-        match (out.last_mut(), piece) {
-            (Some(ToolPiece::Content(a)), ToolPiece::Content(b)) => a.push_str(&b),
-            (_, piece) => out.push(piece),
-        }
-    }
-    out
-}
-
 fn chat_message() -> impl Strategy<Value = serde_json::Value> {
     let role = proptest::sample::select(&["system", "user", "assistant", "tool", "other"][..]);
     let calls = prop_oneof![
@@ -548,7 +536,7 @@ fn fuzz_chats_and_tool_calls() {
         let mut whole = ToolCallParser::new(false);
         let mut all = whole.push(&text);
         all.extend(whole.finish());
-        let all = merged(all);
+        let all = ferry_model::chat::merged(all);
         // The same text in pieces, cut at char boundaries.
         let mut at: Vec<usize> = cuts
             .iter()
@@ -564,7 +552,7 @@ fn fuzz_chats_and_tool_calls() {
             from = cut;
         }
         split.extend(parser.finish());
-        prop_assert_eq!(&merged(split), &all, "{:?}", text);
+        prop_assert_eq!(&ferry_model::chat::merged(split), &all, "{:?}", text);
         for piece in &all {
             if let ToolPiece::Call { arguments, .. } = piece {
                 let v: serde_json::Value = serde_json::from_str(arguments)

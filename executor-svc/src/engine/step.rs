@@ -354,13 +354,15 @@ impl Engine {
         let mut failed = Vec::new();
         for p in &planned {
             let r = self.requests.get_mut(&p.id).expect("planned requests exist after apply_diff");
-            // This request's rows of logits: the prompt positions it scores, then its last.
-            let mut rows: Vec<Vec<f32>> = match logits.as_mut() {
-                Some(it) => it.by_ref().take(logit_rows(p, r)).collect(),
-                None => Vec::new(),
+            // This request's rows of logits: the prompt positions it scores (when asked), then
+            // its last when it samples.
+            let mut rows = logits.as_mut().map(|it| it.by_ref().take(logit_rows(p, r)));
+            let (prompt_logprobs, prompt_logprobs_from) = match rows.as_mut() {
+                Some(rows) => score_prompt(&mut self.sampler, r, p, rows),
+                None => (Vec::new(), 0),
             };
-            let (prompt_logprobs, prompt_logprobs_from) =
-                score_prompt(&mut self.sampler, r, p, &mut rows);
+            // The chunk's last row: the sampling row when it samples.
+            let mut row = rows.and_then(Iterator::last);
             r.computed = p.start + p.n;
             if r.computed != p.total {
                 if !prompt_logprobs.is_empty() {
@@ -376,7 +378,7 @@ impl Engine {
             let position = r.len() as u64;
             let (token, logprobs) = match logits.as_mut() {
                 Some(_) => {
-                    let row = rows.pop().expect("the backend returns a row per sampling request");
+                    let row = row.take().expect("the backend returns a row per sampling request");
                     match sample_row(&mut self.sampler, r, row, masks.remove(&p.id), position) {
                         Ok(sampled) => sampled,
                         Err(why) => {
@@ -441,11 +443,14 @@ impl Engine {
         let batch: Vec<SeqSlice> = planned
             .iter()
             .zip(&self.gathered)
-            .map(|(p, toks)| SeqSlice {
-                tokens: toks,
-                start: p.start,
-                block_table: &self.requests[&p.id].table,
-                logits: logit_rows(p, &self.requests[&p.id]),
+            .map(|(p, toks)| {
+                let r = &self.requests[&p.id];
+                SeqSlice {
+                    tokens: toks,
+                    start: p.start,
+                    block_table: &r.table,
+                    logits: logit_rows(p, r),
+                }
             })
             .collect();
         let backend = &mut self.backend;
@@ -938,29 +943,27 @@ fn logit_rows(p: &Planned, r: &ExecRequest) -> usize {
     }
 }
 
-/// The prompt log-probabilities planned `p` computes: the rows of its chunk that predict a
-/// prompt token, scored and taken out of `rows` (the last row stays when it samples); and the
-/// prompt position of the first. Empty unless asked.
+/// The prompt log-probabilities planned `p` computes: the first rows of its chunk, those
+/// that predict a prompt token, taken from `rows` and scored ([`logit_rows`] gave the whole
+/// chunk); and the prompt position of the first. Empty unless asked.
 fn score_prompt(
     sampler: &mut Sampler,
     r: &ExecRequest,
     p: &Planned,
-    rows: &mut Vec<Vec<f32>>,
+    rows: &mut impl Iterator<Item = Vec<f32>>,
 ) -> (Vec<v1::PositionLogprobs>, u32) {
     let Some(top) = r.sampling.prompt_logprobs else { return (Vec::new(), 0) };
-    if rows.len() != p.n || p.start + 1 >= r.prompt.len() {
+    if p.start + 1 >= r.prompt.len() {
         return (Vec::new(), 0);
     }
     // Row i (position start + i) predicts the token at start + i + 1.
     let scored = (p.start + p.n).min(r.prompt.len() - 1) - p.start;
-    let samples = p.start + p.n == p.total;
     let out = rows
-        .iter_mut()
         .take(scored)
         .enumerate()
-        .map(|(i, row)| {
+        .map(|(i, mut row)| {
             let token = r.prompt[p.start + i + 1];
-            let (logprob, best) = sampler.score(row, token, top);
+            let (logprob, best) = sampler.score(&mut row, token, top);
             v1::PositionLogprobs {
                 sampled: Some(v1::TokenLogprob { token_id: token, logprob }),
                 top: best
@@ -970,10 +973,6 @@ fn score_prompt(
             }
         })
         .collect();
-    // Only the sampling row (the chunk's last) is needed after this.
-    let last = if samples { rows.pop() } else { None };
-    rows.clear();
-    rows.extend(last);
     (out, (p.start + 1) as u32)
 }
 

@@ -352,32 +352,13 @@ fn with_whitespace(
             ))
         }
     };
-    let options =
-        json!({"whitespace_pattern": pattern, "item_separator": ",", "key_separator": ":"});
-    match &mut schema {
-        Value::Object(o) => {
-            let mut merged = options;
-            if let Some(own) = o.get("x-guidance") {
-                llguidance_merge(&mut merged, own);
-            }
-            o.insert("x-guidance".into(), merged);
-        }
-        _ => {
-            return Err(ApiError::bad_request(
-                "guided_whitespace_pattern needs a JSON schema that is an object",
-            ))
-        }
-    }
+    let Value::Object(object) = &mut schema else {
+        return Err(ApiError::bad_request(
+            "guided_whitespace_pattern needs a JSON schema that is an object",
+        ));
+    };
+    ferry_model::structured::with_whitespace_pattern(object, pattern);
     Ok(Kind::JsonSchema(schema.to_string()))
-}
-
-/// `own`'s keys over `base`'s (one level: the options are flat).
-fn llguidance_merge(base: &mut Value, own: &Value) {
-    if let (Value::Object(b), Value::Object(o)) = (base, own) {
-        for (k, v) in o {
-            b.insert(k.clone(), v.clone());
-        }
-    }
 }
 
 /// OpenAI's `logit_bias`: token ids (as JSON object keys) to a bias; the range is checked when
@@ -627,10 +608,9 @@ impl Shaper {
 
     fn chunk(&mut self, ev: &v1::GenerateEvent, first: bool) -> Value {
         let mut finish = finish_reason(ev.finish_reason());
+        let text = if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
         let mut chunk = match self.kind {
             Kind::Completion => {
-                let text =
-                    if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
                 let mut choice = json!({ "index": 0, "text": text, "logprobs": self.logprobs(ev), "finish_reason": finish });
                 if !ev.prompt_logprobs.is_empty() {
                     choice["prompt_logprobs"] = self.prompt_logprobs(&ev.prompt_logprobs);
@@ -641,8 +621,6 @@ impl Shaper {
                 })
             }
             Kind::Chat => {
-                let text =
-                    if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
                 let mut delta = json!({ "content": text });
                 if let Some(reader) = &mut self.tools {
                     let (content, calls) = reader.read(&text, finish.is_some());

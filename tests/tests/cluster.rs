@@ -1,7 +1,7 @@
 //! Coordination through a real etcd (issues 6 and 17): registration, discovery and removal when
 //! a lease lapses; executors killed under load lose no request; etcd down for three lease TTLs,
 //! or raft's leader of a three-member etcd killed, in mid-load, stalls no stream and moves none;
-//! a standby takes over from a killed, revoked or drained leader.
+//! a standby takes over from a killed, revoked, drained or paused leader.
 
 use std::time::{Duration, Instant};
 
@@ -667,7 +667,7 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     drop(s0);
     let s0 = start_scheduler_with(&etcd, "s0", "2", &["--failover-timeout", "3600"]);
     wait_ready(&s0, &[&exec]).await;
-    let _s1 = start_scheduler_as(&etcd, "s1");
+    let s1 = start_scheduler_as(&etcd, "s1");
     let candidates = || etcd.keys("/ferry/default/scheduler/").unwrap().len() == 2;
     assert!(wait_for(Duration::from_secs(10), candidates).await.is_some(), "s1 never campaigned");
     let lease = leader_lease(&etcd);
@@ -680,4 +680,17 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     assert_eq!(moved, STREAMS as u64, "every stream was on the deposed leader and moved");
     assert_eq!(session_owner(&exec).await.0, "s1");
     assert_eq!(metric(s0.addr("http"), "ferry_scheduler_leader{"), 0.0, "s0 was deposed");
+
+    // Paused (SIGSTOP): s1 cannot notice anything, its lease lapses and s0 (which campaigned
+    // again) is elected while s1 still holds the front's streams open. The front moves them when
+    // the election names s0, not when s1 resumes: s1 stays stopped until every stream is done.
+    assert!(wait_for(Duration::from_secs(10), candidates).await.is_some(), "s0 never campaigned");
+    let paused = s1.pid();
+    let pause = || signal(paused, "STOP").unwrap();
+    let survived = streams_survive(&front, &undisturbed, "through a front, leader paused", pause);
+    let moved = tokio::time::timeout(Duration::from_mins(2), survived).await;
+    signal(paused, "CONT").unwrap();
+    let moved = moved.expect("the streams waited for the paused leader to resume");
+    assert_eq!(moved, STREAMS as u64, "every stream was on the paused leader and moved");
+    assert_eq!(session_owner(&exec).await.0, "s0", "s0 leads after s1's lease lapsed");
 }

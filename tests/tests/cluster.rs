@@ -356,8 +356,9 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
         assert!(o.arrived.last().is_some_and(|t| *t > up), "stream {i} ended within the outage");
     }
     // No stream paused: a stream that waited for etcd would have a gap of most of the outage
-    // (three TTLs); every gap during it is shorter than one TTL. (Not compared with the gaps
-    // before the outage: on two cores shared with other tests, step times vary that much.)
+    // (three TTLs); no gap during it is longer than twice the longest before it, nor than one
+    // TTL. (This test has the machine's two cores to itself, `.config/nextest.toml`: next to
+    // other tests' processes, step times vary more than that.)
     let gaps = |from: Instant, to: Instant| {
         outcomes
             .iter()
@@ -370,7 +371,8 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     let started = outcomes.iter().filter_map(|o| o.arrived.first()).min().copied().unwrap();
     let (before, during) = (gaps(started, down), gaps(down, up));
     eprintln!("etcd down {:?}: longest gap before {before:?}, during {during:?}", up - down);
-    assert!(during < TTL, "a stream stalled: {during:?} during, {before:?} before");
+    assert!(during <= before * 2, "a stream stalled: {during:?} during, {before:?} before");
+    assert!(during < TTL, "a stream stalled: {during:?} during the outage");
     // The leader never stepped down: same leadership, same epoch, and no request moved.
     assert_eq!(metric("ferry_requests_moved") - moved_before, 0.0, "requests moved");
     assert_eq!(metric("ferry_scheduler_leader{"), 1.0);

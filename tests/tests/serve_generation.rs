@@ -292,6 +292,19 @@ fn serve_speaks_the_openai_http_api() {
         ),
         ("/v1/completions", &br#"{"prompt":"hi","n":3}"#[..], 400, "only n = 1"),
         ("/v1/completions", &br#"{"prompt":"hi","max_tokens":0}"#[..], 400, "at least 1"),
+        // A value of the wrong kind names its field and the kind expected.
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","max_tokens":-3}"#[..],
+            400,
+            "max_tokens: invalid value: integer `-3`, expected a non-negative integer",
+        ),
+        (
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi"}],"top_p":"high"}"#[..],
+            400,
+            "top_p: invalid type: string",
+        ),
         ("/v1/completions", &br#"{"prompt":""}"#[..], 400, "empty"),
         ("/v1/completions", &br#"{"prompt":"hi","temperature":-2}"#[..], 400, "temperature"),
         // Fields Ferry does not implement: refused by name, never served as if absent.

@@ -195,7 +195,62 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes, endpoint: Endpoint) -> Re
         return Err(ApiError::bad_request("invalid request body: expected a JSON object"));
     };
     fields::check(fields, endpoint)?;
-    serde_json::from_value(value).map_err(invalid)
+    serde_path_to_error::deserialize(&value).map_err(|e| {
+        let at = e.path().to_string();
+        let at = if at == "." { common_field(&value) } else { Some(at) };
+        let why = plain_types(&e.into_inner().to_string());
+        ApiError::bad_request(match at {
+            Some(at) => format!("invalid request body: {at}: {why}"),
+            None => format!("invalid request body: {why}"),
+        })
+    })
+}
+
+/// Where in `body` the sampling fields every endpoint shares ([`Common`], flattened into each
+/// body, which loses the deserializer's path) are wrong: read alone, they have their path.
+fn common_field(body: &Value) -> Option<String> {
+    let wrong = serde_path_to_error::deserialize::<_, Common>(body).err()?;
+    let at = wrong.path().to_string();
+    (at != ".").then_some(at)
+}
+
+/// A deserializer's message in the API's words: the kind of value expected, not its Rust type
+/// ("invalid value: integer `-3`, expected u32" says "expected a non-negative integer").
+fn plain_types(message: &str) -> String {
+    const KINDS: [(&str, &str); 10] = [
+        ("u8", "a non-negative integer"),
+        ("u16", "a non-negative integer"),
+        ("u32", "a non-negative integer"),
+        ("u64", "a non-negative integer"),
+        ("usize", "a non-negative integer"),
+        ("i32", "an integer"),
+        ("i64", "an integer"),
+        ("isize", "an integer"),
+        ("f32", "a number"),
+        ("f64", "a number"),
+    ];
+    const UNTAGGED: [(&str, &str); 3] = [
+        ("OneOrMany", "expected a string or a list of strings"),
+        ("PromptInput", "expected a string, a list of strings or a list of token ids"),
+        ("Content", "expected a string or a list of content parts"),
+    ];
+    for (name, api) in UNTAGGED {
+        if message == format!("data did not match any variant of untagged enum {name}") {
+            return api.to_string();
+        }
+    }
+    let mut out = message.to_string();
+    for (rust, api) in KINDS {
+        let (from, to) = (format!("expected {rust}"), format!("expected {api}"));
+        if let Some(at) = out.find(&from) {
+            let end = at + from.len();
+            let whole = !out[end..].starts_with(|c: char| c.is_ascii_alphanumeric());
+            if whole {
+                out.replace_range(at..end, &to);
+            }
+        }
+    }
+    out
 }
 
 /// vLLM's checks of the sampling values (the same messages), which OpenAI clients rely on.
@@ -1013,6 +1068,35 @@ mod tests {
         let parsed = chat_body(extra)?;
         generate_request(&parsed.common, None, None).map_err(|e| e.message().to_string())?;
         Ok(())
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_kind_names_its_field_and_the_kind_expected() {
+        for (extra, want) in [
+            (
+                json!({"max_tokens": -3}),
+                "max_tokens: invalid value: integer `-3`, expected a non-negative integer",
+            ),
+            (json!({"top_p": "high"}), "top_p: invalid type: string \"high\", expected a number"),
+            (
+                json!({"seed": 1.5}),
+                "seed: invalid type: floating point `1.5`, expected a non-negative integer",
+            ),
+            (json!({"stop": [1]}), "stop: expected a string or a list of strings"),
+            (json!({"stream": "yes"}), "stream: invalid type: string \"yes\", expected a boolean"),
+            // Two wrong: the first in the body is named.
+            (json!({"top_p": "high", "max_tokens": -3}), "invalid request body: top_p: "),
+        ] {
+            let err = chat_body(&extra).err().unwrap_or_else(|| panic!("{extra} parsed"));
+            assert!(err.contains(want), "{extra}: {err}");
+        }
+        let bad_content = json!({"messages": [{"role": "user", "content": 5}]});
+        let err =
+            parse::<ChatBody>(&Bytes::from(bad_content.to_string()), Endpoint::Chat).err().unwrap();
+        assert_eq!(
+            err.message(),
+            "invalid request body: messages[0].content: expected a string or a list of content parts"
+        );
     }
 
     #[test]

@@ -284,6 +284,9 @@ fn serve_speaks_the_openai_http_api() {
             "maximum length of",
         ),
         ("/v1/completions", &b"{not json"[..], 400, "invalid request body"),
+        // A route not served: OpenAI's error shape, naming what is.
+        ("/v1/embeddings", &br#"{"input":"hi"}"#[..], 404, "POST /v1/embeddings is not served"),
+        ("/v1/models", &b"{}"[..], 405, "POST is not allowed on /v1/models"),
         (
             "/v1/chat/completions",
             &br#"{"model":"gpt-4","messages":[{"role":"user","content":"hi"}]}"#[..],

@@ -124,7 +124,29 @@ pub fn router(
     if front.keys().is_some_and(|k| k.guard_health_and_metrics) {
         open = open.route_layer(middleware::from_fn_with_state(front, require_key));
     }
-    api.merge(open)
+    api.merge(open).fallback(not_served).method_not_allowed_fallback(not_allowed)
+}
+
+/// The routes this API serves, for the answer to any other.
+const ROUTES: &str = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, \
+                      GET /health and GET /metrics";
+
+/// A 404 in OpenAI's shape (an OpenAI client shows its message) for a route not served.
+async fn not_served(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("{method} {} is not served here; this API serves {ROUTES}", uri.path()),
+        retry_after: None,
+    }
+}
+
+/// A 405 in OpenAI's shape for a served route asked with another method.
+async fn not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{method} is not allowed on {}; this API serves {ROUTES}", uri.path()),
+        retry_after: None,
+    }
 }
 
 /// Lets a request through only with a valid API key (when keys are configured): 401 in

@@ -208,6 +208,17 @@ impl Fault {
         }
     }
 
+    /// Whether it hits the streams in flight (the others hit the cluster's coordination).
+    fn hits_streams(self) -> bool {
+        matches!(
+            self,
+            Fault::KillExecutor(_)
+                | Fault::KillScheduler { leader: true }
+                | Fault::PauseExecutor(_)
+                | Fault::PauseLeader
+        )
+    }
+
     fn label(self) -> &'static str {
         match self {
             Fault::KillExecutor(_) => "kill -9 executor",
@@ -616,12 +627,22 @@ async fn main() -> Result<()> {
     };
 
     // Faults, one at a time, on a thread of their own (they sleep and start processes).
+    let in_flight = {
+        let streams = streams.clone();
+        move || streams.lock().expect("not poisoned").iter().any(|(_, t)| !t.is_finished())
+    };
     let (faults, cluster) = tokio::task::spawn_blocking(move || {
         let mut counts: HashMap<&'static str, usize> = HashMap::new();
         let mut rng = Rng(args.seed ^ 0xfa017);
         while started.elapsed() + Duration::from_secs(6) < duration {
             std::thread::sleep(rng.exp(args.fault_every));
             let fault = Fault::draw(&mut rng, cluster.nodes.len());
+            // Aimed at the load: a fault that hits streams waits (up to 10 s) for one in
+            // flight, so that it tests something (at 1 request/s, the cluster is often idle).
+            let aim = Instant::now() + Duration::from_secs(10);
+            while fault.hits_streams() && !in_flight() && Instant::now() < aim {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             eprintln!("ferry-chaos: {:>5.1} s  {}", started.elapsed().as_secs_f64(), fault.label());
             if let Err(e) = fault.run(&mut cluster, &mut rng) {
                 eprintln!(

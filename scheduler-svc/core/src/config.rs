@@ -72,6 +72,67 @@ pub struct SchedulerConfig {
     /// when the request that computed them finishes; 0 turns the write path off. Needs prefix
     /// caching (blocks are named by their hashes).
     pub kv_tier_store_blocks_per_step: usize,
+    /// Speculative decoding: `None` (the default) decodes one token per step.
+    pub speculative: Option<SpeculativeConfig>,
+}
+
+/// Speculative decoding by prompt lookup (vLLM's `ngram` method): a request whose last tokens
+/// occurred earlier in its prompt or output proposes the tokens that followed them there, and
+/// one step verifies the proposal ([`crate::WorkKey::Verify`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SpeculativeConfig {
+    /// Draft tokens proposed per step at most (vLLM's `num_speculative_tokens`),
+    /// `1..=`[`MAX_SPECULATIVE_TOKENS`].
+    pub num_speculative_tokens: usize,
+    /// Longest n-gram looked up (vLLM's `prompt_lookup_max`).
+    pub prompt_lookup_max: usize,
+    /// Shortest n-gram looked up (vLLM's `prompt_lookup_min`), at least 1.
+    pub prompt_lookup_min: usize,
+}
+
+/// Most draft tokens one verification may carry.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+/// Longest n-gram a lookup may use (the lookup's cost grows with it).
+pub const MAX_PROMPT_LOOKUP: usize = 64;
+
+impl SpeculativeConfig {
+    /// vLLM's n-gram defaults with `num_speculative_tokens` drafts (lookup of 4 down to 2).
+    #[must_use]
+    pub fn ngram(num_speculative_tokens: usize) -> Self {
+        SpeculativeConfig { num_speculative_tokens, prompt_lookup_max: 4, prompt_lookup_min: 2 }
+    }
+
+    /// Checks the ranges (see the fields).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Speculative`] naming the field and its limit.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |reason: String| Err(ConfigError::Speculative(reason));
+        if !(1..=MAX_SPECULATIVE_TOKENS).contains(&self.num_speculative_tokens) {
+            return bad(format!(
+                "num_speculative_tokens must be 1..={MAX_SPECULATIVE_TOKENS}, got {}",
+                self.num_speculative_tokens
+            ));
+        }
+        if self.prompt_lookup_min == 0 {
+            return bad("prompt_lookup_min must be at least 1".into());
+        }
+        if self.prompt_lookup_max < self.prompt_lookup_min {
+            return bad(format!(
+                "prompt_lookup_max ({}) must be >= prompt_lookup_min ({})",
+                self.prompt_lookup_max, self.prompt_lookup_min
+            ));
+        }
+        if self.prompt_lookup_max > MAX_PROMPT_LOOKUP {
+            return bad(format!(
+                "prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got {}",
+                self.prompt_lookup_max
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Upper bound for [`SchedulerConfig::max_steps_in_flight`]: more than a few steps in flight
@@ -97,6 +158,7 @@ impl Default for SchedulerConfig {
             enable_prefix_caching: true,
             max_steps_in_flight: 1,
             kv_tier_store_blocks_per_step: 0,
+            speculative: None,
         }
     }
 }
@@ -129,6 +191,9 @@ pub enum ConfigError {
         /// Largest accepted value.
         max: usize,
     },
+    /// The speculative decoding settings are out of range.
+    #[error("speculative config: {0}")]
+    Speculative(String),
     /// A block count or block size so large that block ids would not fit in 32 bits.
     #[error("num_blocks ({0}) does not fit in a 32-bit block id")]
     TooManyBlocks(usize),
@@ -173,6 +238,9 @@ impl SchedulerConfig {
                 got: self.max_steps_in_flight,
                 max: MAX_STEPS_IN_FLIGHT,
             });
+        }
+        if let Some(spec) = &self.speculative {
+            spec.validate()?;
         }
         if self.num_blocks >= u32::MAX as usize {
             return Err(ConfigError::TooManyBlocks(self.num_blocks));

@@ -147,6 +147,21 @@ pub enum ApplyError {
         /// Request.
         id: RequestId,
     },
+    /// More tokens for a verification than its draft allows (the draft tokens it accepted and
+    /// one more), or for other work more than one.
+    #[error(
+        "{step}: request {id} returned {got} tokens, at most {most} (its draft tokens and one)"
+    )]
+    TooManyTokens {
+        /// Step.
+        step: StepId,
+        /// Request.
+        id: RequestId,
+        /// Tokens in the result.
+        got: usize,
+        /// At most.
+        most: usize,
+    },
     /// Requests scheduled to sample that have no token in the result.
     #[error("{step}: {missing} sampled tokens missing")]
     MissingTokens {

@@ -65,6 +65,8 @@ mod scheduler;
 #[forbid(unsafe_code)]
 mod slots;
 #[forbid(unsafe_code)]
+mod spec;
+#[forbid(unsafe_code)]
 mod types;
 #[forbid(unsafe_code)]
 mod waiting;
@@ -73,7 +75,8 @@ mod work_queues;
 
 pub use block_hash::{extend_block_hashes, hash_block, BlockHash};
 pub use config::{
-    ConfigError, PreemptionMode, PreemptionPolicy, SchedulerConfig, MAX_STEPS_IN_FLIGHT,
+    ConfigError, PreemptionMode, PreemptionPolicy, SchedulerConfig, SpeculativeConfig,
+    MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, MAX_STEPS_IN_FLIGHT,
 };
 pub use error::{AbortError, AddError, ApplyError, ScheduleError};
 pub use outcome::{

@@ -71,8 +71,12 @@ pub struct ScheduledWork {
     pub work: WorkKey,
     /// Tokens to compute.
     pub num_tokens: usize,
-    /// The executor must return one sampled token for it (decode, or the last prompt chunk).
+    /// The executor must return a sampled token for it (decode, verify, or the last prompt
+    /// chunk): one, or for a verify one plus each draft token it accepted.
     pub samples_token: bool,
+    /// `Verify` only: the draft tokens (in [`StepPlan::tokens`]), `num_tokens - 1` of them,
+    /// which follow the request's last token. Empty for other work.
+    pub draft: Span,
 }
 
 /// A KV transfer operation the executor performs with its local KV agent.
@@ -153,6 +157,12 @@ impl StepPlan {
     #[must_use]
     pub fn tokens_of(&self, span: Span) -> &[TokenId] {
         &self.tokens[span.range()]
+    }
+
+    /// The draft tokens of scheduled work (empty unless it is a `Verify`).
+    #[must_use]
+    pub fn draft_of(&self, work: &ScheduledWork) -> &[TokenId] {
+        self.tokens_of(work.draft)
     }
 
     /// Block hashes of a span.

@@ -112,6 +112,10 @@ pub struct NewRequest {
     /// recomputed) and go to the executor as output, so seeded sampling and penalties continue
     /// exactly where they stopped. At most `max_tokens - 1` of them.
     pub output: Vec<TokenId>,
+    /// May decode speculatively when the scheduler's config enables it (the service leaves it
+    /// off for requests whose sampling cannot verify several positions at once, such as a
+    /// structured output's grammar).
+    pub speculate: bool,
 }
 
 impl NewRequest {
@@ -138,6 +142,7 @@ impl NewRequest {
             kv_import: None,
             kv_export: None,
             output: Vec::new(),
+            speculate: false,
         }
     }
 }
@@ -314,6 +319,8 @@ pub(crate) struct Request {
     pub(crate) prefill_only: bool,
     pub(crate) has_slot: bool,
     pub(crate) finish_reported: bool,
+    /// May propose draft tokens ([`NewRequest::speculate`]).
+    pub(crate) speculate: bool,
     // --- line 1: lifecycle and stop rules (apply); block table and executor diff (schedule) ---
     pub(crate) block_table: Vec<BlockId>,
     pub(crate) status: RequestStatus,
@@ -368,6 +375,8 @@ pub(crate) struct RequestCold {
     pub(crate) import_tokens: usize,
     pub(crate) times: RequestTimes,
     pub(crate) prefix_hit_tokens: usize,
+    /// Draft tokens of its pending `Verify` work (empty otherwise).
+    pub(crate) draft: Vec<TokenId>,
 }
 
 impl Request {
@@ -388,6 +397,7 @@ impl Request {
             stop_filter,
             ignore_eos: req.ignore_eos,
             prefill_only: req.kv_export.is_some(),
+            speculate: req.speculate && req.kv_export.is_none(),
             status: RequestStatus::Waiting,
             num_computed: 0,
             placeholders: 0,
@@ -419,6 +429,7 @@ impl Request {
                 import_tokens: 0,
                 times: RequestTimes { arrival: req.arrival, ..RequestTimes::default() },
                 prefix_hit_tokens: 0,
+                draft: Vec::new(),
             }),
         }
     }

@@ -19,8 +19,9 @@ pub enum WorkKey {
     PromptChunk,
     /// One new token.
     Decode,
-    /// Verification of speculative tokens. Reserved: nothing enqueues it yet; the queue exists
-    /// so speculative decoding can be added without changing the step protocol.
+    /// A decode that also verifies draft tokens: the step computes the last token and each
+    /// draft token, and the executor returns the tokens it accepted plus the one it sampled
+    /// after them.
     Verify,
 }
 

@@ -4,8 +4,9 @@
 //! simulated executor as `workloads.rs` runs them, checking every invariant after every schedule
 //! and apply, the protocol, fence safety, and that everything drains with nothing held.
 //!
-//! The run asserts its coverage (preemption, KV import, KV export, abort and pipelined steps
-//! each occur in a minimum share of the cases), and a planted failure shows that shrinking
+//! The run asserts its coverage (preemption, KV import, KV export, abort, pipelined steps,
+//! refusal and a speculative verification that accepts some drafts and rejects others each
+//! occur in a minimum share of the cases), and a planted failure shows that shrinking
 //! works: "no request is ever preempted", false for many generated cases, shrinks to a case of
 //! at most five requests (of up to 39 generated).
 
@@ -82,6 +83,9 @@ struct Shape {
     tier_store: usize,
     prefixes: [Vec<u32>; 3],
     opts: (u64, u64, u64, u64, u64, u64, u64),
+    /// Speculative decoding (draft tokens, shortest n-gram, longer n-grams) for every request,
+    /// and how often the simulated executor echoes the prompt.
+    spec: (Option<(usize, usize, usize)>, u64),
     requests: Vec<Sketch>,
 }
 
@@ -121,8 +125,12 @@ fn shape() -> impl Strategy<Value = Shape> {
             any::<u64>(),
         ),
         prop::collection::vec(sketch(), 1..40),
+        (
+            prop::option::weighted(0.5, (1usize..7, 1usize..3, 0usize..3)),
+            prop::sample::select(vec![0u64, 50, 90]),
+        ),
     )
-        .prop_map(|(a, b, prefixes, opts, requests)| Shape {
+        .prop_map(|(a, b, prefixes, opts, requests, spec)| Shape {
             block_size: a.0,
             max_num_seqs: a.1,
             extra_budget: a.2,
@@ -140,6 +148,7 @@ fn shape() -> impl Strategy<Value = Shape> {
             tier_store: b.6,
             prefixes,
             opts,
+            spec,
             requests,
         })
 }
@@ -176,6 +185,7 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         req.min_tokens = r.min_tokens_permille.map_or(0, |m| share(0, max_tokens, m));
         req.priority = r.priority;
         req.cache_salt = r.salt;
+        req.speculate = true;
         match r.kv {
             (1, p) if s.max_kv_fetches > 0 && prompt_len >= 2 => {
                 let num_tokens = share(1, prompt_len - 1, p);
@@ -212,6 +222,11 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         enable_prefix_caching: s.prefix_caching,
         max_steps_in_flight: s.steps_in_flight,
         kv_tier_store_blocks_per_step: s.tier_store,
+        speculative: s.spec.0.map(|(k, min, longer)| SpeculativeConfig {
+            num_speculative_tokens: k,
+            prompt_lookup_min: min,
+            prompt_lookup_max: min + longer,
+        }),
     };
     let (eos_pct, abort_pct, kv_fail_pct, kv_delay, pipeline_pct, reuse_pct, seed) = s.opts;
     let opts = SimOpts {
@@ -222,6 +237,7 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         pipeline_pct,
         reuse_pct,
         refuse_pct: [0, 2, 5][(seed % 3) as usize],
+        echo_pct: s.spec.1,
         max_steps: 20_000,
         seed,
     };
@@ -247,11 +263,11 @@ fn cases() -> u32 {
 /// The least share of cases (percent) in which each event occurs: preemption, KV import,
 /// KV export, abort, pipelined steps. About half of what the strategy gives (see the test's
 /// output), so a change that stops exercising one of them fails here.
-const MIN_SHARE_PCT: [u64; 6] = [20, 35, 45, 20, 15, 15];
+const MIN_SHARE_PCT: [u64; 7] = [20, 35, 45, 20, 15, 15, 12];
 
 #[test]
 fn generated_workloads_keep_invariants_and_drain_and_shrink_any_failure() {
-    let seen: [AtomicU64; 6] = Default::default();
+    let seen: [AtomicU64; 7] = Default::default();
     let mut runner = runner(cases());
     let result = runner.run(&shape(), |s| {
         let (cfg, arrivals, opts) = build(&s);

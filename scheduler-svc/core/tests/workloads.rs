@@ -5,8 +5,8 @@
 //! fence safety (no block written for one request while an in-flight step writes it for
 //! another; with prefix caching too); every workload must drain within a bound with nothing
 //! held at the end. The run asserts its own coverage: each of preemption, KV import, KV export,
-//! abort, pipelined steps and an executor's refusal occurs in a minimum share of the seeds
-//! (`MIN_SHARE_PCT`).
+//! abort, pipelined steps, an executor's refusal and a speculative verification that accepts
+//! some drafts and rejects others occurs in a minimum share of the seeds (`MIN_SHARE_PCT`).
 //!
 //! A failing seed is printed; add it to `REGRESSION_SEEDS` so it is replayed on every run.
 
@@ -30,7 +30,7 @@ const REGRESSION_SEEDS: &[u64] = &[
 /// KV export, abort, pipelined steps (two steps in flight). About half of what the generator
 /// gives over the default 2000 seeds (see the test's output), so the bound has room for
 /// generator changes yet catches an event that stops happening.
-const MIN_SHARE_PCT: [u64; 6] = [24, 32, 35, 22, 10, 20];
+const MIN_SHARE_PCT: [u64; 7] = [24, 32, 35, 22, 10, 20, 14];
 
 /// Number of random seeds per run (on top of the regressions). `FERRY_CORE_SEEDS` overrides.
 fn num_seeds() -> u64 {
@@ -90,6 +90,19 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         }
         arrivals.push(Arrival { step: rng.range(0, spread) as u64, req });
     }
+    // Speculation from a stream of its own, so the other draws (and the regression seeds) stay.
+    let mut spec_rng = Rng::new(seed ^ 0x5350_4543);
+    let speculative = spec_rng.pct(50).then(|| {
+        let min = spec_rng.range(1, 2);
+        SpeculativeConfig {
+            num_speculative_tokens: spec_rng.range(1, 6),
+            prompt_lookup_min: min,
+            prompt_lookup_max: min + spec_rng.range(0, 2),
+        }
+    });
+    for a in &mut arrivals {
+        a.req.speculate = spec_rng.pct(80);
+    }
     let num_blocks = match rng.range(0, 2) {
         0 => largest,
         1 => largest + rng.range(0, largest),
@@ -112,6 +125,7 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         max_steps_in_flight: rng.range(1, 2),
         // From a stream of its own, so the other draws (and the regression seeds) stay.
         kv_tier_store_blocks_per_step: Rng::new(seed ^ 0x5449_4552).pick(&[0, 1, 4]),
+        speculative,
     };
     let opts = SimOpts {
         eos_pct: rng.pick(&[0, 5, 20]),
@@ -122,6 +136,7 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         reuse_pct: rng.pick(&[0, 10]),
         // From a stream of its own, so the other draws (and the regression seeds) stay.
         refuse_pct: Rng::new(seed ^ 0x5245_4655).pick(&[0, 2, 5]),
+        echo_pct: spec_rng.pick(&[0, 50, 90]),
         max_steps: 20_000,
         seed,
     };
@@ -145,7 +160,7 @@ fn random_workloads_keep_invariants_and_drain() {
         std::env::var("FERRY_CORE_SEED_BASE").ok().and_then(|s| s.parse().ok()).unwrap_or(0u64);
     let mut totals = [0u64; 9];
     // Seeds in which each event occurred at least once: the coverage asserted below.
-    let mut seeds_with = [0u64; 6];
+    let mut seeds_with = [0u64; 7];
     let mut slowest = (0u64, 0u64);
     for seed in base..base + num_seeds() {
         match run_seed(seed) {
@@ -225,6 +240,7 @@ fn priority_chunked_preemption_livelock_regression_drains() {
                         enable_prefix_caching: true,
                         max_steps_in_flight: in_flight,
                         kv_tier_store_blocks_per_step: 0,
+                        speculative: None,
                     };
                     let mut step = 0;
                     let arrivals: Vec<Arrival> = (0..10)

@@ -9,12 +9,12 @@
 //! KV reports resolve, and requests that can retire do.
 
 use crate::error::ApplyError;
-use crate::outcome::{RequestEvent, StepOutcome};
+use crate::outcome::{RequestEvent, SampledToken, StepOutcome};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, RequestStatus, TransferState};
 use crate::types::{RequestId, Timestamp, TransferId};
 
-use super::inflight::RecordEntry;
+use super::inflight::{RecordEntry, StepRecord};
 use super::Scheduler;
 
 impl Scheduler {
@@ -49,29 +49,37 @@ impl Scheduler {
             }
         }
         if !in_plan_order {
-            for s in &outcome.sampled {
-                let idx = self.requests.index_of(s.id).expect("validated: id is live");
-                self.requests[idx].placeholders -= 1;
-                self.append_token(idx, s.id, s.token, now, events);
+            let drafts = drafts_by_id(&record.entries);
+            for group in outcome.sampled.chunk_by(|a, b| a.id == b.id) {
+                let id = group[0].id;
+                let idx = self.requests.index_of(id).expect("validated: id is live");
+                let n = drafts.get(&id).copied().unwrap_or(0);
+                self.apply_sampled(idx, id, group, n, now, events);
             }
         }
         // One pass over the step's requests. Each still holds this step's reference until its
         // turn, so nothing above retired it.
-        let mut sampled = outcome.sampled.iter();
+        let mut next = 0;
         for k in 0..record.entries.len() {
             self.prefetch_for_apply(&record.entries, k);
-            let RecordEntry { idx, id, samples } = record.entries[k];
+            let RecordEntry { idx, id, samples, drafts } = record.entries[k];
             if !in_plan_order && samples && outcome.refused.contains(&id) {
                 self.requests[idx].placeholders -= 1; // refused: no token comes
             }
             if in_plan_order && samples {
-                // The usual case: tokens in plan order, so the record names each slot.
-                let s = sampled.next().expect("validated: one token per sampling entry");
-                self.requests[idx].placeholders -= 1;
-                self.append_token(idx, id, s.token, now, events);
+                // The usual case: tokens in plan order, so the record names each slot (a
+                // verification's one to 1 + drafts tokens in a row).
+                let len = group_len(&outcome.sampled[next..], id, drafts);
+                debug_assert!(len > 0, "validated: tokens for each sampling entry");
+                let group = &outcome.sampled[next..next + len];
+                next += len;
+                self.apply_sampled(idx, id, group, drafts, now, events);
             }
             self.requests[idx].inflight_refs -= 1;
             self.requeue(idx);
+            if samples {
+                self.retry_proposal(idx);
+            }
             self.try_retire(idx);
         }
         self.steps.recycle(record);
@@ -142,10 +150,14 @@ impl Scheduler {
             }
         }
         let record = self.steps.oldest().expect("checked above");
-        if outcome.refused.is_empty() && outcome.sampled.len() == record.samples {
-            let sampling = record.entries.iter().filter(|e| e.samples);
-            let in_order = sampling.zip(&outcome.sampled).all(|(e, s)| e.id == s.id);
-            if in_order {
+        if outcome.refused.is_empty() {
+            if record.verifies == 0 && outcome.sampled.len() == record.samples {
+                let sampling = record.entries.iter().filter(|e| e.samples);
+                let in_order = sampling.zip(&outcome.sampled).all(|(e, s)| e.id == s.id);
+                if in_order {
+                    return Ok(true);
+                }
+            } else if record.verifies > 0 && grouped_in_plan_order(record, &outcome.sampled) {
                 return Ok(true);
             }
         }
@@ -159,26 +171,69 @@ impl Scheduler {
             self.requests[e.idx].cold.outcome_mark = expected;
             want += 1;
         }
-        for s in &outcome.sampled {
-            let Some(idx) = self.requests.index_of(s.id) else {
-                return Err(ApplyError::UnexpectedToken { step, id: s.id });
+        // A request's tokens come in a row: one, or for a verification up to 1 + drafts.
+        let drafts = drafts_by_id(&record.entries);
+        let mut groups = 0usize;
+        for group in outcome.sampled.chunk_by(|a, b| a.id == b.id) {
+            let id = group[0].id;
+            let Some(idx) = self.requests.index_of(id) else {
+                return Err(ApplyError::UnexpectedToken { step, id });
             };
             let r = &mut self.requests[idx];
             if r.cold.outcome_mark == seen {
-                return Err(ApplyError::DuplicateToken { step, id: s.id });
+                return Err(ApplyError::DuplicateToken { step, id });
             }
             if r.cold.outcome_mark != expected {
-                return Err(ApplyError::UnexpectedToken { step, id: s.id });
+                return Err(ApplyError::UnexpectedToken { step, id });
+            }
+            let most = 1 + usize::from(drafts.get(&id).copied().unwrap_or(0));
+            if group.len() > most {
+                if most == 1 {
+                    return Err(ApplyError::DuplicateToken { step, id });
+                }
+                return Err(ApplyError::TooManyTokens { step, id, got: group.len(), most });
             }
             r.cold.outcome_mark = seen;
+            groups += 1;
         }
-        if outcome.sampled.len() != want {
-            return Err(ApplyError::MissingTokens {
-                step,
-                missing: want.saturating_sub(outcome.sampled.len()),
-            });
+        if groups != want {
+            return Err(ApplyError::MissingTokens { step, missing: want.saturating_sub(groups) });
         }
         Ok(false)
+    }
+
+    /// Apply the tokens live request `idx` (named `id`) sampled in one step: one, or for a
+    /// verification of `drafts` draft tokens the ones it accepted and the one after them. A
+    /// stop among them drops the rest. The rejected drafts' KV slots are free to be written
+    /// again: its computed tokens go back to its known tokens but the last (the blocks stay,
+    /// as in vLLM: the next tokens are written to them).
+    fn apply_sampled(
+        &mut self,
+        idx: u32,
+        id: RequestId,
+        tokens: &[SampledToken],
+        drafts: u16,
+        now: Timestamp,
+        events: &mut Vec<RequestEvent>,
+    ) {
+        self.requests[idx].placeholders -= 1;
+        for s in tokens {
+            self.append_token(idx, id, s.token, now, events);
+        }
+        if drafts > 0 {
+            let accepted = tokens.len() - 1;
+            let c = &mut self.counters;
+            c.spec_drafts += 1;
+            c.spec_draft_tokens += u64::from(drafts);
+            c.spec_accepted_tokens += accepted as u64;
+            for n in &mut c.spec_accepted_per_position[..accepted] {
+                *n += 1;
+            }
+            let r = &mut self.requests[idx];
+            if !r.status.is_finished() {
+                r.num_computed = r.num_computed.min(r.num_tokens() - 1);
+            }
+        }
     }
 
     /// Append a sampled token to live request `idx` (named `id`, passed in so that applying a
@@ -305,4 +360,29 @@ impl Scheduler {
             self.sync_holder(idx);
         }
     }
+}
+
+/// How many of `sampled`'s leading tokens belong to `id`, at most `1 + drafts`.
+fn group_len(sampled: &[SampledToken], id: RequestId, drafts: u16) -> usize {
+    let most = 1 + usize::from(drafts);
+    sampled.iter().take(most).take_while(|s| s.id == id).count()
+}
+
+/// True if `sampled` holds, in plan order, one to `1 + drafts` tokens for each sampling entry
+/// of `record` and nothing else.
+fn grouped_in_plan_order(record: &StepRecord, sampled: &[SampledToken]) -> bool {
+    let mut next = 0;
+    for e in record.entries.iter().filter(|e| e.samples) {
+        let len = group_len(&sampled[next..], e.id, e.drafts);
+        if len == 0 {
+            return false;
+        }
+        next += len;
+    }
+    next == sampled.len()
+}
+
+/// The draft counts of a step's verifications, by request (for a result out of plan order).
+fn drafts_by_id(entries: &[RecordEntry]) -> rustc_hash::FxHashMap<RequestId, u16> {
+    entries.iter().filter(|e| e.drafts > 0).map(|e| (e.id, e.drafts)).collect()
 }

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use crate::block_hash::BlockHash;
 use crate::plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan};
 use crate::types::{BlockId, RequestId, StepId, TokenId, TransferId};
+use crate::work_queues::WorkKey;
 
 use super::inflight::{RecordEntry, StepRecord};
 
@@ -145,8 +146,10 @@ impl StepDraft {
     pub(crate) fn add_work(&mut self, idx: u32, work: ScheduledWork, followup: bool) {
         let record = self.record.as_mut().expect("work is added while a step is being built");
         let samples = work.samples_token;
-        record.entries.push(RecordEntry { idx, id: work.id, samples });
+        let drafts = u16::try_from(work.draft.len).expect("at most MAX_SPECULATIVE_TOKENS drafts");
+        record.entries.push(RecordEntry { idx, id: work.id, samples, drafts });
         record.samples += usize::from(samples);
+        record.verifies += usize::from(drafts > 0);
         if followup {
             self.followups.push(idx);
         }
@@ -161,6 +164,7 @@ impl StepDraft {
         self.plan.scheduled[pos as usize].num_tokens = 0;
         let record = self.record.as_mut().expect("rollback happens while a step is being built");
         record.samples -= usize::from(work.samples_token);
+        record.verifies -= usize::from(work.draft.len > 0);
         self.budget += work.num_tokens;
         work
     }
@@ -175,6 +179,11 @@ impl StepDraft {
     pub(crate) fn recycle_followups(&mut self, mut followups: Vec<u32>) {
         followups.clear();
         self.followups = followups;
+    }
+
+    /// Copy a verification's draft tokens into the plan.
+    pub(crate) fn push_draft(&mut self, draft: &[TokenId]) -> Span {
+        self.plan.push_tokens(&[draft])
     }
 
     /// A request the executor sees for the first time, with its whole table.
@@ -254,7 +263,7 @@ impl StepDraft {
             block_hashes,
             num_tokens,
         });
-        self.kv_entries.push(RecordEntry { idx, id, samples: false });
+        self.kv_entries.push(RecordEntry { idx, id, samples: false, drafts: 0 });
     }
 
     /// The export op of request `idx`: send `blocks` (`num_tokens` tokens' KV; hashes of the
@@ -277,7 +286,7 @@ impl StepDraft {
             block_hashes,
             num_tokens,
         });
-        self.kv_entries.push(RecordEntry { idx, id, samples: false });
+        self.kv_entries.push(RecordEntry { idx, id, samples: false, drafts: 0 });
     }
 
     /// The KV-tier op: copy `blocks` (full, named by `hashes`) to the node's agent.
@@ -338,6 +347,18 @@ impl StepDraft {
         }
         if plan.scheduled.iter().any(|w| w.num_tokens == 0) {
             return Err("a rolled-back entry was left in the plan".into());
+        }
+        for w in &plan.scheduled {
+            let is_verify = w.work == WorkKey::Verify;
+            if is_verify != (w.draft.len > 0)
+                || (is_verify && (w.num_tokens != 1 + w.draft.len as usize || !w.samples_token))
+            {
+                return Err(format!(
+                    "{}: {:?} work of {} tokens with {} draft tokens (a verify computes its last \
+                     token and each draft token, and samples)",
+                    w.id, w.work, w.num_tokens, w.draft.len
+                ));
+            }
         }
         let mut ids: Vec<_> = plan.scheduled.iter().map(|w| w.id).collect();
         ids.sort_unstable();

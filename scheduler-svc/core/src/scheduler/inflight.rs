@@ -31,6 +31,9 @@ pub(crate) struct RecordEntry {
     pub(crate) id: RequestId,
     /// The step samples a token for it.
     pub(crate) samples: bool,
+    /// Draft tokens its `Verify` work carries (0 for other work): the result brings one to
+    /// `1 + drafts` tokens for it.
+    pub(crate) drafts: u16,
 }
 
 /// One built step whose result has not been applied yet.
@@ -40,8 +43,11 @@ pub(crate) struct StepRecord {
     /// Every request the step references: first its scheduled work, in plan order (parallel
     /// to `StepPlan::scheduled`), then the requests with a KV op.
     pub(crate) entries: Vec<RecordEntry>,
-    /// Entries that sample a token (the number of tokens the result must carry).
+    /// Entries that sample a token (the number of tokens the result must carry, plus up to
+    /// one per draft token of a verification).
     pub(crate) samples: usize,
+    /// Entries that verify draft tokens.
+    pub(crate) verifies: usize,
 }
 
 impl StepRecord {
@@ -49,6 +55,7 @@ impl StepRecord {
     pub(crate) fn recycle(&mut self) {
         self.entries.clear();
         self.samples = 0;
+        self.verifies = 0;
     }
 }
 
@@ -156,6 +163,13 @@ impl InflightSteps {
                 return Err(format!(
                     "{} counts {} samples, {sampling} entries",
                     r.step_id, r.samples
+                ));
+            }
+            let verifying = r.entries.iter().filter(|e| e.drafts > 0).count();
+            if verifying != r.verifies || r.entries.iter().any(|e| e.drafts > 0 && !e.samples) {
+                return Err(format!(
+                    "{} counts {} verifications, {verifying} entries (each must sample)",
+                    r.step_id, r.verifies
                 ));
             }
         }

@@ -126,7 +126,12 @@ impl Scheduler {
         let n = self.pool.num_blocks();
         let mut holds = vec![0u32; n];
         let bs = self.cfg.block_size;
-        for (_, r) in self.requests.iter() {
+        // Draft tokens of verifications in flight: computed (scheduled) but not known yet.
+        let mut drafts: FxHashMap<u32, usize> = FxHashMap::default();
+        for e in self.steps.iter().flat_map(|s| &s.entries).filter(|e| e.drafts > 0) {
+            *drafts.entry(e.idx).or_default() += usize::from(e.drafts);
+        }
+        for (idx, r) in self.requests.iter() {
             for b in &r.block_table {
                 holds[b.index()] += 1;
             }
@@ -141,8 +146,20 @@ impl Scheduler {
                     ),
                 );
             }
-            if r.num_computed > r.num_tokens() + r.placeholders {
-                return fail(6, format!("{} computed past its tokens", r.id));
+            let in_flight = drafts.get(&idx).copied().unwrap_or(0);
+            if r.num_computed > r.num_tokens() + r.placeholders + in_flight {
+                return fail(
+                    6,
+                    format!(
+                        "{} computed past its tokens ({} computed, {} known, {} samples and {} \
+                         draft tokens in flight)",
+                        r.id,
+                        r.num_computed,
+                        r.num_tokens(),
+                        r.placeholders,
+                        in_flight
+                    ),
+                );
             }
         }
         for (step, b) in self.fences.iter() {

@@ -76,6 +76,10 @@ struct Counters {
     generation_tokens: u64,
     steps: u64,
     finished: u64,
+    spec_drafts: u64,
+    spec_draft_tokens: u64,
+    spec_accepted_tokens: u64,
+    spec_accepted_per_position: [u64; crate::config::MAX_SPECULATIVE_TOKENS],
 }
 
 /// The scheduling core of one executor. Synchronous, owns all its state, takes time as input.

@@ -13,7 +13,7 @@
 //! step; blocks are allocated before tokens are counted as computed.
 
 use crate::error::ScheduleError;
-use crate::plan::{ScheduledWork, StepPlan};
+use crate::plan::{ScheduledWork, Span, StepPlan};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, RequestStatus, StepMark, TransferState};
 use crate::types::Timestamp;
@@ -40,6 +40,7 @@ impl Scheduler {
 
         self.report_finished();
         self.schedule_running(WorkKey::Decode, now);
+        self.schedule_running(WorkKey::Verify, now);
         self.schedule_running(WorkKey::Prompt, now);
         self.schedule_running(WorkKey::PromptChunk, now);
         if self.draft.admits() {
@@ -89,14 +90,55 @@ impl Scheduler {
         }
     }
 
-    /// Queue the next work of an `Active` request that has none pending.
+    /// Queue the next work of an `Active` request that has none pending: a decode becomes a
+    /// `Verify` when the request has a draft proposal.
     pub(super) fn requeue(&mut self, idx: u32) {
         if self.requests[idx].status != RequestStatus::Active || self.work.pending(idx).is_some() {
             return;
         }
         if let Some(key) = self.next_work(idx) {
+            let key =
+                if key == WorkKey::Decode && self.propose(idx) { WorkKey::Verify } else { key };
             self.work.enqueue(key, idx);
         }
+    }
+
+    /// A request whose pending decode was queued while a sample of it was in flight (so it
+    /// could not propose then) verifies a draft instead, if it has one now.
+    pub(super) fn retry_proposal(&mut self, idx: u32) {
+        if self.cfg.speculative.is_some()
+            && self.requests[idx].speculate
+            && self.work.pending(idx) == Some(WorkKey::Decode)
+            && self.propose(idx)
+        {
+            self.work.remove(idx);
+            self.work.enqueue(WorkKey::Verify, idx);
+        }
+    }
+
+    /// Propose draft tokens for decode-ready `idx` into its `draft` (see `spec`); true if it
+    /// has some. Only a request whose every token is known (no sample in flight) proposes: a
+    /// proposal continues the last token, and the draft must leave room for the token the
+    /// verification samples after it (`max_tokens`, the model's length).
+    fn propose(&mut self, idx: u32) -> bool {
+        let Some(spec) = self.cfg.speculative else { return false };
+        let r = &mut self.requests[idx];
+        if !r.speculate || r.placeholders > 0 {
+            return false;
+        }
+        r.cold.draft.clear();
+        let room = (r.max_tokens as usize)
+            .saturating_sub(r.output.len() + 1)
+            .min(self.cfg.max_model_len.saturating_sub(r.num_tokens() + 1))
+            .min(spec.num_speculative_tokens);
+        crate::spec::propose_ngram(
+            &r.prompt,
+            &r.output,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+            room,
+            &mut r.cold.draft,
+        ) > 0
     }
 
     /// Tokens a request gets for `key` work within the remaining budget (0: not this step).
@@ -104,7 +146,9 @@ impl Scheduler {
         let remaining = self.requests[idx].remaining();
         let budget = self.draft.budget();
         match key {
-            WorkKey::Decode | WorkKey::Verify => remaining.min(1).min(budget),
+            WorkKey::Decode => remaining.min(1).min(budget),
+            // The last token and each draft token, as far as the budget goes.
+            WorkKey::Verify => (remaining + self.requests[idx].cold.draft.len()).min(budget),
             WorkKey::Prompt if remaining > budget => 0,
             WorkKey::Prompt => remaining,
             WorkKey::PromptChunk => remaining.min(self.cfg.chunk_cap()).min(budget),
@@ -126,6 +170,19 @@ impl Scheduler {
                 self.work.enqueue(key, idx);
                 continue;
             }
+            // A verification the budget cut short carries fewer draft tokens; cut to none, it
+            // is a decode.
+            let key = if key == WorkKey::Verify {
+                let draft = &mut self.requests[idx].cold.draft;
+                draft.truncate(n - 1);
+                if draft.is_empty() {
+                    WorkKey::Decode
+                } else {
+                    WorkKey::Verify
+                }
+            } else {
+                key
+            };
             let need = {
                 let r = &self.requests[idx];
                 self.cfg.blocks_for(r.num_computed + n).saturating_sub(r.block_table.len())
@@ -165,7 +222,10 @@ impl Scheduler {
         r.new_blocks_this_step =
             u32::try_from(r.block_table.len() - table_before).expect("at most num_blocks");
         r.num_computed += n;
-        let samples = r.num_computed == r.num_tokens() + r.placeholders;
+        // A verification computes past the known tokens (its draft) and always samples.
+        let drafts = if key == WorkKey::Verify { n - 1 } else { 0 };
+        let samples = r.num_computed == r.num_tokens() + r.placeholders + drafts;
+        debug_assert!(samples || key != WorkKey::Verify, "a verify continues the last token");
         if samples {
             r.placeholders += 1;
         }
@@ -178,7 +238,14 @@ impl Scheduler {
             || r.exec.needs_resume
             || r.block_table.len() > r.exec.sent_blocks as usize
             || (caching && r.num_computed.min(r.num_tokens()) / bs > r.registered());
-        let work = ScheduledWork { id: r.id, work: key, num_tokens: n, samples_token: samples };
+        let draft = if drafts > 0 {
+            debug_assert_eq!(r.cold.draft.len(), drafts, "schedule_running cut the draft to n - 1");
+            self.draft.push_draft(&r.cold.draft)
+        } else {
+            Span::default()
+        };
+        let work =
+            ScheduledWork { id: r.id, work: key, num_tokens: n, samples_token: samples, draft };
         self.draft.add_work(idx, work, followup);
         if key.is_prompt() {
             self.counters.prompt_tokens += n as u64;

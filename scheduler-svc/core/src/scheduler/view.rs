@@ -47,6 +47,15 @@ pub struct SchedulerStats {
     pub steps_in_flight: usize,
     /// Requests finished (any reason).
     pub requests_finished: u64,
+    /// Verifications applied (vLLM `vllm:spec_decode_num_drafts_total`).
+    pub spec_drafts: u64,
+    /// Draft tokens they carried (vLLM `vllm:spec_decode_num_draft_tokens_total`).
+    pub spec_draft_tokens: u64,
+    /// Draft tokens accepted (vLLM `vllm:spec_decode_num_accepted_tokens_total`).
+    pub spec_accepted_tokens: u64,
+    /// Verifications that accepted the draft token at each position, from the first (vLLM
+    /// `vllm:spec_decode_num_accepted_tokens_per_pos`).
+    pub spec_accepted_per_position: [u64; crate::config::MAX_SPECULATIVE_TOKENS],
 }
 
 /// One request, as the admin listing shows it.
@@ -100,6 +109,10 @@ impl Scheduler {
             steps: c.steps,
             steps_in_flight: self.steps.len(),
             requests_finished: c.finished,
+            spec_drafts: c.spec_drafts,
+            spec_draft_tokens: c.spec_draft_tokens,
+            spec_accepted_tokens: c.spec_accepted_tokens,
+            spec_accepted_per_position: c.spec_accepted_per_position,
         }
     }
 

@@ -67,6 +67,10 @@ pub struct SimOpts {
     /// Percent chance per step that the executor refuses one of the step's requests (it then
     /// samples nothing for it in that step or any later one).
     pub refuse_pct: u64,
+    /// Percent chance a sampled token repeats the prompt (the token at the same position
+    /// modulo the prompt's length), so outputs quote their prompts and n-gram drafts are
+    /// sometimes right.
+    pub echo_pct: u64,
     /// Give up (livelock) after this many steps.
     pub max_steps: u64,
     pub seed: u64,
@@ -82,6 +86,7 @@ impl Default for SimOpts {
             pipeline_pct: 70,
             reuse_pct: 0,
             refuse_pct: 0,
+            echo_pct: 0,
             max_steps: 20_000,
             seed: 0,
         }
@@ -103,15 +108,26 @@ pub struct Report {
     pub tier_stored: u64,
     /// Live requests the executor refused (each finished with an error at once).
     pub refused: u64,
+    /// Verifications, their draft tokens and the draft tokens accepted.
+    pub spec_drafts: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted: u64,
 }
 
 /// The events whose coverage the property tests assert, in [`Report::events`]' order.
-pub const EVENTS: [&str; 6] =
-    ["preemption", "KV import", "KV export", "abort", "pipelined steps", "refusal"];
+pub const EVENTS: [&str; 7] = [
+    "preemption",
+    "KV import",
+    "KV export",
+    "abort",
+    "pipelined steps",
+    "refusal",
+    "verification accepting some drafts and rejecting others",
+];
 
 impl Report {
     /// Which of [`EVENTS`] happened in this run.
-    pub fn events(&self) -> [bool; 6] {
+    pub fn events(&self) -> [bool; 7] {
         [
             self.preemptions > 0,
             self.imports > 0,
@@ -119,6 +135,7 @@ impl Report {
             self.finished.values().any(|&f| f == FinishReason::Abort),
             self.max_in_flight_seen > 1,
             self.refused > 0,
+            self.spec_accepted > 0 && self.spec_accepted < self.spec_draft_tokens,
         ]
     }
 }
@@ -126,7 +143,7 @@ impl Report {
 /// Asserts that each of [`EVENTS`] happened in at least `min_pct` percent of `runs` runs
 /// (`seen`: in how many it did), so a generator that stops exercising one fails instead of
 /// passing vacuously.
-pub fn assert_coverage(seen: [u64; 6], runs: u64, min_pct: [u64; 6], unit: &str) {
+pub fn assert_coverage(seen: [u64; 7], runs: u64, min_pct: [u64; 7], unit: &str) {
     for ((name, n), min_pct) in EVENTS.iter().zip(seen).zip(min_pct) {
         eprintln!("{name}: {n} of {runs} {unit}");
         assert!(
@@ -136,12 +153,15 @@ pub fn assert_coverage(seen: [u64; 6], runs: u64, min_pct: [u64; 6], unit: &str)
     }
 }
 
-/// The token the simulated executor samples: deterministic in (seed, id, position); EOS (0)
-/// with probability `eos_pct`.
-fn sample(seed: u64, id: RequestId, pos: usize, eos_pct: u64) -> u32 {
+/// The token the simulated executor samples at output position `pos`: deterministic in
+/// (seed, id, position, prompt); EOS (0) with probability `eos_pct`, else the prompt's token
+/// at `pos` modulo its length with probability `echo_pct`, else a random one.
+fn sample(seed: u64, id: RequestId, pos: usize, prompt: &[u32], opts: &SimOpts) -> u32 {
     let mut r = Rng::new(seed ^ id.0.wrapping_mul(0x100_0193) ^ ((pos as u64) << 40));
-    if r.pct(eos_pct) {
+    if r.pct(opts.eos_pct) {
         0
+    } else if !prompt.is_empty() && r.pct(opts.echo_pct) {
+        prompt[pos % prompt.len()]
     } else {
         r.range(1, 40) as u32
     }
@@ -327,10 +347,24 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             for w in plan.scheduled.iter().filter(|w| w.samples_token && !refused.contains(&w.id)) {
                 let pos =
                     outputs.get(&w.id).copied().unwrap_or(0) + pending_samples(&pending, w.id);
-                outcome.sampled.push(SampledToken {
-                    id: w.id,
-                    token: sample(opts.seed, w.id, pos, opts.eos_pct),
-                });
+                let prompt = &sequences[&w.id].0;
+                // A verification returns what decoding would, one token at a time, as long as
+                // each is the draft's next: the accepted drafts and the token after them.
+                let draft = plan.draft_of(w);
+                for j in 0..=draft.len() {
+                    let token = sample(opts.seed, w.id, pos + j, prompt, opts);
+                    outcome.sampled.push(SampledToken { id: w.id, token });
+                    if draft.get(j) != Some(&token) {
+                        break;
+                    }
+                }
+                if !draft.is_empty() {
+                    let accepted = outcome.sampled.iter().filter(|s| s.id == w.id).count() - 1;
+                    report.spec_drafts += 1;
+                    report.spec_draft_tokens += draft.len() as u64;
+                    report.spec_accepted += accepted as u64;
+                    exec.rejected(w.id, draft.len() - accepted);
+                }
             }
             for op in &plan.kv_ops {
                 let tid = match *op {
@@ -394,7 +428,7 @@ fn block_content_hash(
     let len = (index + 1) * block_size;
     let mut tokens = prompt.clone();
     tokens.extend(
-        (0..len.saturating_sub(prompt.len())).map(|k| sample(opts.seed, owner, k, opts.eos_pct)),
+        (0..len.saturating_sub(prompt.len())).map(|k| sample(opts.seed, owner, k, prompt, opts)),
     );
     tokens.truncate(len);
     let mut hashes = Vec::new();
@@ -518,6 +552,14 @@ impl ExecutorModel {
     fn on_apply(&mut self) {
         self.writes.pop_front();
     }
+
+    /// A verification of `id` rejected `n` draft tokens: the executor computes from the first
+    /// of them again.
+    fn rejected(&mut self, id: RequestId, n: usize) {
+        if let Some((_, computed)) = self.tables.get_mut(&id) {
+            *computed -= n;
+        }
+    }
 }
 
 fn pending_samples(pending: &VecDeque<StepOutcome>, id: RequestId) -> usize {
@@ -562,6 +604,7 @@ pub fn small_cfg() -> SchedulerConfig {
         enable_prefix_caching: true,
         max_steps_in_flight: 1,
         kv_tier_store_blocks_per_step: 0,
+        speculative: None,
     }
 }
 

@@ -1,7 +1,8 @@
 //! Ferry's benchmarks, out of the services: `ferry-bench core` measures the scheduling core's
 //! cost per step; `ferry-bench serve` loads any OpenAI-compatible server (or, with
 //! `--in-process`, the core and the CPU engine with no service around them, the baseline for
-//! the service path's cost); `ferry-bench kv` moves KV blocks between agents against plain TCP.
+//! the service path's cost); `ferry-bench kv` moves KV blocks between agents against plain TCP;
+//! `ferry-bench spec` compares speculative decoding on and off.
 //! The model's own forward is `ferry-executor bench`.
 //!
 //! Its [`http`] client is also the one the integration tests use.
@@ -10,3 +11,4 @@ pub mod core;
 pub mod http;
 pub mod kv;
 pub mod loadgen;
+pub mod spec;

@@ -18,6 +18,9 @@ enum Command {
     Serve(Box<ferry_bench::loadgen::LoadArgs>),
     /// KV block transfer between agents, against plain TCP on loopback.
     Kv(ferry_bench::kv::KvBenchArgs),
+    /// Speculative decoding on against off (in process, greedy), on a workload that repeats
+    /// its input and one that does not.
+    Spec(ferry_bench::spec::SpecBenchArgs),
 }
 
 #[tokio::main]
@@ -25,6 +28,9 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Core(args) => ferry_bench::core::run(&args),
         Command::Kv(args) => ferry_bench::kv::run(&args).await.map(|_| ()),
+        Command::Spec(args) => {
+            tokio::task::spawn_blocking(move || ferry_bench::spec::run(&args)).await?
+        }
         Command::Serve(args) => {
             let report = ferry_bench::loadgen::run(*args).await?;
             ferry_bench::loadgen::print(&report);

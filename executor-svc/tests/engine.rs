@@ -30,11 +30,19 @@ fn engine() -> Engine {
     )
 }
 
-/// A minimal driver: one step at a time, blocks handed out in order, prefill in chunks.
+/// Draft tokens for a decode-ready request (its id, tokens so far, prompt length); empty for
+/// a plain decode.
+type Drafter = Box<dyn FnMut(u64, &[u32], usize) -> Vec<u32>>;
+
+/// A minimal driver: one step at a time, blocks handed out in order, prefill in chunks, and
+/// verifications of `drafter`'s draft tokens when it has one.
 struct Driver {
     engine: Engine,
     next_block: u32,
     step_id: u64,
+    drafter: Option<Drafter>,
+    /// Verifications run and the draft tokens they accepted.
+    verified: (usize, usize),
 }
 
 struct Req {
@@ -51,7 +59,7 @@ struct Req {
 
 impl Driver {
     fn new(engine: Engine, first_block: u32) -> Self {
-        Self { engine, next_block: first_block, step_id: 0 }
+        Self { engine, next_block: first_block, step_id: 0, drafter: None, verified: (0, 0) }
     }
 
     /// Runs until every request has `out` generated tokens; prefill chunk `chunk`.
@@ -76,10 +84,14 @@ impl Driver {
                 if r.tokens.len() - r.prompt_len >= out {
                     continue;
                 }
+                let draft = match self.drafter.as_mut() {
+                    Some(f) if r.computed >= r.prompt_len => f(r.id, &r.tokens, r.prompt_len),
+                    _ => Vec::new(),
+                };
                 let n = if r.computed < r.prompt_len {
                     (r.tokens.len() - r.computed).min(chunk)
                 } else {
-                    1
+                    1 + draft.len()
                 };
                 let mut new_blocks = Vec::new();
                 while (r.table.len() as u32) * BS < (r.computed + n) as u32 {
@@ -106,7 +118,9 @@ impl Driver {
                         num_computed_tokens: 0,
                     });
                 }
-                let key = if r.computed >= r.prompt_len {
+                let key = if !draft.is_empty() {
+                    v1::WorkKey::Verify
+                } else if r.computed >= r.prompt_len {
                     v1::WorkKey::Decode
                 } else {
                     v1::WorkKey::PromptChunk
@@ -115,7 +129,7 @@ impl Driver {
                     id: r.id,
                     key: key.into(),
                     num_tokens: n as u32,
-                    draft_token_ids: vec![],
+                    draft_token_ids: draft,
                 });
                 step.total_num_tokens += n as u32;
                 r.computed += n;
@@ -138,6 +152,23 @@ impl Driver {
             assert!(result.outputs.iter().all(|o| reqs.iter().any(|r| r.id == o.id)));
             for o in result.outputs {
                 let r = reqs.iter_mut().find(|r| r.id == o.id).unwrap();
+                let work = step.work.iter().find(|w| w.id == o.id).unwrap();
+                if work.key == v1::WorkKey::Verify as i32 {
+                    let k = work.draft_token_ids.len();
+                    assert!(
+                        (1..=k + 1).contains(&o.token_ids.len()),
+                        "{} tokens",
+                        o.token_ids.len()
+                    );
+                    assert_eq!(
+                        o.token_ids[..o.token_ids.len() - 1],
+                        work.draft_token_ids[..o.token_ids.len() - 1]
+                    );
+                    self.verified.0 += 1;
+                    self.verified.1 += o.token_ids.len() - 1;
+                    // The rejected drafts' KV is stale: the next step starts at the last token.
+                    r.computed = r.tokens.len() + o.token_ids.len() - 1;
+                }
                 r.tokens.extend(o.token_ids);
                 let from = o.prompt_logprobs_from as usize;
                 r.prompt_logprobs.extend(
@@ -247,6 +278,115 @@ fn seeded_sampling_is_the_same_alone_batched_preempted_and_restarted() {
     fresh[0].tokens.extend_from_slice(&want[..6]);
     Driver::new(engine(), 10).run(&mut fresh, n, 64);
     assert_eq!(generated(&fresh[0]), want, "a restart elsewhere changed a seeded request");
+}
+
+/// Speculative verification on the real model: each request's draft is its plain output's
+/// next tokens with one of them changed at some positions (so drafts are accepted whole, in
+/// part and not at all), and the outputs, greedy and seeded alike, are the plain ones token
+/// for token.
+#[test]
+fn verified_drafts_change_no_token_greedy_or_seeded() {
+    let n = 24;
+    let make = || {
+        [
+            req(1, "Count from one: one, two, three,", v1::SamplingParams::default()),
+            req(2, "Write a short poem about the sea:", seeded()),
+            req(
+                3,
+                "List three colours:",
+                v1::SamplingParams { temperature: 0.8, seed: Some(5), ..Default::default() },
+            ),
+            req(
+                4,
+                "The quick brown fox",
+                v1::SamplingParams { repetition_penalty: 1.3, ..Default::default() },
+            ),
+        ]
+    };
+    let mut plain = make();
+    Driver::new(engine(), 0).run(&mut plain, n + 8, 16);
+    let want: Vec<(u64, usize, Vec<u32>)> =
+        plain.iter().map(|r| (r.id, r.prompt_len, r.tokens.clone())).collect();
+    let mut spec = make();
+    let mut d = Driver::new(engine(), 0);
+    d.drafter = Some(Box::new(move |id, tokens: &[u32], _| {
+        let (_, _, full) = want.iter().find(|w| w.0 == id).unwrap();
+        let at = tokens.len();
+        let mut draft: Vec<u32> = full.get(at..(at + 4).min(full.len())).unwrap_or(&[]).to_vec();
+        // Every third position changes a draft token (id 4: every draft is wrong).
+        let wrong = if id == 4 { Some(0) } else { at.is_multiple_of(3).then_some(at % 4) };
+        if let Some(i) = wrong.filter(|&i| i < draft.len()) {
+            draft[i] = (draft[i] + 1) % 1000;
+        }
+        draft
+    }));
+    d.run(&mut spec, n, 16);
+    for (p, s) in plain.iter().zip(&spec) {
+        assert_eq!(generated(s)[..n], generated(p)[..n], "request {}", s.id);
+    }
+    let (verifications, accepted) = d.verified;
+    assert!(
+        verifications > 0 && accepted > 0,
+        "{verifications} verifications, {accepted} accepted"
+    );
+    assert!(accepted < verifications * 4, "some drafts must be rejected");
+}
+
+#[test]
+fn a_malformed_or_constrained_verification_is_refused_alone() {
+    let verify = |id: u64, num_tokens: u32, draft: Vec<u32>| v1::ScheduledWork {
+        id,
+        key: v1::WorkKey::Verify.into(),
+        num_tokens,
+        draft_token_ids: draft,
+    };
+    let cases = [
+        (verify(1, 3, vec![5]), "computes 2 tokens (its last token and each draft token), not 3"),
+        (verify(1, 1, vec![]), "a verify carries no draft tokens"),
+        (verify(1, 18, vec![5; 17]), "17 draft tokens, at most 16"),
+        (verify(1, 2, vec![u32::MAX]), "draft token id 4294967295 is outside the vocabulary"),
+    ];
+    for (i, (work, why)) in cases.into_iter().enumerate() {
+        let mut e = Driver::new(grammar_engine(), 0);
+        let mut r = [req(1, "Hello", v1::SamplingParams::default())];
+        e.run(&mut r, 1, 64);
+        let blocks: Vec<u32> = (100..103).collect();
+        let step = v1::Step {
+            step_id: e.step_id + i as u64,
+            cached_requests: vec![v1::CachedRequestUpdate {
+                id: 1,
+                new_block_ids: blocks,
+                resumed: false,
+                num_computed_tokens: 0,
+            }],
+            total_num_tokens: work.num_tokens,
+            work: vec![work],
+            ..Default::default()
+        };
+        let result = e.engine.execute(&step).unwrap();
+        assert_eq!(result.refused.len(), 1, "{why}");
+        assert!(result.refused[0].reason.contains(why), "{:?} lacks {why:?}", result.refused[0]);
+    }
+    // A structured output verifies nothing.
+    let mut d = Driver::new(grammar_engine(), 0);
+    let kind = v1::structured_output::Kind::Regex("[a-z]+".into());
+    let mut c = [req(2, "Give me a word:", constrained(kind, 0.0, 1))];
+    d.run(&mut c, 1, 64);
+    let step = v1::Step {
+        step_id: d.step_id,
+        work: vec![verify(2, 2, vec![5])],
+        total_num_tokens: 2,
+        cached_requests: vec![v1::CachedRequestUpdate {
+            id: 2,
+            new_block_ids: vec![150, 151, 152, 153],
+            resumed: false,
+            num_computed_tokens: 0,
+        }],
+        ..Default::default()
+    };
+    let result = d.engine.execute(&step).unwrap();
+    assert_eq!(result.refused.len(), 1);
+    assert!(result.refused[0].reason.contains("a structured output cannot verify"), "{result:?}");
 }
 
 #[test]

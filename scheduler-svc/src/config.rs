@@ -73,6 +73,59 @@ pub struct SchedulerArgs {
     /// with others (vLLM's flag); 0: only --max-num-batched-tokens limits it.
     #[arg(long, env = "FERRY_LONG_PREFILL_TOKEN_THRESHOLD", default_value_t = 0)]
     pub long_prefill_token_threshold: u32,
+    /// Speculative decoding (vLLM's flag), as JSON: `{"method": "ngram",
+    /// "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`. Off by
+    /// default. A request whose last tokens occurred earlier in its prompt or output proposes
+    /// the tokens that followed them, and one step verifies them all; outputs are the same as
+    /// without it. Only the `ngram` method exists (no draft model yet). With it, steps are
+    /// not pipelined (a proposal needs the last token).
+    #[arg(long, env = "FERRY_SPECULATIVE_CONFIG")]
+    pub speculative_config: Option<String>,
+}
+
+/// `--speculative-config`'s JSON, as vLLM's `SpeculativeConfig` spells it.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SpeculativeJson {
+    method: Option<String>,
+    num_speculative_tokens: Option<usize>,
+    prompt_lookup_max: Option<usize>,
+    prompt_lookup_min: Option<usize>,
+}
+
+/// Parses `--speculative-config` into the core's settings, checked.
+pub fn parse_speculative_config(json: &str) -> Result<core::SpeculativeConfig, ConfigError> {
+    let bad = |why: String| ConfigError::Speculative { why };
+    let spec: SpeculativeJson = serde_json::from_str(json).map_err(|e| bad(e.to_string()))?;
+    match spec.method.as_deref() {
+        Some("ngram") => {}
+        None => return Err(bad("\"method\" is required; the method served is \"ngram\"".into())),
+        Some(other) => {
+            return Err(bad(format!(
+                "method {other:?} is not served: only \"ngram\" (prompt lookup); a draft \
+                 model's proposals are not implemented yet"
+            )))
+        }
+    }
+    let k = spec
+        .num_speculative_tokens
+        .ok_or_else(|| bad("\"num_speculative_tokens\" is required".into()))?;
+    // vLLM's defaults: both 5 when neither is given, else the one given for both.
+    let (min, max) = match (spec.prompt_lookup_min, spec.prompt_lookup_max) {
+        (None, None) => (5, 5),
+        (Some(n), None) | (None, Some(n)) => (n, n),
+        (Some(min), Some(max)) => (min, max),
+    };
+    let config = core::SpeculativeConfig {
+        num_speculative_tokens: k,
+        prompt_lookup_max: max,
+        prompt_lookup_min: min,
+    };
+    config.validate().map_err(|e| match e {
+        core::ConfigError::Speculative(why) => bad(why),
+        other => bad(other.to_string()),
+    })?;
+    Ok(config)
 }
 
 /// `--preemption-mode`.
@@ -232,6 +285,12 @@ pub struct FrontSettings {
 /// flags involved and the limit.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
+    /// `--speculative-config` is not valid.
+    #[error("--speculative-config: {why}")]
+    Speculative {
+        /// What is wrong, with the limit.
+        why: String,
+    },
     /// `--leadership-token-file` cannot be read or holds no token.
     #[error("{why}")]
     TokenFile {
@@ -370,11 +429,17 @@ impl SchedulerArgs {
         check_name("scheduler-id", &scheduler_id)?;
         let connect_timeout =
             check_timeout("executor-connect-timeout", self.executor_connect_timeout)?;
+        let speculative =
+            self.speculative_config.as_deref().map(parse_speculative_config).transpose()?;
         let policy = core::SchedulerConfig {
+            speculative,
             max_num_seqs: self.max_num_seqs as usize,
             max_num_batched_tokens: self.max_num_batched_tokens as usize,
             enable_chunked_prefill: self.enable_chunked_prefill,
-            max_steps_in_flight: MAX_STEPS_IN_FLIGHT,
+            // A draft continues the last token: with speculation every step waits for the
+            // result of the one before (pipelined, a request would propose only every other
+            // step).
+            max_steps_in_flight: if speculative.is_some() { 1 } else { MAX_STEPS_IN_FLIGHT },
             kv_tier_store_blocks_per_step: self.kv_tier_store_blocks_per_step as usize,
             preemption_policy: match self.scheduling_policy {
                 SchedulingPolicy::Fcfs => core::PreemptionPolicy::Fcfs,
@@ -540,6 +605,28 @@ mod tests {
     }
 
     #[test]
+    fn speculative_config_reads_vllms_json_and_stops_pipelining() {
+        let cli = parse(&[
+            "--speculative-config",
+            r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#,
+        ]);
+        let policy = cli.scheduler.resolve().unwrap().policy;
+        assert_eq!(policy.speculative, Some(core::SpeculativeConfig::ngram(4)));
+        assert_eq!(policy.max_steps_in_flight, 1);
+        let lookup = parse_speculative_config(r#"{"method":"ngram","num_speculative_tokens":3}"#);
+        let lookup = lookup.unwrap();
+        assert_eq!((lookup.prompt_lookup_min, lookup.prompt_lookup_max), (5, 5), "vLLM's default");
+        let one = parse_speculative_config(
+            r#"{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3}"#,
+        )
+        .unwrap();
+        assert_eq!((one.prompt_lookup_min, one.prompt_lookup_max), (3, 3));
+        let off = parse(&[]).scheduler.resolve().unwrap().policy;
+        assert_eq!(off.speculative, None);
+        assert_eq!(off.max_steps_in_flight, MAX_STEPS_IN_FLIGHT);
+    }
+
+    #[test]
     fn every_bad_flag_is_refused_with_its_name() {
         let cases: &[(&[&str], &str)] = &[
             (&["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
@@ -551,6 +638,33 @@ mod tests {
             (&["--executor-connect-timeout", "0"], "--executor-connect-timeout must be between"),
             (&["--pool", "a/b"], "--pool \"a/b\" must be non-empty"),
             (&["--scheduler-id", ""], "--scheduler-id \"\" must be non-empty"),
+            (&["--speculative-config", "{"], "--speculative-config: EOF while parsing"),
+            (
+                &["--speculative-config", r#"{"method": "eagle", "num_speculative_tokens": 2}"#],
+                "--speculative-config: method \"eagle\" is not served: only \"ngram\"",
+            ),
+            (
+                &["--speculative-config", r#"{"method": "ngram"}"#],
+                "--speculative-config: \"num_speculative_tokens\" is required",
+            ),
+            (
+                &["--speculative-config", r#"{"method": "ngram", "num_speculative_tokens": 17}"#],
+                "--speculative-config: num_speculative_tokens must be 1..=16, got 17",
+            ),
+            (
+                &[
+                    "--speculative-config",
+                    r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 1, "prompt_lookup_min": 3}"#,
+                ],
+                "prompt_lookup_max (1) must be >= prompt_lookup_min (3)",
+            ),
+            (
+                &[
+                    "--speculative-config",
+                    r#"{"method": "ngram", "num_speculative_tokens": 4, "k": 1}"#,
+                ],
+                "--speculative-config: unknown field `k`",
+            ),
         ];
         let listed = ExecutorListArgs { executors: vec!["127.0.0.1:5".into(), " ".into()] };
         let err = listed.resolve().unwrap_err();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use ferry_proto::v1::KvFailure;
 use ferry_runtime::metrics::{self, Counter, Histogram, Render, Text};
-use ferry_sched_core::{FinishReason, SchedulerStats};
+use ferry_sched_core::{FinishReason, SchedulerStats, MAX_SPECULATIVE_TOKENS};
 use tokio::sync::watch;
 
 use crate::executors::ExecutorSet;
@@ -28,6 +28,14 @@ pub struct SchedulerMetrics {
     pub prefix_queries: Counter,
     /// Of those, found.
     pub prefix_hits: Counter,
+    /// Speculative verifications (vLLM's `spec_decode_num_drafts`).
+    pub spec_drafts: Counter,
+    /// Draft tokens they verified.
+    pub spec_draft_tokens: Counter,
+    /// Draft tokens accepted.
+    pub spec_accepted_tokens: Counter,
+    /// Verifications that accepted the draft token at each position.
+    pub spec_accepted_per_position: [Counter; MAX_SPECULATIVE_TOKENS],
     /// Preemptions.
     pub preemptions: Counter,
     success: [Counter; 4],
@@ -89,6 +97,10 @@ impl SchedulerMetrics {
             generation_tokens: Counter::default(),
             prefix_queries: Counter::default(),
             prefix_hits: Counter::default(),
+            spec_drafts: Counter::default(),
+            spec_draft_tokens: Counter::default(),
+            spec_accepted_tokens: Counter::default(),
+            spec_accepted_per_position: Default::default(),
             preemptions: Counter::default(),
             success: Default::default(),
             requests_moved: Counter::default(),
@@ -137,6 +149,14 @@ impl SchedulerMetrics {
         self.prefix_queries.add(d(before.prefix_cache_queries, after.prefix_cache_queries));
         self.prefix_hits.add(d(before.prefix_cache_hits, after.prefix_cache_hits));
         self.preemptions.add(d(before.num_preemptions, after.num_preemptions));
+        self.spec_drafts.add(d(before.spec_drafts, after.spec_drafts));
+        self.spec_draft_tokens.add(d(before.spec_draft_tokens, after.spec_draft_tokens));
+        self.spec_accepted_tokens.add(d(before.spec_accepted_tokens, after.spec_accepted_tokens));
+        let positions =
+            before.spec_accepted_per_position.iter().zip(&after.spec_accepted_per_position);
+        for (c, (b, a)) in self.spec_accepted_per_position.iter().zip(positions) {
+            c.add(d(*b, *a));
+        }
     }
 
     /// Counts a request that ended for `label`.
@@ -409,6 +429,36 @@ impl MetricsView {
         }
     }
 
+    /// Speculative decoding's counters, by vLLM's names.
+    fn render_spec(&self, t: &mut Text, m: &[(&str, &str); 1]) {
+        let counters: [(&str, &str, &Counter); 3] = [
+            (
+                "vllm:spec_decode_num_drafts_total",
+                "Speculative verifications (one per request and step that verified a draft).",
+                &self.metrics.spec_drafts,
+            ),
+            (
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Draft tokens proposed and verified.",
+                &self.metrics.spec_draft_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Draft tokens accepted.",
+                &self.metrics.spec_accepted_tokens,
+            ),
+        ];
+        for (name, help, c) in counters {
+            t.counter(name, help, m, c.get() as f64);
+        }
+        let name = "vllm:spec_decode_num_accepted_tokens_per_pos";
+        t.family(name, "counter", "Verifications that accepted the draft token at each position.");
+        for (pos, c) in self.metrics.spec_accepted_per_position.iter().enumerate() {
+            let pos = pos.to_string();
+            t.sample(name, &[m[0], ("position", &pos)], c.get() as f64);
+        }
+    }
+
     /// Counters and histograms.
     fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
         let counters: [(&str, &str, &Counter); 8] = [
@@ -445,6 +495,7 @@ impl MetricsView {
             t.counter(name, help, m, c.get() as f64);
         }
         self.render_kv(t, m);
+        self.render_spec(t, m);
         t.family("vllm:request_success_total", "counter", "Finished requests by finish reason.");
         for (reason, c) in REASONS.iter().zip(&self.metrics.success) {
             t.sample(

@@ -81,6 +81,8 @@ impl RequestSpec {
         req.ignore_eos = self.ignore_eos;
         req.priority = self.priority;
         req.output = output;
+        // A grammar checks one token at a time, so a structured output decodes plainly.
+        req.speculate = self.sampling.structured_output.is_none();
         if self.sampling.prompt_logprobs.is_some() {
             // Its own prefix cache (salt): every prompt token is computed, and so scored.
             req.cache_salt = (1 << 63) | id.0;

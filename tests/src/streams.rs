@@ -161,10 +161,14 @@ pub fn sum_samples(body: &str, name: &str) -> Option<f64> {
 
 /// Waits until the executor at `exec` holds no request and no block.
 pub async fn assert_executor_idle(exec: &crate::Service) {
+    assert_executor_idle_at(exec.addr("grpc")).await;
+}
+
+/// Waits until the executor whose gRPC port is `addr` holds no request and no block.
+pub async fn assert_executor_idle_at(addr: SocketAddr) {
+    let exec = addr;
     let mut client =
-        v1::executor_client::ExecutorClient::connect(format!("http://{}", exec.addr("grpc")))
-            .await
-            .unwrap();
+        v1::executor_client::ExecutorClient::connect(format!("http://{exec}")).await.unwrap();
     let mut last = None;
     for _ in 0..400 {
         let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
@@ -174,7 +178,7 @@ pub async fn assert_executor_idle(exec: &crate::Service) {
         last = Some(d);
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    panic!("executor {} still holds work: {last:?}", exec.addr("grpc"));
+    panic!("executor {exec} still holds work: {last:?}");
 }
 
 /// A request for `prompt`, `max_tokens` long (EOS ignored): greedy, or seeded sampling at

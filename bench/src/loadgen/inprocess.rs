@@ -10,7 +10,7 @@ use std::sync::Arc;
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
 use ferry_executor_svc::model::{LoadedModel, PagedKvCache};
 use ferry_proto::v1;
-use ferry_sched_core::{RequestEvent, RequestId, Scheduler, Timestamp};
+use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Timestamp};
 use ferry_scheduler_svc::config::{ExecutorGeometry, SchedulerSettings};
 use ferry_scheduler_svc::link::wire;
 use ferry_scheduler_svc::request::{OutputShape, RequestSpec};
@@ -19,14 +19,14 @@ use super::{Job, Percentiles, Report};
 
 /// Runs `jobs` at `concurrency` through core + engine in this thread, the core configured from
 /// `settings` as a scheduler configures it; `kv_cache_mib` and `block_size` size the cache as
-/// an executor would.
+/// an executor would. The report, and the core's counters at the end.
 pub fn run(
     jobs: &[Job],
     concurrency: usize,
     settings: &SchedulerSettings,
     kv_cache_mib: u64,
     block_size: usize,
-) -> anyhow::Result<Report> {
+) -> anyhow::Result<(Report, SchedulerStats)> {
     let model = LoadedModel::open(None)?;
     let shape = model.weights.shape;
     let num_blocks =
@@ -99,7 +99,7 @@ pub fn run(
         }
     }
     let duration = start.elapsed().as_secs_f64();
-    Ok(Report {
+    let report = Report {
         completed,
         failed: 0,
         duration_s: duration,
@@ -112,5 +112,6 @@ pub fn run(
         itl: Percentiles::default(),
         e2e: Percentiles::default(),
         errors: Vec::new(),
-    })
+    };
+    Ok((report, core.stats()))
 }

@@ -86,8 +86,8 @@ pub struct LoadArgs {
 /// One request of the workload.
 #[derive(Clone, Debug)]
 pub struct Job {
-    prompt: String,
-    max_tokens: u64,
+    pub(crate) prompt: String,
+    pub(crate) max_tokens: u64,
 }
 
 /// splitmix64: a small seeded generator, so a workload (or a chaos soak) is reproducible.
@@ -119,7 +119,7 @@ impl Rng {
     }
 }
 
-const WORDS: &[&str] = &[
+pub(crate) const WORDS: &[&str] = &[
     "the",
     "time",
     "people",
@@ -191,7 +191,7 @@ const WORDS: &[&str] = &[
     "team",
 ];
 
-fn workload(args: &LoadArgs) -> anyhow::Result<Vec<Job>> {
+pub(crate) fn workload(args: &LoadArgs) -> anyhow::Result<Vec<Job>> {
     if let Some(path) = &args.dataset {
         let text = std::fs::read_to_string(path)?;
         let mut jobs = Vec::new();
@@ -280,7 +280,8 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
         let report = tokio::task::spawn_blocking(move || {
             inprocess::run(&jobs, concurrency, &settings, kv, 16)
         })
-        .await??;
+        .await??
+        .0;
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
         }

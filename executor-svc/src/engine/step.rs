@@ -243,6 +243,74 @@ struct Planned {
     start: usize,
     n: usize,
     total: usize,
+    /// A verification's draft tokens (empty for other work): they follow the `total` known
+    /// tokens, and the step computes the last known token and each of them.
+    draft: Vec<u32>,
+}
+
+impl Planned {
+    /// Token `i` of the sequence this work computes: a known token, or a draft token.
+    fn token(&self, r: &ExecRequest, i: usize) -> u32 {
+        if i < self.total {
+            r.token(i)
+        } else {
+            self.draft[i - self.total]
+        }
+    }
+}
+
+/// Most draft tokens one verification may carry (the scheduler's `MAX_SPECULATIVE_TOKENS`).
+pub const MAX_DRAFT_TOKENS: usize = 16;
+
+/// Why verify work `wk` (from position `computed` of `total` known tokens) cannot run, if it
+/// cannot: a verification computes the last known token and each draft token, within the
+/// vocabulary and the model's length, and a structured output's grammar cannot check several
+/// positions at once.
+fn verify_fault(
+    wk: &v1::ScheduledWork,
+    computed: usize,
+    total: usize,
+    vocab: usize,
+    max_len: usize,
+    constrained: bool,
+) -> Option<String> {
+    let k = wk.draft_token_ids.len();
+    let n = wk.num_tokens as usize;
+    if k == 0 {
+        return Some("a verify carries no draft tokens".into());
+    }
+    if k > MAX_DRAFT_TOKENS {
+        return Some(format!("a verify carries {k} draft tokens, at most {MAX_DRAFT_TOKENS}"));
+    }
+    if n != k + 1 {
+        return Some(format!(
+            "a verify of {k} draft tokens computes {} tokens (its last token and each draft \
+             token), not {n}",
+            k + 1
+        ));
+    }
+    if computed + 1 != total {
+        return Some(format!(
+            "a verify starts at its last known token (position {}), not at {computed}",
+            total.saturating_sub(1)
+        ));
+    }
+    if total + k > max_len {
+        return Some(format!(
+            "{total} tokens and {k} draft tokens run past the model's maximum length {max_len}"
+        ));
+    }
+    if let Some(t) = wk.draft_token_ids.iter().find(|t| **t as usize >= vocab) {
+        return Some(format!("draft token id {t} is outside the vocabulary (size {vocab})"));
+    }
+    if constrained {
+        return Some(
+            "a structured output cannot verify draft tokens (its grammar checks one \
+                     token at a time)"
+                .into(),
+        );
+    }
+    None
 }
 
 impl Engine {
@@ -337,10 +405,41 @@ impl Engine {
         // read them: their requests are scheduled only once the import is reported).
         kv_results.extend(self.kv.finish(self.backend.as_mut()));
         let t0 = Instant::now();
-        let Forward { output, mut masks, masks_busy, grammar_wait } = self.forward(&planned)?;
+        let Forward { output, masks, masks_busy, grammar_wait } = self.forward(&planned)?;
         let forward_us = t0.elapsed().saturating_sub(grammar_wait).as_micros() as u64;
         let step_started = std::time::SystemTime::now() - t0.elapsed();
         let t1 = Instant::now();
+        let (outputs, failed, simulated_us) = self.sample_batch(&planned, output, masks);
+        for (id, reason) in failed {
+            refused.push(self.refuse(id, reason));
+        }
+        self.steps_executed += 1;
+        self.trace_step(step, &planned, step_started, forward_us);
+        Ok(v1::StepResult {
+            step_id: step.step_id,
+            outputs,
+            kv_results,
+            refused,
+            timing: Some(v1::StepTiming {
+                forward_us,
+                sample_us: t1.elapsed().as_micros() as u64,
+                simulated_us,
+                grammar_us: masks_busy.as_micros() as u64,
+                grammar_wait_us: grammar_wait.as_micros() as u64,
+                ..Default::default()
+            }),
+        })
+    }
+
+    /// Turns the forward's `output` into each planned request's result: prompt
+    /// log-probabilities, a sampled token, or a verification's tokens. The outputs, the
+    /// requests that cannot go on (with why), and the simulated time.
+    fn sample_batch(
+        &mut self,
+        planned: &[Planned],
+        output: BatchOutput,
+        mut masks: HashMap<u64, (Grammar, Result<TokenMask, String>)>,
+    ) -> (Vec<v1::RequestOutput>, Vec<(u64, String)>, u64) {
         let mut outputs = Vec::new();
         let (mut logits, simulated_us) = match output {
             BatchOutput::Logits(l) => (Some(l.into_iter()), 0),
@@ -352,7 +451,7 @@ impl Engine {
         // A simulated end token (none when the model served has none) is never emitted.
         let eos = self.backend.sim_eos().unwrap_or(self.config.eos_token_id);
         let mut failed = Vec::new();
-        for p in &planned {
+        for p in planned {
             let r = self.requests.get_mut(&p.id).expect("planned requests exist after apply_diff");
             // This request's rows of logits: the prompt positions it scores (when asked), then
             // its last when it samples.
@@ -361,6 +460,19 @@ impl Engine {
                 Some(rows) => score_prompt(&mut self.sampler, r, p, rows),
                 None => (Vec::new(), 0),
             };
+            if !p.draft.is_empty() {
+                let rows = rows.map(Iterator::collect);
+                match verify(&mut self.sampler, r, p, rows, vocab, eos) {
+                    Ok((token_ids, logprobs)) => outputs.push(v1::RequestOutput {
+                        id: p.id,
+                        token_ids,
+                        logprobs,
+                        ..Default::default()
+                    }),
+                    Err(why) => failed.push((p.id, why)),
+                }
+                continue;
+            }
             // The chunk's last row: the sampling row when it samples.
             let mut row = rows.and_then(Iterator::last);
             r.computed = p.start + p.n;
@@ -398,25 +510,7 @@ impl Engine {
                 prompt_logprobs_from,
             });
         }
-        for (id, reason) in failed {
-            refused.push(self.refuse(id, reason));
-        }
-        self.steps_executed += 1;
-        self.trace_step(step, &planned, step_started, forward_us);
-        Ok(v1::StepResult {
-            step_id: step.step_id,
-            outputs,
-            kv_results,
-            refused,
-            timing: Some(v1::StepTiming {
-                forward_us,
-                sample_us: t1.elapsed().as_micros() as u64,
-                simulated_us,
-                grammar_us: masks_busy.as_micros() as u64,
-                grammar_wait_us: grammar_wait.as_micros() as u64,
-                ..Default::default()
-            }),
-        })
+        (outputs, failed, simulated_us)
     }
 
     /// Runs the batch of `planned` through the backend while the masks of the constrained
@@ -427,7 +521,7 @@ impl Engine {
         for (buf, p) in self.gathered.iter_mut().zip(planned) {
             let r = &self.requests[&p.id];
             buf.clear();
-            buf.extend((p.start..p.start + p.n).map(|i| r.token(i)));
+            buf.extend((p.start..p.start + p.n).map(|i| p.token(r, i)));
         }
         // The masks of the constrained requests that sample, computed beside the forward.
         let mask_job = MaskJob {
@@ -789,7 +883,12 @@ impl Engine {
                     Some(format!("work key {} is not valid", wk.key))
                 }
                 Ok(v1::WorkKey::Verify) => {
-                    Some("speculative verification is not supported yet".into())
+                    let constrained = match prepared.get(&wk.id) {
+                        Some(parts) => parts.grammar.is_some(),
+                        None => self.requests.get(&wk.id).is_some_and(|r| r.grammar.is_some()),
+                    };
+                    let vocab = facts.shape.vocab_size;
+                    verify_fault(wk, computed, total, vocab, max_len, constrained)
                 }
                 _ if n == 0 => Some("num_tokens is 0".into()),
                 _ if computed + n > total => Some(format!(
@@ -804,7 +903,12 @@ impl Engine {
                 return Err(StepError::Invalid { id: wk.id, reason });
             }
             sum += n as u64;
-            planned.push(Planned { id: wk.id, start: computed, n, total });
+            let draft = if wk.key == v1::WorkKey::Verify as i32 {
+                wk.draft_token_ids.clone()
+            } else {
+                Vec::new()
+            };
+            planned.push(Planned { id: wk.id, start: computed, n, total, draft });
         }
         if sum != u64::from(step.total_num_tokens) {
             return Err(StepError::TokenCount {
@@ -929,12 +1033,12 @@ struct NewParts {
 /// The parts of a step's new requests, by id.
 type Prepared = HashMap<u64, NewParts>;
 
-/// Samples request `r`'s next token from its logits `row` at `position`, after its grammar's
-/// mask when it has one (`constrained`: its matcher, taken out for the step, and the mask);
-/// the token and its log-probabilities, or why this request cannot go on (the others can).
 /// Rows of logits planned `p` needs: all of its chunk when it scores prompt tokens in it
 /// (`prompt_logprobs`), else its last when it samples.
 fn logit_rows(p: &Planned, r: &ExecRequest) -> usize {
+    if !p.draft.is_empty() {
+        return p.n; // a verification samples at each position
+    }
     let samples = p.start + p.n == p.total;
     if r.sampling.prompt_logprobs.is_some() && p.start + 1 < r.prompt.len() {
         p.n
@@ -976,6 +1080,50 @@ fn score_prompt(
     (out, (p.start + 1) as u32)
 }
 
+/// Verifies `p`'s draft for `r`: samples each position in turn exactly as decoding would
+/// (the same position-keyed draw, penalties over the tokens before it, `rows` in order; the
+/// simulator's tokens when there are none), keeping each draft token its sample equals. The
+/// first sample that differs replaces its draft token and ends the run; when all are equal,
+/// the last row's sample follows them. So the output is the one decoding gives, token for
+/// token, for greedy and seeded sampling alike, and a draft token is accepted with exactly its
+/// probability under the request's sampling (rejection sampling of a one-point proposal; see
+/// `sampling::verify_draft`). Returns the tokens (accepted drafts and one more) and their
+/// log-probabilities when asked.
+fn verify(
+    sampler: &mut Sampler,
+    r: &mut ExecRequest,
+    p: &Planned,
+    rows: Option<Vec<Vec<f32>>>,
+    vocab: u32,
+    eos: u32,
+) -> Result<(Vec<u32>, Vec<v1::PositionLogprobs>), String> {
+    let mut rows = rows.map(Vec::into_iter);
+    let mut tokens = Vec::with_capacity(p.draft.len() + 1);
+    let mut logprobs = Vec::new();
+    for j in 0..=p.draft.len() {
+        let position = r.len() as u64;
+        let (token, lp) = match rows.as_mut() {
+            Some(rows) => {
+                let row = rows.next().expect("the backend returns a row per verified position");
+                sample_row(sampler, r, row, None, position)?
+            }
+            None => (sim_token_except(r.sampling.seed, position, vocab, eos), None),
+        };
+        r.output.push(token);
+        tokens.push(token);
+        logprobs.extend(lp);
+        if p.draft.get(j) != Some(&token) {
+            break;
+        }
+    }
+    // The rejected drafts' KV is stale: the next step computes from the last token on.
+    r.computed = r.len() - 1;
+    Ok((tokens, logprobs))
+}
+
+/// Samples request `r`'s next token from its logits `row` at `position`, after its grammar's
+/// mask when it has one (`constrained`: its matcher, taken out for the step, and the mask);
+/// the token and its log-probabilities, or why this request cannot go on (the others can).
 fn sample_row(
     sampler: &mut Sampler,
     r: &mut ExecRequest,

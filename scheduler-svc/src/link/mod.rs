@@ -211,7 +211,7 @@ impl LinkHandle {
         let load = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(std::sync::Mutex::new(core.stats()));
         let published =
-            step_loop::Published::new(load.clone(), stats.clone(), shared, core.stats());
+            step_loop::Published::new(load.clone(), stats.clone(), shared, &core.stats());
         let (name, epoch) = (session.name.clone(), session.epoch);
         let kv = step_loop::KvFacts {
             block_bytes: info.kv_layout.as_ref().and_then(v1::KvLayout::block_bytes).unwrap_or(0),

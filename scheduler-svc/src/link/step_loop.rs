@@ -2,8 +2,9 @@
 //! build a step, send it, apply results in order, pass token events to the requests' streams
 //! (DESIGN.md §2–§4).
 //!
-//! Event-driven: it builds steps while the core has work and fewer than
-//! [`MAX_STEPS_IN_FLIGHT`] are outstanding (so the executor never waits for the scheduler), and
+//! Event-driven: it builds steps while the core has work and fewer than its
+//! `max_steps_in_flight` are outstanding ([`crate::config::MAX_STEPS_IN_FLIGHT`], so the
+//! executor never waits for the scheduler; one with speculative decoding), and
 //! otherwise sleeps until a command or a result arrives — no polling.
 //!
 //! Invariants:
@@ -27,7 +28,6 @@ use tokio_stream::{Stream, StreamExt};
 use super::transfers::Transfers;
 use super::wire;
 use super::{Command, LinkEvent, TransferPlan};
-use crate::config::MAX_STEPS_IN_FLIGHT;
 use crate::metrics::SchedulerMetrics;
 use crate::request::RequestSpec;
 use crate::tier::TierIndex;
@@ -79,17 +79,17 @@ impl Published {
         load: Arc<AtomicUsize>,
         stats: Arc<std::sync::Mutex<SchedulerStats>>,
         shared: super::Shared,
-        initial: SchedulerStats,
+        initial: &SchedulerStats,
     ) -> Self {
         let super::Shared { metrics, tier, fence } = shared;
-        Self { load, stats, metrics, tier, fence, last: initial }
+        Self { load, stats, metrics, tier, fence, last: *initial }
     }
 
     /// Brings the metrics' counters and the handle's stats up to `now`.
-    fn update(&mut self, now: SchedulerStats) {
-        self.metrics.add_core_deltas(&self.last, &now);
-        self.last = now;
-        *self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
+    fn update(&mut self, now: &SchedulerStats) {
+        self.metrics.add_core_deltas(&self.last, now);
+        self.last = *now;
+        *self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = *now;
     }
 }
 
@@ -184,7 +184,10 @@ impl StepLoop {
             }
             // A drained core may still have KV-tier writes to send, or results of them to hear.
             let work = !self.core.is_drained() || self.awaiting_kv();
-            while !self.idle && work && self.in_flight.len() < MAX_STEPS_IN_FLIGHT {
+            while !self.idle
+                && work
+                && self.in_flight.len() < self.core.config().max_steps_in_flight
+            {
                 let step = match self.build_step() {
                     Ok(step) => step,
                     Err(why) => return self.fail_all(&why),
@@ -205,7 +208,7 @@ impl StepLoop {
                 cmd = commands.recv() => match cmd {
                     Some(cmd) => {
                         self.command(cmd);
-                        self.published.update(self.core.stats());
+                        self.published.update(&self.core.stats());
                     }
                     None => return, // every handle dropped: shutting down
                 },
@@ -216,7 +219,7 @@ impl StepLoop {
                         if let Err(e) = self.apply(&result) {
                             return self.fail_all(&e);
                         }
-                        self.published.update(self.core.stats());
+                        self.published.update(&self.core.stats());
                     }
                     None => return self.fail_all("the executor ended the session"),
                     Some(Err(status)) => {

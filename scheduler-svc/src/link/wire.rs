@@ -110,7 +110,7 @@ pub fn to_proto<'a>(
                 id: w.id.0,
                 key: work_key(w.work).into(),
                 num_tokens: wire_u32(w.num_tokens),
-                draft_token_ids: Vec::new(),
+                draft_token_ids: plan.draft_of(w).to_vec(),
             })
             .collect(),
         finished_ids: plan.finished.iter().map(|id| id.0).collect(),

@@ -44,6 +44,42 @@ use draw::{
 pub use draw::{position_hash, position_uniform};
 pub use ferry_model::sampling::*;
 
+/// Rejection sampling of one draft token (speculative decoding's acceptance rule, Leviathan
+/// et al. 2023, as vLLM's rejection sampler): `p` is the target's distribution at the draft's
+/// position (after the request's penalties, temperature and truncation), `q` the drafter's,
+/// `draft` the token it proposed. The draft is accepted with probability min(1, p/q) (tested
+/// with `u_accept`); otherwise a token is drawn from the residual max(0, p - q), normalised
+/// (with `u_resample`). The token returned is distributed exactly as `p` for any `q` that
+/// proposed `draft` with probability `q[draft]`; the flag says whether it was the draft.
+///
+/// For a proposal that is certain (`q` one-hot at the draft: n-gram lookup, Ferry's only
+/// proposer today) this is the same law as drawing `x ~ p` and accepting iff `x == draft`:
+/// acceptance has probability p(draft), and a rejection yields `p` without the draft,
+/// normalised. The executor uses that second form, with the draw decoding would make at the
+/// same position, so a speculated output is not just distributed like a plain one but equal
+/// to it. A draft model's `q` would use this function (docs/ARCHITECTURE.md).
+pub fn verify_draft(
+    p: &[f32],
+    q: &[f32],
+    draft: u32,
+    u_accept: f64,
+    u_resample: f64,
+) -> (u32, bool) {
+    let d = draft as usize;
+    let (pd, qd) =
+        (f64::from(p.get(d).copied().unwrap_or(0.0)), f64::from(q.get(d).copied().unwrap_or(0.0)));
+    if qd > 0.0 && u_accept * qd < pd {
+        return (draft, true);
+    }
+    let residual: Vec<f32> = p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect();
+    if residual.iter().any(|&w| w > 0.0) {
+        (inverse_cdf(&residual, u_resample), false)
+    } else {
+        // p == q up to rounding: the draft was accepted with probability 1 but for rounding.
+        (inverse_cdf(p, u_resample), false)
+    }
+}
+
 /// Samples one token with a throwaway [`Sampler`]; prefer a long-lived `Sampler` on hot paths.
 pub fn sample(
     logits: &mut [f32],

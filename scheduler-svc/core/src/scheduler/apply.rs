@@ -76,8 +76,8 @@ impl Scheduler {
                 self.apply_sampled(idx, id, group, drafts, now, events);
             }
             self.requests[idx].inflight_refs -= 1;
-            self.requeue(idx);
-            if samples {
+            // A decode queued while this sample was in flight could not propose then.
+            if !self.requeue(idx) && samples {
                 self.retry_proposal(idx);
             }
             self.try_retire(idx);

@@ -91,16 +91,15 @@ impl Scheduler {
     }
 
     /// Queue the next work of an `Active` request that has none pending: a decode becomes a
-    /// `Verify` when the request has a draft proposal.
-    pub(super) fn requeue(&mut self, idx: u32) {
+    /// `Verify` when the request has a draft proposal. True if it queued work.
+    pub(super) fn requeue(&mut self, idx: u32) -> bool {
         if self.requests[idx].status != RequestStatus::Active || self.work.pending(idx).is_some() {
-            return;
+            return false;
         }
-        if let Some(key) = self.next_work(idx) {
-            let key =
-                if key == WorkKey::Decode && self.propose(idx) { WorkKey::Verify } else { key };
-            self.work.enqueue(key, idx);
-        }
+        let Some(key) = self.next_work(idx) else { return false };
+        let key = if key == WorkKey::Decode && self.propose(idx) { WorkKey::Verify } else { key };
+        self.work.enqueue(key, idx);
+        true
     }
 
     /// A request whose pending decode was queued while a sample of it was in flight (so it

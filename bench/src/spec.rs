@@ -1,13 +1,17 @@
 //! `ferry-bench spec`: speculative decoding on against off, in one process (the scheduling
-//! core and the CPU engine driven directly, as `ferry-bench serve --in-process`), greedy, on
-//! two workloads: one that repeats its input (each prompt is a passage written twice, so the
-//! answer goes on quoting it, as summaries and code edits quote theirs) and one that does not
-//! (the load generator's random words). Runs alternate off, on, on, off per round, so drift on
-//! a shared machine falls on both; the figures are medians over rounds.
+//! core and the CPU engine driven directly, as `ferry-bench serve --in-process`), on three
+//! workloads: one that repeats its input (each prompt is a passage written twice, so the
+//! greedy answer goes on quoting it, as summaries and code edits quote theirs); the load
+//! generator's random words, greedy (a small model's greedy answer to them often loops, which
+//! drafts predict); and the same prompts sampled at temperature 1 (seeded), whose answers
+//! rarely repeat, so drafts mostly fail: the cost of speculation that does not pay. Runs
+//! alternate off, on, on, off per round, so drift on a shared machine falls on both; the
+//! figures are medians over rounds.
 
 use std::time::Instant;
 
 use clap::Parser;
+use ferry_proto::v1;
 use ferry_sched_core::SchedulerStats;
 use ferry_scheduler_svc::config::SchedulerArgs;
 
@@ -37,6 +41,9 @@ pub struct SpecBenchArgs {
     /// KV cache memory in MiB.
     #[arg(long, default_value_t = 512)]
     pub kv_cache_mib: u64,
+    /// Workloads to run, comma-separated: repeating, plain, sampled.
+    #[arg(long, value_delimiter = ',', default_value = "repeating,plain,sampled")]
+    pub workloads: Vec<String>,
 }
 
 /// One run's figures.
@@ -68,6 +75,7 @@ fn one_run(
     jobs: &[Job],
     concurrency: usize,
     args: &SpecBenchArgs,
+    sampling: &v1::SamplingParams,
     speculate: bool,
 ) -> anyhow::Result<Run> {
     #[derive(Parser)]
@@ -80,7 +88,8 @@ fn one_run(
         flags.extend(["--speculative-config".into(), args.speculative_config.clone()]);
     }
     let settings = Flags::try_parse_from(flags)?.scheduler.resolve()?;
-    let (report, stats) = inprocess::run(jobs, concurrency, &settings, args.kv_cache_mib, 16)?;
+    let (report, stats) =
+        inprocess::run(jobs, concurrency, &settings, (args.kv_cache_mib, 16), sampling)?;
     anyhow::ensure!(
         report.completed == jobs.len(),
         "{} of {} completed",
@@ -103,12 +112,13 @@ fn median(mut xs: Vec<f64>) -> f64 {
 /// Runs the comparison and prints one line per workload and concurrency.
 pub fn run(args: &SpecBenchArgs) -> anyhow::Result<()> {
     println!(
-        "{:<10} {:>4} {:>12} {:>12} {:>7} {:>12} {:>10} {:>10}",
+        "{:<10} {:>4} {:>12} {:>12} {:>7} {:>8} {:>12} {:>10} {:>10}",
         "workload",
         "conc",
         "off tok/s",
         "on tok/s",
         "on/off",
+        "verifies",
         "accept rate",
         "acc/verify",
         "steps on/off"
@@ -116,16 +126,25 @@ pub fn run(args: &SpecBenchArgs) -> anyhow::Result<()> {
     for &concurrency in &args.concurrency {
         let n = (concurrency * args.requests_per_slot).max(2);
         let load = LoadArgs::parse_for_bench(n, args.output_len);
-        let workloads =
-            [("repeating", repeating(n, args.output_len, 7)), ("plain", workload(&load)?)];
-        for (name, jobs) in &workloads {
+        let greedy = v1::SamplingParams::default();
+        let sampled = v1::SamplingParams { temperature: 1.0, seed: Some(1), ..greedy.clone() };
+        let plain = workload(&load)?;
+        let workloads = [
+            ("repeating", repeating(n, args.output_len, 7), &greedy),
+            ("plain", plain.clone(), &greedy),
+            ("sampled", plain, &sampled),
+        ];
+        for (name, jobs, sampling) in &workloads {
+            if !args.workloads.iter().any(|w| w == name) {
+                continue;
+            }
             let started = Instant::now();
             let (mut off, mut on) = (Vec::new(), Vec::new());
             let mut last_on = None;
             let mut last_off = None;
             for _ in 0..args.rounds {
                 for speculate in [false, true, true, false] {
-                    let r = one_run(jobs, concurrency, args, speculate)?;
+                    let r = one_run(jobs, concurrency, args, sampling, speculate)?;
                     if speculate {
                         on.push(r.tokens_per_s);
                         last_on = Some(r.stats);
@@ -140,12 +159,13 @@ pub fn run(args: &SpecBenchArgs) -> anyhow::Result<()> {
             let per_verify = s.spec_accepted_tokens as f64 / s.spec_drafts.max(1) as f64;
             let (m_off, m_on) = (median(off), median(on));
             println!(
-                "{:<10} {:>4} {:>12.1} {:>12.1} {:>7.3} {:>12.3} {:>10.2} {:>6}/{:<6} ({:.0} s)",
+                "{:<10} {:>4} {:>12.1} {:>12.1} {:>7.3} {:>8} {:>12.3} {:>10.2} {:>6}/{:<6} ({:.0} s)",
                 name,
                 concurrency,
                 m_off,
                 m_on,
                 m_on / m_off,
+                s.spec_drafts,
                 rate,
                 per_verify,
                 s.steps,

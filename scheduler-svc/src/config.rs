@@ -77,8 +77,9 @@ pub struct SchedulerArgs {
     /// "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`. Off by
     /// default. A request whose last tokens occurred earlier in its prompt or output proposes
     /// the tokens that followed them, and one step verifies them all; outputs are the same as
-    /// without it. Only the `ngram` method exists (no draft model yet). With it, steps are
-    /// not pipelined (a proposal needs the last token).
+    /// without it. Only the `ngram` method exists (no draft model yet); vLLM's
+    /// `disable_by_batch_size` turns proposals off while more requests than that run. With
+    /// it, steps are not pipelined (a proposal needs the last token).
     #[arg(long, env = "FERRY_SPECULATIVE_CONFIG")]
     pub speculative_config: Option<String>,
 }
@@ -91,6 +92,7 @@ struct SpeculativeJson {
     num_speculative_tokens: Option<usize>,
     prompt_lookup_max: Option<usize>,
     prompt_lookup_min: Option<usize>,
+    disable_by_batch_size: Option<usize>,
 }
 
 /// Parses `--speculative-config` into the core's settings, checked.
@@ -120,6 +122,7 @@ pub fn parse_speculative_config(json: &str) -> Result<core::SpeculativeConfig, C
         num_speculative_tokens: k,
         prompt_lookup_max: max,
         prompt_lookup_min: min,
+        disable_by_batch_size: spec.disable_by_batch_size,
     };
     config.validate().map_err(|e| match e {
         core::ConfigError::Speculative(why) => bad(why),

@@ -2,7 +2,7 @@
 //! core and the executor engine directly, in one thread, with no gRPC, HTTP or tasks between
 //! them. `ferry-bench serve --in-process` reports it in the same shape as a served run.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use std::sync::Arc;
@@ -19,13 +19,14 @@ use super::{Job, Percentiles, Report};
 
 /// Runs `jobs` at `concurrency` through core + engine in this thread, the core configured from
 /// `settings` as a scheduler configures it; `kv_cache_mib` and `block_size` size the cache as
-/// an executor would. The report, and the core's counters at the end.
+/// an executor would; every request samples with `sampling` (its seed, when it has one, plus
+/// the request's number). The report, and the core's counters at the end.
 pub fn run(
     jobs: &[Job],
     concurrency: usize,
     settings: &SchedulerSettings,
-    kv_cache_mib: u64,
-    block_size: usize,
+    (kv_cache_mib, block_size): (u64, usize),
+    sampling: &v1::SamplingParams,
 ) -> anyhow::Result<(Report, SchedulerStats)> {
     let model = LoadedModel::open(None)?;
     let shape = model.weights.shape;
@@ -54,7 +55,6 @@ pub fn run(
         prompts.into_iter().enumerate().map(|(i, p)| (i as u64 + 1, p)).collect();
     let (mut live, mut completed, mut output_tokens, mut prompt_tokens) =
         (0usize, 0usize, 0u64, 0u64);
-    // Greedy, as the served runs ask for (temperature 0).
     let spec = RequestSpec {
         prompt: Arc::from(Vec::new()),
         prior_output: Vec::new(),
@@ -64,33 +64,38 @@ pub fn run(
         ignore_eos: true,
         output: OutputShape::default(),
         priority: 0,
-        sampling: v1::SamplingParams::default(),
+        sampling: sampling.clone(),
         traceparent: String::new(),
     };
     let mut events = Vec::new();
+    let mut specs: HashMap<u64, RequestSpec> = HashMap::new();
     loop {
         while live < concurrency {
             let Some((id, (prompt, max_tokens))) = pending.pop_front() else { break };
             prompt_tokens += prompt.len() as u64;
-            let spec = RequestSpec {
+            let mut spec = RequestSpec {
                 prompt: prompt.into(),
                 max_tokens: max_tokens as usize,
                 ..spec.clone()
             };
+            spec.sampling.seed = sampling.seed.map(|s| s + id);
             core.add_request(spec.to_core(RequestId(id), Vec::new(), &[eos], None, now()))?;
+            specs.insert(id, spec);
             live += 1;
         }
         if core.is_drained() {
             break;
         }
-        let step = wire::to_proto(core.schedule(now())?, 0, 0, 0, |_| Some((&spec, None)));
+        let step =
+            wire::to_proto(core.schedule(now())?, 0, 0, 0, |id| Some((specs.get(&id.0)?, None)));
         let result = engine.execute(&step)?;
         events.clear();
         core.apply_result(&wire::outcome_of(&result), now(), &mut events)?;
         for ev in &events {
             match ev {
                 RequestEvent::Token { .. } => output_tokens += 1,
-                RequestEvent::Finished(_) => {
+                RequestEvent::Finished(done) => {
+                    specs.remove(&done.id.0);
                     live -= 1;
                     completed += 1;
                 }

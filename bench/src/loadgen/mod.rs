@@ -278,7 +278,9 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
         let settings = args.scheduler.resolve()?;
         let (concurrency, kv) = (args.concurrency, args.kv_cache_mib);
         let report = tokio::task::spawn_blocking(move || {
-            inprocess::run(&jobs, concurrency, &settings, kv, 16)
+            // Greedy, as the served runs ask for (temperature 0).
+            let greedy = ferry_proto::v1::SamplingParams::default();
+            inprocess::run(&jobs, concurrency, &settings, (kv, 16), &greedy)
         })
         .await??
         .0;

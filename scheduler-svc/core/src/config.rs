@@ -88,6 +88,10 @@ pub struct SpeculativeConfig {
     pub prompt_lookup_max: usize,
     /// Shortest n-gram looked up (vLLM's `prompt_lookup_min`), at least 1.
     pub prompt_lookup_min: usize,
+    /// No request proposes while more than this many run (vLLM's `disable_by_batch_size`):
+    /// a verification computes its draft's positions too, which a large batch on a
+    /// compute-bound device pays for in full even when they are rejected.
+    pub disable_by_batch_size: Option<usize>,
 }
 
 /// Most draft tokens one verification may carry.
@@ -100,7 +104,12 @@ impl SpeculativeConfig {
     /// vLLM's n-gram defaults with `num_speculative_tokens` drafts (lookup of 4 down to 2).
     #[must_use]
     pub fn ngram(num_speculative_tokens: usize) -> Self {
-        SpeculativeConfig { num_speculative_tokens, prompt_lookup_max: 4, prompt_lookup_min: 2 }
+        SpeculativeConfig {
+            num_speculative_tokens,
+            prompt_lookup_max: 4,
+            prompt_lookup_min: 2,
+            disable_by_batch_size: None,
+        }
     }
 
     /// Checks the ranges (see the fields).
@@ -124,6 +133,9 @@ impl SpeculativeConfig {
                 "prompt_lookup_max ({}) must be >= prompt_lookup_min ({})",
                 self.prompt_lookup_max, self.prompt_lookup_min
             ));
+        }
+        if self.disable_by_batch_size == Some(0) {
+            return bad("disable_by_batch_size must be at least 1".into());
         }
         if self.prompt_lookup_max > MAX_PROMPT_LOOKUP {
             return bad(format!(

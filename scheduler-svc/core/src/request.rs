@@ -377,7 +377,20 @@ pub(crate) struct RequestCold {
     pub(crate) prefix_hit_tokens: usize,
     /// Draft tokens of its pending `Verify` work (empty otherwise).
     pub(crate) draft: Vec<TokenId>,
+    /// Verifications in a row that accepted fewer than half their draft tokens (at most
+    /// [`SPEC_MAX_MISSES`]).
+    pub(crate) spec_misses: u8,
+    /// Proposals still to skip after those misses.
+    pub(crate) spec_skip: u8,
+    /// Most draft tokens its next proposal may have (0: the configured number): halved by a
+    /// miss, doubled by a verification that accepted its whole draft.
+    pub(crate) spec_len: u8,
 }
+
+/// A request whose drafts keep failing proposes again after 1, 3, 7, … decodes, at most
+/// `2^SPEC_MAX_MISSES - 1`, and with half the draft tokens each time: a rejected draft costs
+/// its positions' compute.
+pub(crate) const SPEC_MAX_MISSES: u8 = 6;
 
 impl Request {
     /// A record for a validated request (`max_tokens` within `max_model_len`, which the config
@@ -430,6 +443,9 @@ impl Request {
                 times: RequestTimes { arrival: req.arrival, ..RequestTimes::default() },
                 prefix_hit_tokens: 0,
                 draft: Vec::new(),
+                spec_misses: 0,
+                spec_skip: 0,
+                spec_len: 0,
             }),
         }
     }

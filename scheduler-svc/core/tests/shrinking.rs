@@ -226,6 +226,7 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
             num_speculative_tokens: k,
             prompt_lookup_min: min,
             prompt_lookup_max: min + longer,
+            disable_by_batch_size: None,
         }),
     };
     let (eos_pct, abort_pct, kv_fail_pct, kv_delay, pipeline_pct, reuse_pct, seed) = s.opts;

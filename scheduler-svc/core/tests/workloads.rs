@@ -98,6 +98,7 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
             num_speculative_tokens: spec_rng.range(1, 6),
             prompt_lookup_min: min,
             prompt_lookup_max: min + spec_rng.range(0, 2),
+            disable_by_batch_size: spec_rng.pct(30).then(|| spec_rng.range(1, 4)),
         }
     });
     for a in &mut arrivals {

@@ -118,7 +118,11 @@ impl Scheduler {
     /// Propose draft tokens for decode-ready `idx` into its `draft` (see `spec`); true if it
     /// has some. Only a request whose every token is known (no sample in flight) proposes: a
     /// proposal continues the last token, and the draft must leave room for the token the
-    /// verification samples after it (`max_tokens`, the model's length).
+    /// verification samples after it (`max_tokens`, the model's length). A request whose last
+    /// verifications accepted fewer than half their drafts skips proposals for a while (1, 3,
+    /// 7, … decodes, up to 63) and proposes half as many tokens (doubled again, up to the
+    /// configured number, by each draft accepted whole), and
+    /// none proposes while more than `disable_by_batch_size` run.
     fn propose(&mut self, idx: u32) -> bool {
         let Some(spec) = self.cfg.speculative else { return false };
         let r = &mut self.requests[idx];
@@ -126,10 +130,21 @@ impl Scheduler {
             return false;
         }
         r.cold.draft.clear();
+        if r.cold.spec_skip > 0 {
+            r.cold.spec_skip -= 1; // its recent drafts failed: back off
+            return false;
+        }
+        if spec.disable_by_batch_size.is_some_and(|n| self.active.len() > n) {
+            return false;
+        }
+        let len = match r.cold.spec_len {
+            0 => spec.num_speculative_tokens,
+            n => usize::from(n),
+        };
         let room = (r.max_tokens as usize)
             .saturating_sub(r.output.len() + 1)
             .min(self.cfg.max_model_len.saturating_sub(r.num_tokens() + 1))
-            .min(spec.num_speculative_tokens);
+            .min(len);
         crate::spec::propose_ngram(
             &r.prompt,
             &r.output,

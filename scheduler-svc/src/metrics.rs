@@ -431,26 +431,27 @@ impl MetricsView {
 
     /// Speculative decoding's counters, by vLLM's names.
     fn render_spec(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        let counters: [(&str, &str, &Counter); 3] = [
-            (
-                "vllm:spec_decode_num_drafts_total",
-                "Speculative verifications (one per request and step that verified a draft).",
-                &self.metrics.spec_drafts,
-            ),
-            (
-                "vllm:spec_decode_num_draft_tokens_total",
-                "Draft tokens proposed and verified.",
-                &self.metrics.spec_draft_tokens,
-            ),
-            (
-                "vllm:spec_decode_num_accepted_tokens_total",
-                "Draft tokens accepted.",
-                &self.metrics.spec_accepted_tokens,
-            ),
-        ];
-        for (name, help, c) in counters {
-            t.counter(name, help, m, c.get() as f64);
-        }
+        render_counters(
+            t,
+            m,
+            &[
+                (
+                    "vllm:spec_decode_num_drafts_total",
+                    "Speculative verifications (one per request and step that verified a draft).",
+                    &self.metrics.spec_drafts,
+                ),
+                (
+                    "vllm:spec_decode_num_draft_tokens_total",
+                    "Draft tokens proposed and verified.",
+                    &self.metrics.spec_draft_tokens,
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens_total",
+                    "Draft tokens accepted.",
+                    &self.metrics.spec_accepted_tokens,
+                ),
+            ],
+        );
         let name = "vllm:spec_decode_num_accepted_tokens_per_pos";
         t.family(name, "counter", "Verifications that accepted the draft token at each position.");
         for (pos, c) in self.metrics.spec_accepted_per_position.iter().enumerate() {
@@ -491,9 +492,7 @@ impl MetricsView {
                 &self.metrics.requests_refused,
             ),
         ];
-        for (name, help, c) in counters {
-            t.counter(name, help, m, c.get() as f64);
-        }
+        render_counters(t, m, &counters);
         self.render_kv(t, m);
         self.render_spec(t, m);
         t.family("vllm:request_success_total", "counter", "Finished requests by finish reason.");
@@ -562,5 +561,12 @@ impl MetricsView {
         for (name, help, h) in histograms {
             h.render(t, name, help, m);
         }
+    }
+}
+
+/// Counters with one sample each: (name, help, counter).
+fn render_counters(t: &mut Text, m: &[(&str, &str); 1], counters: &[(&str, &str, &Counter)]) {
+    for (name, help, c) in counters {
+        t.counter(name, help, m, c.get() as f64);
     }
 }

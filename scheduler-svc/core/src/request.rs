@@ -392,6 +392,36 @@ pub(crate) struct RequestCold {
 /// its positions' compute.
 pub(crate) const SPEC_MAX_MISSES: u8 = 6;
 
+impl RequestCold {
+    /// Most draft tokens its next proposal may have, `configured` at most.
+    pub(crate) fn draft_len(&self, configured: usize) -> usize {
+        match self.spec_len {
+            0 => configured,
+            n => usize::from(n).min(configured),
+        }
+    }
+
+    /// A verification of `drafts` draft tokens accepted `accepted` (`most`: the configured
+    /// draft length). Fewer than half accepted is a miss (it paid for more than it got): the
+    /// next proposal waits longer and is half as long. A draft accepted whole lets the next
+    /// be twice as long.
+    pub(crate) fn verified(&mut self, accepted: usize, drafts: usize, most: usize) {
+        let len = self.draft_len(most);
+        let as_len = |n: usize| u8::try_from(n).expect("at most MAX_SPECULATIVE_TOKENS");
+        if accepted * 2 < drafts {
+            self.spec_misses = (self.spec_misses + 1).min(SPEC_MAX_MISSES);
+            self.spec_skip = (1 << self.spec_misses) - 1;
+            self.spec_len = as_len((len / 2).max(1));
+        } else {
+            self.spec_misses = 0;
+            self.spec_skip = 0;
+            if accepted == drafts {
+                self.spec_len = as_len((len * 2).min(most));
+            }
+        }
+    }
+}
+
 impl Request {
     /// A record for a validated request (`max_tokens` within `max_model_len`, which the config
     /// keeps within 32 bits).

@@ -199,11 +199,14 @@ fn kv_op<'a>(
 
 /// An upper bound on the encoded size of any step a core with these limits builds: every
 /// request slot carrying a new request with a full-length sequence (5 bytes per token id and
-/// block id, the most a varint takes), its work, and a KV operation over all its blocks; plus
+/// block id, the most a varint takes), its work (with a full draft to verify), and a KV
+/// operation over all its blocks; plus
 /// a fixed allowance per request for ids, sampling parameters and trace context, and the
 /// largest structured-output constraint.
 pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size: usize) -> u64 {
     const PER_REQUEST: u64 = 1024;
+    // A verification's draft tokens (5 bytes each, and the field's tag and length).
+    const DRAFT: u64 = 5 * ferry_sched_core::MAX_SPECULATIVE_TOKENS as u64 + 3;
     // A constraint, and the logit biases (an entry is a tag, a length and the id and float
     // fields: at most 13 bytes) and allowed ids (5 bytes each, packed).
     const GRAMMAR: u64 = ferry_model::structured::MAX_GRAMMAR_BYTES as u64
@@ -216,7 +219,8 @@ pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size:
         + 6;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
     // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
-    let per_request = 5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST + GRAMMAR;
+    let per_request =
+        5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST + GRAMMAR + DRAFT;
     max_num_seqs as u64 * per_request + PER_REQUEST
 }
 
@@ -288,9 +292,9 @@ mod tests {
                     .clone()
                     .map(|id| v1::ScheduledWork {
                         id: u64::MAX - id,
-                        key: v1::WorkKey::Prompt.into(),
+                        key: v1::WorkKey::Verify.into(),
                         num_tokens: u32::MAX,
-                        draft_token_ids: Vec::new(),
+                        draft_token_ids: vec![u32::MAX; ferry_sched_core::MAX_SPECULATIVE_TOKENS],
                     })
                     .collect(),
                 finished_ids: ids.clone().map(|id| u64::MAX - id).collect(),

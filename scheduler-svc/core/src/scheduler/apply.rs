@@ -11,7 +11,7 @@
 use crate::error::ApplyError;
 use crate::outcome::{RequestEvent, SampledToken, StepOutcome};
 use crate::prefetch::prefetch;
-use crate::request::{Decision, FinishReason, RequestStatus, TransferState, SPEC_MAX_MISSES};
+use crate::request::{Decision, FinishReason, RequestStatus, TransferState};
 use crate::types::{RequestId, Timestamp, TransferId};
 
 use super::inflight::{RecordEntry, StepRecord};
@@ -76,10 +76,7 @@ impl Scheduler {
                 self.apply_sampled(idx, id, group, drafts, now, events);
             }
             self.requests[idx].inflight_refs -= 1;
-            // A decode queued while this sample was in flight could not propose then.
-            if !self.requeue(idx) && samples {
-                self.retry_proposal(idx);
-            }
+            self.requeue(idx);
             self.try_retire(idx);
         }
         self.steps.recycle(record);
@@ -233,24 +230,8 @@ impl Scheduler {
             if !r.status.is_finished() {
                 r.num_computed = r.num_computed.min(r.num_tokens() - 1);
             }
-            // Fewer than half its drafts accepted: a miss (it paid for more than it got); the
-            // next proposal waits and is shorter. A draft accepted whole: the next may be longer.
             let most = self.cfg.speculative.map_or(1, |s| s.num_speculative_tokens);
-            let len = match r.cold.spec_len {
-                0 => most,
-                n => usize::from(n),
-            };
-            if accepted * 2 < usize::from(drafts) {
-                r.cold.spec_misses = (r.cold.spec_misses + 1).min(SPEC_MAX_MISSES);
-                r.cold.spec_skip = (1 << r.cold.spec_misses) - 1;
-                r.cold.spec_len = u8::try_from((len / 2).max(1)).expect("at most 16");
-            } else {
-                r.cold.spec_misses = 0;
-                r.cold.spec_skip = 0;
-                if accepted == usize::from(drafts) {
-                    r.cold.spec_len = u8::try_from((len * 2).min(most)).expect("at most 16");
-                }
-            }
+            r.cold.verified(accepted, usize::from(drafts), most);
         }
     }
 

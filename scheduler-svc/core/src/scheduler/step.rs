@@ -82,7 +82,10 @@ impl Scheduler {
         if remaining == 0 {
             None
         } else if remaining == 1 && r.num_computed >= r.prompt.len() {
-            Some(WorkKey::Decode)
+            // A request that may speculate waits for its sample: a draft continues the last
+            // token, so its next work is chosen (and proposed) when that token is known.
+            let waits = r.placeholders > 0 && r.speculate && self.cfg.speculative.is_some();
+            (!waits).then_some(WorkKey::Decode)
         } else if !self.cfg.enable_chunked_prefill && remaining <= self.cfg.max_num_batched_tokens {
             Some(WorkKey::Prompt)
         } else {
@@ -91,27 +94,15 @@ impl Scheduler {
     }
 
     /// Queue the next work of an `Active` request that has none pending: a decode becomes a
-    /// `Verify` when the request has a draft proposal. True if it queued work.
-    pub(super) fn requeue(&mut self, idx: u32) -> bool {
+    /// `Verify` when the request has a draft proposal.
+    pub(super) fn requeue(&mut self, idx: u32) {
         if self.requests[idx].status != RequestStatus::Active || self.work.pending(idx).is_some() {
-            return false;
+            return;
         }
-        let Some(key) = self.next_work(idx) else { return false };
-        let key = if key == WorkKey::Decode && self.propose(idx) { WorkKey::Verify } else { key };
-        self.work.enqueue(key, idx);
-        true
-    }
-
-    /// A request whose pending decode was queued while a sample of it was in flight (so it
-    /// could not propose then) verifies a draft instead, if it has one now.
-    pub(super) fn retry_proposal(&mut self, idx: u32) {
-        if self.cfg.speculative.is_some()
-            && self.requests[idx].speculate
-            && self.work.pending(idx) == Some(WorkKey::Decode)
-            && self.propose(idx)
-        {
-            self.work.remove(idx);
-            self.work.enqueue(WorkKey::Verify, idx);
+        if let Some(key) = self.next_work(idx) {
+            let key =
+                if key == WorkKey::Decode && self.propose(idx) { WorkKey::Verify } else { key };
+            self.work.enqueue(key, idx);
         }
     }
 
@@ -126,9 +117,10 @@ impl Scheduler {
     fn propose(&mut self, idx: u32) -> bool {
         let Some(spec) = self.cfg.speculative else { return false };
         let r = &mut self.requests[idx];
-        if !r.speculate || r.placeholders > 0 {
+        if !r.speculate {
             return false;
         }
+        debug_assert_eq!(r.placeholders, 0, "next_work holds a speculating request's decode back");
         r.cold.draft.clear();
         if r.cold.spec_skip > 0 {
             r.cold.spec_skip -= 1; // its recent drafts failed: back off
@@ -137,10 +129,7 @@ impl Scheduler {
         if spec.disable_by_batch_size.is_some_and(|n| self.active.len() > n) {
             return false;
         }
-        let len = match r.cold.spec_len {
-            0 => spec.num_speculative_tokens,
-            n => usize::from(n),
-        };
+        let len = r.cold.draft_len(spec.num_speculative_tokens);
         let room = (r.max_tokens as usize)
             .saturating_sub(r.output.len() + 1)
             .min(self.cfg.max_model_len.saturating_sub(r.num_tokens() + 1))

@@ -826,3 +826,101 @@ fn prompt_logprobs_score_every_prompt_token_once_however_the_prompt_is_chunked()
         assert_eq!(chunked.prompt_logprobs.len(), n - 1, "chunk {chunk}");
     }
 }
+
+/// A sample of several (`n` > 1) starts from its source's prompt KV: references to the
+/// source's full blocks and a copy of its partial one (`Step.block_copies`, done before the
+/// forward), then computes the last prompt token itself. Its tokens are the ones a request
+/// of its own with its seed computes; a bad copy refuses its request alone.
+#[test]
+fn a_forked_sample_continues_exactly_from_a_copied_block_and_a_bad_copy_is_refused_alone() {
+    let text = "The old ferryman carried the whole village across the river, one boat at a time.";
+    let sampling = |seed| v1::SamplingParams { temperature: 1.0, seed: Some(seed), ..seeded() };
+    let mut d = Driver::new(engine(), 0);
+    let source = req(1, text, sampling(7));
+    let len = source.prompt_len;
+    let point = len - 1;
+    assert!(!point.is_multiple_of(BS as usize), "the prompt ends its forked KV in a partial block");
+    let shared = point / BS as usize;
+    // The source computes its prompt but the last token.
+    let table: Vec<u32> = (0..=shared as u32).collect();
+    let step = v1::Step {
+        step_id: 0,
+        new_requests: vec![v1::NewRequest {
+            id: 1,
+            prompt_token_ids: source.tokens.clone(),
+            sampling: Some(source.sampling.clone()),
+            block_ids: table.clone(),
+            ..Default::default()
+        }],
+        work: vec![v1::ScheduledWork {
+            id: 1,
+            key: v1::WorkKey::PromptChunk.into(),
+            num_tokens: point as u32,
+            draft_token_ids: Vec::new(),
+        }],
+        total_num_tokens: point as u32,
+        ..Default::default()
+    };
+    let result = d.engine.execute(&step).unwrap();
+    assert!(result.refused.is_empty() && result.outputs.iter().all(|o| o.token_ids.is_empty()));
+
+    // The sample: the shared full blocks, block 50 for the rest, copied from the source's.
+    let sample_table: Vec<u32> = table[..shared].iter().copied().chain([50]).collect();
+    let fork = |step_id: u64, copies: Vec<v1::BlockCopy>| v1::Step {
+        step_id,
+        new_requests: vec![v1::NewRequest {
+            id: 2,
+            prompt_token_ids: source.tokens.clone(),
+            sampling: Some(sampling(8)),
+            block_ids: sample_table.clone(),
+            num_computed_tokens: point as u32,
+            ..Default::default()
+        }],
+        work: vec![v1::ScheduledWork {
+            id: 2,
+            key: v1::WorkKey::PromptChunk.into(),
+            num_tokens: 1,
+            draft_token_ids: Vec::new(),
+        }],
+        total_num_tokens: 1,
+        block_copies: copies,
+        ..Default::default()
+    };
+    let copy = |src: u32, dst: u32| v1::BlockCopy { id: 2, src, dst };
+    for (i, (copies, why)) in [
+        (vec![copy(shared as u32, 51)], "which this step does not give the request"),
+        (vec![copy(50, 50)], "blocks must be distinct and below 256"),
+        (vec![copy(300, 50)], "blocks must be distinct and below 256"),
+        (vec![copy(200, 50)], "which no live request holds"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let result = d.engine.execute(&fork(1 + 2 * i as u64, copies)).unwrap();
+        assert_eq!(result.refused.len(), 1, "{why}");
+        assert_eq!(result.refused[0].id, 2);
+        assert!(result.refused[0].reason.contains(why), "{:?} lacks {why:?}", result.refused[0]);
+        // Forgotten, so the next attempt is new again.
+        let forget =
+            v1::Step { step_id: 2 + 2 * i as u64, finished_ids: vec![2], ..Default::default() };
+        d.engine.execute(&forget).unwrap();
+    }
+    let result = d.engine.execute(&fork(20, vec![copy(shared as u32, 50)])).unwrap();
+    assert!(result.refused.is_empty(), "{result:?}");
+    let first = result.outputs[0].token_ids.clone();
+    assert_eq!(first.len(), 1);
+
+    // Decode the sample on; then the same seed as a request of its own, prompt computed.
+    d.step_id = 21;
+    d.next_block = 60;
+    let mut sample = req(2, text, sampling(8));
+    sample.tokens.extend(first);
+    sample.computed = len;
+    sample.table = sample_table.clone();
+    sample.sent = true;
+    let mut forked = [sample];
+    d.run(&mut forked, 16, 64);
+    let mut alone = [req(3, text, sampling(8))];
+    d.run(&mut alone, 16, 64);
+    assert_eq!(generated(&forked[0]), generated(&alone[0]), "the fork's KV is the prompt's");
+}

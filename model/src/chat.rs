@@ -346,7 +346,7 @@ const CLOSE: &str = "</tool_call>";
 /// content, except whitespace that only separates calls or ends the answer; a block that does
 /// not parse as a call stays content, as written. Pieces come out as soon as they are certain:
 /// content is held back only while it could be the start of `<tool_call>`.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct ToolCallParser {
     /// Text not yet given out.
     buf: String,

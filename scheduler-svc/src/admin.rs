@@ -60,6 +60,9 @@ fn decision(d: Decision) -> String {
         Decision::NoSlot => "waiting: every admission slot is taken",
         Decision::InFlight => "waiting: a step in flight still references it",
         Decision::FenceWait => "waiting one step: its blocks are fenced by a step in flight",
+        Decision::ForkWait => {
+            "waiting: a sample of several, for its first sample's prompt KV to fork from"
+        }
         Decision::Preempted => "preempted (its KV will be recomputed)",
         Decision::Yielded => "yielded its slot, kept its KV",
         Decision::Reclaimed => "some of its KV was reclaimed while it waited",

@@ -36,6 +36,12 @@ pub struct SchedulerMetrics {
     pub spec_accepted_tokens: Counter,
     /// Verifications that accepted the draft token at each position.
     pub spec_accepted_per_position: [Counter; MAX_SPECULATIVE_TOKENS],
+    /// Samples of a request with several that forked from the first's prompt KV.
+    pub forks: Counter,
+    /// Prompt blocks those forks shared instead of computing.
+    pub fork_shared_blocks: Counter,
+    /// Partial blocks those forks copied.
+    pub fork_copied_blocks: Counter,
     /// Preemptions.
     pub preemptions: Counter,
     success: [Counter; 4],
@@ -101,6 +107,9 @@ impl SchedulerMetrics {
             spec_draft_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
             spec_accepted_per_position: Default::default(),
+            forks: Counter::default(),
+            fork_shared_blocks: Counter::default(),
+            fork_copied_blocks: Counter::default(),
             preemptions: Counter::default(),
             success: Default::default(),
             requests_moved: Counter::default(),
@@ -149,6 +158,9 @@ impl SchedulerMetrics {
         self.prefix_queries.add(d(before.prefix_cache_queries, after.prefix_cache_queries));
         self.prefix_hits.add(d(before.prefix_cache_hits, after.prefix_cache_hits));
         self.preemptions.add(d(before.num_preemptions, after.num_preemptions));
+        self.forks.add(d(before.forks, after.forks));
+        self.fork_shared_blocks.add(d(before.fork_shared_blocks, after.fork_shared_blocks));
+        self.fork_copied_blocks.add(d(before.fork_copied_blocks, after.fork_copied_blocks));
         self.spec_drafts.add(d(before.spec_drafts, after.spec_drafts));
         self.spec_draft_tokens.add(d(before.spec_draft_tokens, after.spec_draft_tokens));
         self.spec_accepted_tokens.add(d(before.spec_accepted_tokens, after.spec_accepted_tokens));
@@ -429,7 +441,7 @@ impl MetricsView {
         }
     }
 
-    /// Speculative decoding's counters, by vLLM's names.
+    /// Speculative decoding's counters, by vLLM's names, and parallel sampling's.
     fn render_spec(&self, t: &mut Text, m: &[(&str, &str); 1]) {
         render_counters(
             t,
@@ -449,6 +461,28 @@ impl MetricsView {
                     "vllm:spec_decode_num_accepted_tokens_total",
                     "Draft tokens accepted.",
                     &self.metrics.spec_accepted_tokens,
+                ),
+            ],
+        );
+        render_counters(
+            t,
+            m,
+            &[
+                (
+                    "ferry_parallel_sampling_forks_total",
+                    "Samples of a request with several (n > 1) that forked from the first \
+                     sample's prompt KV instead of computing it.",
+                    &self.metrics.forks,
+                ),
+                (
+                    "ferry_parallel_sampling_shared_blocks_total",
+                    "Full prompt blocks those samples shared (one reference each).",
+                    &self.metrics.fork_shared_blocks,
+                ),
+                (
+                    "ferry_parallel_sampling_copied_blocks_total",
+                    "Partial prompt blocks those samples copied.",
+                    &self.metrics.fork_copied_blocks,
                 ),
             ],
         );

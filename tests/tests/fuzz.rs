@@ -200,25 +200,31 @@ fn step() -> impl Strategy<Value = v1::Step> {
         num_tokens,
         draft_token_ids: vec![],
     });
+    // Block copies (a sample forking from another's prompt) between colliding blocks.
+    let copy = (id(), block(), block()).prop_map(|(id, src, dst)| v1::BlockCopy { id, src, dst });
     (
         vec(new_request(), 0..3),
         vec(cached, 0..2),
         vec(work, 0..4),
         (vec(id(), 0..2), vec(id(), 0..2)),
         prop_oneof![9 => Just(None), 1 => proptest::option::of(0u32..40)],
+        vec(copy, 0..2),
     )
-        .prop_map(|(new_requests, cached_requests, work, (finished, preempted), total)| {
-            let sum = work.iter().map(|w| w.num_tokens).fold(0u32, u32::wrapping_add);
-            v1::Step {
-                new_requests,
-                cached_requests,
-                total_num_tokens: total.unwrap_or(sum),
-                work,
-                finished_ids: finished,
-                preempted_ids: preempted,
-                ..Default::default()
-            }
-        })
+        .prop_map(
+            |(new_requests, cached_requests, work, (finished, preempted), total, block_copies)| {
+                let sum = work.iter().map(|w| w.num_tokens).fold(0u32, u32::wrapping_add);
+                v1::Step {
+                    new_requests,
+                    cached_requests,
+                    total_num_tokens: total.unwrap_or(sum),
+                    work,
+                    finished_ids: finished,
+                    preempted_ids: preempted,
+                    block_copies,
+                    ..Default::default()
+                }
+            },
+        )
 }
 
 /// A session that runs: `n` requests prefilled in one step (each its own blocks), then
@@ -270,6 +276,7 @@ fn running_session() -> impl Strategy<Value = Vec<v1::Step>> {
                 step.work.extend(junk.work);
                 step.finished_ids.extend(junk.finished_ids);
                 step.preempted_ids.extend(junk.preempted_ids);
+                step.block_copies.extend(junk.block_copies);
             }
             steps
         },

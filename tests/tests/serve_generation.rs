@@ -293,7 +293,13 @@ fn serve_speaks_the_openai_http_api() {
             404,
             "not served",
         ),
-        ("/v1/completions", &br#"{"prompt":"hi","n":3}"#[..], 400, "only n = 1"),
+        ("/v1/completions", &br#"{"prompt":"hi","n":65}"#[..], 400, "at most 64, got 65"),
+        (
+            "/v1/completions",
+            &br#"{"prompt":"hi","n":2,"best_of":3,"stream":true}"#[..],
+            400,
+            "cannot be streamed",
+        ),
         ("/v1/completions", &br#"{"prompt":"hi","max_tokens":0}"#[..], 400, "at least 1"),
         // A value of the wrong kind names its field and the kind expected.
         (
@@ -337,8 +343,8 @@ fn serve_speaks_the_openai_http_api() {
             "which is not in tools",
         ),
         (
-            "/v1/completions",
-            &br#"{"prompt":"hi","best_of":3}"#[..],
+            "/v1/chat/completions",
+            &br#"{"messages":[{"role":"user","content":"hi"}],"best_of":3}"#[..],
             400,
             "best_of = 3",
         ),

@@ -47,6 +47,10 @@ pub trait ModelBackend: Send {
     fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String>;
     /// Writes `data` (the transfer layout) into KV block `block`.
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String>;
+    /// Copies KV block `src` into block `dst`, every layer, keys and values (both checked in
+    /// range and distinct): a sample of several starting its own copy of the partial block
+    /// its shared prompt ends in. A device failure panics, as in [`ModelBackend::run`].
+    fn copy_block(&mut self, src: usize, dst: usize);
     /// Whether the KV pool lives in the region shared with the KV agent (see
     /// [`crate::engine::kv::KvOps`]): an export then names its blocks where they are.
     fn kv_in_shared_pool(&self) -> bool {
@@ -146,6 +150,10 @@ impl ModelBackend for CpuBackend {
             return Err(format!("block {block} is out of range"));
         }
         bytes_to_floats(data, self.cache.block_mut(block))
+    }
+
+    fn copy_block(&mut self, src: usize, dst: usize) {
+        self.cache.copy_block(src, dst);
     }
 
     fn kv_in_shared_pool(&self) -> bool {
@@ -253,6 +261,9 @@ impl ModelBackend for SimBackend {
         out.fill(0);
         Ok(())
     }
+
+    /// The simulator holds no KV: nothing to copy.
+    fn copy_block(&mut self, _src: usize, _dst: usize) {}
 
     /// The simulator holds no KV: an imported block is dropped.
     fn write_block(&mut self, block: usize, _data: &[u8]) -> Result<(), String> {

@@ -400,6 +400,9 @@ impl Engine {
         }
         self.apply_diff(step, prepared);
         let (mut refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
+        for c in &step.block_copies {
+            self.backend.copy_block(c.src as usize, c.dst as usize);
+        }
         self.kv.start(&step.kv_ops, self.backend.as_mut());
         // Imports that arrived are written now, before this step's forward (which does not
         // read them: their requests are scheduled only once the import is reported).
@@ -944,6 +947,10 @@ impl Engine {
                 }
             })?;
         }
+        for c in &step.block_copies {
+            copy_fault(c, facts.num_blocks, &tables, &self.requests, &finished)
+                .map_err(|reason| StepError::Invalid { id: c.id, reason })?;
+        }
         // The batch against the KV pool: coverage, ranges, no block written by two requests.
         // Token ids were checked when they arrived, so placeholders stand in for them here.
         let longest = planned.iter().map(|p| p.n).max().unwrap_or(0);
@@ -1155,6 +1162,38 @@ fn sample_row(
     Ok((s.token, logprobs))
 }
 
+/// What is wrong with block copy `c`, if anything: both blocks in the pool and distinct, the
+/// block written new to its request's table in this step, the block read held by a live
+/// request (after this step's diff: `tables` holds the tables it sets).
+fn copy_fault(
+    c: &v1::BlockCopy,
+    num_blocks: usize,
+    tables: &HashMap<u64, Vec<u32>>,
+    requests: &HashMap<u64, ExecRequest>,
+    finished: &HashSet<u64>,
+) -> Result<(), String> {
+    if c.src as usize >= num_blocks || c.dst as usize >= num_blocks || c.src == c.dst {
+        return Err(format!(
+            "block copy {} -> {}: blocks must be distinct and below {num_blocks}",
+            c.src, c.dst
+        ));
+    }
+    if !tables.get(&c.id).is_some_and(|t| t.contains(&c.dst)) {
+        return Err(format!(
+            "block copy into block {}, which this step does not give the request",
+            c.dst
+        ));
+    }
+    let held = tables.values().any(|t| t.contains(&c.src))
+        || requests.iter().any(|(id, r)| {
+            !finished.contains(id) && !tables.contains_key(id) && r.table.contains(&c.src)
+        });
+    if !held {
+        return Err(format!("block copy from block {}, which no live request holds", c.src));
+    }
+    Ok(())
+}
+
 /// `step` without request `id`'s parts (its new request, update, work, preemption and KV
 /// operations, which come back beside it), or `None` when it names no part of it. Its
 /// `finished_ids` stay: forgetting a request is never a fault.
@@ -1164,7 +1203,8 @@ fn without(step: &v1::Step, id: u64) -> Option<(v1::Step, Vec<v1::KvOperation>)>
         || step.cached_requests.iter().any(|r| r.id == id)
         || step.work.iter().any(|w| w.id == id)
         || step.preempted_ids.contains(&id)
-        || step.kv_ops.iter().any(ops_of);
+        || step.kv_ops.iter().any(ops_of)
+        || step.block_copies.iter().any(|c| c.id == id);
     if !named {
         return None;
     }
@@ -1175,6 +1215,7 @@ fn without(step: &v1::Step, id: u64) -> Option<(v1::Step, Vec<v1::KvOperation>)>
     rest.total_num_tokens = rest.total_num_tokens.wrapping_sub(its_tokens);
     rest.work.retain(|w| w.id != id);
     rest.preempted_ids.retain(|p| *p != id);
+    rest.block_copies.retain(|c| c.id != id);
     let (dropped, kept) = std::mem::take(&mut rest.kv_ops).into_iter().partition(ops_of);
     rest.kv_ops = kept;
     Some((rest, dropped))

@@ -147,6 +147,12 @@ impl PagedKvCache {
         &self.data[block * len..(block + 1) * len]
     }
 
+    /// Copies block `src`'s contents (every layer, keys and values) into block `dst`.
+    pub fn copy_block(&mut self, src: usize, dst: usize) {
+        let len = self.num_layers * 2 * self.block_size * self.kv_dim;
+        self.data.copy_within(src * len..(src + 1) * len, dst * len);
+    }
+
     /// Mutable raw contents of one block (for KV transfer).
     pub fn block_mut(&mut self, block: usize) -> &mut [f32] {
         let len = self.num_layers * 2 * self.block_size * self.kv_dim;

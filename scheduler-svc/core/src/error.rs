@@ -88,6 +88,16 @@ pub enum AddError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// A parallel-sampling fork that cannot be: its source is not a live
+    /// [`crate::Fork::Source`] with the same prompt and salt, or it is combined with a KV
+    /// transfer or prior output.
+    #[error("request {id}: invalid sample fork: {reason}")]
+    InvalidFork {
+        /// Request.
+        id: RequestId,
+        /// What is wrong.
+        reason: &'static str,
+    },
     /// The import's transfer id is already in use.
     #[error("request {id}: transfer {transfer_id} already in use")]
     DuplicateTransfer {

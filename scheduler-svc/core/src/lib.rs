@@ -82,9 +82,9 @@ pub use error::{AbortError, AddError, ApplyError, ScheduleError};
 pub use outcome::{
     FinishStats, FinishedRequest, KvResult, RequestEvent, SampledToken, StepOutcome,
 };
-pub use plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan};
+pub use plan::{BlockCopy, CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan};
 pub use request::{
-    Decision, FinishReason, KvImport, NewRequest, RequestStatus, RequestTimes, StopCause,
+    Decision, FinishReason, Fork, KvImport, NewRequest, RequestStatus, RequestTimes, StopCause,
 };
 pub use scheduler::{InvariantViolation, RequestView, Scheduler, SchedulerStats};
 pub use types::{BlockId, RequestId, StepId, Timestamp, TokenId, TransferId};

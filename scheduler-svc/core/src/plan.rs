@@ -118,6 +118,19 @@ pub enum KvOp {
     },
 }
 
+/// Copy one KV block's contents into another, in every layer: a sample of several starts
+/// its own copy of the partial block its prompt's KV ends in ([`crate::Fork`]). The executor
+/// does every copy of a step before the step's forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    /// The forked sample, whose table gains `dst` in this step.
+    pub id: RequestId,
+    /// Block read (held by the source sample).
+    pub src: BlockId,
+    /// Block written (new to the forked sample).
+    pub dst: BlockId,
+}
+
 /// One step for the executor. Returned by reference from [`crate::Scheduler::schedule`] and
 /// rebuilt in place by the next call.
 #[derive(Debug, Clone, Default)]
@@ -136,6 +149,8 @@ pub struct StepPlan {
     pub preempted: Vec<RequestId>,
     /// KV transfer operations.
     pub kv_ops: Vec<KvOp>,
+    /// Blocks to copy before the forward (samples forking from a shared prompt).
+    pub block_copies: Vec<BlockCopy>,
     /// Sum of `scheduled[*].num_tokens`.
     pub total_tokens: usize,
     /// Flat buffer of block ids addressed by spans.
@@ -174,7 +189,7 @@ impl StepPlan {
     /// True if the step carries no work and no KV operation (it may still report finished ids).
     #[must_use]
     pub fn is_idle(&self) -> bool {
-        self.scheduled.is_empty() && self.kv_ops.is_empty()
+        self.scheduled.is_empty() && self.kv_ops.is_empty() && self.block_copies.is_empty()
     }
 
     pub(crate) fn clear(&mut self, step_id: StepId) {
@@ -185,6 +200,7 @@ impl StepPlan {
         self.finished.clear();
         self.preempted.clear();
         self.kv_ops.clear();
+        self.block_copies.clear();
         self.total_tokens = 0;
         self.block_ids.clear();
         self.tokens.clear();

@@ -74,6 +74,30 @@ pub struct KvImport {
     pub num_tokens: usize,
 }
 
+/// A request's part in parallel sampling (`n > 1`): the samples of one request share the KV of
+/// its prompt.
+///
+/// Why in the core: the samples are separate requests for everything the core decides (slots,
+/// work, preemption, finishing), but their prompt's KV is computed once. The first sample, the
+/// source, computes its prompt but the last token as one piece of work and the last token in a
+/// later one; in between, each other sample, at its first admission, takes a reference to each
+/// of the source's full blocks of that KV and a copy of the partial block after them (the
+/// step's [`crate::StepPlan::block_copies`], done by the executor before the step's forward),
+/// and computes the last prompt token itself, sampling its own first token. From there on the
+/// samples are independent: preempting one drops only its references.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fork {
+    /// A request on its own.
+    #[default]
+    None,
+    /// The first sample of a request with several: the one the others fork from.
+    Source,
+    /// Another sample of the request this names (a live [`Fork::Source`] with the same prompt
+    /// and salt). It waits for the source's prompt KV before its first admission; if the source
+    /// finishes or loses that KV first, it computes its prompt itself.
+    Of(RequestId),
+}
+
 /// A request to add: what the service layer knows after validation and tokenization.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewRequest {
@@ -116,6 +140,8 @@ pub struct NewRequest {
     /// off for requests whose sampling cannot verify several positions at once, such as a
     /// structured output's grammar).
     pub speculate: bool,
+    /// Parallel sampling: whether it shares its prompt's KV with sibling samples ([`Fork`]).
+    pub fork: Fork,
 }
 
 impl NewRequest {
@@ -143,6 +169,7 @@ impl NewRequest {
             kv_export: None,
             output: Vec::new(),
             speculate: false,
+            fork: Fork::None,
         }
     }
 }
@@ -170,6 +197,8 @@ pub enum Decision {
     InFlight,
     /// Not scheduled: the blocks it needs are fenced by an in-flight step; next step.
     FenceWait,
+    /// Not admitted: a sample waiting for its source's prompt KV to fork from.
+    ForkWait,
     /// Preempted (recompute).
     Preempted,
     /// Yielded its slot, kept its KV.
@@ -385,6 +414,10 @@ pub(crate) struct RequestCold {
     /// Most draft tokens its next proposal may have (0: the configured number): halved by a
     /// miss, doubled by a verification that accepted its whole draft.
     pub(crate) spec_len: u8,
+    /// Parallel sampling: it is the source the sibling samples fork from ([`Fork::Source`]).
+    pub(crate) fork_source: bool,
+    /// Parallel sampling: the source it forks from ([`Fork::Of`]); cleared once it forked.
+    pub(crate) fork_of: Option<RequestId>,
 }
 
 /// A request whose drafts keep failing proposes again after 1, 3, 7, … decodes, at most
@@ -476,6 +509,11 @@ impl Request {
                 spec_misses: 0,
                 spec_skip: 0,
                 spec_len: 0,
+                fork_source: req.fork == Fork::Source,
+                fork_of: match req.fork {
+                    Fork::Of(source) => Some(source),
+                    Fork::None | Fork::Source => None,
+                },
             }),
         }
     }
@@ -523,6 +561,19 @@ impl Request {
             self.prompt[i]
         } else {
             self.output[i - self.prompt.len()]
+        }
+    }
+
+    /// Tokens its next prompt work may compute at most with `computed` tokens computed: a fork
+    /// source stops once before its last prompt token (the point its samples fork from), then
+    /// goes on.
+    #[inline]
+    pub(crate) fn fork_cap(&self, computed: usize) -> usize {
+        let point = self.prompt.len() - 1;
+        if computed < point && self.cold.fork_source {
+            point - computed
+        } else {
+            usize::MAX
         }
     }
 

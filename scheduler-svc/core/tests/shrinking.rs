@@ -35,16 +35,22 @@ struct Sketch {
     /// 0: no transfer, 1: a KV import (of this share of the prompt), 2: a KV export.
     kv: (u8, u32),
     step: u64,
+    /// More samples of this request (parallel sampling; 0: alone).
+    samples: usize,
 }
 
 fn sketch() -> impl Strategy<Value = Sketch> {
     (
         (0usize..3, 0u32..1000, 0u32..1000, any::<u64>()),
         (any::<bool>(), any::<bool>(), prop::option::of(0u32..1000), 0i32..3, 0u64..2),
-        ((0u8..3, 0u32..1000), 0u64..50),
+        ((0u8..3, 0u32..1000), 0u64..50, prop::sample::select(vec![0usize, 0, 0, 0, 1, 3])),
     )
         .prop_map(
-            |((prefix, p, o, fill), (ignore_eos, stop_token, min, priority, salt), (kv, step))| {
+            |(
+                (prefix, p, o, fill),
+                (ignore_eos, stop_token, min, priority, salt),
+                (kv, step, samples),
+            )| {
                 Sketch {
                     prefix,
                     prompt_permille: p,
@@ -57,6 +63,7 @@ fn sketch() -> impl Strategy<Value = Sketch> {
                     salt,
                     kv,
                     step,
+                    samples,
                 }
             },
         )
@@ -201,6 +208,10 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         }
         arrivals.push(Arrival { step: r.step, req });
     }
+    let mut next_id = 10_000;
+    for (i, r) in s.requests.iter().enumerate() {
+        common::add_samples(&mut arrivals, i, r.samples, &mut next_id);
+    }
     let num_blocks = match s.blocks {
         (0, _) => largest,
         (1, p) => largest + share(0, largest, p),
@@ -264,11 +275,11 @@ fn cases() -> u32 {
 /// The least share of cases (percent) in which each event occurs: preemption, KV import,
 /// KV export, abort, pipelined steps. About half of what the strategy gives (see the test's
 /// output), so a change that stops exercising one of them fails here.
-const MIN_SHARE_PCT: [u64; 7] = [20, 35, 45, 20, 15, 15, 12];
+const MIN_SHARE_PCT: [u64; 8] = [20, 35, 45, 20, 15, 15, 12, 18];
 
 #[test]
 fn generated_workloads_keep_invariants_and_drain_and_shrink_any_failure() {
-    let seen: [AtomicU64; 7] = Default::default();
+    let seen: [AtomicU64; 8] = Default::default();
     let mut runner = runner(cases());
     let result = runner.run(&shape(), |s| {
         let (cfg, arrivals, opts) = build(&s);

@@ -5,8 +5,10 @@
 //! fence safety (no block written for one request while an in-flight step writes it for
 //! another; with prefix caching too); every workload must drain within a bound with nothing
 //! held at the end. The run asserts its own coverage: each of preemption, KV import, KV export,
-//! abort, pipelined steps, an executor's refusal and a speculative verification that accepts
-//! some drafts and rejects others occurs in a minimum share of the seeds (`MIN_SHARE_PCT`).
+//! abort, pipelined steps, an executor's refusal, a speculative verification that accepts
+//! some drafts and rejects others and a sample of several forking from its source's prompt KV
+//! (copying a partial block; the simulated executor checks the copy reads that KV) occurs in a
+//! minimum share of the seeds (`MIN_SHARE_PCT`).
 //!
 //! A failing seed is printed; add it to `REGRESSION_SEEDS` so it is replayed on every run.
 
@@ -30,7 +32,7 @@ const REGRESSION_SEEDS: &[u64] = &[
 /// KV export, abort, pipelined steps (two steps in flight). About half of what the generator
 /// gives over the default 2000 seeds (see the test's output), so the bound has room for
 /// generator changes yet catches an event that stops happening.
-const MIN_SHARE_PCT: [u64; 7] = [24, 32, 35, 22, 10, 20, 14];
+const MIN_SHARE_PCT: [u64; 8] = [24, 32, 35, 22, 10, 20, 14, 7];
 
 /// Number of random seeds per run (on top of the regressions). `FERRY_CORE_SEEDS` overrides.
 fn num_seeds() -> u64 {
@@ -72,9 +74,7 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         let mut req = NewRequest::new(RequestId(i as u64 + 1), prompt, max_tokens, Timestamp(0));
         req.eos_token_ids = vec![0];
         req.ignore_eos = rng.pct(20);
-        if rng.pct(20) {
-            req.stop_token_ids = vec![3];
-        }
+        req.stop_token_ids = if rng.pct(20) { vec![3] } else { Vec::new() };
         req.min_tokens = if rng.pct(20) { rng.range(0, max_tokens) } else { 0 };
         req.priority = rng.range(0, 3) as i32;
         req.cache_salt = rng.range(0, 1) as u64;
@@ -104,6 +104,7 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
     for a in &mut arrivals {
         a.req.speculate = spec_rng.pct(80);
     }
+    add_samples(seed, &mut arrivals);
     let num_blocks = match rng.range(0, 2) {
         0 => largest,
         1 => largest + rng.range(0, largest),
@@ -144,6 +145,20 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
     (cfg, arrivals, opts)
 }
 
+/// Parallel sampling, from a stream of its own (so the other draws and the regression seeds
+/// stay): in 40 % of the seeds, some requests get 1–3 more samples.
+fn add_samples(seed: u64, arrivals: &mut Vec<Arrival>) {
+    let mut fork_rng = Rng::new(seed ^ 0x464f_524b);
+    if fork_rng.pct(40) {
+        let mut next_id = 10_000;
+        for i in 0..arrivals.len() {
+            if fork_rng.pct(30) {
+                common::add_samples(arrivals, i, fork_rng.range(1, 3), &mut next_id);
+            }
+        }
+    }
+}
+
 fn run_seed(seed: u64) -> Result<common::Report, String> {
     let (cfg, arrivals, opts) = random_case(seed);
     run(&cfg, &arrivals, &opts).map_err(|e| format!("seed {seed}: {e}\nconfig: {cfg:?}"))
@@ -161,7 +176,7 @@ fn random_workloads_keep_invariants_and_drain() {
         std::env::var("FERRY_CORE_SEED_BASE").ok().and_then(|s| s.parse().ok()).unwrap_or(0u64);
     let mut totals = [0u64; 9];
     // Seeds in which each event occurred at least once: the coverage asserted below.
-    let mut seeds_with = [0u64; 7];
+    let mut seeds_with = [0u64; 8];
     let mut slowest = (0u64, 0u64);
     for seed in base..base + num_seeds() {
         match run_seed(seed) {

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use ferry_proto::v1;
 use ferry_runtime::tls;
-use ferry_sched_core::{routing, TransferId};
+use ferry_sched_core::{routing, Fork, TransferId};
 
 use super::placement::{PlaceError, Placed};
 use super::{Front, Route};
@@ -103,7 +103,7 @@ impl Front {
                 destination: handoff.agent().to_string(),
                 timeout: handoff.timeout,
             };
-            match self.submit(&prefill, spec, &[], Some(export)).await {
+            match self.submit(&prefill, spec, &[], Some(export), Fork::None).await {
                 Ok(placed) => return Ok((placed, Some(handoff))),
                 Err(e) => tracing::debug!(
                     executor = %prefill.name,

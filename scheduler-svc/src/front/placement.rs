@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ferry_runtime::Backoff;
 use ferry_sched_core::routing::Candidate;
-use ferry_sched_core::{RequestId, TransferId};
+use ferry_sched_core::{Fork, RequestId, TransferId};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -144,7 +144,7 @@ impl Front {
                 return Err(PlaceError::NoExecutor);
             };
             let tier_read = self.tier_read(&link, spec, request_id).await;
-            match self.submit(&link, spec, delivered, tier_read).await {
+            match self.submit(&link, spec, delivered, tier_read, Fork::None).await {
                 Err(PlaceError::NoExecutor) => {
                     // It died between the pick and the add: try the others.
                     if tokio::time::Instant::now() >= deadline && executors.alive().is_empty() {
@@ -197,14 +197,16 @@ impl Front {
         })
     }
 
-    /// Adds `spec` (with `delivered` tokens, and its part in a KV transfer) to `link`'s core;
-    /// `NoExecutor` if the link turned out to be gone (it is closed then).
+    /// Adds `spec` (with `delivered` tokens, its part in a KV transfer and in parallel
+    /// sampling) to `link`'s core; `NoExecutor` if the link turned out to be gone (it is closed
+    /// then).
     pub(crate) async fn submit(
         &self,
         link: &LinkHandle,
         spec: &Arc<RequestSpec>,
         delivered: &[u32],
         transfer: Option<TransferPlan>,
+        fork: Fork,
     ) -> Result<Placed, PlaceError> {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (events_tx, events_rx) = mpsc::unbounded_channel();
@@ -213,6 +215,7 @@ impl Front {
             spec: spec.clone(),
             output: delivered.to_vec(),
             transfer,
+            fork,
             events: events_tx,
         };
         match link.add(submission).await {
@@ -224,6 +227,56 @@ impl Front {
                 Err(PlaceError::NoExecutor)
             }
         }
+    }
+}
+
+impl Front {
+    /// Places the samples of one request (`specs[i]` for sample i, `ids[i]` its stream's id):
+    /// on this process's executors, all on the executor the first would get, the others
+    /// forking from its prompt's KV; a sample that executor does not take (full), and every
+    /// sample of a front in its own process, is placed on its own. On an error the samples
+    /// placed so far are aborted.
+    pub(crate) async fn place_samples(
+        &self,
+        specs: &[Arc<RequestSpec>],
+        ids: &[String],
+        patience: Duration,
+    ) -> Result<Vec<Placed>, PlaceError> {
+        let mut placed: Vec<Placed> = Vec::with_capacity(specs.len());
+        // A request scoring its prompt computes it in a cache of its own: it cannot share.
+        let shares = specs[0].sampling.prompt_logprobs.is_none();
+        if let (Route::Local(set), true) = (&self.route, shares) {
+            let roomy: Vec<LinkHandle> =
+                set.alive().iter().filter(|l| l.has_room()).cloned().collect();
+            if let Some(link) = Self::pick(&roomy, &specs[0].prompt).await {
+                if let Ok(first) = self.submit(&link, &specs[0], &[], None, Fork::Source).await {
+                    let Placement::Link { id: source, .. } = &first.0 else {
+                        unreachable!("submit places on a link")
+                    };
+                    let fork = Fork::Of(*source);
+                    placed.push(first);
+                    for spec in &specs[1..] {
+                        if let Ok(p) = self.submit(&link, spec, &[], None, fork).await {
+                            placed.push(p);
+                        } else {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        for (spec, id) in specs.iter().zip(ids).skip(placed.len()) {
+            match self.place(spec, id, &[], patience).await {
+                Ok(p) => placed.push(p),
+                Err(e) => {
+                    for (p, _) in &placed {
+                        p.abort().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(placed)
     }
 }
 

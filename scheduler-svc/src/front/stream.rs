@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_proto::v1;
-use ferry_sched_core::{FinishReason, FinishStats, StopCause};
+use ferry_sched_core::{FinishReason, FinishStats, Fork, StopCause};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -413,8 +413,10 @@ impl RequestStream {
     async fn hand_off(&mut self) -> Option<Ending> {
         let handoff = self.handoff.take()?;
         let to = handoff.decode.clone();
-        let submitted =
-            self.front.submit(&to, &self.spec, &self.delivered, Some(handoff.import_plan())).await;
+        let submitted = self
+            .front
+            .submit(&to, &self.spec, &self.delivered, Some(handoff.import_plan()), Fork::None)
+            .await;
         let (placement, events) = match submitted {
             Ok(placed) => placed,
             Err(e) => {

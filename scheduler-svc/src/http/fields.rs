@@ -66,8 +66,8 @@ const SERVED: &[&str] = &[
     "user",
 ];
 
-/// Fields only `/v1/completions` serves.
-const SERVED_COMPLETIONS: &[&str] = &["prompt"];
+/// Fields only `/v1/completions` serves (`best_of` is OpenAI's legacy completions' alone).
+const SERVED_COMPLETIONS: &[&str] = &["prompt", "best_of"];
 
 /// Fields only `/v1/chat/completions` serves.
 const SERVED_CHAT: &[&str] = &[

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use super::fields::{self, Endpoint};
 use super::ApiError;
-use crate::front::GenerationService;
+use crate::front::{GenerationService, MAX_SAMPLES};
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -115,6 +115,7 @@ struct CompletionBody {
     common: Common,
     prompt: PromptInput,
     logprobs: Option<u32>,
+    best_of: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -440,10 +441,10 @@ fn generate_request(
     logprobs: Option<u32>,
 ) -> Result<v1::GenerateRequest, ApiError> {
     check_values(c)?;
-    if c.n.unwrap_or(1) != 1 {
+    let n = c.n.unwrap_or(1);
+    if n == 0 || n > MAX_SAMPLES {
         return Err(ApiError::bad_request(format!(
-            "n = {} is not supported; only n = 1 is",
-            c.n.unwrap_or(1)
+            "n must be at least 1 and at most {MAX_SAMPLES}, got {n}"
         )));
     }
     // On the wire 0 means "up to the model's length"; OpenAI clients mean a bad value.
@@ -499,6 +500,7 @@ fn generate_request(
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage && o.continuous_usage_stats),
+        n: c.n.unwrap_or(1),
     })
 }
 
@@ -542,8 +544,13 @@ struct Shaper {
     front: GenerationService,
     /// The prompt's text, put before the answer (`echo`); empty when not asked.
     echo: String,
-    /// Reads tool calls out of a chat answer, when its request has tools.
+    /// Reads tool calls out of a chat answer, when its request has tools: how (the first
+    /// choice's reader, the others' made like it), and each choice's reader.
     tools: Option<ToolReader>,
+    readers: std::collections::HashMap<u32, ToolReader>,
+    /// `best_of`: keep the `n` samples of the highest cumulative log-probability, and show
+    /// their log-probabilities only if the client asked for them.
+    best_of: Option<(usize, bool)>,
     /// Every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
     continuous_usage: bool,
     /// Completions with `echo` and `logprobs`: the prompt's first token, whose log-probability
@@ -552,6 +559,7 @@ struct Shaper {
 }
 
 /// A chat answer's tool calls, read as the text arrives.
+#[derive(Clone)]
 struct ToolReader {
     parser: ferry_model::ToolCallParser,
     /// A named `tool_choice`: the answer finishes with "stop", as OpenAI's does.
@@ -661,12 +669,19 @@ impl Shaper {
         }
     }
 
+    /// The tool-call reader of choice `index` (each choice reads its own answer).
+    fn reader(&mut self, index: u32) -> Option<&mut ToolReader> {
+        let template = self.tools.as_ref()?;
+        Some(self.readers.entry(index).or_insert_with(|| template.clone()))
+    }
+
     fn chunk(&mut self, ev: &v1::GenerateEvent, first: bool) -> Value {
         let mut finish = finish_reason(ev.finish_reason());
+        let index = ev.index;
         let text = if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
         let mut chunk = match self.kind {
             Kind::Completion => {
-                let mut choice = json!({ "index": 0, "text": text, "logprobs": self.logprobs(ev), "finish_reason": finish });
+                let mut choice = json!({ "index": index, "text": text, "logprobs": self.logprobs(ev), "finish_reason": finish });
                 if !ev.prompt_logprobs.is_empty() {
                     choice["prompt_logprobs"] = self.prompt_logprobs(&ev.prompt_logprobs);
                 }
@@ -677,7 +692,7 @@ impl Shaper {
             }
             Kind::Chat => {
                 let mut delta = json!({ "content": text });
-                if let Some(reader) = &mut self.tools {
+                if let Some(reader) = self.reader(index) {
                     let (content, calls) = reader.read(&text, finish.is_some());
                     finish = reader.finish_reason(finish);
                     delta = json!({ "content": content });
@@ -690,7 +705,7 @@ impl Shaper {
                 }
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                    "choices": [{ "index": 0, "delta": delta, "logprobs": self.logprobs(ev), "finish_reason": finish }],
+                    "choices": [{ "index": index, "delta": delta, "logprobs": self.logprobs(ev), "finish_reason": finish }],
                 })
             }
         };
@@ -709,7 +724,59 @@ impl Shaper {
         json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": usage_json(usage) })
     }
 
+    /// The whole answer: one choice per sample (`best_of`: the best `n`, by cumulative
+    /// log-probability), usage counting the prompt once and every sample's tokens.
     fn whole(&mut self, events: &[v1::GenerateEvent]) -> Value {
+        let mut by_index: std::collections::BTreeMap<u32, Vec<v1::GenerateEvent>> =
+            std::collections::BTreeMap::new();
+        for ev in events {
+            by_index.entry(ev.index).or_default().push(ev.clone());
+        }
+        let mut samples: Vec<(u32, Vec<v1::GenerateEvent>)> = by_index.into_iter().collect();
+        if let Some((n, show_logprobs)) = self.best_of {
+            let score = |evs: &[v1::GenerateEvent]| -> f64 {
+                evs.iter()
+                    .flat_map(|e| &e.logprobs)
+                    .map(|p| f64::from(p.sampled.unwrap_or_default().logprob))
+                    .sum()
+            };
+            samples.sort_by(|a, b| score(&b.1).total_cmp(&score(&a.1)).then(a.0.cmp(&b.0)));
+            samples.truncate(n);
+            for (_, evs) in &mut samples {
+                for e in evs.iter_mut().filter(|_| !show_logprobs) {
+                    e.logprobs.clear();
+                }
+            }
+        }
+        let mut prompt_logprobs = None;
+        let mut choices = Vec::with_capacity(samples.len());
+        for (index, (sample, evs)) in samples.iter().enumerate() {
+            let (choice, prompt) =
+                self.choice(u32::try_from(index).unwrap_or(u32::MAX), *sample, evs);
+            prompt_logprobs = prompt_logprobs.or(prompt);
+            choices.push(choice);
+        }
+        let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+        // The last event carries the usage of every sample (the front counts them together).
+        let usage = events.iter().rev().find_map(|e| e.usage);
+        let mut whole = json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "choices": choices, "usage": usage_json(usage),
+        });
+        if let (Kind::Chat, Some(p)) = (self.kind, prompt_logprobs) {
+            whole["prompt_logprobs"] = p;
+        }
+        whole
+    }
+
+    /// One sample's choice at `index` (`sample`: its index in the stream) from its events,
+    /// and its prompt log-probabilities when asked for.
+    fn choice(
+        &mut self,
+        index: u32,
+        sample: u32,
+        events: &[v1::GenerateEvent],
+    ) -> (Value, Option<Value>) {
         let text: String = std::iter::once(self.echo.as_str())
             .chain(events.iter().map(|e| e.text.as_str()))
             .collect();
@@ -724,7 +791,7 @@ impl Shaper {
             .then(|| self.prompt_logprobs(&merged.prompt_logprobs));
         let choice = match self.kind {
             Kind::Completion => {
-                let mut choice = json!({ "index": 0, "text": text, "logprobs": self.logprobs(&merged), "finish_reason": finish });
+                let mut choice = json!({ "index": index, "text": text, "logprobs": self.logprobs(&merged), "finish_reason": finish });
                 if let Some(p) = &prompt_logprobs {
                     choice["prompt_logprobs"] = p.clone();
                 }
@@ -732,7 +799,7 @@ impl Shaper {
             }
             Kind::Chat => {
                 let mut message = json!({ "role": "assistant", "content": text });
-                if let Some(reader) = &mut self.tools {
+                if let Some(reader) = self.reader(sample) {
                     let (content, calls) = reader.read(&text, true);
                     finish = reader.finish_reason(finish);
                     let content = Some(content).filter(|c| !c.is_empty());
@@ -747,26 +814,19 @@ impl Shaper {
                         json!({ "role": "assistant", "content": content, "tool_calls": calls });
                 }
                 json!({
-                    "index": 0, "message": message,
+                    "index": index, "message": message,
                     "logprobs": self.logprobs(&merged), "finish_reason": finish,
                 })
             }
         };
-        let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
-        let mut whole = json!({
-            "id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": [choice], "usage": usage_json(last.and_then(|e| e.usage)),
-        });
-        if let (Kind::Chat, Some(p)) = (self.kind, prompt_logprobs) {
-            whole["prompt_logprobs"] = p;
-        }
-        whole
+        (choice, prompt_logprobs)
     }
 }
 
 async fn run(
     front: GenerationService,
     (kind, echo, tools, echo_first): (Kind, String, Option<ToolReader>, Option<u32>),
+    best_of: Option<(usize, bool)>,
     common: &Common,
     req: v1::GenerateRequest,
     headers: &HeaderMap,
@@ -805,6 +865,8 @@ async fn run(
         front: front.clone(),
         echo,
         tools,
+        readers: std::collections::HashMap::new(),
+        best_of,
         continuous_usage,
         echo_first,
     };
@@ -814,7 +876,7 @@ async fn run(
         while let Some(ev) = stream.next().await {
             events.push(ev?);
         }
-        if let Some(err) = events.last().filter(|e| e.finish_reason() == v1::FinishReason::Error) {
+        if let Some(err) = events.iter().find(|e| e.finish_reason() == v1::FinishReason::Error) {
             return Err(tonic::Status::unavailable(err.error.clone()).into());
         }
         return Ok(([("content-type", "application/json")], shaper.whole(&events).to_string())
@@ -843,11 +905,13 @@ fn sse_events(
     struct State<S> {
         shaper: Shaper,
         events: S,
-        first: bool,
+        /// Choices that have had their first chunk.
+        started: std::collections::HashSet<u32>,
         usage: Option<v1::Usage>,
         phase: Phase,
     }
-    let init = State { shaper, events, first: true, usage: None, phase: Phase::Events };
+    let started = std::collections::HashSet::new();
+    let init = State { shaper, events, started, usage: None, phase: Phase::Events };
     stream::unfold(init, move |mut st| async move {
         loop {
             match st.phase {
@@ -856,8 +920,8 @@ fn sse_events(
                         if ev.usage.is_some() {
                             st.usage = ev.usage;
                         }
-                        let data = st.shaper.chunk(&ev, st.first);
-                        st.first = false;
+                        let first = st.started.insert(ev.index);
+                        let data = st.shaper.chunk(&ev, first);
                         return Some((Ok(Event::default().data(data.to_string())), st));
                     }
                     Some(Err(status)) => {
@@ -889,6 +953,33 @@ fn rand_id() -> u64 {
     h.finish()
 }
 
+/// OpenAI's `best_of` (completions only): generate `best_of` samples and return the `n` of the
+/// highest cumulative log-probability, so each sample's log-probabilities are computed
+/// (shown only if asked for). Not streamed: the best are known only when all have finished.
+/// `None` when it is not asked for (absent, or equal to `n`).
+fn best_of(
+    body: &CompletionBody,
+    req: &mut v1::GenerateRequest,
+) -> Result<Option<(usize, bool)>, ApiError> {
+    let n = req.n;
+    let Some(best_of) = body.best_of.filter(|&b| b != n) else { return Ok(None) };
+    if best_of < n || best_of > MAX_SAMPLES {
+        return Err(ApiError::bad_request(format!(
+            "best_of must be at least n and at most {MAX_SAMPLES}, got n = {n} and best_of = \
+             {best_of}"
+        )));
+    }
+    if body.common.stream {
+        return Err(ApiError::bad_request(format!(
+            "best_of = {best_of} with n = {n} cannot be streamed: the best {n} are known only \
+             when all {best_of} have finished"
+        )));
+    }
+    req.n = best_of;
+    req.sampling.get_or_insert_with(Default::default).logprobs = true;
+    Ok(Some((n as usize, body.logprobs.is_some())))
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(front): State<GenerationService>,
@@ -899,6 +990,7 @@ pub async fn completions(
     // OpenAI's legacy default is 16 tokens (at most --max-output-tokens).
     let default_max = u32::try_from(front.limits().max_output_tokens).unwrap_or(u32::MAX).min(16);
     let mut req = generate_request(&body.common, Some(default_max), body.logprobs)?;
+    let best_of = best_of(&body, &mut req)?;
     let echo = body.common.echo.unwrap_or(false);
     // With echo, logprobs cover the prompt too (as vLLM: its prompt_logprobs, as many).
     let echo_logprobs = echo && body.logprobs.is_some();
@@ -934,7 +1026,8 @@ pub async fn completions(
             )))
         }
     });
-    run(front, (Kind::Completion, echoed, None, echo_first), &body.common, req, &headers).await
+    run(front, (Kind::Completion, echoed, None, echo_first), best_of, &body.common, req, &headers)
+        .await
 }
 
 /// `POST /v1/chat/completions`.
@@ -1037,7 +1130,7 @@ pub async fn chat_completions(
         template_kwargs_json,
     };
     req.input = Some(v1::generate_request::Input::Chat(input));
-    run(front, (Kind::Chat, echoed, reader, None), &body.common, req, &headers).await
+    run(front, (Kind::Chat, echoed, reader, None), None, &body.common, req, &headers).await
 }
 
 /// `GET /v1/models`.

@@ -105,6 +105,9 @@ pub struct Submission {
     pub output: Vec<u32>,
     /// Its part in a KV transfer, if any.
     pub transfer: Option<TransferPlan>,
+    /// Its part in parallel sampling (`n` > 1): the first sample of several, or another that
+    /// forks from the first's prompt KV in this core.
+    pub fork: ferry_sched_core::Fork,
     /// Where its events go.
     pub events: mpsc::UnboundedSender<LinkEvent>,
 }

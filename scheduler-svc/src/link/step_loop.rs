@@ -275,8 +275,9 @@ impl StepLoop {
                 }
                 self.idle = false;
                 let now = self.now();
-                let req =
+                let mut req =
                     sub.spec.to_core(sub.id, sub.output, &self.eos, sub.transfer.as_ref(), now);
+                req.fork = sub.fork;
                 let added = self.core.add_request(req);
                 if added.is_ok() {
                     if let Some(plan) = &sub.transfer {

@@ -37,7 +37,14 @@ async fn submit(
     spec: Arc<RequestSpec>,
 ) -> mpsc::UnboundedReceiver<LinkEvent> {
     let (events, rx) = mpsc::unbounded_channel();
-    let sub = Submission { id: RequestId(id), spec, output: Vec::new(), transfer: None, events };
+    let sub = Submission {
+        id: RequestId(id),
+        spec,
+        output: Vec::new(),
+        transfer: None,
+        fork: ferry_sched_core::Fork::None,
+        events,
+    };
     link.add(sub).await.expect("the loop runs").expect("the core takes it");
     rx
 }
@@ -132,6 +139,7 @@ async fn a_lost_executor_fails_every_request_it_held() {
         spec: spec(&[1], 1),
         output: Vec::new(),
         transfer: None,
+        fork: ferry_sched_core::Fork::None,
         events,
     };
     assert!(link.add(again).await.is_err());

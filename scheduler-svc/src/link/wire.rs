@@ -61,6 +61,7 @@ pub fn is_empty(step: &v1::Step) -> bool {
         && step.finished_ids.is_empty()
         && step.preempted_ids.is_empty()
         && step.kv_ops.is_empty()
+        && step.block_copies.is_empty()
 }
 
 /// The wire form of `plan` in session `session_id` under `epoch`; `info_of` gives each
@@ -121,6 +122,11 @@ pub fn to_proto<'a>(
             .map(|op| kv_op(plan, op, session_id, now_unix_ms, &info_of))
             .collect(),
         total_num_tokens: wire_u32(plan.total_tokens),
+        block_copies: plan
+            .block_copies
+            .iter()
+            .map(|c| v1::BlockCopy { id: c.id.0, src: c.src.0, dst: c.dst.0 })
+            .collect(),
     }
 }
 

@@ -279,6 +279,24 @@ impl ModelBackend for CudaBackend {
         crate::engine::backend::floats_to_bytes(&floats, out)
     }
 
+    /// Through the host (one block per forked sample, so rare; a device-to-device copy is
+    /// the better way and has not been written).
+    fn copy_block(&mut self, src: usize, dst: usize) {
+        let (from, to) = (self.block_range(src), self.block_range(dst));
+        let (from, to) = (from.expect("checked in range"), to.expect("checked in range"));
+        self.gpu.bind().expect("binding the CUDA context");
+        let floats = self
+            .gpu
+            .stream
+            .clone_dtoh(&self.cache.data.slice(from))
+            .unwrap_or_else(|e| panic!("copying block {src} from the GPU: {e}"));
+        let mut dst_view = self.cache.data.slice_mut(to);
+        self.gpu
+            .stream
+            .memcpy_htod(&floats, &mut dst_view)
+            .unwrap_or_else(|e| panic!("copying into block {dst} on the GPU: {e}"));
+    }
+
     /// Host to device: the bytes as floats, into the block.
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String> {
         let range = self.block_range(block)?;

@@ -21,7 +21,9 @@
 use std::sync::Arc;
 
 use crate::block_hash::BlockHash;
-use crate::plan::{CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan};
+use crate::plan::{
+    BlockCopy, CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan,
+};
 use crate::types::{BlockId, RequestId, StepId, TokenId, TransferId};
 use crate::work_queues::WorkKey;
 
@@ -38,6 +40,8 @@ pub(crate) struct StepDraft {
     followups: Vec<u32>,
     /// Requests given a KV op in this step (their record entries go after the scheduled ones).
     kv_entries: Vec<RecordEntry>,
+    /// Requests whose blocks the step's block copies read.
+    copy_sources: Vec<u32>,
     /// Tokens the step may still schedule.
     budget: usize,
     /// A request was preempted in this step (so a rollback may have left tombstones).
@@ -56,6 +60,7 @@ impl StepDraft {
             record: None,
             followups: Vec::new(),
             kv_entries: Vec::new(),
+            copy_sources: Vec::new(),
             budget: max_tokens,
             preempted: false,
             fence_waited: false,
@@ -70,6 +75,7 @@ impl StepDraft {
         self.plan.clear(record.step_id);
         self.followups.clear();
         self.kv_entries.clear();
+        self.copy_sources.clear();
         self.record = Some(record);
         self.budget = budget;
         self.preempted = false;
@@ -296,7 +302,27 @@ impl StepDraft {
         self.plan.kv_ops.push(KvOp::Store { block_ids, block_hashes });
     }
 
-    /// The requests given a KV op in this step.
+    /// Copy block `src` of request `source` into block `dst` of request `id` before the step's
+    /// forward.
+    pub(crate) fn copy_block(&mut self, source: u32, src: BlockId, id: RequestId, dst: BlockId) {
+        self.plan.block_copies.push(BlockCopy { id, src, dst });
+        if !self.copy_sources.contains(&source) {
+            self.copy_sources.push(source); // a source's samples fork together: a short list
+        }
+    }
+
+    /// The requests whose blocks this step's copies read.
+    pub(crate) fn copy_sources(&self) -> &[u32] {
+        &self.copy_sources
+    }
+
+    /// The step references request `idx` without work or a KV op (a block copy reads its
+    /// blocks): its blocks are fenced until the step is applied.
+    pub(crate) fn reference(&mut self, idx: u32, id: RequestId) {
+        self.kv_entries.push(RecordEntry { idx, id, samples: false, drafts: 0 });
+    }
+
+    /// The requests given a KV op (or referenced) in this step.
     pub(crate) fn kv_requests(&self) -> impl Iterator<Item = u32> + '_ {
         self.kv_entries.iter().map(|e| e.idx)
     }

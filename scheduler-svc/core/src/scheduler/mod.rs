@@ -50,7 +50,9 @@ use crate::block_pool::BlockPool;
 use crate::config::{ConfigError, PreemptionPolicy, SchedulerConfig};
 use crate::error::{AbortError, AddError};
 use crate::outcome::{FinishStats, FinishedRequest};
-use crate::request::{Decision, FinishReason, NewRequest, Request, RequestStatus, TransferState};
+use crate::request::{
+    Decision, FinishReason, Fork, NewRequest, Request, RequestStatus, TransferState,
+};
 use crate::slots::AdmissionSlots;
 use crate::types::{RequestId, Timestamp};
 use crate::waiting::WaitingQueue;
@@ -80,6 +82,9 @@ struct Counters {
     spec_draft_tokens: u64,
     spec_accepted_tokens: u64,
     spec_accepted_per_position: [u64; crate::config::MAX_SPECULATIVE_TOKENS],
+    forks: u64,
+    fork_shared_blocks: u64,
+    fork_copied_blocks: u64,
 }
 
 /// The scheduling core of one executor. Synchronous, owns all its state, takes time as input.
@@ -164,12 +169,17 @@ impl Scheduler {
     ///
     /// [`AddError`] if the request is malformed, could never run on this cache, or reuses a
     /// live request id or transfer id; nothing is added then.
-    pub fn add_request(&mut self, req: NewRequest) -> Result<(), AddError> {
+    pub fn add_request(&mut self, mut req: NewRequest) -> Result<(), AddError> {
         self.validate_new(&req)?;
         self.arrival_seq += 1;
         let import = req.kv_import;
         let export = req.kv_export;
         let priority = req.priority;
+        if let Fork::Of(source) = req.fork {
+            // The same tokens in one allocation: the fork finds its source by it, too.
+            let s = self.requests.index_of(source).expect("validate_fork checked it is live");
+            req.prompt = self.requests[s].prompt.clone();
+        }
         let mut r = Request::new(req, self.arrival_seq, self.cfg.block_size);
         if let Some(imp) = import {
             r.status = RequestStatus::Receiving;
@@ -254,11 +264,38 @@ impl Scheduler {
                 return invalid("a prefill-only request cannot import its KV");
             }
         }
+        self.validate_fork(req)?;
         let transfer_ids = req.kv_import.map(|i| i.transfer_id).into_iter().chain(req.kv_export);
         for transfer_id in transfer_ids {
             if self.transfers.contains(transfer_id) {
                 return Err(AddError::DuplicateTransfer { id, transfer_id });
             }
+        }
+        Ok(())
+    }
+
+    /// A sample's fork must name a live source with its prompt and salt; neither side may move
+    /// KV between nodes or arrive with output (the fork shares a prompt computed here).
+    fn validate_fork(&self, req: &NewRequest) -> Result<(), AddError> {
+        let invalid = |reason| Err(AddError::InvalidFork { id: req.id, reason });
+        if req.fork == Fork::None {
+            return Ok(());
+        }
+        if req.kv_import.is_some() || req.kv_export.is_some() {
+            return invalid("a sample of several cannot import or export its KV");
+        }
+        if !req.output.is_empty() {
+            return invalid("a sample of several cannot arrive with output");
+        }
+        let Fork::Of(source) = req.fork else { return Ok(()) };
+        let Some(s) = self.requests.index_of(source).map(|i| &self.requests[i]) else {
+            return invalid("its source is not a live request");
+        };
+        if !s.cold.fork_source || s.status.is_finished() {
+            return invalid("its source is not an unfinished Fork::Source");
+        }
+        if s.prompt != req.prompt || s.cold.salt != req.cache_salt {
+            return invalid("its prompt or cache salt differs from its source's");
         }
         Ok(())
     }

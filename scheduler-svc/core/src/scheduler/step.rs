@@ -16,7 +16,9 @@ use crate::error::ScheduleError;
 use crate::plan::{ScheduledWork, Span, StepPlan};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, RequestStatus, StepMark, TransferState};
-use crate::types::Timestamp;
+use std::sync::Arc;
+
+use crate::types::{BlockId, RequestId, Timestamp};
 use crate::work_queues::WorkKey;
 
 use super::preempt::Room;
@@ -86,7 +88,10 @@ impl Scheduler {
             // token, so its next work is chosen (and proposed) when that token is known.
             let waits = r.placeholders > 0 && r.speculate && self.cfg.speculative.is_some();
             (!waits).then_some(WorkKey::Decode)
-        } else if !self.cfg.enable_chunked_prefill && remaining <= self.cfg.max_num_batched_tokens {
+        } else if !self.cfg.enable_chunked_prefill
+            && remaining <= self.cfg.max_num_batched_tokens
+            && r.fork_cap(r.num_computed) >= remaining
+        {
             Some(WorkKey::Prompt)
         } else {
             Some(WorkKey::PromptChunk)
@@ -154,7 +159,10 @@ impl Scheduler {
             WorkKey::Verify => (remaining + self.requests[idx].cold.draft.len()).min(budget),
             WorkKey::Prompt if remaining > budget => 0,
             WorkKey::Prompt => remaining,
-            WorkKey::PromptChunk => remaining.min(self.cfg.chunk_cap()).min(budget),
+            WorkKey::PromptChunk => {
+                let r = &self.requests[idx];
+                remaining.min(self.cfg.chunk_cap()).min(budget).min(r.fork_cap(r.num_computed))
+            }
         }
     }
 
@@ -276,6 +284,10 @@ impl Scheduler {
                 self.requests[idx].decision = Decision::InFlight;
                 continue;
             }
+            if self.awaits_fork(idx) {
+                self.requests[idx].decision = Decision::ForkWait;
+                continue;
+            }
             if !self.try_admit(idx, now) {
                 break;
             }
@@ -288,7 +300,8 @@ impl Scheduler {
         let holds = !self.requests[idx].block_table.is_empty();
         // Prefix-cache lookup for a request that holds no KV: full blocks only, and never the
         // whole sequence (the last token must be computed to sample from it).
-        let (hit_blocks, evictable_hits) = if holds {
+        let fork = if holds { None } else { self.fork_point(idx) };
+        let (hit_blocks, evictable_hits) = if holds || fork.is_some() {
             (0, 0)
         } else {
             let max_hit = (self.requests[idx].num_tokens() - 1) / bs;
@@ -297,29 +310,92 @@ impl Scheduler {
         let r = &self.requests[idx];
         debug_assert!(holds || r.num_computed == 0, "no blocks but computed tokens");
         debug_assert_eq!(r.placeholders, 0, "admitting with samples in flight");
-        let computed = if holds { r.num_computed } else { hit_blocks * bs };
+        let computed = match fork {
+            _ if holds => r.num_computed,
+            Some(_) => r.prompt.len() - 1,
+            None => hit_blocks * bs,
+        };
         let remaining = r.num_tokens().saturating_sub(computed);
-        let chunked =
-            self.cfg.enable_chunked_prefill || remaining > self.cfg.max_num_batched_tokens;
+        let cap = r.fork_cap(computed);
+        let chunked = self.cfg.enable_chunked_prefill
+            || remaining > self.cfg.max_num_batched_tokens
+            || cap < remaining;
         let (key, n) = if remaining == 1 && computed >= r.prompt.len() {
             (WorkKey::Decode, 1)
         } else if chunked {
-            let n = remaining.min(self.cfg.chunk_cap()).min(self.draft.budget());
+            let n = remaining.min(self.cfg.chunk_cap()).min(self.draft.budget()).min(cap);
             (WorkKey::PromptChunk, n)
         } else {
             (WorkKey::Prompt, remaining)
         };
-        let have = if holds { r.block_table.len() } else { hit_blocks };
+        let have = match fork {
+            _ if holds => r.block_table.len(),
+            Some(f) => f.shared,
+            None => hit_blocks,
+        };
         let need = self.cfg.blocks_for(computed + n).saturating_sub(have);
         AdmissionPlan {
             holds,
             hit_blocks,
+            fork,
             computed,
             key,
             n,
             need,
             blocks_taken: need + evictable_hits,
         }
+    }
+
+    /// A sample of several that has never run waits while its source runs and has not yet
+    /// computed its prompt (but the last token) in an earlier step: it will fork from that KV.
+    /// It waits for nothing else: not for a source that waits itself (it may be queued behind
+    /// the sample, or preempted), finished or retired.
+    fn awaits_fork(&self, idx: u32) -> bool {
+        let r = &self.requests[idx];
+        let Some(source) = r.cold.fork_of else { return false };
+        if r.cold.times.first_scheduled.is_some() || r.prompt.len() < 2 {
+            return false;
+        }
+        self.fork_source(idx, source).is_some_and(|s| {
+            self.requests[s].status == RequestStatus::Active
+                && self.computed_before_step(s) < r.prompt.len() - 1
+        })
+    }
+
+    /// The live, unfinished source `idx` forks from, if it is still the request it was added
+    /// with (the same prompt allocation: an id can be reused once its request retires).
+    fn fork_source(&self, idx: u32, source: RequestId) -> Option<u32> {
+        let s = self.requests.index_of(source)?;
+        let (r, src) = (&self.requests[idx], &self.requests[s]);
+        (Arc::ptr_eq(&r.prompt, &src.prompt) && !src.status.is_finished()).then_some(s)
+    }
+
+    /// Tokens of `idx` computed by steps before the one being built.
+    fn computed_before_step(&self, idx: u32) -> usize {
+        let r = &self.requests[idx];
+        if self.scheduled_in_build(idx) {
+            r.num_computed - self.draft.work_at(r.sched_index).num_tokens
+        } else {
+            r.num_computed
+        }
+    }
+
+    /// How a sample of several that holds no KV forks from its source now, if it can: the
+    /// source computed the prompt but its last token in an earlier step and still holds it.
+    fn fork_point(&self, idx: u32) -> Option<ForkPlan> {
+        let r = &self.requests[idx];
+        let point = r.prompt.len().checked_sub(1).filter(|&p| p > 0)?;
+        let source = self.fork_source(idx, r.cold.fork_of?)?;
+        let s = &self.requests[source];
+        if self.computed_before_step(source) < point
+            || s.block_table.len() * self.cfg.block_size < point
+        {
+            return None;
+        }
+        let bs = self.cfg.block_size;
+        let shared = point / bs;
+        let copy = (point % bs != 0).then(|| s.block_table[shared]);
+        Some(ForkPlan { source, shared, copy })
     }
 
     /// Admit `idx` if its first work fits (reclaiming KV idled by other waiting requests if
@@ -348,7 +424,9 @@ impl Scheduler {
                 }
             }
         };
-        if !plan.holds {
+        if let Some(fork) = plan.fork {
+            self.take_fork(idx, fork);
+        } else if !plan.holds {
             self.take_prefix_hits(idx, plan.hit_blocks);
             let r = &mut self.requests[idx];
             let first_admission = r.cold.times.first_scheduled.is_none();
@@ -368,7 +446,31 @@ impl Scheduler {
         r.decision = Decision::Admitted;
         r.visited_step = self.draft.step().0;
         self.commit_work(idx, plan.key, plan.n, plan.need);
+        if let Some(ForkPlan { source, shared, copy: Some(src) }) = plan.fork {
+            // The first new block holds the rest of the forked KV: the executor copies it
+            // before the step's forward writes the sample's first position in it.
+            let r = &self.requests[idx];
+            self.draft.copy_block(source, src, r.id, r.block_table[shared]);
+            self.counters.fork_copied_blocks += 1;
+        }
         true
+    }
+
+    /// Start `idx`'s table with a reference to each of its source's shared full blocks.
+    fn take_fork(&mut self, idx: u32, fork: ForkPlan) {
+        debug_assert!(self.requests[idx].block_table.is_empty(), "a fork only starts a table");
+        for i in 0..fork.shared {
+            let b = self.requests[fork.source].block_table[i];
+            self.pool.touch(b);
+            self.requests[idx].block_table.push(b);
+        }
+        let registered = self.requests[fork.source].registered().min(fork.shared);
+        let r = &mut self.requests[idx];
+        r.num_computed = r.prompt.len() - 1;
+        r.set_registered(registered);
+        r.cold.fork_of = None;
+        self.counters.forks += 1;
+        self.counters.fork_shared_blocks += fork.shared as u64;
     }
 
     /// Prefix-cache lookup over at most `max_blocks` leading full blocks of `idx`'s tokens:
@@ -489,6 +591,14 @@ impl Scheduler {
             r.set_registered(r.registered().max(upto));
         }
         self.draft.recycle_followups(followups);
+        // A source whose block is copied in this step but that has no work in it: the step
+        // still reads its blocks, so it references the source (its blocks are fenced by it).
+        for k in 0..self.draft.copy_sources().len() {
+            let source = self.draft.copy_sources()[k];
+            if !self.scheduled_in_build(source) {
+                self.draft.reference(source, self.requests[source].id);
+            }
+        }
         let record = self.draft.close(self.cfg.max_num_batched_tokens);
         for idx in self.draft.kv_requests() {
             let r = &mut self.requests[idx];
@@ -553,6 +663,8 @@ struct AdmissionPlan {
     holds: bool,
     /// Leading blocks found in the prefix cache.
     hit_blocks: usize,
+    /// It forks from its source's prompt KV instead.
+    fork: Option<ForkPlan>,
     /// Computed tokens once admitted (held KV or prefix hit).
     computed: usize,
     /// The kind of its first work.
@@ -563,4 +675,16 @@ struct AdmissionPlan {
     need: usize,
     /// Free blocks the admission consumes (new blocks + revived cached ones).
     blocks_taken: usize,
+}
+
+/// How a sample forks from its source: the source's first `shared` blocks are shared, and its
+/// block `copy` (partly filled with the forked KV), if any, is copied into a new block.
+#[derive(Debug, Clone, Copy)]
+struct ForkPlan {
+    /// The source's arena entry.
+    source: u32,
+    /// Full blocks shared.
+    shared: usize,
+    /// The source's partial block after them.
+    copy: Option<BlockId>,
 }

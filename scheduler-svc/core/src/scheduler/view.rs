@@ -56,6 +56,12 @@ pub struct SchedulerStats {
     /// Verifications that accepted the draft token at each position, from the first (vLLM
     /// `vllm:spec_decode_num_accepted_tokens_per_pos`).
     pub spec_accepted_per_position: [u64; crate::config::MAX_SPECULATIVE_TOKENS],
+    /// Samples of a parallel-sampling request that forked from their source's prompt KV.
+    pub forks: u64,
+    /// Blocks those forks took a reference to instead of computing (prompt blocks shared).
+    pub fork_shared_blocks: u64,
+    /// Partial blocks those forks copied.
+    pub fork_copied_blocks: u64,
 }
 
 /// One request, as the admin listing shows it.
@@ -113,6 +119,9 @@ impl Scheduler {
             spec_draft_tokens: c.spec_draft_tokens,
             spec_accepted_tokens: c.spec_accepted_tokens,
             spec_accepted_per_position: c.spec_accepted_per_position,
+            forks: c.forks,
+            fork_shared_blocks: c.fork_shared_blocks,
+            fork_copied_blocks: c.fork_copied_blocks,
         }
     }
 

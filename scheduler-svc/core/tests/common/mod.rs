@@ -112,10 +112,13 @@ pub struct Report {
     pub spec_drafts: u64,
     pub spec_draft_tokens: u64,
     pub spec_accepted: u64,
+    /// Samples that forked from their source's prompt KV, and the partial blocks they copied.
+    pub forks: u64,
+    pub fork_copies: u64,
 }
 
 /// The events whose coverage the property tests assert, in [`Report::events`]' order.
-pub const EVENTS: [&str; 7] = [
+pub const EVENTS: [&str; 8] = [
     "preemption",
     "KV import",
     "KV export",
@@ -123,11 +126,12 @@ pub const EVENTS: [&str; 7] = [
     "pipelined steps",
     "refusal",
     "verification accepting some drafts and rejecting others",
+    "sample forking from its source, copying a partial block",
 ];
 
 impl Report {
     /// Which of [`EVENTS`] happened in this run.
-    pub fn events(&self) -> [bool; 7] {
+    pub fn events(&self) -> [bool; 8] {
         [
             self.preemptions > 0,
             self.imports > 0,
@@ -136,6 +140,7 @@ impl Report {
             self.max_in_flight_seen > 1,
             self.refused > 0,
             self.spec_accepted > 0 && self.spec_accepted < self.spec_draft_tokens,
+            self.fork_copies > 0,
         ]
     }
 }
@@ -143,7 +148,7 @@ impl Report {
 /// Asserts that each of [`EVENTS`] happened in at least `min_pct` percent of `runs` runs
 /// (`seen`: in how many it did), so a generator that stops exercising one fails instead of
 /// passing vacuously.
-pub fn assert_coverage(seen: [u64; 7], runs: u64, min_pct: [u64; 7], unit: &str) {
+pub fn assert_coverage(seen: [u64; 8], runs: u64, min_pct: [u64; 8], unit: &str) {
     for ((name, n), min_pct) in EVENTS.iter().zip(seen).zip(min_pct) {
         eprintln!("{name}: {n} of {runs} {unit}");
         assert!(
@@ -220,6 +225,7 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             reuses_left -= 1;
             let mut req = retired.swap_remove(0);
             if !core.contains(req.id) {
+                req.fork = Fork::None; // its source is gone: a reused id comes alone
                 req.arrival = now;
                 next_reuse_transfer += 1;
                 if let Some(imp) = &mut req.kv_import {
@@ -319,6 +325,8 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             core.check_drained().map_err(|e| e.to_string())?;
             report.steps = step;
             report.preemptions = core.stats().num_preemptions;
+            report.forks = core.stats().forks;
+            report.fork_copies = core.stats().fork_copied_blocks;
             if !live.is_empty() {
                 return Err(format!("drained with {} requests never finished", live.len()));
             }
@@ -332,7 +340,13 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             let content = |owner: RequestId, index: usize| {
                 block_content_hash(&sequences, owner, index, cfg.block_size, opts)
             };
-            exec.on_plan(plan, &core, cfg.block_size, &content)
+            // A fork's copy holds the KV of its prompt but the last token.
+            let forked_from = |src: Content, owner: RequestId, index: usize| {
+                let (prompt, salt) = &sequences[&owner];
+                let upto = prompt.len() - 1;
+                holds_prefix(&sequences, src, index, (prompt, *salt), upto, cfg.block_size, opts)
+            };
+            exec.on_plan(plan, &core, cfg.block_size, &content, &forked_from)
                 .map_err(|e| format!("step {step}: protocol: {e}"))?;
             let mut outcome = StepOutcome { step_id: plan.step_id, ..StepOutcome::default() };
             if !plan.scheduled.is_empty() && refusals.pct(opts.refuse_pct) {
@@ -424,16 +438,52 @@ fn block_content_hash(
     block_size: usize,
     opts: &SimOpts,
 ) -> Option<BlockHash> {
+    let (tokens, salt) = sequence(sequences, owner, (index + 1) * block_size, opts)?;
+    let mut hashes = Vec::new();
+    extend_block_hashes(&mut hashes, &tokens, block_size, salt);
+    hashes.get(index).copied()
+}
+
+/// The first `len` tokens of request `owner`'s sequence (its prompt, then the simulated
+/// executor's tokens), and its salt.
+fn sequence(
+    sequences: &HashMap<RequestId, (Vec<u32>, u64)>,
+    owner: RequestId,
+    len: usize,
+    opts: &SimOpts,
+) -> Option<(Vec<u32>, u64)> {
     let (prompt, salt) = sequences.get(&owner)?;
-    let len = (index + 1) * block_size;
     let mut tokens = prompt.clone();
     tokens.extend(
         (0..len.saturating_sub(prompt.len())).map(|k| sample(opts.seed, owner, k, prompt, opts)),
     );
     tokens.truncate(len);
-    let mut hashes = Vec::new();
-    extend_block_hashes(&mut hashes, &tokens, block_size, *salt);
-    hashes.get(index).copied()
+    Some((tokens, *salt))
+}
+
+/// True if `content`, as block `index` of a table, holds the KV of the first `upto` tokens of
+/// `prompt` under `salt` (those of them in that block): computed for a sequence that starts
+/// with them, or imported under the hash of such a sequence's block.
+fn holds_prefix(
+    sequences: &HashMap<RequestId, (Vec<u32>, u64)>,
+    content: Content,
+    index: usize,
+    (prompt, salt): (&[u32], u64),
+    upto: usize,
+    block_size: usize,
+    opts: &SimOpts,
+) -> bool {
+    let starts_with = |owner: RequestId| {
+        sequence(sequences, owner, upto, opts)
+            .is_some_and(|(t, s)| t.len() == upto && t == prompt[..upto] && s == salt)
+    };
+    match content {
+        Content::Computed(owner, i) => i == index && starts_with(owner),
+        Content::Imported(hash) => sequences.keys().any(|&owner| {
+            starts_with(owner)
+                && block_content_hash(sequences, owner, index, block_size, opts) == Some(hash)
+        }),
+    }
 }
 
 impl ExecutorModel {
@@ -443,6 +493,7 @@ impl ExecutorModel {
         core: &Scheduler,
         block_size: usize,
         content_hash: &dyn Fn(RequestId, usize) -> Option<BlockHash>,
+        forked_from: &dyn Fn(Content, RequestId, usize) -> bool,
     ) -> Result<(), String> {
         // A block copied to the KV tier (at the start of the step, after every earlier step
         // ran) holds the content its hash names.
@@ -511,6 +562,7 @@ impl ExecutorModel {
                 }
             }
         }
+        self.on_copies(plan, forked_from)?;
         let mut writes = Vec::new();
         for w in &plan.scheduled {
             let Some((table, computed)) = self.tables.get_mut(&w.id) else {
@@ -549,6 +601,46 @@ impl ExecutorModel {
         Ok(())
     }
 
+    /// Block copies run before the forward: the block read holds the KV of a request with the
+    /// same prompt at the same block of the table the copy starts.
+    fn on_copies(
+        &mut self,
+        plan: &StepPlan,
+        forked_from: &dyn Fn(Content, RequestId, usize) -> bool,
+    ) -> Result<(), String> {
+        // Block copies run before the forward: the block read holds the KV of a request with
+        // the same prompt at the same block of the table the copy starts.
+        for c in &plan.block_copies {
+            // The forked sample starts a table in this step: new, or resumed after a
+            // preemption.
+            let mut starts = plan.new_requests.iter().map(|n| (&n.id, n.block_ids)).chain(
+                plan.cached_requests.iter().filter(|c| c.resumed).map(|c| (&c.id, c.block_ids)),
+            );
+            let Some((owner, at)) = starts.find_map(|(id, span)| {
+                Some((id, plan.blocks(span).iter().position(|&b| b == c.dst)?))
+            }) else {
+                return Err(format!(
+                    "block copy into {:?}, which no table starting here holds",
+                    c.dst
+                ));
+            };
+            let Some(&src) = self.content.get(&c.src) else {
+                return Err(format!("{owner}: block copy {c:?} reads a block never written"));
+            };
+            if !forked_from(src, *owner, at) {
+                return Err(format!(
+                    "{owner}: block copy {c:?} into block {at} of its table reads {}",
+                    match src {
+                        Content::Computed(from, index) => format!("{from}'s block {index}"),
+                        Content::Imported(h) => format!("imported {h:?}"),
+                    }
+                ));
+            }
+            self.content.insert(c.dst, src);
+        }
+        Ok(())
+    }
+
     fn on_apply(&mut self) {
         self.writes.pop_front();
     }
@@ -582,6 +674,24 @@ fn add(
     max_tokens.insert(id, mt);
     finished_once.remove(&id);
     Ok(())
+}
+
+/// Make `arrivals[i]` the source of `extra` more samples of itself (parallel sampling), added
+/// right after it with ids from `next_id` on. A request that moves KV stays alone.
+pub fn add_samples(arrivals: &mut Vec<Arrival>, i: usize, extra: usize, next_id: &mut u64) {
+    let a = &mut arrivals[i];
+    if extra == 0 || a.req.kv_import.is_some() || a.req.kv_export.is_some() {
+        return;
+    }
+    a.req.fork = Fork::Source;
+    let (source, step) = (a.req.id, a.step);
+    for _ in 0..extra {
+        let mut req = arrivals[i].req.clone();
+        req.id = RequestId(*next_id);
+        *next_id += 1;
+        req.fork = Fork::Of(source);
+        arrivals.push(Arrival { step, req });
+    }
 }
 
 // ---- helpers for the rule tests -------------------------------------------------------------

@@ -223,10 +223,17 @@ pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size:
         + 11 * ferry_model::sampling::MAX_BAD_WORD_TOKENS as u64
         + 8
         + 6;
+    // A forked sample's block copy (request id, two block ids, tags and the entry's length).
+    const BLOCK_COPY: u64 = 11 + 6 + 6 + 2;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
     // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
-    let per_request =
-        5 * max_model_len as u64 + 5 * blocks + 16 * blocks + PER_REQUEST + GRAMMAR + DRAFT;
+    let per_request = 5 * max_model_len as u64
+        + 5 * blocks
+        + 16 * blocks
+        + PER_REQUEST
+        + GRAMMAR
+        + DRAFT
+        + BLOCK_COPY;
     max_num_seqs as u64 * per_request + PER_REQUEST
 }
 
@@ -238,7 +245,8 @@ mod tests {
 
     /// The bound holds for the largest step there can be: every slot a new request of the
     /// full length with ids at their widest, its work, a KV export of all its blocks with
-    /// 64-bit hashes, every sampling parameter set, a trace context and a preemption.
+    /// 64-bit hashes, a block copy, every sampling parameter set, a trace context and a
+    /// preemption.
     #[test]
     fn the_largest_step_bound_is_an_upper_bound() {
         for (seqs, len, block_size) in [(1, 16, 16), (4, 100, 1), (256, 2048, 16), (8, 8192, 16)] {
@@ -305,9 +313,13 @@ mod tests {
                     .collect(),
                 finished_ids: ids.clone().map(|id| u64::MAX - id).collect(),
                 preempted_ids: ids.clone().map(|id| u64::MAX - id).collect(),
+                block_copies: ids
+                    .clone()
+                    .map(|id| v1::BlockCopy { id: u64::MAX - id, src: u32::MAX, dst: u32::MAX })
+                    .collect(),
                 kv_ops: ids.map(export).collect(),
                 total_num_tokens: u32::MAX,
-                ..Default::default()
+                cached_requests: Vec::new(),
             };
             let bound = largest_step_bytes(seqs, len, block_size);
             let size = step.encoded_len() as u64;

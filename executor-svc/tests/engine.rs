@@ -3,6 +3,8 @@
 //! across a restart on a fresh executor; a bad request is refused alone and the others run on
 //! exactly; a step bad as a whole is refused whole and changes nothing.
 
+mod exact;
+
 use std::sync::{Arc, OnceLock};
 
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
@@ -55,6 +57,8 @@ struct Req {
     sampling: v1::SamplingParams,
     /// (prompt position, its log-probabilities) as the results reported them.
     prompt_logprobs: Vec<(usize, v1::PositionLogprobs)>,
+    /// The generated tokens' log-probabilities, when asked for.
+    logprobs: Vec<v1::PositionLogprobs>,
 }
 
 impl Driver {
@@ -170,6 +174,7 @@ impl Driver {
                     r.computed = r.tokens.len() + o.token_ids.len() - 1;
                 }
                 r.tokens.extend(o.token_ids);
+                r.logprobs.extend(o.logprobs);
                 let from = o.prompt_logprobs_from as usize;
                 r.prompt_logprobs.extend(
                     o.prompt_logprobs.into_iter().enumerate().map(|(i, lp)| (from + i, lp)),
@@ -190,6 +195,7 @@ fn req(id: u64, text: &str, sampling: v1::SamplingParams) -> Req {
         sent: false,
         sampling,
         prompt_logprobs: Vec::new(),
+        logprobs: Vec::new(),
     }
 }
 
@@ -601,6 +607,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
         sent: false,
         sampling: seeded(),
         prompt_logprobs: Vec::new(),
+        logprobs: Vec::new(),
     };
     let mut a = [prompt(1), prompt(2)];
     Driver::new(sim(), 0).run(&mut a, 20, 16);
@@ -923,4 +930,47 @@ fn a_forked_sample_continues_exactly_from_a_copied_block_and_a_bad_copy_is_refus
     let mut alone = [req(3, text, sampling(8))];
     d.run(&mut alone, 16, 64);
     assert_eq!(generated(&forked[0]), generated(&alone[0]), "the fork's KV is the prompt's");
+}
+
+/// The model's numbers are the true model's: on three chats, the engine's greedy answer (its
+/// batched, paged forward on the quantized kernels) is token for token that of an exact f32
+/// forward of the GGUF (`exact`: weights dequantized, f64 sums, no Ferry kernel), and its
+/// first-step log-probabilities of the five likeliest tokens are within 2e-3 of the exact
+/// ones.
+#[test]
+fn greedy_answers_and_first_logprobs_are_the_exact_forwards() {
+    let exact = exact::Model::load(&shared().path, shared().shape);
+    let questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "How many legs does a spider have?",
+    ];
+    let mut worst = 0f64;
+    for (i, question) in questions.into_iter().enumerate() {
+        let prompt = chat(question);
+        let tokens = tokenizer().encode(&prompt).unwrap();
+        let (want, first) = exact.greedy(&tokens, 8);
+        let sampling = v1::SamplingParams { logprobs: true, top_logprobs: 5, ..Default::default() };
+        let mut r = [req(i as u64 + 1, &prompt, sampling)];
+        Driver::new(engine(), 0).run(&mut r, 8, 16);
+        assert_eq!(
+            generated(&r[0]),
+            want,
+            "{question:?}: the engine's answer is not the exact one"
+        );
+        let step = &r[0].logprobs[0];
+        assert_eq!(step.top.len(), 5);
+        for t in &step.top {
+            let diff = (f64::from(t.logprob) - first[t.token_id as usize]).abs();
+            worst = worst.max(diff);
+            assert!(
+                diff < 2e-3,
+                "{question:?}: token {}: {} vs {}",
+                t.token_id,
+                t.logprob,
+                first[t.token_id as usize]
+            );
+        }
+    }
+    eprintln!("first-step log-probabilities within {worst:.1e} of the exact forward's");
 }

@@ -1,12 +1,18 @@
 //! `ferry-executor bench`: throughput of the CPU forward on the real model — decode tokens/s at
-//! several batch sizes, prefill tokens/s for 512-token prompts, and KV memory per cached token.
-//! It drives the paged forward directly (greedy, no service around it), so it measures the
-//! engine, not the network. `--structured` instead measures what structured outputs cost:
+//! several batch sizes, prefill tokens/s for 512-token prompts, and KV memory per cached token,
+//! with the machine's CPU features and where each step's time goes (matrix products,
+//! attention, the rest of the forward, sampling, and the scheduling core's step for that many
+//! requests). It drives the paged forward directly (no service around it), so it measures the
+//! engine, not the network; `--kernels` times the matrix products alone, per kernel. `--structured` instead measures what structured outputs cost:
 //! sampled decode through the engine with and without a JSON schema ([`run_structured`]).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::model::paged::{forward, ForwardScratch, SeqSlice};
+use ferry_model::sampling::SamplingParams;
+
+use crate::engine::sampling::Sampler;
+use crate::kernels::{matmul_with, Kernel, QWeight};
+use crate::model::paged::{forward, ForwardScratch, PhaseTimes, SeqSlice};
 use crate::model::{ops::argmax, LlamaWeights, PagedKvCache};
 
 /// One measured figure.
@@ -20,6 +26,64 @@ pub struct BenchRow {
     pub tokens_per_s: f64,
     /// Median step time, milliseconds.
     pub median_step_ms: f64,
+    /// Shares of the step's time (they sum to 1).
+    pub shares: Shares,
+}
+
+/// Where a step's time goes, as fractions of the whole.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Shares {
+    /// Matrix products.
+    pub matmul: f64,
+    /// Attention (with the rotary embedding and cache writes).
+    pub attention: f64,
+    /// The rest of the forward.
+    pub other: f64,
+    /// Sampling the next tokens (temperature 0.8, top-p 0.95, seeded).
+    pub sampling: f64,
+    /// The scheduling core's step (`schedule` + `apply_result`) for as many requests.
+    pub scheduling: f64,
+}
+
+impl Shares {
+    fn of(times: PhaseTimes, sampling: Duration, scheduling: Duration) -> Self {
+        let parts = [times.matmul, times.attention, times.other, sampling, scheduling]
+            .map(|d| d.as_secs_f64());
+        let total: f64 = parts.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+        let [matmul, attention, other, sampling, scheduling] = parts.map(|p| p / total);
+        Shares { matmul, attention, other, sampling, scheduling }
+    }
+}
+
+/// The CPU as the bench sees it: model name, threads, the SIMD features the kernels care
+/// about, and the product kernel in use.
+pub fn cpu_summary() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    #[allow(unused_mut)]
+    let mut features: Vec<&str> = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! probe {
+            ($($f:tt),*) => {
+                $(if is_x86_feature_detected!($f) { features.push($f); })*
+            };
+        }
+        probe!("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vnni", "avx512bf16", "avxvnni");
+    }
+    format!(
+        "cpu: {model}, {} threads; features: {}; product kernel: {}",
+        rayon::current_num_threads(),
+        if features.is_empty() { "none of interest".to_string() } else { features.join(" ") },
+        Kernel::best().name()
+    )
 }
 
 /// Options of the bench.
@@ -73,6 +137,7 @@ pub fn run(
     let mut cache = PagedKvCache::new(&w.shape, BS, blocks);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut times = Vec::new();
+    scratch.times = PhaseTimes::default();
     for rep in 0..opts.prefill_reps {
         let toks = prompt(rep, len);
         let batch = [SeqSlice { tokens: &toks, start: 0, block_table: &table, logits: 1 }];
@@ -87,6 +152,7 @@ pub fn run(
             batch: 1,
             tokens_per_s: len as f64 / med,
             median_step_ms: med * 1e3,
+            shares: Shares::of(scratch.times.take(), Duration::ZERO, Duration::ZERO),
         };
         progress(&row);
         rows.push(row);
@@ -109,7 +175,11 @@ pub fn run(
         for (s, l) in seqs.iter_mut().zip(logits) {
             s.push(argmax(&l).unwrap_or(0) as u32);
         }
-        let mut times = Vec::new();
+        let params =
+            SamplingParams { temperature: 0.8, top_p: 0.95, seed: 7, ..Default::default() };
+        let mut sampler = Sampler::new();
+        let (mut times, mut sampling) = (Vec::new(), Duration::ZERO);
+        scratch.times = PhaseTimes::default();
         for _ in 0..opts.decode_steps {
             let batch: Vec<SeqSlice> = seqs
                 .iter()
@@ -122,19 +192,30 @@ pub fn run(
                 })
                 .collect();
             let t = Instant::now();
-            let logits =
+            let mut logits =
                 forward(w, &mut cache, &batch, &mut scratch).expect("bench batch is valid");
-            for (s, l) in seqs.iter_mut().zip(&logits) {
-                s.push(argmax(l).unwrap_or(0) as u32);
+            let s0 = Instant::now();
+            for (s, l) in seqs.iter_mut().zip(&mut logits) {
+                let (prompt, output) = s.split_at(ctx);
+                let next = sampler
+                    .sample(l, &params, prompt, output, s.len() as u64)
+                    .expect("bench sampling parameters are valid");
+                s.push(next.token);
             }
+            sampling += s0.elapsed();
             times.push(t.elapsed().as_secs_f64());
         }
         let total: f64 = times.iter().sum();
+        let steps = opts.decode_steps.max(1);
+        let scheduling = Duration::from_secs_f64(
+            ferry_sched_core::bench::decode_step_us(b, 50) * 1e-6 * steps as f64,
+        );
         let row = BenchRow {
             scenario: "decode (128-token context)".into(),
             batch: b,
             tokens_per_s: (b * opts.decode_steps) as f64 / total,
             median_step_ms: median(times) * 1e3,
+            shares: Shares::of(scratch.times.take(), sampling, scheduling),
         };
         progress(&row);
         rows.push(row);
@@ -256,4 +337,65 @@ pub fn run_structured(
         }
     }
     Ok(rows)
+}
+
+/// One product's speed: a weight matrix of the model against `rows` activation rows.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KernelRow {
+    /// Which matrix (`[outputs, inputs]`).
+    pub weight: String,
+    /// Activation rows.
+    pub rows: usize,
+    /// Kernel.
+    pub kernel: &'static str,
+    /// Multiply-adds ×2 per second, billions.
+    pub gflops: f64,
+    /// Weight bytes read per second (once per product), GB.
+    pub weight_gbs: f64,
+}
+
+/// Times each kernel this CPU runs on the first layer's products and the output head, for
+/// each row count in `rows`: where the memory-bound (fused) path gives way to the panel path,
+/// and what each instruction set gives.
+pub fn run_kernels(
+    w: &LlamaWeights,
+    rows: &[usize],
+    mut progress: impl FnMut(&KernelRow) + Send,
+) -> Vec<KernelRow> {
+    let l0 = &w.layers[0];
+    let mats: [(&str, &QWeight); 4] = [
+        ("qkv", &l0.wqkv),
+        ("gate_up", &l0.w_gate_up),
+        ("down", &l0.w_down),
+        ("lm_head", &w.lm_head),
+    ];
+    let mut out_rows = Vec::new();
+    crate::model::paged::in_pool(|| {
+        for (name, m) in mats {
+            for &n in rows {
+                let x: Vec<f32> =
+                    (0..n * m.cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+                let mut out = vec![0f32; n * m.rows];
+                for kernel in Kernel::available().into_iter().filter(|k| *k != Kernel::Portable) {
+                    matmul_with(&x, n, m, &mut out, kernel);
+                    let (mut reps, start) = (0u32, Instant::now());
+                    while start.elapsed().as_secs_f64() < 0.2 {
+                        matmul_with(&x, n, m, &mut out, kernel);
+                        reps += 1;
+                    }
+                    let secs = start.elapsed().as_secs_f64() / f64::from(reps);
+                    let row = KernelRow {
+                        weight: format!("{name} [{}, {}]", m.rows, m.cols),
+                        rows: n,
+                        kernel: kernel.name(),
+                        gflops: 2.0 * (n * m.rows * m.cols) as f64 / secs / 1e9,
+                        weight_gbs: m.bytes() as f64 / secs / 1e9,
+                    };
+                    progress(&row);
+                    out_rows.push(row);
+                }
+            }
+        }
+    });
+    out_rows
 }

@@ -61,7 +61,27 @@ enum Command {
         /// and how long steps waited for them.
         #[arg(long)]
         structured: bool,
+        /// Measure the matrix products instead: each kernel this CPU runs, on the first
+        /// layer's matrices and the output head, for these activation row counts.
+        #[arg(long, value_delimiter = ',')]
+        kernels: Option<Vec<usize>>,
     },
+}
+
+fn run_kernel_bench(model: Option<&std::path::Path>, rows: &[usize]) -> anyhow::Result<()> {
+    let model = LoadedModel::open(model)?;
+    let weights = &model.weights;
+    println!(
+        "{:<24} {:>5} {:>8} {:>9} {:>11}",
+        "weight", "rows", "kernel", "GFLOP/s", "weight GB/s"
+    );
+    bench::run_kernels(weights, rows, |r| {
+        println!(
+            "{:<24} {:>5} {:>8} {:>9.1} {:>11.1}",
+            r.weight, r.rows, r.kernel, r.gflops, r.weight_gbs
+        );
+    });
+    Ok(())
 }
 
 fn run_bench(
@@ -71,19 +91,42 @@ fn run_bench(
 ) -> anyhow::Result<()> {
     let model = LoadedModel::open(model)?;
     let kv_bytes = ferry_executor_svc::model::PagedKvCache::bytes_per_token(&model.weights.shape);
+    let cpu = bench::cpu_summary();
     if !json {
+        println!("{cpu}");
         println!(
             "model {} ({}); KV cache {kv_bytes} bytes per cached token",
             model.file.name,
             model.file.path.display()
         );
-        println!("{:<28} {:>6} {:>12} {:>14}", "scenario", "batch", "tokens/s", "median step ms");
+        println!(
+            "{:<28} {:>6} {:>10} {:>9} | share of step time: {:>6} {:>6} {:>6} {:>6} {:>6}",
+            "scenario",
+            "batch",
+            "tokens/s",
+            "step ms",
+            "matmul",
+            "attn",
+            "other",
+            "sample",
+            "sched"
+        );
     }
     let rows = bench::run(&model.weights, opts, |r| {
         if !json {
+            let pct = |f: f64| format!("{:.1}%", 100.0 * f);
+            let s = &r.shares;
             println!(
-                "{:<28} {:>6} {:>12.1} {:>14.2}",
-                r.scenario, r.batch, r.tokens_per_s, r.median_step_ms
+                "{:<28} {:>6} {:>10.1} {:>9.2} |                     {:>6} {:>6} {:>6} {:>6} {:>6}",
+                r.scenario,
+                r.batch,
+                r.tokens_per_s,
+                r.median_step_ms,
+                pct(s.matmul),
+                pct(s.attention),
+                pct(s.other),
+                pct(s.sampling),
+                pct(s.scheduling)
             );
         }
     });
@@ -91,7 +134,7 @@ fn run_bench(
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &serde_json::json!({ "kv_bytes_per_token": kv_bytes, "rows": rows })
+                &serde_json::json!({ "cpu": cpu, "kv_bytes_per_token": kv_bytes, "rows": rows })
             )?
         );
     }
@@ -133,9 +176,13 @@ fn run_structured_bench(
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut cli = Cli::parse();
-    if let Some(Command::Bench { model, batches, steps, prefill_reps, json, structured }) =
+    if let Some(Command::Bench { model, batches, steps, prefill_reps, json, structured, kernels }) =
         cli.command
     {
+        if let Some(rows) = kernels {
+            return tokio::task::spawn_blocking(move || run_kernel_bench(model.as_deref(), &rows))
+                .await?;
+        }
         if structured {
             return tokio::task::spawn_blocking(move || {
                 run_structured_bench(model.as_deref(), &batches, steps, json)

@@ -1,43 +1,47 @@
-//! Quantized matrix products for the CPU forward, in the llama.cpp style: weights stay in
-//! their 4- or 8-bit GGUF blocks, each activation row is quantized per block of 32, and the
-//! block dot products are integer sums.
+//! Products against quantized weights for the CPU forward, in f32: the weights stay in their 4-
+//! or 8-bit GGUF blocks in memory, their codes become floats exactly as the product reads them,
+//! and the activations stay f32. So the products are those of the true model, up to f32 rounding
+//! of the sums (llama.cpp instead quantizes activations to 8 bits, which moves this model's logits
+//! by about 0.2 and flips greedy answers).
 //!
-//! Activations get 16 bits, not llama.cpp's 8: with 8 the logits of the default model wander by
-//! about 0.2 from the f32 forward's (the rounding of each layer's activations re-draws the
-//! next), enough to flip greedy answers whose top two tokens are 0.1 apart (the test chat's
-//! first token is one); with 16 they stay within about 0.003. A 16-bit code is stored as two
-//! signed bytes, `x = 255·hi + lo`, so the integer products still run on byte instructions
-//! (`vpdpbusd`, `maddubs`), at twice the integer work and the same weight traffic.
+//! The arithmetic of one output element, for activation row `x` and weight column `o` with
+//! blocks `(q, d, m)` (`w = d·q + m`; `Q8_0` has `m = 0`, `Q4_0` has `m = -8d`), is fixed:
 //!
-//! Why this and not candle's `QMatMul` or an f32 GEMM: candle's `Q4_1` path runs at about
-//! 9 GFLOP/s on this model's shapes and f32 weights are memory-bound at batch 1 (540 MB read
-//! per token). Integer block dots read under 100 MB per token and vectorise well.
+//! ```text
+//! acc = 0
+//! for each block b, in order:
+//!     p = 0;  for k in 0..32, in order:  p = fma(x[32b + k], q[k], p)     (q[k] exact in f32)
+//!     acc = fma(p, d, acc)
+//!     acc = fma(s_b, m, acc)      (Q4 only; s_b = x[32b] + x[32b + 1] + … in order, from 0)
+//! ```
 //!
-//! Layout: weights are repacked at load into groups of [`GROUP`] output columns, interleaved
-//! four codes at a time, so that one 256-bit register holds the same four inputs of eight
-//! columns. A block's product for eight columns is then eight integer multiply-adds against
-//! broadcast activation bytes, and its float work (scale, accumulate) is one vector operation
-//! for all eight columns instead of eight horizontal ones (llama.cpp's "repacked" CPU formats
-//! do the same).
+//! which is `Σ x·w` with the scale and minimum applied once per block rather than once per
+//! weight: one fused multiply-add per weight, after the code's conversion to float.
 //!
-//! Determinism, which the sampler's seeded reproducibility rests on: every output element is
-//! computed by the same sequence of operations whatever the batch size, the row or column
-//! tiling, the thread split, or the instruction set (AVX-512 VNNI, AVX2 or the portable path).
-//! Per block, the integer dot product is exact; the float accumulation is, per output, one
-//! running sum over blocks in order: `acc = fma(isum, d_w·d_x, acc)`, and for Q4 then
-//! `acc = fma(m_w, d_x·Σx, acc)`. So a request's logits do not depend on what else is in its
-//! batch, and the reference forward, which uses these same kernels, can be compared bit for
-//! bit.
+//! Two ways to these numbers, chosen by the number of rows (tokens) in the product:
+//! - **few rows** (a small decode batch, up to [`x86::Isa::fused_rows`]): memory-bound; each
+//!   weight block is converted in registers and used at once by every row, so the weights are
+//!   read once and nothing is written back;
+//! - **many rows** (prefill, large decode batches): compute-bound; a panel of 16 or 32 output
+//!   columns is converted once for all inputs into a buffer that stays in L2, and a register-
+//!   tiled f32 micro-kernel (6 rows × 32 columns with AVX-512, 3 × 16 with AVX2) runs every row
+//!   through it: the shape of a BLAS GEMM, with the conversion as its packing step.
+//!
+//! Determinism, which the sampler's seeded reproducibility rests on: the sequence above is the
+//! same whatever the batch size, the path (fused or panel), the tiling, the thread split or the
+//! instruction set (AVX-512, AVX2 or portable). So a request's logits do not depend on what else
+//! is in its batch, and the reference forward, which uses these same kernels, can be compared
+//! bit for bit. (Speed comes from many independent chains at once, one per output column and
+//! row, never from splitting one chain.)
 
 // `inline(always)` on the block and tile helpers: each is a loop body that must fuse into its
-// caller's `#[target_feature]` context, or the intrinsics it calls are not inlined (measured:
-// 2-3x slower per product without it). The views (`QBlocks`, `OutPtr`) go by value because
-// each worker thread owns its part.
+// caller's `#[target_feature]` context, or the intrinsics it calls are not inlined. `OutPtr` goes
+// by value because each worker thread owns its part.
 #![allow(clippy::inline_always, clippy::needless_pass_by_value)]
 
 mod portable;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub mod x86;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use rayon::prelude::*;
@@ -45,9 +49,9 @@ use rayon::prelude::*;
 /// Elements per quantization block.
 pub const BLOCK: usize = 32;
 
-/// Output columns interleaved together in the packed weight layout (one 256-bit register of
-/// 32-bit sums).
-pub const GROUP: usize = 8;
+/// Output columns interleaved together in the packed weight layout (one 512-bit register of f32,
+/// two 256-bit ones).
+pub const GROUP: usize = 16;
 
 /// How a weight matrix is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,7 +64,7 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
-    /// Packed code bytes per block of one column.
+    /// Code bytes per block of one column.
     const fn code_bytes(self) -> usize {
         match self {
             WeightFormat::Q4 => 16,
@@ -73,11 +77,11 @@ impl WeightFormat {
 /// by groups of [`GROUP`] outputs (the last group padded with zero columns).
 ///
 /// For group `g` and block `b` (index `gb = g · blocks_per_row + b`):
-/// - `d[gb·8 + j]` and `m[gb·8 + j]` are column `8g + j`'s scale and minimum;
-/// - Q4: the 128 code bytes at `gb·128`: byte `32t + 4j + e` is byte `4t + e` of column `j`'s
-///   GGUF block (low nibble: element `4t + e`, high nibble: element `16 + 4t + e`);
-/// - Q8: the 256 code bytes at `gb·256`: byte `32k + 4j + e` is element `4k + e` of column
-///   `j`, stored `+128` (unsigned), the operand form of `vpdpbusd`.
+/// - `d[gb·16 + j]` and `m[gb·16 + j]` are column `16g + j`'s scale and minimum;
+/// - Q4: the 256 code bytes at `gb·256`: byte `16i + j` is byte `i` of column `j`'s GGUF block
+///   (low nibble: element `i`, high nibble: element `16 + i`), so 16 bytes give one input's
+///   codes for the whole group (and, shifted, those of input `i + 16`);
+/// - Q8: the 512 code bytes at `gb·512`: byte `16k + j` is element `k` of column `j` (signed).
 #[derive(Clone, Debug)]
 pub struct QWeight {
     /// Storage format.
@@ -86,10 +90,9 @@ pub struct QWeight {
     pub rows: usize,
     /// Input features (a multiple of 32).
     pub cols: usize,
-    /// Per group and block: the eight columns' scales, as f16 bits (GGUF's own precision;
-    /// half the bytes of f32, which decode at batch 1 reads for every token).
+    /// Per group and block: the columns' scales, as f16 bits (GGUF's own precision).
     d: Vec<u16>,
-    /// Per group and block: the eight columns' minimums (Q4 only), as f16 bits.
+    /// Per group and block: the columns' minimums (Q4 only), as f16 bits.
     m: Vec<u16>,
     /// Interleaved codes, as described above.
     q: Vec<u8>,
@@ -149,8 +152,8 @@ impl QWeight {
             cols,
             d: vec![0; groups * bpr * GROUP],
             m: vec![0; if format == WeightFormat::Q4 { groups * bpr * GROUP } else { 0 }],
-            // Padding columns: Q4 code 0, Q8 code 0 stored as 128; their scales are zero.
-            q: vec![if format == WeightFormat::Q8 { 0x80 } else { 0 }; groups * bpr * GROUP * cb],
+            // Padding columns: code 0 and scale 0, so weight 0.
+            q: vec![0; groups * bpr * GROUP * cb],
         };
         for r in 0..rows {
             let (g, j) = (r / GROUP, r % GROUP);
@@ -159,23 +162,12 @@ impl QWeight {
                 let nb = block(r, b);
                 debug_assert_eq!(nb.codes.len(), cb);
                 w.d[gb * GROUP + j] = half::f16::from_f32(nb.d).to_bits();
+                if format == WeightFormat::Q4 {
+                    w.m[gb * GROUP + j] = half::f16::from_f32(nb.m).to_bits();
+                }
                 let base = gb * GROUP * cb;
-                match format {
-                    WeightFormat::Q4 => {
-                        w.m[gb * GROUP + j] = half::f16::from_f32(nb.m).to_bits();
-                        for t in 0..4 {
-                            let at = base + 32 * t + 4 * j;
-                            w.q[at..at + 4].copy_from_slice(&nb.codes[4 * t..4 * t + 4]);
-                        }
-                    }
-                    WeightFormat::Q8 => {
-                        for k in 0..8 {
-                            let at = base + 32 * k + 4 * j;
-                            for e in 0..4 {
-                                w.q[at + e] = nb.codes[4 * k + e] ^ 0x80;
-                            }
-                        }
-                    }
+                for (i, &code) in nb.codes.iter().enumerate() {
+                    w.q[base + GROUP * i + j] = code;
                 }
             }
         }
@@ -225,46 +217,36 @@ impl QWeight {
     fn natural_block(&self, r: usize, b: usize, codes: &mut [u8; 32]) -> (f32, f32) {
         let (g, j) = (r / GROUP, r % GROUP);
         let gb = g * self.blocks_per_row() + b;
-        let base = gb * GROUP * self.format.code_bytes();
+        let cb = self.format.code_bytes();
+        let base = gb * GROUP * cb;
+        for (i, code) in codes[..cb].iter_mut().enumerate() {
+            *code = self.q[base + GROUP * i + j];
+        }
+        let m =
+            if self.format == WeightFormat::Q4 { from_f16(self.m[gb * GROUP + j]) } else { 0.0 };
+        (from_f16(self.d[gb * GROUP + j]), m)
+    }
+
+    /// Weight `(o, k)`, `d·q + m` (Q4) or `d·q` (Q8), both exact in f32.
+    #[inline]
+    fn value(&self, o: usize, k: usize) -> f32 {
+        let (g, j, b, e) = (o / GROUP, o % GROUP, k / BLOCK, k % BLOCK);
+        let gb = g * self.blocks_per_row() + b;
+        let d = from_f16(self.d[gb * GROUP + j]);
         match self.format {
             WeightFormat::Q4 => {
-                for t in 0..4 {
-                    let at = base + 32 * t + 4 * j;
-                    codes[4 * t..4 * t + 4].copy_from_slice(&self.q[at..at + 4]);
-                }
-                (from_f16(self.d[gb * GROUP + j]), from_f16(self.m[gb * GROUP + j]))
+                let byte = self.q[gb * GROUP * 16 + GROUP * (e % 16) + j];
+                let q = if e < 16 { byte & 0x0F } else { byte >> 4 };
+                f32::from(q).mul_add(d, from_f16(self.m[gb * GROUP + j]))
             }
-            WeightFormat::Q8 => {
-                for k in 0..8 {
-                    let at = base + 32 * k + 4 * j;
-                    for e in 0..4 {
-                        codes[4 * k + e] = self.q[at + e] ^ 0x80;
-                    }
-                }
-                (from_f16(self.d[gb * GROUP + j]), 0.0)
-            }
+            WeightFormat::Q8 => f32::from(self.q[gb * GROUP * 32 + GROUP * e + j] as i8) * d,
         }
     }
 
     /// The dequantized weight row `r` (for embeddings and tests).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let mut codes = [0u8; 32];
-        for b in 0..self.blocks_per_row() {
-            let (d, m) = self.natural_block(r, b, &mut codes);
-            let dst = &mut out[b * BLOCK..(b + 1) * BLOCK];
-            match self.format {
-                WeightFormat::Q4 => {
-                    for i in 0..16 {
-                        dst[i] = d.mul_add(f32::from(codes[i] & 0x0F), m);
-                        dst[i + 16] = d.mul_add(f32::from(codes[i] >> 4), m);
-                    }
-                }
-                WeightFormat::Q8 => {
-                    for i in 0..32 {
-                        dst[i] = d * f32::from(codes[i] as i8);
-                    }
-                }
-            }
+        for (k, v) in out[..self.cols].iter_mut().enumerate() {
+            *v = self.value(r, k);
         }
     }
 
@@ -305,103 +287,6 @@ impl QWeight {
     }
 }
 
-/// Largest activation code: `255 · 127 + 127`, so both bytes of `255·hi + lo` stay in
-/// `[-127, 127]` (the AVX2 sign trick cannot negate -128).
-const ACT_MAX: f32 = 32512.0;
-
-/// Activation rows quantized to 16-bit codes per block of 32, each code `x = 255·hi + lo`.
-#[derive(Clone, Debug, Default)]
-pub struct QActs {
-    /// Rows.
-    pub rows: usize,
-    /// Columns (a multiple of 32).
-    pub cols: usize,
-    /// Per block, 64 bytes: the 32 high bytes, then the 32 low bytes.
-    q: Vec<i8>,
-    /// Per block: scale.
-    d: Vec<f32>,
-    /// Per block: `d · Σx` (what a Q4 weight's minimum multiplies).
-    s: Vec<f32>,
-    /// Per block: `128 · Σx`, which the VNNI path takes off to undo the `+128` of Q8 codes.
-    bias: Vec<i32>,
-}
-
-impl QActs {
-    /// Quantizes `x` (`rows × cols`, row-major) into `self`, reusing its buffers.
-    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
-        /// Blocks per task when a large batch (prefill) is split over the pool.
-        const PER_TASK: usize = 64;
-        debug_assert_eq!(x.len(), rows * cols);
-        debug_assert_eq!(cols % BLOCK, 0);
-        let nblocks = rows * cols / BLOCK;
-        self.rows = rows;
-        self.cols = cols;
-        self.q.resize(nblocks * 2 * BLOCK, 0);
-        self.d.resize(nblocks, 0.0);
-        self.s.resize(nblocks, 0.0);
-        self.bias.resize(nblocks, 0);
-        // Blocks are independent: large batches (prefill) split them over the pool.
-        x.par_chunks(PER_TASK * BLOCK)
-            .zip(self.q.par_chunks_mut(PER_TASK * 2 * BLOCK))
-            .zip(self.d.par_chunks_mut(PER_TASK))
-            .zip(self.s.par_chunks_mut(PER_TASK))
-            .zip(self.bias.par_chunks_mut(PER_TASK))
-            .for_each(|((((x, q), d), s), bias)| quantize_blocks(x, QBlocks { q, d, s, bias }));
-    }
-
-    /// The 16-bit code of element `e` of block `b` (blocks numbered over all rows).
-    #[inline]
-    fn code(&self, b: usize, e: usize) -> i32 {
-        let block = &self.q[b * 2 * BLOCK..(b + 1) * 2 * BLOCK];
-        255 * i32::from(block[e]) + i32::from(block[BLOCK + e])
-    }
-}
-
-/// Destination slices for a run of quantized blocks (parts of a [`QActs`]' buffers).
-struct QBlocks<'a> {
-    q: &'a mut [i8],
-    d: &'a mut [f32],
-    s: &'a mut [f32],
-    bias: &'a mut [i32],
-}
-
-/// Quantizes the blocks of `x` into `out`, with the AVX2 build where the CPU has it.
-fn quantize_blocks(x: &[f32], out: QBlocks) {
-    #[cfg(target_arch = "x86_64")]
-    if x86::detect().is_some() {
-        // SAFETY: AVX2 was detected at run time.
-        unsafe { x86::quantize(x, out) };
-        return;
-    }
-    quantize_scalar(x, out);
-}
-
-/// The quantization proper, written so that it vectorises where the caller enables AVX2 (the
-/// operations are the same either way, so are the codes): per block, `d = max|x| / ACT_MAX`,
-/// codes rounded to nearest (ties to even), split into `hi = round(code / 255)` (exact: an
-/// integer code is never within 0.002 of a tie) and `lo = code - 255·hi`.
-#[inline(always)]
-fn quantize_scalar(x: &[f32], acts: QBlocks) {
-    for (b, block) in x.chunks_exact(BLOCK).enumerate() {
-        let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let d = amax / ACT_MAX;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let (hi, lo) = acts.q[b * 2 * BLOCK..(b + 1) * 2 * BLOCK].split_at_mut(BLOCK);
-        let mut sum = 0i32;
-        for ((v, h), l) in block.iter().zip(hi.iter_mut()).zip(lo.iter_mut()) {
-            let code = (v * inv).round_ties_even().clamp(-ACT_MAX, ACT_MAX);
-            let high = (code / 255.0).round_ties_even();
-            let (code, high) = (code as i32, high as i32);
-            *h = high as i8;
-            *l = (code - 255 * high) as i8;
-            sum += code;
-        }
-        acts.d[b] = d;
-        acts.s[b] = d * sum as f32;
-        acts.bias[b] = 128 * sum;
-    }
-}
-
 /// A raw pointer that may cross to rayon's threads; each thread writes a disjoint column range.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -410,19 +295,22 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Fewest column groups per parallel task, so tiny products are not split into tasks that
-/// cost more to schedule than to compute.
-const MIN_GROUPS_PER_TASK: usize = 2;
+/// Column groups in the widest tile (a single row's fused tile with AVX-512).
+const TILE_GROUPS: usize = 4;
 
-/// `out[r, o] = Σ_k x[r, k] · w[o, k]` for every row of `x` and every output `o`;
-/// `out` is `x.rows × w.rows`, row-major.
-pub fn matmul(x: &QActs, w: &QWeight, out: &mut [f32]) {
-    matmul_with(x, w, out, Kernel::best());
+/// Fewest tiles per parallel task, so tiny products are not split into tasks that cost more to
+/// schedule than to compute.
+const MIN_UNITS_PER_TASK: usize = 1;
+
+/// `out[r, o] = Σ_k x[r, k] · w[o, k]` for the `rows` rows of `x` (row-major, `w.cols` wide)
+/// and every output `o`; `out` is `rows × w.rows`, row-major.
+pub fn matmul(x: &[f32], rows: usize, w: &QWeight, out: &mut [f32]) {
+    matmul_with(x, rows, w, out, Kernel::best());
 }
 
 /// Which implementation computes a product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
+pub enum Kernel {
     /// Scalar Rust, for any CPU.
     Portable,
     /// An x86 SIMD kernel.
@@ -431,37 +319,65 @@ enum Kernel {
 }
 
 impl Kernel {
-    fn best() -> Self {
+    /// The fastest kernel this CPU runs (`FERRY_KERNEL=avx2` or `portable` picks a slower one,
+    /// to measure or test it).
+    pub fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         if let Some(isa) = x86::detect() {
             return Kernel::X86(isa);
         }
         Kernel::Portable
     }
+
+    /// Every kernel this CPU can run (whatever `FERRY_KERNEL` says), the portable one first.
+    pub fn available() -> Vec<Kernel> {
+        #[allow(unused_mut)]
+        let mut kernels = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        kernels.extend(x86::supported().into_iter().map(Kernel::X86));
+        kernels
+    }
+
+    /// Its name, for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::X86(isa) => isa.name(),
+        }
+    }
 }
 
-fn matmul_with(x: &QActs, w: &QWeight, out: &mut [f32], kernel: Kernel) {
-    assert_eq!(x.cols, w.cols, "activation width must match the weight's inputs");
-    assert_eq!(out.len(), x.rows * w.rows, "output buffer must be rows × outputs");
+/// [`matmul`] with a chosen kernel (for benches and tests; every kernel gives the same bits).
+pub fn matmul_with(x: &[f32], rows: usize, w: &QWeight, out: &mut [f32], kernel: Kernel) {
+    assert_eq!(x.len(), rows * w.cols, "activations must be rows × the weight's inputs");
+    assert_eq!(out.len(), rows * w.rows, "output buffer must be rows × outputs");
     let ptr = OutPtr(out.as_mut_ptr());
+    let sums = if w.format == WeightFormat::Q4 { block_sums(x) } else { Vec::new() };
+    let sums = &sums[..];
     let groups = w.groups();
-    // A few tasks per thread balance the load; more only add scheduling cost.
-    let tasks = (rayon::current_num_threads() * 3).min(groups.div_ceil(MIN_GROUPS_PER_TASK)).max(1);
-    let per_task = groups.div_ceil(tasks);
+    // Units of whole tiles (up to four groups), so no task converts part of a tile's columns;
+    // a few tasks per thread balance the load (units spread evenly over them), more only add
+    // scheduling cost.
+    let units = groups.div_ceil(TILE_GROUPS);
+    let tasks = (rayon::current_num_threads() * 3).min(units.div_ceil(MIN_UNITS_PER_TASK)).max(1);
     (0..tasks).into_par_iter().for_each(move |t| {
-        let range = t * per_task..((t + 1) * per_task).min(groups);
+        let range = (t * units / tasks * TILE_GROUPS).min(groups)
+            ..((t + 1) * units / tasks * TILE_GROUPS).min(groups);
         // SAFETY: task `t` writes only the columns of groups in `range`; tasks do not overlap.
-        unsafe { matmul_groups(x, w, range, ptr, kernel) };
+        unsafe { matmul_groups(x, sums, rows, w, range, ptr, kernel) };
     });
 }
 
 /// Computes the output columns of column groups `groups`, for every row.
 ///
 /// # Safety
-/// `out` must point to `x.rows × w.rows` floats, no other thread may write these columns, and
+/// `out` must point to `rows × w.rows` floats, no other thread may write these columns, and
 /// an x86 kernel must have been detected on this CPU.
 unsafe fn matmul_groups(
-    x: &QActs,
+    x: &[f32],
+    sums: &[f32],
+    rows: usize,
     w: &QWeight,
     groups: std::ops::Range<usize>,
     out: OutPtr,
@@ -470,13 +386,14 @@ unsafe fn matmul_groups(
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's contract.
-        Kernel::X86(isa) => unsafe { x86::matmul_groups(isa, x, w, groups, out) },
+        Kernel::X86(isa) => unsafe { x86::matmul_groups(isa, x, sums, rows, w, groups, out) },
         Kernel::Portable => {
             for g in groups {
                 for o in g * GROUP..((g + 1) * GROUP).min(w.rows) {
-                    for r in 0..x.rows {
+                    for r in 0..rows {
+                        let v = portable::dot(&x[r * w.cols..(r + 1) * w.cols], w, o);
                         // SAFETY: the caller owns column `o` of every row.
-                        unsafe { *out.0.add(r * w.rows + o) = portable::dot(x, r, w, o) };
+                        unsafe { *out.0.add(r * w.rows + o) = v };
                     }
                 }
             }
@@ -484,14 +401,20 @@ unsafe fn matmul_groups(
     }
 }
 
-/// Writes one row's eight sums of group `g` to the output, skipping padding columns.
+/// Each block's sum of activations, `x[32b] + x[32b + 1] + …` in order from 0 (what a Q4
+/// block's minimum multiplies).
+fn block_sums(x: &[f32]) -> Vec<f32> {
+    x.chunks_exact(BLOCK).map(portable::block_sum).collect()
+}
+
+/// Writes one row's sums of group `g` to the output, skipping padding columns.
 ///
 /// # Safety
 /// As [`matmul_groups`]: the caller owns these columns of row `r`.
 #[inline(always)]
 unsafe fn store_group(w: &QWeight, r: usize, g: usize, sums: &[f32; GROUP], out: OutPtr) {
     let n = (w.rows - g * GROUP).min(GROUP);
-    // SAFETY: columns `8g .. 8g + n` of row `r` lie inside the output; the caller owns them.
+    // SAFETY: columns `16g .. 16g + n` of row `r` lie inside the output; the caller owns them.
     unsafe {
         std::ptr::copy_nonoverlapping(sums.as_ptr(), out.0.add(r * w.rows + g * GROUP), n);
     }

@@ -1,29 +1,40 @@
-//! The portable block dot product: the same arithmetic as the SIMD path, written element by
-//! element, so results are bit-identical on machines without AVX2.
+//! The portable product: the same arithmetic as the SIMD paths (the kernels' module head),
+//! written element by element, so results are bit-identical on machines without AVX2.
 
-use super::{QActs, QWeight, WeightFormat, BLOCK};
+use super::{from_f16, QWeight, WeightFormat, BLOCK, GROUP};
 
-/// One output element: row `r` of `x` against weight row `o`.
-pub fn dot(x: &QActs, r: usize, w: &QWeight, o: usize) -> f32 {
+/// One output element: activation row `x` against weight column `o`.
+pub fn dot(x: &[f32], w: &QWeight, o: usize) -> f32 {
+    let (g, j) = (o / GROUP, o % GROUP);
     let bpr = w.cols / BLOCK;
-    let mut codes = [0u8; 32];
     let mut acc = 0f32;
-    for b in 0..bpr {
-        let xb = r * bpr + b;
-        let (d, m) = w.natural_block(o, b, &mut codes);
-        let isum: i32 = match w.format {
-            WeightFormat::Q4 => (0..16)
-                .map(|i| {
-                    i32::from(codes[i] & 0x0F) * x.code(xb, i)
-                        + i32::from(codes[i] >> 4) * x.code(xb, i + 16)
+    for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+        let gb = g * bpr + b;
+        let d = from_f16(w.d[gb * GROUP + j]);
+        let p = match w.format {
+            WeightFormat::Q4 => {
+                let codes = &w.q[gb * GROUP * 16..(gb + 1) * GROUP * 16];
+                xb.iter().enumerate().fold(0f32, |p, (k, &v)| {
+                    let byte = codes[GROUP * (k % 16) + j];
+                    v.mul_add(f32::from(if k < 16 { byte & 0x0F } else { byte >> 4 }), p)
                 })
-                .sum(),
-            WeightFormat::Q8 => (0..32).map(|i| i32::from(codes[i] as i8) * x.code(xb, i)).sum(),
+            }
+            WeightFormat::Q8 => {
+                let codes = &w.q[gb * GROUP * 32..(gb + 1) * GROUP * 32];
+                xb.iter()
+                    .enumerate()
+                    .fold(0f32, |p, (k, &v)| v.mul_add(f32::from(codes[GROUP * k + j] as i8), p))
+            }
         };
-        acc = (isum as f32).mul_add(d * x.d[xb], acc);
+        acc = p.mul_add(d, acc);
         if w.format == WeightFormat::Q4 {
-            acc = m.mul_add(x.s[xb], acc);
+            acc = block_sum(xb).mul_add(from_f16(w.m[gb * GROUP + j]), acc);
         }
     }
     acc
+}
+
+/// A block's activations summed in order from 0.
+pub fn block_sum(xb: &[f32]) -> f32 {
+    xb.iter().fold(0f32, |s, &v| s + v)
 }

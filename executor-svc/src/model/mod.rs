@@ -5,7 +5,8 @@
 pub mod kv_cache;
 pub mod llama;
 pub mod loaded;
-// The attention inner loop in AVX2 intrinsics behind a runtime feature check (see `attend`).
+// The attention inner loops in AVX-512 / AVX2 intrinsics behind a runtime feature check (see
+// `attend`).
 #[allow(unsafe_code)]
 pub mod ops;
 pub mod paged;

@@ -2,19 +2,20 @@
 //! rotary embedding (adjacent-pair convention of GGUF Llama), `SiLU` gating, and the product
 //! against a quantized `[out, in]` weight.
 
-use crate::kernels::{matmul, QActs, QWeight};
+use crate::kernels::{matmul, QWeight};
 
-/// `acts · wᵀ` → `acts.rows × w.rows`, row-major.
-pub fn linear(acts: &QActs, w: &QWeight) -> Vec<f32> {
-    let mut out = vec![0f32; acts.rows * w.rows];
-    matmul(acts, w, &mut out);
+/// `x · wᵀ` for the rows of `x` (`w.cols` wide) → `rows × w.rows`, row-major.
+pub fn linear(x: &[f32], w: &QWeight) -> Vec<f32> {
+    let mut out = Vec::new();
+    linear_into(x, w, &mut out);
     out
 }
 
-/// `acts · wᵀ` into `out` (resized to `acts.rows × w.rows`; its allocation is reused).
-pub fn linear_into(acts: &QActs, w: &QWeight, out: &mut Vec<f32>) {
-    out.resize(acts.rows * w.rows, 0.0);
-    matmul(acts, w, out);
+/// `x · wᵀ` into `out` (resized to `rows × w.rows`; its allocation is reused).
+pub fn linear_into(x: &[f32], w: &QWeight, out: &mut Vec<f32>) {
+    let rows = x.len() / w.cols;
+    out.resize(rows * w.rows, 0.0);
+    matmul(x, rows, w, out);
 }
 
 /// RMS-normalises each row of `x` (width `weight.len()`) and scales it by `weight`, in place.
@@ -91,23 +92,36 @@ pub fn argmax(xs: &[f32]) -> Option<usize> {
     best.map(|(i, _)| i)
 }
 
-/// Dot product with eight running partial sums (lane `l` takes elements `8c + l`), plain
-/// multiplies and adds, one fixed reduction. The AVX version below performs exactly these
-/// operations, so results are the same with or without it.
+/// Lanes of the attention dot product: element `i` goes to lane `i % 16`.
+const LANES: usize = 16;
+
+/// The attention dot product, in a fixed order every path follows: sixteen running sums (lane
+/// `l` takes elements `16c + l`, one fused multiply-add each, chunk by chunk), reduced as
+/// [`reduce16`]; elements past the last whole chunk go to a seventeenth sum added last.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
+    let mut acc = [0f32; LANES];
+    let chunks = a.len() / LANES;
     for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        for l in 0..LANES {
+            acc[l] = a[c * LANES + l].mul_add(b[c * LANES + l], acc[l]);
         }
     }
     let mut tail = 0f32;
-    for i in chunks * 8..a.len() {
-        tail += a[i] * b[i];
+    for i in chunks * LANES..a.len() {
+        tail = a[i].mul_add(b[i], tail);
     }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
+    reduce16(&acc) + tail
+}
+
+/// The sixteen lanes' sum by halves: `l + (l + 8)`, then `+ 4`, `+ 2`, `+ 1` (a register's
+/// halves, then its quarters: what the SIMD paths do with shuffles).
+#[inline]
+fn reduce16(a: &[f32; LANES]) -> f32 {
+    let b: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
+    let c: [f32; 4] = std::array::from_fn(|l| b[l] + b[l + 4]);
+    let d: [f32; 2] = std::array::from_fn(|l| c[l] + c[l + 2]);
+    d[0] + d[1]
 }
 
 /// Keys and values of consecutive cached positions: position `first + i` at `i · stride` in
@@ -124,15 +138,21 @@ pub struct KvRun<'a> {
     pub len: usize,
 }
 
-/// Causal attention of one query head over `n_ctx` cached positions:
-/// `out = softmax(q·Kᵀ · scale) · V`. `run(p)` gives the run of positions starting at `p`
-/// (a paged cache: to the end of `p`'s block; a contiguous one: to the end), with the head's
-/// vectors at offset `lane` of each position. `scores` is scratch space. Both forwards call
-/// this, visiting positions in order, so their results are identical however the cache is laid
-/// out.
+/// Causal attention of the query heads `q` (`G` heads of `hd` each, `G = out.len() / hd`)
+/// that share one KV head, over `n_ctx` cached positions: per head,
+/// `out = softmax(q·Kᵀ · scale) · V`. `run(p)` gives the run of positions starting at `p` (a
+/// paged cache: to the end of `p`'s block; a contiguous one: to the end), with the KV head's
+/// vectors at offset `lane` of each position. `scores` is scratch space.
+///
+/// The heads of a group read each key and value once for all of them (grouped-query
+/// attention's heads share them). Each head's result is computed in one fixed order whatever
+/// the group, the layout or the instruction set: scores by [`dot`] times `scale`, a softmax
+/// (`exp(s - max)` summed in position order), then `out = fma(w_p, v_p, out)` per position in
+/// order with `w_p = e_p · (1 / Σ)`. So both forwards, and every path, give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attend<'a>(
     q: &[f32],
+    hd: usize,
     n_ctx: usize,
     lane: usize,
     run: impl Fn(usize) -> KvRun<'a>,
@@ -140,20 +160,23 @@ pub fn attend<'a>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    debug_assert_eq!(q.len(), out.len());
     #[cfg(target_arch = "x86_64")]
-    if simd::available() {
-        // SAFETY: AVX was detected at run time.
-        unsafe { simd::attend(q, n_ctx, lane, run, scale, scores, out) };
-        return;
+    if hd == simd::HD {
+        if let Some(isa) = simd::detect() {
+            // SAFETY: the instruction set was detected at run time.
+            unsafe { simd::attend(isa, q, n_ctx, lane, run, scale, scores, out) };
+            return;
+        }
     }
-    attend_with(q, n_ctx, lane, run, scale, scores, out, dot, axpy);
+    attend_with(q, hd, n_ctx, lane, run, scale, scores, out);
 }
 
-/// `out += weight · v`, element-wise, multiply then add.
+/// `out = fma(weight, v, out)`, element-wise.
 #[inline]
 fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
     for (o, x) in out.iter_mut().zip(v) {
-        *o += weight * x;
+        *o = weight.mul_add(*x, *o);
     }
 }
 
@@ -194,106 +217,96 @@ fn softmax_unnormalized(scores: &mut [f32]) -> f32 {
     1.0 / sum
 }
 
-/// The attention steps, generic over the two vector primitives (always inlined into each
-/// instantiation's `#[target_feature]` context, for the same reason as `each_position`).
-#[allow(clippy::too_many_arguments, clippy::inline_always)]
-#[inline(always)]
+/// The attention in plain Rust: the definition the SIMD paths follow. `scores` holds the
+/// heads' rows one after the other.
+#[allow(clippy::too_many_arguments)]
 fn attend_with<'a>(
     q: &[f32],
+    hd: usize,
     n_ctx: usize,
     lane: usize,
     run: impl Fn(usize) -> KvRun<'a>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
-    dot: impl Fn(&[f32], &[f32]) -> f32,
-    axpy: impl Fn(&mut [f32], f32, &[f32]),
 ) {
-    let hd = q.len();
+    let heads = out.len() / hd;
     scores.clear();
-    scores.resize(n_ctx, 0.0);
-    each_position(n_ctx, lane, &run, |r| r.keys, |p, key| scores[p] = dot(q, &key[..hd]) * scale);
-    let inv = softmax_unnormalized(scores);
+    scores.resize(heads * n_ctx, 0.0);
+    each_position(
+        n_ctx,
+        lane,
+        &run,
+        |r| r.keys,
+        |p, key| {
+            for g in 0..heads {
+                scores[g * n_ctx + p] = dot(&q[g * hd..(g + 1) * hd], &key[..hd]) * scale;
+            }
+        },
+    );
+    let inv: Vec<f32> = scores.chunks_exact_mut(n_ctx).map(softmax_unnormalized).collect();
     out.fill(0.0);
     each_position(
         n_ctx,
         lane,
         &run,
         |r| r.values,
-        |p, value| axpy(out, scores[p] * inv, &value[..hd]),
+        |p, value| {
+            for g in 0..heads {
+                axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n_ctx + p] * inv[g], &value[..hd]);
+            }
+        },
     );
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    //! AVX versions of [`super::dot`] and [`super::axpy`]: the same lanes, the same plain
-    //! multiplies and adds (no fused multiply-add), so the same results.
+    //! The attention of [`super::attend`] with AVX-512 or AVX2 + FMA, for heads of 64 or 128
+    //! (other sizes take the portable path): the same fused multiply-adds per lane as
+    //! [`super::dot`] and [`super::axpy`], the same reduction tree, so the same bits. Scores
+    //! are computed for 16 (AVX-512) or 8 (AVX2) positions at a time and reduced together with
+    //! shuffles; the weighted sum of values keeps every head's output in registers across
+    //! positions, each value read once for the group.
     use std::arch::x86_64::{
-        __m256, _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_permute2f128_ps,
-        _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps,
+        __m256, __m512, _mm256_add_ps, _mm256_castps256_ps128, _mm256_extractf128_ps,
+        _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_permute2f128_ps, _mm256_set1_ps,
+        _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps, _mm512_add_ps,
+        _mm512_castps512_ps256, _mm512_extractf32x8_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
+        _mm512_mul_ps, _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps,
+        _mm512_shuffle_f32x4, _mm512_shuffle_ps, _mm512_storeu_ps, _mm_add_ps, _mm_add_ss,
+        _mm_cvtss_f32, _mm_movehdup_ps, _mm_movehl_ps,
     };
 
-    pub fn available() -> bool {
-        static AVX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVX.get_or_init(|| is_x86_feature_detected!("avx"))
+    /// The head size of the SIMD paths (SmolLM2 and most small Llama-family models).
+    pub const HD: usize = 64;
+
+    /// Which kernel the CPU runs.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Isa {
+        /// AVX2 + FMA.
+        Avx2,
+        /// AVX-512 F + DQ.
+        Avx512,
     }
 
-    #[inline]
-    #[target_feature(enable = "avx")]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let chunks = n / 8;
-        let mut acc = _mm256_setzero_ps();
-        for c in 0..chunks {
-            // SAFETY: c·8 + 8 ≤ n for both slices.
-            let (x, y) = unsafe {
-                (_mm256_loadu_ps(a.as_ptr().add(c * 8)), _mm256_loadu_ps(b.as_ptr().add(c * 8)))
-            };
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
-        }
-        let mut l = [0f32; 8];
-        // SAFETY: `l` holds eight floats.
-        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), acc) };
-        let mut tail = 0f32;
-        for i in chunks * 8..n {
-            tail += a[i] * b[i];
-        }
-        ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])) + tail
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx")]
-    fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
-        let n = out.len().min(v.len());
-        let chunks = n / 8;
-        let w = _mm256_set1_ps(weight);
-        for c in 0..chunks {
-            // SAFETY: c·8 + 8 ≤ n for both slices.
-            unsafe {
-                let o = out.as_mut_ptr().add(c * 8);
-                let x = _mm256_loadu_ps(v.as_ptr().add(c * 8));
-                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(w, x)));
+    /// The attention kernel for this CPU, if any: the products' choice (so `FERRY_KERNEL`
+    /// selects both), AVX-512 needing DQ as well.
+    pub fn detect() -> Option<Isa> {
+        match crate::kernels::x86::detect()? {
+            crate::kernels::x86::Isa::Avx512 if is_x86_feature_detected!("avx512dq") => {
+                Some(Isa::Avx512)
             }
-        }
-        for i in chunks * 8..n {
-            out[i] += weight * v[i];
+            _ => Some(Isa::Avx2),
         }
     }
 
-    /// The head size of the specialised path (SmolLM2 and most Llama-family models).
-    const HD: usize = 64;
-    const CH: usize = HD / 8;
-
-    /// [`super::attend`] with the AVX primitives. For `HD`-element heads it performs the same
-    /// operations per position in a faster order: the eight-lane dot products are reduced
-    /// eight positions at a time with shuffles (in the same addition tree as [`dot`]), and the
-    /// weighted sum of values keeps the output in registers across positions.
+    /// [`super::attend`] with the kernel for `isa`, for heads of [`HD`].
     ///
     /// # Safety
-    /// The CPU must support AVX.
-    #[target_feature(enable = "avx")]
+    /// The CPU must support `isa`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attend<'a>(
+        isa: Isa,
         q: &[f32],
         n_ctx: usize,
         lane: usize,
@@ -302,82 +315,304 @@ mod simd {
         scores: &mut Vec<f32>,
         out: &mut [f32],
     ) {
-        if q.len() != HD {
-            let (dot, axpy) =
-                (|a: &[f32], b: &[f32]| dot(a, b), |o: &mut [f32], w, v: &[f32]| axpy(o, w, v));
-            return super::attend_with(q, n_ctx, lane, run, scale, scores, out, dot, axpy);
-        }
-        debug_assert!(q.len() == HD && out.len() == HD);
-        scores.clear();
-        scores.resize(n_ctx, 0.0);
-        // SAFETY (whole body): rows come from `each_position`, each at least `HD` long (the
-        // head's lanes of one cached position); `q`, `out` and `scores` are indexed in range.
+        // SAFETY: the caller's contract.
         unsafe {
-            let qv: [__m256; CH] = std::array::from_fn(|c| _mm256_loadu_ps(q.as_ptr().add(8 * c)));
-            let mut keys = [std::ptr::null::<f32>(); 8];
+            match isa {
+                Isa::Avx512 => avx512(q, n_ctx, lane, run, scale, scores, out),
+                Isa::Avx2 => avx2(q, n_ctx, lane, run, scale, scores, out),
+            }
+        }
+    }
+
+    /// The softmax of every head's row of `scores` (`n_ctx` each): their `1 / Σ`.
+    fn softmax_rows(scores: &mut [f32], n_ctx: usize, inv: &mut [f32; MAX_HEADS]) {
+        for (g, row) in scores.chunks_exact_mut(n_ctx).enumerate() {
+            inv[g] = super::softmax_unnormalized(row);
+        }
+    }
+
+    /// Most heads sharing a KV head that the SIMD paths take (more: the portable path).
+    const MAX_HEADS: usize = 16;
+
+    /// The AVX-512 path: scores 16 positions at a time.
+    #[target_feature(enable = "avx512f,avx512dq,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn avx512<'a>(
+        q: &[f32],
+        n_ctx: usize,
+        lane: usize,
+        run: impl Fn(usize) -> super::KvRun<'a>,
+        scale: f32,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        const CH: usize = HD / 16;
+        let heads = out.len() / HD;
+        if heads > MAX_HEADS {
+            return super::attend_with(q, HD, n_ctx, lane, run, scale, scores, out);
+        }
+        scores.clear();
+        scores.resize(heads * n_ctx, 0.0);
+        // SAFETY (whole body): rows come from `each_position`, each at least `HD` long (the
+        // KV head's lanes of one cached position); `q`, `out` and `scores` are indexed in
+        // range (`heads` rows of `n_ctx` scores, `heads · HD` query and output values).
+        unsafe {
+            let sc = _mm512_set1_ps(scale);
+            // Lane of the reduction's result holding position `k` of the 16 (see `dots16`).
+            let order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+            let mut keys = [std::ptr::null::<f32>(); 16];
             let mut pending = 0;
-            let sc = _mm256_set1_ps(scale);
             super::each_position(
                 n_ctx,
                 lane,
                 &run,
                 |r| r.keys,
                 |p, key| {
-                    debug_assert!(key.len() >= HD);
                     keys[pending] = key.as_ptr();
                     pending += 1;
-                    if pending == 8 {
-                        let dots = dot8(&qv, &keys);
-                        let v = _mm256_mul_ps(_mm256_add_ps(dots, _mm256_setzero_ps()), sc);
-                        _mm256_storeu_ps(scores.as_mut_ptr().add(p - 7), v);
+                    if pending == 16 {
+                        for g in 0..heads {
+                            let qv: [__m512; CH] = std::array::from_fn(|c| {
+                                _mm512_loadu_ps(q.as_ptr().add(g * HD + 16 * c))
+                            });
+                            let d = _mm512_permutexvar_ps(order, dots16(&qv, &keys));
+                            let at = scores.as_mut_ptr().add(g * n_ctx + p - 15);
+                            _mm512_storeu_ps(at, _mm512_mul_ps(d, sc));
+                        }
                         pending = 0;
                     }
                 },
             );
-            for i in 0..pending {
-                let key = std::slice::from_raw_parts(keys[i], HD);
-                scores[n_ctx - pending + i] = dot(q, key) * scale;
-            }
-            let inv = super::softmax_unnormalized(scores);
-            let mut acc = [_mm256_setzero_ps(); CH];
-            super::each_position(
-                n_ctx,
-                lane,
-                &run,
-                |r| r.values,
-                |p, value| {
-                    debug_assert!(value.len() >= HD);
-                    let w = _mm256_set1_ps(scores[p] * inv);
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        let x = _mm256_loadu_ps(value.as_ptr().add(8 * c));
-                        *a = _mm256_add_ps(*a, _mm256_mul_ps(w, x));
+            for (i, key) in keys.iter().enumerate().take(pending) {
+                for g in 0..heads {
+                    let mut acc = _mm512_setzero_ps();
+                    for c in 0..CH {
+                        let (qc, kc) = (q.as_ptr().add(g * HD + 16 * c), key.add(16 * c));
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qc), _mm512_loadu_ps(kc), acc);
                     }
-                },
-            );
-            for (c, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), *a);
+                    let b =
+                        _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+                    scores[g * n_ctx + n_ctx - pending + i] = reduce8(b) * scale;
+                }
+            }
+            let mut inv = [0f32; MAX_HEADS];
+            softmax_rows(scores, n_ctx, &mut inv);
+            let mut g0 = 0;
+            while g0 < heads {
+                let n = (heads - g0).min(3);
+                let (s, o) = (&scores[g0 * n_ctx..], &mut out[g0 * HD..]);
+                match n {
+                    1 => values512::<1>(n_ctx, lane, &run, s, &inv[g0..], o),
+                    2 => values512::<2>(n_ctx, lane, &run, s, &inv[g0..], o),
+                    _ => values512::<3>(n_ctx, lane, &run, s, &inv[g0..], o),
+                }
+                g0 += n;
             }
         }
     }
 
-    /// Eight positions' dot products with `q`, each as [`dot`] computes it: eight lanes of
-    /// plain multiply-then-add over the chunks, then `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
+    /// Sixteen positions' dot products with one head's `q`, each as [`super::dot`] computes
+    /// it, reduced together: lanes `l + (l + 8)` of key pairs `(i, i + 8)`, then `+ 4` of
+    /// pairs `(i, i + 4)`, `+ 2`, `+ 1`. Lane `4j + t` of the result holds position
+    /// `[0, 2, 1, 3][t] + [0, 8, 4, 12][j]`.
     ///
     /// # Safety
-    /// AVX; each pointer reads `HD` floats.
+    /// AVX-512 F; each pointer reads `HD` floats.
     #[inline]
-    #[target_feature(enable = "avx")]
-    unsafe fn dot8(q: &[__m256; CH], keys: &[*const f32; 8]) -> __m256 {
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn dots16(q: &[__m512; HD / 16], keys: &[*const f32; 16]) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe {
-            let a: [__m256; 8] = std::array::from_fn(|p| {
-                let mut acc = _mm256_setzero_ps();
+            let a: [__m512; 16] = std::array::from_fn(|p| {
+                let mut acc = _mm512_setzero_ps();
                 for (c, qc) in q.iter().enumerate() {
-                    acc =
-                        _mm256_add_ps(acc, _mm256_mul_ps(*qc, _mm256_loadu_ps(keys[p].add(8 * c))));
+                    acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(keys[p].add(16 * c)), acc);
                 }
                 acc
             });
+            // Quarters [i: b0-3, i: b4-7, i+8: b0-3, i+8: b4-7], b = lanes l + (l + 8).
+            let r: [__m512; 8] = std::array::from_fn(|i| {
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b01_00_01_00>(a[i], a[i + 8]),
+                    _mm512_shuffle_f32x4::<0b11_10_11_10>(a[i], a[i + 8]),
+                )
+            });
+            // Quarters [i, i+8, i+4, i+12], each c = b[l] + b[l + 4].
+            let c: [__m512; 4] = std::array::from_fn(|i| {
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b10_00_10_00>(r[i], r[i + 4]),
+                    _mm512_shuffle_f32x4::<0b11_01_11_01>(r[i], r[i + 4]),
+                )
+            });
+            // Per quarter [c_i: d0, d1, c_(i+2): d0, d1], d = c[l] + c[l + 2].
+            let d: [__m512; 2] = std::array::from_fn(|i| {
+                _mm512_add_ps(
+                    _mm512_shuffle_ps::<0b01_00_01_00>(c[i], c[i + 2]),
+                    _mm512_shuffle_ps::<0b11_10_11_10>(c[i], c[i + 2]),
+                )
+            });
+            // Per quarter [c0, c2, c1, c3]: d0 + d1.
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]),
+                _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]),
+            )
+        }
+    }
+
+    /// `out = fma(w_p, v_p, out)` over the positions, for `G` heads at once (each value read
+    /// once for them), outputs in registers.
+    ///
+    /// # Safety
+    /// AVX-512 F; as in `avx512`.
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn values512<'a, const G: usize>(
+        n_ctx: usize,
+        lane: usize,
+        run: &impl Fn(usize) -> super::KvRun<'a>,
+        scores: &[f32],
+        inv: &[f32],
+        out: &mut [f32],
+    ) {
+        const CH: usize = HD / 16;
+        // SAFETY: as in `avx512`.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); CH]; G];
+            super::each_position(
+                n_ctx,
+                lane,
+                run,
+                |r| r.values,
+                |p, value| {
+                    let v: [__m512; CH] =
+                        std::array::from_fn(|c| _mm512_loadu_ps(value.as_ptr().add(16 * c)));
+                    for g in 0..G {
+                        let w = _mm512_set1_ps(*scores.get_unchecked(g * n_ctx + p) * inv[g]);
+                        for c in 0..CH {
+                            acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+                        }
+                    }
+                },
+            );
+            for (g, head) in acc.iter().enumerate() {
+                for (c, a) in head.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(g * HD + 16 * c), *a);
+                }
+            }
+        }
+    }
+
+    /// Lanes `l + (l + 4)`, then `+ 2`, `+ 1` of eight sums (the end of [`super::reduce16`]).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn reduce8(b: __m256) -> f32 {
+        let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+        let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+        _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
+    }
+
+    /// The AVX2 path: scores 8 positions at a time, one head's values at a time.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn avx2<'a>(
+        q: &[f32],
+        n_ctx: usize,
+        lane: usize,
+        run: impl Fn(usize) -> super::KvRun<'a>,
+        scale: f32,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        const CH: usize = HD / 8;
+        let heads = out.len() / HD;
+        if heads > MAX_HEADS {
+            return super::attend_with(q, HD, n_ctx, lane, run, scale, scores, out);
+        }
+        scores.clear();
+        scores.resize(heads * n_ctx, 0.0);
+        // SAFETY (whole body): as in `avx512`.
+        unsafe {
+            let sc = _mm256_set1_ps(scale);
+            let mut keys = [std::ptr::null::<f32>(); 8];
+            let mut pending = 0;
+            super::each_position(
+                n_ctx,
+                lane,
+                &run,
+                |r| r.keys,
+                |p, key| {
+                    keys[pending] = key.as_ptr();
+                    pending += 1;
+                    if pending == 8 {
+                        for g in 0..heads {
+                            let d = dots8(q.as_ptr().add(g * HD), &keys);
+                            let at = scores.as_mut_ptr().add(g * n_ctx + p - 7);
+                            _mm256_storeu_ps(at, _mm256_mul_ps(d, sc));
+                        }
+                        pending = 0;
+                    }
+                },
+            );
+            for (i, key) in keys.iter().enumerate().take(pending) {
+                for g in 0..heads {
+                    let b = halves(q.as_ptr().add(g * HD), *key);
+                    scores[g * n_ctx + n_ctx - pending + i] = reduce8(b) * scale;
+                }
+            }
+            let mut inv = [0f32; MAX_HEADS];
+            softmax_rows(scores, n_ctx, &mut inv);
+            for (g, &inv) in inv.iter().enumerate().take(heads) {
+                let mut acc = [_mm256_setzero_ps(); CH];
+                super::each_position(
+                    n_ctx,
+                    lane,
+                    &run,
+                    |r| r.values,
+                    |p, value| {
+                        let w = _mm256_set1_ps(*scores.get_unchecked(g * n_ctx + p) * inv);
+                        for (c, a) in acc.iter_mut().enumerate() {
+                            *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(value.as_ptr().add(8 * c)), *a);
+                        }
+                    },
+                );
+                for (c, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(g * HD + 8 * c), *a);
+                }
+            }
+        }
+    }
+
+    /// One position's sixteen running sums with `q` (two registers: lanes 0-7 and 8-15),
+    /// added as `l + (l + 8)`: the first step of [`super::reduce16`].
+    ///
+    /// # Safety
+    /// AVX2 + FMA; both pointers read `HD` floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn halves(q: *const f32, key: *const f32) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for c in 0..HD / 16 {
+                let (qc, kc) = (q.add(16 * c), key.add(16 * c));
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qc), _mm256_loadu_ps(kc), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qc.add(8)), _mm256_loadu_ps(kc.add(8)), hi);
+            }
+            _mm256_add_ps(lo, hi)
+        }
+    }
+
+    /// Eight positions' dot products with `q`, each as [`super::dot`] computes it, in
+    /// position order: [`halves`], then `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))` by shuffles.
+    ///
+    /// # Safety
+    /// AVX2 + FMA; each pointer reads `HD` floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots8(q: *const f32, keys: &[*const f32; 8]) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let a: [__m256; 8] = std::array::from_fn(|p| halves(q, keys[p]));
             // Lanes l and l+4 of positions (p, p+4) together: [p: s0..s3 | p+4: s0..s3] with
             // s_i = l_i + l_{i+4}.
             let s: [__m256; 4] = std::array::from_fn(|p| {
@@ -407,9 +642,11 @@ mod simd {
 mod tests {
     use super::*;
 
-    /// The SIMD attention (eight positions at a time, registers across positions) gives the
-    /// portable loop's bits, for contexts that are and are not multiples of eight, over runs
-    /// of uneven lengths, and for a head size without the specialised path.
+    /// Every SIMD attention this CPU runs (16 or 8 positions at a time, a KV head's query
+    /// heads together, registers across positions) gives the portable loop's bits, head by
+    /// head, for contexts that are and are not multiples of 16, over runs of uneven lengths,
+    /// for groups of 1 to 4 heads, and for a head size without the specialised path; and the
+    /// portable dot product is within f32 rounding of the exact one.
     #[test]
     fn simd_attention_matches_the_portable_loop_bit_for_bit() {
         let mut seed = 17u64;
@@ -419,11 +656,31 @@ mod tests {
                 .wrapping_add(1_442_695_040_888_963_407);
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
         };
+        #[allow(unused_mut)]
+        let mut isas: Vec<Option<simd::Isa>> = vec![None];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::kernels::x86::{supported, Isa};
+            for isa in supported() {
+                isas.push(Some(match isa {
+                    Isa::Avx2 => simd::Isa::Avx2,
+                    Isa::Avx512 if is_x86_feature_detected!("avx512dq") => simd::Isa::Avx512,
+                    Isa::Avx512 => continue,
+                }));
+            }
+        }
+        assert!(
+            isas.len() > 1 || !cfg!(target_arch = "x86_64") || !is_x86_feature_detected!("fma")
+        );
         for hd in [64, 48] {
             let (stride, lane, positions) = (3 * hd, hd, 70);
             let keys: Vec<f32> = (0..positions * stride).map(|_| next()).collect();
             let values: Vec<f32> = (0..positions * stride).map(|_| next()).collect();
-            let q: Vec<f32> = (0..hd).map(|_| next()).collect();
+            let q: Vec<f32> = (0..4 * hd).map(|_| next()).collect();
+            let exact: f64 = q[..hd].iter().zip(&keys[lane..]).map(|(a, b)| f64::from(a * b)).sum();
+            let size: f64 =
+                q[..hd].iter().zip(&keys[lane..]).map(|(a, b)| f64::from((a * b).abs())).sum();
+            assert!((f64::from(dot(&q[..hd], &keys[lane..lane + hd])) - exact).abs() < 1e-6 * size);
             // Runs end at multiples of 5, like blocks of 5 positions.
             let run = |p: usize| KvRun {
                 keys: &keys[p * stride..],
@@ -431,13 +688,37 @@ mod tests {
                 stride,
                 len: 5 - p % 5,
             };
-            for n_ctx in [1, 7, 8, 9, 16, 23, 70] {
-                let (mut s1, mut s2) = (Vec::new(), Vec::new());
-                let (mut fast, mut plain) = (vec![0f32; hd], vec![0f32; hd]);
-                attend(&q, n_ctx, lane, run, 0.125, &mut s1, &mut fast);
-                attend_with(&q, n_ctx, lane, run, 0.125, &mut s2, &mut plain, dot, axpy);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&fast), bits(&plain), "head {hd}, context {n_ctx}");
+            for heads in 1..=4 {
+                for n_ctx in [1, 7, 8, 9, 15, 16, 17, 23, 32, 70] {
+                    let qs = &q[..heads * hd];
+                    // Head by head through the portable loop: the definition.
+                    let mut plain = vec![0f32; heads * hd];
+                    for g in 0..heads {
+                        let mut s = Vec::new();
+                        let (qg, og) =
+                            (&qs[g * hd..(g + 1) * hd], &mut plain[g * hd..(g + 1) * hd]);
+                        attend_with(qg, hd, n_ctx, lane, run, 0.125, &mut s, og);
+                    }
+                    for isa in &isas {
+                        let mut fast = vec![f32::NAN; heads * hd];
+                        let mut s = Vec::new();
+                        match isa {
+                            None => attend(qs, hd, n_ctx, lane, run, 0.125, &mut s, &mut fast),
+                            #[cfg(target_arch = "x86_64")]
+                            Some(isa) if hd == simd::HD => unsafe {
+                                // SAFETY: only the instruction sets this CPU has are listed.
+                                simd::attend(*isa, qs, n_ctx, lane, run, 0.125, &mut s, &mut fast);
+                            },
+                            Some(_) => continue,
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&fast),
+                            bits(&plain),
+                            "{isa:?}: head {hd}, {heads} heads, context {n_ctx}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -10,13 +10,13 @@
 //! order), so a sequence's logits are bit-identical to the reference's whatever else is batched.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
 use super::kv_cache::PagedKvCache;
 use super::llama::LlamaWeights;
 use super::ops::{attend, linear, linear_into, rms_norm, rope, silu_mul_into};
-use crate::kernels::QActs;
 
 /// One sequence's part of a batch.
 #[derive(Clone, Copy, Debug)]
@@ -109,11 +109,32 @@ impl BatchError {
     }
 }
 
+/// Where a forward's time went (accumulated over forwards until [`PhaseTimes::take`]): a few
+/// clock reads per layer, so always on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhaseTimes {
+    /// Matrix products (projections, MLP, output head).
+    pub matmul: std::time::Duration,
+    /// Attention over the cache (with the rotary embedding and the cache writes).
+    pub attention: std::time::Duration,
+    /// The rest: embeddings, norms, activations, residual adds.
+    pub other: std::time::Duration,
+}
+
+impl PhaseTimes {
+    /// The times so far, resetting them.
+    #[must_use]
+    pub fn take(&mut self) -> PhaseTimes {
+        std::mem::take(self)
+    }
+}
+
 /// Buffers reused across layers and steps: a prefill batch's intermediates are tens of MB,
 /// and fresh allocations of that size come from the kernel page by page, zeroed, every layer.
 #[derive(Debug, Default)]
 pub struct ForwardScratch {
-    acts: QActs,
+    /// Where the forwards' time went.
+    pub times: PhaseTimes,
     /// Normalised hidden states.
     hn: Vec<f32>,
     /// Rows of `[q | k | v]`.
@@ -205,6 +226,11 @@ pub fn forward(
     pool().install(|| forward_in_pool(w, cache, batch, scratch))
 }
 
+/// Runs `f` on the forward's pool (so its parallel sections use the forward's threads).
+pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    pool().install(f)
+}
+
 /// The pool the forward runs in: as many threads as rayon's global pool would have.
 fn pool() -> &'static rayon::ThreadPool {
     static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
@@ -225,6 +251,7 @@ fn forward_in_pool(
     scratch: &mut ForwardScratch,
 ) -> Result<Vec<Vec<f32>>, BatchError> {
     validate(w, cache, batch)?;
+    let start = Instant::now();
     let s = &w.shape;
     let (h, kv_dim, hd) = (s.hidden, s.kv_dim(), s.head_dim);
     // Token-level view of the batch: which sequence and position each row is.
@@ -240,13 +267,16 @@ fn forward_in_pool(
     }
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let ForwardScratch { acts, hn, qkv, attn, proj, gate_up, act } = scratch;
+    let ForwardScratch { times, hn, qkv, attn, proj, gate_up, act } = scratch;
+    let (mut matmul, mut attention) = (Duration::ZERO, Duration::ZERO);
     let qkv_width = h + 2 * kv_dim;
     for (l, layer) in w.layers.iter().enumerate() {
         hn.clone_from(&x);
         rms_norm(hn, &layer.attn_norm, s.rms_eps);
-        acts.quantize(hn, n, h);
-        linear_into(acts, &layer.wqkv, qkv);
+        let t = Instant::now();
+        linear_into(hn, &layer.wqkv, qkv);
+        matmul += t.elapsed();
+        let t = Instant::now();
         for (r, &(seq, pos)) in rows.iter().enumerate() {
             let row = &mut qkv[r * qkv_width..(r + 1) * qkv_width];
             // Rotate the query and key heads (adjacent in the row) in place.
@@ -259,31 +289,38 @@ fn forward_in_pool(
         attn.resize(n * h, 0.0);
         let cache_ref: &PagedKvCache = cache;
         let qkv_ref: &[f32] = qkv;
-        // One task per (token, query head): enough parallelism even for a single decode.
-        attn.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (i, out)| {
-            let (r, head) = (i / s.num_heads, i % s.num_heads);
+        // One task per (token, KV head), its query heads together: enough parallelism even
+        // for a single decode, and each cached key and value read once per group.
+        let gw = group * hd;
+        attn.par_chunks_mut(gw).enumerate().for_each_init(Vec::new, |scores, (i, out)| {
+            let (r, kvh) = (i / s.num_kv_heads, i % s.num_kv_heads);
             let (seq, pos) = rows[r];
             let table = batch[seq].block_table;
             attend(
-                &qkv_ref[r * qkv_width + head * hd..r * qkv_width + (head + 1) * hd],
+                &qkv_ref[r * qkv_width + kvh * gw..r * qkv_width + (kvh + 1) * gw],
+                hd,
                 pos + 1,
-                (head / group) * hd,
+                kvh * hd,
                 |p| cache_ref.run(l, table, p),
                 scale,
                 scores,
                 out,
             );
         });
-        acts.quantize(attn, n, h);
-        linear_into(acts, &layer.wo, proj);
+        attention += t.elapsed();
+        let t = Instant::now();
+        linear_into(attn, &layer.wo, proj);
+        matmul += t.elapsed();
         x.iter_mut().zip(proj.iter()).for_each(|(a, b)| *a += b);
         hn.clone_from(&x);
         rms_norm(hn, &layer.ffn_norm, s.rms_eps);
-        acts.quantize(hn, n, h);
-        linear_into(acts, &layer.w_gate_up, gate_up);
+        let t = Instant::now();
+        linear_into(hn, &layer.w_gate_up, gate_up);
+        matmul += t.elapsed();
         silu_mul_into(gate_up, s.intermediate, act);
-        acts.quantize(act, n, s.intermediate);
-        linear_into(acts, &layer.w_down, proj);
+        let t = Instant::now();
+        linear_into(act, &layer.w_down, proj);
+        matmul += t.elapsed();
         x.iter_mut().zip(proj.iter()).for_each(|(a, b)| *a += b);
     }
     // Final norm and the output head, for the last token of each sequence that samples.
@@ -294,11 +331,20 @@ fn forward_in_pool(
         last.extend_from_slice(&x[(row - sl.logits) * h..row * h]);
     }
     let m = last.len() / h;
+    let logits = if m == 0 {
+        Vec::new()
+    } else {
+        rms_norm(&mut last, &w.norm, s.rms_eps);
+        let t = Instant::now();
+        let logits = linear(&last, &w.lm_head);
+        matmul += t.elapsed();
+        logits
+    };
+    times.matmul += matmul;
+    times.attention += attention;
+    times.other += start.elapsed().saturating_sub(matmul + attention);
     if m == 0 {
         return Ok(Vec::new());
     }
-    rms_norm(&mut last, &w.norm, s.rms_eps);
-    acts.quantize(&last, m, h);
-    let logits = linear(acts, &w.lm_head);
     Ok(logits.chunks_exact(s.vocab_size).map(<[f32]>::to_vec).collect())
 }

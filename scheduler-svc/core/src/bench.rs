@@ -67,32 +67,37 @@ struct Scenario {
     setup_steps: usize,
 }
 
+/// `n` requests decoding, with room for `horizon` steps each.
+fn decode_scenario(n: usize, horizon: usize) -> Scenario {
+    let prompt_len = 64;
+    let max_tokens = horizon + 200;
+    let max_model_len = prompt_len + 16 + max_tokens + 1;
+    let cfg = SchedulerConfig {
+        block_size: 16,
+        num_blocks: n * max_model_len.div_ceil(16) + 64,
+        max_num_seqs: n,
+        max_num_batched_tokens: (2 * n).max(8192),
+        lookahead: n,
+        max_model_len,
+        ..SchedulerConfig::default()
+    };
+    Scenario {
+        name: format!("decode-{n}"),
+        cfg,
+        population: n,
+        prompt_len,
+        max_tokens,
+        arrivals_per_step: 0,
+        setup_steps: (n * (prompt_len + 16)).div_ceil((2 * n).max(8192)) + 4,
+    }
+}
+
 fn scenarios(quick: bool, iterations: usize) -> Vec<Scenario> {
     let mut out = Vec::new();
     let decode_sizes: &[usize] = if quick { &[64, 256] } else { &[64, 256, 1024, 4096, 16384] };
     let horizon = iterations + 400;
     for &n in decode_sizes {
-        let prompt_len = 64;
-        let max_tokens = horizon + 200;
-        let max_model_len = prompt_len + 16 + max_tokens + 1;
-        let cfg = SchedulerConfig {
-            block_size: 16,
-            num_blocks: n * max_model_len.div_ceil(16) + 64,
-            max_num_seqs: n,
-            max_num_batched_tokens: (2 * n).max(8192),
-            lookahead: n,
-            max_model_len,
-            ..SchedulerConfig::default()
-        };
-        out.push(Scenario {
-            name: format!("decode-{n}"),
-            cfg,
-            population: n,
-            prompt_len,
-            max_tokens,
-            arrivals_per_step: 0,
-            setup_steps: (n * (prompt_len + 16)).div_ceil((2 * n).max(8192)) + 4,
-        });
+        out.push(decode_scenario(n, horizon));
     }
     // Chunked prefill mixed with decode: one long prompt arrives per step.
     let mixed_lifetime = if quick { 32 } else { 256 };
@@ -227,6 +232,42 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// Runs `sc`: its population, `untimed` steps, then `timed` steps (their costs, in µs).
+fn measure(sc: &Scenario, untimed: usize, timed: usize) -> (Driver, Vec<f64>) {
+    let core = Scheduler::new(sc.cfg.clone()).expect("bench configs are valid");
+    let mut d = Driver {
+        core,
+        next_id: 0,
+        step: 0,
+        outcome: StepOutcome::default(),
+        events: Vec::new(),
+        prompt: Vec::new(),
+        prompt_len: sc.prompt_len,
+        max_tokens: sc.max_tokens,
+    };
+    for _ in 0..sc.population {
+        d.add();
+    }
+    // A fixed population is kept steady by replacing finished requests; an open one (only
+    // arrivals) reaches its own steady state.
+    let replace = sc.population > 0;
+    for _ in 0..untimed {
+        d.step(sc.arrivals_per_step, replace);
+    }
+    let times = (0..timed).map(|_| d.step(sc.arrivals_per_step, replace)).collect();
+    (d, times)
+}
+
+/// The core's cost of one step (`schedule` plus `apply_result`) with `running` requests
+/// decoding, median over `steps` steps, in µs: what a serving step of that batch spends
+/// scheduling (the executor's bench reports it beside the forward's time).
+pub fn decode_step_us(running: usize, steps: usize) -> f64 {
+    let sc = decode_scenario(running.max(1), steps + 400);
+    let (_, mut times) = measure(&sc, sc.setup_steps + 10, steps.max(1));
+    times.sort_by(f64::total_cmp);
+    percentile(&times, 0.5)
+}
+
 /// Run the scenarios selected by `opts` and return one row each.
 pub fn run(opts: &BenchOptions) -> Vec<BenchRow> {
     let (iterations, warmup) = if opts.quick {
@@ -241,29 +282,8 @@ pub fn run(opts: &BenchOptions) -> Vec<BenchRow> {
                 continue;
             }
         }
-        let core = Scheduler::new(sc.cfg.clone()).expect("bench configs are valid");
-        let mut d = Driver {
-            core,
-            next_id: 0,
-            step: 0,
-            outcome: StepOutcome::default(),
-            events: Vec::new(),
-            prompt: Vec::new(),
-            prompt_len: sc.prompt_len,
-            max_tokens: sc.max_tokens,
-        };
-        for _ in 0..sc.population {
-            d.add();
-        }
         let setup = if opts.quick { sc.setup_steps.min(40) } else { sc.setup_steps };
-        // A fixed population is kept steady by replacing finished requests; an open one (only
-        // arrivals) reaches its own steady state.
-        let replace = sc.population > 0;
-        for _ in 0..setup + warmup {
-            d.step(sc.arrivals_per_step, replace);
-        }
-        let mut times: Vec<f64> =
-            (0..iterations).map(|_| d.step(sc.arrivals_per_step, replace)).collect();
+        let (d, mut times) = measure(&sc, setup + warmup, iterations);
         times.sort_by(f64::total_cmp);
         let stats = d.core.stats();
         rows.push(BenchRow {

@@ -13,7 +13,7 @@ use ferry_model::sampling::SamplingParams;
 use crate::engine::sampling::Sampler;
 use crate::kernels::{matmul_with, Kernel, QWeight};
 use crate::model::paged::{forward, ForwardScratch, PhaseTimes, SeqSlice};
-use crate::model::{ops::argmax, LlamaWeights, PagedKvCache};
+use crate::model::{ops::argmax, KvDtype, LlamaWeights, PagedKvCache};
 
 /// One measured figure.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -97,6 +97,8 @@ pub struct BenchOptions {
     pub prefill_len: usize,
     /// Prefill repetitions.
     pub prefill_reps: usize,
+    /// The KV cache's element type.
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for BenchOptions {
@@ -106,6 +108,7 @@ impl Default for BenchOptions {
             decode_steps: 16,
             prefill_len: 512,
             prefill_reps: 3,
+            kv_dtype: KvDtype::default(),
         }
     }
 }
@@ -134,7 +137,7 @@ pub fn run(
     // Prefill.
     let len = opts.prefill_len;
     let blocks = len.div_ceil(BS);
-    let mut cache = PagedKvCache::new(&w.shape, BS, blocks);
+    let mut cache = PagedKvCache::with_dtype(&w.shape, opts.kv_dtype, BS, blocks);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut times = Vec::new();
     scratch.times = PhaseTimes::default();
@@ -162,7 +165,7 @@ pub fn run(
     let ctx = 128;
     for &b in &opts.batches {
         let per_seq = (ctx + opts.decode_steps + 1).div_ceil(BS);
-        let mut cache = PagedKvCache::new(&w.shape, BS, per_seq * b);
+        let mut cache = PagedKvCache::with_dtype(&w.shape, opts.kv_dtype, BS, per_seq * b);
         let tables: Vec<Vec<u32>> =
             (0..b).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
         let mut seqs: Vec<Vec<u32>> = (0..b).map(|s| prompt(s + 17, ctx)).collect();
@@ -269,7 +272,7 @@ pub fn run_structured(
     let prompt = tok.encode(&tok.apply_chat_template(&messages, true)?)?;
     let per_seq = (prompt.len() + steps + 2).div_ceil(BS);
     let most = batches.iter().copied().max().unwrap_or(1);
-    let backend = CpuBackend::new(weights, BS, per_seq * most);
+    let backend = CpuBackend::with_dtype(weights, KvDtype::default(), BS, per_seq * most);
     let mut engine = Engine::new(Box::new(backend), EngineConfig::new(tok.eos_token_id))
         .with_grammars(Some(file.clone()));
     let mut rows = Vec::new();

@@ -69,6 +69,11 @@ pub struct ExecutorConfig {
     /// Memory for the KV cache, in MiB; the number of blocks follows from it.
     #[arg(long, env = "FERRY_KV_CACHE_MIB", default_value_t = 512)]
     pub kv_cache_mib: u64,
+    /// Element type of the KV cache: `f16` (half the memory per token, so twice the tokens in
+    /// `--kv-cache-mib`; the CPU backend's default, as llama.cpp's) or `f32`. The CUDA
+    /// backend keeps f32.
+    #[arg(long, env = "FERRY_KV_CACHE_DTYPE")]
+    pub kv_cache_dtype: Option<crate::model::KvDtype>,
     /// GPU to run on with `--backend cuda`, as the driver numbers them (0 first).
     #[arg(long, env = "FERRY_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
@@ -130,6 +135,16 @@ pub const MIN_MAX_STEP_BYTES: u64 = 64 << 10;
 pub const MAX_BLOCK_SIZE: u32 = 256;
 
 impl ExecutorConfig {
+    /// The KV cache's element type: as asked, else f16 on the CPU and f32 elsewhere.
+    pub fn kv_dtype(&self) -> crate::model::KvDtype {
+        use crate::model::KvDtype;
+        self.kv_cache_dtype.unwrap_or(if self.backend == BackendKind::Cpu {
+            KvDtype::F16
+        } else {
+            KvDtype::F32
+        })
+    }
+
     /// Checks the values that clap's types cannot, with a message that names the limit, and
     /// that this build can run them (start-up: [`Self::validate_flags`], then
     /// [`Self::check_build`]).
@@ -158,6 +173,9 @@ impl ExecutorConfig {
         }
         if self.kv_cache_mib == 0 {
             return Err(ConfigError::KvCache);
+        }
+        if self.backend == BackendKind::Cuda && self.kv_dtype() != crate::model::KvDtype::F32 {
+            return Err(ConfigError::CudaKvDtype);
         }
         if self.max_live_requests == 0 {
             return Err(ConfigError::MaxLiveRequests);
@@ -238,6 +256,11 @@ pub enum ConfigError {
     /// Block size not a power of two in 1..=256.
     #[error("--block-size {0} is invalid: it must be a power of two from 1 to {MAX_BLOCK_SIZE}")]
     BlockSize(u32),
+    /// An f16 KV cache asked of the CUDA backend.
+    #[error(
+        "--kv-cache-dtype f16: the CUDA backend keeps an f32 KV cache (pass f32 or leave it out)"
+    )]
+    CudaKvDtype,
     /// No KV memory.
     #[error("--kv-cache-mib must be at least 1")]
     KvCache,
@@ -302,6 +325,22 @@ mod tests {
         let bad = parse(&["--backend", "cuda", "--time-scale=-1"]);
         assert!(matches!(bad.validate_flags(), Err(ConfigError::TimeScale(_))));
         assert!(parse(&["--backend", "cuda"]).validate_flags().is_ok());
+    }
+
+    /// The KV cache is f16 on the CPU unless asked otherwise, f32 on CUDA, which refuses f16
+    /// naming the flag; an unknown dtype is a parse error naming the choices.
+    #[test]
+    fn the_kv_cache_dtype_defaults_per_backend_and_cuda_refuses_f16() {
+        use crate::model::KvDtype;
+        assert_eq!(parse(&[]).kv_dtype(), KvDtype::F16);
+        assert_eq!(parse(&["--kv-cache-dtype", "f32"]).kv_dtype(), KvDtype::F32);
+        assert_eq!(parse(&["--backend", "cuda"]).kv_dtype(), KvDtype::F32);
+        let f16 = parse(&["--backend", "cuda", "--kv-cache-dtype", "f16"]);
+        let err = f16.validate_flags().expect_err("CUDA keeps f32").to_string();
+        assert!(err.contains("--kv-cache-dtype f16"), "{err}");
+        let argv = ["ferry-executor", "--kv-cache-dtype", "int8"];
+        let err = Cli::try_parse_from(argv).err().expect("no such dtype").to_string();
+        assert!(err.contains("not f16 or f32"), "{err}");
     }
 
     #[test]

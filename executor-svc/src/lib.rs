@@ -88,12 +88,13 @@ pub fn build(
     let shape = model.weights.shape;
     let block_size = config.block_size as usize;
     let budget = config.kv_cache_mib * 1024 * 1024;
-    let num_blocks = model::PagedKvCache::blocks_for_budget(&shape, block_size, budget);
+    let dtype = config.kv_dtype();
+    let num_blocks = model::PagedKvCache::blocks_for_budget(&shape, dtype, block_size, budget);
     if num_blocks == 0 {
         anyhow::bail!(
             "--kv-cache-mib {} holds no block of {block_size} tokens ({} bytes per token)",
             config.kv_cache_mib,
-            model::PagedKvCache::bytes_per_token(&shape)
+            model::PagedKvCache::bytes_per_token(&shape, dtype)
         );
     }
     let eos = model.file.tokenizer.eos_token_id;
@@ -102,7 +103,7 @@ pub fn build(
         block_size: config.block_size,
         num_kv_heads: shape.num_kv_heads as u32,
         head_dim: shape.head_dim as u32,
-        dtype: v1::KvDtype::F32.into(),
+        dtype: dtype.proto().into(),
         model_fingerprint: model.file.fingerprint.clone(),
     };
     // The CPU backend keeps its KV pool in the region it shares with its agent, so that an
@@ -113,10 +114,19 @@ pub fn build(
     let (staging, pool) = engine::kv::staging(config, &kv_layout, pool_blocks).unzip();
     let backend: Box<dyn engine::ModelBackend> = match config.backend {
         BackendKind::Cpu => match pool.flatten() {
-            Some(pool) => {
-                Box::new(engine::CpuBackend::in_pool(model.weights, block_size, num_blocks, pool))
-            }
-            None => Box::new(engine::CpuBackend::new(model.weights, block_size, num_blocks)),
+            Some(pool) => Box::new(engine::CpuBackend::in_pool(
+                model.weights,
+                dtype,
+                block_size,
+                num_blocks,
+                pool,
+            )),
+            None => Box::new(engine::CpuBackend::with_dtype(
+                model.weights,
+                dtype,
+                block_size,
+                num_blocks,
+            )),
         },
         BackendKind::Sim => {
             let sim_model = engine::sim::SimModel::llama(

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use ferry_executor_svc::model::paged::{forward, BatchError, ForwardScratch, SeqSlice};
 use ferry_executor_svc::model::reference::{self, ContiguousCache};
-use ferry_executor_svc::model::{ops::argmax, LlamaWeights, LoadedModel, PagedKvCache};
+use ferry_executor_svc::model::{ops::argmax, KvDtype, LlamaWeights, LoadedModel, PagedKvCache};
 use ferry_model::Tokenizer;
 
 const BS: usize = 4;
@@ -27,8 +27,16 @@ fn model() -> &'static Model {
 
 /// Greedy tokens and the logits that chose each, by the reference forward.
 fn reference_run(prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    reference_run_with(prompt, steps, ContiguousCache::default())
+}
+
+/// [`reference_run`] on a given (empty) cache: f32, or rounding to f16.
+fn reference_run_with(
+    prompt: &[u32],
+    steps: usize,
+    mut cache: ContiguousCache,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let w = &model().w;
-    let mut cache = ContiguousCache::default();
     let mut logits = reference::forward(w, prompt, &mut cache).unwrap();
     let (mut toks, mut all) = (Vec::new(), Vec::new());
     for _ in 0..steps {
@@ -160,6 +168,29 @@ fn batched_chunked_scattered_equals_reference() {
     }
 }
 
+/// An f16 cache (the executor's default) stores each key and value rounded to f16 and reads
+/// it back exactly: the paged forward over it, batched, chunked and scattered, is the reference
+/// forward with f16-rounded keys and values, bit for bit.
+#[test]
+fn an_f16_cache_equals_the_reference_rounding_keys_and_values_to_f16() {
+    let steps = 6;
+    let prompts = prompts();
+    let refs: Vec<_> =
+        prompts.iter().map(|p| reference_run_with(p, steps, ContiguousCache::f16())).collect();
+    for chunk in [3, 64] {
+        let mut cache = PagedKvCache::with_dtype(&model().w.shape, KvDtype::F16, BS, 64);
+        let mut blocks = Blocks::scattered(64);
+        let mut seqs: Vec<Seq> = prompts.iter().map(|p| new_seq(p)).collect();
+        run_paged(&mut seqs, chunk, steps, &mut cache, &mut blocks);
+        for (s, (toks, logits)) in seqs.iter().zip(&refs) {
+            assert_same(s, toks, logits, &format!("f16, chunk {chunk}"));
+        }
+    }
+    // And it is not the f32 forward: the rounding shows in the logits.
+    let f32_logits = &reference_run(&prompts[0], 1).1[0];
+    assert_ne!(f32_logits, &refs[0].1[0], "f16 keys and values change the logits' bits");
+}
+
 #[test]
 fn recompute_after_preemption_and_prefix_hit_continue_exactly() {
     let steps = 6;
@@ -204,7 +235,7 @@ fn bad_batches_are_refused_before_anything_is_written() {
             "written by sequence",
         ),
     ];
-    let before: Vec<f32> = cache.block(1).to_vec();
+    let before: Vec<u8> = cache.block(1).to_vec();
     for (batch, needle) in cases {
         let err: BatchError = forward(&m.w, &mut cache, &batch, &mut scratch).unwrap_err();
         assert!(err.to_string().contains(needle), "{err} should mention {needle:?}");

@@ -323,6 +323,18 @@ impl PoolMemory {
         // SAFETY: as for `floats`, through the only mutable reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.len / 4) }
     }
+
+    /// The pool as 16-bit values (a KV cache of f16 keys and values).
+    pub fn halves(&self) -> &[u16] {
+        // SAFETY: as for `floats`; any bit pattern is a u16.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast(), self.len / 2) }
+    }
+
+    /// The pool as 16-bit values, to write.
+    pub fn halves_mut(&mut self) -> &mut [u16] {
+        // SAFETY: as for `halves`, through the only mutable reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.len / 2) }
+    }
 }
 
 /// Slots of one transfer; back to the region when dropped (unless they are pool blocks).

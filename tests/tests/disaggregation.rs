@@ -122,10 +122,16 @@ impl Cluster {
 /// Stream `i`'s request: a prompt of ~150 tokens of its own (no two share a first block),
 /// greedy for even `i` and seeded sampling at temperature 0.8 for odd `i`.
 fn request(i: usize) -> v1::GenerateRequest {
+    request_with(i, 8)
+}
+
+/// Request `i` with its middle sentence `repeats` times (8: about 150 prompt tokens).
+fn request_with(i: usize, repeats: usize) -> v1::GenerateRequest {
     let town = ["Amber", "Birch", "Cedar", "Dune", "Elm", "Fern"][i % 6];
     let prompt = format!(
         "Chronicle {i} of {town}. {}Tell what happened next in {town}.",
-        format!("In year {i} the people of {town} built a bridge, a mill and a school. ").repeat(8)
+        format!("In year {i} the people of {town} built a bridge, a mill and a school. ")
+            .repeat(repeats)
     );
     let seed = (!i.is_multiple_of(2)).then_some(7000 + i as u64);
     ferry_tests::streams::request(prompt, MAX_TOKENS, seed)
@@ -137,8 +143,13 @@ fn requests(n: usize) -> Vec<v1::GenerateRequest> {
 
 /// The streams on one executor (`ferry serve`): the reference.
 async fn reference(n: usize) -> Vec<Outcome> {
+    reference_of(requests(n)).await
+}
+
+/// The streams of `requests` on one executor.
+async fn reference_of(requests: Vec<v1::GenerateRequest>) -> Vec<Outcome> {
     let serve = start_serve("256");
-    let outcomes = run_streams(serve.addr("grpc"), requests(n), 0, || {}).await;
+    let outcomes = run_streams(serve.addr("grpc"), requests, 0, || {}).await;
     assert_complete(&outcomes, MAX_TOKENS as usize);
     outcomes
 }
@@ -410,12 +421,15 @@ async fn no_handoff_goes_through_an_agent_whose_lease_lapsed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_source_agent_killed_mid_push_makes_the_decode_executor_recompute() {
     const STREAMS: usize = 4;
-    let expected = reference(STREAMS).await;
+    // Prompts of about 430 tokens: a push is then about 10 MB of f16 KV, more than loopback's
+    // socket buffers hold while the proxy stalls (4 MiB to send, 128 KiB received unread), so
+    // its sender is blocked in the middle of it when killed, not already done.
+    let long = || (0..STREAMS).map(|i| request_with(i, 24)).collect::<Vec<_>>();
+    let expected = reference_of(long()).await;
     let options = Options { decode_proxy: Some(Fault::Stall), ..Options::default() };
     let mut cluster = Cluster::start_with(options).await;
     let proxy = cluster.decode.proxy.as_ref().unwrap();
-    let streams =
-        tokio::spawn(run_streams(cluster.scheduler.addr("grpc"), requests(STREAMS), 0, || {}));
+    let streams = tokio::spawn(run_streams(cluster.scheduler.addr("grpc"), long(), 0, || {}));
     // A push is held by the proxy after its first chunk's head: its sender dies mid-push.
     let held = wait_for(Duration::from_mins(1), || proxy.faulted() >= 1);
     assert!(held.await.is_some(), "no push reached the decode node");

@@ -148,10 +148,10 @@ async fn n_samples_fork_from_one_prompt_and_differ_reproducibly() {
     assert_all_free(&svc).await;
     drop(svc);
 
-    // A cache of 12 MiB (17 blocks of 16 tokens) holds the shared prompt (4 blocks) and two
-    // samples' own 5, not four: samples are preempted, recompute, and still give the same
-    // choices.
-    let small = serve("12").await;
+    // A cache of 6 MiB of f16 KV (17 blocks of 16 tokens) holds the shared prompt (4 blocks)
+    // and two samples' own 5, not four: samples are preempted, recompute, and still give the
+    // same choices.
+    let small = serve("6").await;
     let (again, _) = complete(small.addr("http"));
     assert!(metric(small.addr("http"), "vllm:num_preemptions_total") > 0.0, "nothing preempted");
     assert!(metric(small.addr("http"), "ferry_parallel_sampling_forks_total") > 0.0);

@@ -65,9 +65,10 @@ async fn speculation_changes_no_stream_greedy_or_seeded_across_preemption() {
     assert_eq!(metric(plain.addr("http"), "vllm:spec_decode_num_drafts_total"), 0.0);
     drop(plain);
 
-    // With it, and a cache that holds a few streams at a time.
+    // With it, and a cache that holds a few streams at a time (6 MiB of f16 KV, about 270
+    // tokens).
     let config = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#;
-    let spec = serve("12", &["--speculative-config", config]).await;
+    let spec = serve("6", &["--speculative-config", config]).await;
     let got = run_streams(spec.addr("grpc"), requests(), 0, || {}).await;
     assert_complete(&got, MAX_TOKENS);
     assert_same_streams(&got, &want);

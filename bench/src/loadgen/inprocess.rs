@@ -8,7 +8,7 @@ use std::time::Instant;
 use std::sync::Arc;
 
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
-use ferry_executor_svc::model::{LoadedModel, PagedKvCache};
+use ferry_executor_svc::model::{KvDtype, LoadedModel, PagedKvCache};
 use ferry_proto::v1;
 use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Timestamp};
 use ferry_scheduler_svc::config::{ExecutorGeometry, SchedulerSettings};
@@ -30,8 +30,10 @@ pub fn run(
 ) -> anyhow::Result<(Report, SchedulerStats)> {
     let model = LoadedModel::open(None)?;
     let shape = model.weights.shape;
+    // The executor's default element type, as `serve` runs it.
+    let dtype = KvDtype::default();
     let num_blocks =
-        PagedKvCache::blocks_for_budget(&shape, block_size, kv_cache_mib * 1024 * 1024);
+        PagedKvCache::blocks_for_budget(&shape, dtype, block_size, kv_cache_mib * 1024 * 1024);
     let tokenizer = &model.file.tokenizer;
     let eos = tokenizer.eos_token_id;
     let prompts: Vec<(Vec<u32>, u64)> = jobs
@@ -39,7 +41,7 @@ pub fn run(
         .map(|j| Ok((tokenizer.encode(&j.prompt)?, j.max_tokens)))
         .collect::<anyhow::Result<_>>()?;
     let mut engine = Engine::new(
-        Box::new(CpuBackend::new(model.weights, block_size, num_blocks)),
+        Box::new(CpuBackend::with_dtype(model.weights, dtype, block_size, num_blocks)),
         EngineConfig::new(eos),
     );
     let geometry = ExecutorGeometry {

@@ -61,6 +61,9 @@ enum Command {
         /// and how long steps waited for them.
         #[arg(long)]
         structured: bool,
+        /// The KV cache's element type (f16 or f32).
+        #[arg(long, default_value = "f16")]
+        kv_cache_dtype: ferry_executor_svc::model::KvDtype,
         /// Measure the matrix products instead: each kernel this CPU runs, on the first
         /// layer's matrices and the output head, for these activation row counts.
         #[arg(long, value_delimiter = ',')]
@@ -90,14 +93,18 @@ fn run_bench(
     json: bool,
 ) -> anyhow::Result<()> {
     let model = LoadedModel::open(model)?;
-    let kv_bytes = ferry_executor_svc::model::PagedKvCache::bytes_per_token(&model.weights.shape);
+    let kv_bytes = ferry_executor_svc::model::PagedKvCache::bytes_per_token(
+        &model.weights.shape,
+        opts.kv_dtype,
+    );
     let cpu = bench::cpu_summary();
     if !json {
         println!("{cpu}");
         println!(
-            "model {} ({}); KV cache {kv_bytes} bytes per cached token",
+            "model {} ({}); KV cache {} {kv_bytes} bytes per cached token",
             model.file.name,
-            model.file.path.display()
+            model.file.path.display(),
+            opts.kv_dtype.name()
         );
         println!(
             "{:<28} {:>6} {:>10} {:>9} | share of step time: {:>6} {:>6} {:>6} {:>6} {:>6}",
@@ -176,8 +183,16 @@ fn run_structured_bench(
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut cli = Cli::parse();
-    if let Some(Command::Bench { model, batches, steps, prefill_reps, json, structured, kernels }) =
-        cli.command
+    if let Some(Command::Bench {
+        model,
+        batches,
+        steps,
+        prefill_reps,
+        json,
+        structured,
+        kernels,
+        kv_cache_dtype,
+    }) = cli.command
     {
         if let Some(rows) = kernels {
             return tokio::task::spawn_blocking(move || run_kernel_bench(model.as_deref(), &rows))
@@ -196,6 +211,7 @@ async fn main() -> anyhow::Result<()> {
                     batches,
                     decode_steps: steps,
                     prefill_reps,
+                    kv_dtype: kv_cache_dtype,
                     ..BenchOptions::default()
                 },
                 json,

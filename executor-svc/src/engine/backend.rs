@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::sim::{step_duration, SimBatchItem, SimClock, SimHardware, SimModel};
 use crate::model::paged::{self, BatchError, ForwardScratch, SeqSlice};
-use crate::model::{LlamaShape, LlamaWeights, PagedKvCache};
+use crate::model::{KvDtype, LlamaShape, LlamaWeights, PagedKvCache};
 
 /// What a backend returns for a batch.
 #[derive(Debug)]
@@ -98,9 +98,20 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend with a KV pool of `num_blocks` blocks of `block_size` tokens.
+    /// A backend with an f32 KV pool of `num_blocks` blocks of `block_size` tokens (the
+    /// reference forward's precision, which the tests compare with).
     pub fn new(weights: LlamaWeights, block_size: usize, num_blocks: usize) -> Self {
-        let cache = PagedKvCache::new(&weights.shape, block_size, num_blocks);
+        Self::with_dtype(weights, KvDtype::F32, block_size, num_blocks)
+    }
+
+    /// A backend whose KV pool holds `dtype` values.
+    pub fn with_dtype(
+        weights: LlamaWeights,
+        dtype: KvDtype,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Self {
+        let cache = PagedKvCache::with_dtype(&weights.shape, dtype, block_size, num_blocks);
         Self { weights, cache, scratch: ForwardScratch::default() }
     }
 
@@ -108,15 +119,28 @@ impl CpuBackend {
     /// exactly; else in memory of its own.
     pub fn in_pool(
         weights: LlamaWeights,
+        dtype: KvDtype,
         block_size: usize,
         num_blocks: usize,
         pool: PoolMemory,
     ) -> Self {
-        if let Ok(cache) = PagedKvCache::in_pool(&weights.shape, block_size, num_blocks, pool) {
+        if let Ok(cache) =
+            PagedKvCache::in_pool(&weights.shape, dtype, block_size, num_blocks, pool)
+        {
             return Self { weights, cache, scratch: ForwardScratch::default() };
         }
         tracing::warn!("the shared KV pool does not fit the cache: using private memory");
-        Self::new(weights, block_size, num_blocks)
+        Self::with_dtype(weights, dtype, block_size, num_blocks)
+    }
+}
+
+/// Swaps a block's values between this machine's byte order and the transfer layout's
+/// (little-endian): nothing to do on a little-endian machine.
+fn swap_to_little_endian(bytes: &mut [u8], width: usize) {
+    if cfg!(target_endian = "big") {
+        for v in bytes.chunks_exact_mut(width) {
+            v.reverse();
+        }
     }
 }
 
@@ -142,14 +166,27 @@ impl ModelBackend for CpuBackend {
         if block >= self.cache.num_blocks {
             return Err(format!("block {block} is out of range"));
         }
-        floats_to_bytes(self.cache.block(block), out)
+        let src = self.cache.block(block);
+        if out.len() != src.len() {
+            return Err(format!("a block is {} bytes, not {}", src.len(), out.len()));
+        }
+        out.copy_from_slice(src);
+        swap_to_little_endian(out, self.cache.dtype.bytes());
+        Ok(())
     }
 
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String> {
         if block >= self.cache.num_blocks {
             return Err(format!("block {block} is out of range"));
         }
-        bytes_to_floats(data, self.cache.block_mut(block))
+        let width = self.cache.dtype.bytes();
+        let dst = self.cache.block_mut(block);
+        if data.len() != dst.len() {
+            return Err(format!("a block is {} bytes, not {}", dst.len(), data.len()));
+        }
+        dst.copy_from_slice(data);
+        swap_to_little_endian(dst, width);
+        Ok(())
     }
 
     fn copy_block(&mut self, src: usize, dst: usize) {

@@ -78,10 +78,10 @@ impl WeightFormat {
 ///
 /// For group `g` and block `b` (index `gb = g · blocks_per_row + b`):
 /// - `d[gb·16 + j]` and `m[gb·16 + j]` are column `16g + j`'s scale and minimum;
-/// - Q4: the 256 code bytes at `gb·256`: byte `16i + j` is byte `i` of column `j`'s GGUF block
-///   (low nibble: element `i`, high nibble: element `16 + i`), so 16 bytes give one input's
-///   codes for the whole group (and, shifted, those of input `i + 16`);
-/// - Q8: the 512 code bytes at `gb·512`: byte `16k + j` is element `k` of column `j` (signed).
+/// - the code bytes at `gb · 16 · code_bytes`, four bytes of a column at a time: byte
+///   `64t + 4j + e` is byte `4t + e` of column `j`'s GGUF block. So 64 bytes are 16 dwords, one
+///   per column, and input `4t + e`'s codes for the whole group are one shift away: byte `e` of
+///   each dword (Q8), or its low nibble (Q4; its high nibble is input `16 + 4t + e`).
 #[derive(Clone, Debug)]
 pub struct QWeight {
     /// Storage format.
@@ -96,6 +96,12 @@ pub struct QWeight {
     m: Vec<u16>,
     /// Interleaved codes, as described above.
     q: Vec<u8>,
+}
+
+/// Where column `j`'s GGUF code byte `i` sits in its group-block (see [`QWeight`]).
+#[inline]
+fn code_at(i: usize, j: usize) -> usize {
+    4 * GROUP * (i / 4) + 4 * j + i % 4
 }
 
 /// Why a tensor cannot be used as a quantized weight.
@@ -167,7 +173,7 @@ impl QWeight {
                 }
                 let base = gb * GROUP * cb;
                 for (i, &code) in nb.codes.iter().enumerate() {
-                    w.q[base + GROUP * i + j] = code;
+                    w.q[base + code_at(i, j)] = code;
                 }
             }
         }
@@ -220,7 +226,7 @@ impl QWeight {
         let cb = self.format.code_bytes();
         let base = gb * GROUP * cb;
         for (i, code) in codes[..cb].iter_mut().enumerate() {
-            *code = self.q[base + GROUP * i + j];
+            *code = self.q[base + code_at(i, j)];
         }
         let m =
             if self.format == WeightFormat::Q4 { from_f16(self.m[gb * GROUP + j]) } else { 0.0 };
@@ -235,11 +241,11 @@ impl QWeight {
         let d = from_f16(self.d[gb * GROUP + j]);
         match self.format {
             WeightFormat::Q4 => {
-                let byte = self.q[gb * GROUP * 16 + GROUP * (e % 16) + j];
+                let byte = self.q[gb * GROUP * 16 + code_at(e % 16, j)];
                 let q = if e < 16 { byte & 0x0F } else { byte >> 4 };
                 f32::from(q).mul_add(d, from_f16(self.m[gb * GROUP + j]))
             }
-            WeightFormat::Q8 => f32::from(self.q[gb * GROUP * 32 + GROUP * e + j] as i8) * d,
+            WeightFormat::Q8 => f32::from(self.q[gb * GROUP * 32 + code_at(e, j)] as i8) * d,
         }
     }
 

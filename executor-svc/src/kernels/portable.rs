@@ -1,7 +1,7 @@
 //! The portable product: the same arithmetic as the SIMD paths (the kernels' module head),
 //! written element by element, so results are bit-identical on machines without AVX2.
 
-use super::{from_f16, QWeight, WeightFormat, BLOCK, GROUP};
+use super::{code_at, from_f16, QWeight, WeightFormat, BLOCK, GROUP};
 
 /// One output element: activation row `x` against weight column `o`.
 pub fn dot(x: &[f32], w: &QWeight, o: usize) -> f32 {
@@ -15,7 +15,7 @@ pub fn dot(x: &[f32], w: &QWeight, o: usize) -> f32 {
             WeightFormat::Q4 => {
                 let codes = &w.q[gb * GROUP * 16..(gb + 1) * GROUP * 16];
                 xb.iter().enumerate().fold(0f32, |p, (k, &v)| {
-                    let byte = codes[GROUP * (k % 16) + j];
+                    let byte = codes[code_at(k % 16, j)];
                     v.mul_add(f32::from(if k < 16 { byte & 0x0F } else { byte >> 4 }), p)
                 })
             }
@@ -23,7 +23,7 @@ pub fn dot(x: &[f32], w: &QWeight, o: usize) -> f32 {
                 let codes = &w.q[gb * GROUP * 32..(gb + 1) * GROUP * 32];
                 xb.iter()
                     .enumerate()
-                    .fold(0f32, |p, (k, &v)| v.mul_add(f32::from(codes[GROUP * k + j] as i8), p))
+                    .fold(0f32, |p, (k, &v)| v.mul_add(f32::from(codes[code_at(k, j)] as i8), p))
             }
         };
         acc = p.mul_add(d, acc);

@@ -216,25 +216,35 @@ macro_rules! kernels {
             (q, d, m)
         }
 
-        /// The codes of input `i` (`HIGH`: `16 + i`) of a block, for `CG` groups, as floats.
+        /// The codes of input `4t + E` (`HIGH`: `16 + 4t + E`) of a block, for `CG` groups, as
+        /// floats: lane `j` of the dwords at quad `t` holds column `j`'s code byte `4t + E`.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn codes<const Q8: bool, const HIGH: bool, const CG: usize>(
+        unsafe fn codes<const Q8: bool, const HIGH: bool, const E: usize, const CG: usize>(
             q: &[*const u8; CG],
-            i: usize,
+            t: usize,
         ) -> [[V; NV]; CG] {
+            // Q8 codes of inputs 16.. are quads 4.. (one byte per input).
+            let quad = if Q8 && HIGH { 4 + t } else { t };
             let mut v = [[zero(); NV]; CG];
             for c in 0..CG {
                 for h in 0..NV {
                     // SAFETY: `q[c]` points at a whole group-block of codes.
                     v[c][h] = unsafe {
-                        if Q8 {
-                            let k = if HIGH { 16 + i } else { i };
-                            codes_i8(q[c].add(GROUP * k + h * LANES))
-                        } else if HIGH {
-                            codes_hi(q[c].add(GROUP * i + h * LANES))
-                        } else {
-                            codes_lo(q[c].add(GROUP * i + h * LANES))
+                        let p = q[c].add(4 * GROUP * quad + 4 * LANES * h);
+                        match (Q8, HIGH, E) {
+                            (true, _, 0) => byte::<24>(p),
+                            (true, _, 1) => byte::<16>(p),
+                            (true, _, 2) => byte::<8>(p),
+                            (true, _, _) => byte::<0>(p),
+                            (false, false, 0) => nibble::<0>(p),
+                            (false, false, 1) => nibble::<8>(p),
+                            (false, false, 2) => nibble::<16>(p),
+                            (false, false, _) => nibble::<24>(p),
+                            (false, true, 0) => nibble::<4>(p),
+                            (false, true, 1) => nibble::<12>(p),
+                            (false, true, 2) => nibble::<20>(p),
+                            (false, true, _) => nibble::<28>(p),
                         }
                     };
                 }
@@ -242,8 +252,38 @@ macro_rules! kernels {
             v
         }
 
-        /// One half of a block (inputs `0..16`, or `HIGH`: `16..32`), converted in registers:
-        /// `p = fma(x, q, p)` for every row, input by input.
+        /// Input `4t + E` (`HIGH`: `16 + 4t + E`) of a block, converted in registers:
+        /// `p = fma(x, q, p)` for every row.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn fused_input<
+            const Q8: bool,
+            const HIGH: bool,
+            const E: usize,
+            const CG: usize,
+            const RT: usize,
+        >(
+            q: &[*const u8; CG],
+            xr: &[*const f32; RT],
+            t: usize,
+            p: &mut Acc<RT, CG>,
+        ) {
+            // SAFETY: `q` as in `codes`; each row has the block's 32 inputs at `xr[r]`.
+            unsafe {
+                let wv = codes::<Q8, HIGH, E, CG>(q, t);
+                let k = if HIGH { 16 } else { 0 } + 4 * t + E;
+                for r in 0..RT {
+                    let xb = splat(xr[r].add(k));
+                    for c in 0..CG {
+                        for h in 0..NV {
+                            p[r][c][h] = fma(xb, wv[c][h], p[r][c][h]);
+                        }
+                    }
+                }
+            }
+        }
+
+        /// One half of a block (inputs `0..16`, or `HIGH`: `16..32`), input by input.
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn fused_half<const Q8: bool, const HIGH: bool, const CG: usize, const RT: usize>(
@@ -251,17 +291,33 @@ macro_rules! kernels {
             xr: &[*const f32; RT],
             p: &mut Acc<RT, CG>,
         ) {
-            for i in 0..16 {
-                // SAFETY: `q` as in `codes`; each row has the block's 32 inputs at `xr[r]`.
+            for t in 0..4 {
+                // SAFETY: the caller's contract.
                 unsafe {
-                    let wv = codes::<Q8, HIGH, CG>(q, i);
-                    for r in 0..RT {
-                        let xb = splat(xr[r].add(if HIGH { 16 + i } else { i }));
-                        for c in 0..CG {
-                            for h in 0..NV {
-                                p[r][c][h] = fma(xb, wv[c][h], p[r][c][h]);
-                            }
-                        }
+                    fused_input::<Q8, HIGH, 0, CG, RT>(q, xr, t, p);
+                    fused_input::<Q8, HIGH, 1, CG, RT>(q, xr, t, p);
+                    fused_input::<Q8, HIGH, 2, CG, RT>(q, xr, t, p);
+                    fused_input::<Q8, HIGH, 3, CG, RT>(q, xr, t, p);
+                }
+            }
+        }
+
+        /// Writes input `4t + E` (`HIGH`: `16 + …`) of block `b`'s codes into the panel.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn panel_input<const Q8: bool, const HIGH: bool, const E: usize, const CG: usize>(
+            q: &[*const u8; CG],
+            lines: *mut f32,
+            b: usize,
+            t: usize,
+        ) {
+            // SAFETY: the panel holds every input of the `CG` groups.
+            unsafe {
+                let v = codes::<Q8, HIGH, E, CG>(q, t);
+                let k = b * BLOCK + if HIGH { 16 } else { 0 } + 4 * t + E;
+                for c in 0..CG {
+                    for h in 0..NV {
+                        store_line(lines.add((k * CG + c) * GROUP + h * LANES), v[c][h]);
                     }
                 }
             }
@@ -394,16 +450,15 @@ macro_rules! kernels {
                 let params = lines.add(w.cols * CG * GROUP);
                 for b in 0..bpr {
                     let (q, d, m) = block_params::<Q8, CG>(w, g0, b);
-                    for i in 0..16 {
-                        let (lo, hi) =
-                            (codes::<Q8, false, CG>(&q, i), codes::<Q8, true, CG>(&q, i));
-                        for c in 0..CG {
-                            for h in 0..NV {
-                                let at = ((b * BLOCK + i) * CG + c) * GROUP + h * LANES;
-                                store_line(lines.add(at), lo[c][h]);
-                                store_line(lines.add(at + 16 * CG * GROUP), hi[c][h]);
-                            }
-                        }
+                    for t in 0..4 {
+                        panel_input::<Q8, false, 0, CG>(&q, lines, b, t);
+                        panel_input::<Q8, false, 1, CG>(&q, lines, b, t);
+                        panel_input::<Q8, false, 2, CG>(&q, lines, b, t);
+                        panel_input::<Q8, false, 3, CG>(&q, lines, b, t);
+                        panel_input::<Q8, true, 0, CG>(&q, lines, b, t);
+                        panel_input::<Q8, true, 1, CG>(&q, lines, b, t);
+                        panel_input::<Q8, true, 2, CG>(&q, lines, b, t);
+                        panel_input::<Q8, true, 3, CG>(&q, lines, b, t);
                     }
                     for c in 0..CG {
                         for h in 0..NV {
@@ -473,8 +528,8 @@ macro_rules! kernels {
                 // twice the rows take the registers of two groups).
                 let step = match rows {
                     1 => CG_ONE,
-                    _ if rows <= FUSED => CG_MAX,
-                    _ => 1,
+                    _ if rows > FUSED && rows <= 2 * FUSED => 1,
+                    _ => CG_MAX,
                 };
                 let mut g = groups.start;
                 while g < groups.end {
@@ -501,9 +556,10 @@ macro_rules! kernels {
 /// spill), panel tiles of 6 × 32 (12 partial sums + 12 accumulators).
 mod avx512 {
     use std::arch::x86_64::{
-        __m512, _mm256_loadu_si256, _mm512_cvtepi32_ps, _mm512_cvtepi8_epi32, _mm512_cvtepu8_epi32,
-        _mm512_cvtph_ps, _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps, _mm512_set1_ps,
-        _mm512_setr_ps, _mm512_setzero_ps, _mm512_srli_epi32, _mm512_store_ps, _mm_loadu_si128,
+        __m512, _mm256_loadu_si256, _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_fmadd_ps,
+        _mm512_load_ps, _mm512_loadu_si512, _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_ps,
+        _mm512_setzero_ps, _mm512_slli_epi32, _mm512_srai_epi32, _mm512_srli_epi32,
+        _mm512_store_ps,
     };
 
     use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL};
@@ -563,30 +619,25 @@ mod avx512 {
         )
     }
 
-    /// Low nibbles of 16 code bytes, as floats.
+    /// Bits `S..S + 4` of 16 dwords, as floats (`vpermps` reads only an index's low four
+    /// bits, so no mask).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn codes_lo(p: *const u8) -> V {
-        // SAFETY: 16 bytes readable at `p`.
-        let z = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.cast()) });
-        _mm512_permutexvar_ps(z, nibble_floats())
+    unsafe fn nibble<const S: u32>(p: *const u8) -> V {
+        // SAFETY: 64 bytes readable at `p`.
+        let d = unsafe { _mm512_loadu_si512(p.cast()) };
+        let d = if S == 0 { d } else { _mm512_srli_epi32::<S>(d) };
+        _mm512_permutexvar_ps(d, nibble_floats())
     }
 
-    /// High nibbles of 16 code bytes, as floats.
+    /// The signed byte at bits `24 - L..32 - L` of 16 dwords, as floats.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn codes_hi(p: *const u8) -> V {
-        // SAFETY: 16 bytes readable at `p`.
-        let z = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.cast()) });
-        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(z), nibble_floats())
-    }
-
-    /// 16 signed code bytes, as floats.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn codes_i8(p: *const u8) -> V {
-        // SAFETY: 16 bytes readable at `p`.
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(p.cast()) }))
+    unsafe fn byte<const L: u32>(p: *const u8) -> V {
+        // SAFETY: 64 bytes readable at `p`.
+        let d = unsafe { _mm512_loadu_si512(p.cast()) };
+        let d = if L == 0 { d } else { _mm512_slli_epi32::<L>(d) };
+        _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(d))
     }
 
     kernels!("avx512f,avx2,fma,f16c", nv: 1, cg: 2, cg1: 4, fused: 8, tile: 6);
@@ -597,9 +648,9 @@ mod avx512 {
 /// (6 + 6).
 mod avx2 {
     use std::arch::x86_64::{
-        __m256, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtepi8_epi32, _mm256_cvtepu8_epi32,
-        _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_load_ps, _mm256_set1_epi32, _mm256_set1_ps,
-        _mm256_setzero_ps, _mm256_srli_epi32, _mm256_store_ps, _mm_loadl_epi64, _mm_loadu_si128,
+        __m256, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_fmadd_ps,
+        _mm256_load_ps, _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_slli_epi32, _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128,
     };
 
     use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL};
@@ -649,30 +700,24 @@ mod avx2 {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
-    /// Low nibbles of 8 code bytes, as floats.
+    /// Bits `S..S + 4` of 8 dwords, as floats.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn codes_lo(p: *const u8) -> V {
-        // SAFETY: 8 bytes readable at `p`.
-        let z = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) });
-        _mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(0x0F)))
+    unsafe fn nibble<const S: i32>(p: *const u8) -> V {
+        // SAFETY: 32 bytes readable at `p`.
+        let d = unsafe { _mm256_loadu_si256(p.cast()) };
+        let d = if S == 0 { d } else { _mm256_srli_epi32::<S>(d) };
+        _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(0x0F)))
     }
 
-    /// High nibbles of 8 code bytes, as floats.
+    /// The signed byte at bits `24 - L..32 - L` of 8 dwords, as floats.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn codes_hi(p: *const u8) -> V {
-        // SAFETY: 8 bytes readable at `p`.
-        let z = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) });
-        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(z))
-    }
-
-    /// 8 signed code bytes, as floats.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn codes_i8(p: *const u8) -> V {
-        // SAFETY: 8 bytes readable at `p`.
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
+    unsafe fn byte<const L: i32>(p: *const u8) -> V {
+        // SAFETY: 32 bytes readable at `p`.
+        let d = unsafe { _mm256_loadu_si256(p.cast()) };
+        let d = if L == 0 { d } else { _mm256_slli_epi32::<L>(d) };
+        _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(d))
     }
 
     kernels!("avx2,fma,f16c", nv: 2, cg: 1, cg1: 2, fused: 4, tile: 3);

@@ -2,45 +2,78 @@
 //! allocation (block tables arrive with each step); this type only stores and addresses.
 //!
 //! Layout, one block after another, as DESIGN.md §6 fixes it for transfers: a block is
-//! `layers × {K, V} × block_size × kv_heads × head_dim` f32 values, contiguous, so a block moves
-//! between nodes as one slice.
+//! `layers × {K, V} × block_size × kv_heads × head_dim` values, contiguous, so a block moves
+//! between nodes as one slice. Values are f16 (the default, as llama.cpp's: half the memory,
+//! so twice the tokens, and attention reads half the bytes) or f32 ([`KvDtype`]); an f16 value
+//! is the f32 rounded to nearest, and attention reads it back exactly as f32.
 
 use ferry_kv_transfer_svc::shm::PoolMemory;
 
 use super::llama::LlamaShape;
-use super::ops::KvRun;
+use super::ops::{Elem, KvRun};
+
+/// The element type of the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// IEEE half precision.
+    #[default]
+    F16,
+    /// 32-bit float.
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per value.
+    pub const fn bytes(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+
+    /// Its name on the command line.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        }
+    }
+
+    /// As the transfer layout states it.
+    pub fn proto(self) -> ferry_proto::v1::KvDtype {
+        match self {
+            KvDtype::F16 => ferry_proto::v1::KvDtype::F16,
+            KvDtype::F32 => ferry_proto::v1::KvDtype::F32,
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f16" | "float16" | "half" => Ok(KvDtype::F16),
+            "f32" | "float32" | "float" => Ok(KvDtype::F32),
+            other => Err(format!("KV cache dtype {other:?} is not f16 or f32")),
+        }
+    }
+}
 
 /// Where the blocks live: memory of the process's own, or a pool in the region it shares with
 /// its node's KV agent, which then sends exported blocks straight from it.
 #[derive(Debug)]
 enum Memory {
-    Own(Vec<f32>),
+    F32(Vec<f32>),
+    F16(Vec<u16>),
     Shared(PoolMemory),
-}
-
-impl std::ops::Deref for Memory {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        match self {
-            Self::Own(v) => v,
-            Self::Shared(pool) => pool.floats(),
-        }
-    }
-}
-
-impl std::ops::DerefMut for Memory {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        match self {
-            Self::Own(v) => v,
-            Self::Shared(pool) => pool.floats_mut(),
-        }
-    }
 }
 
 /// KV memory for `num_blocks` blocks of `block_size` tokens.
 #[derive(Debug)]
 pub struct PagedKvCache {
     data: Memory,
+    /// Element type.
+    pub dtype: KvDtype,
     /// Tokens per block.
     pub block_size: usize,
     /// Blocks in the pool.
@@ -49,23 +82,60 @@ pub struct PagedKvCache {
     kv_dim: usize,
 }
 
+/// An element type the cache stores: f32, or f16 bits.
+pub trait Stored: Elem {
+    /// The cache's values as this type (the cache's `dtype` must be this type's).
+    fn all(cache: &PagedKvCache) -> &[Self];
+}
+
+impl Stored for f32 {
+    fn all(cache: &PagedKvCache) -> &[f32] {
+        cache.f32s()
+    }
+}
+
+impl Stored for u16 {
+    fn all(cache: &PagedKvCache) -> &[u16] {
+        cache.f16s()
+    }
+}
+
 impl PagedKvCache {
     /// Bytes one cached token takes (all layers, K and V).
-    pub fn bytes_per_token(shape: &LlamaShape) -> usize {
-        shape.num_layers * 2 * shape.kv_dim() * std::mem::size_of::<f32>()
+    pub fn bytes_per_token(shape: &LlamaShape, dtype: KvDtype) -> usize {
+        shape.num_layers * 2 * shape.kv_dim() * dtype.bytes()
     }
 
     /// As many blocks as fit in `budget_bytes`.
-    pub fn blocks_for_budget(shape: &LlamaShape, block_size: usize, budget_bytes: u64) -> usize {
-        let per_block = (Self::bytes_per_token(shape) * block_size) as u64;
+    pub fn blocks_for_budget(
+        shape: &LlamaShape,
+        dtype: KvDtype,
+        block_size: usize,
+        budget_bytes: u64,
+    ) -> usize {
+        let per_block = (Self::bytes_per_token(shape, dtype) * block_size) as u64;
         (budget_bytes / per_block.max(1)) as usize
     }
 
-    /// A zeroed cache.
+    /// A zeroed f32 cache (the reference forward's precision).
     pub fn new(shape: &LlamaShape, block_size: usize, num_blocks: usize) -> Self {
-        let floats = num_blocks * block_size * shape.num_layers * 2 * shape.kv_dim();
+        Self::with_dtype(shape, KvDtype::F32, block_size, num_blocks)
+    }
+
+    /// A zeroed cache of `dtype`.
+    pub fn with_dtype(
+        shape: &LlamaShape,
+        dtype: KvDtype,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Self {
+        let values = num_blocks * block_size * shape.num_layers * 2 * shape.kv_dim();
         Self {
-            data: Memory::Own(vec![0.0; floats]),
+            data: match dtype {
+                KvDtype::F32 => Memory::F32(vec![0.0; values]),
+                KvDtype::F16 => Memory::F16(vec![0; values]),
+            },
+            dtype,
             block_size,
             num_blocks,
             num_layers: shape.num_layers,
@@ -73,20 +143,22 @@ impl PagedKvCache {
         }
     }
 
-    /// A cache in `pool` (a shared region's KV pool, zeroed as a new file is), if it is
-    /// exactly `num_blocks` blocks long; else the pool comes back.
+    /// A cache of `dtype` in `pool` (a shared region's KV pool, zeroed as a new file is), if
+    /// it is exactly `num_blocks` blocks long; else the pool comes back.
     pub fn in_pool(
         shape: &LlamaShape,
+        dtype: KvDtype,
         block_size: usize,
         num_blocks: usize,
         pool: PoolMemory,
     ) -> Result<Self, PoolMemory> {
-        let floats = num_blocks * block_size * shape.num_layers * 2 * shape.kv_dim();
-        if pool.floats().len() != floats {
+        let values = num_blocks * block_size * shape.num_layers * 2 * shape.kv_dim();
+        if pool.bytes().len() != values * dtype.bytes() {
             return Err(pool);
         }
         Ok(Self {
             data: Memory::Shared(pool),
+            dtype,
             block_size,
             num_blocks,
             num_layers: shape.num_layers,
@@ -103,6 +175,38 @@ impl PagedKvCache {
         (((block * self.num_layers + layer) * 2 + kv) * self.block_size + slot) * self.kv_dim
     }
 
+    fn f32s(&self) -> &[f32] {
+        match &self.data {
+            Memory::F32(v) => v,
+            Memory::Shared(pool) => pool.floats(),
+            Memory::F16(_) => unreachable!("an f16 cache read as f32"),
+        }
+    }
+
+    fn f16s(&self) -> &[u16] {
+        match &self.data {
+            Memory::F16(v) => v,
+            Memory::Shared(pool) => pool.halves(),
+            Memory::F32(_) => unreachable!("an f32 cache read as f16"),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.data {
+            Memory::F32(v) => as_bytes(v),
+            Memory::F16(v) => as_bytes(v),
+            Memory::Shared(pool) => pool.bytes(),
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match &mut self.data {
+            Memory::F32(v) => as_bytes_mut(v),
+            Memory::F16(v) => as_bytes_mut(v),
+            Memory::Shared(pool) => pool.bytes_mut(),
+        }
+    }
+
     /// Position `pos` of a sequence with `table`: (block, slot). The caller has checked that
     /// the table covers `pos`.
     #[inline]
@@ -110,52 +214,81 @@ impl PagedKvCache {
         (table[pos / self.block_size] as usize, pos % self.block_size)
     }
 
-    /// Stores one token's keys and values for `layer`.
+    /// Stores one token's keys and values for `layer` (rounded to f16 in an f16 cache).
     pub fn write(&mut self, layer: usize, (block, slot): (usize, usize), k: &[f32], v: &[f32]) {
-        let ko = self.offset(block, layer, 0, slot);
-        self.data[ko..ko + self.kv_dim].copy_from_slice(k);
-        let vo = self.offset(block, layer, 1, slot);
-        self.data[vo..vo + self.kv_dim].copy_from_slice(v);
-    }
-
-    /// One token's keys (`kv = 0`) or values (`kv = 1`) for `layer`, all KV heads.
-    #[inline]
-    pub fn read(&self, layer: usize, kv: usize, (block, slot): (usize, usize)) -> &[f32] {
-        let o = self.offset(block, layer, kv, slot);
-        &self.data[o..o + self.kv_dim]
+        let (ko, vo) = (self.offset(block, layer, 0, slot), self.offset(block, layer, 1, slot));
+        let n = self.kv_dim;
+        match (&mut self.data, self.dtype) {
+            (Memory::F32(d), _) => {
+                d[ko..ko + n].copy_from_slice(k);
+                d[vo..vo + n].copy_from_slice(v);
+            }
+            (Memory::F16(d), _) => {
+                to_f16(k, &mut d[ko..ko + n]);
+                to_f16(v, &mut d[vo..vo + n]);
+            }
+            (Memory::Shared(pool), KvDtype::F32) => {
+                let d = pool.floats_mut();
+                d[ko..ko + n].copy_from_slice(k);
+                d[vo..vo + n].copy_from_slice(v);
+            }
+            (Memory::Shared(pool), KvDtype::F16) => {
+                let d = pool.halves_mut();
+                to_f16(k, &mut d[ko..ko + n]);
+                to_f16(v, &mut d[vo..vo + n]);
+            }
+        }
     }
 
     /// Positions `pos ..` to the end of `pos`'s block, for `layer`: keys and values, all KV
-    /// heads, one position every `kv_dim` floats.
+    /// heads, one position every `kv_dim` values, as `T` (the cache's element type).
     #[inline]
-    pub fn run(&self, layer: usize, table: &[u32], pos: usize) -> KvRun<'_> {
+    pub fn run<T: Stored>(&self, layer: usize, table: &[u32], pos: usize) -> KvRun<'_, T> {
         let (block, slot) = self.locate(table, pos);
         let len = self.block_size - slot;
         let ko = self.offset(block, layer, 0, slot);
         let vo = self.offset(block, layer, 1, slot);
-        KvRun {
-            keys: &self.data[ko..ko + len * self.kv_dim],
-            values: &self.data[vo..vo + len * self.kv_dim],
-            stride: self.kv_dim,
-            len,
-        }
+        let (n, d) = (len * self.kv_dim, T::all(self));
+        KvRun { keys: &d[ko..ko + n], values: &d[vo..vo + n], stride: self.kv_dim, len }
     }
 
-    /// The raw contents of one block (for KV transfer).
-    pub fn block(&self, block: usize) -> &[f32] {
-        let len = self.num_layers * 2 * self.block_size * self.kv_dim;
-        &self.data[block * len..(block + 1) * len]
+    fn block_bytes(&self) -> usize {
+        self.num_layers * 2 * self.block_size * self.kv_dim * self.dtype.bytes()
+    }
+
+    /// The raw contents of one block, in the transfer layout (little-endian values).
+    pub fn block(&self, block: usize) -> &[u8] {
+        let len = self.block_bytes();
+        &self.bytes()[block * len..(block + 1) * len]
     }
 
     /// Copies block `src`'s contents (every layer, keys and values) into block `dst`.
     pub fn copy_block(&mut self, src: usize, dst: usize) {
-        let len = self.num_layers * 2 * self.block_size * self.kv_dim;
-        self.data.copy_within(src * len..(src + 1) * len, dst * len);
+        let len = self.block_bytes();
+        self.bytes_mut().copy_within(src * len..(src + 1) * len, dst * len);
     }
 
     /// Mutable raw contents of one block (for KV transfer).
-    pub fn block_mut(&mut self, block: usize) -> &mut [f32] {
-        let len = self.num_layers * 2 * self.block_size * self.kv_dim;
-        &mut self.data[block * len..(block + 1) * len]
+    pub fn block_mut(&mut self, block: usize) -> &mut [u8] {
+        let len = self.block_bytes();
+        &mut self.bytes_mut()[block * len..(block + 1) * len]
     }
+}
+
+/// The f16 values (bits) nearest to `src`, rounding to nearest even.
+pub fn to_f16(src: &[f32], dst: &mut [u16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_f32(s).to_bits();
+    }
+}
+
+fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: f32 and u16 have no padding and any byte pattern read back is valid for them.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+fn as_bytes_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as for `as_bytes`; the bytes are written back as f32 or u16 values, any pattern
+    // of which is valid.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
 }

@@ -2,6 +2,8 @@
 //! the reference forward the serving path is checked against. What the rest of Ferry knows
 //! about a model (header, shape, tokenizer, fetch, fingerprint) is `ferry-model`'s.
 
+// Byte views of the cache's f32 / f16 storage for KV transfers.
+#[allow(unsafe_code)]
 pub mod kv_cache;
 pub mod llama;
 pub mod loaded;
@@ -13,6 +15,6 @@ pub mod paged;
 pub mod reference;
 
 pub use ferry_model::{default_model_path, LlamaShape, ModelFile};
-pub use kv_cache::PagedKvCache;
+pub use kv_cache::{KvDtype, PagedKvCache};
 pub use llama::{LlamaWeights, LoadError};
 pub use loaded::{LoadedModel, ModelError};

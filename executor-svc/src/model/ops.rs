@@ -99,19 +99,43 @@ const LANES: usize = 16;
 /// `l` takes elements `16c + l`, one fused multiply-add each, chunk by chunk), reduced as
 /// [`reduce16`]; elements past the last whole chunk go to a seventeenth sum added last.
 #[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0f32; LANES];
     let chunks = a.len() / LANES;
     for c in 0..chunks {
         for l in 0..LANES {
-            acc[l] = a[c * LANES + l].mul_add(b[c * LANES + l], acc[l]);
+            acc[l] = a[c * LANES + l].mul_add(b[c * LANES + l].f32(), acc[l]);
         }
     }
     let mut tail = 0f32;
     for i in chunks * LANES..a.len() {
-        tail = a[i].mul_add(b[i], tail);
+        tail = a[i].mul_add(b[i].f32(), tail);
     }
     reduce16(&acc) + tail
+}
+
+/// A cached key or value element: an f32, or an f16's bits (read back exactly as f32).
+pub trait Elem: Copy + Send + Sync + 'static {
+    /// Whether it is an f16 (the SIMD paths convert with `vcvtph2ps`).
+    const F16: bool;
+    /// Its value.
+    fn f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    const F16: bool = false;
+    #[inline]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for u16 {
+    const F16: bool = true;
+    #[inline]
+    fn f32(self) -> f32 {
+        half::f16::from_bits(self).to_f32()
+    }
 }
 
 /// The sixteen lanes' sum by halves: `l + (l + 8)`, then `+ 4`, `+ 2`, `+ 1` (a register's
@@ -127,11 +151,11 @@ fn reduce16(a: &[f32; LANES]) -> f32 {
 /// Keys and values of consecutive cached positions: position `first + i` at `i · stride` in
 /// both slices, for `i < len`.
 #[derive(Clone, Copy, Debug)]
-pub struct KvRun<'a> {
+pub struct KvRun<'a, T = f32> {
     /// Keys, from the run's first position on.
-    pub keys: &'a [f32],
+    pub keys: &'a [T],
     /// Values, laid out like the keys.
-    pub values: &'a [f32],
+    pub values: &'a [T],
     /// Floats from one position to the next.
     pub stride: usize,
     /// Positions in the run.
@@ -150,12 +174,12 @@ pub struct KvRun<'a> {
 /// (`exp(s - max)` summed in position order), then `out = fma(w_p, v_p, out)` per position in
 /// order with `w_p = e_p · (1 / Σ)`. So both forwards, and every path, give the same bits.
 #[allow(clippy::too_many_arguments)]
-pub fn attend<'a>(
+pub fn attend<'a, T: Elem>(
     q: &[f32],
     hd: usize,
     n_ctx: usize,
     lane: usize,
-    run: impl Fn(usize) -> KvRun<'a>,
+    run: impl Fn(usize) -> KvRun<'a, T>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
@@ -174,9 +198,9 @@ pub fn attend<'a>(
 
 /// `out = fma(weight, v, out)`, element-wise.
 #[inline]
-fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
+fn axpy<T: Elem>(out: &mut [f32], weight: f32, v: &[T]) {
     for (o, x) in out.iter_mut().zip(v) {
-        *o = weight.mul_add(*x, *o);
+        *o = weight.mul_add(x.f32(), *o);
     }
 }
 
@@ -185,12 +209,12 @@ fn axpy(out: &mut [f32], weight: f32, v: &[f32]) {
 /// its closure must fuse into the `#[target_feature]` caller for the intrinsics to inline.
 #[allow(clippy::inline_always)]
 #[inline(always)]
-fn each_position<'a>(
+fn each_position<'a, T: Elem>(
     n_ctx: usize,
     lane: usize,
-    run: &impl Fn(usize) -> KvRun<'a>,
-    pick: impl Fn(&KvRun<'a>) -> &'a [f32],
-    mut f: impl FnMut(usize, &'a [f32]),
+    run: &impl Fn(usize) -> KvRun<'a, T>,
+    pick: impl Fn(&KvRun<'a, T>) -> &'a [T],
+    mut f: impl FnMut(usize, &'a [T]),
 ) {
     let mut p = 0;
     while p < n_ctx {
@@ -220,12 +244,12 @@ fn softmax_unnormalized(scores: &mut [f32]) -> f32 {
 /// The attention in plain Rust: the definition the SIMD paths follow. `scores` holds the
 /// heads' rows one after the other.
 #[allow(clippy::too_many_arguments)]
-fn attend_with<'a>(
+fn attend_with<'a, T: Elem>(
     q: &[f32],
     hd: usize,
     n_ctx: usize,
     lane: usize,
-    run: impl Fn(usize) -> KvRun<'a>,
+    run: impl Fn(usize) -> KvRun<'a, T>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
@@ -261,21 +285,25 @@ fn attend_with<'a>(
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    //! The attention of [`super::attend`] with AVX-512 or AVX2 + FMA, for heads of 64 or 128
-    //! (other sizes take the portable path): the same fused multiply-adds per lane as
+    //! The attention of [`super::attend`] with AVX-512 or AVX2 + FMA,
+    //! for heads of 64 (other sizes take the portable path): the same fused multiply-adds per lane as
     //! [`super::dot`] and [`super::axpy`], the same reduction tree, so the same bits. Scores
     //! are computed for 16 (AVX-512) or 8 (AVX2) positions at a time and reduced together with
     //! shuffles; the weighted sum of values keeps every head's output in registers across
-    //! positions, each value read once for the group.
+    //! positions, each value read once for the group. Cached values may be f16 (converted
+    //! exactly on load).
     use std::arch::x86_64::{
-        __m256, __m512, _mm256_add_ps, _mm256_castps256_ps128, _mm256_extractf128_ps,
-        _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_permute2f128_ps, _mm256_set1_ps,
-        _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps, _mm512_add_ps,
-        _mm512_castps512_ps256, _mm512_extractf32x8_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
-        _mm512_mul_ps, _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps,
+        __m256, __m512, _mm256_add_ps, _mm256_castps256_ps128, _mm256_cvtph_ps,
+        _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps,
+        _mm256_permute2f128_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_ps,
+        _mm256_storeu_ps, _mm512_add_ps, _mm512_castps512_ps256, _mm512_cvtph_ps,
+        _mm512_extractf32x8_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps,
+        _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps,
         _mm512_shuffle_f32x4, _mm512_shuffle_ps, _mm512_storeu_ps, _mm_add_ps, _mm_add_ss,
-        _mm_cvtss_f32, _mm_movehdup_ps, _mm_movehl_ps,
+        _mm_cvtss_f32, _mm_loadu_si128, _mm_movehdup_ps, _mm_movehl_ps,
     };
+
+    use super::{Elem, KvRun};
 
     /// The head size of the SIMD paths (SmolLM2 and most small Llama-family models).
     pub const HD: usize = 64;
@@ -305,12 +333,12 @@ mod simd {
     /// # Safety
     /// The CPU must support `isa`.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn attend<'a>(
+    pub unsafe fn attend<'a, T: Elem>(
         isa: Isa,
         q: &[f32],
         n_ctx: usize,
         lane: usize,
-        run: impl Fn(usize) -> super::KvRun<'a>,
+        run: impl Fn(usize) -> KvRun<'a, T>,
         scale: f32,
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -337,11 +365,11 @@ mod simd {
     /// The AVX-512 path: scores 16 positions at a time.
     #[target_feature(enable = "avx512f,avx512dq,fma")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn avx512<'a>(
+    unsafe fn avx512<'a, T: Elem>(
         q: &[f32],
         n_ctx: usize,
         lane: usize,
-        run: impl Fn(usize) -> super::KvRun<'a>,
+        run: impl Fn(usize) -> KvRun<'a, T>,
         scale: f32,
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -360,7 +388,7 @@ mod simd {
             let sc = _mm512_set1_ps(scale);
             // Lane of the reduction's result holding position `k` of the 16 (see `dots16`).
             let order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-            let mut keys = [std::ptr::null::<f32>(); 16];
+            let mut keys = [std::ptr::null::<T>(); 16];
             let mut pending = 0;
             super::each_position(
                 n_ctx,
@@ -388,7 +416,7 @@ mod simd {
                     let mut acc = _mm512_setzero_ps();
                     for c in 0..CH {
                         let (qc, kc) = (q.as_ptr().add(g * HD + 16 * c), key.add(16 * c));
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qc), _mm512_loadu_ps(kc), acc);
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qc), load16(kc), acc);
                     }
                     let b =
                         _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
@@ -402,9 +430,9 @@ mod simd {
                 let n = (heads - g0).min(3);
                 let (s, o) = (&scores[g0 * n_ctx..], &mut out[g0 * HD..]);
                 match n {
-                    1 => values512::<1>(n_ctx, lane, &run, s, &inv[g0..], o),
-                    2 => values512::<2>(n_ctx, lane, &run, s, &inv[g0..], o),
-                    _ => values512::<3>(n_ctx, lane, &run, s, &inv[g0..], o),
+                    1 => values512::<T, 1>(n_ctx, lane, &run, s, &inv[g0..], o),
+                    2 => values512::<T, 2>(n_ctx, lane, &run, s, &inv[g0..], o),
+                    _ => values512::<T, 3>(n_ctx, lane, &run, s, &inv[g0..], o),
                 }
                 g0 += n;
             }
@@ -420,13 +448,13 @@ mod simd {
     /// AVX-512 F; each pointer reads `HD` floats.
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn dots16(q: &[__m512; HD / 16], keys: &[*const f32; 16]) -> __m512 {
+    unsafe fn dots16<T: Elem>(q: &[__m512; HD / 16], keys: &[*const T; 16]) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe {
             let a: [__m512; 16] = std::array::from_fn(|p| {
                 let mut acc = _mm512_setzero_ps();
                 for (c, qc) in q.iter().enumerate() {
-                    acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(keys[p].add(16 * c)), acc);
+                    acc = _mm512_fmadd_ps(*qc, load16(keys[p].add(16 * c)), acc);
                 }
                 acc
             });
@@ -466,10 +494,10 @@ mod simd {
     /// AVX-512 F; as in `avx512`.
     #[inline]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn values512<'a, const G: usize>(
+    unsafe fn values512<'a, T: Elem, const G: usize>(
         n_ctx: usize,
         lane: usize,
-        run: &impl Fn(usize) -> super::KvRun<'a>,
+        run: &impl Fn(usize) -> KvRun<'a, T>,
         scores: &[f32],
         inv: &[f32],
         out: &mut [f32],
@@ -485,7 +513,7 @@ mod simd {
                 |r| r.values,
                 |p, value| {
                     let v: [__m512; CH] =
-                        std::array::from_fn(|c| _mm512_loadu_ps(value.as_ptr().add(16 * c)));
+                        std::array::from_fn(|c| load16(value.as_ptr().add(16 * c)));
                     for g in 0..G {
                         let w = _mm512_set1_ps(*scores.get_unchecked(g * n_ctx + p) * inv[g]);
                         for c in 0..CH {
@@ -502,6 +530,40 @@ mod simd {
         }
     }
 
+    /// Sixteen cached values from `p`, as f32 (an f16 cache's converted exactly).
+    ///
+    /// # Safety
+    /// AVX-512 F; 16 values readable at `p`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16<T: Elem>(p: *const T) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if T::F16 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+            } else {
+                _mm512_loadu_ps(p.cast())
+            }
+        }
+    }
+
+    /// Eight cached values from `p`, as f32.
+    ///
+    /// # Safety
+    /// AVX2 + F16C; 8 values readable at `p`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if T::F16 {
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+            } else {
+                _mm256_loadu_ps(p.cast())
+            }
+        }
+    }
+
     /// Lanes `l + (l + 4)`, then `+ 2`, `+ 1` of eight sums (the end of [`super::reduce16`]).
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -512,13 +574,13 @@ mod simd {
     }
 
     /// The AVX2 path: scores 8 positions at a time, one head's values at a time.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn avx2<'a>(
+    unsafe fn avx2<'a, T: Elem>(
         q: &[f32],
         n_ctx: usize,
         lane: usize,
-        run: impl Fn(usize) -> super::KvRun<'a>,
+        run: impl Fn(usize) -> KvRun<'a, T>,
         scale: f32,
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -533,7 +595,7 @@ mod simd {
         // SAFETY (whole body): as in `avx512`.
         unsafe {
             let sc = _mm256_set1_ps(scale);
-            let mut keys = [std::ptr::null::<f32>(); 8];
+            let mut keys = [std::ptr::null::<T>(); 8];
             let mut pending = 0;
             super::each_position(
                 n_ctx,
@@ -571,7 +633,7 @@ mod simd {
                     |p, value| {
                         let w = _mm256_set1_ps(*scores.get_unchecked(g * n_ctx + p) * inv);
                         for (c, a) in acc.iter_mut().enumerate() {
-                            *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(value.as_ptr().add(8 * c)), *a);
+                            *a = _mm256_fmadd_ps(w, load8(value.as_ptr().add(8 * c)), *a);
                         }
                     },
                 );
@@ -588,15 +650,15 @@ mod simd {
     /// # Safety
     /// AVX2 + FMA; both pointers read `HD` floats.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn halves(q: *const f32, key: *const f32) -> __m256 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn halves<T: Elem>(q: *const f32, key: *const T) -> __m256 {
         // SAFETY: the caller's contract.
         unsafe {
             let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             for c in 0..HD / 16 {
                 let (qc, kc) = (q.add(16 * c), key.add(16 * c));
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qc), _mm256_loadu_ps(kc), lo);
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qc.add(8)), _mm256_loadu_ps(kc.add(8)), hi);
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qc), load8(kc), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qc.add(8)), load8(kc.add(8)), hi);
             }
             _mm256_add_ps(lo, hi)
         }
@@ -608,8 +670,8 @@ mod simd {
     /// # Safety
     /// AVX2 + FMA; each pointer reads `HD` floats.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dots8(q: *const f32, keys: &[*const f32; 8]) -> __m256 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dots8<T: Elem>(q: *const f32, keys: &[*const T; 8]) -> __m256 {
         // SAFETY: the caller's contract.
         unsafe {
             let a: [__m256; 8] = std::array::from_fn(|p| halves(q, keys[p]));
@@ -642,11 +704,53 @@ mod simd {
 mod tests {
     use super::*;
 
+    /// Every kernel in `isas` (`None`: whatever `attend` picks) against the portable loop,
+    /// head by head.
+    #[allow(clippy::too_many_arguments)]
+    fn check<'a, T: Elem>(
+        isas: &[Option<simd::Isa>],
+        qs: &[f32],
+        hd: usize,
+        n_ctx: usize,
+        lane: usize,
+        run: impl Fn(usize) -> KvRun<'a, T> + Copy,
+        what: &str,
+    ) {
+        let heads = qs.len() / hd;
+        // Head by head through the portable loop: the definition.
+        let mut plain = vec![0f32; heads * hd];
+        for g in 0..heads {
+            let mut s = Vec::new();
+            let (qg, og) = (&qs[g * hd..(g + 1) * hd], &mut plain[g * hd..(g + 1) * hd]);
+            attend_with(qg, hd, n_ctx, lane, run, 0.125, &mut s, og);
+        }
+        for isa in isas {
+            let mut fast = vec![f32::NAN; heads * hd];
+            let mut s = Vec::new();
+            match isa {
+                None => attend(qs, hd, n_ctx, lane, run, 0.125, &mut s, &mut fast),
+                #[cfg(target_arch = "x86_64")]
+                Some(isa) if hd == simd::HD => unsafe {
+                    // SAFETY: only the instruction sets this CPU has are listed.
+                    simd::attend(*isa, qs, n_ctx, lane, run, 0.125, &mut s, &mut fast);
+                },
+                Some(_) => continue,
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&fast),
+                bits(&plain),
+                "{isa:?}, {what}: head {hd}, {heads} heads, context {n_ctx}"
+            );
+        }
+    }
+
     /// Every SIMD attention this CPU runs (16 or 8 positions at a time, a KV head's query
     /// heads together, registers across positions) gives the portable loop's bits, head by
     /// head, for contexts that are and are not multiples of 16, over runs of uneven lengths,
-    /// for groups of 1 to 4 heads, and for a head size without the specialised path; and the
-    /// portable dot product is within f32 rounding of the exact one.
+    /// for groups of 1 to 4 heads, over f32 and f16 keys and values, and for a head size
+    /// without the specialised path; and the portable dot product is within f32 rounding of
+    /// the exact one.
     #[test]
     fn simd_attention_matches_the_portable_loop_bit_for_bit() {
         let mut seed = 17u64;
@@ -688,36 +792,21 @@ mod tests {
                 stride,
                 len: 5 - p % 5,
             };
+            // The same values as f16 bits (what an f16 cache holds).
+            let bits = |v: &[f32]| -> Vec<u16> {
+                v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect()
+            };
+            let (keys16, values16) = (bits(&keys), bits(&values));
+            let run16 = |p: usize| KvRun {
+                keys: &keys16[p * stride..],
+                values: &values16[p * stride..],
+                stride,
+                len: 5 - p % 5,
+            };
             for heads in 1..=4 {
                 for n_ctx in [1, 7, 8, 9, 15, 16, 17, 23, 32, 70] {
-                    let qs = &q[..heads * hd];
-                    // Head by head through the portable loop: the definition.
-                    let mut plain = vec![0f32; heads * hd];
-                    for g in 0..heads {
-                        let mut s = Vec::new();
-                        let (qg, og) =
-                            (&qs[g * hd..(g + 1) * hd], &mut plain[g * hd..(g + 1) * hd]);
-                        attend_with(qg, hd, n_ctx, lane, run, 0.125, &mut s, og);
-                    }
-                    for isa in &isas {
-                        let mut fast = vec![f32::NAN; heads * hd];
-                        let mut s = Vec::new();
-                        match isa {
-                            None => attend(qs, hd, n_ctx, lane, run, 0.125, &mut s, &mut fast),
-                            #[cfg(target_arch = "x86_64")]
-                            Some(isa) if hd == simd::HD => unsafe {
-                                // SAFETY: only the instruction sets this CPU has are listed.
-                                simd::attend(*isa, qs, n_ctx, lane, run, 0.125, &mut s, &mut fast);
-                            },
-                            Some(_) => continue,
-                        }
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(
-                            bits(&fast),
-                            bits(&plain),
-                            "{isa:?}: head {hd}, {heads} heads, context {n_ctx}"
-                        );
-                    }
+                    check(&isas, &q[..heads * hd], hd, n_ctx, lane, run, "f32");
+                    check(&isas, &q[..heads * hd], hd, n_ctx, lane, run16, "f16");
                 }
             }
         }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use super::kv_cache::PagedKvCache;
+use super::kv_cache::{KvDtype, PagedKvCache};
 use super::llama::LlamaWeights;
 use super::ops::{attend, linear, linear_into, rms_norm, rope, silu_mul_into};
 
@@ -296,16 +296,18 @@ fn forward_in_pool(
             let (r, kvh) = (i / s.num_kv_heads, i % s.num_kv_heads);
             let (seq, pos) = rows[r];
             let table = batch[seq].block_table;
-            attend(
-                &qkv_ref[r * qkv_width + kvh * gw..r * qkv_width + (kvh + 1) * gw],
-                hd,
-                pos + 1,
-                kvh * hd,
-                |p| cache_ref.run(l, table, p),
-                scale,
-                scores,
-                out,
-            );
+            let q = &qkv_ref[r * qkv_width + kvh * gw..r * qkv_width + (kvh + 1) * gw];
+            let (n_ctx, lane) = (pos + 1, kvh * hd);
+            match cache_ref.dtype {
+                KvDtype::F32 => {
+                    let run = |p| cache_ref.run::<f32>(l, table, p);
+                    attend(q, hd, n_ctx, lane, run, scale, scores, out);
+                }
+                KvDtype::F16 => {
+                    let run = |p| cache_ref.run::<u16>(l, table, p);
+                    attend(q, hd, n_ctx, lane, run, scale, scores, out);
+                }
+            }
         });
         attention += t.elapsed();
         let t = Instant::now();

@@ -10,6 +10,16 @@ use super::ops::{attend, linear, rms_norm, rope, silu_mul, split_qkv, KvRun};
 pub struct ContiguousCache {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    /// Round what is stored to f16, as an f16 paged cache does (the values are then exactly
+    /// the ones that cache reads back).
+    pub f16: bool,
+}
+
+impl ContiguousCache {
+    /// An empty cache that rounds keys and values to f16.
+    pub fn f16() -> Self {
+        Self { f16: true, ..Self::default() }
+    }
 }
 
 impl ContiguousCache {
@@ -55,6 +65,14 @@ pub fn forward(
                 rope(head, start + i, &w.rope_freqs);
             }
         }
+        let round = |x: &[f32]| -> Vec<f32> {
+            if cache.f16 {
+                x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+            } else {
+                x.to_vec()
+            }
+        };
+        let (k, v) = (round(&k), round(&v));
         cache.keys[l].extend_from_slice(&k);
         cache.values[l].extend_from_slice(&v);
         let (keys, values) = (&cache.keys[l], &cache.values[l]);

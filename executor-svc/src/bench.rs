@@ -141,7 +141,8 @@ pub fn run(
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut times = Vec::new();
     scratch.times = PhaseTimes::default();
-    for rep in 0..opts.prefill_reps {
+    let reps = if len == 0 { 0 } else { opts.prefill_reps };
+    for rep in 0..reps {
         let toks = prompt(rep, len);
         let batch = [SeqSlice { tokens: &toks, start: 0, block_table: &table, logits: 1 }];
         let t = Instant::now();

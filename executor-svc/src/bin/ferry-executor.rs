@@ -53,6 +53,9 @@ enum Command {
         /// Prefill repetitions (0 skips the prefill figure).
         #[arg(long, default_value_t = 3)]
         prefill_reps: usize,
+        /// Prompt length of the prefill figure (attention's share grows with it).
+        #[arg(long, default_value_t = 512)]
+        prefill_len: usize,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -188,6 +191,7 @@ async fn main() -> anyhow::Result<()> {
         batches,
         steps,
         prefill_reps,
+        prefill_len,
         json,
         structured,
         kernels,
@@ -211,8 +215,8 @@ async fn main() -> anyhow::Result<()> {
                     batches,
                     decode_steps: steps,
                     prefill_reps,
+                    prefill_len,
                     kv_dtype: kv_cache_dtype,
-                    ..BenchOptions::default()
                 },
                 json,
             )

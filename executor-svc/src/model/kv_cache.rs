@@ -9,8 +9,8 @@
 
 use ferry_kv_transfer_svc::shm::PoolMemory;
 
+use super::attention::{Elem, KvRun};
 use super::llama::LlamaShape;
-use super::ops::{Elem, KvRun};
 
 /// The element type of the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

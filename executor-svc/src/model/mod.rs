@@ -10,6 +10,7 @@ pub mod loaded;
 // The attention inner loops in AVX-512 / AVX2 intrinsics behind a runtime feature check (see
 // `attend`).
 #[allow(unsafe_code)]
+pub mod attention;
 pub mod ops;
 pub mod paged;
 pub mod reference;

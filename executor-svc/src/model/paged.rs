@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache};
 use super::llama::LlamaWeights;
-use super::ops::{attend, linear, linear_into, rms_norm, rope, silu_mul_into};
+use super::ops::{linear, linear_into, rms_norm, rope, silu_mul_into};
 
 /// One sequence's part of a batch.
 #[derive(Clone, Copy, Debug)]
@@ -141,12 +142,102 @@ pub struct ForwardScratch {
     qkv: Vec<f32>,
     /// Attention output.
     attn: Vec<f32>,
+    /// Attention output tile by tile, KV head by KV head.
+    tiled_out: Vec<f32>,
     /// Output of the attention or down projection, before the residual add.
     proj: Vec<f32>,
     /// Rows of `[gate | up]`.
     gate_up: Vec<f32>,
     /// `silu(gate) · up`.
     act: Vec<f32>,
+}
+
+/// The batch row by row: each row's (sequence, position), and the attention's tiles — up to
+/// [`TILE`] consecutive rows of one sequence, as (first row, rows).
+struct Layout<'a> {
+    batch: &'a [SeqSlice<'a>],
+    rows: Vec<(usize, usize)>,
+    tiles: Vec<(usize, usize)>,
+}
+
+impl<'a> Layout<'a> {
+    fn of(batch: &'a [SeqSlice<'a>]) -> Self {
+        let (mut rows, mut tiles) = (Vec::new(), Vec::new());
+        for (seq, sl) in batch.iter().enumerate() {
+            for start in (0..sl.tokens.len()).step_by(TILE) {
+                tiles.push((rows.len() + start, TILE.min(sl.tokens.len() - start)));
+            }
+            rows.extend((0..sl.tokens.len()).map(|i| (seq, sl.start + i)));
+        }
+        Self { batch, rows, tiles }
+    }
+}
+
+/// Layer `l`'s attention of every row of `qkv` (keys and values already cached) into `attn`
+/// (rows of all heads), through `tiled_out` (as many floats, tile by tile, KV head by KV
+/// head).
+#[allow(clippy::too_many_arguments)]
+fn attend_layer(
+    w: &LlamaWeights,
+    cache: &PagedKvCache,
+    l: usize,
+    layout: &Layout,
+    qkv: &[f32],
+    tiled_out: &mut [f32],
+    attn: &mut Vec<f32>,
+) {
+    let s = &w.shape;
+    let (h, hd, group) = (s.hidden, s.head_dim, s.num_heads / s.num_kv_heads);
+    let (scale, qkv_width) = (1.0 / (hd as f32).sqrt(), h + 2 * s.kv_dim());
+    let Layout { batch, rows, tiles } = layout;
+    // One task per (tile, KV head): a tile's tokens attend together, each with the KV
+    // head's query heads, reading each cached key and value once for all of them; a
+    // decode step's tiles are single tokens, so even one sequence has a task per KV head.
+    let gw = group * hd;
+    let mut outs = Vec::with_capacity(tiles.len() * s.num_kv_heads);
+    let mut rest = &mut tiled_out[..];
+    for &(_, len) in tiles {
+        for _ in 0..s.num_kv_heads {
+            let (out, tail) = std::mem::take(&mut rest).split_at_mut(len * gw);
+            outs.push(out);
+            rest = tail;
+        }
+    }
+    outs.into_par_iter().enumerate().for_each_init(
+        || (AttnScratch::default(), Vec::new()),
+        |(scratch, q), (i, out)| {
+            let ((r0, len), kvh) = (tiles[i / s.num_kv_heads], i % s.num_kv_heads);
+            let (seq, pos) = rows[r0];
+            let table = batch[seq].block_table;
+            q.clear();
+            for r in r0..r0 + len {
+                let at = r * qkv_width + kvh * gw;
+                q.extend_from_slice(&qkv[at..at + gw]);
+            }
+            let heads = Heads { hd, group, lane: kvh * hd, scale };
+            match cache.dtype {
+                KvDtype::F32 => {
+                    let run = |p| cache.run::<f32>(l, table, p);
+                    attend(heads, q, pos + 1, run, scratch, out);
+                }
+                KvDtype::F16 => {
+                    let run = |p| cache.run::<u16>(l, table, p);
+                    attend(heads, q, pos + 1, run, scratch, out);
+                }
+            }
+        },
+    );
+    // Back to rows of all heads.
+    attn.resize(rows.len() * h, 0.0);
+    let mut from = tiled_out.chunks_exact(gw);
+    for &(r0, len) in tiles {
+        for kvh in 0..s.num_kv_heads {
+            for r in r0..r0 + len {
+                let at = r * h + kvh * gw;
+                attn[at..at + gw].copy_from_slice(from.next().expect("a tile per row"));
+            }
+        }
+    }
 }
 
 /// Checks `batch` against the cache and the model; nothing is touched.
@@ -254,20 +345,16 @@ fn forward_in_pool(
     let start = Instant::now();
     let s = &w.shape;
     let (h, kv_dim, hd) = (s.hidden, s.kv_dim(), s.head_dim);
-    // Token-level view of the batch: which sequence and position each row is.
-    let mut rows: Vec<(usize, usize)> = Vec::new();
-    for (seq, sl) in batch.iter().enumerate() {
-        rows.extend((0..sl.tokens.len()).map(|i| (seq, sl.start + i)));
-    }
+    let layout = Layout::of(batch);
+    let rows = &layout.rows;
     let n = rows.len();
     let mut x = vec![0f32; n * h];
     for (r, (seq, pos)) in rows.iter().enumerate() {
         let t = batch[*seq].tokens[pos - batch[*seq].start];
         w.embed.dequantize_row(t as usize, &mut x[r * h..(r + 1) * h]);
     }
-    let group = s.num_heads / s.num_kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let ForwardScratch { times, hn, qkv, attn, proj, gate_up, act } = scratch;
+    let ForwardScratch { times, hn, qkv, attn, tiled_out, proj, gate_up, act } = scratch;
+    tiled_out.resize(n * h, 0.0);
     let (mut matmul, mut attention) = (Duration::ZERO, Duration::ZERO);
     let qkv_width = h + 2 * kv_dim;
     for (l, layer) in w.layers.iter().enumerate() {
@@ -286,29 +373,7 @@ fn forward_in_pool(
             let at = cache.locate(batch[seq].block_table, pos);
             cache.write(l, at, &row[h..h + kv_dim], &row[h + kv_dim..]);
         }
-        attn.resize(n * h, 0.0);
-        let cache_ref: &PagedKvCache = cache;
-        let qkv_ref: &[f32] = qkv;
-        // One task per (token, KV head), its query heads together: enough parallelism even
-        // for a single decode, and each cached key and value read once per group.
-        let gw = group * hd;
-        attn.par_chunks_mut(gw).enumerate().for_each_init(Vec::new, |scores, (i, out)| {
-            let (r, kvh) = (i / s.num_kv_heads, i % s.num_kv_heads);
-            let (seq, pos) = rows[r];
-            let table = batch[seq].block_table;
-            let q = &qkv_ref[r * qkv_width + kvh * gw..r * qkv_width + (kvh + 1) * gw];
-            let (n_ctx, lane) = (pos + 1, kvh * hd);
-            match cache_ref.dtype {
-                KvDtype::F32 => {
-                    let run = |p| cache_ref.run::<f32>(l, table, p);
-                    attend(q, hd, n_ctx, lane, run, scale, scores, out);
-                }
-                KvDtype::F16 => {
-                    let run = |p| cache_ref.run::<u16>(l, table, p);
-                    attend(q, hd, n_ctx, lane, run, scale, scores, out);
-                }
-            }
-        });
+        attend_layer(w, cache, l, &layout, qkv, tiled_out, attn);
         attention += t.elapsed();
         let t = Instant::now();
         linear_into(attn, &layer.wo, proj);

@@ -2,8 +2,9 @@
 //! the batched, paged forward is tested against (same tokens, logits within tolerance), so it
 //! favours being obviously right over being fast.
 
+use super::attention::{attend, AttnScratch, Heads, KvRun};
 use super::llama::LlamaWeights;
-use super::ops::{attend, linear, rms_norm, rope, silu_mul, split_qkv, KvRun};
+use super::ops::{linear, rms_norm, rope, silu_mul, split_qkv};
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
 #[derive(Debug, Default, Clone)]
@@ -77,25 +78,24 @@ pub fn forward(
         cache.values[l].extend_from_slice(&v);
         let (keys, values) = (&cache.keys[l], &cache.values[l]);
         let mut attn = vec![0f32; n * h];
-        let mut scores = Vec::new();
+        let mut scratch = AttnScratch::default();
         for i in 0..n {
             for head in 0..s.num_heads {
                 let kvh = head / group;
-                // One head at a time (the serving forward groups a KV head's query heads; the
-                // arithmetic per head is the same, which the comparison tests check).
+                // One head at a time (the serving forward takes a tile of tokens, each with a
+                // KV head's query heads; the arithmetic per head is the same, which the
+                // comparison tests check).
                 attend(
+                    Heads { hd, group: 1, lane: kvh * hd, scale },
                     &q[i * h + head * hd..i * h + (head + 1) * hd],
-                    hd,
                     start + i + 1,
-                    kvh * hd,
                     |p| KvRun {
                         keys: &keys[p * kv_dim..],
                         values: &values[p * kv_dim..],
                         stride: kv_dim,
                         len: keys.len() / kv_dim - p,
                     },
-                    scale,
-                    &mut scores,
+                    &mut scratch,
                     &mut attn[i * h + head * hd..i * h + (head + 1) * hd],
                 );
             }

@@ -972,7 +972,7 @@ fn greedy_answers_and_first_logprobs_are_the_exact_forwards() {
                 let diff = (f64::from(t.logprob) - first[t.token_id as usize]).abs();
                 worst = worst.max(diff);
                 // f16 keys and values (rounded to 11 bits) move the log-probabilities more
-                // than the products' f32 rounding does: measured 2.6e-3 at worst here.
+                // than the products' f32 rounding does: measured 3.5e-3 at worst here.
                 let bound = if dtype == KvDtype::F32 { 2e-3 } else { 1e-2 };
                 assert!(
                     diff < bound,

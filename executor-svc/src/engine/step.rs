@@ -453,7 +453,7 @@ impl Engine {
         let vocab = self.backend.facts().shape.vocab_size as u32;
         // A simulated end token (none when the model served has none) is never emitted.
         let eos = self.backend.sim_eos().unwrap_or(self.config.eos_token_id);
-        let mut failed = Vec::new();
+        let (mut failed, mut draws) = (Vec::new(), Vec::new());
         for p in planned {
             let r = self.requests.get_mut(&p.id).expect("planned requests exist after apply_diff");
             // This request's rows of logits: the prompt positions it scores (when asked), then
@@ -491,26 +491,59 @@ impl Engine {
                 continue;
             }
             let position = r.len() as u64;
-            let (token, logprobs) = match logits.as_mut() {
-                Some(_) => {
-                    let row = row.take().expect("the backend returns a row per sampling request");
-                    match sample_row(&mut self.sampler, r, row, masks.remove(&p.id), position) {
-                        Ok(sampled) => sampled,
-                        Err(why) => {
-                            failed.push((p.id, why));
-                            continue;
-                        }
-                    }
-                }
-                None => (sim_token_except(r.sampling.seed, position, vocab, eos), None),
-            };
-            r.output.push(token);
+            if logits.is_none() {
+                let token = sim_token_except(r.sampling.seed, position, vocab, eos);
+                r.output.push(token);
+                outputs.push(v1::RequestOutput {
+                    id: p.id,
+                    token_ids: vec![token],
+                    prompt_logprobs,
+                    prompt_logprobs_from,
+                    ..Default::default()
+                });
+                continue;
+            }
+            // Drawn below, all the step's rows together; the output is completed then.
+            let row = row.take().expect("the backend returns a row per sampling request");
+            draws.push(Draw {
+                at: outputs.len(),
+                id: p.id,
+                row,
+                constrained: masks.remove(&p.id),
+                position,
+            });
             outputs.push(v1::RequestOutput {
                 id: p.id,
-                token_ids: vec![token],
-                logprobs: logprobs.into_iter().collect(),
                 prompt_logprobs,
                 prompt_logprobs_from,
+                ..Default::default()
+            });
+        }
+        let ids: Vec<(usize, u64)> = draws.iter().map(|d| (d.at, d.id)).collect();
+        let drawn = draw_rows(&self.requests, &mut self.sampler, draws);
+        let mut dropped = HashSet::new();
+        for ((at, id), result) in ids.into_iter().zip(drawn) {
+            match result {
+                Ok((token, logprobs, grammar)) => {
+                    let r = self.requests.get_mut(&id).expect("drawn requests exist");
+                    r.output.push(token);
+                    if grammar.is_some() {
+                        r.grammar = grammar;
+                    }
+                    outputs[at].token_ids = vec![token];
+                    outputs[at].logprobs = logprobs.into_iter().collect();
+                }
+                Err(why) => {
+                    failed.push((id, why));
+                    dropped.insert(at);
+                }
+            }
+        }
+        if !dropped.is_empty() {
+            let mut at = 0;
+            outputs.retain(|_| {
+                at += 1;
+                !dropped.contains(&(at - 1))
             });
         }
         (outputs, failed, simulated_us)
@@ -1112,7 +1145,9 @@ fn verify(
         let (token, lp) = match rows.as_mut() {
             Some(rows) => {
                 let row = rows.next().expect("the backend returns a row per verified position");
-                sample_row(sampler, r, row, None, position)?
+                let d = Draw { at: 0, id: p.id, row, constrained: None, position };
+                let (token, lp, _) = sample_row(sampler, r, d)?;
+                (token, lp)
             }
             None => (sim_token_except(r.sampling.seed, position, vocab, eos), None),
         };
@@ -1128,38 +1163,99 @@ fn verify(
     Ok((tokens, logprobs))
 }
 
-/// Samples request `r`'s next token from its logits `row` at `position`, after its grammar's
-/// mask when it has one (`constrained`: its matcher, taken out for the step, and the mask);
-/// the token and its log-probabilities, or why this request cannot go on (the others can).
-fn sample_row(
-    sampler: &mut Sampler,
-    r: &mut ExecRequest,
-    mut row: Vec<f32>,
+/// A step's sampling row: request `id`'s logits, its grammar and mask when constrained (taken
+/// out for the step), the position it samples, and where its output is.
+struct Draw {
+    at: usize,
+    id: u64,
+    row: Vec<f32>,
     constrained: Option<(Grammar, Result<TokenMask, String>)>,
     position: u64,
-) -> Result<(u32, Option<v1::PositionLogprobs>), String> {
-    let mut grammar = None;
-    if let Some((g, mask)) = constrained {
-        grammar::apply_mask(&mut row, &mask?);
-        grammar = Some(g);
+}
+
+/// What drawing a row gives: the token, its log-probabilities, the advanced grammar.
+type Drawn = Result<(u32, Option<v1::PositionLogprobs>, Option<Grammar>), String>;
+
+/// Draws every row of `draws`, in their order. A draw depends only on its row, the request's
+/// parameters and tokens, and (seed, position), so rows are drawn in parallel on the forward's
+/// threads when there are several (a decode batch's sampling is a tenth of its step).
+fn draw_rows(
+    requests: &HashMap<u64, ExecRequest>,
+    sampler: &mut Sampler,
+    draws: Vec<Draw>,
+) -> Vec<Drawn> {
+    use rayon::prelude::*;
+    let jobs: Vec<(Draw, &ExecRequest)> = draws
+        .into_iter()
+        .map(|d| {
+            let r = &requests[&d.id];
+            (d, r)
+        })
+        .collect();
+    if jobs.len() < 4 {
+        return jobs.into_iter().map(|(d, r)| sample_row(sampler, r, d)).collect();
     }
-    // An error is about this request's logits (all masked, or none finite).
-    let s = sampler
-        .sample_adjusted(&mut row, &r.sampling, &r.adjust, &r.prompt, &r.output, position)
-        .map_err(|e| format!("sampling: {e}"))?;
-    if let Some(mut g) = grammar {
-        g.advance(s.token)?;
-        r.grammar = Some(g);
+    let inputs: Vec<(Draw, Inputs)> = jobs.into_iter().map(|(d, r)| (d, Inputs::of(r))).collect();
+    crate::model::paged::in_pool(|| {
+        inputs
+            .into_par_iter()
+            .map_init(Sampler::new, |sampler, (d, inputs)| inputs.sample(sampler, d))
+            .collect()
+    })
+}
+
+/// What a draw reads of its request.
+struct Inputs<'a> {
+    sampling: &'a SamplingParams,
+    adjust: &'a LogitAdjust,
+    prompt: &'a [u32],
+    output: &'a [u32],
+}
+
+impl<'a> Inputs<'a> {
+    fn of(r: &'a ExecRequest) -> Self {
+        Self { sampling: &r.sampling, adjust: &r.adjust, prompt: &r.prompt, output: &r.output }
     }
-    let logprobs = s.logprob.map(|logprob| v1::PositionLogprobs {
-        sampled: Some(v1::TokenLogprob { token_id: s.token, logprob }),
-        top: s
-            .top_logprobs
-            .iter()
-            .map(|&(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
-            .collect(),
-    });
-    Ok((s.token, logprobs))
+
+    /// Samples the next token of `d.row` at `d.position`, after its grammar's mask when it has
+    /// one; the token, its log-probabilities and the advanced grammar, or why this request
+    /// cannot go on (the others can).
+    fn sample(&self, sampler: &mut Sampler, d: Draw) -> Drawn {
+        let Draw { mut row, constrained, position, .. } = d;
+        let mut grammar = None;
+        if let Some((g, mask)) = constrained {
+            grammar::apply_mask(&mut row, &mask?);
+            grammar = Some(g);
+        }
+        // An error is about this request's logits (all masked, or none finite).
+        let s = sampler
+            .sample_adjusted(
+                &mut row,
+                self.sampling,
+                self.adjust,
+                self.prompt,
+                self.output,
+                position,
+            )
+            .map_err(|e| format!("sampling: {e}"))?;
+        if let Some(g) = grammar.as_mut() {
+            g.advance(s.token)?;
+        }
+        let logprobs = s.logprob.map(|logprob| v1::PositionLogprobs {
+            sampled: Some(v1::TokenLogprob { token_id: s.token, logprob }),
+            top: s
+                .top_logprobs
+                .iter()
+                .map(|&(token_id, logprob)| v1::TokenLogprob { token_id, logprob })
+                .collect(),
+        });
+        Ok((s.token, logprobs, grammar))
+    }
+}
+
+/// [`Inputs::sample`] of request `r`.
+fn sample_row(sampler: &mut Sampler, r: &ExecRequest, d: Draw) -> Drawn {
+    Inputs::of(r).sample(sampler, d)
 }
 
 /// What is wrong with block copy `c`, if anything: both blocks in the pool and distinct, the

@@ -19,9 +19,10 @@
 //! weight: one fused multiply-add per weight, after the code's conversion to float.
 //!
 //! Two ways to these numbers, chosen by the number of rows (tokens) in the product:
-//! - **few rows** (a small decode batch, up to [`x86::Isa::fused_rows`]): memory-bound; each
-//!   weight block is converted in registers and used at once by every row, so the weights are
-//!   read once and nothing is written back;
+//! - **few rows** (a decode batch, up to [`x86::Isa::fused_rows`]: 32 with AVX-512, 16 with
+//!   AVX2): each weight block is converted in registers and used at once by a tile of up to 8
+//!   (AVX2: 4) rows, in passes over each group of columns while its codes stay in L1, so the
+//!   weights are read from memory once and nothing is written back;
 //! - **many rows** (prefill, large decode batches): compute-bound; a panel of 16 or 32 output
 //!   columns is converted once for all inputs into a buffer that stays in L2, and a register-
 //!   tiled f32 micro-kernel (6 rows × 32 columns with AVX-512, 3 × 16 with AVX2) runs every row

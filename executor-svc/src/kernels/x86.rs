@@ -31,12 +31,18 @@ impl Isa {
         }
     }
 
-    /// Most rows the fused path takes (all rows in registers at once, so each weight is read
-    /// and converted once); more rows go through panels.
-    pub const fn fused_rows(self) -> usize {
-        match self {
-            Isa::Avx2 => 2 * avx2::FUSED,
-            Isa::Avx512 => 2 * avx512::FUSED,
+    /// Most rows the fused path takes (in passes of a fused tile's rows over each group,
+    /// whose codes stay in L1 from pass to pass, so each weight is read once and converted once
+    /// a pass); more rows go through panels. Measured with `bench --kernels` (2-core Xeon,
+    /// 2026-12-04): with AVX-512 the passes beat the panels on every matrix up to 32 rows
+    /// (at 12 rows 1.2–2.2×), and tie or lose at 64; with AVX2 they win up to 16 rows on
+    /// 4-bit weights and lose from 6 on 8-bit ones (the output head), whose bytes take two
+    /// conversions each.
+    pub const fn fused_rows(self, q8: bool) -> usize {
+        match (self, q8) {
+            (Isa::Avx512, _) => 4 * avx512::FUSED,
+            (Isa::Avx2, false) => 4 * avx2::FUSED,
+            (Isa::Avx2, true) => avx2::FUSED,
         }
     }
 }
@@ -91,13 +97,14 @@ pub(super) unsafe fn matmul_groups(
     out: OutPtr,
 ) {
     let q8 = w.format == WeightFormat::Q8;
+    let fm = isa.fused_rows(q8);
     // SAFETY: the caller's contract.
     unsafe {
         match (isa, q8) {
-            (Isa::Avx512, false) => avx512::run::<false>(x, sums, rows, w, groups, out),
-            (Isa::Avx512, true) => avx512::run::<true>(x, sums, rows, w, groups, out),
-            (Isa::Avx2, false) => avx2::run::<false>(x, sums, rows, w, groups, out),
-            (Isa::Avx2, true) => avx2::run::<true>(x, sums, rows, w, groups, out),
+            (Isa::Avx512, false) => avx512::run::<false>(x, sums, rows, w, groups, out, fm),
+            (Isa::Avx512, true) => avx512::run::<true>(x, sums, rows, w, groups, out, fm),
+            (Isa::Avx2, false) => avx2::run::<false>(x, sums, rows, w, groups, out, fm),
+            (Isa::Avx2, true) => avx2::run::<true>(x, sums, rows, w, groups, out, fm),
         }
     }
 }
@@ -485,32 +492,31 @@ macro_rules! kernels {
             }
         }
 
-        /// Fused tiles for up to `FUSED` rows, by the next tile size up.
+        /// Fused tiles for rows `row0 .. row0 + n` (`n ≤ FUSED`), by the next tile size up.
         #[target_feature(enable = $features)]
         unsafe fn fused_any<const Q8: bool, const CG: usize>(
             x: &[f32],
             sums: &[f32],
-            rows: usize,
+            (row0, n): (usize, usize),
             w: &QWeight,
             g0: usize,
             out: OutPtr,
         ) {
-            let at = (0, rows);
+            let at = (row0, n);
             // SAFETY: the caller's contract.
             unsafe {
-                match rows {
+                match n {
                     1 => fused::<Q8, CG, 1>(x, sums, at, w, g0, out),
-                    _ if rows <= FUSED / 2 => {
-                        fused::<Q8, CG, { FUSED / 2 }>(x, sums, at, w, g0, out)
-                    }
-                    _ if rows <= FUSED => fused::<Q8, CG, FUSED>(x, sums, at, w, g0, out),
-                    _ => fused::<Q8, 1, { 2 * FUSED }>(x, sums, at, w, g0, out),
+                    _ if n <= FUSED / 2 => fused::<Q8, CG, { FUSED / 2 }>(x, sums, at, w, g0, out),
+                    _ => fused::<Q8, CG, FUSED>(x, sums, at, w, g0, out),
                 }
             }
         }
 
         /// Groups `groups` × every row: `CG_MAX` groups at a time (`CG_ONE` for a single row;
-        /// one at a time where fewer are left), fused for few rows, through panels for many.
+        /// one at a time where fewer are left), fused for up to `fused_max` rows — in passes of
+        /// `FUSED` rows over each group, whose codes stay in L1 from pass to pass — through
+        /// panels for more.
         ///
         /// # Safety
         /// The CPU must have the instruction set; `out` as in `super::matmul_groups`.
@@ -522,26 +528,41 @@ macro_rules! kernels {
             w: &QWeight,
             groups: std::ops::Range<usize>,
             out: OutPtr,
+            fused_max: usize,
         ) {
+            let step = if rows == 1 { CG_ONE } else { CG_MAX };
+            if rows <= fused_max {
+                // Group by group, in passes of up to `FUSED` rows: the group's codes stay in
+                // L1 from pass to pass.
+                let mut g = groups.start;
+                while g < groups.end {
+                    let cg = if g + step <= groups.end { step } else { 1 };
+                    let mut r0 = 0;
+                    while r0 < rows {
+                        let at = (r0, (rows - r0).min(FUSED));
+                        // SAFETY: the caller's contract; groups `g .. g + cg` are in range.
+                        unsafe {
+                            match cg {
+                                4 => fused_any::<Q8, 4>(x, sums, at, w, g, out),
+                                2 => fused_any::<Q8, 2>(x, sums, at, w, g, out),
+                                _ => fused_any::<Q8, 1>(x, sums, at, w, g, out),
+                            }
+                        }
+                        r0 += FUSED;
+                    }
+                    g += cg;
+                }
+                return;
+            }
             PANEL.with_borrow_mut(|buf| {
-                // Up to twice `FUSED` rows stay fused, one group at a time (the partial sums of
-                // twice the rows take the registers of two groups).
-                let step = match rows {
-                    1 => CG_ONE,
-                    _ if rows > FUSED && rows <= 2 * FUSED => 1,
-                    _ => CG_MAX,
-                };
                 let mut g = groups.start;
                 while g < groups.end {
                     let cg = if g + step <= groups.end { step } else { 1 };
                     // SAFETY: the caller's contract; groups `g .. g + cg` are in range.
                     unsafe {
-                        match (rows <= 2 * FUSED, cg) {
-                            (true, 4) => fused_any::<Q8, 4>(x, sums, rows, w, g, out),
-                            (true, 2) => fused_any::<Q8, 2>(x, sums, rows, w, g, out),
-                            (true, _) => fused_any::<Q8, 1>(x, sums, rows, w, g, out),
-                            (false, 2) => panel::<Q8, 2>(x, sums, rows, w, g, out, buf),
-                            (false, _) => panel::<Q8, 1>(x, sums, rows, w, g, out, buf),
+                        match cg {
+                            2 => panel::<Q8, 2>(x, sums, rows, w, g, out, buf),
+                            _ => panel::<Q8, 1>(x, sums, rows, w, g, out, buf),
                         }
                     }
                     g += cg;
@@ -551,9 +572,9 @@ macro_rules! kernels {
     };
 }
 
-/// AVX-512: one register per group; fused tiles of one row × 64 columns, up to 8 rows × 32 or
-/// 16 rows × 16 (partial sums in registers; the accumulators, touched once per block, may
-/// spill), panel tiles of 6 × 32 (12 partial sums + 12 accumulators).
+/// AVX-512: one register per group; fused tiles of one row × 64 columns or up to 8 rows × 32
+/// (partial sums in registers; the accumulators, touched once per block, may spill), panel
+/// tiles of 6 × 32 (12 partial sums + 12 accumulators).
 mod avx512 {
     use std::arch::x86_64::{
         __m512, _mm256_loadu_si256, _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_fmadd_ps,
@@ -643,14 +664,14 @@ mod avx512 {
     kernels!("avx512f,avx2,fma,f16c", nv: 1, cg: 2, cg1: 4, fused: 8, tile: 6);
 }
 
-/// AVX2: two registers per group; fused tiles of one row × 32 columns, up to 4 rows × 16 or 8
-/// rows × 16 (partial sums in registers; the accumulators may spill), panel tiles of 3 × 16
-/// (6 + 6).
+/// AVX2: two registers per group; fused tiles of one row × 32 columns or up to 4 rows × 16
+/// (partial sums in registers; the accumulators may spill), panel tiles of 3 × 16 (6 + 6).
 mod avx2 {
     use std::arch::x86_64::{
         __m256, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_fmadd_ps,
-        _mm256_load_ps, _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_slli_epi32, _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128,
+        _mm256_load_ps, _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps,
+        _mm256_setr_epi8, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32,
+        _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128,
     };
 
     use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL};
@@ -700,14 +721,62 @@ mod avx2 {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
-    /// Bits `S..S + 4` of 8 dwords, as floats.
+    /// Bits `S..S + 4` of 8 dwords, as floats. The bottom and top nibbles take one mask or one
+    /// shift; the others are picked by a byte shuffle from the dwords' low (`S % 8 == 0`) or
+    /// high nibbles, which the eight extractions of a load share: a shuffle runs beside the
+    /// fused multiply-adds (port 5) where a shift and a mask compete with them.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn nibble<const S: i32>(p: *const u8) -> V {
         // SAFETY: 32 bytes readable at `p`.
         let d = unsafe { _mm256_loadu_si256(p.cast()) };
-        let d = if S == 0 { d } else { _mm256_srli_epi32::<S>(d) };
-        _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(0x0F)))
+        let q = match S {
+            0 => _mm256_and_si256(d, _mm256_set1_epi32(0x0F)),
+            28 => _mm256_srli_epi32::<28>(d),
+            _ => {
+                let nibbles = if S % 8 == 0 { d } else { _mm256_srli_epi32::<4>(d) };
+                let low = _mm256_and_si256(nibbles, _mm256_set1_epi8(0x0F));
+                // Byte `S / 8` of each dword to its bottom byte, zeros above.
+                let e = (S / 8) as i8;
+                let z = -128;
+                let pick = _mm256_setr_epi8(
+                    e,
+                    z,
+                    z,
+                    z,
+                    4 + e,
+                    z,
+                    z,
+                    z,
+                    8 + e,
+                    z,
+                    z,
+                    z,
+                    12 + e,
+                    z,
+                    z,
+                    z, //
+                    e,
+                    z,
+                    z,
+                    z,
+                    4 + e,
+                    z,
+                    z,
+                    z,
+                    8 + e,
+                    z,
+                    z,
+                    z,
+                    12 + e,
+                    z,
+                    z,
+                    z,
+                );
+                _mm256_shuffle_epi8(low, pick)
+            }
+        };
+        _mm256_cvtepi32_ps(q)
     }
 
     /// The signed byte at bits `24 - L..32 - L` of 8 dwords, as floats.

@@ -305,6 +305,9 @@ unsafe impl Sync for OutPtr {}
 /// Column groups in the widest tile (a single row's fused tile with AVX-512).
 const TILE_GROUPS: usize = 4;
 
+/// Column groups in the widest tile of several rows (fused or panel, AVX-512).
+const TILE_GROUPS_ROWS: usize = 2;
+
 /// Fewest tiles per parallel task, so tiny products are not split into tasks that cost more to
 /// schedule than to compute.
 const MIN_UNITS_PER_TASK: usize = 1;
@@ -363,14 +366,16 @@ pub fn matmul_with(x: &[f32], rows: usize, w: &QWeight, out: &mut [f32], kernel:
     let sums = if w.format == WeightFormat::Q4 { block_sums(x) } else { Vec::new() };
     let sums = &sums[..];
     let groups = w.groups();
-    // Units of whole tiles (up to four groups), so no task converts part of a tile's columns;
-    // a few tasks per thread balance the load (units spread evenly over them), more only add
-    // scheduling cost.
-    let units = groups.div_ceil(TILE_GROUPS);
+    // Units of whole tiles (up to four groups for one row, two for more), so no task splits a
+    // tile's columns; a few tasks per thread balance the load (units spread evenly over them),
+    // more only add scheduling cost. (Two-group units split a 60-group product into 6 equal
+    // tasks where four-group units left them 2 and 3 units: 7 against 8 per thread.)
+    let unit = if rows == 1 { TILE_GROUPS } else { TILE_GROUPS_ROWS };
+    let units = groups.div_ceil(unit);
     let tasks = (rayon::current_num_threads() * 3).min(units.div_ceil(MIN_UNITS_PER_TASK)).max(1);
     (0..tasks).into_par_iter().for_each(move |t| {
-        let range = (t * units / tasks * TILE_GROUPS).min(groups)
-            ..((t + 1) * units / tasks * TILE_GROUPS).min(groups);
+        let range =
+            (t * units / tasks * unit).min(groups)..((t + 1) * units / tasks * unit).min(groups);
         // SAFETY: task `t` writes only the columns of groups in `range`; tasks do not overlap.
         unsafe { matmul_groups(x, sums, rows, w, range, ptr, kernel) };
     });

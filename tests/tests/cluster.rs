@@ -274,7 +274,10 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
-    const TOKENS: u32 = 160;
+    // Long enough that no held stream ends within the 2 s drain window: a stream alone on an
+    // executor decodes about 200 tokens/s here (CI profile); at 160 tokens one held alone
+    // finished inside the window once the products got faster, and had nothing to move.
+    const TOKENS: u32 = 640;
     // Listed by hand, without etcd: nothing tells the scheduler that the executor drains, so
     // it keeps the session open, and only the drain timeout ends it.
     let exec = |id: &str| {
@@ -285,8 +288,8 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
     let (mut a, b) = (exec("exec-a"), exec("exec-b"));
     let sched = ferry_tests::start_scheduler(&[&a, &b], &[]);
     wait_ready(&sched, &[&a, &b]).await;
-    // Streams long enough that none can end within the 2 s drain window, whatever the others'
-    // pace when the signal goes (then every request the executor held is still there to move).
+    // Streams long enough that none can end within the 2 s drain window (see `TOKENS`), so
+    // every request the executor held is still there to move.
     let reqs = || requests(8, TOKENS);
     let undisturbed = run_streams(sched.addr("grpc"), reqs(), 0, || {}).await;
     assert_complete(&undisturbed, TOKENS as usize);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ferry_model::sampling::SamplingParams;
 
-use crate::engine::sampling::Sampler;
+use crate::engine::sampling::{Sampler, PARALLEL_DRAWS};
 use crate::kernels::{matmul_with, Kernel, QWeight};
 use crate::model::paged::{forward, ForwardScratch, PhaseTimes, SeqSlice};
 use crate::model::{ops::argmax, KvDtype, LlamaWeights, PagedKvCache};
@@ -222,7 +222,7 @@ pub fn run(
 }
 
 /// Samples each sequence's next token from its logits and appends it, as the engine draws a
-/// step's rows: in parallel on the forward's threads from 4 rows.
+/// step's rows: in parallel on the forward's threads from `PARALLEL_DRAWS` rows.
 fn draw_all(
     sampler: &mut Sampler,
     seqs: &mut [Vec<u32>],
@@ -238,7 +238,7 @@ fn draw_all(
             .expect("bench sampling parameters are valid");
         s.push(next.token);
     };
-    if seqs.len() < 4 {
+    if seqs.len() < PARALLEL_DRAWS {
         seqs.iter_mut().zip(logits).for_each(|(s, l)| draw(sampler, s, l));
     } else {
         crate::model::paged::in_pool(|| {

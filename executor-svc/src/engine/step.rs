@@ -27,7 +27,7 @@ use ferry_proto::v1;
 
 use super::backend::{BatchOutput, ModelBackend};
 use super::grammar::{self, Grammar, GrammarSource, MaskJob, TokenMask};
-use super::sampling::{LogitAdjust, Sampler, SamplingError, SamplingParams};
+use super::sampling::{LogitAdjust, Sampler, SamplingError, SamplingParams, PARALLEL_DRAWS};
 use super::sim::sim_token_except;
 use crate::model::paged::{BatchError, SeqSlice};
 
@@ -505,13 +505,8 @@ impl Engine {
             }
             // Drawn below, all the step's rows together; the output is completed then.
             let row = row.take().expect("the backend returns a row per sampling request");
-            draws.push(Draw {
-                at: outputs.len(),
-                id: p.id,
-                row,
-                constrained: masks.remove(&p.id),
-                position,
-            });
+            let at = outputs.len();
+            draws.push((Draw { at, id: p.id }, row, masks.remove(&p.id), position));
             outputs.push(v1::RequestOutput {
                 id: p.id,
                 prompt_logprobs,
@@ -519,33 +514,26 @@ impl Engine {
                 ..Default::default()
             });
         }
-        let ids: Vec<(usize, u64)> = draws.iter().map(|d| (d.at, d.id)).collect();
-        let drawn = draw_rows(&self.requests, &mut self.sampler, draws);
         let mut dropped = HashSet::new();
-        for ((at, id), result) in ids.into_iter().zip(drawn) {
+        for (d, result) in draw_rows(&self.requests, &mut self.sampler, draws) {
             match result {
                 Ok((token, logprobs, grammar)) => {
-                    let r = self.requests.get_mut(&id).expect("drawn requests exist");
+                    let r = self.requests.get_mut(&d.id).expect("drawn requests exist");
                     r.output.push(token);
                     if grammar.is_some() {
                         r.grammar = grammar;
                     }
-                    outputs[at].token_ids = vec![token];
-                    outputs[at].logprobs = logprobs.into_iter().collect();
+                    outputs[d.at].token_ids = vec![token];
+                    outputs[d.at].logprobs = logprobs.into_iter().collect();
                 }
                 Err(why) => {
-                    failed.push((id, why));
-                    dropped.insert(at);
+                    failed.push((d.id, why));
+                    dropped.insert(d.id);
                 }
             }
         }
-        if !dropped.is_empty() {
-            let mut at = 0;
-            outputs.retain(|_| {
-                at += 1;
-                !dropped.contains(&(at - 1))
-            });
-        }
+        // A request whose draw failed reports nothing (its prompt log-probabilities neither).
+        outputs.retain(|o| !dropped.contains(&o.id));
         (outputs, failed, simulated_us)
     }
 
@@ -1145,8 +1133,7 @@ fn verify(
         let (token, lp) = match rows.as_mut() {
             Some(rows) => {
                 let row = rows.next().expect("the backend returns a row per verified position");
-                let d = Draw { at: 0, id: p.id, row, constrained: None, position };
-                let (token, lp, _) = sample_row(sampler, r, d)?;
+                let (token, lp, _) = Inputs::of(r).sample(sampler, row, None, position)?;
                 (token, lp)
             }
             None => (sim_token_except(r.sampling.seed, position, vocab, eos), None),
@@ -1163,45 +1150,43 @@ fn verify(
     Ok((tokens, logprobs))
 }
 
-/// A step's sampling row: request `id`'s logits, its grammar and mask when constrained (taken
-/// out for the step), the position it samples, and where its output is.
+/// Where a step's sampling row goes: request `id`, whose output is `outputs[at]`.
 struct Draw {
     at: usize,
     id: u64,
-    row: Vec<f32>,
-    constrained: Option<(Grammar, Result<TokenMask, String>)>,
-    position: u64,
 }
+
+/// A row to draw: where it goes, the logits, the grammar and mask when constrained (taken out
+/// for the step), the position it samples.
+type Row = (Draw, Vec<f32>, Option<(Grammar, Result<TokenMask, String>)>, u64);
 
 /// What drawing a row gives: the token, its log-probabilities, the advanced grammar.
 type Drawn = Result<(u32, Option<v1::PositionLogprobs>, Option<Grammar>), String>;
 
-/// Draws every row of `draws`, in their order. A draw depends only on its row, the request's
-/// parameters and tokens, and (seed, position), so rows are drawn in parallel on the forward's
-/// threads when there are several (a decode batch's sampling is a tenth of its step).
+/// Draws every row, in order. A draw depends only on its row, the request's parameters and
+/// tokens, and (seed, position), so from [`PARALLEL_DRAWS`] rows on they are drawn in parallel
+/// on the forward's threads (a decode batch's sampling is a tenth of its step).
 fn draw_rows(
     requests: &HashMap<u64, ExecRequest>,
     sampler: &mut Sampler,
-    draws: Vec<Draw>,
-) -> Vec<Drawn> {
+    rows: Vec<Row>,
+) -> Vec<(Draw, Drawn)> {
     use rayon::prelude::*;
-    let jobs: Vec<(Draw, &ExecRequest)> = draws
+    let jobs: Vec<_> = rows
         .into_iter()
-        .map(|d| {
-            let r = &requests[&d.id];
-            (d, r)
+        .map(|(d, row, constrained, position)| {
+            (Inputs::of(&requests[&d.id]), d, row, constrained, position)
         })
         .collect();
-    if jobs.len() < 4 {
-        return jobs.into_iter().map(|(d, r)| sample_row(sampler, r, d)).collect();
+    let draw = |sampler: &mut Sampler,
+                (inputs, d, row, constrained, position): (Inputs, Draw, _, _, _)| {
+        let drawn = inputs.sample(sampler, row, constrained, position);
+        (d, drawn)
+    };
+    if jobs.len() < PARALLEL_DRAWS {
+        return jobs.into_iter().map(|job| draw(sampler, job)).collect();
     }
-    let inputs: Vec<(Draw, Inputs)> = jobs.into_iter().map(|(d, r)| (d, Inputs::of(r))).collect();
-    crate::model::paged::in_pool(|| {
-        inputs
-            .into_par_iter()
-            .map_init(Sampler::new, |sampler, (d, inputs)| inputs.sample(sampler, d))
-            .collect()
-    })
+    crate::model::paged::in_pool(|| jobs.into_par_iter().map_init(Sampler::new, draw).collect())
 }
 
 /// What a draw reads of its request.
@@ -1217,11 +1202,17 @@ impl<'a> Inputs<'a> {
         Self { sampling: &r.sampling, adjust: &r.adjust, prompt: &r.prompt, output: &r.output }
     }
 
-    /// Samples the next token of `d.row` at `d.position`, after its grammar's mask when it has
-    /// one; the token, its log-probabilities and the advanced grammar, or why this request
-    /// cannot go on (the others can).
-    fn sample(&self, sampler: &mut Sampler, d: Draw) -> Drawn {
-        let Draw { mut row, constrained, position, .. } = d;
+    /// Samples the next token from `row` at `position`, after its grammar's mask when it has
+    /// one (`constrained`: its matcher, taken out for the step, and the mask); the token, its
+    /// log-probabilities and the advanced grammar, or why this request cannot go on (the
+    /// others can).
+    fn sample(
+        &self,
+        sampler: &mut Sampler,
+        mut row: Vec<f32>,
+        constrained: Option<(Grammar, Result<TokenMask, String>)>,
+        position: u64,
+    ) -> Drawn {
         let mut grammar = None;
         if let Some((g, mask)) = constrained {
             grammar::apply_mask(&mut row, &mask?);
@@ -1251,11 +1242,6 @@ impl<'a> Inputs<'a> {
         });
         Ok((s.token, logprobs, grammar))
     }
-}
-
-/// [`Inputs::sample`] of request `r`.
-fn sample_row(sampler: &mut Sampler, r: &ExecRequest, d: Draw) -> Drawn {
-    Inputs::of(r).sample(sampler, d)
 }
 
 /// What is wrong with block copy `c`, if anything: both blocks in the pool and distinct, the

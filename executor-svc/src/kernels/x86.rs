@@ -668,10 +668,10 @@ mod avx512 {
 /// (partial sums in registers; the accumulators may spill), panel tiles of 3 × 16 (6 + 6).
 mod avx2 {
     use std::arch::x86_64::{
-        __m256, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_fmadd_ps,
-        _mm256_load_ps, _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps,
-        _mm256_setr_epi8, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32,
-        _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128,
+        __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_cvtepi32_ps, _mm256_cvtph_ps,
+        _mm256_fmadd_ps, _mm256_load_ps, _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_epi8,
+        _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32,
+        _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128, _mm_setr_epi32,
     };
 
     use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL};
@@ -736,43 +736,10 @@ mod avx2 {
             _ => {
                 let nibbles = if S % 8 == 0 { d } else { _mm256_srli_epi32::<4>(d) };
                 let low = _mm256_and_si256(nibbles, _mm256_set1_epi8(0x0F));
-                // Byte `S / 8` of each dword to its bottom byte, zeros above.
-                let e = (S / 8) as i8;
-                let z = -128;
-                let pick = _mm256_setr_epi8(
-                    e,
-                    z,
-                    z,
-                    z,
-                    4 + e,
-                    z,
-                    z,
-                    z,
-                    8 + e,
-                    z,
-                    z,
-                    z,
-                    12 + e,
-                    z,
-                    z,
-                    z, //
-                    e,
-                    z,
-                    z,
-                    z,
-                    4 + e,
-                    z,
-                    z,
-                    z,
-                    8 + e,
-                    z,
-                    z,
-                    z,
-                    12 + e,
-                    z,
-                    z,
-                    z,
-                );
+                // Byte `S / 8` of each dword to its bottom byte, zeros above (index 0x80).
+                let pick = |dword: i32| (0x8080_8000_u32 as i32) | (4 * dword + S / 8);
+                let lane = _mm_setr_epi32(pick(0), pick(1), pick(2), pick(3));
+                let pick = _mm256_broadcastsi128_si256(lane);
                 _mm256_shuffle_epi8(low, pick)
             }
         };

@@ -203,9 +203,13 @@ fn attend_layer(
             rest = tail;
         }
     }
-    outs.into_par_iter().enumerate().for_each_init(
-        || (AttnScratch::default(), Vec::new()),
-        |(scratch, q), (i, out)| {
+    // Each worker thread keeps its scratch (scores up to hundreds of KiB for a long prompt)
+    // from task to task, layer to layer and step to step.
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<(AttnScratch, Vec<f32>)> = std::cell::RefCell::default();
+    }
+    outs.into_par_iter().enumerate().for_each(|(i, out)| {
+        SCRATCH.with_borrow_mut(|(scratch, q)| {
             let ((r0, len), kvh) = (tiles[i / s.num_kv_heads], i % s.num_kv_heads);
             let (seq, pos) = rows[r0];
             let table = batch[seq].block_table;
@@ -225,8 +229,8 @@ fn attend_layer(
                     attend(heads, q, pos + 1, run, scratch, out);
                 }
             }
-        },
-    );
+        });
+    });
     // Back to rows of all heads.
     attn.resize(rows.len() * h, 0.0);
     let mut from = tiled_out.chunks_exact(gw);

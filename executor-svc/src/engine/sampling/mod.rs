@@ -91,6 +91,10 @@ pub fn sample(
     Sampler::new().sample(logits, params, prompt, output, position)
 }
 
+/// Rows of a step from which the engine (and the bench, as it) draws them in parallel on the
+/// forward's threads: below, a draw costs less than handing it to another thread.
+pub const PARALLEL_DRAWS: usize = 4;
+
 /// Reusable scratch space for sampling, so steady-state sampling does not allocate. One per
 /// executor thread; it carries no state from one call to the next that could change a result.
 #[derive(Debug, Default)]

@@ -97,6 +97,8 @@ pub struct BenchOptions {
     pub prefill_len: usize,
     /// Prefill repetitions.
     pub prefill_reps: usize,
+    /// Tokens each decode sequence holds before the timed steps.
+    pub context: usize,
     /// The KV cache's element type.
     pub kv_dtype: KvDtype,
 }
@@ -108,6 +110,7 @@ impl Default for BenchOptions {
             decode_steps: 16,
             prefill_len: 512,
             prefill_reps: 3,
+            context: 128,
             kv_dtype: KvDtype::default(),
         }
     }
@@ -162,8 +165,8 @@ pub fn run(
         rows.push(row);
     }
 
-    // Decode: each sequence has a 128-token context, then steps of one token each.
-    let ctx = 128;
+    // Decode: each sequence has a context of `opts.context` tokens, then steps of one each.
+    let ctx = opts.context.max(1);
     for &b in &opts.batches {
         let per_seq = (ctx + opts.decode_steps + 1).div_ceil(BS);
         let mut cache = PagedKvCache::with_dtype(&w.shape, opts.kv_dtype, BS, per_seq * b);
@@ -209,7 +212,7 @@ pub fn run(
             ferry_sched_core::bench::decode_step_us(b, 50) * 1e-6 * steps as f64,
         );
         let row = BenchRow {
-            scenario: "decode (128-token context)".into(),
+            scenario: format!("decode ({ctx}-token context)"),
             batch: b,
             tokens_per_s: (b * opts.decode_steps) as f64 / total,
             median_step_ms: median(times) * 1e3,

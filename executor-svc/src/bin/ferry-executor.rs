@@ -56,6 +56,10 @@ enum Command {
         /// Prompt length of the prefill figure (attention's share grows with it).
         #[arg(long, default_value_t = 512)]
         prefill_len: usize,
+        /// Context of each sequence before the timed decode steps (attention's share grows
+        /// with it).
+        #[arg(long, default_value_t = 128)]
+        context: usize,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -192,6 +196,7 @@ async fn main() -> anyhow::Result<()> {
         steps,
         prefill_reps,
         prefill_len,
+        context,
         json,
         structured,
         kernels,
@@ -216,6 +221,7 @@ async fn main() -> anyhow::Result<()> {
                     decode_steps: steps,
                     prefill_reps,
                     prefill_len,
+                    context,
                     kv_dtype: kv_cache_dtype,
                 },
                 json,

@@ -25,7 +25,7 @@
 //!   weights are read from memory once and nothing is written back;
 //! - **many rows** (prefill, large decode batches): compute-bound; a panel of 16 or 32 output
 //!   columns is converted once for all inputs into a buffer that stays in L2, and a register-
-//!   tiled f32 micro-kernel (6 rows × 32 columns with AVX-512, 3 × 16 with AVX2) runs every row
+//!   tiled f32 micro-kernel (6 rows × 32 columns with AVX-512, 6 × 16 with AVX2) runs every row
 //!   through it: the shape of a BLAS GEMM, with the conversion as its packing step.
 //!
 //! Determinism, which the sampler's seeded reproducibility rests on: the sequence above is the

@@ -38,8 +38,22 @@ pub fn rope_frequencies(head_dim: usize, theta: f32) -> Vec<f32> {
 /// Rotates one head vector for position `pos`: pairs (x[2i], x[2i+1]) turn by
 /// `pos · freqs[i]`.
 pub fn rope(head: &mut [f32], pos: usize, freqs: &[f32]) {
-    for (i, freq) in freqs.iter().enumerate() {
-        let (sin, cos) = (pos as f32 * freq).sin_cos();
+    let mut angles = vec![(0.0, 0.0); freqs.len()];
+    rope_angles(pos, freqs, &mut angles);
+    rope_rotate(head, &angles);
+}
+
+/// The sines and cosines [`rope`] turns position `pos`'s pairs by, one per frequency: the
+/// same for every head and layer, so a forward computes them once per token.
+pub fn rope_angles(pos: usize, freqs: &[f32], out: &mut [(f32, f32)]) {
+    for (sc, freq) in out.iter_mut().zip(freqs) {
+        *sc = (pos as f32 * freq).sin_cos();
+    }
+}
+
+/// [`rope`] with the angles already computed by [`rope_angles`].
+pub fn rope_rotate(head: &mut [f32], angles: &[(f32, f32)]) {
+    for (i, &(sin, cos)) in angles.iter().enumerate() {
         let (a, b) = (head[2 * i], head[2 * i + 1]);
         head[2 * i] = a * cos - b * sin;
         head[2 * i + 1] = a * sin + b * cos;

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache};
 use super::llama::LlamaWeights;
-use super::ops::{linear, linear_into, rms_norm, rope, silu_mul_into};
+use super::ops::{linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into};
 
 /// One sequence's part of a batch.
 #[derive(Clone, Copy, Debug)]
@@ -150,6 +150,8 @@ pub struct ForwardScratch {
     gate_up: Vec<f32>,
     /// `silu(gate) · up`.
     act: Vec<f32>,
+    /// Each row's rotary sines and cosines.
+    angles: Vec<(f32, f32)>,
 }
 
 /// The batch row by row: each row's (sequence, position), and the attention's tiles — up to
@@ -357,7 +359,13 @@ fn forward_in_pool(
         let t = batch[*seq].tokens[pos - batch[*seq].start];
         w.embed.dequantize_row(t as usize, &mut x[r * h..(r + 1) * h]);
     }
-    let ForwardScratch { times, hn, qkv, attn, tiled_out, proj, gate_up, act } = scratch;
+    let ForwardScratch { times, hn, qkv, attn, tiled_out, proj, gate_up, act, angles } = scratch;
+    // Each row's rotary angles, for every head of every layer.
+    let half = w.rope_freqs.len();
+    angles.resize(n * half, (0.0, 0.0));
+    for (r, &(_, pos)) in rows.iter().enumerate() {
+        rope_angles(pos, &w.rope_freqs, &mut angles[r * half..(r + 1) * half]);
+    }
     tiled_out.resize(n * h, 0.0);
     let (mut matmul, mut attention) = (Duration::ZERO, Duration::ZERO);
     let qkv_width = h + 2 * kv_dim;
@@ -372,7 +380,7 @@ fn forward_in_pool(
             let row = &mut qkv[r * qkv_width..(r + 1) * qkv_width];
             // Rotate the query and key heads (adjacent in the row) in place.
             for head in row[..h + kv_dim].chunks_exact_mut(hd) {
-                rope(head, pos, &w.rope_freqs);
+                rope_rotate(head, &angles[r * half..(r + 1) * half]);
             }
             let at = cache.locate(batch[seq].block_table, pos);
             cache.write(l, at, &row[h..h + kv_dim], &row[h + kv_dim..]);

@@ -140,7 +140,7 @@ pub fn run(
     // Prefill.
     let len = opts.prefill_len;
     let blocks = len.div_ceil(BS);
-    let mut cache = PagedKvCache::with_dtype(&w.shape, opts.kv_dtype, BS, blocks);
+    let mut cache = bench_cache(w, opts.kv_dtype, blocks);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut times = Vec::new();
     scratch.times = PhaseTimes::default();
@@ -169,7 +169,7 @@ pub fn run(
     let ctx = opts.context.max(1);
     for &b in &opts.batches {
         let per_seq = (ctx + opts.decode_steps + 1).div_ceil(BS);
-        let mut cache = PagedKvCache::with_dtype(&w.shape, opts.kv_dtype, BS, per_seq * b);
+        let mut cache = bench_cache(w, opts.kv_dtype, per_seq * b);
         let tables: Vec<Vec<u32>> =
             (0..b).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
         let mut seqs: Vec<Vec<u32>> = (0..b).map(|s| prompt(s + 17, ctx)).collect();
@@ -222,6 +222,23 @@ pub fn run(
         rows.push(row);
     }
     rows
+}
+
+/// A KV cache of `blocks` blocks where a serving executor keeps it: in a region of the shared
+/// memory directory (page-aligned, like the pool an executor shares with its KV agent), or, where
+/// none can be made, in private memory.
+fn bench_cache(w: &LlamaWeights, dtype: KvDtype, blocks: usize) -> PagedKvCache {
+    use ferry_kv_transfer_svc::shm::{Staging, DEFAULT_DIR};
+    let block_bytes = PagedKvCache::bytes_per_token(&w.shape, dtype) * BS;
+    let shared = u32::try_from(blocks).ok().and_then(|n| {
+        Staging::create_with_pool(std::path::Path::new(DEFAULT_DIR), block_bytes, n, 1).ok()
+    });
+    if let Some((_region, pool)) = shared {
+        if let Ok(cache) = PagedKvCache::in_pool(&w.shape, dtype, BS, blocks, pool) {
+            return cache;
+        }
+    }
+    PagedKvCache::with_dtype(&w.shape, dtype, BS, blocks)
 }
 
 /// Samples each sequence's next token from its logits and appends it, as the engine draws a

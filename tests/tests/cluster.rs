@@ -440,9 +440,16 @@ async fn raft_leader_killed_mid_load_keeps_the_ferry_leader_its_epoch_and_every_
     wait_ready(&sched, &[&a, &b]).await;
     let outcomes = run_streams(sched.addr("grpc"), requests(8, 24), 0, || {}).await;
     assert_complete(&outcomes, 24);
-    let mut keys = etcd_keys_via_member(&etcd, elected);
-    keys.sort();
-    assert_eq!(keys, [format!("{PREFIX}exec-a"), format!("{PREFIX}exec-b")]);
+    // Both registrations, read through the new raft leader alone (exec-a's may be between a
+    // lapsed lease and its new one for a moment, so waited for).
+    let want = [format!("{PREFIX}exec-a"), format!("{PREFIX}exec-b")];
+    let keys = || {
+        let mut keys = etcd_keys_via_member(&etcd, elected);
+        keys.sort();
+        keys
+    };
+    let seen = wait_for(Duration::from_secs(15), || keys() == want).await;
+    assert!(seen.is_some(), "keys through the new raft leader: {:?}", keys());
 }
 
 /// Keys under the executors' prefix, read through member `i` alone.

@@ -416,6 +416,10 @@ mod simd {
         // `n_max`; the chunk `CHUNK` positions of `HD`; positions read are below each row's
         // context (`n_ctx + t ≤ n_max`), which `run` covers.
         unsafe {
+            // A decode's single token has little to compute per cached position, so it waits
+            // on memory unless the lines are asked for ahead; a prefill tile's tokens compute
+            // long enough on each chunk for the hardware to keep up.
+            let mut fetch = (tokens == 1).then(|| Fetch::new(&run, heads.lane, n_max));
             // Scores, a chunk of keys at a time.
             let mut c0 = 0;
             while c0 < n_max {
@@ -426,6 +430,9 @@ mod simd {
                     &run,
                     |r| r.keys,
                     |p, key| {
+                        if let Some(f) = &mut fetch {
+                            f.ahead_of(p);
+                        }
                         A::convert(key.as_ptr(), kb.add((p - c0) * HD));
                     },
                 );
@@ -461,6 +468,9 @@ mod simd {
                     &run,
                     |r| r.values,
                     |p, value| {
+                        if let Some(f) = &mut fetch {
+                            f.ahead_of(n_max + p);
+                        }
                         A::convert(value.as_ptr(), kb.add((p - c0) * HD));
                     },
                 );
@@ -479,6 +489,62 @@ mod simd {
                     }
                 }
                 c0 = c1;
+            }
+        }
+    }
+
+    /// Cached positions the conversions fetch ahead (4 KiB of f16 keys for heads of 64).
+    const AHEAD: usize = 32;
+
+    /// Asks the cache for the keys, then the values, of every position in order, [`AHEAD`]
+    /// positions before the conversions read them. A decode's attention waits on memory: a KV
+    /// head's elements of one position are a 128-byte run, the other heads' lie between it and
+    /// the next position's, and a block's runs end every 16 positions, so the hardware
+    /// prefetchers barely follow and without this each conversion waits for its lines in turn
+    /// (serve's page-aligned pool, batch 16 at 384 tokens of context: attention 17.8 → 13.1 ms
+    /// a step).
+    struct Fetch<'a, 'r, T, R> {
+        run: &'r R,
+        lane: usize,
+        /// Positions: items `0..n` are keys, `n..2n` values.
+        n: usize,
+        /// The next item to fetch.
+        next: usize,
+        /// The run holding the last item fetched, and its first position.
+        at: Option<(usize, KvRun<'a, T>)>,
+    }
+
+    impl<'a, 'r, T: Elem, R: Fn(usize) -> KvRun<'a, T>> Fetch<'a, 'r, T, R> {
+        fn new(run: &'r R, lane: usize, n: usize) -> Self {
+            Self { run, lane, n, next: 0, at: None }
+        }
+
+        /// Fetches the items before `item + AHEAD`.
+        #[allow(clippy::inline_always)]
+        #[inline(always)]
+        fn ahead_of(&mut self, item: usize) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let upto = (item + AHEAD).min(2 * self.n);
+            while self.next < upto {
+                let (values, p) = if self.next < self.n {
+                    (false, self.next)
+                } else {
+                    (true, self.next - self.n)
+                };
+                let (start, r) = match self.at {
+                    Some((start, r)) if start <= p && p < start + r.len.max(1) => (start, r),
+                    _ => (p, (self.run)(p)),
+                };
+                self.at = Some((start, r));
+                let rows = if values { r.values } else { r.keys };
+                let row = rows[(p - start) * r.stride + self.lane..].as_ptr() as usize;
+                // Every line the row touches (it need not start on one).
+                let (first, last) = (row / 64, (row + HD * std::mem::size_of::<T>() - 1) / 64);
+                for line in first..=last {
+                    // SAFETY: a prefetch never faults; the lines hold the row's elements.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>((line * 64) as *const i8) };
+                }
+                self.next += 1;
             }
         }
     }

@@ -2,9 +2,11 @@
 //! several batch sizes, prefill tokens/s for 512-token prompts, and KV memory per cached token,
 //! with the machine's CPU features and where each step's time goes (matrix products,
 //! attention, the rest of the forward, sampling, and the scheduling core's step for that many
-//! requests). It drives the paged forward directly (no service around it), so it measures the
-//! engine, not the network; `--kernels` times the matrix products alone, per kernel. `--structured` instead measures what structured outputs cost:
-//! sampled decode through the engine with and without a JSON schema ([`run_structured`]).
+//! requests). It drives the paged forward directly (no service around it; the KV cache where an
+//! executor keeps it, in shared memory), so it measures the engine, not the network;
+//! `--kernels` times the matrix products alone, per kernel. `--structured` instead measures what
+//! structured outputs cost: sampled decode through the engine with and without a JSON schema
+//! ([`run_structured`]).
 
 use std::time::{Duration, Instant};
 

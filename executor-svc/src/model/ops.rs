@@ -35,23 +35,16 @@ pub fn rope_frequencies(head_dim: usize, theta: f32) -> Vec<f32> {
     (0..head_dim / 2).map(|i| theta.powf(-(2.0 * i as f32) / head_dim as f32)).collect()
 }
 
-/// Rotates one head vector for position `pos`: pairs (x[2i], x[2i+1]) turn by
-/// `pos · freqs[i]`.
-pub fn rope(head: &mut [f32], pos: usize, freqs: &[f32]) {
-    let mut angles = vec![(0.0, 0.0); freqs.len()];
-    rope_angles(pos, freqs, &mut angles);
-    rope_rotate(head, &angles);
-}
-
-/// The sines and cosines [`rope`] turns position `pos`'s pairs by, one per frequency: the
-/// same for every head and layer, so a forward computes them once per token.
+/// The rotary embedding's sines and cosines for position `pos`, one per frequency (pair `i`
+/// turns by `pos · freqs[i]`): the same for every head and layer, so a forward computes them
+/// once per token.
 pub fn rope_angles(pos: usize, freqs: &[f32], out: &mut [(f32, f32)]) {
     for (sc, freq) in out.iter_mut().zip(freqs) {
         *sc = (pos as f32 * freq).sin_cos();
     }
 }
 
-/// [`rope`] with the angles already computed by [`rope_angles`].
+/// Rotates one head vector by [`rope_angles`]: pair (x[2i], x[2i+1]) turns by angle `i`.
 pub fn rope_rotate(head: &mut [f32], angles: &[(f32, f32)]) {
     for (i, &(sin, cos)) in angles.iter().enumerate() {
         let (a, b) = (head[2 * i], head[2 * i + 1]);

@@ -4,7 +4,7 @@
 
 use super::attention::{attend, AttnScratch, Heads, KvRun};
 use super::llama::LlamaWeights;
-use super::ops::{linear, rms_norm, rope, silu_mul, split_qkv};
+use super::ops::{linear, rms_norm, rope_angles, rope_rotate, silu_mul, split_qkv};
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
 #[derive(Debug, Default, Clone)]
@@ -54,16 +54,22 @@ pub fn forward(
     }
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
+    // Each token's rotary angles, for every head of every layer.
+    let half = w.rope_freqs.len();
+    let mut angles = vec![(0.0, 0.0); n * half];
+    for (i, a) in angles.chunks_exact_mut(half).enumerate() {
+        rope_angles(start + i, &w.rope_freqs, a);
+    }
     for (l, layer) in w.layers.iter().enumerate() {
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
         let (mut q, mut k, v) = split_qkv(&linear(&hn, &layer.wqkv), h, kv_dim);
-        for i in 0..n {
+        for (i, a) in angles.chunks_exact(half).enumerate() {
             for head in q[i * h..(i + 1) * h].chunks_exact_mut(hd) {
-                rope(head, start + i, &w.rope_freqs);
+                rope_rotate(head, a);
             }
             for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                rope(head, start + i, &w.rope_freqs);
+                rope_rotate(head, a);
             }
         }
         let round = |x: &[f32]| -> Vec<f32> {

@@ -191,6 +191,36 @@ fn an_f16_cache_equals_the_reference_rounding_keys_and_values_to_f16() {
     assert_ne!(f32_logits, &refs[0].1[0], "f16 keys and values change the logits' bits");
 }
 
+/// A decode step of many sequences (tiles enough for every thread) gives each attention task
+/// a sequence's KV heads together rather than one: still the reference forward's tokens and
+/// bits, over f32 and f16 caches.
+#[test]
+fn many_sequences_decoding_together_equal_the_reference() {
+    let steps = 4;
+    // Past the forward's threshold of four tiles per thread.
+    let n = 4 * rayon::current_num_threads() + 1;
+    let tok = &model().tok;
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| tok.encode(&format!("{i} apples and {} pears are", 3 * i)).unwrap())
+        .collect();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let contiguous = || match dtype {
+            KvDtype::F32 => ContiguousCache::default(),
+            KvDtype::F16 => ContiguousCache::f16(),
+        };
+        let refs: Vec<_> =
+            prompts.iter().map(|p| reference_run_with(p, steps, contiguous())).collect();
+        let blocks = 6 * n + 1;
+        let mut cache = PagedKvCache::with_dtype(&model().w.shape, dtype, BS, blocks);
+        let mut seqs: Vec<Seq> = prompts.iter().map(|p| new_seq(p)).collect();
+        let mut table = Blocks::scattered(u32::try_from(blocks).unwrap());
+        run_paged(&mut seqs, 64, steps, &mut cache, &mut table);
+        for (s, (toks, logits)) in seqs.iter().zip(&refs) {
+            assert_same(s, toks, logits, &format!("{n} sequences, {dtype:?}"));
+        }
+    }
+}
+
 #[test]
 fn recompute_after_preemption_and_prefix_hit_continue_exactly() {
     let steps = 6;

@@ -126,15 +126,20 @@ fn results_do_not_depend_on_the_batch() {
 
 /// Every kernel this CPU can run gives the portable path's bits, for every tile shape (1 to
 /// 40 rows: fused tiles in one pass or several with a partial last, panel and padded tiles,
-/// each side of the fused path's limit; whole, paired and padded column groups; both formats).
+/// each side of the fused path's limit; whole, paired and padded column groups; inputs in one
+/// panel chunk or several, equal or not; both formats).
 #[test]
 fn every_kernel_gives_the_same_bits() {
     let mut seed = 5;
     let kernels = Kernel::available();
     eprintln!("kernels compared: {kernels:?}");
-    for w in
-        [q4_weight(77, 160, &mut seed), q8_weight(61, 96, &mut seed), q4_weight(40, 64, &mut seed)]
-    {
+    for w in [
+        q4_weight(77, 160, &mut seed),
+        q8_weight(61, 96, &mut seed),
+        q4_weight(40, 64, &mut seed),
+        q4_weight(35, 576, &mut seed),
+        q8_weight(20, 288, &mut seed),
+    ] {
         for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 25, 32, 33, 40] {
             let x: Vec<f32> = (0..rows * w.cols).map(|_| lcg(&mut seed) * 3.0).collect();
             let mut expected = vec![0f32; rows * w.rows];

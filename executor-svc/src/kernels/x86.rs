@@ -114,11 +114,15 @@ pub(super) unsafe fn matmul_groups(
 #[repr(C, align(64))]
 struct Line([f32; GROUP]);
 
+/// Most bytes of converted codes in a panel's chunk: half of a 32 KiB L1, the rest left to
+/// the rows' activations. (A whole panel — 36 KiB for 576 inputs, 96 KiB for 1536, twice that
+/// with AVX-512 — was read from L2 by every row tile.)
+const PANEL_BYTES: usize = 16 * 1024;
+
 thread_local! {
-    /// Each worker's panel buffer: `cols × 32` codes as floats at most (192 KiB for 1536
-    /// inputs) and the blocks' scales and minimums, so it stays in L2 while every row tile
-    /// reads it.
-    static PANEL: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+    /// Each worker's panel buffer (a chunk's codes as floats and its blocks' scales and
+    /// minimums), and the rows' accumulators between chunks.
+    static PANEL: RefCell<(Vec<Line>, Vec<Line>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// The fused and panel kernels over the primitives of one instruction set (see the users):
@@ -309,7 +313,7 @@ macro_rules! kernels {
             }
         }
 
-        /// Writes input `4t + E` (`HIGH`: `16 + …`) of block `b`'s codes into the panel.
+        /// Writes input `4t + E` (`HIGH`: `16 + …`) of the chunk's block `b` into the panel.
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn panel_input<const Q8: bool, const HIGH: bool, const E: usize, const CG: usize>(
@@ -387,31 +391,48 @@ macro_rules! kernels {
             }
         }
 
-        /// Rows `row0 .. row0 + n` (`n ≤ RT`) against a converted panel of `CG` groups: codes
-        /// at line `k·CG + c`, then per block the scales and minimums.
+        /// Rows `row0 .. row0 + n` (`n ≤ RT`) over blocks `blocks` against a converted panel of
+        /// `CG` groups holding those blocks (codes at line `k·CG + c` for the chunk's input
+        /// `k`, then per block the scales and minimums at `params`). The tile's accumulators
+        /// start at zero on the first block and are stored to `out` after the last; between
+        /// chunks they wait in `accs` (`CG` lines per row).
+        #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = $features)]
         unsafe fn panel_tile<const Q8: bool, const CG: usize, const RT: usize>(
-            panel: &[Line],
+            (lines, params): (*const f32, *const f32),
             x: &[f32],
             sums: &[f32],
             (row0, n): (usize, usize),
             w: &QWeight,
             g0: usize,
             out: OutPtr,
+            blocks: std::ops::Range<usize>,
+            accs: *mut Line,
         ) {
-            // SAFETY: `panel` holds what `panel` wrote; rows and groups as in `fused`.
+            // SAFETY: the panel holds what `panel` wrote for `blocks`; `accs` has `CG` lines for
+            // every row; rows and groups as in `fused`.
             unsafe {
                 let (xr, sr) = rows_at::<RT>(x, sums, w.cols, row0, n);
-                let lines = panel.as_ptr().cast::<f32>();
-                let params = lines.add(w.cols * CG * GROUP);
                 let mut acc: Acc<RT, CG> = [[[zero(); NV]; CG]; RT];
-                for b in 0..w.cols / BLOCK {
+                if blocks.start > 0 {
+                    for r in 0..RT {
+                        let line = accs.add((row0 + r.min(n - 1)) * CG).cast::<f32>();
+                        for c in 0..CG {
+                            for h in 0..NV {
+                                acc[r][c][h] = load_line(line.add(c * GROUP + h * LANES));
+                            }
+                        }
+                    }
+                }
+                let k0 = blocks.start * BLOCK;
+                for b in blocks.clone() {
                     let mut p: Acc<RT, CG> = [[[zero(); NV]; CG]; RT];
                     for k in b * BLOCK..(b + 1) * BLOCK {
                         let mut wv = [[zero(); NV]; CG];
                         for c in 0..CG {
                             for h in 0..NV {
-                                wv[c][h] = load_line(lines.add((k * CG + c) * GROUP + h * LANES));
+                                let at = ((k - k0) * CG + c) * GROUP + h * LANES;
+                                wv[c][h] = load_line(lines.add(at));
                             }
                         }
                         for r in 0..RT {
@@ -426,19 +447,32 @@ macro_rules! kernels {
                     let (mut d, mut m) = ([[zero(); NV]; CG], [[zero(); NV]; CG]);
                     for c in 0..CG {
                         for h in 0..NV {
-                            let at = (b * CG + c) * 2 * GROUP + h * LANES;
+                            let at = ((b - blocks.start) * CG + c) * 2 * GROUP + h * LANES;
                             d[c][h] = load_line(params.add(at));
                             m[c][h] = load_line(params.add(at + GROUP));
                         }
                     }
                     finish_block::<Q8, RT, CG>(&mut acc, &p, &d, &m, &sr, b);
                 }
-                store::<RT, CG>(&acc, w, row0, n, g0, out);
+                if blocks.end == w.cols / BLOCK {
+                    store::<RT, CG>(&acc, w, row0, n, g0, out);
+                } else {
+                    for (r, row) in acc.iter().enumerate().take(n) {
+                        let line = accs.add((row0 + r) * CG).cast::<f32>();
+                        for (c, vs) in row.iter().enumerate() {
+                            for (h, v) in vs.iter().enumerate() {
+                                store_line(line.add(c * GROUP + h * LANES), *v);
+                            }
+                        }
+                    }
+                }
             }
         }
 
-        /// Converts `CG` groups from `g0` (every input, and the blocks' parameters) into
-        /// `panel`, then runs every row through it, `TILE` rows at a time.
+        /// Converts `CG` groups from `g0` into `panel` a chunk of blocks at a time (their codes
+        /// and parameters), and runs every row through each chunk, `TILE` rows at a time. A
+        /// chunk's codes are at most [`PANEL_BYTES`], so they stay in L1 while every row tile
+        /// reads them; the rows' accumulators wait in `accs` from chunk to chunk.
         #[target_feature(enable = $features)]
         unsafe fn panel<const Q8: bool, const CG: usize>(
             x: &[f32],
@@ -447,47 +481,66 @@ macro_rules! kernels {
             w: &QWeight,
             g0: usize,
             out: OutPtr,
-            panel: &mut Vec<Line>,
+            (panel, accs): (&mut Vec<Line>, &mut Vec<Line>),
         ) {
             let bpr = w.cols / BLOCK;
-            panel.resize((w.cols + 2 * bpr) * CG, Line([0.0; GROUP]));
-            // SAFETY: as in `fused`; the panel was just sized for every input and block.
+            // Equal chunks of at most `PANEL_BYTES` of codes.
+            let most = (PANEL_BYTES / (BLOCK * CG * GROUP * 4)).max(1);
+            let chunks = bpr.div_ceil(most);
+            let kb = bpr.div_ceil(chunks);
+            panel.resize((kb * BLOCK + 2 * kb) * CG, Line([0.0; GROUP]));
+            if chunks > 1 {
+                accs.resize(rows * CG, Line([0.0; GROUP]));
+            }
+            // SAFETY: as in `fused`; the panel was just sized for a chunk's inputs and blocks,
+            // `accs` for every row.
             unsafe {
                 let lines = panel.as_mut_ptr().cast::<f32>();
-                let params = lines.add(w.cols * CG * GROUP);
-                for b in 0..bpr {
-                    let (q, d, m) = block_params::<Q8, CG>(w, g0, b);
-                    for t in 0..4 {
-                        panel_input::<Q8, false, 0, CG>(&q, lines, b, t);
-                        panel_input::<Q8, false, 1, CG>(&q, lines, b, t);
-                        panel_input::<Q8, false, 2, CG>(&q, lines, b, t);
-                        panel_input::<Q8, false, 3, CG>(&q, lines, b, t);
-                        panel_input::<Q8, true, 0, CG>(&q, lines, b, t);
-                        panel_input::<Q8, true, 1, CG>(&q, lines, b, t);
-                        panel_input::<Q8, true, 2, CG>(&q, lines, b, t);
-                        panel_input::<Q8, true, 3, CG>(&q, lines, b, t);
-                    }
-                    for c in 0..CG {
-                        for h in 0..NV {
-                            let at = (b * CG + c) * 2 * GROUP + h * LANES;
-                            store_line(params.add(at), d[c][h]);
-                            store_line(params.add(at + GROUP), m[c][h]);
+                let params = lines.add(kb * BLOCK * CG * GROUP);
+                let mut b0 = 0;
+                while b0 < bpr {
+                    let b1 = (b0 + kb).min(bpr);
+                    for b in b0..b1 {
+                        let (q, d, m) = block_params::<Q8, CG>(w, g0, b);
+                        let at = b - b0;
+                        for t in 0..4 {
+                            panel_input::<Q8, false, 0, CG>(&q, lines, at, t);
+                            panel_input::<Q8, false, 1, CG>(&q, lines, at, t);
+                            panel_input::<Q8, false, 2, CG>(&q, lines, at, t);
+                            panel_input::<Q8, false, 3, CG>(&q, lines, at, t);
+                            panel_input::<Q8, true, 0, CG>(&q, lines, at, t);
+                            panel_input::<Q8, true, 1, CG>(&q, lines, at, t);
+                            panel_input::<Q8, true, 2, CG>(&q, lines, at, t);
+                            panel_input::<Q8, true, 3, CG>(&q, lines, at, t);
+                        }
+                        for c in 0..CG {
+                            for h in 0..NV {
+                                let at = (at * CG + c) * 2 * GROUP + h * LANES;
+                                store_line(params.add(at), d[c][h]);
+                                store_line(params.add(at + GROUP), m[c][h]);
+                            }
                         }
                     }
-                }
-                let mut r = 0;
-                while r < rows {
-                    let n = (rows - r).min(TILE);
-                    let at = (r, n);
-                    match n {
-                        1 => panel_tile::<Q8, CG, 1>(panel, x, sums, at, w, g0, out),
-                        2 => panel_tile::<Q8, CG, 2>(panel, x, sums, at, w, g0, out),
-                        _ if n <= TILE / 2 => {
-                            panel_tile::<Q8, CG, { TILE / 2 }>(panel, x, sums, at, w, g0, out);
+                    let tiles = (lines.cast_const(), params.cast_const());
+                    let accs = accs.as_mut_ptr();
+                    let mut r = 0;
+                    while r < rows {
+                        let n = (rows - r).min(TILE);
+                        let at = (r, n);
+                        let bs = b0..b1;
+                        match n {
+                            1 => panel_tile::<Q8, CG, 1>(tiles, x, sums, at, w, g0, out, bs, accs),
+                            2 => panel_tile::<Q8, CG, 2>(tiles, x, sums, at, w, g0, out, bs, accs),
+                            _ if n <= TILE / 2 => panel_tile::<Q8, CG, { TILE / 2 }>(
+                                tiles, x, sums, at, w, g0, out, bs, accs,
+                            ),
+                            _ => {
+                                panel_tile::<Q8, CG, TILE>(tiles, x, sums, at, w, g0, out, bs, accs)
+                            }
                         }
-                        _ => panel_tile::<Q8, CG, TILE>(panel, x, sums, at, w, g0, out),
+                        r += n;
                     }
-                    r += n;
+                    b0 = b1;
                 }
             }
         }
@@ -554,15 +607,15 @@ macro_rules! kernels {
                 }
                 return;
             }
-            PANEL.with_borrow_mut(|buf| {
+            PANEL.with_borrow_mut(|(buf, accs)| {
                 let mut g = groups.start;
                 while g < groups.end {
                     let cg = if g + step <= groups.end { step } else { 1 };
                     // SAFETY: the caller's contract; groups `g .. g + cg` are in range.
                     unsafe {
                         match cg {
-                            2 => panel::<Q8, 2>(x, sums, rows, w, g, out, buf),
-                            _ => panel::<Q8, 1>(x, sums, rows, w, g, out, buf),
+                            2 => panel::<Q8, 2>(x, sums, rows, w, g, out, (buf, accs)),
+                            _ => panel::<Q8, 1>(x, sums, rows, w, g, out, (buf, accs)),
                         }
                     }
                     g += cg;
@@ -583,7 +636,7 @@ mod avx512 {
         _mm512_store_ps,
     };
 
-    use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL};
+    use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL, PANEL_BYTES};
 
     type V = __m512;
 
@@ -677,7 +730,7 @@ mod avx2 {
         _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128, _mm_setr_epi32,
     };
 
-    use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL};
+    use super::{store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL, PANEL_BYTES};
 
     type V = __m256;
 

@@ -154,15 +154,18 @@ pub struct KvRun<'a, T = f32> {
     pub len: usize,
 }
 
-/// The query heads that share one KV head, and where that KV head's vectors are.
+/// The KV heads an [`attend`] call covers, the query heads that share each, and where the KV
+/// heads' vectors are.
 #[derive(Clone, Copy, Debug)]
 pub struct Heads {
     /// Floats per head.
     pub hd: usize,
-    /// Query heads per query token (those sharing the KV head).
+    /// Query heads per KV head.
     pub group: usize,
-    /// Offset of the KV head's vectors in each cached position.
+    /// Offset of the first KV head's vectors in each cached position.
     pub lane: usize,
+    /// KV heads, one after the other from `lane` (KV head `j`'s vectors at `lane + j · hd`).
+    pub kv: usize,
     /// The scores' factor (`1 / √hd`).
     pub scale: f32,
 }
@@ -177,11 +180,12 @@ pub struct AttnScratch {
 }
 
 /// Causal attention of `tokens` consecutive query tokens over `n_ctx + tokens − 1` cached
-/// positions: `q` holds each token's `heads.group` query heads (`hd` each) one token after
-/// the other, token `t` attending to the first `n_ctx + t` positions; `out` (as long as `q`)
-/// gets, per head, `softmax(q·Kᵀ · scale) · V`. `run(p)` gives the run of positions starting at
-/// `p` (a paged cache: to the end of `p`'s block; a contiguous one: to the end), with the KV
-/// head's vectors at offset `heads.lane` of each position.
+/// positions: `q` holds each token's `heads.kv × heads.group` query heads (`hd` each; KV head
+/// `j` serves the `j`-th `group` of them) one token after the other, token `t` attending to
+/// the first `n_ctx + t` positions; `out` (as long as `q`) gets, per head,
+/// `softmax(q·Kᵀ · scale) · V`. `run(p)` gives the run of positions starting at `p` (a paged
+/// cache: to the end of `p`'s block; a contiguous one: to the end), with the first KV head's
+/// vectors at offset `heads.lane` of each position.
 ///
 /// Each head's result is one fixed sequence of operations whatever the tile, the layout or
 /// the instruction set: scores `dot(q, k_p) · scale` ([`dot`]), weights by [`softmax`] (its
@@ -196,7 +200,7 @@ pub fn attend<'a, T: Elem>(
     out: &mut [f32],
 ) {
     debug_assert_eq!(q.len(), out.len());
-    debug_assert!(n_ctx >= 1 && q.len().is_multiple_of(heads.group * heads.hd));
+    debug_assert!(n_ctx >= 1 && q.len().is_multiple_of(heads.kv * heads.group * heads.hd));
     #[cfg(target_arch = "x86_64")]
     if heads.hd == simd::HD && heads.group <= simd::MAX_HEADS {
         if let Some(isa) = simd::detect() {
@@ -244,11 +248,12 @@ fn attend_with<'a, T: Elem>(
     let hd = heads.hd;
     let mut scores = Vec::new();
     for (i, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
-        let n = n_ctx + i / heads.group;
+        let n = n_ctx + i / (heads.kv * heads.group);
+        let lane = heads.lane + (i / heads.group) % heads.kv * hd;
         scores.clear();
         each_position(
             0..n,
-            heads.lane,
+            lane,
             &run,
             |r| r.keys,
             |_, key| {
@@ -259,7 +264,7 @@ fn attend_with<'a, T: Elem>(
         oh.fill(0.0);
         each_position(
             0..n,
-            heads.lane,
+            lane,
             &run,
             |r| r.values,
             |p, value| {
@@ -401,25 +406,26 @@ mod simd {
         scratch: &mut AttnScratch,
         out: &mut [f32],
     ) {
-        let g = heads.group;
+        let (g, kv) = (heads.group, heads.kv);
         let rows = q.len() / HD;
-        let tokens = rows / g;
+        let tokens = rows / (kv * g);
         // Positions the last token attends to: each row's scores are that far apart.
         let n_max = n_ctx + tokens - 1;
         let AttnScratch { scores, chunk } = scratch;
         if scores.len() < rows * n_max {
             scores.resize(rows * n_max, 0.0);
         }
-        chunk.resize(CHUNK * HD, 0.0);
+        chunk.resize(kv * CHUNK * HD, 0.0);
         let (kb, sc) = (chunk.as_mut_ptr(), scores.as_mut_ptr());
         // SAFETY (whole body): `q` and `out` hold `rows` heads of `HD`; `scores` `rows` rows of
-        // `n_max`; the chunk `CHUNK` positions of `HD`; positions read are below each row's
-        // context (`n_ctx + t ≤ n_max`), which `run` covers.
+        // `n_max`; the chunk `kv` runs of `CHUNK` positions of `HD` (KV head `j`'s from
+        // `j · CHUNK · HD`); positions read are below each row's context (`n_ctx + t ≤
+        // n_max`), which `run` covers, each with `kv` heads' vectors from the lane on.
         unsafe {
             // A decode's single token has little to compute per cached position, so it waits
             // on memory unless the lines are asked for ahead; a prefill tile's tokens compute
             // long enough on each chunk for the hardware to keep up.
-            let mut fetch = (tokens == 1).then(|| Fetch::new(&run, heads.lane, n_max));
+            let mut fetch = (tokens == 1).then(|| Fetch::new(&run, heads.lane, kv, n_max));
             // Scores, a chunk of keys at a time.
             let mut c0 = 0;
             while c0 < n_max {
@@ -433,28 +439,33 @@ mod simd {
                         if let Some(f) = &mut fetch {
                             f.ahead_of(p);
                         }
-                        A::convert(key.as_ptr(), kb.add((p - c0) * HD));
+                        for j in 0..kv {
+                            A::convert(key.as_ptr().add(j * HD), kb.add((j * CHUNK + p - c0) * HD));
+                        }
                     },
                 );
                 for t in 0..tokens {
                     let end = (n_ctx + t).min(c1);
-                    for h in 0..g {
-                        let row = t * g + h;
-                        let (qr, sr) = (q.as_ptr().add(row * HD), sc.add(row * n_max));
-                        let mut p = c0;
-                        while p + A::W <= end {
-                            A::dots(qr, kb.add((p - c0) * HD), heads.scale, sr.add(p));
-                            p += A::W;
-                        }
-                        for p in p..end {
-                            *sr.add(p) = A::dot(qr, kb.add((p - c0) * HD)) * heads.scale;
+                    for j in 0..kv {
+                        let kj = kb.add(j * CHUNK * HD);
+                        for h in 0..g {
+                            let row = (t * kv + j) * g + h;
+                            let (qr, sr) = (q.as_ptr().add(row * HD), sc.add(row * n_max));
+                            let mut p = c0;
+                            while p + A::W <= end {
+                                A::dots(qr, kj.add((p - c0) * HD), heads.scale, sr.add(p));
+                                p += A::W;
+                            }
+                            for p in p..end {
+                                *sr.add(p) = A::dot(qr, kj.add((p - c0) * HD)) * heads.scale;
+                            }
                         }
                     }
                 }
                 c0 = c1;
             }
             for row in 0..rows {
-                A::softmax(&mut scores[row * n_max..row * n_max + n_ctx + row / g]);
+                A::softmax(&mut scores[row * n_max..row * n_max + n_ctx + row / (kv * g)]);
             }
             let sc = scores.as_ptr();
             // Weighted values, a chunk at a time, the outputs carried from chunk to chunk.
@@ -471,7 +482,10 @@ mod simd {
                         if let Some(f) = &mut fetch {
                             f.ahead_of(n_max + p);
                         }
-                        A::convert(value.as_ptr(), kb.add((p - c0) * HD));
+                        for j in 0..kv {
+                            let at = kb.add((j * CHUNK + p - c0) * HD);
+                            A::convert(value.as_ptr().add(j * HD), at);
+                        }
                     },
                 );
                 for t in 0..tokens {
@@ -479,13 +493,16 @@ mod simd {
                     if end <= c0 {
                         continue;
                     }
-                    let mut h = 0;
-                    while h < g {
-                        let n = (g - h).min(A::HEADS);
-                        let row = t * g + h;
-                        let w = sc.add(row * n_max + c0);
-                        A::values(n, w, n_max, kb, end - c0, out.as_mut_ptr().add(row * HD));
-                        h += n;
+                    for j in 0..kv {
+                        let vj = kb.add(j * CHUNK * HD);
+                        let mut h = 0;
+                        while h < g {
+                            let n = (g - h).min(A::HEADS);
+                            let row = (t * kv + j) * g + h;
+                            let (w, o) = (sc.add(row * n_max + c0), out.as_mut_ptr().add(row * HD));
+                            A::values(n, w, n_max, vj, end - c0, o);
+                            h += n;
+                        }
                     }
                 }
                 c0 = c1;
@@ -506,6 +523,8 @@ mod simd {
     struct Fetch<'a, 'r, T, R> {
         run: &'r R,
         lane: usize,
+        /// KV heads from the lane on: a row is `kv · HD` elements.
+        kv: usize,
         /// Positions: items `0..n` are keys, `n..2n` values.
         n: usize,
         /// The next item to fetch.
@@ -515,8 +534,8 @@ mod simd {
     }
 
     impl<'a, 'r, T: Elem, R: Fn(usize) -> KvRun<'a, T>> Fetch<'a, 'r, T, R> {
-        fn new(run: &'r R, lane: usize, n: usize) -> Self {
-            Self { run, lane, n, next: 0, at: None }
+        fn new(run: &'r R, lane: usize, kv: usize, n: usize) -> Self {
+            Self { run, lane, kv, n, next: 0, at: None }
         }
 
         /// Fetches the items before `item + AHEAD`.
@@ -539,7 +558,8 @@ mod simd {
                 let rows = if values { r.values } else { r.keys };
                 let row = rows[(p - start) * r.stride + self.lane..].as_ptr() as usize;
                 // Every line the row touches (it need not start on one).
-                let (first, last) = (row / 64, (row + HD * std::mem::size_of::<T>() - 1) / 64);
+                let bytes = self.kv * HD * std::mem::size_of::<T>();
+                let (first, last) = (row / 64, (row + bytes - 1) / 64);
                 for line in first..=last {
                     // SAFETY: a prefetch never faults; the lines hold the row's elements.
                     unsafe { _mm_prefetch::<_MM_HINT_T0>((line * 64) as *const i8) };
@@ -1092,8 +1112,9 @@ mod tests {
         let hd = heads.hd;
         let mut plain = vec![0f32; q.len()];
         for (i, (qh, oh)) in q.chunks_exact(hd).zip(plain.chunks_exact_mut(hd)).enumerate() {
-            let one = Heads { group: 1, ..heads };
-            attend_with(one, qh, n_ctx + i / heads.group, run, oh);
+            let lane = heads.lane + (i / heads.group) % heads.kv * hd;
+            let one = Heads { group: 1, kv: 1, lane, ..heads };
+            attend_with(one, qh, n_ctx + i / (heads.kv * heads.group), run, oh);
         }
         let mut scratch = AttnScratch::default();
         for isa in isas {
@@ -1111,9 +1132,11 @@ mod tests {
             assert_eq!(
                 bits(&fast),
                 bits(&plain),
-                "{isa:?}, {what}: head {hd}, group {}, {} tokens from context {n_ctx}",
+                "{isa:?}, {what}: head {hd}, {} KV heads of group {}, {} tokens from context \
+                 {n_ctx}",
+                heads.kv,
                 heads.group,
-                q.len() / hd / heads.group,
+                q.len() / hd / heads.group / heads.kv,
             );
         }
     }
@@ -1121,8 +1144,8 @@ mod tests {
     /// Every SIMD attention this CPU runs gives the portable loop's bits, head by head and
     /// token by token: for tiles of 1 to 17 tokens, contexts that are and are not multiples
     /// of 8, 16 and the 64-position chunks, over runs of uneven lengths, for groups of 1 to
-    /// 4 heads, over f32 and f16 keys and values, and for a head size without the specialised
-    /// path.
+    /// 4 heads of one KV head and groups of 1 and 3 of two KV heads at once, over f32 and f16
+    /// keys and values, and for a head size without the specialised path.
     #[test]
     fn simd_attention_matches_the_portable_loop_bit_for_bit() {
         let mut seed = 17u64;
@@ -1132,9 +1155,10 @@ mod tests {
         );
         for hd in [64, 48] {
             let (stride, lane, positions) = (3 * hd, hd, 160);
+            // Room for two KV heads from the lane (and a query for each).
             let keys = values(&mut seed, positions * stride);
             let vals = values(&mut seed, positions * stride);
-            let q = values(&mut seed, 17 * 4 * hd);
+            let q = values(&mut seed, 17 * 2 * 4 * hd);
             // Runs end at multiples of 5, like blocks of 5 positions.
             let run = |p: usize| KvRun {
                 keys: &keys[p * stride..],
@@ -1153,14 +1177,14 @@ mod tests {
                 stride,
                 len: 5 - p % 5,
             };
-            for group in 1..=4 {
-                let heads = Heads { hd, group, lane, scale: 0.125 };
+            for (group, kv) in (1..=4).map(|g| (g, 1)).chain([(1, 2), (3, 2)]) {
+                let heads = Heads { hd, group, lane, kv, scale: 0.125 };
                 for (tokens, n_ctx) in
                     [(1, 1), (1, 7), (1, 16), (1, 17), (1, 64), (1, 65), (1, 143)]
                         .into_iter()
                         .chain([(2, 1), (3, 8), (5, 15), (16, 1), (16, 49), (17, 60), (9, 120)])
                 {
-                    let q = &q[..tokens * group * hd];
+                    let q = &q[..tokens * kv * group * hd];
                     check(&isas, q, heads, n_ctx, run, "f32");
                     check(&isas, q, heads, n_ctx, run16, "f16");
                 }

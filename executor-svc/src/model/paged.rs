@@ -192,15 +192,21 @@ fn attend_layer(
     let (h, hd, group) = (s.hidden, s.head_dim, s.num_heads / s.num_kv_heads);
     let (scale, qkv_width) = (1.0 / (hd as f32).sqrt(), h + 2 * s.kv_dim());
     let Layout { batch, rows, tiles } = layout;
-    // One task per (tile, KV head): a tile's tokens attend together, each with the KV
-    // head's query heads, reading each cached key and value once for all of them; a
-    // decode step's tiles are single tokens, so even one sequence has a task per KV head.
+    // A tile's tokens attend together, each with the KV heads' query heads, reading each
+    // cached key and value once for all of them. Tasks take a tile's KV heads together when
+    // there are tiles enough to share among the threads (a decode step of many sequences):
+    // each task then reads its positions whole (every head's keys of a position are one
+    // contiguous run, a block's are one stream), where a task per KV head reads a third of
+    // each position's lines; with few tiles (one sequence's decode, a short prefill) a task
+    // per KV head keeps every thread busy.
+    let kvt = if tiles.len() >= 4 * rayon::current_num_threads() { s.num_kv_heads } else { 1 };
+    let per_tile = s.num_kv_heads / kvt;
     let gw = group * hd;
-    let mut outs = Vec::with_capacity(tiles.len() * s.num_kv_heads);
+    let mut outs = Vec::with_capacity(tiles.len() * per_tile);
     let mut rest = &mut tiled_out[..];
     for &(_, len) in tiles {
-        for _ in 0..s.num_kv_heads {
-            let (out, tail) = std::mem::take(&mut rest).split_at_mut(len * gw);
+        for _ in 0..per_tile {
+            let (out, tail) = std::mem::take(&mut rest).split_at_mut(len * kvt * gw);
             outs.push(out);
             rest = tail;
         }
@@ -212,15 +218,15 @@ fn attend_layer(
     }
     outs.into_par_iter().enumerate().for_each(|(i, out)| {
         SCRATCH.with_borrow_mut(|(scratch, q)| {
-            let ((r0, len), kvh) = (tiles[i / s.num_kv_heads], i % s.num_kv_heads);
+            let ((r0, len), k0) = (tiles[i / per_tile], i % per_tile * kvt);
             let (seq, pos) = rows[r0];
             let table = batch[seq].block_table;
             q.clear();
             for r in r0..r0 + len {
-                let at = r * qkv_width + kvh * gw;
-                q.extend_from_slice(&qkv[at..at + gw]);
+                let at = r * qkv_width + k0 * gw;
+                q.extend_from_slice(&qkv[at..at + kvt * gw]);
             }
-            let heads = Heads { hd, group, lane: kvh * hd, scale };
+            let heads = Heads { hd, group, lane: k0 * hd, kv: kvt, scale };
             match cache.dtype {
                 KvDtype::F32 => {
                     let run = |p| cache.run::<f32>(l, table, p);
@@ -235,12 +241,12 @@ fn attend_layer(
     });
     // Back to rows of all heads.
     attn.resize(rows.len() * h, 0.0);
-    let mut from = tiled_out.chunks_exact(gw);
+    let mut from = tiled_out.chunks_exact(kvt * gw);
     for &(r0, len) in tiles {
-        for kvh in 0..s.num_kv_heads {
+        for k in 0..per_tile {
             for r in r0..r0 + len {
-                let at = r * h + kvh * gw;
-                attn[at..at + gw].copy_from_slice(from.next().expect("a tile per row"));
+                let at = r * h + k * kvt * gw;
+                attn[at..at + kvt * gw].copy_from_slice(from.next().expect("a tile per row"));
             }
         }
     }

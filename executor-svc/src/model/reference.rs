@@ -92,7 +92,7 @@ pub fn forward(
                 // KV head's query heads; the arithmetic per head is the same, which the
                 // comparison tests check).
                 attend(
-                    Heads { hd, group: 1, lane: kvh * hd, scale },
+                    Heads { hd, group: 1, lane: kvh * hd, kv: 1, scale },
                     &q[i * h + head * hd..i * h + (head + 1) * hd],
                     start + i + 1,
                     |p| KvRun {

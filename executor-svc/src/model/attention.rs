@@ -3,17 +3,17 @@
 //! Each head's result is defined by one fixed sequence of operations (see [`attend`]), which
 //! every path follows: the portable loop (the definition, and the reference forward's), and
 //! the AVX-512 and AVX2 kernels, which compute a tile of up to [`TILE`] consecutive query
-//! tokens together — a KV head's query heads for each of them — reading each cached key and
-//! value once per tile (converted to f32 once, into an L1-sized chunk every row of the tile
-//! then reads) instead of once per query token. So a prefill's attention and a decode's give
+//! tokens together — one or more KV heads' query heads for each of them — reading each cached
+//! key and value once per tile (converted to f32 once, into an L1-sized chunk every row of the
+//! tile then reads) instead of once per query token. So a prefill's attention and a decode's give
 //! the same bits as the reference forward, whatever the tiling or the instruction set.
 
 /// Query tokens the serving forward gives [`attend`] at a time (a prefill's tokens of one
 /// sequence, in order): each cached key and value is read once for all of them.
 pub const TILE: usize = 16;
 
-/// Cached positions converted to f32 together (16 KiB for heads of 64: they stay in L1 while
-/// the tile's rows use them).
+/// Cached positions converted to f32 together, per KV head (16 KiB for heads of 64: with one
+/// KV head they stay in L1 while the tile's rows use them).
 const CHUNK: usize = 64;
 
 /// Lanes of the attention dot product and sums: element `i` goes to lane `i % 16`.

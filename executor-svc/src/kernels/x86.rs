@@ -400,7 +400,7 @@ macro_rules! kernels {
         /// `CG` groups holding those blocks (codes at line `k·CG + c` for the chunk's input
         /// `k`, then per block the scales and minimums at `params`). The tile's accumulators
         /// start at zero on the first block and are stored to `out` after the last; between
-        /// chunks they wait in `accs` (`CG` lines per row).
+        /// chunks they wait in `accs` (`CG` lines per row of the block of rows from `base`).
         #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = $features)]
         unsafe fn panel_tile<const Q8: bool, const CG: usize, const RT: usize>(
@@ -412,16 +412,16 @@ macro_rules! kernels {
             g0: usize,
             out: OutPtr,
             blocks: std::ops::Range<usize>,
-            accs: *mut Line,
+            (accs, base): (*mut Line, usize),
         ) {
             // SAFETY: the panel holds what `panel` wrote for `blocks`; `accs` has `CG` lines for
-            // every row; rows and groups as in `fused`.
+            // every row from `base` to the tile's last; rows and groups as in `fused`.
             unsafe {
                 let (xr, sr) = rows_at::<RT>(x, sums, w.cols, row0, n);
                 let mut acc: Acc<RT, CG> = [[[zero(); NV]; CG]; RT];
                 if blocks.start > 0 {
                     for r in 0..RT {
-                        let line = accs.add((row0 + r.min(n - 1)) * CG).cast::<f32>();
+                        let line = accs.add((row0 - base + r.min(n - 1)) * CG).cast::<f32>();
                         for c in 0..CG {
                             for h in 0..NV {
                                 acc[r][c][h] = load_line(line.add(c * GROUP + h * LANES));
@@ -463,7 +463,7 @@ macro_rules! kernels {
                     store::<RT, CG>(&acc, w, row0, n, g0, out);
                 } else {
                     for (r, row) in acc.iter().enumerate().take(n) {
-                        let line = accs.add((row0 + r) * CG).cast::<f32>();
+                        let line = accs.add((row0 - base + r) * CG).cast::<f32>();
                         for (c, vs) in row.iter().enumerate() {
                             for (h, v) in vs.iter().enumerate() {
                                 store_line(line.add(c * GROUP + h * LANES), *v);
@@ -477,7 +477,8 @@ macro_rules! kernels {
         /// Converts `CG` groups from `g0` into `panel` a chunk of blocks at a time (their codes
         /// and parameters), and runs rows `rows` through each chunk, `TILE` rows at a time. A
         /// chunk's codes are at most [`PANEL_BYTES`], so they stay in L1 while every row tile
-        /// reads them; the rows' accumulators wait in `accs` from chunk to chunk.
+        /// reads them; the rows' accumulators wait in `accs` (one entry per row of `rows`) from
+        /// chunk to chunk.
         #[target_feature(enable = $features)]
         unsafe fn panel<const Q8: bool, const CG: usize>(
             x: &[f32],
@@ -495,10 +496,10 @@ macro_rules! kernels {
             let kb = bpr.div_ceil(chunks);
             panel.resize((kb * BLOCK + 2 * kb) * CG, Line([0.0; GROUP]));
             if chunks > 1 {
-                accs.resize(rows.end * CG, Line([0.0; GROUP]));
+                accs.resize(rows.len() * CG, Line([0.0; GROUP]));
             }
             // SAFETY: as in `fused`; the panel was just sized for a chunk's inputs and blocks,
-            // `accs` for every row.
+            // `accs` for every row of `rows`.
             unsafe {
                 let lines = panel.as_mut_ptr().cast::<f32>();
                 let params = lines.add(kb * BLOCK * CG * GROUP);
@@ -527,7 +528,7 @@ macro_rules! kernels {
                         }
                     }
                     let tiles = (lines.cast_const(), params.cast_const());
-                    let accs = accs.as_mut_ptr();
+                    let accs = (accs.as_mut_ptr(), rows.start);
                     let mut r = rows.start;
                     while r < rows.end {
                         let n = (rows.end - r).min(TILE);

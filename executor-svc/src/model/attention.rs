@@ -170,6 +170,13 @@ pub struct Heads {
     pub scale: f32,
 }
 
+impl Heads {
+    /// Query head `i` of `q` (counted across tokens): its token, and its KV head's lane.
+    fn of(&self, i: usize) -> (usize, usize) {
+        (i / (self.kv * self.group), self.lane + (i / self.group) % self.kv * self.hd)
+    }
+}
+
 /// Buffers [`attend`] reuses from call to call.
 #[derive(Debug, Default)]
 pub struct AttnScratch {
@@ -248,8 +255,8 @@ fn attend_with<'a, T: Elem>(
     let hd = heads.hd;
     let mut scores = Vec::new();
     for (i, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
-        let n = n_ctx + i / (heads.kv * heads.group);
-        let lane = heads.lane + (i / heads.group) % heads.kv * hd;
+        let (token, lane) = heads.of(i);
+        let n = n_ctx + token;
         scores.clear();
         each_position(
             0..n,
@@ -514,17 +521,17 @@ mod simd {
     const AHEAD: usize = 32;
 
     /// Asks the cache for the keys, then the values, of every position in order, [`AHEAD`]
-    /// positions before the conversions read them. A decode's attention waits on memory: a KV
-    /// head's elements of one position are a 128-byte run, the other heads' lie between it and
-    /// the next position's, and a block's runs end every 16 positions, so the hardware
-    /// prefetchers barely follow and without this each conversion waits for its lines in turn
-    /// (serve's page-aligned pool, batch 16 at 384 tokens of context: attention 17.8 → 13.1 ms
-    /// a step).
+    /// positions before the conversions read them. A decode's attention waits on memory: the
+    /// KV heads' elements of one position are a run of 128 bytes per head, other heads' may lie
+    /// between it and the next position's, and a block's runs end every 16 positions, so the
+    /// hardware prefetchers barely follow and without this each conversion waits for its lines
+    /// in turn (serve's page-aligned pool, batch 16 at 384 tokens of context, a task per KV
+    /// head: attention 17.8 → 13.1 ms a step).
     struct Fetch<'a, 'r, T, R> {
         run: &'r R,
         lane: usize,
-        /// KV heads from the lane on: a row is `kv · HD` elements.
-        kv: usize,
+        /// Bytes of a position's row from the lane on (`kv · HD` elements).
+        bytes: usize,
         /// Positions: items `0..n` are keys, `n..2n` values.
         n: usize,
         /// The next item to fetch.
@@ -535,7 +542,7 @@ mod simd {
 
     impl<'a, 'r, T: Elem, R: Fn(usize) -> KvRun<'a, T>> Fetch<'a, 'r, T, R> {
         fn new(run: &'r R, lane: usize, kv: usize, n: usize) -> Self {
-            Self { run, lane, kv, n, next: 0, at: None }
+            Self { run, lane, bytes: kv * HD * std::mem::size_of::<T>(), n, next: 0, at: None }
         }
 
         /// Fetches the items before `item + AHEAD`.
@@ -558,8 +565,7 @@ mod simd {
                 let rows = if values { r.values } else { r.keys };
                 let row = rows[(p - start) * r.stride + self.lane..].as_ptr() as usize;
                 // Every line the row touches (it need not start on one).
-                let bytes = self.kv * HD * std::mem::size_of::<T>();
-                let (first, last) = (row / 64, (row + bytes - 1) / 64);
+                let (first, last) = (row / 64, (row + self.bytes - 1) / 64);
                 for line in first..=last {
                     // SAFETY: a prefetch never faults; the lines hold the row's elements.
                     unsafe { _mm_prefetch::<_MM_HINT_T0>((line * 64) as *const i8) };
@@ -1112,9 +1118,9 @@ mod tests {
         let hd = heads.hd;
         let mut plain = vec![0f32; q.len()];
         for (i, (qh, oh)) in q.chunks_exact(hd).zip(plain.chunks_exact_mut(hd)).enumerate() {
-            let lane = heads.lane + (i / heads.group) % heads.kv * hd;
+            let (token, lane) = heads.of(i);
             let one = Heads { group: 1, kv: 1, lane, ..heads };
-            attend_with(one, qh, n_ctx + i / (heads.kv * heads.group), run, oh);
+            attend_with(one, qh, n_ctx + token, run, oh);
         }
         let mut scratch = AttnScratch::default();
         for isa in isas {

@@ -66,9 +66,7 @@ pub fn silu_mul_into(fused: &[f32], width: usize, out: &mut Vec<f32>) {
     out.resize(fused.len() / 2, 0.0);
     out.par_chunks_mut(width).zip(fused.par_chunks(2 * width)).for_each(|(dst, row)| {
         let (gate, up) = row.split_at(width);
-        for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
-            *d = g / (1.0 + (-g).exp()) * u;
-        }
+        super::attention::silu_mul_row(gate, up, dst);
     });
 }
 

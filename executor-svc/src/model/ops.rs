@@ -18,16 +18,58 @@ pub fn linear_into(x: &[f32], w: &QWeight, out: &mut Vec<f32>) {
     matmul(x, rows, w, out);
 }
 
+/// Rows per task of the row-wise operations below (each row is a few hundred floats; a long
+/// prefill's thousands of rows split between the threads, a decode step's few stay on one).
+const ROWS_PER_TASK: usize = 32;
+
 /// RMS-normalises each row of `x` (width `weight.len()`) and scales it by `weight`, in place.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
-    let width = weight.len();
-    for row in x.chunks_exact_mut(width) {
-        let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / width as f32;
-        let scale = 1.0 / (mean_sq + eps).sqrt();
-        for (v, w) in row.iter_mut().zip(weight) {
-            *v *= scale * w;
-        }
+    for row in x.chunks_exact_mut(weight.len()) {
+        rms_norm_row(row, weight, eps);
     }
+}
+
+/// One row of [`rms_norm`]: the mean square summed in order, then `v · (scale · w)`.
+fn rms_norm_row(row: &mut [f32], weight: &[f32], eps: f32) {
+    let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / weight.len() as f32;
+    let scale = 1.0 / (mean_sq + eps).sqrt();
+    for (v, w) in row.iter_mut().zip(weight) {
+        *v *= scale * w;
+    }
+}
+
+/// The residual stream's step between sub-layers: `x += add` (when given), then `out` = `x`
+/// through [`rms_norm`] — the same operations as the add, the copy and the norm one after the
+/// other (so the same bits), in one pass over each row, rows in parallel.
+pub fn add_rms_norm(
+    x: &mut [f32],
+    add: Option<&[f32]>,
+    weight: &[f32],
+    eps: f32,
+    out: &mut Vec<f32>,
+) {
+    use rayon::prelude::*;
+    let width = weight.len();
+    out.resize(x.len(), 0.0);
+    let step = ROWS_PER_TASK * width;
+    let tasks = x.par_chunks_mut(step).zip(out.par_chunks_mut(step)).enumerate();
+    tasks.for_each(|(t, (xs, outs))| {
+        if let Some(add) = add {
+            xs.iter_mut().zip(&add[t * step..]).for_each(|(a, b)| *a += b);
+        }
+        outs.copy_from_slice(xs);
+        for row in outs.chunks_exact_mut(width) {
+            rms_norm_row(row, weight, eps);
+        }
+    });
+}
+
+/// `x += add`, rows in parallel.
+pub fn add_rows(x: &mut [f32], add: &[f32]) {
+    use rayon::prelude::*;
+    x.par_chunks_mut(4096).zip(add.par_chunks(4096)).for_each(|(xs, adds)| {
+        xs.iter_mut().zip(adds).for_each(|(a, b)| *a += b);
+    });
 }
 
 /// The rotary frequencies `theta^(-2i/d)` for `i < d/2`, computed once per model.

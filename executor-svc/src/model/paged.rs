@@ -17,7 +17,9 @@ use rayon::prelude::*;
 use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache};
 use super::llama::LlamaWeights;
-use super::ops::{linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into};
+use super::ops::{
+    add_rms_norm, add_rows, linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into,
+};
 
 /// One sequence's part of a batch.
 #[derive(Clone, Copy, Debug)]
@@ -361,10 +363,10 @@ fn forward_in_pool(
     let rows = &layout.rows;
     let n = rows.len();
     let mut x = vec![0f32; n * h];
-    for (r, (seq, pos)) in rows.iter().enumerate() {
-        let t = batch[*seq].tokens[pos - batch[*seq].start];
-        w.embed.dequantize_row(t as usize, &mut x[r * h..(r + 1) * h]);
-    }
+    x.par_chunks_mut(h).zip(rows.par_iter()).for_each(|(row, &(seq, pos))| {
+        let t = batch[seq].tokens[pos - batch[seq].start];
+        w.embed.dequantize_row(t as usize, row);
+    });
     let ForwardScratch { times, hn, qkv, attn, tiled_out, proj, gate_up, act, angles } = scratch;
     // Each row's rotary angles, for every head of every layer.
     let half = w.rope_freqs.len();
@@ -376,18 +378,21 @@ fn forward_in_pool(
     let (mut matmul, mut attention) = (Duration::ZERO, Duration::ZERO);
     let qkv_width = h + 2 * kv_dim;
     for (l, layer) in w.layers.iter().enumerate() {
-        hn.clone_from(&x);
-        rms_norm(hn, &layer.attn_norm, s.rms_eps);
+        // The previous layer's MLP output joins the residual stream here (the first layer has
+        // none), with this layer's attention norm in the same pass.
+        add_rms_norm(&mut x, (l > 0).then_some(&proj[..]), &layer.attn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.wqkv, qkv);
         matmul += t.elapsed();
         let t = Instant::now();
-        for (r, &(seq, pos)) in rows.iter().enumerate() {
-            let row = &mut qkv[r * qkv_width..(r + 1) * qkv_width];
-            // Rotate the query and key heads (adjacent in the row) in place.
+        // Rotate the query and key heads (adjacent in each row) in place, rows in parallel.
+        qkv.par_chunks_mut(qkv_width).zip(angles.par_chunks(half)).for_each(|(row, angles)| {
             for head in row[..h + kv_dim].chunks_exact_mut(hd) {
-                rope_rotate(head, &angles[r * half..(r + 1) * half]);
+                rope_rotate(head, angles);
             }
+        });
+        for (r, &(seq, pos)) in rows.iter().enumerate() {
+            let row = &qkv[r * qkv_width..(r + 1) * qkv_width];
             let at = cache.locate(batch[seq].block_table, pos);
             cache.write(l, at, &row[h..h + kv_dim], &row[h + kv_dim..]);
         }
@@ -396,9 +401,7 @@ fn forward_in_pool(
         let t = Instant::now();
         linear_into(attn, &layer.wo, proj);
         matmul += t.elapsed();
-        x.iter_mut().zip(proj.iter()).for_each(|(a, b)| *a += b);
-        hn.clone_from(&x);
-        rms_norm(hn, &layer.ffn_norm, s.rms_eps);
+        add_rms_norm(&mut x, Some(proj), &layer.ffn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.w_gate_up, gate_up);
         matmul += t.elapsed();
@@ -406,8 +409,8 @@ fn forward_in_pool(
         let t = Instant::now();
         linear_into(act, &layer.w_down, proj);
         matmul += t.elapsed();
-        x.iter_mut().zip(proj.iter()).for_each(|(a, b)| *a += b);
     }
+    add_rows(&mut x, proj);
     // Final norm and the output head, for the last token of each sequence that samples.
     let mut last = Vec::new();
     let mut row = 0;

@@ -84,20 +84,16 @@ pub struct PagedKvCache {
 
 /// An element type the cache stores: f32, or f16 bits.
 pub trait Stored: Elem {
-    /// The cache's values as this type (the cache's `dtype` must be this type's).
-    fn all(cache: &PagedKvCache) -> &[Self];
+    /// The cache type that holds it.
+    const DTYPE: KvDtype;
 }
 
 impl Stored for f32 {
-    fn all(cache: &PagedKvCache) -> &[f32] {
-        cache.f32s()
-    }
+    const DTYPE: KvDtype = KvDtype::F32;
 }
 
 impl Stored for u16 {
-    fn all(cache: &PagedKvCache) -> &[u16] {
-        cache.f16s()
-    }
+    const DTYPE: KvDtype = KvDtype::F16;
 }
 
 impl PagedKvCache {
@@ -171,26 +167,6 @@ impl PagedKvCache {
         matches!(self.data, Memory::Shared(_))
     }
 
-    fn offset(&self, block: usize, layer: usize, kv: usize, slot: usize) -> usize {
-        (((block * self.num_layers + layer) * 2 + kv) * self.block_size + slot) * self.kv_dim
-    }
-
-    fn f32s(&self) -> &[f32] {
-        match &self.data {
-            Memory::F32(v) => v,
-            Memory::Shared(pool) => pool.floats(),
-            Memory::F16(_) => unreachable!("an f16 cache read as f32"),
-        }
-    }
-
-    fn f16s(&self) -> &[u16] {
-        match &self.data {
-            Memory::F16(v) => v,
-            Memory::Shared(pool) => pool.halves(),
-            Memory::F32(_) => unreachable!("an f32 cache read as f16"),
-        }
-    }
-
     fn bytes(&self) -> &[u8] {
         match &self.data {
             Memory::F32(v) => as_bytes(v),
@@ -207,49 +183,22 @@ impl PagedKvCache {
         }
     }
 
-    /// Position `pos` of a sequence with `table`: (block, slot). The caller has checked that
-    /// the table covers `pos`.
-    #[inline]
-    pub fn locate(&self, table: &[u32], pos: usize) -> (usize, usize) {
-        (table[pos / self.block_size] as usize, pos % self.block_size)
-    }
-
-    /// Stores one token's keys and values for `layer` (rounded to f16 in an f16 cache).
-    pub fn write(&mut self, layer: usize, (block, slot): (usize, usize), k: &[f32], v: &[f32]) {
-        let (ko, vo) = (self.offset(block, layer, 0, slot), self.offset(block, layer, 1, slot));
-        let n = self.kv_dim;
-        match (&mut self.data, self.dtype) {
-            (Memory::F32(d), _) => {
-                d[ko..ko + n].copy_from_slice(k);
-                d[vo..vo + n].copy_from_slice(v);
-            }
-            (Memory::F16(d), _) => {
-                to_f16(k, &mut d[ko..ko + n]);
-                to_f16(v, &mut d[vo..vo + n]);
-            }
-            (Memory::Shared(pool), KvDtype::F32) => {
-                let d = pool.floats_mut();
-                d[ko..ko + n].copy_from_slice(k);
-                d[vo..vo + n].copy_from_slice(v);
-            }
-            (Memory::Shared(pool), KvDtype::F16) => {
-                let d = pool.halves_mut();
-                to_f16(k, &mut d[ko..ko + n]);
-                to_f16(v, &mut d[vo..vo + n]);
-            }
+    /// The cache for one forward: a view through which the forward's parts, running at once
+    /// on disjoint sequences, write their tokens' keys and values and read their sequences'
+    /// runs. It holds the only borrow of the cache while it lives.
+    pub fn shared(&mut self) -> SharedKv<'_> {
+        let (dtype, block_size, num_layers, kv_dim) =
+            (self.dtype, self.block_size, self.num_layers, self.kv_dim);
+        let bytes = self.bytes_mut();
+        SharedKv {
+            base: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            dtype,
+            block_size,
+            num_layers,
+            kv_dim,
+            _cache: std::marker::PhantomData,
         }
-    }
-
-    /// Positions `pos ..` to the end of `pos`'s block, for `layer`: keys and values, all KV
-    /// heads, one position every `kv_dim` values, as `T` (the cache's element type).
-    #[inline]
-    pub fn run<T: Stored>(&self, layer: usize, table: &[u32], pos: usize) -> KvRun<'_, T> {
-        let (block, slot) = self.locate(table, pos);
-        let len = self.block_size - slot;
-        let ko = self.offset(block, layer, 0, slot);
-        let vo = self.offset(block, layer, 1, slot);
-        let (n, d) = (len * self.kv_dim, T::all(self));
-        KvRun { keys: &d[ko..ko + n], values: &d[vo..vo + n], stride: self.kv_dim, len }
     }
 
     fn block_bytes(&self) -> usize {
@@ -291,4 +240,94 @@ fn as_bytes_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
     // SAFETY: as for `as_bytes`; the bytes are written back as f32 or u16 values, any pattern
     // of which is valid.
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// A [`PagedKvCache`] as one forward uses it (see [`PagedKvCache::shared`]): its storage as a
+/// raw pointer taken from the cache's only mutable borrow, so that parts of the forward on
+/// other threads can write and read it at once — each on its own sequences' blocks, which the
+/// batch's validation guarantees no other sequence writes (a block written this step belongs
+/// to one sequence alone; blocks several hold, a shared prefix, are only read).
+pub struct SharedKv<'a> {
+    base: *mut u8,
+    len: usize,
+    /// Element type.
+    pub dtype: KvDtype,
+    /// Positions per block.
+    pub block_size: usize,
+    num_layers: usize,
+    kv_dim: usize,
+    _cache: std::marker::PhantomData<&'a mut PagedKvCache>,
+}
+
+// SAFETY: the view is a pointer into storage it borrows mutably; the threads that share it
+// follow `write`'s and `run`'s contracts (no element written while another thread uses it).
+unsafe impl Send for SharedKv<'_> {}
+unsafe impl Sync for SharedKv<'_> {}
+
+impl SharedKv<'_> {
+    /// Position `pos` of a sequence with `table`: (block, slot). The caller has checked that
+    /// the table covers `pos`.
+    #[inline]
+    pub fn locate(&self, table: &[u32], pos: usize) -> (usize, usize) {
+        (table[pos / self.block_size] as usize, pos % self.block_size)
+    }
+
+    fn offset(&self, block: usize, layer: usize, kv: usize, slot: usize) -> usize {
+        (((block * self.num_layers + layer) * 2 + kv) * self.block_size + slot) * self.kv_dim
+    }
+
+    /// `n` elements of type `T` from element `at`, checked against the storage.
+    fn span<T>(&self, at: usize, n: usize) -> *mut T {
+        let size = std::mem::size_of::<T>();
+        assert!((at + n) * size <= self.len, "KV cache access past its end");
+        // SAFETY: in bounds (just checked); the storage is aligned for its element type, the
+        // only one read or written (`run` checks, `write` follows `dtype`).
+        unsafe { self.base.add(at * size).cast() }
+    }
+
+    /// Stores one token's keys and values for `layer` (rounded to f16 in an f16 cache).
+    ///
+    /// # Safety
+    /// No other thread reads or writes this position of `block` meanwhile (its sequence is
+    /// this thread's, and no other sequence holds a block written this step).
+    pub unsafe fn write(&self, layer: usize, (block, slot): (usize, usize), k: &[f32], v: &[f32]) {
+        let n = self.kv_dim;
+        for (kv, src) in [(0, k), (1, v)] {
+            let at = self.offset(block, layer, kv, slot);
+            // SAFETY: in bounds (`span` checks); no other thread uses these elements (the
+            // caller's contract), and no reference to them is live in this one.
+            unsafe {
+                match self.dtype {
+                    KvDtype::F32 => std::slice::from_raw_parts_mut(self.span::<f32>(at, n), n)
+                        .copy_from_slice(&src[..n]),
+                    KvDtype::F16 => to_f16(
+                        &src[..n],
+                        std::slice::from_raw_parts_mut(self.span::<u16>(at, n), n),
+                    ),
+                }
+            }
+        }
+    }
+
+    /// Positions `pos ..` to the end of `pos`'s block, for `layer`: keys and values, all KV
+    /// heads, one position every `kv_dim` values, as `T` (the cache's element type).
+    ///
+    /// # Safety
+    /// No thread writes these positions while the run is in use.
+    #[inline]
+    pub unsafe fn run<T: Stored>(&self, layer: usize, table: &[u32], pos: usize) -> KvRun<'_, T> {
+        assert_eq!(T::DTYPE, self.dtype, "KV cache read as the wrong type");
+        let (block, slot) = self.locate(table, pos);
+        let len = self.block_size - slot;
+        let n = len * self.kv_dim;
+        let (ko, vo) = (self.offset(block, layer, 0, slot), self.offset(block, layer, 1, slot));
+        // SAFETY: in bounds (`span` checks); nothing writes them meanwhile (the contract).
+        let (keys, values) = unsafe {
+            (
+                std::slice::from_raw_parts(self.span::<T>(ko, n).cast_const(), n),
+                std::slice::from_raw_parts(self.span::<T>(vo, n).cast_const(), n),
+            )
+        };
+        KvRun { keys, values, stride: self.kv_dim, len }
+    }
 }

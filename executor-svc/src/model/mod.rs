@@ -12,6 +12,9 @@ pub mod loaded;
 #[allow(unsafe_code)]
 pub mod attention;
 pub mod ops;
+// The forward's parts write and read the KV cache at once, each on its own sequences
+// (`SharedKv`'s contracts).
+#[allow(unsafe_code)]
 pub mod paged;
 pub mod reference;
 

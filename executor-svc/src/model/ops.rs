@@ -64,14 +64,6 @@ pub fn add_rms_norm(
     });
 }
 
-/// `x += add`, rows in parallel.
-pub fn add_rows(x: &mut [f32], add: &[f32]) {
-    use rayon::prelude::*;
-    x.par_chunks_mut(4096).zip(add.par_chunks(4096)).for_each(|(xs, adds)| {
-        xs.iter_mut().zip(adds).for_each(|(a, b)| *a += b);
-    });
-}
-
 /// The rotary frequencies `theta^(-2i/d)` for `i < d/2`, computed once per model.
 pub fn rope_frequencies(head_dim: usize, theta: f32) -> Vec<f32> {
     (0..head_dim / 2).map(|i| theta.powf(-(2.0 * i as f32) / head_dim as f32)).collect()

@@ -18,7 +18,7 @@ use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache, SharedKv};
 use super::llama::LlamaWeights;
 use super::ops::{
-    add_rms_norm, add_rows, linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into,
+    add_rms_norm, linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into,
 };
 
 /// One sequence's part of a batch.
@@ -483,13 +483,14 @@ fn forward_part(
         linear_into(act, &layer.w_down, proj);
         matmul += t.elapsed();
     }
-    add_rows(&mut x, proj);
-    // Final norm and the output head, for the last token of each sequence that samples.
+    // The last layer's MLP output joins the residual stream only in the rows that need logits
+    // (a prefill's other rows are done), then the final norm and the output head.
     let mut last = Vec::new();
     let mut row = 0;
     for sl in batch {
         row += sl.tokens.len();
-        last.extend_from_slice(&x[(row - sl.logits) * h..row * h]);
+        let rows = (row - sl.logits) * h..row * h;
+        last.extend(x[rows.clone()].iter().zip(&proj[rows]).map(|(a, b)| a + b));
     }
     let m = last.len() / h;
     let logits = if m == 0 {

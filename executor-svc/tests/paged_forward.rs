@@ -191,15 +191,14 @@ fn an_f16_cache_equals_the_reference_rounding_keys_and_values_to_f16() {
     assert_ne!(f32_logits, &refs[0].1[0], "f16 keys and values change the logits' bits");
 }
 
-/// A decode step of many sequences, split into one part per thread, each part with tiles
-/// enough for every thread, so each attention task takes a sequence's KV heads together rather
-/// than one: still the reference forward's tokens and bits, over f32 and f16 caches.
+/// A decode step of many sequences (split into one part per thread, each with tiles enough for
+/// its thread) gives each attention task a sequence's KV heads together rather than one: still
+/// the reference forward's tokens and bits, over f32 and f16 caches.
 #[test]
 fn many_sequences_decoding_together_equal_the_reference() {
     let steps = 4;
-    // Past the forward's threshold of four tiles per thread in each thread's part.
-    let threads = rayon::current_num_threads();
-    let n = 4 * threads * threads + 1;
+    // Past the forward's threshold of four tiles per thread in every part.
+    let n = 4 * rayon::current_num_threads() + 1;
     let tok = &model().tok;
     let prompts: Vec<Vec<u32>> = (0..n)
         .map(|i| tok.encode(&format!("{i} apples and {} pears are", 3 * i)).unwrap())

@@ -191,6 +191,7 @@ fn attend_layer(
     qkv: &[f32],
     tiled_out: &mut [f32],
     attn: &mut Vec<f32>,
+    threads: usize,
 ) {
     let s = &w.shape;
     let (h, hd, group) = (s.hidden, s.head_dim, s.num_heads / s.num_kv_heads);
@@ -202,8 +203,9 @@ fn attend_layer(
     // each task then reads its positions whole (every head's keys of a position are one
     // contiguous run, a block's are one stream), where a task per KV head reads a third of
     // each position's lines; with few tiles (one sequence's decode, a short prefill) a task
-    // per KV head keeps every thread busy.
-    let kvt = if tiles.len() >= 4 * rayon::current_num_threads() { s.num_kv_heads } else { 1 };
+    // per KV head keeps every thread busy. The threads are those that work on this part of the
+    // batch (one each when the batch is split), the others being busy with theirs.
+    let kvt = if tiles.len() >= 4 * threads { s.num_kv_heads } else { 1 };
     let per_tile = s.num_kv_heads / kvt;
     let gw = group * hd;
     let mut outs = Vec::with_capacity(tiles.len() * per_tile);
@@ -362,10 +364,12 @@ fn forward_in_pool(
 ) -> Result<Vec<Vec<f32>>, BatchError> {
     validate(w, cache, batch)?;
     let kv = cache.shared();
-    let parts = parts_of(batch, rayon::current_num_threads());
+    let threads = rayon::current_num_threads();
+    let parts = parts_of(batch, threads);
     if parts.len() == 1 {
-        return Ok(forward_part(w, &kv, batch, scratch));
+        return Ok(forward_part(w, &kv, batch, scratch, threads));
     }
+    let per_part = (threads / parts.len()).max(1);
     // Each part on its own thread, with its own buffers; a thread that finishes first takes
     // tasks from the others' parallel sections.
     let mut subs = std::mem::take(&mut scratch.parts);
@@ -373,7 +377,7 @@ fn forward_in_pool(
     let outs: Vec<Vec<Vec<f32>>> = parts
         .par_iter()
         .zip(subs.par_iter_mut())
-        .map(|(range, sub)| forward_part(w, &kv, &batch[range.clone()], sub))
+        .map(|(range, sub)| forward_part(w, &kv, &batch[range.clone()], sub, per_part))
         .collect();
     // The parts ran at once: their phases' mean is the forward's.
     let n = parts.len() as u32;
@@ -419,13 +423,14 @@ fn parts_of(batch: &[SeqSlice], threads: usize) -> Vec<std::ops::Range<usize>> {
     parts
 }
 
-/// The forward of a validated batch (or a part of one): the logits of the rows its sequences
-/// ask for, in order.
+/// The forward of a validated batch (or a part of one, which `threads` threads work on): the
+/// logits of the rows its sequences ask for, in order.
 fn forward_part(
     w: &LlamaWeights,
     cache: &SharedKv,
     batch: &[SeqSlice],
     scratch: &mut ForwardScratch,
+    threads: usize,
 ) -> Vec<Vec<f32>> {
     let start = Instant::now();
     let s = &w.shape;
@@ -469,7 +474,7 @@ fn forward_part(
             // SAFETY: this part's sequence's position; no other thread uses it this step.
             unsafe { cache.write(l, at, &row[h..h + kv_dim], &row[h + kv_dim..]) };
         }
-        attend_layer(w, cache, l, &layout, qkv, tiled_out, attn);
+        attend_layer(w, cache, l, &layout, qkv, tiled_out, attn, threads);
         attention += t.elapsed();
         let t = Instant::now();
         linear_into(attn, &layer.wo, proj);

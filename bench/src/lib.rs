@@ -5,10 +5,10 @@
 //! `ferry-bench spec` compares speculative decoding on and off.
 //! The model's own forward is `ferry-executor bench`.
 //!
-//! Its [`http`] client is also the one the integration tests use.
+//! Its HTTP client ([`http_client`]) is also the one the integration tests use.
 
-pub mod core;
-pub mod http;
-pub mod kv;
+pub mod http_client;
+pub mod kv_transfer;
 pub mod loadgen;
-pub mod spec;
+pub mod scheduler_core;
+pub mod speculation;

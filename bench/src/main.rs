@@ -13,23 +13,23 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// The scheduling core: cost of one schedule + apply per step, per scenario.
-    Core(ferry_bench::core::BenchCoreArgs),
+    Core(ferry_bench::scheduler_core::BenchCoreArgs),
     /// Load-test an OpenAI-compatible endpoint: throughput, TTFT, TPOT, ITL, end-to-end latency.
     Serve(Box<ferry_bench::loadgen::LoadArgs>),
     /// KV block transfer between agents, against plain TCP on loopback.
-    Kv(ferry_bench::kv::KvBenchArgs),
+    Kv(ferry_bench::kv_transfer::KvBenchArgs),
     /// Speculative decoding on against off (in process, greedy), on a workload that repeats
     /// its input and one that does not.
-    Spec(ferry_bench::spec::SpecBenchArgs),
+    Spec(ferry_bench::speculation::SpecBenchArgs),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Core(args) => ferry_bench::core::run(&args),
-        Command::Kv(args) => ferry_bench::kv::run(&args).await.map(|_| ()),
+        Command::Core(args) => ferry_bench::scheduler_core::run(&args),
+        Command::Kv(args) => ferry_bench::kv_transfer::run(&args).await.map(|_| ()),
         Command::Spec(args) => {
-            tokio::task::spawn_blocking(move || ferry_bench::spec::run(&args)).await?
+            tokio::task::spawn_blocking(move || ferry_bench::speculation::run(&args)).await?
         }
         Command::Serve(args) => {
             let report = ferry_bench::loadgen::run(*args).await?;

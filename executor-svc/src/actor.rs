@@ -53,7 +53,7 @@ pub struct Published {
     /// The activity figures as of the last command.
     pub stats: std::sync::Mutex<EngineStats>,
     /// Duration of each step run, seconds.
-    pub step_seconds: ferry_runtime::metrics::Histogram,
+    pub step_seconds: ferry_runtime::prometheus::Histogram,
 }
 
 /// A cheap handle to the engine thread.
@@ -74,8 +74,8 @@ impl EngineHandle {
         let (tx, mut rx) = mpsc::channel::<Command>(64);
         let published = std::sync::Arc::new(Published {
             stats: std::sync::Mutex::new(EngineStats::default()),
-            step_seconds: ferry_runtime::metrics::Histogram::new(
-                ferry_runtime::metrics::STEP_BUCKETS,
+            step_seconds: ferry_runtime::prometheus::Histogram::new(
+                ferry_runtime::prometheus::STEP_BUCKETS,
             ),
         });
         let shared = published.clone();

@@ -2,27 +2,27 @@
 //! the scheduler sends as a diff against its per-request state, runs the batch and streams the
 //! sampled tokens back (DESIGN.md sections 4 and 5).
 //!
-//! The library is everything; `ferry-executor` only parses flags and calls [`run`], so a test
-//! (or the all-in-one `serve`) can host an executor on a listener of its choosing.
+//! The library is everything the service runs; `ferry-executor` only parses flags and calls
+//! [`run`], so a test (or the all-in-one `serve`) can host an executor on a listener of its
+//! choosing. Its `bench` command, which drives the forward directly, lives in the binary.
 
 pub mod actor;
-pub mod bench;
-pub mod config;
 pub mod engine;
+pub mod executor_config;
+pub mod forward;
 // The hand-written SIMD kernels: `unsafe` for the intrinsics and the runtime CPU-feature
 // dispatch that makes them sound (see the module head).
+pub mod engine_metrics;
 #[allow(unsafe_code)]
 pub mod kernels;
-pub mod metrics;
-pub mod model;
 pub mod service;
 
 use std::sync::Arc;
 
-use ferry_kv_transfer_svc::shm::Staging;
+use ferry_kv_wire::shm::Staging;
 use ferry_runtime::GrpcHost;
 
-pub use config::{BackendKind, ExecutorConfig, Role};
+pub use executor_config::{BackendKind, ExecutorConfig, Role};
 
 /// Serves the executor's gRPC API for `model` on `listener` until `shutdown` resolves; with
 /// `cluster`, registered in etcd under `/ferry/<cluster>/executors/<executor-id>` once the
@@ -46,7 +46,7 @@ pub async fn run(
         None => build_simulated(&config),
     })
     .await??;
-    let metrics = std::sync::Arc::new(metrics::ExecutorMetrics {
+    let metrics = std::sync::Arc::new(engine_metrics::ExecutorMetrics {
         model_name: built.info.model.clone(),
         executor_id: id.clone(),
         num_blocks: built.info.num_blocks,
@@ -72,7 +72,7 @@ pub struct BuiltExecutor {
     /// Handle to the engine thread.
     pub engine: actor::EngineHandle,
     /// The model served, for an executor that serves its scheduler's (a simulated profile).
-    pub identity: Option<std::sync::Arc<engine::sim::SimIdentity>>,
+    pub identity: Option<std::sync::Arc<engine::simulated_gpu::SimIdentity>>,
     /// What the handshake answers.
     pub info: ferry_proto::v1::ExecutorInfo,
 }
@@ -84,17 +84,17 @@ pub fn build(
     model: std::sync::Arc<ferry_model::ModelFile>,
 ) -> anyhow::Result<BuiltExecutor> {
     use ferry_proto::v1;
-    let model = model::LoadedModel::load(model)?;
+    let model = forward::LoadedModel::load(model)?;
     let shape = model.weights.shape;
     let block_size = config.block_size as usize;
     let budget = config.kv_cache_mib * 1024 * 1024;
     let dtype = config.kv_dtype();
-    let num_blocks = model::PagedKvCache::blocks_for_budget(&shape, dtype, block_size, budget);
+    let num_blocks = forward::PagedKvCache::blocks_for_budget(&shape, dtype, block_size, budget);
     if num_blocks == 0 {
         anyhow::bail!(
             "--kv-cache-mib {} holds no block of {block_size} tokens ({} bytes per token)",
             config.kv_cache_mib,
-            model::PagedKvCache::bytes_per_token(&shape, dtype)
+            forward::PagedKvCache::bytes_per_token(&shape, dtype)
         );
     }
     let eos = model.file.tokenizer.eos_token_id;
@@ -129,7 +129,7 @@ pub fn build(
             )),
         },
         BackendKind::Sim => {
-            let sim_model = engine::sim::SimModel::llama(
+            let sim_model = engine::simulated_gpu::SimModel::llama(
                 shape.num_layers as u32,
                 shape.hidden as u32,
                 shape.intermediate as u32,
@@ -146,7 +146,7 @@ pub fn build(
                 hardware,
                 block_size,
                 num_blocks,
-                engine::sim::SimClock::RealTime,
+                engine::simulated_gpu::SimClock::RealTime,
             );
             Box::new(backend.with_time_scale(config.time_scale))
         }
@@ -179,7 +179,7 @@ fn assemble(
     backend: Box<dyn engine::ModelBackend>,
     (num_blocks, kv_layout, staging): (u32, ferry_proto::v1::KvLayout, Option<Arc<Staging>>),
     serves: Serves,
-    identity: Option<std::sync::Arc<engine::sim::SimIdentity>>,
+    identity: Option<std::sync::Arc<engine::simulated_gpu::SimIdentity>>,
 ) -> anyhow::Result<BuiltExecutor> {
     use ferry_proto::v1;
     let kv_port = kv_port(config, &kv_layout, staging)?;
@@ -212,7 +212,7 @@ fn assemble(
 /// times from the roofline over each batch, KV capacity from the GPU's memory, deterministic
 /// tokens of the model its scheduler serves (each handshake names it).
 pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor> {
-    use engine::sim::{activation_bytes, kv_capacity_blocks, SimIdentity};
+    use engine::simulated_gpu::{activation_bytes, kv_capacity_blocks, SimIdentity};
     use ferry_proto::v1;
     let (profile, hardware) =
         config.sim_profile()?.ok_or_else(|| anyhow::anyhow!("no --model-profile to simulate"))?;
@@ -249,7 +249,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         hardware,
         config.block_size as usize,
         num_blocks as usize,
-        engine::sim::SimClock::RealTime,
+        engine::simulated_gpu::SimClock::RealTime,
     )
     .with_time_scale(config.time_scale)
     .with_identity(identity.clone());
@@ -299,7 +299,7 @@ const SIMULATED_MAX_MODEL_LEN: usize = 32_768;
 /// The CUDA backend on `--cuda-device`; fails cleanly on a machine without the NVIDIA driver.
 #[cfg(feature = "cuda")]
 fn cuda_backend(
-    weights: &model::LlamaWeights,
+    weights: &forward::LlamaWeights,
     block_size: usize,
     num_blocks: usize,
     config: &ExecutorConfig,
@@ -311,10 +311,10 @@ fn cuda_backend(
 /// already refuses `--backend cuda`; this covers callers of [`build`] that skip it).
 #[cfg(not(feature = "cuda"))]
 fn cuda_backend(
-    _weights: &model::LlamaWeights,
+    _weights: &forward::LlamaWeights,
     _block_size: usize,
     _num_blocks: usize,
     _config: &ExecutorConfig,
 ) -> anyhow::Result<Box<dyn engine::ModelBackend>> {
-    Err(config::ConfigError::NoCuda.into())
+    Err(executor_config::ConfigError::NoCuda.into())
 }

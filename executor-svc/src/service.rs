@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status, Streaming};
 use ferry_runtime::cluster::ClusterArgs;
 
 use crate::actor::EngineHandle;
-use crate::engine::sim::SimIdentity;
+use crate::engine::simulated_gpu::SimIdentity;
 
 /// Session state shared by the RPC handlers. A std mutex is right here: it is held for a few
 /// field updates and never across an `.await`.

@@ -8,7 +8,7 @@ mod exact;
 use std::sync::{Arc, OnceLock};
 
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
-use ferry_executor_svc::model::{KvDtype, LoadedModel};
+use ferry_executor_svc::forward::{KvDtype, LoadedModel};
 use ferry_model::{ChatMessage, ModelFile, Tokenizer};
 use ferry_proto::v1;
 
@@ -572,9 +572,9 @@ fn new_requests_past_the_live_limit_are_refused_alone() {
 
 #[test]
 fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_time() {
-    use ferry_executor_svc::engine::sim::{SimClock, SimHardware, SimModel};
+    use ferry_executor_svc::engine::simulated_gpu::{SimClock, SimHardware, SimModel};
     use ferry_executor_svc::engine::SimBackend;
-    let shape = ferry_executor_svc::model::LlamaShape {
+    let shape = ferry_executor_svc::forward::LlamaShape {
         num_layers: 32,
         hidden: 4096,
         intermediate: 11008,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ferry_executor_svc::engine::kv::KvPort;
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
-use ferry_executor_svc::model::LoadedModel;
+use ferry_executor_svc::forward::LoadedModel;
 use ferry_model::ModelFile;
 use ferry_proto::v1::{self, kv_operation::Op};
 use ferry_runtime::clock::unix_deadline;
@@ -53,7 +53,7 @@ async fn agent(node: &str) -> String {
     let config = ferry_kv_transfer_svc::KvAgentConfig {
         node_id: node.into(),
         store_mib: 64,
-        shm_dir: ferry_kv_transfer_svc::shm::DEFAULT_DIR.into(),
+        shm_dir: ferry_kv_wire::shm::DEFAULT_DIR.into(),
     };
     tokio::spawn(ferry_kv_transfer_svc::run(
         config,

@@ -4,9 +4,9 @@
 
 use std::sync::OnceLock;
 
-use ferry_executor_svc::model::paged::{forward, BatchError, ForwardScratch, SeqSlice};
-use ferry_executor_svc::model::reference::{self, ContiguousCache};
-use ferry_executor_svc::model::{ops::argmax, KvDtype, LlamaWeights, LoadedModel, PagedKvCache};
+use ferry_executor_svc::forward::paged::{forward, BatchError, ForwardScratch, SeqSlice};
+use ferry_executor_svc::forward::reference::{self, ContiguousCache};
+use ferry_executor_svc::forward::{ops::argmax, KvDtype, LlamaWeights, LoadedModel, PagedKvCache};
 use ferry_model::Tokenizer;
 
 const BS: usize = 4;

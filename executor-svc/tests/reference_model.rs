@@ -1,8 +1,8 @@
 //! The real default model, through the reference forward, greedy: it knows that Paris is the
 //! capital of France (the check that the model is really there and loaded right).
 
-use ferry_executor_svc::model::reference::{forward, ContiguousCache};
-use ferry_executor_svc::model::{ops::argmax, LlamaWeights, LoadedModel};
+use ferry_executor_svc::forward::reference::{forward, ContiguousCache};
+use ferry_executor_svc::forward::{ops::argmax, LlamaWeights, LoadedModel};
 use ferry_model::{ChatMessage, Tokenizer};
 
 fn load() -> (Tokenizer, LlamaWeights) {

@@ -2,24 +2,21 @@
 //! of KV blocks named by their hash-chain value, and the mover that pushes blocks to another
 //! node's agent for prefill/decode disaggregation.
 //!
-//! The library is everything; `ferry-kv` only parses flags and calls [`run`].
+//! The library is everything; `ferry-kv` only parses flags and calls [`run`]. The bytes the
+//! agent exchanges with executors and other agents (frames, layouts, the shared-memory
+//! protocol, the data channel's format and client) are `ferry-kv-wire`'s; the agent adds the
+//! store, the transfer table, the gRPC service and the data channel's server side.
 
 pub mod agent;
-pub mod buffers;
-pub mod config;
-pub mod data;
-pub mod frames;
-pub mod layout;
+pub mod agent_config;
+pub mod data_server;
 pub mod peers;
 pub mod service;
-// Shared memory with local executors: raw mappings, each unsafe block says why it holds.
-#[allow(unsafe_code)]
-pub mod shm;
 pub mod store;
 
 use ferry_runtime::GrpcHost;
 
-pub use config::KvAgentConfig;
+pub use agent_config::KvAgentConfig;
 
 /// Serves the agent's gRPC API on `listener` until `shutdown` resolves; with `cluster`,
 /// registered in etcd under `/ferry/<cluster>/kv/<node-id>` while it serves (withdrawn first
@@ -46,12 +43,12 @@ pub async fn run(
             }
         })
     };
-    let side = data::side_channel(agent.clone());
+    let side = data_server::side_channel(agent.clone());
     let service = service::KvAgentService::new(agent);
     let metrics = std::sync::Arc::new(service.metrics());
     let server = ferry_proto::v1::kv_transfer_server::KvTransferServer::new(service)
-        .max_decoding_message_size(frames::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(frames::MAX_MESSAGE_BYTES);
+        .max_decoding_message_size(ferry_kv_wire::frames::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(ferry_kv_wire::frames::MAX_MESSAGE_BYTES);
     let host = GrpcHost::new()
         .bulk()
         .callers(ferry_runtime::tls::AGENT_CALLERS)

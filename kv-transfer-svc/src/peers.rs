@@ -1,15 +1,15 @@
 //! gRPC clients of agents, with the large HTTP/2 windows and message limits block streams need
-//! (executors use them for `Put` and `Get`; agents push to each other over [`crate::data`]).
+//! (executors use them for `Put` and `Get`; agents push to each other over
+//! [`ferry_kv_wire::data_channel`]).
 
 use std::time::Duration;
 
+use ferry_kv_wire::frames::MAX_MESSAGE_BYTES;
 use ferry_proto::v1::kv_transfer_client::KvTransferClient;
 use ferry_runtime::grpc::{BULK_CONNECTION_WINDOW, BULK_FRAME_SIZE, BULK_STREAM_WINDOW};
 use ferry_runtime::tls;
 use tonic::transport::Channel;
 use tonic::Status;
-
-use crate::frames::MAX_MESSAGE_BYTES;
 
 /// A client for block streams to the agent at `address` (`host:port` or a URL), connecting
 /// lazily.

@@ -5,12 +5,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use ferry_kv_wire::frames::MAX_TRANSFER_ID;
 use ferry_proto::v1::{self, kv_transfer_server::KvTransfer};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::agent::{Agent, Checksums, Failure};
-use crate::frames::MAX_TRANSFER_ID;
 
 /// The agent's gRPC face.
 #[derive(Clone)]
@@ -35,8 +35,8 @@ pub struct KvAgentMetrics {
     agent: Arc<Agent>,
 }
 
-impl ferry_runtime::metrics::Render for KvAgentMetrics {
-    fn render(&self, t: &mut ferry_runtime::metrics::Text) {
+impl ferry_runtime::prometheus::Render for KvAgentMetrics {
+    fn render(&self, t: &mut ferry_runtime::prometheus::Text) {
         let a = &self.agent;
         let labels = [("node", a.node_id.as_str())];
         let d = a.describe();

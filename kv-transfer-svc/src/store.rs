@@ -19,7 +19,7 @@ use bytes::Bytes;
 /// A block's name: its layout's id and its hash-chain value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockKey {
-    /// [`crate::layout::BlockLayout::id`].
+    /// [`ferry_kv_wire::layout::BlockLayout::id`].
     pub layout: u64,
     /// The hash-chain value.
     pub hash: u64,

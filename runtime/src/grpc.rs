@@ -45,7 +45,7 @@ pub struct GrpcHost {
     probe_routes: RoutesBuilder,
     service_names: Vec<&'static str>,
     health: HealthReporter,
-    metrics: Vec<std::sync::Arc<dyn crate::metrics::Render>>,
+    metrics: Vec<std::sync::Arc<dyn crate::prometheus::Render>>,
     /// HTTP/2 flow-control windows for bulk data, when set.
     bulk: bool,
     /// A raw protocol sharing the port, if any.
@@ -136,7 +136,7 @@ impl GrpcHost {
     /// Serves `GET /metrics` (Prometheus text) on the same port, over HTTP/1.1 beside gRPC;
     /// several calls add families in order.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: std::sync::Arc<dyn crate::metrics::Render>) -> Self {
+    pub fn with_metrics(mut self, metrics: std::sync::Arc<dyn crate::prometheus::Render>) -> Self {
         self.metrics.push(metrics);
         self
     }
@@ -207,11 +207,11 @@ impl GrpcHost {
         let mut probe_routes = probe_routes.routes();
         let http1 = !metrics.is_empty();
         if http1 {
-            let all: std::sync::Arc<dyn crate::metrics::Render> =
-                std::sync::Arc::new(crate::metrics::All(metrics));
-            let router = routes.into_axum_router().merge(crate::metrics::router(all.clone()));
+            let all: std::sync::Arc<dyn crate::prometheus::Render> =
+                std::sync::Arc::new(crate::prometheus::All(metrics));
+            let router = routes.into_axum_router().merge(crate::prometheus::router(all.clone()));
             routes = tonic::service::Routes::from(router);
-            let router = probe_routes.into_axum_router().merge(crate::metrics::router(all));
+            let router = probe_routes.into_axum_router().merge(crate::prometheus::router(all));
             probe_routes = tonic::service::Routes::from(router);
         }
         // The probe port outlives the API port's drain (it reports NOT_SERVING meanwhile) and
@@ -286,9 +286,9 @@ pub struct ProbeArgs {
 
 impl ProbeArgs {
     /// Checks the address's form, binding nothing.
-    pub fn validate(&self) -> Result<(), crate::check::AddressError> {
+    pub fn validate(&self) -> Result<(), crate::address::AddressError> {
         match &self.probe_listen {
-            Some(addr) => crate::check::listen_address("probe-listen", addr),
+            Some(addr) => crate::address::listen_address("probe-listen", addr),
             None => Ok(()),
         }
     }

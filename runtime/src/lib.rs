@@ -5,20 +5,23 @@
 //! Servers here take a bound `TcpListener` and a shutdown future, never a fixed port or a
 //! global, so tests start them on port 0.
 
+pub mod address;
 pub mod backoff;
 pub mod check;
 pub mod clock;
 pub mod cluster;
 pub mod grpc;
 pub mod logging;
-pub mod metrics;
+pub mod prometheus;
 pub mod secret;
+pub mod service_flags;
 pub mod shutdown;
 pub mod side_channel;
 pub mod telemetry;
 pub mod tls;
 
 pub use backoff::Backoff;
+pub use service_flags::ServiceFlags;
 
 /// An error and its sources on one line, `: `-separated (tonic's transport errors say only
 /// "transport error", libloading's "dlopen failed": the reason is in the chain).

@@ -57,7 +57,7 @@ impl TraceArgs {
             ));
         }
         if let Some(endpoint) = &self.otlp_endpoint {
-            crate::check::dial_address("otlp-endpoint", endpoint).map_err(|e| e.to_string())?;
+            crate::address::dial_address("otlp-endpoint", endpoint).map_err(|e| e.to_string())?;
             if !endpoint.contains("://") {
                 return Err(format!(
                     "--otlp-endpoint {endpoint:?} needs a scheme (http://HOST:4317 or https://)"

@@ -1,40 +1,36 @@
 //! The scheduler's and the front's configuration: flags (vLLM's names where one exists, each
 //! also a `FERRY_…` environment variable), resolved once at start-up into checked settings.
 //!
-//! The pipeline, in one place: clap parses [`SchedulerArgs`] and [`FrontArgs`]; `resolve`
-//! checks every rule — cross-field ones included, by asking the scheduling core itself whether
-//! it would run with these values — and returns [`SchedulerSettings`] / [`FrontSettings`],
-//! which exist only when valid. A bad flag is an error that names the flag, before anything
-//! binds or loads. When an executor handshakes, [`SchedulerSettings::core_config`] — the one
-//! function that builds the core's configuration — adds what that executor stated (block size,
-//! block count, model length).
+//! The pipeline, in one place: clap parses [`SchedulerArgs`] (the scheduling policy's flags,
+//! [`SchedulingArgs`], shared with every program that runs the core, plus this service's own)
+//! and [`FrontArgs`]; `resolve` checks every rule — cross-field ones included, by asking the
+//! scheduling core itself whether it would run with these values — and returns
+//! [`SchedulerSettings`] / [`FrontSettings`], which exist only when valid. A bad flag is an
+//! error that names the flag, before anything binds or loads. When an executor handshakes,
+//! [`SchedulerSettings::core_config`] adds what that executor stated.
+//!
+//! This module is the top of the crate's configuration: it builds the settings types that the
+//! link and the front define for themselves, and nothing below imports it.
 
 use std::time::Duration;
 
 use clap::Args;
-use ferry_proto::v1;
 use ferry_sched_core as core;
+pub use ferry_sched_flags::{
+    parse_speculative_config, FlagError, PreemptionModeArg, SchedulingArgs, SchedulingPolicy,
+};
 
-use crate::front::RequestLimits;
-
-/// Steps outstanding at once per executor: one running, one queued behind it (asynchronous
-/// scheduling), so the executor never waits for the scheduler.
-pub const MAX_STEPS_IN_FLIGHT: usize = 2;
+pub use crate::front::keys::ApiKeys;
+pub use crate::front::{FrontSettings, RequestLimits};
+pub use crate::link::SchedulerSettings;
 
 /// Flags of the scheduling role: how each executor's core schedules, and how this scheduler
 /// finds and keeps its executors.
 #[derive(Clone, Debug, Args)]
 pub struct SchedulerArgs {
-    /// Most requests that hold an admission slot at once, per executor.
-    #[arg(long, env = "FERRY_MAX_NUM_SEQS", default_value_t = 256)]
-    pub max_num_seqs: u32,
-    /// Most tokens one step may compute, per executor (at least --max-num-seqs, so every
-    /// running request can get a token each step).
-    #[arg(long, env = "FERRY_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
-    pub max_num_batched_tokens: u32,
-    /// Split long prompts into chunks that share steps with decodes.
-    #[arg(long, env = "FERRY_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = clap::ArgAction::Set)]
-    pub enable_chunked_prefill: bool,
+    /// The scheduling policy (shared with `ferry-sim` and `ferry-bench`).
+    #[command(flatten)]
+    pub scheduling: SchedulingArgs,
     /// How long start-up keeps trying to reach each listed executor, in seconds.
     #[arg(long, env = "FERRY_EXECUTOR_CONNECT_TIMEOUT", default_value_t = 60)]
     pub executor_connect_timeout: u64,
@@ -50,103 +46,6 @@ pub struct SchedulerArgs {
     /// (default `scheduler-<pid>`).
     #[arg(long = "scheduler-id", env = "FERRY_SCHEDULER_ID")]
     pub scheduler_id: Option<String>,
-    /// KV tier: full blocks a finished request computed are written to its executor's KV
-    /// agent, at most this many per step (each a copy at the step's start); 0 turns writes
-    /// off. Executors without an agent write nothing.
-    #[arg(long, env = "FERRY_KV_TIER_STORE_BLOCKS_PER_STEP", default_value_t = 16)]
-    pub kv_tier_store_blocks_per_step: u32,
-    /// Which waiting request is admitted first and which running one gives way when blocks
-    /// run out (vLLM's flag): `fcfs`, by arrival; `priority`, by each request's `priority`
-    /// (lower first, then arrival). Under `fcfs` a request that sets a priority is refused.
-    #[arg(long, env = "FERRY_SCHEDULING_POLICY", value_enum, default_value_t = SchedulingPolicy::Fcfs)]
-    pub scheduling_policy: SchedulingPolicy,
-    /// Reuse the KV of a prompt's leading full blocks that another request computed (vLLM's
-    /// flag; on by default).
-    #[arg(long, env = "FERRY_ENABLE_PREFIX_CACHING", default_value_t = true, action = clap::ArgAction::Set)]
-    pub enable_prefix_caching: bool,
-    /// What preemption does with a running request's KV when blocks run out: `recompute`
-    /// frees its blocks and computes its tokens again later (vLLM v1's only mode); `yield`
-    /// keeps its blocks while it waits, and resumes it without recompute.
-    #[arg(long, env = "FERRY_PREEMPTION_MODE", value_enum, default_value_t = PreemptionModeArg::Recompute)]
-    pub preemption_mode: PreemptionModeArg,
-    /// Largest prompt chunk one request computes in one step, so a long prompt shares steps
-    /// with others (vLLM's flag); 0: only --max-num-batched-tokens limits it.
-    #[arg(long, env = "FERRY_LONG_PREFILL_TOKEN_THRESHOLD", default_value_t = 0)]
-    pub long_prefill_token_threshold: u32,
-    /// Speculative decoding (vLLM's flag), as JSON: `{"method": "ngram",
-    /// "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`. Off by
-    /// default. A request whose last tokens occurred earlier in its prompt or output proposes
-    /// the tokens that followed them, and one step verifies them all; outputs are the same as
-    /// without it. Only the `ngram` method exists (no draft model yet); vLLM's
-    /// `disable_by_batch_size` turns proposals off while more requests than that run. With
-    /// it, steps are not pipelined (a proposal needs the last token).
-    #[arg(long, env = "FERRY_SPECULATIVE_CONFIG")]
-    pub speculative_config: Option<String>,
-}
-
-/// `--speculative-config`'s JSON, as vLLM's `SpeculativeConfig` spells it.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SpeculativeJson {
-    method: Option<String>,
-    num_speculative_tokens: Option<usize>,
-    prompt_lookup_max: Option<usize>,
-    prompt_lookup_min: Option<usize>,
-    disable_by_batch_size: Option<usize>,
-}
-
-/// Parses `--speculative-config` into the core's settings, checked.
-pub fn parse_speculative_config(json: &str) -> Result<core::SpeculativeConfig, ConfigError> {
-    let bad = |why: String| ConfigError::Speculative { why };
-    let spec: SpeculativeJson = serde_json::from_str(json).map_err(|e| bad(e.to_string()))?;
-    match spec.method.as_deref() {
-        Some("ngram") => {}
-        None => return Err(bad("\"method\" is required; the method served is \"ngram\"".into())),
-        Some(other) => {
-            return Err(bad(format!(
-                "method {other:?} is not served: only \"ngram\" (prompt lookup); a draft \
-                 model's proposals are not implemented yet"
-            )))
-        }
-    }
-    let k = spec
-        .num_speculative_tokens
-        .ok_or_else(|| bad("\"num_speculative_tokens\" is required".into()))?;
-    // vLLM's defaults: both 5 when neither is given, else the one given for both.
-    let (min, max) = match (spec.prompt_lookup_min, spec.prompt_lookup_max) {
-        (None, None) => (5, 5),
-        (Some(n), None) | (None, Some(n)) => (n, n),
-        (Some(min), Some(max)) => (min, max),
-    };
-    let config = core::SpeculativeConfig {
-        num_speculative_tokens: k,
-        prompt_lookup_max: max,
-        prompt_lookup_min: min,
-        disable_by_batch_size: spec.disable_by_batch_size,
-    };
-    config.validate().map_err(|e| match e {
-        core::ConfigError::Speculative(why) => bad(why),
-        other => bad(other.to_string()),
-    })?;
-    Ok(config)
-}
-
-/// `--preemption-mode`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PreemptionModeArg {
-    /// Free the victim's blocks; its tokens are computed again when it resumes.
-    Recompute,
-    /// The victim keeps its blocks while it waits.
-    Yield,
-}
-
-/// `--scheduling-policy`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum SchedulingPolicy {
-    /// First come, first served.
-    Fcfs,
-    /// By request priority (lower first), then arrival.
-    Priority,
 }
 
 /// Executors listed by hand (without etcd, or beside it).
@@ -245,55 +144,13 @@ pub struct FrontArgs {
 /// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
 pub const MAX_TIMEOUT_SECS: u64 = 86_400;
 
-/// The scheduling role's settings, checked.
-#[derive(Clone, Debug)]
-pub struct SchedulerSettings {
-    /// Who this scheduler is (executors show it as their session's owner).
-    pub scheduler_id: String,
-    /// The pool it schedules.
-    pub pool: String,
-    /// How long a connection to a listed or discovered executor is retried.
-    pub connect_timeout: Duration,
-    /// The token presented to listed executors without etcd (empty: none).
-    pub static_token: std::sync::Arc<[u8]>,
-    /// The core's policy, with placeholder executor geometry (see [`Self::core_config`]).
-    policy: core::SchedulerConfig,
-}
-
-/// The front's settings, checked.
-#[derive(Clone, Debug)]
-pub struct FrontSettings {
-    /// Most requests held at once.
-    pub max_live: usize,
-    /// How long a request whose executor or scheduler was lost waits for another.
-    pub failover_wait: Duration,
-    /// Least uncached prompt tokens for prefill/decode disaggregation; `None`: off.
-    pub disaggregation_min_tokens: Option<usize>,
-    /// How long a KV transfer may take.
-    pub kv_transfer_timeout: Duration,
-    /// Least prompt tokens a KV-tier read must save; `None`: no KV-tier reads.
-    pub kv_tier_min_tokens: Option<usize>,
-    /// The API keys callers must present; `None`: the client APIs are open.
-    pub keys: Option<std::sync::Arc<crate::front::keys::ApiKeys>>,
-    /// What one request may ask for.
-    pub limits: RequestLimits,
-    /// `--max-model-len`, if given.
-    pub max_model_len: Option<usize>,
-    /// Whether requests may set a priority: the scheduler that serves them orders by it. A
-    /// front in its own process forwards it and its leader decides.
-    pub accepts_priority: bool,
-}
-
 /// A flag value, or a combination, that Ferry will not run with. Each message names the
 /// flags involved and the limit.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    /// `--speculative-config` is not valid.
-    #[error("--speculative-config: {why}")]
-    Speculative {
-        /// What is wrong, with the limit.
-        why: String,
-    },
+    /// A scheduling flag (or a combination) the core will not run with.
+    #[error(transparent)]
+    Flags(FlagError),
     /// `--leadership-token-file` cannot be read or holds no token.
     #[error("{why}")]
     TokenFile {
@@ -319,17 +176,6 @@ pub enum ConfigError {
     Zero {
         /// The flag, without its dashes.
         flag: &'static str,
-    },
-    /// The step budget cannot give every admitted request a token.
-    #[error(
-        "--max-num-batched-tokens ({budget}) must be at least --max-num-seqs ({seqs}), so \
-         every running request can get a token in each step"
-    )]
-    BudgetBelowSeqs {
-        /// `--max-num-batched-tokens`.
-        budget: usize,
-        /// `--max-num-seqs`.
-        seqs: usize,
     },
     /// A timeout out of range.
     #[error("--{flag} must be between 1 and {MAX_TIMEOUT_SECS} seconds, got {got}")]
@@ -368,30 +214,6 @@ pub enum ConfigError {
     },
 }
 
-/// What an executor's handshake contributes to its core's configuration.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExecutorGeometry {
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// Blocks in its KV pool.
-    pub num_blocks: usize,
-    /// Largest prompt + output.
-    pub max_model_len: usize,
-    /// It has a KV agent (it can write to the KV tier).
-    pub kv_agent: bool,
-}
-
-impl From<&v1::ExecutorInfo> for ExecutorGeometry {
-    fn from(info: &v1::ExecutorInfo) -> Self {
-        Self {
-            block_size: info.block_size as usize,
-            num_blocks: info.num_blocks as usize,
-            max_model_len: info.max_model_len as usize,
-            kv_agent: !info.kv_agent_address.is_empty(),
-        }
-    }
-}
-
 /// Checks a `--pool` value (it becomes an etcd key segment).
 pub fn check_pool(pool: &str) -> Result<(), ConfigError> {
     check_name("pool", pool)
@@ -412,15 +234,6 @@ fn check_timeout(flag: &'static str, secs: u64) -> Result<Duration, ConfigError>
     Ok(Duration::from_secs(secs))
 }
 
-/// The flag behind one of the core's policy fields.
-fn flag_of(field: &str) -> &'static str {
-    match field {
-        "max_num_seqs" => "max-num-seqs",
-        "max_num_batched_tokens" => "max-num-batched-tokens",
-        _ => "an internal setting",
-    }
-}
-
 impl SchedulerArgs {
     /// Checks every rule, the core's own included, and returns the settings.
     pub fn resolve(&self) -> Result<SchedulerSettings, ConfigError> {
@@ -432,38 +245,12 @@ impl SchedulerArgs {
         check_name("scheduler-id", &scheduler_id)?;
         let connect_timeout =
             check_timeout("executor-connect-timeout", self.executor_connect_timeout)?;
-        let speculative =
-            self.speculative_config.as_deref().map(parse_speculative_config).transpose()?;
-        let policy = core::SchedulerConfig {
-            speculative,
-            max_num_seqs: self.max_num_seqs as usize,
-            max_num_batched_tokens: self.max_num_batched_tokens as usize,
-            enable_chunked_prefill: self.enable_chunked_prefill,
-            // A draft continues the last token: with speculation every step waits for the
-            // result of the one before (pipelined, a request would propose only every other
-            // step).
-            max_steps_in_flight: if speculative.is_some() { 1 } else { MAX_STEPS_IN_FLIGHT },
-            kv_tier_store_blocks_per_step: self.kv_tier_store_blocks_per_step as usize,
-            preemption_policy: match self.scheduling_policy {
-                SchedulingPolicy::Fcfs => core::PreemptionPolicy::Fcfs,
-                SchedulingPolicy::Priority => core::PreemptionPolicy::Priority,
-            },
-            preemption_mode: match self.preemption_mode {
-                PreemptionModeArg::Recompute => core::PreemptionMode::Recompute,
-                PreemptionModeArg::Yield => core::PreemptionMode::Yield,
-            },
-            enable_prefix_caching: self.enable_prefix_caching,
-            long_prefill_token_threshold: (self.long_prefill_token_threshold > 0)
-                .then_some(self.long_prefill_token_threshold as usize),
-            ..core::SchedulerConfig::default()
-        };
-        // The core's default geometry is valid, so whatever the core refuses here is a flag's.
-        policy.validate().map_err(|e| match e {
-            core::ConfigError::Zero { field } => ConfigError::Zero { flag: flag_of(field) },
-            core::ConfigError::BudgetBelowSeqs { max_num_batched_tokens, max_num_seqs } => {
-                ConfigError::BudgetBelowSeqs { budget: max_num_batched_tokens, seqs: max_num_seqs }
+        let policy = self.scheduling.policy().map_err(|e| match e {
+            // What the core refuses with its default geometry, it would refuse of any executor.
+            FlagError::Core(source) => {
+                ConfigError::Executor { executor: "(defaults)".into(), source }
             }
-            other => ConfigError::Executor { executor: "(defaults)".into(), source: other },
+            flag => ConfigError::Flags(flag),
         })?;
         let static_token = match &self.leadership_token_file {
             Some(path) => ferry_runtime::secret::read_token_file(path)
@@ -495,7 +282,7 @@ impl FrontArgs {
             kv_transfer_timeout: check_timeout("kv-transfer-timeout", self.kv_transfer_timeout)?,
             kv_tier_min_tokens: (self.kv_tier_min_tokens > 0)
                 .then_some(self.kv_tier_min_tokens as usize),
-            keys: crate::front::keys::ApiKeys::load(
+            keys: ApiKeys::load(
                 self.api_key.as_deref(),
                 self.api_keys_file.as_deref(),
                 self.api_key_guards_health_and_metrics,
@@ -551,47 +338,11 @@ impl FrontArgs {
     }
 }
 
-impl SchedulerSettings {
-    /// Whether the core orders requests by their priority (`--scheduling-policy priority`).
-    pub fn orders_by_priority(&self) -> bool {
-        self.policy.preemption_policy == core::PreemptionPolicy::Priority
-    }
-
-    /// The core's configuration for the executor `executor_id` with `geometry` (from its
-    /// handshake): the flags' policy plus what the executor stated. Refused when the executor
-    /// stated something the core cannot run with (no blocks, say).
-    pub fn core_config(
-        &self,
-        executor_id: &str,
-        geometry: ExecutorGeometry,
-    ) -> Result<core::SchedulerConfig, ConfigError> {
-        let config = core::SchedulerConfig {
-            block_size: geometry.block_size,
-            num_blocks: geometry.num_blocks,
-            max_model_len: geometry.max_model_len,
-            kv_tier_store_blocks_per_step: if geometry.kv_agent {
-                self.policy.kv_tier_store_blocks_per_step
-            } else {
-                0
-            },
-            ..self.policy.clone()
-        };
-        config.validate().map_err(|source| ConfigError::Executor {
-            executor: executor_id.to_string(),
-            source,
-        })?;
-        Ok(config)
-    }
-
-    /// Most requests holding an admission slot at once, per executor.
-    pub fn max_num_seqs(&self) -> usize {
-        self.policy.max_num_seqs
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+
+    use ferry_sched_flags::Geometry;
 
     use super::*;
 
@@ -608,28 +359,6 @@ mod tests {
     }
 
     #[test]
-    fn speculative_config_reads_vllms_json_and_stops_pipelining() {
-        let cli = parse(&[
-            "--speculative-config",
-            r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#,
-        ]);
-        let policy = cli.scheduler.resolve().unwrap().policy;
-        assert_eq!(policy.speculative, Some(core::SpeculativeConfig::ngram(4)));
-        assert_eq!(policy.max_steps_in_flight, 1);
-        let lookup = parse_speculative_config(r#"{"method":"ngram","num_speculative_tokens":3}"#);
-        let lookup = lookup.unwrap();
-        assert_eq!((lookup.prompt_lookup_min, lookup.prompt_lookup_max), (5, 5), "vLLM's default");
-        let one = parse_speculative_config(
-            r#"{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3}"#,
-        )
-        .unwrap();
-        assert_eq!((one.prompt_lookup_min, one.prompt_lookup_max), (3, 3));
-        let off = parse(&[]).scheduler.resolve().unwrap().policy;
-        assert_eq!(off.speculative, None);
-        assert_eq!(off.max_steps_in_flight, MAX_STEPS_IN_FLIGHT);
-    }
-
-    #[test]
     fn every_bad_flag_is_refused_with_its_name() {
         let cases: &[(&[&str], &str)] = &[
             (&["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
@@ -641,33 +370,9 @@ mod tests {
             (&["--executor-connect-timeout", "0"], "--executor-connect-timeout must be between"),
             (&["--pool", "a/b"], "--pool \"a/b\" must be non-empty"),
             (&["--scheduler-id", ""], "--scheduler-id \"\" must be non-empty"),
+            // The scheduling flags' own checks are `ferry-sched-flags`' tests; one shows that
+            // their errors reach the service's user unchanged.
             (&["--speculative-config", "{"], "--speculative-config: EOF while parsing"),
-            (
-                &["--speculative-config", r#"{"method": "eagle", "num_speculative_tokens": 2}"#],
-                "--speculative-config: method \"eagle\" is not served: only \"ngram\"",
-            ),
-            (
-                &["--speculative-config", r#"{"method": "ngram"}"#],
-                "--speculative-config: \"num_speculative_tokens\" is required",
-            ),
-            (
-                &["--speculative-config", r#"{"method": "ngram", "num_speculative_tokens": 17}"#],
-                "--speculative-config: num_speculative_tokens must be 1..=16, got 17",
-            ),
-            (
-                &[
-                    "--speculative-config",
-                    r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 1, "prompt_lookup_min": 3}"#,
-                ],
-                "prompt_lookup_max (1) must be >= prompt_lookup_min (3)",
-            ),
-            (
-                &[
-                    "--speculative-config",
-                    r#"{"method": "ngram", "num_speculative_tokens": 4, "k": 1}"#,
-                ],
-                "--speculative-config: unknown field `k`",
-            ),
         ];
         let listed = ExecutorListArgs { executors: vec!["127.0.0.1:5".into(), " ".into()] };
         let err = listed.resolve().unwrap_err();
@@ -695,70 +400,23 @@ mod tests {
     }
 
     #[test]
-    fn the_scheduling_policy_flag_orders_the_core_by_priority() {
-        let geometry = ExecutorGeometry {
-            block_size: 16,
-            num_blocks: 100,
-            max_model_len: 2048,
-            kv_agent: false,
-        };
-        let fcfs = parse(&[]).scheduler.resolve().unwrap();
-        assert!(!fcfs.orders_by_priority());
-        let config = fcfs.core_config("e", geometry).unwrap();
-        assert_eq!(config.preemption_policy, core::PreemptionPolicy::Fcfs);
-        let by_priority = parse(&["--scheduling-policy", "priority"]).scheduler.resolve().unwrap();
-        assert!(by_priority.orders_by_priority());
-        let config = by_priority.core_config("e", geometry).unwrap();
-        assert_eq!(config.preemption_policy, core::PreemptionPolicy::Priority);
-        assert!(Cli::try_parse_from(["x", "--scheduling-policy", "lifo"]).is_err());
-    }
-
-    #[test]
-    fn vllm_flags_set_the_core_as_vllm_names_them() {
-        let geometry = ExecutorGeometry {
-            block_size: 16,
-            num_blocks: 100,
-            max_model_len: 2048,
-            kv_agent: false,
-        };
-        let default = parse(&[]).scheduler.resolve().unwrap().core_config("e", geometry).unwrap();
-        assert!(default.enable_prefix_caching);
-        assert_eq!(default.preemption_mode, core::PreemptionMode::Recompute);
-        assert_eq!(default.long_prefill_token_threshold, None);
-        let set = parse(&[
-            "--enable-prefix-caching",
-            "false",
-            "--preemption-mode",
-            "yield",
-            "--long-prefill-token-threshold",
-            "128",
-        ]);
-        let config = set.scheduler.resolve().unwrap().core_config("e", geometry).unwrap();
-        assert!(!config.enable_prefix_caching);
-        assert_eq!(config.preemption_mode, core::PreemptionMode::Yield);
-        assert_eq!(config.long_prefill_token_threshold, Some(128));
-        assert!(Cli::try_parse_from(["x", "--preemption-mode", "swap"]).is_err());
-    }
-
-    #[test]
     fn the_core_config_is_the_flags_plus_the_executor_geometry() {
         let cli = parse(&["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]);
         let settings = cli.scheduler.resolve().unwrap();
-        let geometry = ExecutorGeometry {
-            block_size: 16,
-            num_blocks: 100,
-            max_model_len: 2048,
-            kv_agent: true,
-        };
+        let geometry =
+            Geometry { block_size: 16, num_blocks: 100, max_model_len: 2048, kv_agent: true };
         let core = settings.core_config("e", geometry).unwrap();
         assert_eq!((core.max_num_seqs, core.max_num_batched_tokens), (8, 64));
         assert_eq!((core.block_size, core.num_blocks, core.max_model_len), (16, 100, 2048));
-        assert_eq!(core.max_steps_in_flight, MAX_STEPS_IN_FLIGHT);
-        let broken = ExecutorGeometry { num_blocks: 0, ..geometry };
+        assert_eq!(core.max_steps_in_flight, ferry_sched_flags::STEPS_IN_FLIGHT);
+        let broken = Geometry { num_blocks: 0, ..geometry };
         let err = settings.core_config("gpu-a", broken).unwrap_err();
         assert!(
             err.to_string().starts_with("executor gpu-a: num_blocks must be at least 1"),
             "{err}"
         );
+        let by_priority = parse(&["--scheduling-policy", "priority"]).scheduler.resolve().unwrap();
+        assert!(by_priority.orders_by_priority());
+        assert!(!settings.orders_by_priority());
     }
 }

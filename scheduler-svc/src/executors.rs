@@ -14,8 +14,11 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use ferry_runtime::prometheus::{Render, Text};
+use ferry_sched_core::SchedulerStats;
 use tokio::sync::watch;
 
+use crate::fence::Fence;
 use crate::link::LinkHandle;
 use crate::metrics::SchedulerMetrics;
 use crate::tier::{LiveAgents, TierIndex};
@@ -29,37 +32,6 @@ pub enum Standing {
     Deposed,
     /// It handed its work over for good (drain).
     Retired,
-}
-
-/// The newest leadership epoch any executor said it has seen, as refusals report it
-/// ([`ferry_proto::fencing`]): once it is above a leader's own epoch, another scheduler leads
-/// for certain, whatever etcd can be asked.
-#[derive(Default)]
-pub struct Fence(watch::Sender<u64>);
-
-impl Fence {
-    /// Records that an executor has seen `epoch`.
-    pub fn saw(&self, epoch: u64) {
-        self.0.send_if_modified(|newest| {
-            let newer = epoch > *newest;
-            if newer {
-                *newest = epoch;
-            }
-            newer
-        });
-    }
-
-    /// The newest epoch seen so far (0: none).
-    pub fn newest(&self) -> u64 {
-        *self.0.borrow()
-    }
-
-    /// Resolves with the newest epoch once one above `epoch` has been seen.
-    pub async fn outranks(&self, epoch: u64) -> u64 {
-        let mut rx = self.0.subscribe();
-        let newest = *rx.wait_for(|newest| *newest > epoch).await.expect("the sender is self");
-        newest
-    }
 }
 
 /// The live links, by executor name.
@@ -241,5 +213,115 @@ impl ExecutorSet {
     /// Names of the live links.
     pub fn names(&self) -> Vec<String> {
         self.alive().iter().map(|l| l.name.to_string()).collect()
+    }
+
+    /// What a link of this set shares with the others: where it counts, where it records what
+    /// it wrote to its node's agent, and where it reports newer leadership epochs (tests open
+    /// links of a set with it; a scheduler's `SessionOpener` carries the same three).
+    #[cfg(test)]
+    pub(crate) fn link_shared(&self) -> crate::link::Shared {
+        crate::link::Shared {
+            metrics: self.metrics.clone(),
+            tier: self.tier.clone(),
+            fence: self.fence.clone(),
+        }
+    }
+
+    /// The set's gauges for `/metrics`, each series labelled with `model_name`.
+    pub fn gauges(self: &Arc<Self>, model_name: &str) -> ExecutorGauges {
+        ExecutorGauges { model_name: model_name.to_string(), set: self.clone() }
+    }
+}
+
+/// The gauges of the executors a scheduler drives, read from the live links at scrape time:
+/// vLLM's per-executor running, waiting and KV usage, the sessions up, and the KV tier's size.
+pub struct ExecutorGauges {
+    model_name: String,
+    set: Arc<ExecutorSet>,
+}
+
+impl Render for ExecutorGauges {
+    fn render(&self, t: &mut Text) {
+        type Pick = fn(&SchedulerStats) -> f64;
+        let m = [("model_name", self.model_name.as_str())];
+        let links = self.set.alive();
+        let stats: Vec<(String, SchedulerStats)> =
+            links.iter().map(|l| (l.name.to_string(), l.stats())).collect();
+        let gauges: [(&str, &str, Pick); 4] = [
+            ("vllm:num_requests_running", "Requests running on the executor.", |s| {
+                s.num_running as f64
+            }),
+            ("vllm:num_requests_waiting", "Requests waiting to be admitted.", |s| {
+                s.num_waiting as f64
+            }),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", |s| {
+                s.kv_usage
+            }),
+            // vLLM's name for it before 0.10, which its published dashboard still reads.
+            (
+                "vllm:gpu_cache_usage_perc",
+                "Fraction of KV cache blocks in use (1 = full); vLLM's older name.",
+                |s| s.kv_usage,
+            ),
+        ];
+        for (name, help, pick) in gauges {
+            t.family(name, "gauge", help);
+            for (exec, s) in &stats {
+                t.sample(name, &[m[0], ("executor", exec)], pick(s));
+            }
+        }
+        t.gauge("ferry_executors_connected", "Executor sessions up.", &m, links.len() as f64);
+        t.gauge(
+            "ferry_kv_tier_indexed_blocks",
+            "KV blocks the KV tier's index says the agents hold.",
+            &m,
+            self.set.tier.total() as f64,
+        );
+        if let Some(n) = self.set.agents.count() {
+            t.gauge(
+                "ferry_kv_agents_registered",
+                "KV agents registered in etcd (transfers go only to these).",
+                &m,
+                n as f64,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::link::fake::raw_session;
+    use crate::link::tests::{spec, submit};
+    use crate::link::LinkEvent;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_step_refused_for_a_newer_epoch_deposes_the_set_before_its_requests_fail() {
+        let set = ExecutorSet::new();
+        set.lead(7);
+        let (link, mut steps, results) = raw_session("e", 7, set.link_shared());
+        set.insert(link.clone());
+        let mut a = submit(&link, 1, spec(&[1, 2], 4)).await;
+        let _ = steps.recv().await.unwrap();
+        results.send(Err(ferry_proto::fencing::stale_epoch(7, 9))).await.unwrap();
+        // The request hears Failed only after the set knows: its move does not wait here.
+        let failed = a.recv().await;
+        assert!(matches!(failed, Some(LinkEvent::Failed)), "{failed:?}");
+        assert_eq!(set.fence.newest(), 9);
+        assert_eq!(set.standing(), Standing::Deposed);
+        assert!(set.wait_alive(Duration::from_secs(30)).await.is_empty());
+        // Any other refusal ends the session but proves nothing about leadership.
+        let other = ExecutorSet::new();
+        let (link, mut steps, results) = raw_session("f", 0, other.link_shared());
+        let mut b = submit(&link, 1, spec(&[1, 2], 4)).await;
+        let _ = steps.recv().await.unwrap();
+        results
+            .send(Err(tonic::Status::failed_precondition("session 3 is not current")))
+            .await
+            .unwrap();
+        assert!(matches!(b.recv().await, Some(LinkEvent::Failed)));
+        assert_eq!(other.standing(), Standing::Serving(0));
     }
 }

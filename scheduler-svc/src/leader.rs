@@ -483,7 +483,8 @@ mod tests {
             let (set, executors) = (set.clone(), executors.clone());
             move |epoch: u64, _lease: i64| {
                 let token = Arc::new(|_, p| p as u32);
-                let (link, exec) = leader_link(&format!("e{epoch}"), epoch, token, &set);
+                let (link, exec) =
+                    leader_link(&format!("e{epoch}"), epoch, token, set.link_shared());
                 set.insert(link);
                 executors.lock().unwrap().push(exec);
                 tokio::spawn(std::future::pending::<()>())

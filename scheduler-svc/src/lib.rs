@@ -14,6 +14,7 @@ pub mod admin;
 pub mod config;
 pub mod discovery;
 pub mod executors;
+pub mod fence;
 pub mod front;
 pub mod http;
 pub mod leader;
@@ -30,10 +31,10 @@ use ferry_runtime::cluster::ClusterArgs;
 use ferry_runtime::GrpcHost;
 use tokio::net::TcpListener;
 
-use config::{FrontSettings, SchedulerSettings};
 use executors::ExecutorSet;
 use front::prepare::ServedModel;
-use link::SessionOpener;
+use front::FrontSettings;
+use link::{SchedulerSettings, SessionOpener};
 
 /// What the scheduling role runs with, checked at start-up.
 #[derive(Clone, Debug)]
@@ -192,7 +193,7 @@ struct Stop<S, H> {
 /// Serves `front` over gRPC on `listener` and HTTP on `http` until `stop.signal`, then drains.
 async fn serve_api(
     front: front::GenerationService,
-    metrics: Arc<dyn ferry_runtime::metrics::Render>,
+    metrics: Arc<dyn ferry_runtime::prometheus::Render>,
     admin: Option<admin::AdminService>,
     listeners: Listeners,
     stop: Stop<impl std::future::Future<Output = ()> + Send, impl std::future::Future<Output = ()>>,

@@ -3,17 +3,18 @@
 //! Ferry's own (`ferry_*`) for what vLLM has no name for.
 //!
 //! Counters are fed as events happen (the step loops add the core's counter deltas after each
-//! result; the front records request latencies); gauges are read from the live links at scrape
-//! time. Every series carries `model_name`, as vLLM's do; per-executor gauges also `executor`.
+//! result; the front records request latencies). Gauges are read from live state at scrape
+//! time by the modules that own it (the executor set's per-executor gauges, the API keys'
+//! counters), each a [`Render`] put beside [`CounterView`]: this module is a leaf that the
+//! others report into, and it imports none of them. Every series carries `model_name`, as
+//! vLLM's do; per-executor gauges also `executor`.
 
 use std::sync::Arc;
 
 use ferry_proto::v1::KvFailure;
-use ferry_runtime::metrics::{self, Counter, Histogram, Render, Text};
+use ferry_runtime::prometheus::{self, Counter, Histogram, Render, Text};
 use ferry_sched_core::{FinishReason, SchedulerStats, MAX_SPECULATIVE_TOKENS};
 use tokio::sync::watch;
-
-use crate::executors::ExecutorSet;
 
 /// Finish reasons as vLLM's `vllm:request_success_total` labels them.
 const REASONS: [&str; 4] = ["stop", "length", "abort", "error"];
@@ -115,20 +116,20 @@ impl SchedulerMetrics {
             requests_moved: Counter::default(),
             sessions_opened: Counter::default(),
             requests_refused: Counter::default(),
-            ttft: Histogram::new(metrics::TTFT_BUCKETS),
-            itl: Histogram::new(metrics::ITL_BUCKETS),
-            e2e: Histogram::new(metrics::REQUEST_BUCKETS),
-            queue_time: Histogram::new(metrics::REQUEST_BUCKETS),
-            prefill_time: Histogram::new(metrics::REQUEST_BUCKETS),
-            decode_time: Histogram::new(metrics::REQUEST_BUCKETS),
-            request_prompt_tokens: Histogram::new(metrics::TOKEN_BUCKETS),
-            request_generation_tokens: Histogram::new(metrics::TOKEN_BUCKETS),
-            request_max_tokens: Histogram::new(metrics::TOKEN_BUCKETS),
-            step_duration: Histogram::new(metrics::STEP_BUCKETS),
+            ttft: Histogram::new(prometheus::TTFT_BUCKETS),
+            itl: Histogram::new(prometheus::ITL_BUCKETS),
+            e2e: Histogram::new(prometheus::REQUEST_BUCKETS),
+            queue_time: Histogram::new(prometheus::REQUEST_BUCKETS),
+            prefill_time: Histogram::new(prometheus::REQUEST_BUCKETS),
+            decode_time: Histogram::new(prometheus::REQUEST_BUCKETS),
+            request_prompt_tokens: Histogram::new(prometheus::TOKEN_BUCKETS),
+            request_generation_tokens: Histogram::new(prometheus::TOKEN_BUCKETS),
+            request_max_tokens: Histogram::new(prometheus::TOKEN_BUCKETS),
+            step_duration: Histogram::new(prometheus::STEP_BUCKETS),
             kv_transfers: Counter::default(),
             kv_transfer_failures: Default::default(),
             kv_transfer_bytes: Counter::default(),
-            kv_transfer_seconds: Histogram::new(metrics::REQUEST_BUCKETS),
+            kv_transfer_seconds: Histogram::new(prometheus::REQUEST_BUCKETS),
             disaggregated: Counter::default(),
             handoffs_recomputed: Counter::default(),
             tier_stored_blocks: Counter::default(),
@@ -242,127 +243,53 @@ impl From<FinishReason> for FinishLabel {
     }
 }
 
-/// What `/metrics` shows: the counters, and gauges read from the live state.
-pub struct MetricsView {
+/// The counters and histograms of [`SchedulerMetrics`] as `/metrics` shows them, each series
+/// labelled with the served model. The gauges of live state are rendered by what owns that
+/// state (the executor set, the API keys, leadership) and put beside this one
+/// ([`ferry_runtime::prometheus::All`]): this module knows no executor, link or key.
+pub struct CounterView {
     /// The served model (every series' `model_name`).
     pub model_name: String,
     /// The counters.
     pub metrics: Arc<SchedulerMetrics>,
-    /// The executors driven here (none for a front alone).
-    pub executors: Option<Arc<ExecutorSet>>,
-    /// Leadership, with etcd.
-    pub leading: Option<watch::Receiver<Option<u64>>>,
-    /// The API keys, when the client APIs need one.
-    pub keys: Option<Arc<crate::front::keys::ApiKeys>>,
 }
 
-impl Render for MetricsView {
+impl Render for CounterView {
     fn render(&self, t: &mut Text) {
         let m = [("model_name", self.model_name.as_str())];
-        self.render_executors(t, &m);
-        self.render_leadership(t, &m);
         self.render_totals(t, &m);
-        self.render_keys(t, &m);
     }
 }
 
-impl MetricsView {
-    /// Per-API-key counters, labelled with the key's id (never the key).
-    fn render_keys(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        use crate::front::keys::{ApiKey, Limit};
-        type Pick = fn(&ApiKey) -> f64;
-        let Some(keys) = &self.keys else { return };
-        t.counter(
-            "ferry_api_unauthenticated",
-            "Calls refused for want of a valid API key.",
-            m,
-            keys.unauthenticated.get() as f64,
+/// Whether this process leads its pool, and under which epoch (a process that campaigns for
+/// leadership).
+pub struct LeadershipView {
+    /// The served model (every series' `model_name`).
+    pub model_name: String,
+    /// The epoch while leading, `None` otherwise.
+    pub leading: watch::Receiver<Option<u64>>,
+}
+
+impl Render for LeadershipView {
+    fn render(&self, t: &mut Text) {
+        let m = [("model_name", self.model_name.as_str())];
+        let epoch = *self.leading.borrow();
+        t.gauge(
+            "ferry_scheduler_leader",
+            "1 while this scheduler leads its pool (holds its etcd election lease).",
+            &m,
+            f64::from(u8::from(epoch.is_some())),
         );
-        let per_key: [(&str, &str, &str, Pick); 3] = [
-            ("ferry_api_key_requests", "counter", "Requests admitted, by API key id.", |k| {
-                k.admitted.get() as f64
-            }),
-            (
-                "ferry_api_key_tokens",
-                "counter",
-                "Tokens charged (prompt + max_tokens), by API key id.",
-                |k| k.tokens.get() as f64,
-            ),
-            ("ferry_api_key_running", "gauge", "Requests running, by API key id.", |k| {
-                f64::from(k.running())
-            }),
-        ];
-        for (name, kind, help, pick) in per_key {
-            t.family(name, kind, help);
-            for k in keys.keys() {
-                t.sample(name, &[m[0], ("api_key", &k.id)], pick(k));
-            }
-        }
-        let name = "ferry_api_key_refused";
-        t.family(name, "counter", "Requests refused over a limit, by API key id and limit.");
-        for k in keys.keys() {
-            for limit in Limit::ALL {
-                let labels = [m[0], ("api_key", &*k.id), ("limit", limit.label())];
-                t.sample(name, &labels, k.refused[limit as usize].get() as f64);
-            }
-        }
+        t.gauge(
+            "ferry_scheduler_epoch",
+            "The leadership epoch (election revision) while leading, else 0.",
+            &m,
+            epoch.unwrap_or(0) as f64,
+        );
     }
+}
 
-    /// Per-executor gauges, read from the live links.
-    fn render_executors(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        if let Some(set) = &self.executors {
-            type Pick = fn(&SchedulerStats) -> f64;
-            let links = set.alive();
-            let stats: Vec<(String, SchedulerStats)> =
-                links.iter().map(|l| (l.name.to_string(), l.stats())).collect();
-            let gauges: [(&str, &str, Pick); 4] = [
-                ("vllm:num_requests_running", "Requests running on the executor.", |s| {
-                    s.num_running as f64
-                }),
-                ("vllm:num_requests_waiting", "Requests waiting to be admitted.", |s| {
-                    s.num_waiting as f64
-                }),
-                (
-                    "vllm:kv_cache_usage_perc",
-                    "Fraction of KV cache blocks in use (1 = full).",
-                    |s| s.kv_usage,
-                ),
-                // vLLM's name for it before 0.10, which its published dashboard still reads.
-                (
-                    "vllm:gpu_cache_usage_perc",
-                    "Fraction of KV cache blocks in use (1 = full); vLLM's older name.",
-                    |s| s.kv_usage,
-                ),
-            ];
-            for (name, help, pick) in gauges {
-                t.family(name, "gauge", help);
-                for (exec, s) in &stats {
-                    t.sample(name, &[m[0], ("executor", exec)], pick(s));
-                }
-            }
-            t.gauge("ferry_executors_connected", "Executor sessions up.", m, links.len() as f64);
-        }
-    }
-
-    /// Whether this process leads its pool, and under which epoch.
-    fn render_leadership(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        if let Some(leading) = &self.leading {
-            let epoch = *leading.borrow();
-            t.gauge(
-                "ferry_scheduler_leader",
-                "1 while this scheduler leads its pool (holds its etcd election lease).",
-                m,
-                f64::from(u8::from(epoch.is_some())),
-            );
-            t.gauge(
-                "ferry_scheduler_epoch",
-                "The leadership epoch (election revision) while leading, else 0.",
-                m,
-                epoch.unwrap_or(0) as f64,
-            );
-        }
-    }
-
+impl CounterView {
     /// KV transfers, disaggregation and the KV tier.
     fn render_kv(&self, t: &mut Text, m: &[(&str, &str); 1]) {
         let counters: [(&str, &str, &Counter); 9] = [
@@ -414,22 +341,6 @@ impl MetricsView {
         ];
         for (name, help, c) in counters {
             t.counter(name, help, m, c.get() as f64);
-        }
-        if let Some(set) = &self.executors {
-            t.gauge(
-                "ferry_kv_tier_indexed_blocks",
-                "KV blocks the KV tier's index says the agents hold.",
-                m,
-                set.tier.total() as f64,
-            );
-        }
-        if let Some(n) = self.executors.as_ref().and_then(|set| set.agents.count()) {
-            t.gauge(
-                "ferry_kv_agents_registered",
-                "KV agents registered in etcd (transfers go only to these).",
-                m,
-                n as f64,
-            );
         }
         t.family(
             "ferry_kv_transfer_failures",

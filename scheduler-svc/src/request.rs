@@ -10,7 +10,6 @@
 use std::sync::Arc;
 
 use ferry_proto::v1;
-use ferry_sched_core as core;
 
 /// What a client asked for, checked.
 #[derive(Debug, Clone)]
@@ -54,42 +53,6 @@ pub struct OutputShape {
 }
 
 impl RequestSpec {
-    /// The request for the scheduling core under `id`, with `output` the tokens already
-    /// delivered (they are recomputed as part of the sequence, unless `transfer` imports
-    /// their prompt's KV), `eos` the executor's EOS ids and its part in a KV transfer.
-    pub fn to_core(
-        &self,
-        id: core::RequestId,
-        output: Vec<u32>,
-        eos: &[u32],
-        transfer: Option<&crate::link::TransferPlan>,
-        now: core::Timestamp,
-    ) -> core::NewRequest {
-        use crate::link::TransferPlan;
-        let mut req = core::NewRequest::new(id, self.prompt.clone(), self.max_tokens, now);
-        match transfer {
-            Some(TransferPlan::Export { transfer_id, .. }) => req.kv_export = Some(*transfer_id),
-            Some(TransferPlan::Import { transfer_id, tokens, .. }) => {
-                req.kv_import =
-                    Some(core::KvImport { transfer_id: *transfer_id, num_tokens: *tokens });
-            }
-            None => {}
-        }
-        req.min_tokens = self.min_tokens;
-        req.eos_token_ids = eos.to_vec();
-        req.stop_token_ids.clone_from(&self.stop_token_ids);
-        req.ignore_eos = self.ignore_eos;
-        req.priority = self.priority;
-        req.output = output;
-        // A grammar checks one token at a time, so a structured output decodes plainly.
-        req.speculate = self.sampling.structured_output.is_none();
-        if self.sampling.prompt_logprobs.is_some() {
-            // Its own prefix cache (salt): every prompt token is computed, and so scored.
-            req.cache_salt = (1 << 63) | id.0;
-        }
-        req
-    }
-
     /// The request for another scheduler (a front in its own process sends its requests to the
     /// leader this way), with `delivered` the tokens already generated, tokenized for the model
     /// with `fingerprint` (the scheduler refuses it if it serves another). Stop strings stay

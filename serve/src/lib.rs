@@ -49,19 +49,11 @@ pub struct ServeArgs {
     /// (prefill/decode disaggregation, for prompts of at least --disaggregation-min-tokens).
     #[arg(long, env = "FERRY_DISAGGREGATE")]
     pub disaggregate: bool,
-    /// Logs.
+    /// What every service takes: logs, traces, mutual TLS between the parts (one certificate
+    /// naming every role) and TLS on the APIs (plaintext by default on loopback), the front's
+    /// plaintext probe port, the drain's limit (every part's), `--check-config`.
     #[command(flatten)]
-    pub log: ferry_runtime::logging::LogArgs,
-    /// Traces.
-    #[command(flatten)]
-    pub trace: ferry_runtime::telemetry::TraceArgs,
-    /// The drain's limit, every part's.
-    #[command(flatten)]
-    pub drain: ferry_runtime::DrainArgs,
-    /// Mutual TLS between the parts (one certificate naming every role) and TLS on the APIs;
-    /// plaintext by default on loopback.
-    #[command(flatten)]
-    pub tls: ferry_runtime::tls::TlsArgs,
+    pub service: ferry_runtime::ServiceFlags,
 }
 
 /// `ferry serve`'s flags, checked.
@@ -84,13 +76,14 @@ impl ServeArgs {
     pub fn resolve(&self) -> anyhow::Result<ServeConfig> {
         self.executor.validate()?;
         self.kv_agent.validate()?;
-        self.tls.validate(&[("listen", &self.listen), ("http-listen", &self.http_address())])?;
+        let listen = [("listen", self.listen.as_str()), ("http-listen", &self.http_address())];
+        let drain = self.service.validate(&listen)?;
         Ok(ServeConfig {
             scheduler: self.scheduler.resolve()?,
             front: self.front.resolve()?,
             executor: self.executor.clone(),
             kv_agent: self.kv_agent.clone(),
-            drain: self.drain.timeout().map_err(anyhow::Error::msg)?,
+            drain,
         })
     }
 }
@@ -162,6 +155,14 @@ pub struct Bound {
     front: Listeners,
     main: Node,
     prefill: Option<Node>,
+}
+
+impl Bound {
+    /// The front's plaintext probe port (health and `/metrics`), when `--probe-listen` asks
+    /// for one.
+    pub fn set_probe(&mut self, probe: Option<tokio::net::TcpListener>) {
+        self.front.probe = probe;
+    }
 }
 
 /// One executor and its node's KV agent, bound.

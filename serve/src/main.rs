@@ -38,13 +38,16 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     let config = args.resolve()?;
-    args.log.init().map_err(anyhow::Error::msg)?;
-    let _telemetry = args.trace.init("ferry").map_err(anyhow::Error::msg)?;
-    ferry_runtime::tls::start(&args.tls)?;
-    let (bound, addrs) = ferry::bind(&args.listen, &args.http_address(), args.disaggregate).await?;
+    if args.service.check.dry_run_done("ferry serve") {
+        return Ok(());
+    }
+    let _telemetry = args.service.start("ferry")?;
+    let (mut bound, addrs) =
+        ferry::bind(&args.listen, &args.http_address(), args.disaggregate).await?;
     for (kind, addr) in addrs.parts() {
         ferry_runtime::grpc::announce("ferry", kind, addr);
     }
+    bound.set_probe(args.service.probe.bind("ferry").await?);
     let path = args.executor.model.clone();
     let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
     // Boxed: every part's state together is large for `main`'s stack frame.

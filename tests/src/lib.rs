@@ -11,12 +11,13 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 
+mod blocking_http;
 mod etcd;
-mod http;
+pub mod module_graph;
 pub mod proxy;
 pub mod streams;
+pub use blocking_http::{http, http_header, http_open, http_with, OpenStream};
 pub use etcd::{free_port, Etcd};
-pub use http::{http, http_header, http_open, http_with, OpenStream};
 
 /// How long a binary may take to announce its address.
 const START_TIMEOUT: Duration = Duration::from_mins(1);

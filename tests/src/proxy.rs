@@ -4,7 +4,7 @@
 //! push after the first chunk's head until released ([`Fault::Stall`]: the push is then
 //! certainly in the middle when the test kills its sender). Everything else (gRPC, an
 //! executor's `Get`) goes through unchanged. It follows the data channel's wire format
-//! (`ferry_kv_transfer_svc::data`): magic, operation byte, `u32` header length and header,
+//! (`ferry_kv_wire::data_channel`): magic, operation byte, `u32` header length and header,
 //! then chunks, each a 20-byte head (`u32` block, `u64` offset, `u32` length, `u32` CRC32C)
 //! and its bytes.
 

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::http::{HttpClient, HttpError};
+use crate::http_client::{HttpClient, HttpError};
 
 /// What one streamed request observed.
 #[derive(Debug, Clone, Default)]

@@ -8,11 +8,12 @@ use std::time::Instant;
 use std::sync::Arc;
 
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
-use ferry_executor_svc::model::{KvDtype, LoadedModel, PagedKvCache};
+use ferry_executor_svc::forward::{KvDtype, LoadedModel, PagedKvCache};
 use ferry_proto::v1;
 use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Timestamp};
-use ferry_scheduler_svc::config::{ExecutorGeometry, SchedulerSettings};
-use ferry_scheduler_svc::link::wire;
+use ferry_sched_flags::Geometry;
+use ferry_scheduler_svc::config::SchedulerSettings;
+use ferry_scheduler_svc::link::{self, wire};
 use ferry_scheduler_svc::request::{OutputShape, RequestSpec};
 
 use super::{Job, Percentiles, Report};
@@ -44,7 +45,7 @@ pub fn run(
         Box::new(CpuBackend::with_dtype(model.weights, dtype, block_size, num_blocks)),
         EngineConfig::new(eos),
     );
-    let geometry = ExecutorGeometry {
+    let geometry = Geometry {
         block_size,
         num_blocks,
         max_model_len: shape.max_model_len.min(num_blocks * block_size),
@@ -81,7 +82,14 @@ pub fn run(
                 ..spec.clone()
             };
             spec.sampling.seed = sampling.seed.map(|s| s + id);
-            core.add_request(spec.to_core(RequestId(id), Vec::new(), &[eos], None, now()))?;
+            core.add_request(link::core_request(
+                &spec,
+                RequestId(id),
+                Vec::new(),
+                &[eos],
+                None,
+                now(),
+            ))?;
             specs.insert(id, spec);
             live += 1;
         }

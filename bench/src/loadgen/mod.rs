@@ -296,8 +296,10 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
     let mut rng = Rng(args.seed ^ 0xA5A5);
     let target = Arc::new(args.target.clone());
     let client = match &args.tls_ca {
-        Some(ca) => crate::http::HttpClient::with_tls(ferry_runtime::tls::public_client(ca)?),
-        None => crate::http::HttpClient::default(),
+        Some(ca) => {
+            crate::http_client::HttpClient::with_tls(ferry_runtime::tls::public_client(ca)?)
+        }
+        None => crate::http_client::HttpClient::default(),
     };
     let model = args.model.clone();
     let rate = args.rate;

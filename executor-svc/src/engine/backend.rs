@@ -2,12 +2,12 @@
 //! `sim` (the roofline timing model with deterministic tokens). The `cuda` backend, the real
 //! model on a GPU, implements the same trait in `engine::cuda` (feature `cuda`).
 
-use ferry_kv_transfer_svc::shm::PoolMemory;
+use ferry_kv_wire::shm::PoolMemory;
 use std::time::Duration;
 
-use super::sim::{step_duration, SimBatchItem, SimClock, SimHardware, SimModel};
-use crate::model::paged::{self, BatchError, ForwardScratch, SeqSlice};
-use crate::model::{KvDtype, LlamaShape, LlamaWeights, PagedKvCache};
+use super::simulated_gpu::{step_duration, SimBatchItem, SimClock, SimHardware, SimModel};
+use crate::forward::paged::{self, BatchError, ForwardScratch, SeqSlice};
+use crate::forward::{KvDtype, LlamaShape, LlamaWeights, PagedKvCache};
 
 /// What a backend returns for a batch.
 #[derive(Debug)]
@@ -57,7 +57,7 @@ pub trait ModelBackend: Send {
         false
     }
     /// The end-of-sequence token a simulating backend serves now, if its handshake set one
-    /// (see [`super::sim::SimIdentity`]); `None`: the engine's.
+    /// (see [`super::simulated_gpu::SimIdentity`]); `None`: the engine's.
     fn sim_eos(&self) -> Option<u32> {
         None
     }
@@ -211,7 +211,7 @@ pub struct SimBackend {
     /// Wall-clock seconds per simulated second, in real time.
     time_scale: f64,
     /// The model served, when it is the scheduler's (a simulated model profile).
-    identity: Option<std::sync::Arc<super::sim::SimIdentity>>,
+    identity: Option<std::sync::Arc<super::simulated_gpu::SimIdentity>>,
 }
 
 impl SimBackend {
@@ -245,7 +245,10 @@ impl SimBackend {
     /// The same, serving the vocabulary and end token `identity` holds (each handshake sets
     /// them) instead of `shape`'s.
     #[must_use]
-    pub fn with_identity(self, identity: std::sync::Arc<super::sim::SimIdentity>) -> Self {
+    pub fn with_identity(
+        self,
+        identity: std::sync::Arc<super::simulated_gpu::SimIdentity>,
+    ) -> Self {
         Self { identity: Some(identity), ..self }
     }
 }

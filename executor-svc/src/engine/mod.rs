@@ -2,8 +2,9 @@
 //! per-request state and applies each validated `Step`; `backend` runs batches (the real model
 //! on the CPU, or the simulator); `cuda` (feature `cuda`) runs the real model on a GPU.
 //! `sampling` picks each
-//! request's next token from its logits, after `grammar` masks a constrained request's; `sim` is the roofline timing model behind the `sim`
-//! backend, so many simulated GPUs can run on one machine (DESIGN.md section 5).
+//! request's next token from its logits, after `grammar` masks a constrained request's;
+//! `simulated_gpu` is the simulated GPU (tokens, clock, the roofline timing model) behind the
+//! `sim` backend, so many simulated GPUs can run on one machine (DESIGN.md section 5).
 
 pub mod backend;
 // CUDA through cudarc: kernel launches, cuBLAS calls and dynamic library loading are `unsafe`
@@ -14,7 +15,7 @@ pub mod cuda;
 pub mod grammar;
 pub mod kv;
 pub mod sampling;
-pub mod sim;
+pub mod simulated_gpu;
 pub mod step;
 
 pub use backend::{BackendFacts, BatchOutput, CpuBackend, ModelBackend, SimBackend};

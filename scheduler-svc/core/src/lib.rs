@@ -16,7 +16,8 @@
 //!     // ... send the plan to the executor, get its sampled tokens back ...
 //!     let sampled = plan.scheduled.iter().filter(|w| w.samples_token)
 //!         .map(|w| SampledToken { id: w.id, token: 7 }).collect();
-//!     let outcome = StepOutcome { step_id: plan.step_id, sampled, kv_results: vec![] };
+//!     let outcome =
+//!         StepOutcome { step_id: plan.step_id, sampled, kv_results: vec![], refused: vec![] };
 //!     core.apply_result(&outcome, Timestamp(0), &mut events).unwrap();
 //! }
 //! assert!(matches!(events.last(), Some(RequestEvent::Finished(_))));
@@ -37,13 +38,9 @@
 #![warn(missing_docs)]
 
 #[forbid(unsafe_code)]
-pub mod bench;
-#[forbid(unsafe_code)]
 mod block_hash;
 #[forbid(unsafe_code)]
 mod block_pool;
-#[forbid(unsafe_code)]
-mod config;
 #[forbid(unsafe_code)]
 mod error;
 #[forbid(unsafe_code)]
@@ -63,9 +60,11 @@ pub mod routing;
 #[forbid(unsafe_code)]
 mod scheduler;
 #[forbid(unsafe_code)]
+mod scheduler_config;
+#[forbid(unsafe_code)]
 mod slots;
 #[forbid(unsafe_code)]
-mod spec;
+mod speculation;
 #[forbid(unsafe_code)]
 mod types;
 #[forbid(unsafe_code)]
@@ -74,10 +73,6 @@ mod waiting;
 mod work_queues;
 
 pub use block_hash::{extend_block_hashes, hash_block, BlockHash};
-pub use config::{
-    ConfigError, PreemptionMode, PreemptionPolicy, SchedulerConfig, SpeculativeConfig,
-    MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, MAX_STEPS_IN_FLIGHT,
-};
 pub use error::{AbortError, AddError, ApplyError, ScheduleError};
 pub use outcome::{
     FinishStats, FinishedRequest, KvResult, RequestEvent, SampledToken, StepOutcome,
@@ -87,5 +82,9 @@ pub use request::{
     Decision, FinishReason, Fork, KvImport, NewRequest, RequestStatus, RequestTimes, StopCause,
 };
 pub use scheduler::{InvariantViolation, RequestView, Scheduler, SchedulerStats};
+pub use scheduler_config::{
+    ConfigError, PreemptionMode, PreemptionPolicy, SchedulerConfig, SpeculativeConfig,
+    MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, MAX_STEPS_IN_FLIGHT,
+};
 pub use types::{BlockId, RequestId, StepId, Timestamp, TokenId, TransferId};
 pub use work_queues::WorkKey;

@@ -48,17 +48,7 @@ struct Common {
     #[arg(long, env = "FERRY_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
     #[command(flatten)]
-    log: ferry_runtime::logging::LogArgs,
-    #[command(flatten)]
-    trace: ferry_runtime::telemetry::TraceArgs,
-    #[command(flatten)]
-    tls: ferry_runtime::tls::TlsArgs,
-    #[command(flatten)]
-    probe: ferry_runtime::grpc::ProbeArgs,
-    #[command(flatten)]
-    drain: ferry_runtime::DrainArgs,
-    #[command(flatten)]
-    check: ferry_runtime::check::CheckArgs,
+    service: ferry_runtime::ServiceFlags,
 }
 
 #[derive(Debug, Subcommand)]
@@ -79,22 +69,19 @@ enum Command {
 }
 
 impl Common {
-    /// Checks the flags `start` and `model` would use, without binding or reading anything.
-    fn validate(&self) -> anyhow::Result<()> {
+    /// Checks the flags `start` and `model` would use, without binding or reading anything,
+    /// and returns the drain's timeout.
+    fn validate(&self) -> anyhow::Result<std::time::Duration> {
         let http = self.host_port.http_listen(&self.http_listen);
         let listen = [("listen", self.listen.as_str()), ("http-listen", &http)];
-        ferry_runtime::check::shared_flags(&listen, &self.log, &self.trace)
-            .map_err(anyhow::Error::msg)?;
-        self.tls.validate(&listen)?;
-        self.probe.validate()?;
-        self.drain.timeout().map_err(anyhow::Error::msg)?;
+        let drain = self.service.validate(&listen)?;
         if let Some(name) = &self.served_model_name {
             anyhow::ensure!(
                 !name.is_empty() && name.len() <= 256 && !name.contains(char::is_whitespace),
                 "--served-model-name {name:?} must be 1 to 256 characters without spaces"
             );
         }
-        Ok(())
+        Ok(drain)
     }
 
     /// Starts logging and tracing as `service`, binds both APIs and announces them.
@@ -102,15 +89,13 @@ impl Common {
         &self,
         service: &'static str,
     ) -> anyhow::Result<(Listeners, ferry_runtime::telemetry::Telemetry)> {
-        self.log.init().map_err(anyhow::Error::msg)?;
-        let telemetry = self.trace.init(service).map_err(anyhow::Error::msg)?;
-        ferry_runtime::tls::start(&self.tls)?;
+        let telemetry = self.service.start(service)?;
         let (grpc, addr) = ferry_runtime::grpc::bind(&self.listen).await?;
         let (http, http_addr) =
             ferry_runtime::grpc::bind(&self.host_port.http_listen(&self.http_listen)).await?;
         ferry_runtime::grpc::announce("ferry-scheduler", "grpc", addr);
         ferry_runtime::grpc::announce("ferry-scheduler", "http", http_addr);
-        let probe = self.probe.bind("ferry-scheduler").await?;
+        let probe = self.service.probe.bind("ferry-scheduler").await?;
         Ok((Listeners { grpc, http: Some(http), probe }, telemetry))
     }
 
@@ -140,10 +125,9 @@ async fn main() -> anyhow::Result<()> {
                     cli.cluster.validate()?;
                     cli.cluster.enabled().then_some(cli.cluster)
                 },
-                drain: cli.common.drain.timeout().map_err(anyhow::Error::msg)?,
+                drain: cli.common.validate()?,
             };
-            cli.common.validate()?;
-            if cli.common.check.dry_run_done("ferry-scheduler") {
+            if cli.common.service.check.dry_run_done("ferry-scheduler") {
                 return Ok(());
             }
             let (listeners, _telemetry) = cli.common.start("ferry-scheduler").await?;
@@ -158,13 +142,12 @@ async fn main() -> anyhow::Result<()> {
                 cluster.enabled(),
                 "a front needs --etcd-endpoints to find its scheduler"
             );
-            common.validate()?;
-            if common.check.dry_run_done("ferry-scheduler front") {
+            let drain = common.validate()?;
+            if common.service.check.dry_run_done("ferry-scheduler front") {
                 return Ok(());
             }
             let (listeners, _telemetry) = common.start("ferry-front").await?;
             let model = common.model().await?;
-            let drain = common.drain.timeout().map_err(anyhow::Error::msg)?;
             let front = (settings, pool, cluster);
             ferry_scheduler_svc::run_front(front, model, listeners, stop, drain).await
         }

@@ -24,28 +24,10 @@ use ferry_runtime::tls;
 use ferry_sched_core::{routing, Fork, TransferId};
 
 use super::placement::{PlaceError, Placed};
+use super::router::{self, has_agent, has_room, import_tokens, prefill_only};
 use super::{Front, Route};
 use crate::link::{LinkHandle, TransferPlan};
 use crate::request::RequestSpec;
-use crate::tier::LiveAgents;
-
-/// Whether `link`'s executor only prefills (it never gets a request to decode).
-pub(crate) fn prefill_only(link: &LinkHandle) -> bool {
-    link.info.role() == v1::ExecutorRole::Prefill
-}
-
-/// Whether `link`'s executor has a KV agent that is up (registered in etcd, when the agents
-/// are known): it can take part in transfers.
-fn has_agent(link: &LinkHandle, agents: &LiveAgents) -> bool {
-    !link.info.kv_agent_address.is_empty() && agents.is_live(&link.info.kv_agent_address)
-}
-
-/// Whether `link`'s KV pool has room now for a `prompt_len`-token prompt
-/// ([`routing::has_room`]).
-fn has_room(link: &LinkHandle, prompt_len: usize) -> bool {
-    let (blocks, bs) = (link.info.num_blocks as usize, link.info.block_size as usize);
-    routing::has_room(blocks, link.stats().kv_usage, bs, prompt_len)
-}
 
 /// The decode half of a disaggregated request, chosen when its prefill half was placed.
 #[derive(Clone)]
@@ -85,8 +67,6 @@ impl Handoff {
 pub(crate) fn transfer_ids() -> AtomicU64 {
     AtomicU64::new(ferry_runtime::clock::now_unix_ms() << 20)
 }
-
-pub(crate) use routing::import_tokens;
 
 impl Front {
     /// Places a new request: disaggregated when a prefill executor and a decode executor are
@@ -151,7 +131,7 @@ impl Front {
             .filter(|d| has_room(d, spec.prompt.len()))
             .cloned()
             .collect();
-        let decode = Self::pick(&decoders, &spec.prompt).await?;
+        let decode = router::pick(&decoders, &spec.prompt).await?;
         let cached = decode.prefix_hit(spec.prompt.clone()).await;
         let bs = decode.info.block_size as usize;
         if !routing::worth_disaggregating(spec.prompt.len(), cached, min_tokens, bs) {
@@ -196,20 +176,4 @@ pub(crate) fn cancel_transfer(agent: &str, transfer_id: TransferId, reason: &str
             Err(_) => tracing::debug!(%agent, transfer = transfer_id.0, "cancel timed out"),
         }
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::has_room;
-    use crate::link::fake::{fake_link, test_config};
-
-    #[tokio::test]
-    async fn a_decode_executor_needs_room_for_the_prompt_now() {
-        let metrics = crate::metrics::SchedulerMetrics::new();
-        let (link, _exec) = fake_link("d", std::sync::Arc::new(|_, _| 5), metrics);
-        let cfg = test_config();
-        let capacity = cfg.num_blocks * cfg.block_size;
-        assert!(has_room(&link, capacity / 2));
-        assert!(!has_room(&link, capacity), "one block more than the pool: no room");
-    }
 }

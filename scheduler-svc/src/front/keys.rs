@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ferry_runtime::metrics::Counter;
+use ferry_runtime::prometheus::{Counter, Render, Text};
 use serde::Deserialize;
 use tonic::metadata::MetadataMap;
 use tonic::Status;
@@ -364,6 +364,57 @@ fn check_id(id: &str) -> Result<(), &'static str> {
         Ok(())
     } else {
         Err("an id must be 1 to 64 letters, digits, `-`, `_` or `.`")
+    }
+}
+
+/// The keys' counters for `/metrics`, labelled with each key's id (never the key) and the
+/// served model.
+pub struct KeyMetrics {
+    /// The served model (every series' `model_name`).
+    pub model_name: String,
+    /// The keys.
+    pub keys: Arc<ApiKeys>,
+}
+
+impl Render for KeyMetrics {
+    fn render(&self, t: &mut Text) {
+        type Pick = fn(&ApiKey) -> f64;
+        let m = [("model_name", self.model_name.as_str())];
+        let keys = &self.keys;
+        t.counter(
+            "ferry_api_unauthenticated",
+            "Calls refused for want of a valid API key.",
+            &m,
+            keys.unauthenticated.get() as f64,
+        );
+        let per_key: [(&str, &str, &str, Pick); 3] = [
+            ("ferry_api_key_requests", "counter", "Requests admitted, by API key id.", |k| {
+                k.admitted.get() as f64
+            }),
+            (
+                "ferry_api_key_tokens",
+                "counter",
+                "Tokens charged (prompt + max_tokens), by API key id.",
+                |k| k.tokens.get() as f64,
+            ),
+            ("ferry_api_key_running", "gauge", "Requests running, by API key id.", |k| {
+                f64::from(k.running())
+            }),
+        ];
+        for (name, kind, help, pick) in per_key {
+            t.family(name, kind, help);
+            for k in keys.keys() {
+                t.sample(name, &[m[0], ("api_key", &k.id)], pick(k));
+            }
+        }
+        let name = "ferry_api_key_refused";
+        t.family(name, "counter", "Requests refused over a limit, by API key id and limit.");
+        for k in keys.keys() {
+            for limit in Limit::ALL {
+                let labels = [m[0], ("api_key", &*k.id), ("limit", limit.label())];
+                t.sample(name, &labels, k.refused[limit as usize].get() as f64);
+            }
+        }
     }
 }
 

@@ -1,18 +1,17 @@
-//! Where a request runs, and how the front picks it: an executor link of this process (the
-//! longest cached prefix first, then the lightest load — DESIGN.md §2's router), or the pool's
-//! leader scheduler for a front in its own process.
+//! Where a request runs, and how the front puts it there: on an executor link of this process
+//! (the one [`super::router`] picks, with a KV-tier read when another node's agent holds more
+//! of its prompt), or on the pool's leader scheduler for a front in its own process.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_runtime::Backoff;
-use ferry_sched_core::routing::Candidate;
 use ferry_sched_core::{Fork, RequestId, TransferId};
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use super::remote;
+use super::{remote, router};
 use super::{Front, Route};
 use crate::link::{AddRefused, LinkError, LinkEvent, LinkHandle, Submission, TransferPlan};
 use crate::request::RequestSpec;
@@ -93,25 +92,6 @@ impl std::fmt::Display for PlaceError {
 pub(crate) type Placed = (Placement, mpsc::UnboundedReceiver<LinkEvent>);
 
 impl Front {
-    /// The executor for a sequence: the longest cached prefix first, then the lightest load,
-    /// then the first listed. Prefill-only executors are used only when no other is up.
-    pub(super) async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
-        let decoders: Vec<LinkHandle> =
-            alive.iter().filter(|l| !super::disagg::prefill_only(l)).cloned().collect();
-        let alive = if decoders.is_empty() { alive } else { &decoders };
-        if alive.len() <= 1 {
-            return alive.first().cloned();
-        }
-        let tokens: Arc<[u32]> = tokens.into();
-        let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
-        let hits = futures_util::future::join_all(asks).await;
-        let candidates = alive.iter().zip(hits).map(|(l, hit)| Candidate {
-            prefix_hit_tokens: hit,
-            load: l.load.load(Ordering::Relaxed),
-        });
-        ferry_sched_core::routing::pick(candidates).map(|k| alive[k].clone())
-    }
-
     /// Places `spec` with `delivered` tokens already generated on an executor up now, or one
     /// that comes up within `patience`; an executor that turns out to be gone is skipped.
     pub(crate) async fn place(
@@ -140,7 +120,7 @@ impl Front {
                     return Err(PlaceError::Full(full.info.max_live_requests as usize));
                 }
             }
-            let Some(link) = Self::pick(&roomy, &sequence).await else {
+            let Some(link) = router::pick(&roomy, &sequence).await else {
                 return Err(PlaceError::NoExecutor);
             };
             let tier_read = self.tier_read(&link, spec, request_id).await;
@@ -171,12 +151,12 @@ impl Front {
         let Route::Local(set) = &self.route else { return None };
         let own_agent = &link.info.kv_agent_address;
         let bs = link.info.block_size as usize;
-        let covered = super::disagg::import_tokens(spec.prompt.len(), bs);
+        let covered = router::import_tokens(spec.prompt.len(), bs);
         if own_agent.is_empty() || covered < min || !set.agents.is_live(own_agent) {
             return None;
         }
         let mut hashes = Vec::new();
-        // Salt 0: the front's requests carry none (RequestSpec::to_core).
+        // Salt 0: the front's requests carry none (`link::core_request`).
         ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, 0);
         let hashes: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let layout = crate::tier::layout_key(link.info.kv_layout.as_ref());
@@ -248,7 +228,7 @@ impl Front {
         if let (Route::Local(set), true) = (&self.route, shares) {
             let roomy: Vec<LinkHandle> =
                 set.alive().iter().filter(|l| l.has_room()).cloned().collect();
-            if let Some(link) = Self::pick(&roomy, &specs[0].prompt).await {
+            if let Some(link) = router::pick(&roomy, &specs[0].prompt).await {
                 if let Ok(first) = self.submit(&link, &specs[0], &[], None, Fork::Source).await {
                     let Placement::Link { id: source, .. } = &first.0 else {
                         unreachable!("submit places on a link")

@@ -11,8 +11,8 @@ use tokio_stream::StreamExt;
 use tonic::Request;
 
 use super::prepare::ServedModel;
+use super::FrontSettings;
 use super::{GenerationService, Route};
-use crate::config::FrontSettings;
 use crate::executors::ExecutorSet;
 use crate::link::fake::{fake_link, gated_link, FakeExecutor, TokenFn};
 use crate::link::LinkHandle;

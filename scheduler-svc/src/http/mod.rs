@@ -108,7 +108,7 @@ impl IntoResponse for ApiError {
 /// The routes, over `front`, with `/metrics` rendering `metrics`.
 pub fn router(
     front: GenerationService,
-    metrics: std::sync::Arc<dyn ferry_runtime::metrics::Render>,
+    metrics: std::sync::Arc<dyn ferry_runtime::prometheus::Render>,
 ) -> Router {
     let api = Router::new()
         .route("/v1/completions", post(openai::completions))
@@ -120,7 +120,7 @@ pub fn router(
     let mut open = Router::new()
         .route("/health", get(health))
         .with_state(front.clone())
-        .merge(ferry_runtime::metrics::router(metrics));
+        .merge(ferry_runtime::prometheus::router(metrics));
     if front.keys().is_some_and(|k| k.guard_health_and_metrics) {
         open = open.route_layer(middleware::from_fn_with_state(front, require_key));
     }
@@ -178,7 +178,7 @@ async fn health(State(front): State<GenerationService>) -> Response {
 /// Serves the HTTP API on `listener` until `shutdown` resolves.
 pub async fn serve(
     front: GenerationService,
-    metrics: std::sync::Arc<dyn ferry_runtime::metrics::Render>,
+    metrics: std::sync::Arc<dyn ferry_runtime::prometheus::Render>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {

@@ -61,7 +61,7 @@ pub(crate) fn test_config() -> SchedulerConfig {
         max_model_len: 512,
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
-        max_steps_in_flight: crate::config::MAX_STEPS_IN_FLIGHT,
+        max_steps_in_flight: ferry_sched_flags::STEPS_IN_FLIGHT,
         ..SchedulerConfig::default()
     }
 }
@@ -107,23 +107,19 @@ pub(crate) fn raw_link(
     raw_session(name, 0, shared)
 }
 
-/// [`fake_link`] as a leader of `set` under `epoch` would open it (its metrics, its fence).
+/// [`fake_link`] as a leader would open it under `epoch`, sharing `shared` with the other
+/// links of its set (its metrics, its fence).
 pub(crate) fn leader_link(
     name: &str,
     epoch: u64,
     token: TokenFn,
-    set: &crate::executors::ExecutorSet,
+    shared: super::Shared,
 ) -> (LinkHandle, FakeExecutor) {
-    let (link, steps, results) = raw_session(name, epoch, shared_of(set));
+    let (link, steps, results) = raw_session(name, epoch, shared);
     let (_, gate) = watch::channel(u64::MAX);
     let seeds = Seeds::default();
     let task = tokio::spawn(answer(steps, results, token, gate, seeds.clone()));
     (link, FakeExecutor { task, seeds })
-}
-
-/// What a link of `set` shares with it.
-pub(crate) fn shared_of(set: &crate::executors::ExecutorSet) -> super::Shared {
-    super::Shared { metrics: set.metrics.clone(), tier: set.tier.clone(), fence: set.fence.clone() }
 }
 
 /// [`raw_link`] under `epoch`, sharing `shared`.
@@ -142,7 +138,7 @@ pub(crate) fn raw_session(
         ..Default::default()
     };
     let core = Scheduler::new(config).expect("a valid test configuration");
-    let (step_tx, step_rx) = mpsc::channel(crate::config::MAX_STEPS_IN_FLIGHT + 1);
+    let (step_tx, step_rx) = mpsc::channel(ferry_sched_flags::STEPS_IN_FLIGHT + 1);
     let (result_tx, result_rx) = mpsc::channel(8);
     let session = Session { name: name.into(), epoch, id: 1 };
     let results = ReceiverStream::new(result_rx);

@@ -15,7 +15,7 @@ pub(crate) mod tests;
 pub mod transfers;
 pub mod wire;
 
-pub use open::SessionOpener;
+pub use open::{geometry_of, GeometryRefused, SchedulerSettings, SessionOpener};
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -112,6 +112,41 @@ pub struct Submission {
     pub events: mpsc::UnboundedSender<LinkEvent>,
 }
 
+/// The request `spec` for the scheduling core under `id`, with `output` the tokens already
+/// delivered (they are recomputed as part of the sequence, unless `transfer` imports
+/// their prompt's KV), `eos` the executor's EOS ids and its part in a KV transfer.
+pub fn core_request(
+    spec: &RequestSpec,
+    id: ferry_sched_core::RequestId,
+    output: Vec<u32>,
+    eos: &[u32],
+    transfer: Option<&TransferPlan>,
+    now: ferry_sched_core::Timestamp,
+) -> ferry_sched_core::NewRequest {
+    let mut req = ferry_sched_core::NewRequest::new(id, spec.prompt.clone(), spec.max_tokens, now);
+    match transfer {
+        Some(TransferPlan::Export { transfer_id, .. }) => req.kv_export = Some(*transfer_id),
+        Some(TransferPlan::Import { transfer_id, tokens, .. }) => {
+            req.kv_import =
+                Some(ferry_sched_core::KvImport { transfer_id: *transfer_id, num_tokens: *tokens });
+        }
+        None => {}
+    }
+    req.min_tokens = spec.min_tokens;
+    req.eos_token_ids = eos.to_vec();
+    req.stop_token_ids.clone_from(&spec.stop_token_ids);
+    req.ignore_eos = spec.ignore_eos;
+    req.priority = spec.priority;
+    req.output = output;
+    // A grammar checks one token at a time, so a structured output decodes plainly.
+    req.speculate = spec.sampling.structured_output.is_none();
+    if spec.sampling.prompt_logprobs.is_some() {
+        // Its own prefix cache (salt): every prompt token is computed, and so scored.
+        req.cache_salt = (1 << 63) | id.0;
+    }
+    req
+}
+
 /// What the handle asks of the loop.
 enum Command {
     Add(Box<Submission>, oneshot::Sender<Result<(), AddRefused>>),
@@ -189,7 +224,7 @@ pub(crate) struct Shared {
     /// Where it records what it wrote to its node's agent.
     pub tier: Arc<crate::tier::TierIndex>,
     /// Where it reports an executor's newer leadership epoch.
-    pub fence: Arc<crate::executors::Fence>,
+    pub fence: Arc<crate::fence::Fence>,
 }
 
 impl LinkHandle {

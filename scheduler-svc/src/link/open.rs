@@ -13,13 +13,75 @@ use std::time::Duration;
 use ferry_proto::v1::{self, executor_client::ExecutorClient};
 use ferry_runtime::{tls, Backoff};
 use ferry_sched_core::Scheduler;
+use ferry_sched_flags::{Geometry, SchedulerPolicy, STEPS_IN_FLIGHT};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::step_loop::Session;
 use super::{wire, LinkError, LinkHandle};
-use crate::config::{SchedulerSettings, MAX_STEPS_IN_FLIGHT};
+use crate::fence::Fence;
 use crate::metrics::SchedulerMetrics;
+
+/// The scheduling role's settings, checked (`config` builds them from the flags).
+#[derive(Clone, Debug)]
+pub struct SchedulerSettings {
+    /// Who this scheduler is (executors show it as their session's owner).
+    pub scheduler_id: String,
+    /// The pool it schedules.
+    pub pool: String,
+    /// How long a connection to a listed or discovered executor is retried.
+    pub connect_timeout: Duration,
+    /// The token presented to listed executors without etcd (empty: none).
+    pub static_token: Arc<[u8]>,
+    /// The core's policy, with placeholder executor geometry (see [`Self::core_config`]).
+    pub policy: SchedulerPolicy,
+}
+
+/// An executor stated a geometry the core cannot run with.
+#[derive(Debug, thiserror::Error)]
+#[error("executor {executor}: {source}")]
+pub struct GeometryRefused {
+    /// The executor's id.
+    pub executor: String,
+    /// What the core refused.
+    #[source]
+    pub source: ferry_sched_core::ConfigError,
+}
+
+impl SchedulerSettings {
+    /// Whether the core orders requests by their priority (`--scheduling-policy priority`).
+    pub fn orders_by_priority(&self) -> bool {
+        self.policy.orders_by_priority()
+    }
+
+    /// The core's configuration for the executor `executor_id` with `geometry` (from its
+    /// handshake): the flags' policy plus what the executor stated. Refused when the executor
+    /// stated something the core cannot run with (no blocks, say).
+    pub fn core_config(
+        &self,
+        executor_id: &str,
+        geometry: Geometry,
+    ) -> Result<ferry_sched_core::SchedulerConfig, GeometryRefused> {
+        self.policy
+            .for_executor(geometry)
+            .map_err(|source| GeometryRefused { executor: executor_id.to_string(), source })
+    }
+
+    /// Most requests holding an admission slot at once, per executor.
+    pub fn max_num_seqs(&self) -> usize {
+        self.policy.max_num_seqs()
+    }
+}
+
+/// What an executor's handshake contributes to its core's configuration.
+pub fn geometry_of(info: &v1::ExecutorInfo) -> Geometry {
+    Geometry {
+        block_size: info.block_size as usize,
+        num_blocks: info.num_blocks as usize,
+        max_model_len: info.max_model_len as usize,
+        kv_agent: !info.kv_agent_address.is_empty(),
+    }
+}
 
 /// What opening a session takes: who this scheduler is, under which epoch, for which model.
 #[derive(Clone)]
@@ -42,7 +104,7 @@ pub struct SessionOpener {
     /// Where the links record what they wrote to their agents.
     pub tier: Arc<crate::tier::TierIndex>,
     /// Where the links report an executor's newer leadership epoch.
-    pub fence: Arc<crate::executors::Fence>,
+    pub fence: Arc<Fence>,
 }
 
 impl SessionOpener {
@@ -116,7 +178,7 @@ impl SessionOpener {
         let info = hs.info.ok_or_else(|| unreachable("handshake without executor info".into()))?;
         let config = self
             .settings
-            .core_config(&info.executor_id, (&info).into())
+            .core_config(&info.executor_id, geometry_of(&info))
             .map_err(|e| refused(e.to_string()))?;
         // The largest step this core can build must fit what the executor decodes.
         let largest =
@@ -130,7 +192,7 @@ impl SessionOpener {
             )));
         }
         let core = Scheduler::new(config).map_err(|e| refused(format!("scheduler: {e}")))?;
-        let (step_tx, step_rx) = mpsc::channel(MAX_STEPS_IN_FLIGHT + 1);
+        let (step_tx, step_rx) = mpsc::channel(STEPS_IN_FLIGHT + 1);
         let mut stream = tonic::Request::new(ReceiverStream::new(step_rx));
         let secret = ferry_runtime::secret::to_hex(&hs.session_secret);
         let secret =

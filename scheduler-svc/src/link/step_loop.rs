@@ -3,7 +3,7 @@
 //! (DESIGN.md §2–§4).
 //!
 //! Event-driven: it builds steps while the core has work and fewer than its
-//! `max_steps_in_flight` are outstanding ([`crate::config::MAX_STEPS_IN_FLIGHT`], so the
+//! `max_steps_in_flight` are outstanding ([`ferry_sched_flags::STEPS_IN_FLIGHT`], so the
 //! executor never waits for the scheduler; one with speculative decoding), and
 //! otherwise sleeps until a command or a result arrives — no polling.
 //!
@@ -69,7 +69,7 @@ pub(super) struct Published {
     /// What each agent holds: this loop records its executor's stores and imports.
     pub tier: Arc<TierIndex>,
     /// Where a newer leadership epoch is reported.
-    pub fence: Arc<crate::executors::Fence>,
+    pub fence: Arc<crate::fence::Fence>,
     /// The stats the metrics were last brought up to.
     last: SchedulerStats,
 }
@@ -275,8 +275,14 @@ impl StepLoop {
                 }
                 self.idle = false;
                 let now = self.now();
-                let mut req =
-                    sub.spec.to_core(sub.id, sub.output, &self.eos, sub.transfer.as_ref(), now);
+                let mut req = super::core_request(
+                    &sub.spec,
+                    sub.id,
+                    sub.output,
+                    &self.eos,
+                    sub.transfer.as_ref(),
+                    now,
+                );
                 req.fork = sub.fork;
                 let added = self.core.add_request(req);
                 if added.is_ok() {

@@ -31,7 +31,7 @@ pub(crate) fn spec(prompt: &[u32], max_tokens: usize) -> Arc<RequestSpec> {
 }
 
 /// Adds a request to `link` and returns its event stream.
-async fn submit(
+pub(crate) async fn submit(
     link: &LinkHandle,
     id: u64,
     spec: Arc<RequestSpec>,
@@ -158,35 +158,6 @@ async fn an_idle_link_notices_its_executor_died() {
         assert!(tokio::time::Instant::now() < deadline, "the dead executor went unnoticed");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_step_refused_for_a_newer_epoch_deposes_the_set_before_its_requests_fail() {
-    let set = crate::executors::ExecutorSet::new();
-    set.lead(7);
-    let (link, mut steps, results) = super::fake::raw_session("e", 7, super::fake::shared_of(&set));
-    set.insert(link.clone());
-    let mut a = submit(&link, 1, spec(&[1, 2], 4)).await;
-    let _ = steps.recv().await.unwrap();
-    results.send(Err(ferry_proto::fencing::stale_epoch(7, 9))).await.unwrap();
-    // The request hears Failed only after the set knows: its move does not wait here.
-    let failed = a.recv().await;
-    assert!(matches!(failed, Some(LinkEvent::Failed)), "{failed:?}");
-    assert_eq!(set.fence.newest(), 9);
-    assert_eq!(set.standing(), crate::executors::Standing::Deposed);
-    assert!(set.wait_alive(Duration::from_secs(30)).await.is_empty());
-    // Any other refusal ends the session but proves nothing about leadership.
-    let other = crate::executors::ExecutorSet::new();
-    let (link, mut steps, results) =
-        super::fake::raw_session("f", 0, super::fake::shared_of(&other));
-    let mut b = submit(&link, 1, spec(&[1, 2], 4)).await;
-    let _ = steps.recv().await.unwrap();
-    results
-        .send(Err(tonic::Status::failed_precondition("session 3 is not current")))
-        .await
-        .unwrap();
-    assert!(matches!(b.recv().await, Some(LinkEvent::Failed)));
-    assert_eq!(other.standing(), crate::executors::Standing::Serving(0));
 }
 
 #[tokio::test(start_paused = true)]

@@ -5,10 +5,9 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use ferry_sched_core::{PreemptionMode, PreemptionPolicy, SchedulerConfig};
+use ferry_roofline::{activation_bytes, kv_capacity_blocks, Profiles};
+use ferry_sched_flags::{Geometry, SchedulingArgs};
 use ferry_sim::des::{self, ClusterSpec, KvTier, Report, Router, Slo};
-use ferry_sim::profile::Profiles;
-use ferry_sim::roofline::{activation_bytes, kv_capacity_blocks};
 use ferry_sim::workload::{Arrivals, Conversations, Generated, Lengths, PrefixGroups, Source};
 
 /// Simulate N GPUs serving a workload with Ferry's scheduler and router, in virtual time.
@@ -85,12 +84,6 @@ struct Args {
     /// How new requests are placed.
     #[arg(long, value_enum, default_value_t = Router::KvAware)]
     router: Router,
-    /// Requests running at once per executor.
-    #[arg(long, default_value_t = 256)]
-    max_num_seqs: usize,
-    /// Tokens per step per executor.
-    #[arg(long, default_value_t = 8192)]
-    max_num_batched_tokens: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -100,15 +93,10 @@ struct Args {
     /// Fraction of GPU memory for weights, activations and KV cache (vLLM's).
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
-    /// Turn the prefix cache off.
-    #[arg(long)]
-    no_prefix_caching: bool,
-    /// Which running request gives way when blocks run out.
-    #[arg(long, value_enum, default_value_t = Policy::Fcfs)]
-    preemption_policy: Policy,
-    /// Keep a preempted request's blocks while it waits (`yield`) or drop them (`recompute`).
-    #[arg(long, value_enum, default_value_t = Mode::Recompute)]
-    preemption_mode: Mode,
+    /// How each simulated executor's core schedules: the scheduler's own flags, with its
+    /// defaults (`ferry-scheduler --help`).
+    #[command(flatten)]
+    scheduling: SchedulingArgs,
     /// The SLO of the goodput figure: longest time to first token, seconds.
     #[arg(long, default_value_t = 2.0)]
     slo_ttft: f64,
@@ -133,19 +121,6 @@ struct Args {
     /// Check every core's invariants after every step (slow).
     #[arg(long)]
     check_invariants: bool,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum Policy {
-    Fcfs,
-    Priority,
-    LeastWorkDone,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum Mode {
-    Recompute,
-    Yield,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -207,7 +182,14 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
     let tp = args.tensor_parallel.unwrap_or(m.tensor_parallel);
     let model = m.to_sim()?;
     let hardware = profiles.hardware(&args.hardware)?.to_sim(m.compute_dtype(), tp)?;
-    let (bs, seqs, tokens) = (args.block_size, args.max_num_seqs, args.max_num_batched_tokens);
+    anyhow::ensure!(
+        args.scheduling.speculative_config.is_none(),
+        "--speculative-config: ferry-sim's executors sample one token per step; speculative \
+         decoding is not simulated"
+    );
+    let policy = args.scheduling.policy()?;
+    let (bs, seqs, tokens) =
+        (args.block_size, policy.max_num_seqs(), policy.core().max_num_batched_tokens);
     let activations = activation_bytes(&model, tp, tokens as u32, seqs as u32);
     let blocks =
         kv_capacity_blocks(&hardware, &model, bs as u32, args.gpu_memory_utilization, activations);
@@ -219,27 +201,15 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
             args.hardware
         );
     }
-    let scheduler = SchedulerConfig {
+    // As the scheduler configures a core for an executor's handshake; the core queues its
+    // finished requests' blocks for the tier only when the executor has an agent (a tier).
+    let geometry = Geometry {
         block_size: bs,
         num_blocks: usize::try_from(blocks)?,
-        max_num_seqs: seqs,
-        max_num_batched_tokens: tokens,
         max_model_len: args.max_model_len,
-        lookahead: seqs,
-        enable_prefix_caching: !args.no_prefix_caching,
-        preemption_policy: match args.preemption_policy {
-            Policy::Fcfs => PreemptionPolicy::Fcfs,
-            Policy::Priority => PreemptionPolicy::Priority,
-            Policy::LeastWorkDone => PreemptionPolicy::LeastWorkDone,
-        },
-        // The core queues its finished requests' blocks for the tier only when there is one.
-        kv_tier_store_blocks_per_step: if args.kv_tier_blocks > 0 { 16 } else { 0 },
-        preemption_mode: match args.preemption_mode {
-            Mode::Recompute => PreemptionMode::Recompute,
-            Mode::Yield => PreemptionMode::Yield,
-        },
-        ..SchedulerConfig::default()
+        kv_agent: args.kv_tier_blocks > 0,
     };
+    let scheduler = policy.for_executor(geometry)?;
     let spec = ClusterSpec {
         executors: args.executors,
         hardware,

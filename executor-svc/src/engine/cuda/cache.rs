@@ -1,4 +1,4 @@
-//! The paged KV cache in device memory: the CPU cache's layout (`model::kv_cache`), one block
+//! The paged KV cache in device memory: the CPU cache's layout (`forward::kv_cache`), one block
 //! after another, each `layers × {K, V} × block_size × kv_dim` f32 values, so the handshake's
 //! KV layout (and a future block transfer) is the same whichever backend holds the blocks.
 //! The scheduler owns allocation; this type only sizes and holds the memory.
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::CudaError;
-use crate::model::LlamaShape;
+use crate::forward::LlamaShape;
 
 /// KV memory for `num_blocks` blocks of `block_size` tokens, on the device.
 #[derive(Debug)]

@@ -1,4 +1,4 @@
-//! The serving forward on the GPU: the CPU's `model::paged::forward`, step for step, over the
+//! The serving forward on the GPU: the CPU's `forward::paged::forward`, step for step, over the
 //! same variable-length batch (prefill chunks and decodes, no padding), with cuBLAS for the
 //! products and [`super::kernels`] for the rest.
 //!
@@ -20,7 +20,7 @@ use super::launch::{int, Heads, PagedContext};
 use super::plan::BatchPlan;
 use super::weights::{DeviceMatrix, DeviceWeights};
 use super::CudaError;
-use crate::model::LlamaShape;
+use crate::forward::LlamaShape;
 
 /// Activation buffers for a number of rows, reused across steps and grown when a larger batch
 /// arrives (never shrunk: the largest batch sets the high-water mark, as on the CPU).

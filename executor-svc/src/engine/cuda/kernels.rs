@@ -2,7 +2,7 @@
 //! Ferry needs no CUDA toolkit and no `nvcc`. cuBLAS does the matrix products; these kernels do
 //! everything between them.
 //!
-//! Each kernel mirrors one step of the CPU forward (`model::ops`, `model::paged`): the same
+//! Each kernel mirrors one step of the CPU forward (`forward::ops`, `forward::paged`): the same
 //! formulas with the same association of operations, compiled without fused multiply-add
 //! contraction (`--fmad=false`), so the two paths differ only where summation order differs
 //! (and in the CPU's 8-bit activation quantization). Layouts are the CPU path's: activations

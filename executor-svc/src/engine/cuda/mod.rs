@@ -37,8 +37,8 @@ use self::plan::BatchPlan;
 use self::probe::CudaLibrary;
 use self::weights::DeviceWeights;
 use super::backend::{BackendFacts, BatchOutput, ModelBackend};
-use crate::model::paged::{self, BatchError, SeqSlice};
-use crate::model::{LlamaShape, LlamaWeights};
+use crate::forward::paged::{self, BatchError, SeqSlice};
+use crate::forward::{LlamaShape, LlamaWeights};
 
 /// Why the CUDA backend could not start (or, in [`CudaBackend::run`], why the device failed).
 #[derive(Debug, thiserror::Error)]

@@ -6,7 +6,7 @@
 //! in one concatenated table array, which is all the KV write and the attention need. Positions
 //! and offsets are 64-bit, so no batch that passed validation can overflow them.
 
-use crate::model::paged::SeqSlice;
+use crate::forward::paged::SeqSlice;
 
 /// The device-side description of one batch.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -34,7 +34,7 @@ pub struct TooManyRows {
 }
 
 impl BatchPlan {
-    /// Flattens a batch that has passed [`crate::model::paged::check_geometry`].
+    /// Flattens a batch that has passed [`crate::forward::paged::check_geometry`].
     pub fn new(batch: &[SeqSlice]) -> Result<Self, TooManyRows> {
         let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let max = i32::MAX as usize;

@@ -9,10 +9,10 @@ use candle_core::{Device, Tensor};
 use super::probe::{try_load, CudaLibrary};
 use super::{kernels, CudaBackend, CudaError};
 use crate::engine::backend::{BatchOutput, CpuBackend, ModelBackend};
+use crate::forward::llama::LayerWeights;
+use crate::forward::paged::SeqSlice;
+use crate::forward::{ops, LlamaShape, LlamaWeights};
 use crate::kernels::QWeight;
-use crate::model::llama::LayerWeights;
-use crate::model::paged::SeqSlice;
-use crate::model::{ops, LlamaShape, LlamaWeights};
 
 /// A deterministic stream of values in [-1, 1).
 struct Lcg(u64);
@@ -194,7 +194,7 @@ fn on_a_gpu_the_real_model_greedy_decodes_like_the_cpu() {
         return;
     }
     drop(probe);
-    let model = crate::model::LoadedModel::open(None).expect("the default model");
+    let model = crate::forward::LoadedModel::open(None).expect("the default model");
     let prompt = model.file.tokenizer.encode("The capital of France is").expect("encode");
     let (bs, blocks) = (16, 64);
     let mut gpu = CudaBackend::new(&model.weights, bs, blocks, 0).expect("gpu backend");

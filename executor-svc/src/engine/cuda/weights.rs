@@ -14,8 +14,8 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use rayon::prelude::*;
 
 use super::CudaError;
+use crate::forward::LlamaWeights;
 use crate::kernels::QWeight;
-use crate::model::LlamaWeights;
 
 /// A dense row-major `[rows (outputs), cols (inputs)]` f32 matrix in device memory.
 #[derive(Debug)]

@@ -21,9 +21,10 @@
 //! a request from the arena and the draft (or the pool, or the fences) at once without copying
 //! through a scratch buffer; the transitions themselves are methods on `Scheduler`, by path:
 //! this module holds the ones every path shares (add, abort, finish, retire, block release),
-//! `step` builds a step, `preempt` frees blocks for a running request, `apply` folds a step
-//! result back in, `invariants` checks the whole state (each part's own rules, then how the
-//! parts agree), `view` exposes stats and per-request listings.
+//! `step` builds a step (`admission` admits waiting requests into it, `fork` forks parallel
+//! samples from their source's KV), `preempt` frees blocks for a running request, `apply`
+//! folds a step result back in, `invariants` checks the whole state (each part's own rules,
+//! then how the parts agree), `view` exposes stats and per-request listings.
 //!
 //! Life of a request: `Waiting` (or `Receiving`) → admitted into a slot → `Active` with at most
 //! one pending `WorkKey` → `Finished` (or `Transferring` → `Finished`) → *retired* once its
@@ -34,10 +35,12 @@
 //! returned to the pool until that step's result is applied (see `fences`), so an executor
 //! running step N never sees a block reused by step N+1.
 
+mod admission;
 mod apply;
 mod arena;
 mod draft;
 mod fences;
+mod fork;
 mod inflight;
 mod invariants;
 mod preempt;
@@ -47,12 +50,12 @@ mod transfers;
 mod view;
 
 use crate::block_pool::BlockPool;
-use crate::config::{ConfigError, PreemptionPolicy, SchedulerConfig};
 use crate::error::{AbortError, AddError};
 use crate::outcome::{FinishStats, FinishedRequest};
 use crate::request::{
     Decision, FinishReason, Fork, NewRequest, Request, RequestStatus, TransferState,
 };
+use crate::scheduler_config::{ConfigError, PreemptionPolicy, SchedulerConfig};
 use crate::slots::AdmissionSlots;
 use crate::types::{RequestId, Timestamp};
 use crate::waiting::WaitingQueue;
@@ -81,7 +84,7 @@ struct Counters {
     spec_drafts: u64,
     spec_draft_tokens: u64,
     spec_accepted_tokens: u64,
-    spec_accepted_per_position: [u64; crate::config::MAX_SPECULATIVE_TOKENS],
+    spec_accepted_per_position: [u64; crate::scheduler_config::MAX_SPECULATIVE_TOKENS],
     forks: u64,
     fork_shared_blocks: u64,
     fork_copied_blocks: u64,

@@ -24,8 +24,8 @@
 //! and the blocks allocated for it in this step (they were never sent), so nothing leaks into
 //! the plan. A step that preempted, or skipped a request for the fence, admits nobody.
 
-use crate::config::{PreemptionMode, PreemptionPolicy};
 use crate::request::{Decision, Request};
+use crate::scheduler_config::{PreemptionMode, PreemptionPolicy};
 use crate::types::Timestamp;
 
 use super::Scheduler;

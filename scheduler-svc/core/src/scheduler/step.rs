@@ -1,5 +1,6 @@
 //! Building one step: decodes, then running prompt work, then (if nothing was preempted) the
-//! admission of waiting requests, then KV imports and exports.
+//! admission of waiting requests (`admission`, with parallel samples' forks in `fork`), then KV
+//! imports and exports.
 //!
 //! Cost: each phase pops only the work it looks at. A running request is visited at most once
 //! per step (`visited_step`), re-queued at the back after it is scheduled (so queues rotate and
@@ -16,9 +17,8 @@ use crate::error::ScheduleError;
 use crate::plan::{ScheduledWork, Span, StepPlan};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, RequestStatus, StepMark, TransferState};
-use std::sync::Arc;
 
-use crate::types::{BlockId, RequestId, Timestamp};
+use crate::types::Timestamp;
 use crate::work_queues::WorkKey;
 
 use super::preempt::Room;
@@ -111,7 +111,7 @@ impl Scheduler {
         }
     }
 
-    /// Propose draft tokens for decode-ready `idx` into its `draft` (see `spec`); true if it
+    /// Propose draft tokens for decode-ready `idx` into its `draft` (see `speculation`); true if it
     /// has some. Only a request whose every token is known (no sample in flight) proposes: a
     /// proposal continues the last token, and the draft must leave room for the token the
     /// verification samples after it (`max_tokens`, the model's length). A request whose last
@@ -139,7 +139,7 @@ impl Scheduler {
             .saturating_sub(r.output.len() + 1)
             .min(self.cfg.max_model_len.saturating_sub(r.num_tokens() + 1))
             .min(len);
-        crate::spec::propose_ngram(
+        crate::speculation::propose_ngram(
             &r.prompt,
             &r.output,
             spec.prompt_lookup_min,
@@ -219,7 +219,7 @@ impl Scheduler {
     ///
     /// Everything a scheduled request needs for the step record happens here, in one visit;
     /// `finalize` only revisits the few with an executor diff or blocks to register.
-    fn commit_work(&mut self, idx: u32, key: WorkKey, n: usize, new_blocks: usize) {
+    pub(super) fn commit_work(&mut self, idx: u32, key: WorkKey, n: usize, new_blocks: usize) {
         let pos = self.draft.next_position();
         let step = StepMark::of(self.draft.step());
         let bs = self.cfg.block_size;
@@ -262,244 +262,6 @@ impl Scheduler {
             self.counters.prompt_tokens += n as u64;
         }
         self.requeue(idx);
-    }
-
-    /// Admit waiting requests in queue order while slots, budget and blocks allow, looking at
-    /// no more than `lookahead` of them.
-    fn admit_waiting(&mut self, now: Timestamp) {
-        let mut cur = self.waiting.first();
-        let mut scanned = 0;
-        while let Some(idx) = cur {
-            if scanned >= self.cfg.lookahead || self.draft.budget() == 0 {
-                break;
-            }
-            if !self.slots.has_free() {
-                self.requests[idx].decision = Decision::NoSlot;
-                break;
-            }
-            scanned += 1;
-            cur = self.waiting.next_after(idx);
-            if self.requests[idx].inflight_refs > 0 {
-                // Its in-flight samples must land before it can resume.
-                self.requests[idx].decision = Decision::InFlight;
-                continue;
-            }
-            if self.awaits_fork(idx) {
-                self.requests[idx].decision = Decision::ForkWait;
-                continue;
-            }
-            if !self.try_admit(idx, now) {
-                break;
-            }
-        }
-    }
-
-    /// What admitting `idx` now would take: its first work and the blocks for it.
-    fn admission_plan(&mut self, idx: u32) -> AdmissionPlan {
-        let bs = self.cfg.block_size;
-        let holds = !self.requests[idx].block_table.is_empty();
-        // Prefix-cache lookup for a request that holds no KV: full blocks only, and never the
-        // whole sequence (the last token must be computed to sample from it).
-        let fork = if holds { None } else { self.fork_point(idx) };
-        let (hit_blocks, evictable_hits) = if holds || fork.is_some() {
-            (0, 0)
-        } else {
-            let max_hit = (self.requests[idx].num_tokens() - 1) / bs;
-            self.prefix_lookup(idx, max_hit)
-        };
-        let r = &self.requests[idx];
-        debug_assert!(holds || r.num_computed == 0, "no blocks but computed tokens");
-        debug_assert_eq!(r.placeholders, 0, "admitting with samples in flight");
-        let computed = match fork {
-            _ if holds => r.num_computed,
-            Some(_) => r.prompt.len() - 1,
-            None => hit_blocks * bs,
-        };
-        let remaining = r.num_tokens().saturating_sub(computed);
-        let cap = r.fork_cap(computed);
-        let chunked = self.cfg.enable_chunked_prefill
-            || remaining > self.cfg.max_num_batched_tokens
-            || cap < remaining;
-        let (key, n) = if remaining == 1 && computed >= r.prompt.len() {
-            (WorkKey::Decode, 1)
-        } else if chunked {
-            let n = remaining.min(self.cfg.chunk_cap()).min(self.draft.budget()).min(cap);
-            (WorkKey::PromptChunk, n)
-        } else {
-            (WorkKey::Prompt, remaining)
-        };
-        let have = match fork {
-            _ if holds => r.block_table.len(),
-            Some(f) => f.shared,
-            None => hit_blocks,
-        };
-        let need = self.cfg.blocks_for(computed + n).saturating_sub(have);
-        AdmissionPlan {
-            holds,
-            hit_blocks,
-            fork,
-            computed,
-            key,
-            n,
-            need,
-            blocks_taken: need + evictable_hits,
-        }
-    }
-
-    /// A sample of several that has never run waits while its source runs and has not yet
-    /// computed its prompt (but the last token) in an earlier step: it will fork from that KV.
-    /// It waits for nothing else: not for a source that waits itself (it may be queued behind
-    /// the sample, or preempted), finished or retired.
-    fn awaits_fork(&self, idx: u32) -> bool {
-        let r = &self.requests[idx];
-        let Some(source) = r.cold.fork_of else { return false };
-        if r.cold.times.first_scheduled.is_some() || r.prompt.len() < 2 {
-            return false;
-        }
-        self.fork_source(idx, source).is_some_and(|s| {
-            self.requests[s].status == RequestStatus::Active
-                && self.computed_before_step(s) < r.prompt.len() - 1
-        })
-    }
-
-    /// The live, unfinished source `idx` forks from, if it is still the request it was added
-    /// with (the same prompt allocation: an id can be reused once its request retires).
-    fn fork_source(&self, idx: u32, source: RequestId) -> Option<u32> {
-        let s = self.requests.index_of(source)?;
-        let (r, src) = (&self.requests[idx], &self.requests[s]);
-        (Arc::ptr_eq(&r.prompt, &src.prompt) && !src.status.is_finished()).then_some(s)
-    }
-
-    /// Tokens of `idx` computed by steps before the one being built.
-    fn computed_before_step(&self, idx: u32) -> usize {
-        let r = &self.requests[idx];
-        if self.scheduled_in_build(idx) {
-            r.num_computed - self.draft.work_at(r.sched_index).num_tokens
-        } else {
-            r.num_computed
-        }
-    }
-
-    /// How a sample of several that holds no KV forks from its source now, if it can: the
-    /// source computed the prompt but its last token in an earlier step and still holds it.
-    fn fork_point(&self, idx: u32) -> Option<ForkPlan> {
-        let r = &self.requests[idx];
-        let point = r.prompt.len().checked_sub(1).filter(|&p| p > 0)?;
-        let source = self.fork_source(idx, r.cold.fork_of?)?;
-        let s = &self.requests[source];
-        if self.computed_before_step(source) < point
-            || s.block_table.len() * self.cfg.block_size < point
-        {
-            return None;
-        }
-        let bs = self.cfg.block_size;
-        let shared = point / bs;
-        let copy = (point % bs != 0).then(|| s.block_table[shared]);
-        Some(ForkPlan { source, shared, copy })
-    }
-
-    /// Admit `idx` if its first work fits (reclaiming KV idled by other waiting requests if
-    /// that is what it takes); false if it does not fit this step.
-    fn try_admit(&mut self, idx: u32, now: Timestamp) -> bool {
-        let plan = loop {
-            let plan = self.admission_plan(idx);
-            if plan.n == 0 || plan.n > self.draft.budget() {
-                self.requests[idx].decision = Decision::NoBudget;
-                return false;
-            }
-            let free = self.pool.num_free();
-            if plan.blocks_taken <= free {
-                break plan;
-            }
-            // Blocks pinned by waiting requests are idle: take them from the tail, unless the
-            // fence will release enough by the next step anyway.
-            let holder = self.worst_holder_except(idx);
-            match holder {
-                Some(h) if free + self.fences.fenced() < plan.blocks_taken => {
-                    self.reclaim(h, plan.blocks_taken - free);
-                }
-                _ => {
-                    self.requests[idx].decision = Decision::NoBlocks;
-                    return false;
-                }
-            }
-        };
-        if let Some(fork) = plan.fork {
-            self.take_fork(idx, fork);
-        } else if !plan.holds {
-            self.take_prefix_hits(idx, plan.hit_blocks);
-            let r = &mut self.requests[idx];
-            let first_admission = r.cold.times.first_scheduled.is_none();
-            r.num_computed = plan.computed;
-            r.set_registered(plan.hit_blocks);
-            if first_admission {
-                r.cold.prefix_hit_tokens = plan.computed;
-            }
-            let queried = r.num_tokens() as u64;
-            if self.cfg.enable_prefix_caching {
-                self.counters.prefix_queries += queried;
-                self.counters.prefix_hits += plan.computed as u64;
-            }
-        }
-        self.activate(idx, now);
-        let r = &mut self.requests[idx];
-        r.decision = Decision::Admitted;
-        r.visited_step = self.draft.step().0;
-        self.commit_work(idx, plan.key, plan.n, plan.need);
-        if let Some(ForkPlan { source, shared, copy: Some(src) }) = plan.fork {
-            // The first new block holds the rest of the forked KV: the executor copies it
-            // before the step's forward writes the sample's first position in it.
-            let r = &self.requests[idx];
-            self.draft.copy_block(source, src, r.id, r.block_table[shared]);
-            self.counters.fork_copied_blocks += 1;
-        }
-        true
-    }
-
-    /// Start `idx`'s table with a reference to each of its source's shared full blocks.
-    fn take_fork(&mut self, idx: u32, fork: ForkPlan) {
-        debug_assert!(self.requests[idx].block_table.is_empty(), "a fork only starts a table");
-        for i in 0..fork.shared {
-            let b = self.requests[fork.source].block_table[i];
-            self.pool.touch(b);
-            self.requests[idx].block_table.push(b);
-        }
-        let registered = self.requests[fork.source].registered().min(fork.shared);
-        let r = &mut self.requests[idx];
-        r.num_computed = r.prompt.len() - 1;
-        r.set_registered(registered);
-        r.cold.fork_of = None;
-        self.counters.forks += 1;
-        self.counters.fork_shared_blocks += fork.shared as u64;
-    }
-
-    /// Prefix-cache lookup over at most `max_blocks` leading full blocks of `idx`'s tokens:
-    /// the number of hit blocks, and how many of them are free cached blocks (a hit on those
-    /// takes them out of the free list, so they count against the free blocks).
-    fn prefix_lookup(&mut self, idx: u32, max_blocks: usize) -> (usize, usize) {
-        if !self.cfg.enable_prefix_caching {
-            return (0, 0);
-        }
-        let r = &mut self.requests[idx];
-        r.update_block_hashes(self.cfg.block_size);
-        let hashes = &r.cold.block_hashes[..max_blocks.min(r.cold.block_hashes.len())];
-        let hits = self.pool.count_hits(hashes.iter().copied());
-        let evictable = hashes[..hits]
-            .iter()
-            .filter(|&&h| self.pool.lookup(h).is_some_and(|b| self.pool.ref_count(b) == 0))
-            .count();
-        (hits, evictable)
-    }
-
-    /// Put the first `hits` cached blocks (found by `prefix_lookup`) into `idx`'s empty table.
-    fn take_prefix_hits(&mut self, idx: u32, hits: usize) {
-        let r = &mut self.requests[idx];
-        debug_assert!(r.block_table.is_empty(), "hits only start a table");
-        for &h in &r.cold.block_hashes[..hits] {
-            let b = self.pool.lookup(h).expect("prefix_lookup found it in this step");
-            self.pool.touch(b);
-            r.block_table.push(b);
-        }
     }
 
     /// Allocate blocks for queued KV imports, at most `max_kv_fetches` in progress.
@@ -654,37 +416,4 @@ impl Scheduler {
         r.exec.needs_resume = false;
         r.exec.sent_blocks = table_len as u32;
     }
-}
-
-/// The first work of a request being admitted and what it costs.
-#[derive(Debug, Clone, Copy)]
-struct AdmissionPlan {
-    /// It already holds KV (yielded or imported) and needs no prefix lookup.
-    holds: bool,
-    /// Leading blocks found in the prefix cache.
-    hit_blocks: usize,
-    /// It forks from its source's prompt KV instead.
-    fork: Option<ForkPlan>,
-    /// Computed tokens once admitted (held KV or prefix hit).
-    computed: usize,
-    /// The kind of its first work.
-    key: WorkKey,
-    /// Tokens of its first work.
-    n: usize,
-    /// New blocks to allocate.
-    need: usize,
-    /// Free blocks the admission consumes (new blocks + revived cached ones).
-    blocks_taken: usize,
-}
-
-/// How a sample forks from its source: the source's first `shared` blocks are shared, and its
-/// block `copy` (partly filled with the forked KV), if any, is copied into a new block.
-#[derive(Debug, Clone, Copy)]
-struct ForkPlan {
-    /// The source's arena entry.
-    source: u32,
-    /// Full blocks shared.
-    shared: usize,
-    /// The source's partial block after them.
-    copy: Option<BlockId>,
 }

@@ -55,7 +55,7 @@ pub struct SchedulerStats {
     pub spec_accepted_tokens: u64,
     /// Verifications that accepted the draft token at each position, from the first (vLLM
     /// `vllm:spec_decode_num_accepted_tokens_per_pos`).
-    pub spec_accepted_per_position: [u64; crate::config::MAX_SPECULATIVE_TOKENS],
+    pub spec_accepted_per_position: [u64; crate::scheduler_config::MAX_SPECULATIVE_TOKENS],
     /// Samples of a parallel-sampling request that forked from their source's prompt KV.
     pub forks: u64,
     /// Blocks those forks took a reference to instead of computing (prompt blocks shared).

@@ -1,0 +1,385 @@
+//! The executor's configuration: one struct, every field a flag and a `FERRY_…` environment
+//! variable, checked once at start-up.
+
+use clap::{Args, ValueEnum};
+
+use ferry_proto::v1;
+
+/// Which engine runs the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// candle on the CPU with the quantized GGUF model.
+    Cpu,
+    /// The real model on an NVIDIA GPU through cudarc (needs a build with the `cuda` feature,
+    /// and the NVIDIA driver, cuBLAS and NVRTC at run time).
+    Cuda,
+    /// The roofline timing simulator with deterministic tokens.
+    Sim,
+}
+
+impl From<BackendKind> for v1::Backend {
+    fn from(kind: BackendKind) -> Self {
+        match kind {
+            BackendKind::Cpu => v1::Backend::Cpu,
+            BackendKind::Cuda => v1::Backend::Cuda,
+            BackendKind::Sim => v1::Backend::Sim,
+        }
+    }
+}
+
+/// What the executor does in a disaggregated deployment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Role {
+    /// Prefill and decode.
+    Both,
+    /// Prefill only; finished prompts export their KV.
+    Prefill,
+    /// Decode only; requests arrive with imported KV.
+    Decode,
+}
+
+impl From<Role> for v1::ExecutorRole {
+    fn from(role: Role) -> Self {
+        match role {
+            Role::Both => v1::ExecutorRole::Both,
+            Role::Prefill => v1::ExecutorRole::Prefill,
+            Role::Decode => v1::ExecutorRole::Decode,
+        }
+    }
+}
+
+/// Everything an executor needs to start.
+#[derive(Clone, Debug, Args)]
+pub struct ExecutorConfig {
+    /// GGUF model file; the default model (obtained when missing) if absent.
+    #[arg(long, env = "FERRY_MODEL")]
+    pub model: Option<std::path::PathBuf>,
+    /// Stable id of this executor in the cluster.
+    #[arg(long, env = "FERRY_EXECUTOR_ID", default_value = "executor-0")]
+    pub executor_id: String,
+    /// Engine that runs the model.
+    #[arg(long, env = "FERRY_BACKEND", value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    /// Prefill, decode or both.
+    #[arg(long, env = "FERRY_ROLE", value_enum, default_value_t = Role::Both)]
+    pub role: Role,
+    /// Tokens per KV block.
+    #[arg(long, env = "FERRY_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// Memory for the KV cache, in MiB; the number of blocks follows from it.
+    #[arg(long, env = "FERRY_KV_CACHE_MIB", default_value_t = 512)]
+    pub kv_cache_mib: u64,
+    /// Element type of the KV cache: `f16` (half the memory per token, so twice the tokens in
+    /// `--kv-cache-mib`; the CPU backend's default, as llama.cpp's) or `f32`. The CUDA
+    /// backend keeps f32.
+    #[arg(long, env = "FERRY_KV_CACHE_DTYPE")]
+    pub kv_cache_dtype: Option<crate::forward::KvDtype>,
+    /// GPU to run on with `--backend cuda`, as the driver numbers them (0 first).
+    #[arg(long, env = "FERRY_CUDA_DEVICE", default_value_t = 0)]
+    pub cuda_device: usize,
+    /// This node's KV agent (`host:port`): KV exports and imports go through it. Without one,
+    /// the executor refuses steps with KV operations.
+    #[arg(long = "kv-agent", env = "FERRY_KV_AGENT")]
+    pub kv_agent: Option<String>,
+    /// Shared memory with the KV agent: a staging region of up to this many MiB (reserved as
+    /// used) that exports and imports copy blocks through, so their bytes skip the agent's
+    /// socket. 0: none. A transfer that finds no room takes the socket.
+    #[arg(long, env = "FERRY_KV_STAGING_MIB", default_value_t = 256)]
+    pub kv_staging_mib: u64,
+    /// Without etcd: the token a scheduler must present to open a session (`ferry-executor
+    /// --leadership-token-file`, or the one `ferry serve` shares with its parts).
+    #[arg(skip)]
+    pub leadership_token: Option<std::sync::Arc<[u8]>>,
+    /// Directory of the staging region: a tmpfs that the agent shares (its `--shm-dir`).
+    #[arg(long, env = "FERRY_KV_SHM_DIR", default_value = ferry_kv_wire::shm::DEFAULT_DIR)]
+    pub kv_shm_dir: std::path::PathBuf,
+    /// With `--backend sim`: the model whose step times and KV capacity are simulated, a model
+    /// profile of `ferry-sim` (`ferry-sim --list-profiles`). No model file is read: the executor
+    /// serves the model its scheduler tokenizes for (the handshake names its fingerprint,
+    /// vocabulary and end tokens), and `--kv-cache-mib` gives way to the profile's capacity.
+    #[arg(long, env = "FERRY_MODEL_PROFILE")]
+    pub model_profile: Option<String>,
+    /// With `--backend sim`: the simulated GPU (a hardware profile of `ferry-sim`).
+    #[arg(long, env = "FERRY_HARDWARE", default_value = "h100")]
+    pub hardware: String,
+    /// With `--model-profile`: GPUs per executor (the model profile's default if absent).
+    #[arg(long, env = "FERRY_TENSOR_PARALLEL")]
+    pub tensor_parallel: Option<u32>,
+    /// With `--backend sim`: wall-clock seconds per simulated second (0.1 runs ten times faster
+    /// than the simulated GPU would).
+    #[arg(long, env = "FERRY_TIME_SCALE", default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// With `--model-profile`: more profiles (as `ferry-sim --profile-dir`).
+    #[arg(long, env = "FERRY_PROFILE_DIR")]
+    pub profile_dir: Option<std::path::PathBuf>,
+    /// Most requests held at once (running and preempted); a step that would add more has the
+    /// extra new requests refused (each alone). The handshake states it, and a scheduler keeps
+    /// each executor's requests within it.
+    #[arg(long, env = "FERRY_MAX_LIVE_REQUESTS", default_value_t = DEFAULT_MAX_LIVE_REQUESTS)]
+    pub max_live_requests: u32,
+    /// Largest `Step` message decoded, in bytes (gRPC's limit on the session stream); the
+    /// handshake states it, and a scheduler whose largest possible step exceeds it refuses the
+    /// session with the figures.
+    #[arg(long, env = "FERRY_MAX_STEP_BYTES", default_value_t = DEFAULT_MAX_STEP_BYTES)]
+    pub max_step_bytes: u64,
+}
+
+/// Default `--max-live-requests`.
+pub const DEFAULT_MAX_LIVE_REQUESTS: u32 = 4096;
+/// Default `--max-step-bytes`: 256 MiB, room for 256 new requests of 128k tokens in one step.
+pub const DEFAULT_MAX_STEP_BYTES: u64 = 256 << 20;
+/// Least `--max-step-bytes`: 64 KiB.
+pub const MIN_MAX_STEP_BYTES: u64 = 64 << 10;
+
+/// Largest block size accepted: vLLM's largest is 256 tokens.
+pub const MAX_BLOCK_SIZE: u32 = 256;
+
+impl ExecutorConfig {
+    /// The KV cache's element type: as asked, else f16 on the CPU and f32 elsewhere.
+    pub fn kv_dtype(&self) -> crate::forward::KvDtype {
+        use crate::forward::KvDtype;
+        self.kv_cache_dtype.unwrap_or(if self.backend == BackendKind::Cpu {
+            KvDtype::F16
+        } else {
+            KvDtype::F32
+        })
+    }
+
+    /// Checks the values that clap's types cannot, with a message that names the limit, and
+    /// that this build can run them (start-up: [`Self::validate_flags`], then
+    /// [`Self::check_build`]).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_flags()?;
+        self.check_build()
+    }
+
+    /// Whether this build can run the configuration: `--backend cuda` needs the `cuda`
+    /// feature. Checked before the model is loaded, not after.
+    pub fn check_build(&self) -> Result<(), ConfigError> {
+        if self.backend == BackendKind::Cuda && !cfg!(feature = "cuda") {
+            return Err(ConfigError::NoCuda);
+        }
+        Ok(())
+    }
+
+    /// Checks every flag's value and combination (what any build would accept; see
+    /// [`Self::check_build`] for what this one can run).
+    pub fn validate_flags(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0
+            || self.block_size > MAX_BLOCK_SIZE
+            || !self.block_size.is_power_of_two()
+        {
+            return Err(ConfigError::BlockSize(self.block_size));
+        }
+        if self.kv_cache_mib == 0 {
+            return Err(ConfigError::KvCache);
+        }
+        if self.backend == BackendKind::Cuda && self.kv_dtype() != crate::forward::KvDtype::F32 {
+            return Err(ConfigError::CudaKvDtype);
+        }
+        if self.max_live_requests == 0 {
+            return Err(ConfigError::MaxLiveRequests);
+        }
+        if self.max_step_bytes < MIN_MAX_STEP_BYTES || self.max_step_bytes > u64::from(u32::MAX) {
+            return Err(ConfigError::MaxStepBytes(self.max_step_bytes));
+        }
+        if self.executor_id.trim().is_empty() {
+            return Err(ConfigError::ExecutorId);
+        }
+        if let Some(a) = &self.kv_agent {
+            ferry_runtime::address::dial_address("kv-agent", a)
+                .map_err(|_| ConfigError::KvAgent(a.clone()))?;
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(ConfigError::TimeScale(self.time_scale));
+        }
+        if self.backend == BackendKind::Sim {
+            self.sim_hardware(&self.profiles()?, "bf16", self.tensor_parallel.unwrap_or(1))?;
+        }
+        if self.model_profile.is_some() {
+            if self.backend != BackendKind::Sim {
+                return Err(ConfigError::ProfileNeedsSim);
+            }
+            if self.model.is_some() {
+                return Err(ConfigError::ProfileAndModel);
+            }
+            self.sim_profile()?;
+        }
+        Ok(())
+    }
+
+    /// The simulated model and GPU `--model-profile` and `--hardware` name (`None` without a
+    /// model profile).
+    pub fn sim_profile(
+        &self,
+    ) -> Result<Option<(ferry_roofline::ModelProfile, ferry_roofline::SimHardware)>, ConfigError>
+    {
+        let Some(name) = &self.model_profile else { return Ok(None) };
+        let profiles = self.profiles()?;
+        let model = profiles.model(name).map_err(profile_error)?.clone();
+        model.to_sim().map_err(profile_error)?;
+        let tp = self.tensor_parallel.unwrap_or(model.tensor_parallel);
+        let hardware = self.sim_hardware(&profiles, model.compute_dtype(), tp)?;
+        Ok(Some((model, hardware)))
+    }
+
+    /// The `--hardware` GPU computing in `dtype`, `tp` of them per executor.
+    pub fn sim_hardware(
+        &self,
+        profiles: &ferry_roofline::Profiles,
+        dtype: &str,
+        tp: u32,
+    ) -> Result<ferry_roofline::SimHardware, ConfigError> {
+        profiles.hardware(&self.hardware).and_then(|h| h.to_sim(dtype, tp)).map_err(profile_error)
+    }
+
+    /// The built-in profiles and those of `--profile-dir`.
+    pub fn profiles(&self) -> Result<ferry_roofline::Profiles, ConfigError> {
+        let mut profiles = ferry_roofline::Profiles::built_in();
+        if let Some(dir) = &self.profile_dir {
+            profiles.add_dir(dir).map_err(profile_error)?;
+        }
+        Ok(profiles)
+    }
+}
+
+#[allow(clippy::needless_pass_by_value)] // the shape `map_err` takes
+fn profile_error(e: ferry_roofline::ProfileError) -> ConfigError {
+    ConfigError::Profile(e.to_string())
+}
+
+/// A configuration value out of range.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Block size not a power of two in 1..=256.
+    #[error("--block-size {0} is invalid: it must be a power of two from 1 to {MAX_BLOCK_SIZE}")]
+    BlockSize(u32),
+    /// An f16 KV cache asked of the CUDA backend.
+    #[error(
+        "--kv-cache-dtype f16: the CUDA backend keeps an f32 KV cache (pass f32 or leave it out)"
+    )]
+    CudaKvDtype,
+    /// No KV memory.
+    #[error("--kv-cache-mib must be at least 1")]
+    KvCache,
+    /// Empty id.
+    #[error("--executor-id must not be empty")]
+    ExecutorId,
+    /// No room for a request.
+    #[error("--max-live-requests must be at least 1")]
+    MaxLiveRequests,
+    /// A step limit too small for any step, or past gRPC's.
+    #[error("--max-step-bytes {0} is invalid: it must be from {MIN_MAX_STEP_BYTES} to 4294967295")]
+    MaxStepBytes(u64),
+    /// A KV agent address that is not one.
+    #[error("--kv-agent {0:?} is not an address (host:port)")]
+    KvAgent(String),
+    /// `--backend cuda` in a build without the CUDA backend.
+    #[error(
+        "--backend cuda: this build has no CUDA backend: rebuild with `--features cuda` \
+         (cargo build -p ferry-executor-svc --features cuda)"
+    )]
+    NoCuda,
+    /// A time scale that is not a positive number.
+    #[error("--time-scale {0} is invalid: it must be a number above 0 (1: real time)")]
+    TimeScale(f64),
+    /// A model profile with another backend.
+    #[error("--model-profile simulates a model: it needs --backend sim")]
+    ProfileNeedsSim,
+    /// A model profile and a model file.
+    #[error("--model-profile and --model: a simulated executor reads no model file, give one")]
+    ProfileAndModel,
+    /// A profile that cannot be used.
+    #[error("--model-profile / --hardware: {0}")]
+    Profile(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        executor: ExecutorConfig,
+    }
+
+    fn parse(args: &[&str]) -> ExecutorConfig {
+        let argv = std::iter::once("ferry-executor").chain(args.iter().copied());
+        Cli::try_parse_from(argv).expect("valid flags").executor
+    }
+
+    #[test]
+    fn cuda_is_refused_at_start_up_only_in_builds_without_it() {
+        let config = parse(&["--backend", "cuda", "--cuda-device", "1"]);
+        assert_eq!(config.cuda_device, 1);
+        let refused = matches!(config.validate(), Err(ConfigError::NoCuda));
+        assert_eq!(refused, !cfg!(feature = "cuda"), "{:?}", config.validate());
+        assert!(parse(&["--backend", "cpu"]).validate().is_ok());
+        // Every flag is checked whatever the build: a dry run of a CUDA pool's flags in a CPU
+        // build still refuses a bad one.
+        let bad = parse(&["--backend", "cuda", "--time-scale=-1"]);
+        assert!(matches!(bad.validate_flags(), Err(ConfigError::TimeScale(_))));
+        assert!(parse(&["--backend", "cuda"]).validate_flags().is_ok());
+    }
+
+    /// The KV cache is f16 on the CPU unless asked otherwise, f32 on CUDA, which refuses f16
+    /// naming the flag; an unknown dtype is a parse error naming the choices.
+    #[test]
+    fn the_kv_cache_dtype_defaults_per_backend_and_cuda_refuses_f16() {
+        use crate::forward::KvDtype;
+        assert_eq!(parse(&[]).kv_dtype(), KvDtype::F16);
+        assert_eq!(parse(&["--kv-cache-dtype", "f32"]).kv_dtype(), KvDtype::F32);
+        assert_eq!(parse(&["--backend", "cuda"]).kv_dtype(), KvDtype::F32);
+        let f16 = parse(&["--backend", "cuda", "--kv-cache-dtype", "f16"]);
+        let err = f16.validate_flags().expect_err("CUDA keeps f32").to_string();
+        assert!(err.contains("--kv-cache-dtype f16"), "{err}");
+        let argv = ["ferry-executor", "--kv-cache-dtype", "int8"];
+        let err = Cli::try_parse_from(argv).err().expect("no such dtype").to_string();
+        assert!(err.contains("not f16 or f32"), "{err}");
+    }
+
+    #[test]
+    fn limits_out_of_range_are_refused_naming_the_flag() {
+        let cases: [(&[&str], &str); 3] = [
+            (&["--max-live-requests", "0"], "--max-live-requests must be at least 1"),
+            (&["--max-step-bytes", "1000"], "--max-step-bytes 1000 is invalid"),
+            (&["--max-step-bytes", "5000000000"], "--max-step-bytes 5000000000 is invalid"),
+        ];
+        for (args, want) in cases {
+            let err = parse(args).validate_flags().unwrap_err().to_string();
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
+        let ok = parse(&["--max-live-requests", "8", "--max-step-bytes", "65536"]);
+        assert!(ok.validate_flags().is_ok());
+    }
+
+    #[test]
+    fn a_model_profile_needs_the_sim_backend_no_model_file_and_known_profiles() {
+        let ok =
+            parse(&["--backend", "sim", "--model-profile", "llama-3-70b", "--time-scale", "0.1"]);
+        ok.validate().unwrap();
+        let (model, hw) = ok.sim_profile().unwrap().unwrap();
+        assert_eq!((model.name.as_str(), hw.tensor_parallel), ("llama-3-70b", 4));
+        let cases: [(&[&str], &str); 6] = [
+            (&["--backend", "sim", "--hardware", "tpu"], "no hardware profile \"tpu\""),
+            (&["--model-profile", "llama-3-8b"], "needs --backend sim"),
+            (
+                &["--backend", "sim", "--model-profile", "llama-3-8b", "--model", "x.gguf"],
+                "reads no model file",
+            ),
+            (&["--backend", "sim", "--model-profile", "gpt-9"], "no model profile \"gpt-9\""),
+            (
+                &["--backend", "sim", "--model-profile", "llama-3-8b", "--hardware", "tpu"],
+                "no hardware profile",
+            ),
+            (&["--backend", "sim", "--time-scale", "0"], "--time-scale 0 is invalid"),
+        ];
+        for (args, want) in cases {
+            let err = parse(args).validate().unwrap_err().to_string();
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! The parts of a register tile that the fused and the panel kernels share, written once over
+//! an instruction set's primitives (`V`, `zero`, `fma`, `splat`, `f16s`, `nibble`, `byte`,
+//! `load_line`, `store_line`, defined by the module that expands it): the tile's
+//! accumulators, its rows' pointers, a block's codes as floats and its scales and minimums,
+//! the end of a block (scales and minimums applied), and the store of a finished tile.
+
+/// A register tile's shared parts, for the instruction set of `$features` (expanded by
+/// `kernels!` after its constants).
+macro_rules! tile_parts {
+    ($features:literal) => {
+        /// `V` registers of a tile: `[row][group][half]`.
+        type Acc<const RT: usize, const CG: usize> = [[[V; NV]; CG]; RT];
+
+        /// Pointers to `RT` activation rows (and their block sums) from `row0`; rows past `n`
+        /// repeat the last real one (computed, never stored), so a few tile sizes serve every
+        /// row count.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn rows_at<const RT: usize>(
+            x: &[f32],
+            sums: &[f32],
+            cols: usize,
+            row0: usize,
+            n: usize,
+        ) -> ([*const f32; RT], [*const f32; RT]) {
+            let mut xr = [x.as_ptr(); RT];
+            // Empty for Q8 weights, which never read them.
+            let mut sr = [sums.as_ptr(); RT];
+            for r in 0..RT {
+                let row = row0 + r.min(n - 1);
+                xr[r] = x[row * cols..].as_ptr();
+                sr[r] = sums.as_ptr().wrapping_add(row * (cols / BLOCK));
+            }
+            (xr, sr)
+        }
+
+        /// Stores the `n` real rows of a tile of `CG` groups from `g0`.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn store<const RT: usize, const CG: usize>(
+            acc: &Acc<RT, CG>,
+            w: &QWeight,
+            row0: usize,
+            n: usize,
+            g0: usize,
+            out: OutPtr,
+        ) {
+            // SAFETY: the caller owns these rows' columns of groups `g0 .. g0 + CG`.
+            unsafe {
+                for (r, row) in acc.iter().enumerate().take(n) {
+                    for (c, vs) in row.iter().enumerate() {
+                        let g = g0 + c;
+                        let mut sums = Line([0.0; GROUP]);
+                        for (h, v) in vs.iter().enumerate() {
+                            store_line(sums.0.as_mut_ptr().add(h * LANES), *v);
+                        }
+                        if (g + 1) * GROUP <= w.rows {
+                            let dst = out.0.add((row0 + r) * w.rows + g * GROUP);
+                            std::ptr::copy_nonoverlapping(sums.0.as_ptr(), dst, GROUP);
+                        } else {
+                            store_group(w, row0 + r, g, &sums.0, out);
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Block `b` of `CG` groups from `g0`: code pointers, scales and minimums.
+        #[inline]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::type_complexity)]
+        unsafe fn block_params<const Q8: bool, const CG: usize>(
+            w: &QWeight,
+            g0: usize,
+            b: usize,
+        ) -> ([*const u8; CG], [[V; NV]; CG], [[V; NV]; CG]) {
+            let bpr = w.cols / BLOCK;
+            let cb = if Q8 { 32 } else { 16 };
+            let mut q = [w.q.as_ptr(); CG];
+            let (mut d, mut m) = ([[zero(); NV]; CG], [[zero(); NV]; CG]);
+            // SAFETY: groups `g0 .. g0 + CG` exist; each has `bpr` blocks of parameters.
+            unsafe {
+                for c in 0..CG {
+                    let gb = (g0 + c) * bpr + b;
+                    q[c] = w.q.as_ptr().add(gb * GROUP * cb);
+                    for h in 0..NV {
+                        d[c][h] = f16s(w.d.as_ptr().add(gb * GROUP + h * LANES));
+                        if !Q8 {
+                            m[c][h] = f16s(w.m.as_ptr().add(gb * GROUP + h * LANES));
+                        }
+                    }
+                }
+            }
+            (q, d, m)
+        }
+
+        /// The codes of input `4t + E` (`HIGH`: `16 + 4t + E`) of a block, for `CG` groups, as
+        /// floats: lane `j` of the dwords at quad `t` holds column `j`'s code byte `4t + E`.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn codes<const Q8: bool, const HIGH: bool, const E: usize, const CG: usize>(
+            q: &[*const u8; CG],
+            t: usize,
+        ) -> [[V; NV]; CG] {
+            // Q8 codes of inputs 16.. are quads 4.. (one byte per input).
+            let quad = if Q8 && HIGH { 4 + t } else { t };
+            let mut v = [[zero(); NV]; CG];
+            for c in 0..CG {
+                for h in 0..NV {
+                    // SAFETY: `q[c]` points at a whole group-block of codes.
+                    v[c][h] = unsafe {
+                        let p = q[c].add(4 * GROUP * quad + 4 * LANES * h);
+                        match (Q8, HIGH, E) {
+                            (true, _, 0) => byte::<24>(p),
+                            (true, _, 1) => byte::<16>(p),
+                            (true, _, 2) => byte::<8>(p),
+                            (true, _, _) => byte::<0>(p),
+                            (false, false, 0) => nibble::<0>(p),
+                            (false, false, 1) => nibble::<8>(p),
+                            (false, false, 2) => nibble::<16>(p),
+                            (false, false, _) => nibble::<24>(p),
+                            (false, true, 0) => nibble::<4>(p),
+                            (false, true, 1) => nibble::<12>(p),
+                            (false, true, 2) => nibble::<20>(p),
+                            (false, true, _) => nibble::<28>(p),
+                        }
+                    };
+                }
+            }
+            v
+        }
+
+        /// `acc = fma(p, d, acc)`, then (Q4) `acc = fma(s, m, acc)` with the rows' block sums.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn finish_block<const Q8: bool, const RT: usize, const CG: usize>(
+            acc: &mut Acc<RT, CG>,
+            p: &Acc<RT, CG>,
+            d: &[[V; NV]; CG],
+            m: &[[V; NV]; CG],
+            sr: &[*const f32; RT],
+            b: usize,
+        ) {
+            for r in 0..RT {
+                // SAFETY: Q4 rows have a sum per block.
+                let s = if Q8 { zero() } else { unsafe { splat(sr[r].add(b)) } };
+                for c in 0..CG {
+                    for h in 0..NV {
+                        acc[r][c][h] = fma(p[r][c][h], d[c][h], acc[r][c][h]);
+                        if !Q8 {
+                            acc[r][c][h] = fma(s, m[c][h], acc[r][c][h]);
+                        }
+                    }
+                }
+            }
+        }
+    };
+}

@@ -1,0 +1,71 @@
+//! The router: which executor a request goes to (DESIGN.md §2). The longest cached prefix
+//! first, then the lightest load, then the first listed — the policy itself is
+//! [`ferry_sched_core::routing`], one pure function that the simulator runs too; this module
+//! asks the live links for what it weighs (each core's prefix hit, each executor's load, role,
+//! agent and room) and answers with a link.
+//!
+//! Prefill-only executors take a request only when no other is up; disaggregation
+//! ([`super::disagg`]) asks here which executors can take part in a transfer.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ferry_proto::v1;
+use ferry_sched_core::routing::{self, Candidate};
+
+use crate::link::LinkHandle;
+use crate::tier::LiveAgents;
+
+pub(crate) use routing::import_tokens;
+
+/// The executor for a sequence: the longest cached prefix first, then the lightest load, then
+/// the first listed. Prefill-only executors are used only when no other is up.
+pub(crate) async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
+    let decoders: Vec<LinkHandle> = alive.iter().filter(|l| !prefill_only(l)).cloned().collect();
+    let alive = if decoders.is_empty() { alive } else { &decoders };
+    if alive.len() <= 1 {
+        return alive.first().cloned();
+    }
+    let tokens: Arc<[u32]> = tokens.into();
+    let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
+    let hits = futures_util::future::join_all(asks).await;
+    let candidates = alive
+        .iter()
+        .zip(hits)
+        .map(|(l, hit)| Candidate { prefix_hit_tokens: hit, load: l.load.load(Ordering::Relaxed) });
+    routing::pick(candidates).map(|k| alive[k].clone())
+}
+
+/// Whether `link`'s executor only prefills (it never gets a request to decode).
+pub(crate) fn prefill_only(link: &LinkHandle) -> bool {
+    link.info.role() == v1::ExecutorRole::Prefill
+}
+
+/// Whether `link`'s executor has a KV agent that is up (registered in etcd, when the agents
+/// are known): it can take part in transfers.
+pub(crate) fn has_agent(link: &LinkHandle, agents: &LiveAgents) -> bool {
+    !link.info.kv_agent_address.is_empty() && agents.is_live(&link.info.kv_agent_address)
+}
+
+/// Whether `link`'s KV pool has room now for a `prompt_len`-token prompt
+/// ([`routing::has_room`]).
+pub(crate) fn has_room(link: &LinkHandle, prompt_len: usize) -> bool {
+    let (blocks, bs) = (link.info.num_blocks as usize, link.info.block_size as usize);
+    routing::has_room(blocks, link.stats().kv_usage, bs, prompt_len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_room;
+    use crate::link::fake::{fake_link, test_config};
+
+    #[tokio::test]
+    async fn a_decode_executor_needs_room_for_the_prompt_now() {
+        let metrics = crate::metrics::SchedulerMetrics::new();
+        let (link, _exec) = fake_link("d", std::sync::Arc::new(|_, _| 5), metrics);
+        let cfg = test_config();
+        let capacity = cfg.num_blocks * cfg.block_size;
+        assert!(has_room(&link, capacity / 2));
+        assert!(!has_room(&link, capacity), "one block more than the pool: no room");
+    }
+}

@@ -1,0 +1,70 @@
+//! What to simulate: the cluster's executors and their GPUs, the model, each executor's
+//! scheduling core, the router's placement rule, the latency objective, and the
+//! disaggregation and KV-tier settings (each the counterpart of one of Ferry's flags).
+
+use ferry_roofline::{SimHardware, SimModel};
+use ferry_sched_core::SchedulerConfig;
+
+/// How the router places new requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Router {
+    /// Ferry's: the longest cached prefix (exact), then the lightest load
+    /// ([`ferry_sched_core::routing::pick`]).
+    KvAware,
+    /// The fewest live requests.
+    LeastLoad,
+    /// Each executor in turn.
+    RoundRobin,
+}
+
+/// A latency objective: a request meets it when both hold.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Slo {
+    /// Longest time to first token, seconds.
+    pub ttft: f64,
+    /// Longest mean time per output token after the first, seconds.
+    pub tpot: f64,
+}
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    /// Executors (model replicas), all alike.
+    pub executors: usize,
+    /// Each one's GPUs.
+    pub hardware: SimHardware,
+    /// The model.
+    pub model: SimModel,
+    /// Each one's scheduling core (its `num_blocks` from the profile's KV capacity).
+    pub scheduler: SchedulerConfig,
+    /// The placement rule.
+    pub router: Router,
+    /// The latency objective of the goodput figure.
+    pub slo: Slo,
+    /// Check every core's invariants after every step (slow; for tests).
+    pub check_invariants: bool,
+    /// How many of the executors (the first ones) only prefill; 0: none, no disaggregation.
+    pub prefill_executors: usize,
+    /// Shortest uncached prompt worth disaggregating (the front's
+    /// `--disaggregation-min-tokens`).
+    pub disaggregation_min_tokens: usize,
+    /// Fixed cost of a KV transfer on top of its bytes, seconds.
+    pub transfer_latency: f64,
+    /// The KV tier, if any: each executor's node agent keeps the blocks its finished requests
+    /// computed, and a new request reads its prefix from any agent instead of computing it.
+    pub kv_tier: Option<KvTier>,
+}
+
+/// The KV tier as the simulation models it (Ferry's `--kv-tier-*`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvTier {
+    /// Blocks each node's agent keeps (least recently used dropped first).
+    pub blocks_per_agent: usize,
+    /// Read a prefix from the tier when it covers at least this many tokens more than the
+    /// executor's own cache (the front's `--kv-tier-min-tokens`).
+    pub min_tokens: usize,
+    /// Host-to-GPU bandwidth of a read from the executor's own node, GB/s (a read from another
+    /// node's agent takes the network's).
+    pub host_gbps: f64,
+}

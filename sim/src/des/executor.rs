@@ -1,0 +1,197 @@
+//! A simulated executor: it builds a step with its core's `schedule`, takes the roofline's time
+//! for that very batch, and at the step's end applies its result (one deterministic token per
+//! sampling request) with the core's `apply_result`; then it records what the result told
+//! (tokens, finishes, exports going out) and steps again while it has work.
+//!
+//! Invariant: one step in flight per executor (`busy`), as in a synchronous engine; an idle
+//! executor is woken by new work or by the arrival of a transfer's bytes.
+
+use ferry_roofline::{step_duration, SimBatchItem};
+use ferry_sched_core::{FinishReason, KvOp, RequestEvent, SampledToken, Timestamp};
+
+use crate::workload::{mix, shared_token};
+
+use super::{ns, Event, Sim};
+
+impl Sim<'_> {
+    /// Executor `e` builds a step now unless one is running (it then steps when that ends).
+    pub(super) fn wake(&mut self, e: usize) -> Result<(), String> {
+        if self.execs[e].busy {
+            return Ok(());
+        }
+        self.start_step(e)
+    }
+
+    /// Builds executor `e`'s next step and posts its end; leaves it idle if it has no work.
+    fn start_step(&mut self, e: usize) -> Result<(), String> {
+        let now = Timestamp(self.now);
+        let (spec, items, work, kv_ops, tracks) =
+            (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops, &self.tracks);
+        let (agent, tier_writes) = (&mut self.agents[e], &mut self.tier_writes);
+        let x = &mut self.execs[e];
+        let idle = {
+            let plan = x.core.schedule(now).map_err(|err| format!("executor {e}: {err}"))?;
+            x.outcome.step_id = plan.step_id;
+            work.clear();
+            work.extend_from_slice(&plan.scheduled);
+            kv_ops.clear();
+            kv_ops.extend_from_slice(&plan.kv_ops);
+            // KV-tier writes land in the node's agent now (off the step's critical path).
+            if let Some(tier) = spec.kv_tier {
+                for op in &plan.kv_ops {
+                    if let KvOp::Store { block_hashes, .. } = op {
+                        let hashes = plan.hashes(*block_hashes);
+                        for h in hashes {
+                            agent.put(*h, tier.blocks_per_agent);
+                        }
+                        *tier_writes += hashes.len() as u64;
+                    }
+                }
+            }
+            plan.is_idle()
+        };
+        x.outcome.sampled.clear();
+        x.outcome.kv_results.clear();
+        items.clear();
+        for w in work.iter() {
+            // Computed tokens advance when a step is built: the context is what came before.
+            let computed =
+                x.core.request_view(w.id).map_or(w.num_tokens, |v| v.num_computed_tokens);
+            items.push(SimBatchItem {
+                new_tokens: w.num_tokens as u32,
+                context_len: computed.saturating_sub(w.num_tokens) as u32,
+            });
+            if w.samples_token {
+                // A conversation's answer is its own sequence's next tokens, so the next turn,
+                // which repeats it, finds its KV cached.
+                let conversation = tracks.get(&w.id.0).and_then(|t| t.conversation);
+                let token = if let Some(c) = conversation {
+                    shared_token(c, computed as u64, spec.model.vocab_size)
+                } else {
+                    let vocab = u64::from(spec.model.vocab_size.max(1));
+                    (mix((w.id.0 << 24) ^ computed as u64) % vocab) as u32
+                };
+                x.outcome.sampled.push(SampledToken { id: w.id, token });
+            }
+        }
+        self.start_transfers(e);
+        if idle {
+            // Nothing to run (the plan may still tell the executor of finished requests): its
+            // result is due now, with the transfers that ended; those may make work.
+            self.due_kv_results(e);
+            let x = &mut self.execs[e];
+            let resolved = !x.outcome.kv_results.is_empty();
+            self.events.clear();
+            x.core
+                .apply_result(&x.outcome, now, &mut self.events)
+                .map_err(|err| format!("executor {e}: {err}"))?;
+            x.busy = false;
+            self.check(e)?;
+            self.handle_events(e)?;
+            return if resolved { self.wake(e) } else { Ok(()) };
+        }
+        let x = &mut self.execs[e];
+        let secs = step_duration(&spec.hardware, &spec.model, &self.items).as_secs_f64();
+        x.busy = true;
+        x.step_secs = secs;
+        x.kv_usage = x.core.stats().kv_usage;
+        self.kv_max = self.kv_max.max(x.kv_usage);
+        self.check(e)?;
+        self.post(self.now + ns(secs).max(1), Event::StepDone(e));
+        Ok(())
+    }
+
+    /// With `check_invariants`, checks executor `e`'s core, naming it in the error.
+    fn check(&self, e: usize) -> Result<(), String> {
+        if self.spec.check_invariants {
+            self.execs[e]
+                .core
+                .check_invariants()
+                .map_err(|v| format!("executor {e}: invariant broken: {v:?}"))?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn step_done(&mut self, e: usize) -> Result<(), String> {
+        let now = Timestamp(self.now);
+        self.due_kv_results(e);
+        let x = &mut self.execs[e];
+        self.busy_secs += x.step_secs;
+        self.kv_weighted += x.kv_usage * x.step_secs;
+        self.events.clear();
+        x.core
+            .apply_result(&x.outcome, now, &mut self.events)
+            .map_err(|err| format!("executor {e}: {err}"))?;
+        x.busy = false;
+        self.check(e)?;
+        let kv = self.execs[e].kv_usage;
+        let tokens = self.handle_events(e)?;
+        self.timeline.step(self.secs(), tokens, self.tracks.len() as u64, kv);
+        // A continuation added here may have stepped it already.
+        self.wake(e)
+    }
+
+    /// What executor `e`'s last result told: tokens, finishes, exports going out.
+    /// The tokens it carried are returned.
+    fn handle_events(&mut self, e: usize) -> Result<u64, String> {
+        let secs = self.secs();
+        let events = std::mem::take(&mut self.events);
+        let mut tokens = 0;
+        for event in &events {
+            match event {
+                RequestEvent::Token { id, index, token } => {
+                    tokens += 1;
+                    let Some(t) = self.tracks.get_mut(&id.0) else { continue };
+                    if *index == 0 {
+                        t.first = secs;
+                        self.ttft.record(secs - t.arrival);
+                    } else {
+                        self.itl.record(secs - t.last);
+                    }
+                    t.last = secs;
+                    if let Some(h) = &mut t.handoff {
+                        h.first_token = Some(*token);
+                    }
+                }
+                RequestEvent::Finished(f) => {
+                    self.execs[e].live -= 1;
+                    if f.reason == FinishReason::Transferred {
+                        continue; // its continuation goes on elsewhere
+                    }
+                    let Some(t) = self.tracks.remove(&f.id.0) else { continue };
+                    self.finished += 1;
+                    self.last_finish = self.now;
+                    let n = f.stats.output_tokens;
+                    self.output_tokens += n as u64;
+                    self.prompt_tokens += u64::from(t.prompt);
+                    let ttft = t.first - t.arrival;
+                    let tpot = if n > 1 { (t.last - t.first) / (n - 1) as f64 } else { 0.0 };
+                    if n > 1 {
+                        self.tpot.record(tpot);
+                    }
+                    self.e2e.record(t.last - t.arrival);
+                    if ttft <= self.spec.slo.ttft && tpot <= self.spec.slo.tpot {
+                        self.met_slo += 1;
+                    }
+                    if let Some(done) = &t.turn {
+                        self.next_turn += 1;
+                        let key = self.next_turn;
+                        let think = done.follow_ups.first().map_or(0.0, |f| f.think);
+                        let at = self.now + ns(think);
+                        let vocab = self.spec.model.vocab_size;
+                        if let Some(next) = done.next_turn(key, at as f64 / 1e9, vocab) {
+                            self.turns.insert(key, next);
+                            self.post(at, Event::NextTurn(key));
+                        }
+                    }
+                }
+                // After its first token (an event before this one): the front hands the
+                // request on when its export starts, and so does the simulator.
+                RequestEvent::ExportStarted { id, .. } => self.hand_on(id.0)?,
+                RequestEvent::Imported { .. } => {}
+            }
+        }
+        self.events = events;
+        Ok(tokens)
+    }
+}

@@ -3,8 +3,6 @@
 //! across a restart on a fresh executor; a bad request is refused alone and the others run on
 //! exactly; a step bad as a whole is refused whole and changes nothing.
 
-mod exact;
-
 use std::sync::{Arc, OnceLock};
 
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
@@ -941,7 +939,7 @@ fn a_forked_sample_continues_exactly_from_a_copied_block_and_a_bad_copy_is_refus
 /// moves them).
 #[test]
 fn greedy_answers_and_first_logprobs_are_the_exact_forwards() {
-    let exact = exact::Model::load(&shared().path, shared().shape);
+    let exact = crate::exact::Model::load(&shared().path, shared().shape);
     let questions = [
         "What is the capital of France?",
         "Write a haiku about the sea.",

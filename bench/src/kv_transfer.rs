@@ -147,11 +147,11 @@ async fn start_agent(
     let config =
         KvAgentConfig { node_id: node.into(), store_mib, shm_dir: shm::DEFAULT_DIR.into() };
     let mut stop = stop.clone();
-    let stopped = async move {
+    let stopped = Box::pin(async move {
         let _ = stop.wait_for(|s| *s).await;
-    };
+    });
     let drain = std::time::Duration::from_secs(5);
-    tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener, stopped, drain));
+    tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener.into(), stopped, drain));
     Ok(addr.to_string())
 }
 

@@ -38,9 +38,9 @@ pub struct SpecBenchArgs {
         default_value = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#
     )]
     pub speculative_config: String,
-    /// KV cache memory in MiB.
-    #[arg(long, default_value_t = 512)]
-    pub kv_cache_mib: u64,
+    /// The KV cache, as `ferry-executor` sizes it.
+    #[command(flatten)]
+    pub kv_cache: ferry_executor_svc::executor_config::KvCacheArgs,
     /// Workloads to run, comma-separated: repeating, plain, sampled.
     #[arg(long, value_delimiter = ',', default_value = "repeating,plain,sampled")]
     pub workloads: Vec<String>,
@@ -88,8 +88,7 @@ fn one_run(
         flags.extend(["--speculative-config".into(), args.speculative_config.clone()]);
     }
     let settings = Flags::try_parse_from(flags)?.scheduler.resolve()?;
-    let (report, stats) =
-        inprocess::run(jobs, concurrency, &settings, (args.kv_cache_mib, 16), sampling)?;
+    let (report, stats) = inprocess::run(jobs, concurrency, &settings, &args.kv_cache, sampling)?;
     anyhow::ensure!(
         report.completed == jobs.len(),
         "{} of {} completed",

@@ -63,17 +63,9 @@ pub struct ExecutorConfig {
     /// Prefill, decode or both.
     #[arg(long, env = "FERRY_ROLE", value_enum, default_value_t = Role::Both)]
     pub role: Role,
-    /// Tokens per KV block.
-    #[arg(long, env = "FERRY_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: u32,
-    /// Memory for the KV cache, in MiB; the number of blocks follows from it.
-    #[arg(long, env = "FERRY_KV_CACHE_MIB", default_value_t = 512)]
-    pub kv_cache_mib: u64,
-    /// Element type of the KV cache: `f16` (half the memory per token, so twice the tokens in
-    /// `--kv-cache-mib`; the CPU backend's default, as llama.cpp's) or `f32`. The CUDA
-    /// backend keeps f32.
-    #[arg(long, env = "FERRY_KV_CACHE_DTYPE")]
-    pub kv_cache_dtype: Option<crate::forward::KvDtype>,
+    /// The KV cache's size: block size, memory, element type.
+    #[command(flatten)]
+    pub kv_cache: KvCacheArgs,
     /// GPU to run on with `--backend cuda`, as the driver numbers them (0 first).
     #[arg(long, env = "FERRY_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
@@ -134,15 +126,61 @@ pub const MIN_MAX_STEP_BYTES: u64 = 64 << 10;
 /// Largest block size accepted: vLLM's largest is 256 tokens.
 pub const MAX_BLOCK_SIZE: u32 = 256;
 
-impl ExecutorConfig {
-    /// The KV cache's element type: as asked, else f16 on the CPU and f32 elsewhere.
-    pub fn kv_dtype(&self) -> crate::forward::KvDtype {
+/// The KV cache's size, as an executor's flags give it: every program that sizes a CPU KV
+/// cache (the executor, `ferry serve`'s embedded executors, `ferry-bench`'s in-process runs)
+/// takes these flags and sizes it with [`KvCacheArgs::num_blocks`], the one block sizing.
+#[derive(Clone, Debug, Args)]
+pub struct KvCacheArgs {
+    /// Tokens per KV block.
+    #[arg(long, env = "FERRY_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+    /// Memory for the KV cache, in MiB; the number of blocks follows from it.
+    #[arg(long, env = "FERRY_KV_CACHE_MIB", default_value_t = 512)]
+    pub kv_cache_mib: u64,
+    /// Element type of the KV cache: `f16` (half the memory per token, so twice the tokens in
+    /// `--kv-cache-mib`; the CPU backend's default, as llama.cpp's) or `f32`. The CUDA
+    /// backend keeps f32.
+    #[arg(long, env = "FERRY_KV_CACHE_DTYPE")]
+    pub kv_cache_dtype: Option<crate::forward::KvDtype>,
+}
+
+impl KvCacheArgs {
+    /// The KV cache's element type on `backend`: as asked, else f16 on the CPU and f32
+    /// elsewhere.
+    pub fn dtype(&self, backend: BackendKind) -> crate::forward::KvDtype {
         use crate::forward::KvDtype;
-        self.kv_cache_dtype.unwrap_or(if self.backend == BackendKind::Cpu {
+        self.kv_cache_dtype.unwrap_or(if backend == BackendKind::Cpu {
             KvDtype::F16
         } else {
             KvDtype::F32
         })
+    }
+
+    /// How many blocks of `--block-size` tokens of a model of `shape` fit in `--kv-cache-mib`
+    /// with elements of `dtype`; an error naming the flags when not even one does.
+    pub fn num_blocks(
+        &self,
+        shape: &ferry_model::LlamaShape,
+        dtype: crate::forward::KvDtype,
+    ) -> Result<usize, ConfigError> {
+        use crate::forward::PagedKvCache;
+        let block_size = self.block_size as usize;
+        let budget = self.kv_cache_mib * 1024 * 1024;
+        match PagedKvCache::blocks_for_budget(shape, dtype, block_size, budget) {
+            0 => Err(ConfigError::NoBlock {
+                mib: self.kv_cache_mib,
+                block_size,
+                bytes_per_token: PagedKvCache::bytes_per_token(shape, dtype),
+            }),
+            blocks => Ok(blocks),
+        }
+    }
+}
+
+impl ExecutorConfig {
+    /// The KV cache's element type: as asked, else f16 on the CPU and f32 elsewhere.
+    pub fn kv_dtype(&self) -> crate::forward::KvDtype {
+        self.kv_cache.dtype(self.backend)
     }
 
     /// Checks the values that clap's types cannot, with a message that names the limit, and
@@ -165,13 +203,11 @@ impl ExecutorConfig {
     /// Checks every flag's value and combination (what any build would accept; see
     /// [`Self::check_build`] for what this one can run).
     pub fn validate_flags(&self) -> Result<(), ConfigError> {
-        if self.block_size == 0
-            || self.block_size > MAX_BLOCK_SIZE
-            || !self.block_size.is_power_of_two()
-        {
-            return Err(ConfigError::BlockSize(self.block_size));
+        let block_size = self.kv_cache.block_size;
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE || !block_size.is_power_of_two() {
+            return Err(ConfigError::BlockSize(block_size));
         }
-        if self.kv_cache_mib == 0 {
+        if self.kv_cache.kv_cache_mib == 0 {
             return Err(ConfigError::KvCache);
         }
         if self.backend == BackendKind::Cuda && self.kv_dtype() != crate::forward::KvDtype::F32 {
@@ -262,6 +298,19 @@ pub enum ConfigError {
     /// No KV memory.
     #[error("--kv-cache-mib must be at least 1")]
     KvCache,
+    /// The KV memory holds no block of the model.
+    #[error(
+        "--kv-cache-mib {mib} holds no block of {block_size} tokens ({bytes_per_token} bytes per \
+         token)"
+    )]
+    NoBlock {
+        /// `--kv-cache-mib`.
+        mib: u64,
+        /// `--block-size`.
+        block_size: usize,
+        /// What a token's keys and values take in the cache.
+        bytes_per_token: usize,
+    },
     /// Empty id.
     #[error("--executor-id must not be empty")]
     ExecutorId,

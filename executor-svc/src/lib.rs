@@ -8,13 +8,11 @@
 
 pub mod actor;
 pub mod engine;
+pub mod engine_metrics;
 pub mod executor_config;
 pub mod forward;
-// The hand-written SIMD kernels: `unsafe` for the intrinsics and the runtime CPU-feature
-// dispatch that makes them sound (see the module head).
-pub mod engine_metrics;
-#[allow(unsafe_code)]
-pub mod kernels;
+/// The matrix products against quantized weights (crate `ferry-kernels`).
+pub use ferry_kernels as kernels;
 pub mod service;
 
 use std::sync::Arc;
@@ -34,8 +32,8 @@ pub async fn run(
     config: ExecutorConfig,
     model: Option<std::sync::Arc<ferry_model::ModelFile>>,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
-    ports: impl Into<ferry_runtime::grpc::Ports>,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    ports: ferry_runtime::grpc::Ports,
+    shutdown: ferry_runtime::Shutdown,
     drain: std::time::Duration,
 ) -> anyhow::Result<()> {
     let id = config.executor_id.clone();
@@ -86,21 +84,13 @@ pub fn build(
     use ferry_proto::v1;
     let model = forward::LoadedModel::load(model)?;
     let shape = model.weights.shape;
-    let block_size = config.block_size as usize;
-    let budget = config.kv_cache_mib * 1024 * 1024;
+    let block_size = config.kv_cache.block_size as usize;
     let dtype = config.kv_dtype();
-    let num_blocks = forward::PagedKvCache::blocks_for_budget(&shape, dtype, block_size, budget);
-    if num_blocks == 0 {
-        anyhow::bail!(
-            "--kv-cache-mib {} holds no block of {block_size} tokens ({} bytes per token)",
-            config.kv_cache_mib,
-            forward::PagedKvCache::bytes_per_token(&shape, dtype)
-        );
-    }
+    let num_blocks = config.kv_cache.num_blocks(&shape, dtype)?;
     let eos = model.file.tokenizer.eos_token_id;
     let kv_layout = v1::KvLayout {
         num_layers: shape.num_layers as u32,
-        block_size: config.block_size,
+        block_size: config.kv_cache.block_size,
         num_kv_heads: shape.num_kv_heads as u32,
         head_dim: shape.head_dim as u32,
         dtype: dtype.proto().into(),
@@ -193,7 +183,7 @@ fn assemble(
         executor_id: config.executor_id.clone(),
         model: serves.model,
         model_fingerprint: serves.fingerprint,
-        block_size: config.block_size,
+        block_size: config.kv_cache.block_size,
         num_blocks,
         max_model_len: serves.max_model_len,
         vocab_size: serves.vocab_size,
@@ -232,7 +222,8 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
     };
     // vLLM's default batch limits size the activation workspace.
     let activations = activation_bytes(&sim_model, hardware.tensor_parallel, 8192, 256);
-    let blocks = kv_capacity_blocks(&hardware, &sim_model, config.block_size, 0.9, activations);
+    let blocks =
+        kv_capacity_blocks(&hardware, &sim_model, config.kv_cache.block_size, 0.9, activations);
     let num_blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
     if num_blocks == 0 {
         anyhow::bail!(
@@ -247,7 +238,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         shape,
         sim_model,
         hardware,
-        config.block_size as usize,
+        config.kv_cache.block_size as usize,
         num_blocks as usize,
         engine::simulated_gpu::SimClock::RealTime,
     )
@@ -258,7 +249,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
     let fingerprint = format!("sim:{}", profile.name);
     let kv_layout = v1::KvLayout {
         num_layers: profile.num_layers,
-        block_size: config.block_size,
+        block_size: config.kv_cache.block_size,
         num_kv_heads: profile.num_kv_heads,
         head_dim: profile.head_dim,
         dtype: kv_dtype.into(),

@@ -25,8 +25,8 @@ pub use agent_config::KvAgentConfig;
 pub async fn run(
     config: KvAgentConfig,
     cluster: Option<ferry_runtime::cluster::ClusterArgs>,
-    ports: impl Into<ferry_runtime::grpc::Ports>,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    ports: ferry_runtime::grpc::Ports,
+    shutdown: ferry_runtime::Shutdown,
     drain: std::time::Duration,
 ) -> anyhow::Result<()> {
     let id = config.node_id.clone();

@@ -9,7 +9,15 @@
 //! next leader, a scheduler to another executor).
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
+
+/// What stops a service: a future that resolves when it should drain ([`shutdown_signal`] in a
+/// binary, a channel in `ferry serve` and in tests). Boxed rather than generic, so each
+/// service's `run` — the whole server stack under it — is compiled once, in its own crate, and
+/// not again in every binary and test that starts it (a generic `run` cost each binary 20-50 s
+/// of code generation).
+pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Longest `--drain-timeout`: a day.
 pub const MAX_DRAIN_SECS: u64 = 86_400;

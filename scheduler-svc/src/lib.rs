@@ -68,7 +68,7 @@ pub async fn run(
     role: SchedulerRole,
     model: Arc<ModelFile>,
     listeners: Listeners,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    shutdown: ferry_runtime::Shutdown,
 ) -> anyhow::Result<()> {
     let executors = ExecutorSet::new();
     let opener = SessionOpener {
@@ -169,7 +169,7 @@ pub async fn run_front(
     (settings, pool, cluster): (FrontSettings, String, ClusterArgs),
     model: Arc<ModelFile>,
     listeners: Listeners,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    shutdown: ferry_runtime::Shutdown,
     drain: Duration,
 ) -> anyhow::Result<()> {
     let max_model_len = model.shape.max_model_len;

@@ -181,8 +181,10 @@ impl Node {
         model: Arc<ModelFile>,
         (stop, drain): (watch::Receiver<bool>, std::time::Duration),
     ) -> anyhow::Result<()> {
-        let stopped = |mut rx: watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|stop| *stop).await;
+        let stopped = |mut rx: watch::Receiver<bool>| -> ferry_runtime::Shutdown {
+            Box::pin(async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            })
         };
         config.kv_agent = Some(self.kv_agent.local_addr()?.to_string());
         tokio::try_join!(
@@ -190,11 +192,11 @@ impl Node {
                 config,
                 Some(model),
                 None,
-                self.executor,
+                self.executor.into(),
                 stopped(stop.clone()),
                 drain,
             ),
-            ferry_kv_transfer_svc::run(agent, None, self.kv_agent, stopped(stop), drain),
+            ferry_kv_transfer_svc::run(agent, None, self.kv_agent.into(), stopped(stop), drain),
         )?;
         Ok(())
     }
@@ -209,7 +211,7 @@ pub async fn run(
     config: ServeConfig,
     model: Arc<ModelFile>,
     bound: Bound,
-    shutdown: impl std::future::Future<Output = ()> + Send,
+    shutdown: ferry_runtime::Shutdown,
 ) -> anyhow::Result<()> {
     let mut listed = vec![(bound.main.url()?, bound.main.url()?)];
     // The in-process scheduler and executors share a token no one else knows (or the one
@@ -238,8 +240,10 @@ pub async fn run(
     let role = SchedulerRole { scheduler, front: config.front, listed, cluster: None, drain };
     // One stop signal fans out to every part, so they drain together.
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
+    let stopped = |mut rx: watch::Receiver<bool>| -> ferry_runtime::Shutdown {
+        Box::pin(async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        })
     };
     let agent = config.kv_agent;
     let parts = async {

@@ -51,5 +51,6 @@ async fn main() -> anyhow::Result<()> {
     let path = args.executor.model.clone();
     let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
     // Boxed: every part's state together is large for `main`'s stack frame.
-    Box::pin(ferry::run(config, Arc::new(model), bound, ferry_runtime::shutdown_signal())).await
+    Box::pin(ferry::run(config, Arc::new(model), bound, Box::pin(ferry_runtime::shutdown_signal())))
+        .await
 }

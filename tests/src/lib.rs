@@ -73,6 +73,12 @@ impl Service {
         let mut child = Command::new(binary(name)?)
             .args(args)
             .env("FERRY_LOG", "warn")
+            // One forward thread per process: a test runs several executors, beside another
+            // test's, on a machine of a few cores, and a forward's idle workers spin between
+            // its parallel sections (half the CPU time of a two-executor test). A forward's
+            // result does not depend on its thread count; the executor's own tests run it on
+            // every thread. A test may set another count in `env`.
+            .env("RAYON_NUM_THREADS", "1")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

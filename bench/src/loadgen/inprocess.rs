@@ -8,7 +8,8 @@ use std::time::Instant;
 use std::sync::Arc;
 
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
-use ferry_executor_svc::forward::{KvDtype, LoadedModel, PagedKvCache};
+use ferry_executor_svc::executor_config::{BackendKind, KvCacheArgs};
+use ferry_executor_svc::forward::LoadedModel;
 use ferry_proto::v1;
 use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Timestamp};
 use ferry_sched_flags::Geometry;
@@ -19,22 +20,21 @@ use ferry_scheduler_svc::request::{OutputShape, RequestSpec};
 use super::{Job, Percentiles, Report};
 
 /// Runs `jobs` at `concurrency` through core + engine in this thread, the core configured from
-/// `settings` as a scheduler configures it; `kv_cache_mib` and `block_size` size the cache as
-/// an executor would; every request samples with `sampling` (its seed, when it has one, plus
-/// the request's number). The report, and the core's counters at the end.
+/// `settings` as a scheduler configures it and the KV cache sized from `kv` as a CPU executor
+/// sizes it; every request samples with `sampling` (its seed, when it has one, plus the
+/// request's number). The report, and the core's counters at the end.
 pub fn run(
     jobs: &[Job],
     concurrency: usize,
     settings: &SchedulerSettings,
-    (kv_cache_mib, block_size): (u64, usize),
+    kv: &KvCacheArgs,
     sampling: &v1::SamplingParams,
 ) -> anyhow::Result<(Report, SchedulerStats)> {
     let model = LoadedModel::open(None)?;
     let shape = model.weights.shape;
-    // The executor's default element type, as `serve` runs it.
-    let dtype = KvDtype::default();
-    let num_blocks =
-        PagedKvCache::blocks_for_budget(&shape, dtype, block_size, kv_cache_mib * 1024 * 1024);
+    let dtype = kv.dtype(BackendKind::Cpu);
+    let block_size = kv.block_size as usize;
+    let num_blocks = kv.num_blocks(&shape, dtype)?;
     let tokenizer = &model.file.tokenizer;
     let eos = tokenizer.eos_token_id;
     let prompts: Vec<(Vec<u32>, u64)> = jobs

@@ -75,9 +75,9 @@ pub struct LoadArgs {
     /// process (the baseline for the service path's cost); greedy, default model.
     #[arg(long)]
     pub in_process: bool,
-    /// With --in-process: KV cache memory in MiB.
-    #[arg(long, default_value_t = 512)]
-    pub kv_cache_mib: u64,
+    /// With --in-process: the KV cache, as `ferry-executor` sizes it.
+    #[command(flatten)]
+    pub kv_cache: ferry_executor_svc::executor_config::KvCacheArgs,
     /// With --in-process: the scheduling flags, as `ferry-scheduler` takes them.
     #[command(flatten)]
     pub scheduler: ferry_scheduler_svc::config::SchedulerArgs,
@@ -276,11 +276,11 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
     let jobs = workload(&args)?;
     if args.in_process {
         let settings = args.scheduler.resolve()?;
-        let (concurrency, kv) = (args.concurrency, args.kv_cache_mib);
+        let (concurrency, kv) = (args.concurrency, args.kv_cache.clone());
         let report = tokio::task::spawn_blocking(move || {
             // Greedy, as the served runs ask for (temperature 0).
             let greedy = ferry_proto::v1::SamplingParams::default();
-            inprocess::run(&jobs, concurrency, &settings, (kv, 16), &greedy)
+            inprocess::run(&jobs, concurrency, &settings, &kv, &greedy)
         })
         .await??
         .0;

@@ -58,8 +58,8 @@ async fn agent(node: &str) -> String {
     tokio::spawn(ferry_kv_transfer_svc::run(
         config,
         None,
-        listener,
-        std::future::pending(),
+        listener.into(),
+        Box::pin(std::future::pending()),
         Duration::from_secs(5),
     ));
     addr.to_string()

@@ -32,7 +32,7 @@ async fn main() -> anyhow::Result<()> {
     ferry_runtime::grpc::announce("ferry-kv", "grpc", addr);
     let probe = cli.service.probe.bind("ferry-kv").await?;
     let cluster = cli.cluster.enabled().then_some(cli.cluster);
-    let stop = ferry_runtime::shutdown_signal();
+    let stop = Box::pin(ferry_runtime::shutdown_signal());
     let ports = ferry_runtime::grpc::Ports { grpc: listener, probe };
     ferry_kv_transfer_svc::run(cli.agent, cluster, ports, stop, drain).await
 }

@@ -114,7 +114,7 @@ impl Common {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let stop = ferry_runtime::shutdown_signal();
+    let stop = Box::pin(ferry_runtime::shutdown_signal());
     match cli.command {
         None => {
             let role = SchedulerRole {

@@ -25,6 +25,16 @@ fn start_executor_with_ttl(etcd: &Etcd, id: &str, ttl: &str) -> Service {
 
 /// [`start_executor`] with a lease of `ttl` seconds and a KV cache of `kv_mib` MiB.
 fn start_executor_with(etcd: &Etcd, id: &str, ttl: &str, kv_mib: &str) -> Service {
+    start_executor_env(etcd, id, (ttl, kv_mib), &[])
+}
+
+/// [`start_executor_with`] with extra environment variables.
+fn start_executor_env(
+    etcd: &Etcd,
+    id: &str,
+    (ttl, kv_mib): (&str, &str),
+    env: &[(&str, &std::ffi::OsStr)],
+) -> Service {
     let endpoints = etcd.endpoints();
     let args = [
         "--listen",
@@ -38,7 +48,7 @@ fn start_executor_with(etcd: &Etcd, id: &str, ttl: &str, kv_mib: &str) -> Servic
         "--lease-ttl",
         ttl,
     ];
-    Service::start("ferry-executor", &args, 1).unwrap()
+    Service::start_with_env("ferry-executor", &args, env, 1).unwrap()
 }
 
 /// A scheduler that discovers its executors through `etcd`.
@@ -279,9 +289,11 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
     // finished inside the window once the products got faster, and had nothing to move.
     const TOKENS: u32 = 640;
     // Listed by hand, without etcd: nothing tells the scheduler that the executor drains, so
-    // it keeps the session open, and only the drain timeout ends it.
+    // it keeps the session open, and only the drain timeout ends it. Room for all eight streams
+    // whole on either executor (about 46 KB of KV per token), so none is preempted and
+    // recomputed (with 64 MiB most were, and the test took 90 s).
     let exec = |id: &str| {
-        let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--executor-id", id];
+        let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "320", "--executor-id", id];
         let args = [&args[..], &["--drain-timeout", "2"]].concat();
         Service::start("ferry-executor", &args, 1).unwrap()
     };
@@ -327,7 +339,10 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     let sched = start_scheduler(&etcd);
     // Room for all eight streams whole (about 46 KB of KV per token): none is preempted, so
     // every gap is a step's time, not a wait for room.
-    let exec = start_executor_with(&etcd, "exec-a", "2", "320");
+    // Its forward on both threads, as before the tests' default of one: this test has the
+    // machine to itself (see .config/nextest.toml).
+    let threads = [("RAYON_NUM_THREADS", std::ffi::OsStr::new("2"))];
+    let exec = start_executor_env(&etcd, "exec-a", ("2", "320"), &threads);
     wait_ready(&sched, &[&exec]).await;
     let metric = |name: &str| metric(sched.addr("http"), name);
     let epoch = metric("ferry_scheduler_epoch{");

@@ -15,6 +15,7 @@ mod disaggregation;
 mod executor_session;
 mod fuzz;
 mod grpc_surface;
+mod helm_chart;
 mod kv_agent;
 mod kv_tier;
 mod limits;

@@ -153,7 +153,7 @@ async fn main() -> anyhow::Result<()> {
         model,
         cluster,
         ferry_runtime::grpc::Ports { grpc: listener, probe },
-        ferry_runtime::shutdown_signal(),
+        Box::pin(ferry_runtime::shutdown_signal()),
         drain,
     )
     .await

@@ -35,6 +35,9 @@
 //! bit for bit. (Speed comes from many independent chains at once, one per output column and
 //! row, never from splitting one chain.)
 
+// The hand-written SIMD kernels: `unsafe` for the intrinsics and the runtime CPU-feature
+// dispatch that makes them sound (see `x86`).
+#![allow(unsafe_code)]
 // `inline(always)` on the block and tile helpers: each is a loop body that must fuse into its
 // caller's `#[target_feature]` context, or the intrinsics it calls are not inlined. `OutPtr` goes
 // by value because each worker thread owns its part.

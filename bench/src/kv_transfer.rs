@@ -146,11 +146,8 @@ async fn start_agent(
     let (listener, addr) = ferry_runtime::grpc::bind("127.0.0.1:0").await?;
     let config =
         KvAgentConfig { node_id: node.into(), store_mib, shm_dir: shm::DEFAULT_DIR.into() };
-    let mut stop = stop.clone();
-    let stopped = Box::pin(async move {
-        let _ = stop.wait_for(|s| *s).await;
-    });
     let drain = std::time::Duration::from_secs(5);
+    let stopped = ferry_runtime::when_set(stop.clone());
     tokio::spawn(ferry_kv_transfer_svc::run(config, None, listener.into(), stopped, drain));
     Ok(addr.to_string())
 }

@@ -36,4 +36,4 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 pub use grpc::{GrpcHost, HostError};
-pub use shutdown::{bounded_drain, shutdown_signal, DrainArgs, Shutdown};
+pub use shutdown::{bounded_drain, shutdown_signal, when_set, DrainArgs, Shutdown};

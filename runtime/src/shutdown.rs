@@ -19,6 +19,14 @@ use std::time::Duration;
 /// of code generation).
 pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// The [`Shutdown`] of a part that stops with others: it resolves once `stop` is set (or its
+/// sender is gone), so one `watch` channel fans a stop out to every part holding a receiver.
+pub fn when_set(mut stop: tokio::sync::watch::Receiver<bool>) -> Shutdown {
+    Box::pin(async move {
+        let _ = stop.wait_for(|stop| *stop).await;
+    })
+}
+
 /// Longest `--drain-timeout`: a day.
 pub const MAX_DRAIN_SECS: u64 = 86_400;
 

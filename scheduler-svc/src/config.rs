@@ -361,12 +361,6 @@ mod tests {
     #[test]
     fn every_bad_flag_is_refused_with_its_name() {
         let cases: &[(&[&str], &str)] = &[
-            (&["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
-            (&["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1"),
-            (
-                &["--max-num-seqs", "64", "--max-num-batched-tokens", "32"],
-                "--max-num-batched-tokens (32) must be at least --max-num-seqs (64)",
-            ),
             (&["--executor-connect-timeout", "0"], "--executor-connect-timeout must be between"),
             (&["--pool", "a/b"], "--pool \"a/b\" must be non-empty"),
             (&["--scheduler-id", ""], "--scheduler-id \"\" must be non-empty"),

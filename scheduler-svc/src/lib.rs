@@ -200,12 +200,7 @@ async fn serve_api(
 ) -> anyhow::Result<()> {
     let Listeners { grpc, http, probe } = listeners;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = move || {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|stop| *stop).await;
-        }
-    };
+    let stopped = move || ferry_runtime::when_set(stop_rx.clone());
     let mut http_task =
         http.map(|l| tokio::spawn(http::serve(front.clone(), metrics.clone(), l, stopped())));
     let mut host = GrpcHost::new()

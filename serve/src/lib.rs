@@ -181,11 +181,6 @@ impl Node {
         model: Arc<ModelFile>,
         (stop, drain): (watch::Receiver<bool>, std::time::Duration),
     ) -> anyhow::Result<()> {
-        let stopped = |mut rx: watch::Receiver<bool>| -> ferry_runtime::Shutdown {
-            Box::pin(async move {
-                let _ = rx.wait_for(|stop| *stop).await;
-            })
-        };
         config.kv_agent = Some(self.kv_agent.local_addr()?.to_string());
         tokio::try_join!(
             ferry_executor_svc::run(
@@ -193,10 +188,16 @@ impl Node {
                 Some(model),
                 None,
                 self.executor.into(),
-                stopped(stop.clone()),
+                ferry_runtime::when_set(stop.clone()),
                 drain,
             ),
-            ferry_kv_transfer_svc::run(agent, None, self.kv_agent.into(), stopped(stop), drain),
+            ferry_kv_transfer_svc::run(
+                agent,
+                None,
+                self.kv_agent.into(),
+                ferry_runtime::when_set(stop),
+                drain
+            ),
         )?;
         Ok(())
     }
@@ -240,11 +241,6 @@ pub async fn run(
     let role = SchedulerRole { scheduler, front: config.front, listed, cluster: None, drain };
     // One stop signal fans out to every part, so they drain together.
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| -> ferry_runtime::Shutdown {
-        Box::pin(async move {
-            let _ = rx.wait_for(|stop| *stop).await;
-        })
-    };
     let agent = config.kv_agent;
     let parts = async {
         let prefill_node = async {
@@ -261,7 +257,12 @@ pub async fn run(
         tokio::try_join!(
             bound.main.run(executor, agent.clone(), model.clone(), (stop_rx.clone(), drain)),
             prefill_node,
-            ferry_scheduler_svc::run(role, model.clone(), bound.front, stopped(stop_rx.clone())),
+            ferry_scheduler_svc::run(
+                role,
+                model.clone(),
+                bound.front,
+                ferry_runtime::when_set(stop_rx.clone())
+            ),
         )
     };
     tokio::pin!(parts);

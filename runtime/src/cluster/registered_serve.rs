@@ -58,11 +58,9 @@ pub async fn serve_registered(
         Some(r) => host.with_metrics(std::sync::Arc::new(LeaseMetric(r.state.clone()))),
         None => host,
     };
-    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let (stop_tx, stop_rx) = watch::channel(false);
     let health = host.health_switch();
-    let serving = host.serve(ports, async move {
-        let _ = stop_rx.wait_for(|s| *s).await;
-    });
+    let serving = host.serve(ports, crate::when_set(stop_rx));
     tokio::pin!(serving);
     tokio::select! {
         result = &mut serving => return Ok(result?),

@@ -217,6 +217,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         head_dim: usize_of(profile.head_dim),
         vocab_size: usize_of(profile.vocab_size),
         rope_theta: 500_000.0,
+        rope_scale: 1.0,
         rms_eps: 1e-5,
         max_model_len: SIMULATED_MAX_MODEL_LEN,
     };

@@ -102,6 +102,20 @@ impl Value {
     }
 }
 
+/// The value as an error message shows it (an array by its length).
+impl std::fmt::Display for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Value::U64(v) => write!(f, "{v}"),
+            Value::I64(v) => write!(f, "{v}"),
+            Value::F64(v) => write!(f, "{v}"),
+            Value::Bool(v) => write!(f, "{v}"),
+            Value::String(v) => write!(f, "{v:?}"),
+            Value::Array(v) => write!(f, "[{} items]", v.len()),
+        }
+    }
+}
+
 /// Where one tensor lives in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {

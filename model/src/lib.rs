@@ -14,6 +14,7 @@
 pub mod chat;
 pub mod fetch;
 pub mod gguf;
+pub mod pre_tokenizer;
 pub mod sampling;
 pub mod shape;
 pub mod structured;

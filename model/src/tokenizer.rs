@@ -1,7 +1,8 @@
 //! The model's tokenizer and chat template, read from the GGUF metadata, for the front to use.
 //!
 //! Encoding is byte-level BPE (GPT-2 style) built from `tokenizer.ggml.tokens` and `.merges`
-//! with the `tokenizers` crate; control and user-defined tokens (`<|im_start|>` …) are matched
+//! with the `tokenizers` crate, after the pre-tokenizer `tokenizer.ggml.pre` names
+//! ([`crate::pre_tokenizer`]); control and user-defined tokens (`<|im_start|>` …) are matched
 //! as whole tokens in the text. Decoding does not go through `tokenizers`: every id maps to its
 //! raw bytes once at load, so decoding is a concatenation, and [`IncrementalDecoder`] emits the
 //! longest complete UTF-8 prefix — it never splits a character, whatever the token boundaries.
@@ -12,12 +13,10 @@ use minijinja::Environment;
 
 use crate::chat::{self, ChatOptions};
 use tokenizers::models::bpe::BPE;
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper};
+use tokenizers::AddedToken;
 
 use crate::gguf::{GgufHeader, Value};
+use crate::pre_tokenizer::{PreTokenizer, UnknownPreTokenizer};
 
 /// Why a tokenizer could not be built or used.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +32,9 @@ pub enum TokenizerError {
     /// The tokenizer model is not byte-level BPE.
     #[error("unsupported tokenizer model {0:?} (only byte-level BPE, \"gpt2\", is supported)")]
     Unsupported(String),
+    /// `tokenizer.ggml.pre` names a pre-tokenizer Ferry does not know.
+    #[error(transparent)]
+    PreTokenizer(#[from] UnknownPreTokenizer),
     /// The `tokenizers` crate failed.
     #[error("tokenizer: {0}")]
     Tokenizers(String),
@@ -108,6 +110,12 @@ impl Tokenizer {
         if model != "gpt2" {
             return Err(TokenizerError::Unsupported(model.to_string()));
         }
+        let key = "tokenizer.ggml.pre";
+        let pre = match header.get(key) {
+            Some(v) => Some(v.as_str().ok_or_else(|| bad(key, "a string", v))?),
+            None => None,
+        };
+        let pre = PreTokenizer::named(pre)?;
         let tokens = strings(header, "tokenizer.ggml.tokens")?;
         let types: Vec<i32> = match header.get("tokenizer.ggml.token_type") {
             Some(v) => {
@@ -141,8 +149,10 @@ impl Tokenizer {
         let eos = meta(header, key)?;
         let eos_token_id = eos.as_u32().ok_or_else(|| bad(key, "a token id", eos))?;
         let bos_token_id = header.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u32);
-        let add_bos =
-            header.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        let add_bos = header
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(Value::as_bool)
+            .unwrap_or(pre.add_bos_default);
         let chat_template =
             header.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string);
 
@@ -150,14 +160,11 @@ impl Tokenizer {
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
+            .ignore_merges(pre.ignore_merges)
             .build()
             .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        // SmolLM's (and most GPT-2 style) pre-tokenization: digits one by one, then byte-level.
-        let pre = Sequence::new(vec![
-            PreTokenizerWrapper::Digits(Digits::new(true)),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
-        ]);
+        let pre = pre.build().map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
         inner.with_pre_tokenizer(Some(pre));
         let specials: Vec<AddedToken> = tokens
             .iter()

@@ -34,9 +34,38 @@ pub enum LoadError {
         #[source]
         source: KernelError,
     },
+    /// The file has a tensor the forward would not use: a model served without it answers
+    /// wrongly (a bias, a norm, another architecture's part).
+    #[error("tensor {0} is not part of the llama forward Ferry computes")]
+    Unexpected(String),
     /// Reading the file failed.
     #[error("reading the model: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// The tensors of a Llama model of `layers` blocks, with the optional ones the file has.
+fn expected_tensors(layers: usize) -> impl Fn(&str) -> bool {
+    const GLOBAL: [&str; 4] =
+        ["token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"];
+    const PER_LAYER: [&str; 9] = [
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+        "ffn_norm.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    ];
+    move |name: &str| {
+        GLOBAL.contains(&name)
+            || name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).is_some_and(
+                |(i, part)| {
+                    i.parse::<usize>().is_ok_and(|i| i < layers) && PER_LAYER.contains(&part)
+                },
+            )
+    }
 }
 
 /// One transformer block's weights. Matrices are `[out, in]` in their GGUF quantization.
@@ -82,6 +111,12 @@ impl LlamaWeights {
         reader: &mut R,
     ) -> Result<Self, LoadError> {
         let device = Device::Cpu;
+        let expected = expected_tensors(shape.num_layers);
+        let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+        names.sort();
+        if let Some(name) = names.into_iter().find(|n| !expected(n)) {
+            return Err(LoadError::Unexpected(name.clone()));
+        }
         let mut read = |name: &str, dims: &[usize]| {
             let t = content
                 .tensor(reader, name, &device)
@@ -120,15 +155,25 @@ impl LlamaWeights {
         } else {
             embed.clone()
         };
-        let mut vector = |name: &str| -> Result<Vec<f32>, LoadError> {
+        let mut vector = |name: &str, len: usize| -> Result<Vec<f32>, LoadError> {
             let wrap = |source| LoadError::Tensor { name: name.to_string(), source };
-            read(name, &[h])?
+            read(name, &[len])?
                 .dequantize(&device)
                 .and_then(|t| t.to_dtype(DType::F32))
                 .and_then(|t| t.to_vec1::<f32>())
                 .map_err(wrap)
         };
-        let norm = vector("output_norm.weight")?;
+        let norm = vector("output_norm.weight", h)?;
+        // Llama 3's long-context rotary scaling: a factor per pair that divides its frequency
+        // (llama.cpp's `rope_freqs`, from `rope_scaling` "llama3").
+        let mut rope_freqs =
+            super::ops::rope_frequencies(shape.head_dim, shape.rope_theta, shape.rope_scale);
+        if content.tensor_infos.contains_key("rope_freqs.weight") {
+            let factors = vector("rope_freqs.weight", rope_freqs.len())?;
+            for (f, factor) in rope_freqs.iter_mut().zip(factors) {
+                *f /= factor;
+            }
+        }
         let layers = layers
             .into_iter()
             .zip(norms)
@@ -139,16 +184,15 @@ impl LlamaWeights {
                     })
                 };
                 Ok(LayerWeights {
-                    attn_norm: vector(&an)?,
+                    attn_norm: vector(&an, h)?,
                     wqkv: stack(&[&wq, &wk, &wv], "Q, K and V")?,
                     wo,
-                    ffn_norm: vector(&fnn)?,
+                    ffn_norm: vector(&fnn, h)?,
                     w_gate_up: stack(&[&w_gate, &w_up], "gate and up")?,
                     w_down,
                 })
             })
             .collect::<Result<Vec<_>, LoadError>>()?;
-        let rope_freqs = super::ops::rope_frequencies(shape.head_dim, shape.rope_theta);
         Ok(Self { shape, embed, layers, norm, lm_head, rope_freqs })
     }
 }

@@ -42,8 +42,14 @@ pub enum ModelError {
         source: candle_core::Error,
     },
     /// The weights could not be loaded.
-    #[error(transparent)]
-    Load(#[from] LoadError),
+    #[error("{path}: {source}")]
+    Load {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause (boxed: it is large, and rare).
+        #[source]
+        source: Box<LoadError>,
+    },
 }
 
 impl LoadedModel {
@@ -54,7 +60,8 @@ impl LoadedModel {
             .map_err(|source| ModelError::Io { path: path.clone(), source })?;
         let content = gguf_file::Content::read(&mut reader)
             .map_err(|source| ModelError::Gguf { path: path.clone(), source })?;
-        let weights = LlamaWeights::load(file.shape, &content, &mut reader)?;
+        let weights = LlamaWeights::load(file.shape, &content, &mut reader)
+            .map_err(|e| ModelError::Load { path: path.clone(), source: Box::new(e) })?;
         Ok(Self { file, weights })
     }
 

@@ -64,9 +64,10 @@ pub fn add_rms_norm(
     });
 }
 
-/// The rotary frequencies `theta^(-2i/d)` for `i < d/2`, computed once per model.
-pub fn rope_frequencies(head_dim: usize, theta: f32) -> Vec<f32> {
-    (0..head_dim / 2).map(|i| theta.powf(-(2.0 * i as f32) / head_dim as f32)).collect()
+/// The rotary frequencies `scale · theta^(-2i/d)` for `i < d/2`, computed once per model
+/// (`scale`: linear rotary scaling, 1 without).
+pub fn rope_frequencies(head_dim: usize, theta: f32, scale: f32) -> Vec<f32> {
+    (0..head_dim / 2).map(|i| scale * theta.powf(-(2.0 * i as f32) / head_dim as f32)).collect()
 }
 
 /// The rotary embedding's sines and cosines for position `pos`, one per frequency (pair `i`

@@ -581,6 +581,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
         head_dim: 128,
         vocab_size: 32000,
         rope_theta: 10000.0,
+        rope_scale: 1.0,
         rms_eps: 1e-5,
         max_model_len: 4096,
     };

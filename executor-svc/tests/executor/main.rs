@@ -2,10 +2,12 @@
 //! with candle and the kernels, optimized: linking one binary instead of four saves minutes of
 //! a CI build): the engine's step protocol on the real model (`engine`), the paged forward and
 //! the reference forward against an exact one (`paged_forward`, `reference_model`, `exact`),
-//! and KV export and import through a real agent (`kv_transfer`).
+//! Llama-family files against a forward after Hugging Face's modeling code (`families`), and KV
+//! export and import through a real agent (`kv_transfer`).
 
 mod engine;
 mod exact;
+mod families;
 mod kv_transfer;
 mod paged_forward;
 mod reference_model;

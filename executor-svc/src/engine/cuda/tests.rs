@@ -46,6 +46,7 @@ fn tiny_model() -> LlamaWeights {
         head_dim: 16,
         vocab_size: 80,
         rope_theta: 10_000.0,
+        rope_scale: 1.0,
         rms_eps: 1e-5,
         max_model_len: 256,
     };
@@ -68,7 +69,7 @@ fn tiny_model() -> LlamaWeights {
         embed,
         layers,
         norm: rng.norm(h),
-        rope_freqs: ops::rope_frequencies(shape.head_dim, shape.rope_theta),
+        rope_freqs: ops::rope_frequencies(shape.head_dim, shape.rope_theta, shape.rope_scale),
     }
 }
 

@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Tiny Llama-family models written as GGUF files the way llama.cpp's converter writes them,
+and their logits from a forward written here after Hugging Face's `modeling_llama.py` (numpy,
+f64, HF's layout: unpermuted Q/K, `rotate_half` rotary embedding, HF's rope scalings). Nothing
+here is Ferry's: the weights are quantized and read back by the `gguf` package.
+
+    llama_hf.py OUT_DIR
+
+writes OUT_DIR/<variant>.gguf and OUT_DIR/expected.json:
+{"variants": {"<variant>": {"gguf": path, "tokens": [...], "logits": [[...] per position],
+  "unscaled_logits": [[...]] (the same weights without the variant's rope scaling),
+  "greedy": [...] (8 tokens after `tokens`)}}, "refused": {"<variant>": [path, what it names]}}
+"""
+import json
+import sys
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+HIDDEN, FF, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
+HEAD = HIDDEN // HEADS
+EPS = 1e-5
+TOKENS = [5, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101]
+
+
+def bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+    bs += list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+MERGES = ["h e", "l l"]
+VOCAB = [bytes_to_unicode()[b] for b in range(256)] + ["he", "ll"]
+VOCAB += ["<|endoftext|>", "<s>", "<pad>", "<unk>"]
+
+
+def permute(w, n_head):
+    """llama.cpp's converter: Q/K rows reordered for rotation of adjacent pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantized(w, qtype):
+    """(the bytes the file holds, the weights they stand for, f64)."""
+    data = gguf.quants.quantize(w.astype(np.float32), qtype)
+    return data, gguf.quants.dequantize(data, qtype).astype(np.float64)
+
+
+def llama3_inv_freq(inv_freq, factor, low, high, old_len):
+    """HF's `_compute_llama3_parameters`."""
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * np.pi / inv_freq
+    out = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, out)
+
+
+def llama3_factors(inv_freq, factor, low, high, old_len):
+    """llama.cpp's converter: the `rope_freqs` tensor, per pair."""
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def rms_norm(x, w):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * w
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def forward(m, tokens, inv_freq):
+    """Logits at every position (HF's LlamaForCausalLM, no cache)."""
+    n = len(tokens)
+    x = m["embed"][tokens]
+    pos = np.arange(n, dtype=np.float64)
+    freqs = np.outer(pos, inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+    mask = np.triu(np.full((n, n), -np.inf), 1)
+    for l in m["layers"]:
+        h = rms_norm(x, l["attn_norm"])
+        q = (h @ l["q"].T).reshape(n, HEADS, HEAD)
+        k = (h @ l["k"].T).reshape(n, KV_HEADS, HEAD)
+        v = (h @ l["v"].T).reshape(n, KV_HEADS, HEAD)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        group = HEADS // KV_HEADS
+        out = np.zeros((n, HEADS, HEAD))
+        for hd in range(HEADS):
+            s = q[:, hd] @ k[:, hd // group].T / np.sqrt(HEAD) + mask
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            out[:, hd] = p @ v[:, hd // group]
+        x = x + out.reshape(n, HIDDEN) @ l["o"].T
+        h = rms_norm(x, l["ffn_norm"])
+        g, u = h @ l["gate"].T, h @ l["up"].T
+        x = x + ((g / (1 + np.exp(-g))) * u) @ l["down"].T
+    return rms_norm(x, m["norm"]) @ m["output"].T
+
+
+def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, qtype=Q.Q8_0):
+    """Writes the GGUF file; returns the model the reference computes with."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(EPS)
+    w.add_vocab_size(len(VOCAB))
+    w.add_rope_dimension_count(HEAD)
+    if scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(VOCAB)
+    w.add_token_types([1] * 258 + [3] * 4)
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(258)
+    w.add_bos_token_id(259)
+    w.add_add_bos_token(False)
+
+    def matrix(name, rows, cols, n_head=None):
+        data, ref = quantized(rng.normal(0, 1 / np.sqrt(cols), (rows, cols)), qtype)
+        w.add_tensor(name, permute(data, n_head) if n_head else data, raw_dtype=qtype)
+        return ref
+
+    def vector(name, n):
+        v = (1 + rng.normal(0, 0.1, n)).astype(np.float32)
+        w.add_tensor(name, v)
+        return v.astype(np.float64)
+
+    m = {"embed": matrix("token_embd.weight", len(VOCAB), HIDDEN), "layers": []}
+    for i in range(LAYERS):
+        p = f"blk.{i}"
+        m["layers"].append(
+            {
+                "attn_norm": vector(f"{p}.attn_norm.weight", HIDDEN),
+                "q": matrix(f"{p}.attn_q.weight", HIDDEN, HIDDEN, HEADS),
+                "k": matrix(f"{p}.attn_k.weight", KV_HEADS * HEAD, HIDDEN, KV_HEADS),
+                "v": matrix(f"{p}.attn_v.weight", KV_HEADS * HEAD, HIDDEN),
+                "o": matrix(f"{p}.attn_output.weight", HIDDEN, HIDDEN),
+                "ffn_norm": vector(f"{p}.ffn_norm.weight", HIDDEN),
+                "gate": matrix(f"{p}.ffn_gate.weight", FF, HIDDEN),
+                "up": matrix(f"{p}.ffn_up.weight", FF, HIDDEN),
+                "down": matrix(f"{p}.ffn_down.weight", HIDDEN, FF),
+            }
+        )
+    m["norm"] = vector("output_norm.weight", HIDDEN)
+    m["output"] = m["embed"] if tied else matrix("output.weight", len(VOCAB), HIDDEN)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    if extra is not None:
+        w.add_tensor(extra, np.zeros(HIDDEN, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return m
+
+
+def greedy(m, tokens, inv_freq, n):
+    tokens = list(tokens)
+    out = []
+    for _ in range(n):
+        nxt = int(np.argmax(forward(m, tokens, inv_freq)[-1]))
+        out.append(nxt)
+        tokens.append(nxt)
+    return out
+
+
+def main():
+    out_dir = sys.argv[1]
+    variants, refused = {}, {}
+
+    def run(name, m, inv_freq, plain_inv_freq):
+        variants[name] = {
+            "gguf": f"{out_dir}/{name}.gguf",
+            "tokens": TOKENS,
+            "logits": forward(m, TOKENS, inv_freq).tolist(),
+            "unscaled_logits": forward(m, TOKENS, plain_inv_freq).tolist(),
+            "greedy": greedy(m, TOKENS, inv_freq, 8),
+        }
+
+    inv = lambda theta: 1.0 / theta ** (np.arange(0, HEAD, 2, dtype=np.float64) / HEAD)
+    # Plain Llama 2 style, tied output.
+    m = build(f"{out_dir}/llama.gguf", np.random.default_rng(1), 10000.0, tied=True)
+    run("llama", m, inv(10000.0), inv(10000.0))
+    # Llama 3.1 style: untied output and llama3 rope scaling, with an original context short
+    # enough that it changes the tiny model's angles at these positions.
+    scale = dict(factor=8.0, low=1.0, high=4.0, old_len=16)
+    factors = llama3_factors(inv(500000.0), **scale)
+    m = build(f"{out_dir}/llama3.gguf", np.random.default_rng(2), 500000.0, tied=False, rope_freqs=factors)
+    run("llama3", m, llama3_inv_freq(inv(500000.0), **scale), inv(500000.0))
+    # Linear rope scaling (factor 4: positions / 4).
+    m = build(f"{out_dir}/linear.gguf", np.random.default_rng(3), 10000.0, tied=True, scaling=4.0)
+    run("linear", m, inv(10000.0) / 4.0, inv(10000.0))
+    # A tensor the llama forward does not compute (Qwen 2's bias).
+    path = f"{out_dir}/bias.gguf"
+    build(path, np.random.default_rng(4), 10000.0, tied=True, extra="blk.0.attn_q.bias")
+    refused["bias"] = [path, "blk.0.attn_q.bias"]
+    with open(f"{out_dir}/expected.json", "w") as f:
+        json.dump({"variants": variants, "refused": refused}, f)
+
+
+if __name__ == "__main__":
+    main()

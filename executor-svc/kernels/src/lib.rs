@@ -1,19 +1,23 @@
-//! Products against quantized weights for the CPU forward, in f32: the weights stay in their 4-
-//! or 8-bit GGUF blocks in memory, their codes become floats exactly as the product reads them,
+//! Products against quantized weights for the CPU forward, in f32: the weights stay in blocks of
+//! their GGUF codes in memory (`Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`;
+//! see [`WeightFormat`]), their codes become floats exactly as the product reads them,
 //! and the activations stay f32. So the products are those of the true model, up to f32 rounding
 //! of the sums (llama.cpp instead quantizes activations to 8 bits, which moves this model's logits
 //! by about 0.2 and flips greedy answers).
 //!
 //! The arithmetic of one output element, for activation row `x` and weight column `o` with
-//! blocks `(q, d, m)` (`w = d·q + m`; `Q8_0` has `m = 0`, `Q4_0` has `m = -8d`), is fixed:
+//! blocks of 32 `(q, d, m)` (`w = d·q + m`; `Q8_0` has `m = 0`, `Q4_0` has `m = -8d`; a
+//! k-quant's `d` and `m` are its super-block's scales times the block's 6-bit ones), is fixed:
 //!
 //! ```text
 //! acc = 0
 //! for each block b, in order:
 //!     p = 0;  for k in 0..32, in order:  p = fma(x[32b + k], q[k], p)     (q[k] exact in f32)
 //!     acc = fma(p, d, acc)
-//!     acc = fma(s_b, m, acc)      (Q4 only; s_b = x[32b] + x[32b + 1] + … in order, from 0)
+//!     acc = fma(s_b, m, acc)      (with a minimum; s_b = x[32b] + x[32b + 1] + … in order)
 //! ```
+//!
+//! (`Q6_K` has a scale per 16 inputs: `p` over each half, then `acc = fma(p, d_half, acc)`.)
 //!
 //! which is `Σ x·w` with the scale and minimum applied once per block rather than once per
 //! weight: one fused multiply-add per weight, after the code's conversion to float.
@@ -43,12 +47,17 @@
 // by value because each worker thread owns its part.
 #![allow(clippy::inline_always, clippy::needless_pass_by_value)]
 
+pub mod format;
 mod portable;
+mod stacked;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
 use candle_core::quantized::{GgmlDType, QTensor};
+use format::{decode_block, format_of, from_f16, gguf_block};
+pub use format::{kind, WeightFormat};
 use rayon::prelude::*;
+pub use stacked::{matmul_stacked, Matrix, Stacked};
 
 /// Elements per quantization block.
 pub const BLOCK: usize = 32;
@@ -57,35 +66,17 @@ pub const BLOCK: usize = 32;
 /// two 256-bit ones).
 pub const GROUP: usize = 16;
 
-/// How a weight matrix is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightFormat {
-    /// 4-bit unsigned codes with a scale and a minimum per block: `w = d·q + m`
-    /// (GGUF `Q4_1`; `Q4_0` maps onto it with `m = -8d`).
-    Q4,
-    /// 8-bit signed codes with a scale per block: `w = d·q` (GGUF `Q8_0`).
-    Q8,
-}
-
-impl WeightFormat {
-    /// Code bytes per block of one column.
-    const fn code_bytes(self) -> usize {
-        match self {
-            WeightFormat::Q4 => 16,
-            WeightFormat::Q8 => 32,
-        }
-    }
-}
-
 /// A weight matrix `[rows (outputs), cols (inputs)]` in blocks of 32 along the inputs, packed
 /// by groups of [`GROUP`] outputs (the last group padded with zero columns).
 ///
 /// For group `g` and block `b` (index `gb = g · blocks_per_row + b`):
-/// - `d[gb·16 + j]` and `m[gb·16 + j]` are column `16g + j`'s scale and minimum;
+/// - `d[gb·16 + j]` and `m[gb·16 + j]` (f16 bits; `dw`, `mw` in f32 for the wide formats) are
+///   column `16g + j`'s scale and minimum (`Q6K`: its two halves' scales);
 /// - the code bytes at `gb · 16 · code_bytes`, four bytes of a column at a time: byte
-///   `64t + 4j + e` is byte `4t + e` of column `j`'s GGUF block. So 64 bytes are 16 dwords, one
+///   `64t + 4j + e` is byte `4t + e` of column `j`'s block. So 64 bytes are 16 dwords, one
 ///   per column, and input `4t + e`'s codes for the whole group are one shift away: byte `e` of
-///   each dword (Q8), or its low nibble (Q4; its high nibble is input `16 + 4t + e`).
+///   each dword (byte codes), or its low nibble (nibble codes; its high nibble is input
+///   `16 + 4t + e`).
 #[derive(Clone, Debug)]
 pub struct QWeight {
     /// Storage format.
@@ -94,10 +85,14 @@ pub struct QWeight {
     pub rows: usize,
     /// Input features (a multiple of 32).
     pub cols: usize,
-    /// Per group and block: the columns' scales, as f16 bits (GGUF's own precision).
+    /// Per group and block: the columns' scales, as f16 bits (the f16 formats).
     d: Vec<u16>,
-    /// Per group and block: the columns' minimums (Q4 only), as f16 bits.
+    /// Per group and block: the columns' minimums, as f16 bits (`Q4` only).
     m: Vec<u16>,
+    /// Per group and block: the columns' scales (the wide formats).
+    dw: Vec<f32>,
+    /// Per group and block: the columns' minimums (`Q4K`, `Q5K`) or second scales (`Q6K`).
+    mw: Vec<f32>,
     /// Interleaved codes, as described above.
     q: Vec<u8>,
 }
@@ -112,40 +107,38 @@ fn code_at(i: usize, j: usize) -> usize {
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     /// A type with no kernel here.
-    #[error("weight type {0:?} is not supported (Q4_0, Q4_1 and Q8_0 are)")]
+    #[error(
+        "weight type {0:?} is not supported (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are)"
+    )]
     Unsupported(GgmlDType),
-    /// Shape not a matrix with a multiple of 32 inputs.
-    #[error("weight shape {0:?} is not [rows, cols] with cols a multiple of 32")]
-    Shape(Vec<usize>),
+    /// Shape not a matrix with whole blocks of inputs.
+    #[error(
+        "weight shape {0:?} is not [rows, cols] with cols a multiple of {1} (its type's block)"
+    )]
+    Shape(Vec<usize>, usize),
     /// candle failed to hand over the data.
     #[error("reading weight data: {0}")]
     Candle(#[from] candle_core::Error),
 }
 
-fn f16(lo: u8, hi: u8) -> f32 {
-    from_f16(u16::from_le_bytes([lo, hi]))
-}
-
-fn from_f16(bits: u16) -> f32 {
-    half::f16::from_bits(bits).to_f32()
-}
-
-/// One column's block in GGUF order: scale, minimum (Q4) and code bytes (Q4: 16 bytes, element
-/// `i` in the low nibble of byte `i` and element `i + 16` in its high nibble; Q8: 32 signed
-/// bytes).
+/// One column's block in the packed form's natural order: scale, minimum (`Q6K`: the second
+/// half's scale) and code bytes (nibble codes: 16 bytes, element `i` in the low nibble of byte
+/// `i` and element `i + 16` in its high nibble; byte codes: 32 bytes, signed for `Q8` and
+/// `Q6K`, unsigned for `Q5K`).
 #[derive(Clone, Copy, Debug)]
 pub struct NaturalBlock<'a> {
     /// Scale.
     pub d: f32,
-    /// Minimum (Q4; ignored for Q8).
+    /// Minimum (`Q6K`: the second half's scale; ignored for `Q8`).
     pub m: f32,
     /// Code bytes.
     pub codes: &'a [u8],
 }
 
 impl QWeight {
-    /// Packs a matrix from its blocks in GGUF order, given as `block(row, b)`. Scales and
-    /// minimums are kept as f16, as GGUF stores them (`Q4_0`'s `-8d` is exact in f16 too).
+    /// Packs a matrix from its blocks in natural order, given as `block(row, b)`. The f16
+    /// formats keep scales and minimums as f16, as GGUF stores them (`Q4_0`'s `-8d` is exact in
+    /// f16 too).
     pub fn pack<'a>(
         format: WeightFormat,
         rows: usize,
@@ -154,16 +147,19 @@ impl QWeight {
     ) -> Self {
         assert_eq!(cols % BLOCK, 0, "inputs must be a multiple of the block size");
         let bpr = cols / BLOCK;
-        let groups = rows.div_ceil(GROUP);
+        let params = rows.div_ceil(GROUP) * bpr * GROUP;
         let cb = format.code_bytes();
+        let (narrow, wide) = if format.wide() { (0, params) } else { (params, 0) };
         let mut w = Self {
             format,
             rows,
             cols,
-            d: vec![0; groups * bpr * GROUP],
-            m: vec![0; if format == WeightFormat::Q4 { groups * bpr * GROUP } else { 0 }],
+            d: vec![0; narrow],
+            m: vec![0; if format.has_min() { narrow } else { 0 }],
+            dw: vec![0.0; wide],
+            mw: vec![0.0; if format.two_params() { wide } else { 0 }],
             // Padding columns: code 0 and scale 0, so weight 0.
-            q: vec![0; groups * bpr * GROUP * cb],
+            q: vec![0; params * cb],
         };
         for r in 0..rows {
             let (g, j) = (r / GROUP, r % GROUP);
@@ -171,9 +167,17 @@ impl QWeight {
                 let gb = g * bpr + b;
                 let nb = block(r, b);
                 debug_assert_eq!(nb.codes.len(), cb);
-                w.d[gb * GROUP + j] = half::f16::from_f32(nb.d).to_bits();
-                if format == WeightFormat::Q4 {
-                    w.m[gb * GROUP + j] = half::f16::from_f32(nb.m).to_bits();
+                let at = gb * GROUP + j;
+                if format.wide() {
+                    w.dw[at] = nb.d;
+                    if format.two_params() {
+                        w.mw[at] = nb.m;
+                    }
+                } else {
+                    w.d[at] = half::f16::from_f32(nb.d).to_bits();
+                    if format.has_min() {
+                        w.m[at] = half::f16::from_f32(nb.m).to_bits();
+                    }
                 }
                 let base = gb * GROUP * cb;
                 for (i, &code) in nb.codes.iter().enumerate() {
@@ -184,33 +188,48 @@ impl QWeight {
         w
     }
 
-    /// Takes a GGUF tensor's blocks (`Q4_0`, `Q4_1`, `Q8_0`) and packs them.
+    /// Takes a GGUF tensor's blocks and packs them.
     pub fn from_qtensor(t: &QTensor) -> Result<Self, KernelError> {
         let dims = t.shape().dims().to_vec();
-        let [rows, cols] = dims[..] else { return Err(KernelError::Shape(dims)) };
-        if cols % BLOCK != 0 {
-            return Err(KernelError::Shape(dims));
+        let [rows, cols] = dims[..] else { return Err(KernelError::Shape(dims, BLOCK)) };
+        Self::from_gguf(t.dtype(), rows, cols, &t.data()?)
+    }
+
+    /// Packs a `[rows, cols]` matrix from its GGUF data of type `dtype` (`Q4_0`, `Q4_1`,
+    /// `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`), every weight exactly the value
+    /// llama.cpp's dequantization gives.
+    pub fn from_gguf(
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<Self, KernelError> {
+        let (elements, block_bytes) = gguf_block(dtype).ok_or(KernelError::Unsupported(dtype))?;
+        if !cols.is_multiple_of(elements) {
+            return Err(KernelError::Shape(vec![rows, cols], elements));
         }
-        let data = t.data()?;
+        if data.len() != rows * cols / elements * block_bytes {
+            return Err(KernelError::Shape(vec![rows, cols], elements));
+        }
+        let format = format_of(dtype);
+        let cb = format.code_bytes();
+        let blocks = rows * cols / BLOCK;
+        let (mut d, mut m, mut codes) = (
+            Vec::with_capacity(blocks),
+            Vec::with_capacity(blocks),
+            Vec::with_capacity(blocks * cb),
+        );
+        for raw in data.chunks_exact(block_bytes) {
+            decode_block(dtype, raw, &mut |bd, bm, c| {
+                d.push(bd);
+                m.push(bm);
+                codes.extend_from_slice(c);
+            });
+        }
         let bpr = cols / BLOCK;
-        let (format, block_bytes) = match t.dtype() {
-            GgmlDType::Q4_0 => (WeightFormat::Q4, 18),
-            GgmlDType::Q4_1 => (WeightFormat::Q4, 20),
-            GgmlDType::Q8_0 => (WeightFormat::Q8, 34),
-            other => return Err(KernelError::Unsupported(other)),
-        };
-        if data.len() != rows * bpr * block_bytes {
-            return Err(KernelError::Shape(dims));
-        }
-        let dtype = t.dtype();
         Ok(Self::pack(format, rows, cols, |r, b| {
-            let raw = &data[(r * bpr + b) * block_bytes..(r * bpr + b + 1) * block_bytes];
-            let d = f16(raw[0], raw[1]);
-            match dtype {
-                GgmlDType::Q4_0 => NaturalBlock { d, m: -8.0 * d, codes: &raw[2..18] },
-                GgmlDType::Q4_1 => NaturalBlock { d, m: f16(raw[2], raw[3]), codes: &raw[4..20] },
-                _ => NaturalBlock { d, m: 0.0, codes: &raw[2..34] },
-            }
+            let i = r * bpr + b;
+            NaturalBlock { d: d[i], m: m[i], codes: &codes[i * cb..(i + 1) * cb] }
         }))
     }
 
@@ -223,7 +242,17 @@ impl QWeight {
         self.rows.div_ceil(GROUP)
     }
 
-    /// Row `r`'s block `b` in GGUF order: scale, minimum and code bytes (written to `codes`).
+    /// The scale and minimum (`Q6K`: second scale) at parameter index `at`.
+    fn params(&self, at: usize) -> (f32, f32) {
+        if self.format.wide() {
+            (self.dw[at], if self.format.two_params() { self.mw[at] } else { 0.0 })
+        } else {
+            let m = if self.format.has_min() { from_f16(self.m[at]) } else { 0.0 };
+            (from_f16(self.d[at]), m)
+        }
+    }
+
+    /// Row `r`'s block `b` in natural order: scale, minimum and code bytes (written to `codes`).
     fn natural_block(&self, r: usize, b: usize, codes: &mut [u8; 32]) -> (f32, f32) {
         let (g, j) = (r / GROUP, r % GROUP);
         let gb = g * self.blocks_per_row() + b;
@@ -232,24 +261,29 @@ impl QWeight {
         for (i, code) in codes[..cb].iter_mut().enumerate() {
             *code = self.q[base + code_at(i, j)];
         }
-        let m =
-            if self.format == WeightFormat::Q4 { from_f16(self.m[gb * GROUP + j]) } else { 0.0 };
-        (from_f16(self.d[gb * GROUP + j]), m)
+        self.params(gb * GROUP + j)
     }
 
-    /// Weight `(o, k)`, `d·q + m` (Q4) or `d·q` (Q8), both exact in f32.
+    /// Weight `(o, k)`: `d·q + m` rounded once (as llama.cpp's dequantization), or `d·q` (`Q8`;
+    /// `Q6K` with its half's scale), exact.
     #[inline]
     fn value(&self, o: usize, k: usize) -> f32 {
         let (g, j, b, e) = (o / GROUP, o % GROUP, k / BLOCK, k % BLOCK);
         let gb = g * self.blocks_per_row() + b;
-        let d = from_f16(self.d[gb * GROUP + j]);
-        match self.format {
-            WeightFormat::Q4 => {
-                let byte = self.q[gb * GROUP * 16 + code_at(e % 16, j)];
-                let q = if e < 16 { byte & 0x0F } else { byte >> 4 };
-                f32::from(q).mul_add(d, from_f16(self.m[gb * GROUP + j]))
-            }
-            WeightFormat::Q8 => f32::from(self.q[gb * GROUP * 32 + code_at(e, j)] as i8) * d,
+        let (d, m) = self.params(gb * GROUP + j);
+        let f = self.format.kind();
+        let q = if kind::bytes(f) {
+            f32::from(self.q[gb * GROUP * 32 + code_at(e, j)] as i8)
+        } else {
+            let byte = self.q[gb * GROUP * 16 + code_at(e % 16, j)];
+            f32::from(if e < 16 { byte & 0x0F } else { byte >> 4 })
+        };
+        if kind::has_min(f) {
+            q.mul_add(d, m)
+        } else if kind::halves(f) && e >= 16 {
+            q * m
+        } else {
+            q * d
         }
     }
 
@@ -269,7 +303,7 @@ impl QWeight {
         }
         let bpr = first.blocks_per_row();
         let cb = first.format.code_bytes();
-        // Row by row in GGUF order, then packed again.
+        // Row by row in natural order, then packed again.
         let mut d = Vec::new();
         let mut m = Vec::new();
         let mut codes = Vec::new();
@@ -293,7 +327,7 @@ impl QWeight {
 
     /// Bytes of weight data (for the memory report).
     pub fn bytes(&self) -> usize {
-        self.q.len() + 2 * (self.d.len() + self.m.len())
+        self.q.len() + 2 * (self.d.len() + self.m.len()) + 4 * (self.dw.len() + self.mw.len())
     }
 }
 
@@ -366,7 +400,7 @@ pub fn matmul_with(x: &[f32], rows: usize, w: &QWeight, out: &mut [f32], kernel:
     assert_eq!(x.len(), rows * w.cols, "activations must be rows × the weight's inputs");
     assert_eq!(out.len(), rows * w.rows, "output buffer must be rows × outputs");
     let ptr = OutPtr(out.as_mut_ptr());
-    let sums = if w.format == WeightFormat::Q4 { block_sums(x) } else { Vec::new() };
+    let sums = if w.format.has_min() { block_sums(x) } else { Vec::new() };
     let sums = &sums[..];
     let groups = w.groups();
     // Units of whole tiles (up to four groups for one row, two for more), so no task splits a

@@ -1,34 +1,38 @@
 //! The portable product: the same arithmetic as the SIMD paths (the kernels' module head),
 //! written element by element, so results are bit-identical on machines without AVX2.
 
-use super::{code_at, from_f16, QWeight, WeightFormat, BLOCK, GROUP};
+use super::format::kind;
+use super::{code_at, QWeight, BLOCK, GROUP};
 
 /// One output element: activation row `x` against weight column `o`.
 pub fn dot(x: &[f32], w: &QWeight, o: usize) -> f32 {
     let (g, j) = (o / GROUP, o % GROUP);
     let bpr = w.cols / BLOCK;
+    let f = w.format.kind();
+    let cb = w.format.code_bytes();
     let mut acc = 0f32;
     for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
         let gb = g * bpr + b;
-        let d = from_f16(w.d[gb * GROUP + j]);
-        let p = match w.format {
-            WeightFormat::Q4 => {
-                let codes = &w.q[gb * GROUP * 16..(gb + 1) * GROUP * 16];
-                xb.iter().enumerate().fold(0f32, |p, (k, &v)| {
-                    let byte = codes[code_at(k % 16, j)];
-                    v.mul_add(f32::from(if k < 16 { byte & 0x0F } else { byte >> 4 }), p)
-                })
-            }
-            WeightFormat::Q8 => {
-                let codes = &w.q[gb * GROUP * 32..(gb + 1) * GROUP * 32];
-                xb.iter()
-                    .enumerate()
-                    .fold(0f32, |p, (k, &v)| v.mul_add(f32::from(codes[code_at(k, j)] as i8), p))
+        let (d, m) = w.params(gb * GROUP + j);
+        let codes = &w.q[gb * GROUP * cb..(gb + 1) * GROUP * cb];
+        let code = |k: usize| {
+            if kind::bytes(f) {
+                f32::from(codes[code_at(k, j)] as i8)
+            } else {
+                let byte = codes[code_at(k % 16, j)];
+                f32::from(if k < 16 { byte & 0x0F } else { byte >> 4 })
             }
         };
-        acc = p.mul_add(d, acc);
-        if w.format == WeightFormat::Q4 {
-            acc = block_sum(xb).mul_add(from_f16(w.m[gb * GROUP + j]), acc);
+        let part = |ks: std::ops::Range<usize>| ks.fold(0f32, |p, k| xb[k].mul_add(code(k), p));
+        if kind::halves(f) {
+            // A scale per half block: each half's sum times its own.
+            acc = part(0..16).mul_add(d, acc);
+            acc = part(16..32).mul_add(m, acc);
+        } else {
+            acc = part(0..32).mul_add(d, acc);
+            if kind::has_min(f) {
+                acc = block_sum(xb).mul_add(m, acc);
+            }
         }
     }
     acc

@@ -10,7 +10,59 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-/// A matrix from random GGUF-order blocks (`codes` bytes each), packed as the loader does.
+/// Every packed form.
+const FORMATS: [WeightFormat; 5] =
+    [WeightFormat::Q4, WeightFormat::Q8, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
+
+/// A random block of `format` in natural order: scale, minimum (`Q6K`: second scale), codes.
+/// The wide formats' parameters are an f16 times a small integer, as in a k-quant.
+fn block(format: WeightFormat, seed: &mut u64) -> (f32, f32, Vec<u8>) {
+    let int = |seed: &mut u64, n: f32| (lcg(seed).abs() * n).floor();
+    match format {
+        WeightFormat::Q4 => (
+            h(lcg(seed).abs() * 0.1),
+            h(lcg(seed) * 0.2),
+            (0..16).map(|_| (lcg(seed).abs() * 255.0) as u8).collect(),
+        ),
+        WeightFormat::Q8 => (
+            h(lcg(seed).abs() * 0.01),
+            0.0,
+            (0..32).map(|_| ((lcg(seed) * 127.0) as i8) as u8).collect(),
+        ),
+        WeightFormat::Q4K => (
+            h(lcg(seed).abs() * 0.01) * int(seed, 63.0),
+            -h(lcg(seed).abs() * 0.01) * int(seed, 63.0),
+            (0..16).map(|_| (lcg(seed).abs() * 255.0) as u8).collect(),
+        ),
+        WeightFormat::Q5K => (
+            h(lcg(seed).abs() * 0.005) * int(seed, 63.0),
+            -h(lcg(seed).abs() * 0.01) * int(seed, 63.0),
+            (0..32).map(|_| (lcg(seed).abs() * 31.9) as u8).collect(),
+        ),
+        WeightFormat::Q6K => (
+            h(lcg(seed).abs() * 0.001) * (lcg(seed) * 127.0).round(),
+            h(lcg(seed).abs() * 0.001) * (lcg(seed) * 127.0).round(),
+            (0..32).map(|_| ((lcg(seed) * 32.0).floor() as i8) as u8).collect(),
+        ),
+    }
+}
+
+/// Weight `e` of a block in natural order, in f64: `d·q + m`, `d·q` (`Q8`), or `Q6K`'s
+/// `d·q` and `m·q` by half.
+fn source_value(format: WeightFormat, d: f32, m: f32, codes: &[u8], e: usize) -> f64 {
+    let c = if format.code_bytes() == 32 {
+        f64::from(codes[e] as i8)
+    } else {
+        f64::from(if e < 16 { codes[e] & 0x0F } else { codes[e - 16] >> 4 })
+    };
+    match format {
+        WeightFormat::Q6K if e >= 16 => f64::from(m) * c,
+        WeightFormat::Q8 | WeightFormat::Q6K => f64::from(d) * c,
+        _ => f64::from(d) * c + f64::from(m),
+    }
+}
+
+/// A matrix from random natural-order blocks, packed as the loader does.
 fn weight(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QWeight {
     let nblocks = rows * cols / BLOCK;
     let cb = format.code_bytes();
@@ -18,20 +70,12 @@ fn weight(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QWe
     let mut m = vec![];
     let mut q: Vec<u8> = vec![];
     for _ in 0..nblocks {
-        match format {
-            WeightFormat::Q4 => {
-                d.push(h(lcg(seed).abs() * 0.1));
-                m.push(h(lcg(seed) * 0.2));
-                q.extend((0..16).map(|_| (lcg(seed).abs() * 255.0) as u8));
-            }
-            WeightFormat::Q8 => {
-                d.push(h(lcg(seed).abs() * 0.01));
-                m.push(0.0);
-                q.extend((0..32).map(|_| ((lcg(seed) * 127.0) as i8) as u8));
-            }
-        }
+        let (bd, bm, codes) = block(format, seed);
+        d.push(bd);
+        m.push(bm);
+        q.extend(codes);
     }
-    if format == WeightFormat::Q8 {
+    if matches!(format, WeightFormat::Q8 | WeightFormat::Q6K) {
         // The extreme code -128 must work too (|w| = 128 does not fit an i8).
         q[0] = (-128i8) as u8;
     }
@@ -44,10 +88,6 @@ fn weight(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QWe
 
 fn q4_weight(rows: usize, cols: usize, seed: &mut u64) -> QWeight {
     weight(WeightFormat::Q4, rows, cols, seed)
-}
-
-fn q8_weight(rows: usize, cols: usize, seed: &mut u64) -> QWeight {
-    weight(WeightFormat::Q8, rows, cols, seed)
 }
 
 /// `Σ_k x·w` in f64 from the dequantized weights, and `Σ_k |x|·(|d·q| + |m|)`, the size that
@@ -92,11 +132,12 @@ fn check_against_f64(w: &QWeight, rows: usize, seed: &mut u64) {
 }
 
 #[test]
-fn q4_and_q8_products_match_f64_within_f32_rounding() {
+fn products_of_every_format_match_f64_within_f32_rounding() {
     let mut seed = 7;
     for rows in [1, 5, 23] {
-        check_against_f64(&q4_weight(70, 96, &mut seed), rows, &mut seed);
-        check_against_f64(&q8_weight(130, 64, &mut seed), rows, &mut seed);
+        for format in FORMATS {
+            check_against_f64(&weight(format, 70, 96, &mut seed), rows, &mut seed);
+        }
     }
 }
 
@@ -127,19 +168,22 @@ fn results_do_not_depend_on_the_batch() {
 /// Every kernel this CPU can run gives the portable path's bits, for every tile shape (1 to
 /// 40 rows: fused tiles in one pass or several with a partial last, panel and padded tiles,
 /// each side of the fused path's limit; whole, paired and padded column groups; inputs in one
-/// panel chunk or several, equal or not; both formats).
+/// panel chunk or several, equal or not; every format).
 #[test]
 fn every_kernel_gives_the_same_bits() {
     let mut seed = 5;
     let kernels = Kernel::available();
     eprintln!("kernels compared: {kernels:?}");
-    for w in [
+    let mut weights = vec![
         q4_weight(77, 160, &mut seed),
-        q8_weight(61, 96, &mut seed),
         q4_weight(40, 64, &mut seed),
         q4_weight(35, 576, &mut seed),
-        q8_weight(20, 288, &mut seed),
-    ] {
+    ];
+    for format in FORMATS[1..].iter().copied() {
+        weights.push(weight(format, 61, 96, &mut seed));
+        weights.push(weight(format, 20, 288, &mut seed));
+    }
+    for w in weights {
         for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 25, 32, 33, 40, 120] {
             let x: Vec<f32> = (0..rows * w.cols).map(|_| lcg(&mut seed) * 3.0).collect();
             let mut expected = vec![0f32; rows * w.rows];
@@ -164,7 +208,7 @@ fn every_kernel_gives_the_same_bits() {
 #[test]
 fn packing_round_trips() {
     let mut seed = 3;
-    for format in [WeightFormat::Q4, WeightFormat::Q8] {
+    for format in FORMATS {
         let a = weight(format, 13, 64, &mut seed);
         let b = weight(format, 6, 64, &mut seed);
         let both = QWeight::concat(&[&a, &b]).expect("same format and width");
@@ -188,17 +232,14 @@ fn packing_round_trips() {
 #[test]
 fn products_equal_the_exact_product_of_the_source_blocks() {
     let mut seed = 9;
-    for format in [WeightFormat::Q4, WeightFormat::Q8] {
+    for format in FORMATS {
         let (rows, cols, n) = (21, 96, 3);
         let bpr = cols / BLOCK;
         let cb = format.code_bytes();
-        let d: Vec<f32> = (0..rows * bpr).map(|_| h(lcg(&mut seed).abs() * 0.1)).collect();
-        let m: Vec<f32> = (0..rows * bpr).map(|_| h(lcg(&mut seed) * 0.2)).collect();
-        let q: Vec<u8> =
-            (0..rows * bpr * cb).map(|_| (lcg(&mut seed).abs() * 255.0) as u8).collect();
+        let blocks: Vec<_> = (0..rows * bpr).map(|_| block(format, &mut seed)).collect();
         let w = QWeight::pack(format, rows, cols, |r, b| {
-            let i = r * bpr + b;
-            NaturalBlock { d: d[i], m: m[i], codes: &q[i * cb..(i + 1) * cb] }
+            let (d, m, codes) = &blocks[r * bpr + b];
+            NaturalBlock { d: *d, m: *m, codes: &codes[..cb] }
         });
         let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
         let mut out = vec![0f32; n * rows];
@@ -207,22 +248,12 @@ fn products_equal_the_exact_product_of_the_source_blocks() {
             for o in 0..rows {
                 let (mut exact, mut size) = (0f64, 0f64);
                 for b in 0..bpr {
-                    let i = o * bpr + b;
-                    let codes = &q[i * cb..(i + 1) * cb];
+                    let (d, m, codes) = &blocks[o * bpr + b];
                     for e in 0..BLOCK {
-                        let c = match format {
-                            WeightFormat::Q4 => {
-                                f64::from(if e < 16 { codes[e] & 0x0F } else { codes[e - 16] >> 4 })
-                            }
-                            WeightFormat::Q8 => f64::from(codes[e] as i8),
-                        };
-                        let wv = f64::from(d[i]) * c
-                            + if format == WeightFormat::Q4 { f64::from(m[i]) } else { 0.0 };
+                        let wv = source_value(format, *d, *m, codes, e);
                         let xv = f64::from(x[r * cols + b * BLOCK + e]);
                         exact += wv * xv;
-                        let mm =
-                            if format == WeightFormat::Q4 { f64::from(m[i]).abs() } else { 0.0 };
-                        size += xv.abs() * (f64::from(d[i]) * c.abs() + mm);
+                        size += xv.abs() * (wv.abs() + 2.0 * f64::from(m.abs()));
                     }
                 }
                 let got = f64::from(out[r * rows + o]);
@@ -235,11 +266,13 @@ fn products_equal_the_exact_product_of_the_source_blocks() {
     }
 }
 
-/// Dequantized rows (the embeddings) are the exact weights `d·q + m`, as f64 computes them.
+/// Dequantized rows (the embeddings) are the weights as f64 computes them, rounded once to f32
+/// (as llama.cpp's dequantization rounds `d·q + m`; `d·q` alone is exact).
 #[test]
 fn dequantized_rows_are_exact() {
     let mut seed = 13;
-    for w in [q4_weight(20, 96, &mut seed), q8_weight(20, 96, &mut seed)] {
+    for format in FORMATS {
+        let w = weight(format, 20, 96, &mut seed);
         let mut row = vec![0f32; 96];
         let mut codes = [0u8; 32];
         for o in 0..20 {
@@ -247,19 +280,8 @@ fn dequantized_rows_are_exact() {
             for b in 0..3 {
                 let (d, m) = w.natural_block(o, b, &mut codes);
                 for e in 0..BLOCK {
-                    let c = match w.format {
-                        WeightFormat::Q4 => {
-                            f64::from(if e < 16 { codes[e] & 0x0F } else { codes[e - 16] >> 4 })
-                        }
-                        WeightFormat::Q8 => f64::from(codes[e] as i8),
-                    };
-                    let want = f64::from(d) * c + f64::from(m);
-                    assert_eq!(
-                        f64::from(row[b * BLOCK + e]),
-                        want,
-                        "{:?} o{o} b{b} e{e}",
-                        w.format
-                    );
+                    let want = source_value(format, d, m, &codes, e);
+                    assert_eq!(row[b * BLOCK + e], want as f32, "{format:?} o{o} b{b} e{e}");
                 }
             }
         }

@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 pub use ferry_model::LlamaShape;
 
-use crate::kernels::{KernelError, QWeight};
+use crate::kernels::{KernelError, QWeight, Stacked};
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -74,13 +74,13 @@ pub struct LayerWeights {
     /// RMS norm before attention.
     pub attn_norm: Vec<f32>,
     /// Query, key and value projections stacked: `[hidden + 2·kv_dim, hidden]`.
-    pub wqkv: QWeight,
+    pub wqkv: Stacked,
     /// Output projection `[hidden, hidden]`.
     pub wo: QWeight,
     /// RMS norm before the feed-forward.
     pub ffn_norm: Vec<f32>,
     /// Gate and up projections stacked: `[2·intermediate, hidden]`.
-    pub w_gate_up: QWeight,
+    pub w_gate_up: Stacked,
     /// Down projection `[hidden, intermediate]`.
     pub w_down: QWeight,
 }
@@ -179,9 +179,8 @@ impl LlamaWeights {
             .zip(norms)
             .map(|((wq, wk, wv, wo, w_gate, w_up, w_down), (an, fnn))| {
                 let stack = |parts: &[&QWeight], what: &str| {
-                    QWeight::concat(parts).ok_or_else(|| {
-                        LoadError::Shape(format!("{an}: {what} differ in format or width"))
-                    })
+                    Stacked::new(parts)
+                        .ok_or_else(|| LoadError::Shape(format!("{an}: {what} differ in width")))
                 };
                 Ok(LayerWeights {
                     attn_norm: vector(&an, h)?,

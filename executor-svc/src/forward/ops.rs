@@ -2,20 +2,20 @@
 //! rotary embedding (adjacent-pair convention of GGUF Llama), `SiLU` gating, and the product
 //! against a quantized `[out, in]` weight.
 
-use crate::kernels::{matmul, QWeight};
+use crate::kernels::Matrix;
 
-/// `x · wᵀ` for the rows of `x` (`w.cols` wide) → `rows × w.rows`, row-major.
-pub fn linear(x: &[f32], w: &QWeight) -> Vec<f32> {
+/// `x · wᵀ` for the rows of `x` (`w`'s inputs wide) → `rows × w`'s outputs, row-major.
+pub fn linear(x: &[f32], w: &impl Matrix) -> Vec<f32> {
     let mut out = Vec::new();
     linear_into(x, w, &mut out);
     out
 }
 
-/// `x · wᵀ` into `out` (resized to `rows × w.rows`; its allocation is reused).
-pub fn linear_into(x: &[f32], w: &QWeight, out: &mut Vec<f32>) {
-    let rows = x.len() / w.cols;
-    out.resize(rows * w.rows, 0.0);
-    matmul(x, rows, w, out);
+/// `x · wᵀ` into `out` (resized to `rows × outputs`; its allocation is reused).
+pub fn linear_into(x: &[f32], w: &impl Matrix, out: &mut Vec<f32>) {
+    let rows = x.len() / w.in_features();
+    out.resize(rows * w.out_features(), 0.0);
+    w.product(x, rows, out);
 }
 
 /// Rows per task of the row-wise operations below (each row is a few hundred floats; a long

@@ -9,13 +9,13 @@
 
 use std::arch::x86_64::{
     __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_cvtepi32_ps, _mm256_cvtph_ps,
-    _mm256_fmadd_ps, _mm256_load_ps, _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_epi8,
-    _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srai_epi32,
-    _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128, _mm_setr_epi32,
+    _mm256_fmadd_ps, _mm256_load_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_set1_epi32,
+    _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32,
+    _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128, _mm_setr_epi32,
 };
 
 use super::{
-    store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL, PANEL_BYTES, PANEL_ROWS_BYTES,
+    kind, store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL, PANEL_BYTES, PANEL_ROWS_BYTES,
 };
 
 type V = __m256;
@@ -61,6 +61,14 @@ unsafe fn store_line(p: *mut f32, v: V) {
 unsafe fn f16s(p: *const u16) -> V {
     // SAFETY: 8 values readable at `p`.
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+}
+
+/// 8 f32 values.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn f32s(p: *const f32) -> V {
+    // SAFETY: 8 values readable at `p`.
+    unsafe { _mm256_loadu_ps(p) }
 }
 
 /// Bits `S..S + 4` of 8 dwords, as floats. The bottom and top nibbles take one mask or one

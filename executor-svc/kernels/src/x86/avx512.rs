@@ -7,12 +7,13 @@
 
 use std::arch::x86_64::{
     __m512, _mm256_loadu_si256, _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_fmadd_ps,
-    _mm512_load_ps, _mm512_loadu_si512, _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_ps,
-    _mm512_setzero_ps, _mm512_slli_epi32, _mm512_srai_epi32, _mm512_srli_epi32, _mm512_store_ps,
+    _mm512_load_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_permutexvar_ps, _mm512_set1_ps,
+    _mm512_setr_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_srai_epi32, _mm512_srli_epi32,
+    _mm512_store_ps,
 };
 
 use super::{
-    store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL, PANEL_BYTES, PANEL_ROWS_BYTES,
+    kind, store_group, Line, OutPtr, QWeight, BLOCK, GROUP, PANEL, PANEL_BYTES, PANEL_ROWS_BYTES,
 };
 
 type V = __m512;
@@ -58,6 +59,14 @@ unsafe fn store_line(p: *mut f32, v: V) {
 unsafe fn f16s(p: *const u16) -> V {
     // SAFETY: 16 values readable at `p`.
     _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p.cast()) })
+}
+
+/// 16 f32 values.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn f32s(p: *const f32) -> V {
+    // SAFETY: 16 values readable at `p`.
+    unsafe { _mm512_loadu_ps(p) }
 }
 
 /// `0.0, 1.0, …, 15.0`: a nibble's float, by `vpermps` (which reads only an index's low

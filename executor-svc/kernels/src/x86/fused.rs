@@ -10,7 +10,7 @@ macro_rules! fused_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn fused_input<
-            const Q8: bool,
+            const F: u8,
             const HIGH: bool,
             const E: usize,
             const CG: usize,
@@ -23,7 +23,7 @@ macro_rules! fused_kernels {
         ) {
             // SAFETY: `q` as in `codes`; each row has the block's 32 inputs at `xr[r]`.
             unsafe {
-                let wv = codes::<Q8, HIGH, E, CG>(q, t);
+                let wv = codes::<F, HIGH, E, CG>(q, t);
                 let k = if HIGH { 16 } else { 0 } + 4 * t + E;
                 for r in 0..RT {
                     let xb = splat(xr[r].add(k));
@@ -39,7 +39,7 @@ macro_rules! fused_kernels {
         /// One half of a block (inputs `0..16`, or `HIGH`: `16..32`), input by input.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn fused_half<const Q8: bool, const HIGH: bool, const CG: usize, const RT: usize>(
+        unsafe fn fused_half<const F: u8, const HIGH: bool, const CG: usize, const RT: usize>(
             q: &[*const u8; CG],
             xr: &[*const f32; RT],
             p: &mut Acc<RT, CG>,
@@ -47,10 +47,10 @@ macro_rules! fused_kernels {
             for t in 0..4 {
                 // SAFETY: the caller's contract.
                 unsafe {
-                    fused_input::<Q8, HIGH, 0, CG, RT>(q, xr, t, p);
-                    fused_input::<Q8, HIGH, 1, CG, RT>(q, xr, t, p);
-                    fused_input::<Q8, HIGH, 2, CG, RT>(q, xr, t, p);
-                    fused_input::<Q8, HIGH, 3, CG, RT>(q, xr, t, p);
+                    fused_input::<F, HIGH, 0, CG, RT>(q, xr, t, p);
+                    fused_input::<F, HIGH, 1, CG, RT>(q, xr, t, p);
+                    fused_input::<F, HIGH, 2, CG, RT>(q, xr, t, p);
+                    fused_input::<F, HIGH, 3, CG, RT>(q, xr, t, p);
                 }
             }
         }
@@ -58,7 +58,7 @@ macro_rules! fused_kernels {
         /// Rows `row0 .. row0 + n` (`n ≤ RT`) × groups `g0 .. g0 + CG`, the codes converted in
         /// registers as the inputs go by and used by every row at once.
         #[target_feature(enable = $features)]
-        unsafe fn fused<const Q8: bool, const CG: usize, const RT: usize>(
+        unsafe fn fused<const F: u8, const CG: usize, const RT: usize>(
             x: &[f32],
             sums: &[f32],
             (row0, n): (usize, usize),
@@ -71,17 +71,27 @@ macro_rules! fused_kernels {
                 let (xr, sr) = rows_at::<RT>(x, sums, w.cols, row0, n);
                 let mut acc: Acc<RT, CG> = [[[zero(); NV]; CG]; RT];
                 for b in 0..w.cols / BLOCK {
-                    let q = block_params::<Q8, CG>(w, g0, b).0;
+                    let q = block_params::<F, CG>(w, g0, b).0;
                     let mut p: Acc<RT, CG> = [[[zero(); NV]; CG]; RT];
                     let mut xb = xr;
                     for x in &mut xb {
                         *x = x.add(b * BLOCK);
                     }
-                    fused_half::<Q8, false, CG, RT>(&q, &xb, &mut p);
-                    fused_half::<Q8, true, CG, RT>(&q, &xb, &mut p);
+                    fused_half::<F, false, CG, RT>(&q, &xb, &mut p);
+                    if kind::halves(F) {
+                        // A scale per half: the first half's sum ends before the second's.
+                        let (_, d, _) = block_params::<F, CG>(w, g0, b);
+                        finish_half::<RT, CG>(&mut acc, &p, &d);
+                        p = [[[zero(); NV]; CG]; RT];
+                        fused_half::<F, true, CG, RT>(&q, &xb, &mut p);
+                        let (_, _, d_high) = block_params::<F, CG>(w, g0, b);
+                        finish_half::<RT, CG>(&mut acc, &p, &d_high);
+                        continue;
+                    }
+                    fused_half::<F, true, CG, RT>(&q, &xb, &mut p);
                     // Scales read after the block's inputs: fewer registers held across them.
-                    let (_, d, m) = block_params::<Q8, CG>(w, g0, b);
-                    finish_block::<Q8, RT, CG>(&mut acc, &p, &d, &m, &sr, b);
+                    let (_, d, m) = block_params::<F, CG>(w, g0, b);
+                    finish_block::<F, RT, CG>(&mut acc, &p, &d, &m, &sr, b);
                 }
                 store::<RT, CG>(&acc, w, row0, n, g0, out);
             }
@@ -89,7 +99,7 @@ macro_rules! fused_kernels {
 
         /// Fused tiles for rows `row0 .. row0 + n` (`n ≤ FUSED`), by the next tile size up.
         #[target_feature(enable = $features)]
-        unsafe fn fused_any<const Q8: bool, const CG: usize>(
+        unsafe fn fused_any<const F: u8, const CG: usize>(
             x: &[f32],
             sums: &[f32],
             (row0, n): (usize, usize),
@@ -101,9 +111,9 @@ macro_rules! fused_kernels {
             // SAFETY: the caller's contract.
             unsafe {
                 match n {
-                    1 => fused::<Q8, CG, 1>(x, sums, at, w, g0, out),
-                    _ if n <= FUSED / 2 => fused::<Q8, CG, { FUSED / 2 }>(x, sums, at, w, g0, out),
-                    _ => fused::<Q8, CG, FUSED>(x, sums, at, w, g0, out),
+                    1 => fused::<F, CG, 1>(x, sums, at, w, g0, out),
+                    _ if n <= FUSED / 2 => fused::<F, CG, { FUSED / 2 }>(x, sums, at, w, g0, out),
+                    _ => fused::<F, CG, FUSED>(x, sums, at, w, g0, out),
                 }
             }
         }

@@ -16,7 +16,8 @@
 
 use std::cell::RefCell;
 
-use super::{store_group, OutPtr, QWeight, WeightFormat, BLOCK, GROUP};
+use super::format::kind;
+use super::{store_group, OutPtr, QWeight, BLOCK, GROUP};
 
 /// Which x86 kernel the CPU can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,15 +102,24 @@ pub(super) unsafe fn matmul_groups(
     groups: std::ops::Range<usize>,
     out: OutPtr,
 ) {
-    let q8 = w.format == WeightFormat::Q8;
-    let fm = isa.fused_rows(q8);
+    let f = w.format.kind();
+    let fm = isa.fused_rows(kind::bytes(f));
     // SAFETY: the caller's contract.
     unsafe {
-        match (isa, q8) {
-            (Isa::Avx512, false) => avx512::run::<false>(x, sums, rows, w, groups, out, fm),
-            (Isa::Avx512, true) => avx512::run::<true>(x, sums, rows, w, groups, out, fm),
-            (Isa::Avx2, false) => avx2::run::<false>(x, sums, rows, w, groups, out, fm),
-            (Isa::Avx2, true) => avx2::run::<true>(x, sums, rows, w, groups, out, fm),
+        macro_rules! each_format {
+            ($isa:ident) => {
+                match f {
+                    kind::Q4 => $isa::run::<{ kind::Q4 }>(x, sums, rows, w, groups, out, fm),
+                    kind::Q8 => $isa::run::<{ kind::Q8 }>(x, sums, rows, w, groups, out, fm),
+                    kind::Q4K => $isa::run::<{ kind::Q4K }>(x, sums, rows, w, groups, out, fm),
+                    kind::Q5K => $isa::run::<{ kind::Q5K }>(x, sums, rows, w, groups, out, fm),
+                    _ => $isa::run::<{ kind::Q6K }>(x, sums, rows, w, groups, out, fm),
+                }
+            };
+        }
+        match isa {
+            Isa::Avx512 => each_format!(avx512),
+            Isa::Avx2 => each_format!(avx2),
         }
     }
 }
@@ -170,7 +180,7 @@ macro_rules! kernels {
         /// # Safety
         /// The CPU must have the instruction set; `out` as in `super::matmul_groups`.
         #[target_feature(enable = $features)]
-        pub unsafe fn run<const Q8: bool>(
+        pub unsafe fn run<const F: u8>(
             x: &[f32],
             sums: &[f32],
             rows: usize,
@@ -192,9 +202,9 @@ macro_rules! kernels {
                         // SAFETY: the caller's contract; groups `g .. g + cg` are in range.
                         unsafe {
                             match cg {
-                                4 => fused_any::<Q8, 4>(x, sums, at, w, g, out),
-                                2 => fused_any::<Q8, 2>(x, sums, at, w, g, out),
-                                _ => fused_any::<Q8, 1>(x, sums, at, w, g, out),
+                                4 => fused_any::<F, 4>(x, sums, at, w, g, out),
+                                2 => fused_any::<F, 2>(x, sums, at, w, g, out),
+                                _ => fused_any::<F, 1>(x, sums, at, w, g, out),
                             }
                         }
                         r0 += FUSED;
@@ -217,8 +227,8 @@ macro_rules! kernels {
                         // SAFETY: the caller's contract; groups `g .. g + cg` are in range.
                         unsafe {
                             match cg {
-                                2 => panel::<Q8, 2>(x, sums, at, w, g, out, (buf, accs)),
-                                _ => panel::<Q8, 1>(x, sums, at, w, g, out, (buf, accs)),
+                                2 => panel::<F, 2>(x, sums, at, w, g, out, (buf, accs)),
+                                _ => panel::<F, 1>(x, sums, at, w, g, out, (buf, accs)),
                             }
                         }
                         g += cg;

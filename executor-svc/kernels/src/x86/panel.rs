@@ -8,7 +8,7 @@ macro_rules! panel_kernels {
         /// Writes input `4t + E` (`HIGH`: `16 + …`) of the chunk's block `b` into the panel.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn panel_input<const Q8: bool, const HIGH: bool, const E: usize, const CG: usize>(
+        unsafe fn panel_input<const F: u8, const HIGH: bool, const E: usize, const CG: usize>(
             q: &[*const u8; CG],
             lines: *mut f32,
             b: usize,
@@ -16,7 +16,7 @@ macro_rules! panel_kernels {
         ) {
             // SAFETY: the panel holds every input of the `CG` groups.
             unsafe {
-                let v = codes::<Q8, HIGH, E, CG>(q, t);
+                let v = codes::<F, HIGH, E, CG>(q, t);
                 let k = b * BLOCK + if HIGH { 16 } else { 0 } + 4 * t + E;
                 for c in 0..CG {
                     for h in 0..NV {
@@ -33,7 +33,7 @@ macro_rules! panel_kernels {
         /// chunks they wait in `accs` (`CG` lines per row of the block of rows from `base`).
         #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = $features)]
-        unsafe fn panel_tile<const Q8: bool, const CG: usize, const RT: usize>(
+        unsafe fn panel_tile<const F: u8, const CG: usize, const RT: usize>(
             (lines, params): (*const f32, *const f32),
             x: &[f32],
             sums: &[f32],
@@ -61,8 +61,26 @@ macro_rules! panel_kernels {
                 }
                 let k0 = blocks.start * BLOCK;
                 for b in blocks.clone() {
+                    // The block's scales and minimums (`Q6K`: its halves' scales), read where
+                    // they are used: fewer registers held across the inputs.
+                    let params_of = |b: usize| {
+                        let (mut d, mut m) = ([[zero(); NV]; CG], [[zero(); NV]; CG]);
+                        for c in 0..CG {
+                            for h in 0..NV {
+                                let at = ((b - blocks.start) * CG + c) * 2 * GROUP + h * LANES;
+                                d[c][h] = load_line(params.add(at));
+                                m[c][h] = load_line(params.add(at + GROUP));
+                            }
+                        }
+                        (d, m)
+                    };
                     let mut p: Acc<RT, CG> = [[[zero(); NV]; CG]; RT];
                     for k in b * BLOCK..(b + 1) * BLOCK {
+                        if kind::halves(F) && k == b * BLOCK + BLOCK / 2 {
+                            // A scale per half: the first half's sum ends here.
+                            finish_half::<RT, CG>(&mut acc, &p, &params_of(b).0);
+                            p = [[[zero(); NV]; CG]; RT];
+                        }
                         let mut wv = [[zero(); NV]; CG];
                         for c in 0..CG {
                             for h in 0..NV {
@@ -79,15 +97,12 @@ macro_rules! panel_kernels {
                             }
                         }
                     }
-                    let (mut d, mut m) = ([[zero(); NV]; CG], [[zero(); NV]; CG]);
-                    for c in 0..CG {
-                        for h in 0..NV {
-                            let at = ((b - blocks.start) * CG + c) * 2 * GROUP + h * LANES;
-                            d[c][h] = load_line(params.add(at));
-                            m[c][h] = load_line(params.add(at + GROUP));
-                        }
+                    let (d, m) = params_of(b);
+                    if kind::halves(F) {
+                        finish_half::<RT, CG>(&mut acc, &p, &m);
+                    } else {
+                        finish_block::<F, RT, CG>(&mut acc, &p, &d, &m, &sr, b);
                     }
-                    finish_block::<Q8, RT, CG>(&mut acc, &p, &d, &m, &sr, b);
                 }
                 if blocks.end == w.cols / BLOCK {
                     store::<RT, CG>(&acc, w, row0, n, g0, out);
@@ -110,7 +125,7 @@ macro_rules! panel_kernels {
         /// reads them; the rows' accumulators wait in `accs` (one entry per row of `rows`) from
         /// chunk to chunk.
         #[target_feature(enable = $features)]
-        unsafe fn panel<const Q8: bool, const CG: usize>(
+        unsafe fn panel<const F: u8, const CG: usize>(
             x: &[f32],
             sums: &[f32],
             rows: std::ops::Range<usize>,
@@ -137,17 +152,17 @@ macro_rules! panel_kernels {
                 while b0 < bpr {
                     let b1 = (b0 + kb).min(bpr);
                     for b in b0..b1 {
-                        let (q, d, m) = block_params::<Q8, CG>(w, g0, b);
+                        let (q, d, m) = block_params::<F, CG>(w, g0, b);
                         let at = b - b0;
                         for t in 0..4 {
-                            panel_input::<Q8, false, 0, CG>(&q, lines, at, t);
-                            panel_input::<Q8, false, 1, CG>(&q, lines, at, t);
-                            panel_input::<Q8, false, 2, CG>(&q, lines, at, t);
-                            panel_input::<Q8, false, 3, CG>(&q, lines, at, t);
-                            panel_input::<Q8, true, 0, CG>(&q, lines, at, t);
-                            panel_input::<Q8, true, 1, CG>(&q, lines, at, t);
-                            panel_input::<Q8, true, 2, CG>(&q, lines, at, t);
-                            panel_input::<Q8, true, 3, CG>(&q, lines, at, t);
+                            panel_input::<F, false, 0, CG>(&q, lines, at, t);
+                            panel_input::<F, false, 1, CG>(&q, lines, at, t);
+                            panel_input::<F, false, 2, CG>(&q, lines, at, t);
+                            panel_input::<F, false, 3, CG>(&q, lines, at, t);
+                            panel_input::<F, true, 0, CG>(&q, lines, at, t);
+                            panel_input::<F, true, 1, CG>(&q, lines, at, t);
+                            panel_input::<F, true, 2, CG>(&q, lines, at, t);
+                            panel_input::<F, true, 3, CG>(&q, lines, at, t);
                         }
                         for c in 0..CG {
                             for h in 0..NV {
@@ -165,13 +180,13 @@ macro_rules! panel_kernels {
                         let at = (r, n);
                         let bs = b0..b1;
                         match n {
-                            1 => panel_tile::<Q8, CG, 1>(tiles, x, sums, at, w, g0, out, bs, accs),
-                            2 => panel_tile::<Q8, CG, 2>(tiles, x, sums, at, w, g0, out, bs, accs),
-                            _ if n <= TILE / 2 => panel_tile::<Q8, CG, { TILE / 2 }>(
+                            1 => panel_tile::<F, CG, 1>(tiles, x, sums, at, w, g0, out, bs, accs),
+                            2 => panel_tile::<F, CG, 2>(tiles, x, sums, at, w, g0, out, bs, accs),
+                            _ if n <= TILE / 2 => panel_tile::<F, CG, { TILE / 2 }>(
                                 tiles, x, sums, at, w, g0, out, bs, accs,
                             ),
                             _ => {
-                                panel_tile::<Q8, CG, TILE>(tiles, x, sums, at, w, g0, out, bs, accs)
+                                panel_tile::<F, CG, TILE>(tiles, x, sums, at, w, g0, out, bs, accs)
                             }
                         }
                         r += n;

@@ -1,5 +1,5 @@
 //! The parts of a register tile that the fused and the panel kernels share, written once over
-//! an instruction set's primitives (`V`, `zero`, `fma`, `splat`, `f16s`, `nibble`, `byte`,
+//! an instruction set's primitives (`V`, `zero`, `fma`, `splat`, `f16s`, `f32s`, `nibble`, `byte`,
 //! `load_line`, `store_line`, defined by the module that expands it): the tile's
 //! accumulators, its rows' pointers, a block's codes as floats and its scales and minimums,
 //! the end of a block (scales and minimums applied), and the store of a finished tile.
@@ -24,7 +24,7 @@ macro_rules! tile_parts {
             n: usize,
         ) -> ([*const f32; RT], [*const f32; RT]) {
             let mut xr = [x.as_ptr(); RT];
-            // Empty for Q8 weights, which never read them.
+            // Empty for weights without minimums, which never read them.
             let mut sr = [sums.as_ptr(); RT];
             for r in 0..RT {
                 let row = row0 + r.min(n - 1);
@@ -65,17 +65,19 @@ macro_rules! tile_parts {
             }
         }
 
-        /// Block `b` of `CG` groups from `g0`: code pointers, scales and minimums.
+        /// Block `b` of `CG` groups from `g0`: code pointers, scales and minimums (`Q6K`: the
+        /// second half's scales).
         #[inline]
         #[target_feature(enable = $features)]
         #[allow(clippy::type_complexity)]
-        unsafe fn block_params<const Q8: bool, const CG: usize>(
+        unsafe fn block_params<const F: u8, const CG: usize>(
             w: &QWeight,
             g0: usize,
             b: usize,
         ) -> ([*const u8; CG], [[V; NV]; CG], [[V; NV]; CG]) {
             let bpr = w.cols / BLOCK;
-            let cb = if Q8 { 32 } else { 16 };
+            let cb = if kind::bytes(F) { 32 } else { 16 };
+            let second = kind::has_min(F) || kind::halves(F);
             let mut q = [w.q.as_ptr(); CG];
             let (mut d, mut m) = ([[zero(); NV]; CG], [[zero(); NV]; CG]);
             // SAFETY: groups `g0 .. g0 + CG` exist; each has `bpr` blocks of parameters.
@@ -84,9 +86,17 @@ macro_rules! tile_parts {
                     let gb = (g0 + c) * bpr + b;
                     q[c] = w.q.as_ptr().add(gb * GROUP * cb);
                     for h in 0..NV {
-                        d[c][h] = f16s(w.d.as_ptr().add(gb * GROUP + h * LANES));
-                        if !Q8 {
-                            m[c][h] = f16s(w.m.as_ptr().add(gb * GROUP + h * LANES));
+                        let at = gb * GROUP + h * LANES;
+                        if kind::wide(F) {
+                            d[c][h] = f32s(w.dw.as_ptr().add(at));
+                            if second {
+                                m[c][h] = f32s(w.mw.as_ptr().add(at));
+                            }
+                        } else {
+                            d[c][h] = f16s(w.d.as_ptr().add(at));
+                            if second {
+                                m[c][h] = f16s(w.m.as_ptr().add(at));
+                            }
                         }
                     }
                 }
@@ -98,19 +108,19 @@ macro_rules! tile_parts {
         /// floats: lane `j` of the dwords at quad `t` holds column `j`'s code byte `4t + E`.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn codes<const Q8: bool, const HIGH: bool, const E: usize, const CG: usize>(
+        unsafe fn codes<const F: u8, const HIGH: bool, const E: usize, const CG: usize>(
             q: &[*const u8; CG],
             t: usize,
         ) -> [[V; NV]; CG] {
-            // Q8 codes of inputs 16.. are quads 4.. (one byte per input).
-            let quad = if Q8 && HIGH { 4 + t } else { t };
+            // Byte codes of inputs 16.. are quads 4.. (one byte per input).
+            let quad = if kind::bytes(F) && HIGH { 4 + t } else { t };
             let mut v = [[zero(); NV]; CG];
             for c in 0..CG {
                 for h in 0..NV {
                     // SAFETY: `q[c]` points at a whole group-block of codes.
                     v[c][h] = unsafe {
                         let p = q[c].add(4 * GROUP * quad + 4 * LANES * h);
-                        match (Q8, HIGH, E) {
+                        match (kind::bytes(F), HIGH, E) {
                             (true, _, 0) => byte::<24>(p),
                             (true, _, 1) => byte::<16>(p),
                             (true, _, 2) => byte::<8>(p),
@@ -130,10 +140,11 @@ macro_rules! tile_parts {
             v
         }
 
-        /// `acc = fma(p, d, acc)`, then (Q4) `acc = fma(s, m, acc)` with the rows' block sums.
+        /// `acc = fma(p, d, acc)`, then (formats with a minimum) `acc = fma(s, m, acc)` with the
+        /// rows' block sums. (`Q6K` ends each half with [`finish_half`] instead.)
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn finish_block<const Q8: bool, const RT: usize, const CG: usize>(
+        unsafe fn finish_block<const F: u8, const RT: usize, const CG: usize>(
             acc: &mut Acc<RT, CG>,
             p: &Acc<RT, CG>,
             d: &[[V; NV]; CG],
@@ -143,13 +154,31 @@ macro_rules! tile_parts {
         ) {
             for r in 0..RT {
                 // SAFETY: Q4 rows have a sum per block.
-                let s = if Q8 { zero() } else { unsafe { splat(sr[r].add(b)) } };
+                let s = if kind::has_min(F) { unsafe { splat(sr[r].add(b)) } } else { zero() };
                 for c in 0..CG {
                     for h in 0..NV {
                         acc[r][c][h] = fma(p[r][c][h], d[c][h], acc[r][c][h]);
-                        if !Q8 {
+                        if kind::has_min(F) {
                             acc[r][c][h] = fma(s, m[c][h], acc[r][c][h]);
                         }
+                    }
+                }
+            }
+        }
+
+        /// `acc = fma(p, scale, acc)`: the end of one half of a `Q6K` block, whose halves each
+        /// have a scale.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn finish_half<const RT: usize, const CG: usize>(
+            acc: &mut Acc<RT, CG>,
+            p: &Acc<RT, CG>,
+            scale: &[[V; NV]; CG],
+        ) {
+            for r in 0..RT {
+                for c in 0..CG {
+                    for h in 0..NV {
+                        acc[r][c][h] = fma(p[r][c][h], scale[c][h], acc[r][c][h]);
                     }
                 }
             }

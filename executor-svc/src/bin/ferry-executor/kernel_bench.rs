@@ -31,9 +31,10 @@ fn run_kernels(
     mut progress: impl FnMut(&KernelRow) + Send,
 ) -> Vec<KernelRow> {
     let l0 = &w.layers[0];
+    // A stack of parts of different formats is one product per part: its first is timed.
     let mats: [(&str, &QWeight); 4] = [
-        ("qkv", &l0.wqkv),
-        ("gate_up", &l0.w_gate_up),
+        ("qkv", &l0.wqkv.parts()[0]),
+        ("gate_up", &l0.w_gate_up.parts()[0]),
         ("down", &l0.w_down),
         ("lm_head", &w.lm_head),
     ];

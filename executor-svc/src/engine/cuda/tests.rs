@@ -12,7 +12,7 @@ use crate::engine::backend::{BatchOutput, CpuBackend, ModelBackend};
 use crate::forward::llama::LayerWeights;
 use crate::forward::paged::SeqSlice;
 use crate::forward::{ops, LlamaShape, LlamaWeights};
-use crate::kernels::QWeight;
+use crate::kernels::{QWeight, Stacked};
 
 /// A deterministic stream of values in [-1, 1).
 struct Lcg(u64);
@@ -55,10 +55,10 @@ fn tiny_model() -> LlamaWeights {
     let layers = (0..shape.num_layers)
         .map(|_| LayerWeights {
             attn_norm: rng.norm(h),
-            wqkv: rng.matrix(h + 2 * kv, h, 0.3, GgmlDType::Q8_0),
+            wqkv: Stacked::new(&[&rng.matrix(h + 2 * kv, h, 0.3, GgmlDType::Q8_0)]).unwrap(),
             wo: rng.matrix(h, h, 0.2, GgmlDType::Q4_1),
             ffn_norm: rng.norm(h),
-            w_gate_up: rng.matrix(2 * ff, h, 0.3, GgmlDType::Q4_1),
+            w_gate_up: Stacked::new(&[&rng.matrix(2 * ff, h, 0.3, GgmlDType::Q4_1)]).unwrap(),
             w_down: rng.matrix(h, ff, 0.2, GgmlDType::Q8_0),
         })
         .collect();

@@ -5,7 +5,7 @@
 //! bandwidth, four to eight times the quantized size; quantized GPU kernels or f16 with
 //! `cublasGemmEx` can replace this without changing the forward around it.
 //!
-//! Dequantization is [`QWeight::dequantize_row`], the same code the CPU path uses for its
+//! Dequantization is [`Matrix::row`] (`QWeight::dequantize_row`), the same code the CPU path uses for its
 //! embeddings, so the GPU multiplies exactly the values the GGUF file stores.
 
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::CudaError;
 use crate::forward::LlamaWeights;
-use crate::kernels::QWeight;
+use crate::kernels::Matrix;
 
 /// A dense row-major `[rows (outputs), cols (inputs)]` f32 matrix in device memory.
 #[derive(Debug)]
@@ -70,7 +70,7 @@ impl DeviceWeights {
     /// dequantized matrix at a time.
     pub fn upload(stream: &Arc<CudaStream>, w: &LlamaWeights) -> Result<Self, CudaError> {
         let vector = |v: &[f32]| stream.clone_htod(v).map_err(CudaError::driver("copying weights"));
-        let matrix = |q: &QWeight| upload_matrix(stream, q, &dequantize(q));
+        let matrix = |q: &dyn Matrix| upload_matrix(stream, q, &dequantize(q));
         let layers = w
             .layers
             .iter()
@@ -125,17 +125,18 @@ impl DeviceWeights {
 }
 
 /// `w` as dense row-major f32.
-pub fn dequantize(w: &QWeight) -> Vec<f32> {
-    let mut out = vec![0f32; w.rows * w.cols];
-    out.par_chunks_mut(w.cols.max(1)).enumerate().for_each(|(r, row)| w.dequantize_row(r, row));
+pub fn dequantize(w: &dyn Matrix) -> Vec<f32> {
+    let (rows, cols) = (w.out_features(), w.in_features());
+    let mut out = vec![0f32; rows * cols];
+    out.par_chunks_mut(cols.max(1)).enumerate().for_each(|(r, row)| w.row(r, row));
     out
 }
 
 fn upload_matrix(
     stream: &Arc<CudaStream>,
-    q: &QWeight,
+    q: &dyn Matrix,
     host: &[f32],
 ) -> Result<DeviceMatrix, CudaError> {
     let data = stream.clone_htod(host).map_err(CudaError::driver("copying weights"))?;
-    Ok(DeviceMatrix { data, rows: q.rows, cols: q.cols })
+    Ok(DeviceMatrix { data, rows: q.out_features(), cols: q.in_features() })
 }

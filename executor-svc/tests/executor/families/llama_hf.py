@@ -14,12 +14,24 @@ writes OUT_DIR/<variant>.gguf and OUT_DIR/expected.json:
 import json
 import sys
 
+import os
+
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from formats import random_k_blocks  # noqa: E402
+
 HIDDEN, FF, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
 HEAD = HIDDEN // HEADS
+K_QUANTS = {Q.Q4_K: 2.7e-4, Q.Q5_K: 1.3e-4, Q.Q6_K: 6e-5}
+
+
+def set_dims(hidden, ff):
+    """The widths of the next model (k-quants need inputs in multiples of 256)."""
+    global HIDDEN, FF, HEAD
+    HIDDEN, FF, HEAD = hidden, ff, hidden // HEADS
 EPS = 1e-5
 TOKENS = [5, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101]
 
@@ -47,9 +59,14 @@ def permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def quantized(w, qtype):
-    """(the bytes the file holds, the weights they stand for, f64)."""
-    data = gguf.quants.quantize(w.astype(np.float32), qtype)
+def quantized(rng, rows, cols, qtype):
+    """(the bytes the file holds, the weights they stand for, f64): a legacy type quantized
+    from normal weights by the package, a k-quant as random blocks it dequantizes."""
+    if qtype in K_QUANTS:
+        data = random_k_blocks(rng, qtype, rows, cols, K_QUANTS[qtype])
+    else:
+        w = rng.normal(0, 1 / np.sqrt(cols), (rows, cols)).astype(np.float32)
+        data = gguf.quants.quantize(w, qtype)
     return data, gguf.quants.dequantize(data, qtype).astype(np.float64)
 
 
@@ -119,7 +136,7 @@ def forward(m, tokens, inv_freq):
     return rms_norm(x, m["norm"]) @ m["output"].T
 
 
-def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, qtype=Q.Q8_0):
+def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, types=None):
     """Writes the GGUF file; returns the model the reference computes with."""
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(LAYERS)
@@ -144,8 +161,12 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, qty
     w.add_bos_token_id(259)
     w.add_add_bos_token(False)
 
+    types = types or {}
+
     def matrix(name, rows, cols, n_head=None):
-        data, ref = quantized(rng.normal(0, 1 / np.sqrt(cols), (rows, cols)), qtype)
+        # The tensor's kind: "attn_q" of "blk.0.attn_q.weight", "token_embd", "output".
+        qtype = types.get(name.split(".")[-2], Q.Q8_0)
+        data, ref = quantized(rng, rows, cols, qtype)
         w.add_tensor(name, permute(data, n_head) if n_head else data, raw_dtype=qtype)
         return ref
 
@@ -219,6 +240,26 @@ def main():
     # Linear rope scaling (factor 4: positions / 4).
     m = build(f"{out_dir}/linear.gguf", np.random.default_rng(3), 10000.0, tied=True, scaling=4.0)
     run("linear", m, inv(10000.0) / 4.0, inv(10000.0))
+    # Every legacy type in one file, Q, K and V (and gate and up) each in another: stacked
+    # products over parts of different types.
+    legacy = {
+        "token_embd": Q.Q4_0, "attn_q": Q.Q5_0, "attn_k": Q.Q5_1, "attn_v": Q.Q4_1,
+        "attn_output": Q.Q8_0, "ffn_gate": Q.Q5_1, "ffn_up": Q.Q4_0, "ffn_down": Q.Q5_0,
+        "output": Q.Q8_0,
+    }
+    m = build(f"{out_dir}/mixed.gguf", np.random.default_rng(5), 10000.0, tied=False, types=legacy)
+    run("mixed", m, inv(10000.0), inv(10000.0))
+    # A Q4_K_M-like file: Q4_K with Q6_K values, down projections and output, and a Q5_K up
+    # projection, at widths of multiples of 256.
+    set_dims(256, 512)
+    k_mix = {
+        "token_embd": Q.Q4_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K,
+        "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K,
+        "output": Q.Q6_K,
+    }
+    m = build(f"{out_dir}/k-quants.gguf", np.random.default_rng(6), 10000.0, tied=False, types=k_mix)
+    run("k-quants", m, inv(10000.0), inv(10000.0))
+    set_dims(64, 128)
     # A tensor the llama forward does not compute (Qwen 2's bias).
     path = f"{out_dir}/bias.gguf"
     build(path, np.random.default_rng(4), 10000.0, tied=True, extra="blk.0.attn_q.bias")

@@ -20,6 +20,7 @@ mod kv_agent;
 mod kv_tier;
 mod limits;
 mod model_fetch;
+mod model_formats;
 mod observability;
 mod parallel_sampling;
 mod serve_generation;

@@ -147,21 +147,16 @@ fn rope_scale(header: &GgufHeader) -> Result<f32, ShapeError> {
         }
     };
     let key = "llama.rope.scaling.type";
-    let kind = match header.get(key) {
-        None => None,
-        Some(v) => Some(v.as_str().ok_or_else(|| wrong_type(key, "a string", v))?),
-    };
-    let factor = match kind {
-        None | Some("none") => factor("llama.rope.scale_linear")?,
-        Some("linear") => factor("llama.rope.scaling.factor")?,
-        Some(_) => {
-            let v = header.get(key).expect("read above");
-            return Err(unsupported(
-                key,
-                v,
-                "Ferry rotates without scaling or with linear scaling",
-            ));
-        }
+    let factor = match header.get(key) {
+        None => factor("llama.rope.scale_linear")?,
+        Some(v) => match v.as_str().ok_or_else(|| wrong_type(key, "a string", v))? {
+            "none" => factor("llama.rope.scale_linear")?,
+            "linear" => factor("llama.rope.scaling.factor")?,
+            _ => {
+                let reason = "Ferry rotates without scaling or with linear scaling";
+                return Err(unsupported(key, v, reason));
+            }
+        },
     };
     Ok(factor.map_or(1.0, |f| 1.0 / f))
 }

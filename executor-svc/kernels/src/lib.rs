@@ -331,9 +331,26 @@ impl QWeight {
     }
 }
 
-/// A raw pointer that may cross to rayon's threads; each thread writes a disjoint column range.
+/// Where a product's outputs go: output `(r, o)` at `ptr + r·ld + o` (`ld` is the weight's
+/// outputs, or a stacked matrix's when `ptr` starts at one part's first column). A raw pointer
+/// that may cross to rayon's threads; each thread writes a disjoint column range.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+struct OutPtr {
+    ptr: *mut f32,
+    ld: usize,
+}
+
+impl OutPtr {
+    /// Output `(r, o)`.
+    ///
+    /// # Safety
+    /// `(r, o)` must lie inside the output the pointer was made for.
+    #[inline(always)]
+    unsafe fn at(self, r: usize, o: usize) -> *mut f32 {
+        // SAFETY: the caller's contract.
+        unsafe { self.ptr.add(r * self.ld + o) }
+    }
+}
 // SAFETY: the threads write disjoint elements (distinct output columns), and the buffer
 // outlives the parallel section that uses the pointer.
 unsafe impl Send for OutPtr {}
@@ -397,9 +414,23 @@ impl Kernel {
 
 /// [`matmul`] with a chosen kernel (for benches and tests; every kernel gives the same bits).
 pub fn matmul_with(x: &[f32], rows: usize, w: &QWeight, out: &mut [f32], kernel: Kernel) {
-    assert_eq!(x.len(), rows * w.cols, "activations must be rows × the weight's inputs");
     assert_eq!(out.len(), rows * w.rows, "output buffer must be rows × outputs");
-    let ptr = OutPtr(out.as_mut_ptr());
+    matmul_columns(x, rows, w, (out, w.rows, 0), kernel);
+}
+
+/// [`matmul_with`] into columns `col0 .. col0 + w.rows` of `out`, whose rows are `ld` wide (a
+/// stacked matrix's output, one part at a time).
+fn matmul_columns(
+    x: &[f32],
+    rows: usize,
+    w: &QWeight,
+    (out, ld, col0): (&mut [f32], usize, usize),
+    kernel: Kernel,
+) {
+    assert_eq!(x.len(), rows * w.cols, "activations must be rows × the weight's inputs");
+    assert!(col0 + w.rows <= ld && out.len() == rows * ld, "output columns out of range");
+    // SAFETY: `col0` lies inside the buffer (checked above).
+    let ptr = OutPtr { ptr: unsafe { out.as_mut_ptr().add(col0) }, ld };
     let sums = if w.format.has_min() { block_sums(x) } else { Vec::new() };
     let sums = &sums[..];
     let groups = w.groups();
@@ -442,7 +473,7 @@ unsafe fn matmul_groups(
                     for r in 0..rows {
                         let v = portable::dot(&x[r * w.cols..(r + 1) * w.cols], w, o);
                         // SAFETY: the caller owns column `o` of every row.
-                        unsafe { *out.0.add(r * w.rows + o) = v };
+                        unsafe { *out.at(r, o) = v };
                     }
                 }
             }
@@ -490,7 +521,7 @@ unsafe fn store_group(w: &QWeight, r: usize, g: usize, sums: &[f32; GROUP], out:
     let n = (w.rows - g * GROUP).min(GROUP);
     // SAFETY: columns `16g .. 16g + n` of row `r` lie inside the output; the caller owns them.
     unsafe {
-        std::ptr::copy_nonoverlapping(sums.as_ptr(), out.0.add(r * w.rows + g * GROUP), n);
+        std::ptr::copy_nonoverlapping(sums.as_ptr(), out.at(r, g * GROUP), n);
     }
 }
 

@@ -1,7 +1,7 @@
 //! Matrices the forward multiplies by: a packed matrix ([`QWeight`]) or several stacked by rows
 //! ([`Stacked`]), behind one trait ([`Matrix`]) that the forwards and the CUDA upload take.
 
-use super::{matmul, QWeight};
+use super::{matmul, matmul_columns, Kernel, QWeight};
 
 /// Matrices with the same inputs stacked by rows (Q, K and V; gate and up), computed by one
 /// call: parts of one format are one packed matrix (one product), parts of different formats
@@ -56,21 +56,14 @@ impl Stacked {
     }
 }
 
-/// `out[r, o] = Σ_k x[r, k] · w[o, k]` for a stacked matrix (as [`matmul`]).
+/// `out[r, o] = Σ_k x[r, k] · w[o, k]` for a stacked matrix (as [`matmul`]): each part's
+/// product writes its own columns of `out`.
 pub fn matmul_stacked(x: &[f32], rows: usize, w: &Stacked, out: &mut [f32]) {
-    if let [one] = &w.parts[..] {
-        return matmul(x, rows, one, out);
-    }
     assert_eq!(out.len(), rows * w.rows, "output buffer must be rows × outputs");
-    let mut at = 0;
-    let mut part_out = Vec::new();
+    let mut col0 = 0;
     for p in &w.parts {
-        part_out.resize(rows * p.rows, 0.0);
-        matmul(x, rows, p, &mut part_out);
-        for (dst, src) in out.chunks_exact_mut(w.rows).zip(part_out.chunks_exact(p.rows)) {
-            dst[at..at + p.rows].copy_from_slice(src);
-        }
-        at += p.rows;
+        matmul_columns(x, rows, p, (&mut *out, w.rows, col0), Kernel::best());
+        col0 += p.rows;
     }
 }
 

@@ -4,7 +4,7 @@
 
 use super::attention::{attend, AttnScratch, Heads, KvRun};
 use super::llama::LlamaWeights;
-use super::ops::{linear, rms_norm, rope_angles, rope_rotate, silu_mul, split_qkv};
+use super::ops::{argmax, linear, rms_norm, rope_angles, rope_rotate, silu_mul, split_qkv};
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
 #[derive(Debug, Default, Clone)]
@@ -117,4 +117,28 @@ pub fn forward(
     let mut last = x[(n - 1) * h..].to_vec();
     rms_norm(&mut last, &w.norm, s.rms_eps);
     Ok(linear(&last, &w.lm_head))
+}
+
+/// The greedy continuation of `prompt`: up to `max` tokens, each the argmax of the last logits,
+/// ending before `eos` when it comes.
+pub fn greedy(
+    w: &LlamaWeights,
+    prompt: &[u32],
+    max: usize,
+    eos: Option<u32>,
+) -> Result<Vec<u32>, String> {
+    let mut cache = ContiguousCache::default();
+    let mut logits = forward(w, prompt, &mut cache)?;
+    let mut out = Vec::with_capacity(max);
+    while out.len() < max {
+        let next = argmax(&logits).ok_or("no logits")? as u32;
+        if Some(next) == eos {
+            break;
+        }
+        out.push(next);
+        if out.len() < max {
+            logits = forward(w, &[next], &mut cache)?;
+        }
+    }
+    Ok(out)
 }

@@ -1,8 +1,7 @@
 //! The real default model, through the reference forward, greedy: it knows that Paris is the
 //! capital of France (the check that the model is really there and loaded right).
 
-use ferry_executor_svc::forward::reference::{forward, ContiguousCache};
-use ferry_executor_svc::forward::{ops::argmax, LlamaWeights, LoadedModel};
+use ferry_executor_svc::forward::{reference, LlamaWeights, LoadedModel};
 use ferry_model::{ChatMessage, Tokenizer};
 
 fn load() -> (Tokenizer, LlamaWeights) {
@@ -12,18 +11,7 @@ fn load() -> (Tokenizer, LlamaWeights) {
 }
 
 fn greedy(w: &LlamaWeights, tok: &Tokenizer, prompt: &[u32], max: usize) -> String {
-    let mut cache = ContiguousCache::default();
-    let mut logits = forward(w, prompt, &mut cache).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..max {
-        let next = argmax(&logits).unwrap() as u32;
-        if next == tok.eos_token_id {
-            break;
-        }
-        out.push(next);
-        logits = forward(w, &[next], &mut cache).unwrap();
-    }
-    tok.decode(&out)
+    tok.decode(&reference::greedy(w, prompt, max, Some(tok.eos_token_id)).unwrap())
 }
 
 #[test]

@@ -7,8 +7,7 @@
 //! model's output head already runs, and re-quantizing costs 8 s a type (`Q8_0`, `Q5_0` and
 //! `Q5_1` passed when run by hand: `TYPES`).
 
-use ferry_executor_svc::forward::reference::{forward, ContiguousCache};
-use ferry_executor_svc::forward::{ops::argmax, LoadedModel};
+use ferry_executor_svc::forward::{reference, LoadedModel};
 use ferry_tests::{http, Service};
 
 const PROMPTS: [&str; 2] = ["The capital of France is", "def fibonacci(n):"];
@@ -18,18 +17,8 @@ const TYPES: [&str; 1] = ["Q5_1"];
 /// The reference forward's greedy continuation of `prompt` (up to EOS or `TOKENS`).
 fn reference_answer(model: &LoadedModel, prompt: &str) -> String {
     let tok = &model.file.tokenizer;
-    let mut cache = ContiguousCache::default();
-    let mut logits = forward(&model.weights, &tok.encode(prompt).unwrap(), &mut cache).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..TOKENS {
-        let next = argmax(&logits).unwrap() as u32;
-        if next == tok.eos_token_id {
-            break;
-        }
-        out.push(next);
-        logits = forward(&model.weights, &[next], &mut cache).unwrap();
-    }
-    tok.decode(&out)
+    let prompt = tok.encode(prompt).unwrap();
+    tok.decode(&reference::greedy(&model.weights, &prompt, TOKENS, Some(tok.eos_token_id)).unwrap())
 }
 
 #[test]

@@ -55,7 +55,7 @@ macro_rules! tile_parts {
                             store_line(sums.0.as_mut_ptr().add(h * LANES), *v);
                         }
                         if (g + 1) * GROUP <= w.rows {
-                            let dst = out.0.add((row0 + r) * w.rows + g * GROUP);
+                            let dst = out.at(row0 + r, g * GROUP);
                             std::ptr::copy_nonoverlapping(sums.0.as_ptr(), dst, GROUP);
                         } else {
                             store_group(w, row0 + r, g, &sums.0, out);

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ferry_executor_svc::forward::reference::{forward, ContiguousCache};
+use ferry_executor_svc::forward::reference::{forward, greedy, ContiguousCache};
 use ferry_executor_svc::forward::{LoadedModel, ModelFile};
 
 /// Largest difference of a logit from the f64 reference: Ferry computes in f32 with the
@@ -68,15 +68,8 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
         }
         eprintln!("{name}: logits within {worst:e} of the f64 reference");
         // Greedy, from the reference's f64 argmax (which no near tie decides here).
-        let mut next = tokens.clone();
-        let mut cache = ContiguousCache::default();
-        let mut logits = forward(w, &next, &mut cache).unwrap();
-        for _ in 0..ids(&want["greedy"]).len() {
-            let t = ferry_executor_svc::forward::ops::argmax(&logits).unwrap() as u32;
-            next.push(t);
-            logits = forward(w, &[t], &mut cache).unwrap();
-        }
-        assert_eq!(next[tokens.len()..], ids(&want["greedy"])[..], "{name}: greedy");
+        let want = ids(&want["greedy"]);
+        assert_eq!(greedy(w, &tokens, want.len(), None).unwrap(), want, "{name}: greedy");
         checked.push(name.clone());
     }
     checked.sort();

@@ -48,7 +48,7 @@
 #![allow(clippy::inline_always, clippy::needless_pass_by_value)]
 
 pub mod format;
-mod portable;
+pub mod portable;
 mod stacked;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -253,7 +253,7 @@ impl QWeight {
     }
 
     /// Row `r`'s block `b` in natural order: scale, minimum and code bytes (written to `codes`).
-    fn natural_block(&self, r: usize, b: usize, codes: &mut [u8; 32]) -> (f32, f32) {
+    pub fn natural_block(&self, r: usize, b: usize, codes: &mut [u8; 32]) -> (f32, f32) {
         let (g, j) = (r / GROUP, r % GROUP);
         let gb = g * self.blocks_per_row() + b;
         let cb = self.format.code_bytes();
@@ -524,6 +524,3 @@ unsafe fn store_group(w: &QWeight, r: usize, g: usize, sums: &[f32; GROUP], out:
         std::ptr::copy_nonoverlapping(sums.as_ptr(), out.at(r, g * GROUP), n);
     }
 }
-
-#[cfg(test)]
-mod tests;

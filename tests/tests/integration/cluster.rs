@@ -284,23 +284,24 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
-    // Long enough that no held stream ends within the 2 s drain window: a stream alone on an
-    // executor decodes about 200 tokens/s here (CI profile); at 160 tokens one held alone
-    // finished inside the window once the products got faster, and had nothing to move.
-    const TOKENS: u32 = 640;
+    // Long enough that no held stream ends within the 1 s drain window (the shortest
+    // `--drain-timeout`): a stream alone on an executor decodes about 200 tokens/s here (CI
+    // profile), so 400 leave twice the window; at 160 tokens and a 2 s window one held alone
+    // finished inside it once the products got faster, and had nothing to move.
+    const TOKENS: u32 = 400;
     // Listed by hand, without etcd: nothing tells the scheduler that the executor drains, so
     // it keeps the session open, and only the drain timeout ends it. Room for all eight streams
     // whole on either executor (about 46 KB of KV per token), so none is preempted and
     // recomputed (with 64 MiB most were, and the test took 90 s).
     let exec = |id: &str| {
         let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "320", "--executor-id", id];
-        let args = [&args[..], &["--drain-timeout", "2"]].concat();
+        let args = [&args[..], &["--drain-timeout", "1"]].concat();
         Service::start("ferry-executor", &args, 1).unwrap()
     };
     let (mut a, b) = (exec("exec-a"), exec("exec-b"));
     let sched = ferry_tests::start_scheduler(&[&a, &b], &[]);
     wait_ready(&sched, &[&a, &b]).await;
-    // Streams long enough that none can end within the 2 s drain window (see `TOKENS`), so
+    // Streams long enough that none can end within the 1 s drain window (see `TOKENS`), so
     // every request the executor held is still there to move.
     let reqs = || requests(8, TOKENS);
     let undisturbed = run_streams(sched.addr("grpc"), reqs(), 0, || {}).await;
@@ -332,9 +333,7 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     const TTL: Duration = Duration::from_secs(2);
-    // Long enough that every stream outlives the outage (three TTLs and etcd's restart) on a
-    // machine several times faster than this one's 2 cores: 256 did not always.
-    const TOKENS: u32 = 640;
+    const PROBE: usize = 64;
     let etcd = Etcd::start().unwrap();
     let sched = start_scheduler(&etcd);
     // Room for all eight streams whole (about 46 KB of KV per token): none is preempted, so
@@ -346,14 +345,28 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     wait_ready(&sched, &[&exec]).await;
     let metric = |name: &str| metric(sched.addr("http"), name);
     let epoch = metric("ferry_scheduler_epoch{");
-    let undisturbed = run_streams(sched.addr("grpc"), requests(8, TOKENS), 0, || {}).await;
-    assert_complete(&undisturbed, TOKENS as usize);
+    // Streams long enough that every one outlives the outage (three TTLs and etcd's restart):
+    // measured on this machine rather than fixed (a fixed 256 did not always span it on a
+    // machine several times faster than this one; a fixed 640 spent ~110 s of CPU here). Eight
+    // streams of 64 tokens give the fastest stream's time per token; the streams last a quarter
+    // more than the outage and a second from their 48th token at that pace (contexts grow,
+    // and steps slow, along a stream: the real pace only makes them longer), at most 640
+    // tokens (the KV room above holds eight of those whole).
+    let probe = run_streams(sched.addr("grpc"), requests(8, PROBE as u32), 0, || {}).await;
+    assert_complete(&probe, PROBE);
+    let pace = probe.iter().map(|o| (o.arrived[PROBE - 1] - o.arrived[16]) / (PROBE as u32 - 17));
+    let pace = pace.min().expect("eight streams");
+    let needed = (TTL * 3 + Duration::from_secs(1)).mul_f64(1.25).div_duration_f64(pace);
+    let tokens = (48 + needed.ceil() as u32).clamp(160, 640);
+    eprintln!("{pace:?} per token: streams of {tokens} tokens");
+    let undisturbed = run_streams(sched.addr("grpc"), requests(8, tokens), 0, || {}).await;
+    assert_complete(&undisturbed, tokens as usize);
     // The streams must span the outage, or the test shows nothing: say so plainly.
-    let span = undisturbed.iter().map(|o| o.arrived[TOKENS as usize - 1] - o.arrived[48]).min();
+    let span = undisturbed.iter().map(|o| o.arrived[tokens as usize - 1] - o.arrived[48]).min();
     assert!(
         span.is_some_and(|s| s > TTL * 3 + Duration::from_secs(1)),
         "streams last {span:?} after their 48th token, too short to span an outage of {:?}: \
-         raise TOKENS",
+         the probe misjudged the pace",
         TTL * 3
     );
     let moved_before = metric("ferry_requests_moved");
@@ -362,7 +375,7 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     // TTLs, then restarts on its data (another thread keeps the time, so nothing here blocks
     // the streams).
     let (outage_tx, outage_rx) = std::sync::mpsc::channel();
-    let outcomes = run_streams(sched.addr("grpc"), requests(8, TOKENS), 48, move || {
+    let outcomes = run_streams(sched.addr("grpc"), requests(8, tokens), 48, move || {
         std::thread::spawn(move || {
             let mut etcd = etcd;
             etcd.kill(0).unwrap();
@@ -375,7 +388,7 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     })
     .await;
     let (etcd, down, up) = outage_rx.recv().unwrap();
-    assert_complete(&outcomes, TOKENS as usize);
+    assert_complete(&outcomes, tokens as usize);
     assert_same_streams(&outcomes, &undisturbed);
     for (i, o) in outcomes.iter().enumerate() {
         assert!(o.arrived.last().is_some_and(|t| *t > up), "stream {i} ended within the outage");

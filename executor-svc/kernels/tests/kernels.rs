@@ -1,4 +1,9 @@
-use super::*;
+//! The kernels against f64 sums of their dequantized weights, against the portable product bit
+//! for bit, and packing against unpacking, for every weight format. A test target of its own
+//! (not the library's `cfg(test)` module): it builds in seconds, where compiling the whole
+//! library a second time as a test harness cost ~30 s of the tests' build.
+
+use ferry_kernels::*;
 
 /// An f32 that f16 holds exactly (weights' scales are f16 in GGUF).
 fn h(v: f32) -> f32 {

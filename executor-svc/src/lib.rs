@@ -10,7 +10,8 @@ pub mod actor;
 pub mod engine;
 pub mod engine_metrics;
 pub mod executor_config;
-pub mod forward;
+/// The CPU forward pass (crate `ferry-forward`).
+pub use ferry_forward as forward;
 /// The matrix products against quantized weights (crate `ferry-kernels`).
 pub use ferry_kernels as kernels;
 pub mod service;

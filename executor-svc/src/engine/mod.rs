@@ -14,7 +14,8 @@ pub mod backend;
 pub mod cuda;
 pub mod grammar;
 pub mod kv;
-pub mod sampling;
+/// Token sampling (crate `ferry-sampling`).
+pub use ferry_sampling as sampling;
 pub mod simulated_gpu;
 pub mod step;
 

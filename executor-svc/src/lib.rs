@@ -10,8 +10,7 @@ pub mod actor;
 pub mod engine;
 pub mod engine_metrics;
 pub mod executor_config;
-/// The CPU forward pass (crate `ferry-forward`).
-pub use ferry_forward as forward;
+pub mod forward;
 /// The matrix products against quantized weights (crate `ferry-kernels`).
 pub use ferry_kernels as kernels;
 pub mod service;

@@ -14,8 +14,7 @@ pub mod backend;
 pub mod cuda;
 pub mod grammar;
 pub mod kv;
-/// Token sampling (crate `ferry-sampling`).
-pub use ferry_sampling as sampling;
+pub mod sampling;
 pub mod simulated_gpu;
 pub mod step;
 

@@ -940,7 +940,7 @@ fn a_forked_sample_continues_exactly_from_a_copied_block_and_a_bad_copy_is_refus
 /// moves them).
 #[test]
 fn greedy_answers_and_first_logprobs_are_the_exact_forwards() {
-    let exact = ferry_executor_svc::forward::exact::Model::load(&shared().path, shared().shape);
+    let exact = crate::exact::Model::load(&shared().path, shared().shape);
     let questions = [
         "What is the capital of France?",
         "Write a haiku about the sea.",

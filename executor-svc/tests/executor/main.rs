@@ -1,11 +1,12 @@
 //! The executor's tests through its public API, in one test binary (each links the executor
 //! with candle and the kernels, optimized: linking one binary instead of four saves minutes of
 //! a CI build): the engine's step protocol on the real model (`engine`), the paged forward and
-//! the reference forward against the exact one (`paged_forward`, `reference_model`; the exact
-//! forward is `forward::exact`, optimized with the forward), Llama-family files against a forward after Hugging Face's modeling code (`families`), and KV
+//! the reference forward against an exact one (`paged_forward`, `reference_model`, `exact`),
+//! Llama-family files against a forward after Hugging Face's modeling code (`families`), and KV
 //! export and import through a real agent (`kv_transfer`).
 
 mod engine;
+mod exact;
 mod families;
 mod kv_transfer;
 mod paged_forward;

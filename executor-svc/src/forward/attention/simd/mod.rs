@@ -49,8 +49,8 @@ pub enum Isa {
 /// The attention kernel for this CPU, if any: the products' choice (so `FERRY_KERNEL`
 /// selects both), AVX-512 needing DQ as well.
 pub fn detect() -> Option<Isa> {
-    match ferry_kernels::x86::detect()? {
-        ferry_kernels::x86::Isa::Avx512 if is_x86_feature_detected!("avx512dq") => {
+    match crate::kernels::x86::detect()? {
+        crate::kernels::x86::Isa::Avx512 if is_x86_feature_detected!("avx512dq") => {
             Some(Isa::Avx512)
         }
         _ => Some(Isa::Avx2),

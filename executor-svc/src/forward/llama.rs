@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 pub use ferry_model::LlamaShape;
 
-use ferry_kernels::{KernelError, QWeight, Stacked};
+use crate::kernels::{KernelError, QWeight, Stacked};
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]

@@ -2,7 +2,7 @@
 //! rotary embedding (adjacent-pair convention of GGUF Llama), `SiLU` gating, and the product
 //! against a quantized `[out, in]` weight.
 
-use ferry_kernels::Matrix;
+use crate::kernels::Matrix;
 
 /// `x · wᵀ` for the rows of `x` (`w`'s inputs wide) → `rows × w`'s outputs, row-major.
 pub fn linear(x: &[f32], w: &impl Matrix) -> Vec<f32> {

@@ -343,7 +343,7 @@ mod tests {
         let mut isas = vec![None];
         #[cfg(target_arch = "x86_64")]
         {
-            use ferry_kernels::x86::{supported, Isa};
+            use crate::kernels::x86::{supported, Isa};
             for isa in supported() {
                 isas.push(Some(match isa {
                     Isa::Avx2 => simd::Isa::Avx2,

@@ -32,10 +32,6 @@
 //! flat row); raw log-probabilities add one exponential pass. Penalties cost O(H) with a
 //! per-vocabulary mark table held by [`Sampler`], which owns every scratch buffer, so a
 //! long-lived `Sampler` does not allocate in the steady state.
-//!
-//! A crate of its own (the executor re-exports it as `engine::sampling`): it runs once per row
-//! of every step, so the tests' profile builds it optimized, with the forward, while the
-//! executor's service code builds at opt-level 1.
 
 mod draw;
 #[cfg(test)]

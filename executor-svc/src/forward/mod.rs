@@ -1,13 +1,7 @@
 //! The CPU forward pass: the weights as the executor loads them, the paged KV cache and the
 //! serving forward over it, and the reference forward the serving path is checked against.
 //! What the rest of Ferry knows about a model (header, shape, tokenizer, fetch, fingerprint) is
-//! `ferry-model`'s; this crate is only how the executor computes with one (the executor
-//! re-exports it as `ferry_executor_svc::forward`).
-//!
-//! A crate of its own, beside the kernels, so that the executor's service code (sessions, steps,
-//! sampling, the CUDA backend's host side) builds unoptimized-but-for-basics in the tests'
-//! profile while the code a test's time goes to — the products and this forward — is
-//! optimized as in release (see the workspace's `[profile.ci]`).
+//! `ferry-model`'s; this folder is only how the executor computes with one.
 
 // Byte views of the cache's f32 / f16 storage for KV transfers.
 #[allow(unsafe_code)]
@@ -24,10 +18,6 @@ pub mod ops;
 #[allow(unsafe_code)]
 pub mod paged;
 pub mod reference;
-// An f64 forward independent of the kernels: the yardstick the tests hold the serving forward
-// to. Here, not in a test target, so that it runs optimized (the tests' profile builds their
-// own code at opt-level 1).
-pub mod exact;
 
 pub use ferry_model::{default_model_path, LlamaShape, ModelFile};
 pub use kv_cache::{KvDtype, PagedKvCache};

@@ -334,6 +334,8 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
 async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     const TTL: Duration = Duration::from_secs(2);
     const PROBE: usize = 64;
+    // What a stream must outlast from its 48th token: the outage and etcd's restart.
+    let outage_span = TTL * 3 + Duration::from_secs(1);
     let etcd = Etcd::start().unwrap();
     let sched = start_scheduler(&etcd);
     // Room for all eight streams whole (about 46 KB of KV per token): none is preempted, so
@@ -354,9 +356,11 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     // tokens (the KV room above holds eight of those whole).
     let probe = run_streams(sched.addr("grpc"), requests(8, PROBE as u32), 0, || {}).await;
     assert_complete(&probe, PROBE);
-    let pace = probe.iter().map(|o| (o.arrived[PROBE - 1] - o.arrived[16]) / (PROBE as u32 - 17));
+    // Timed from the 16th token on: the first steps include prefill.
+    let steps = PROBE as u32 - 17;
+    let pace = probe.iter().map(|o| (o.arrived[PROBE - 1] - o.arrived[16]) / steps);
     let pace = pace.min().expect("eight streams");
-    let needed = (TTL * 3 + Duration::from_secs(1)).mul_f64(1.25).div_duration_f64(pace);
+    let needed = outage_span.mul_f64(1.25).div_duration_f64(pace);
     let tokens = (48 + needed.ceil() as u32).clamp(160, 640);
     eprintln!("{pace:?} per token: streams of {tokens} tokens");
     let undisturbed = run_streams(sched.addr("grpc"), requests(8, tokens), 0, || {}).await;
@@ -364,7 +368,7 @@ async fn etcd_down_for_three_ttls_mid_load_stalls_no_stream_and_moves_none() {
     // The streams must span the outage, or the test shows nothing: say so plainly.
     let span = undisturbed.iter().map(|o| o.arrived[tokens as usize - 1] - o.arrived[48]).min();
     assert!(
-        span.is_some_and(|s| s > TTL * 3 + Duration::from_secs(1)),
+        span.is_some_and(|s| s > outage_span),
         "streams last {span:?} after their 48th token, too short to span an outage of {:?}: \
          the probe misjudged the pace",
         TTL * 3

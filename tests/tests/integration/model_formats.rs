@@ -41,10 +41,9 @@ fn the_default_model_requantized_to_q5_1_serves_its_reference_greedy_answers() {
         let want: Vec<String> = PROMPTS.iter().map(|p| reference_answer(&model, p)).collect();
         drop(model);
         let file = path.to_str().unwrap();
-        let args = ["serve", "--model", file, "--listen", "127.0.0.1:0"];
-        let serve =
-            Service::start("ferry", &[&args[..], &["--http-listen", "127.0.0.1:0"]].concat(), 4)
-                .unwrap();
+        let args =
+            ["serve", "--model", file, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
+        let serve = Service::start("ferry", &args, 4).unwrap();
         for (prompt, want) in PROMPTS.iter().zip(&want) {
             let body = serde_json::json!({
                 "model": format!("smollm2-{ty}"), "prompt": prompt, "max_tokens": TOKENS,

@@ -17,9 +17,8 @@ def main():
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(out, arch)
     for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if name == "general.file_type":
+        # The writer's own keys, and the file type the new weights no longer are.
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
             continue
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None

@@ -209,30 +209,38 @@ async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_stra
         ("decode agent", decode_agent.addr("grpc"), "kv"),
         ("scheduler", grpc, "client"),
     ];
+    // (what a failure means, the port, grpcurl's flags, whether it must answer)
+    let mut calls: Vec<(String, SocketAddr, Vec<String>, bool)> = Vec::new();
     for (what, addr, allowed) in ports {
-        assert!(
-            grpcurl_lists(addr, &grpcurl_tls(&ours, &ours, Some(allowed))),
-            "{what}: {allowed}"
-        );
+        let flags = grpcurl_tls(&ours, &ours, Some(allowed));
+        calls.push((format!("{what} refused a {allowed}"), addr, flags, true));
         let foreign = grpcurl_tls(&ours, &other, Some(allowed));
-        assert!(!grpcurl_lists(addr, &foreign), "{what} took a certificate from another CA");
-        assert!(
-            !grpcurl_lists(addr, &grpcurl_tls(&ours, &ours, None)),
-            "{what} took no certificate"
-        );
-        assert!(!grpcurl_lists(addr, &["-plaintext".to_string()]), "{what} answered plaintext");
+        calls.push((format!("{what} took a certificate from another CA"), addr, foreign, false));
+        let none = grpcurl_tls(&ours, &ours, None);
+        calls.push((format!("{what} took no certificate"), addr, none, false));
+        let plaintext = vec!["-plaintext".to_string()];
+        calls.push((format!("{what} answered plaintext"), addr, plaintext, false));
     }
     // Roles: an executor, an agent or a client may not drive an executor.
     for stem in ["executor", "kv", "client", "front"] {
         let flags = grpcurl_tls(&ours, &ours, Some(stem));
-        assert!(!grpcurl_lists(prefill.addr("grpc"), &flags), "an executor took a {stem}");
+        calls.push((format!("an executor took a {stem}"), prefill.addr("grpc"), flags, false));
     }
     // Nor may a front or a client use an agent; an executor may not call the scheduler's API.
     for stem in ["front", "client"] {
         let flags = grpcurl_tls(&ours, &ours, Some(stem));
-        assert!(!grpcurl_lists(prefill_agent.addr("grpc"), &flags), "an agent took a {stem}");
+        calls.push((format!("an agent took a {stem}"), prefill_agent.addr("grpc"), flags, false));
     }
-    assert!(!grpcurl_lists(grpc, &grpcurl_tls(&ours, &ours, Some("executor"))));
+    let flags = grpcurl_tls(&ours, &ours, Some("executor"));
+    calls.push(("the scheduler took an executor".to_string(), grpc, flags, false));
+    // At once: a refused call takes grpcurl seconds to give up.
+    let answered: Vec<bool> = std::thread::scope(|s| {
+        let calls = calls.iter().map(|(_, addr, flags, _)| s.spawn(|| grpcurl_lists(*addr, flags)));
+        calls.collect::<Vec<_>>().into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for ((failure, _, _, must), did) in calls.iter().zip(answered) {
+        assert_eq!(did, *must, "{failure}");
+    }
     // Probe ports: plaintext health and /metrics (for kubelets and Prometheus), nothing else.
     let probes = [
         ("prefill executor", prefill.addr("probe"), "ferry.v1.Executor/Describe"),

@@ -209,6 +209,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
     let sim_model = profile.to_sim()?;
     let usize_of = |v: u32| v as usize;
     let shape = ferry_model::LlamaShape {
+        family: ferry_model::Family::LLAMA,
         num_layers: usize_of(profile.num_layers),
         hidden: usize_of(profile.hidden),
         intermediate: usize_of(profile.intermediate),

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 pub use chat::{ChatOptions, ToolCallParser, ToolPiece};
 pub use fetch::{default_model_path, model_dir, FetchError, DEFAULT_MODEL_NAME};
 pub use gguf::{GgufError, GgufHeader};
-pub use shape::{LlamaShape, ShapeError};
+pub use shape::{Family, LlamaShape, RopeStyle, ShapeError};
 pub use structured::{GrammarError, Grammars};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer, TokenizerError};
 

@@ -1,6 +1,7 @@
-//! The Llama architecture's dimensions as a GGUF file's `llama.*` metadata states them: what
-//! the executor sizes its weights and KV cache by, and what the front needs for the model's
-//! maximum length.
+//! A model's dimensions as a GGUF file's `<architecture>.*` metadata states them: what the
+//! executor sizes its weights and KV cache by, and what the front needs for the model's maximum
+//! length. The architectures served differ from Llama only in data ([`Family`]): one forward
+//! computes them all.
 
 use crate::gguf::{GgufHeader, Value};
 
@@ -15,8 +16,8 @@ pub enum ShapeError {
         /// What was wrong.
         reason: String,
     },
-    /// Not a Llama model.
-    #[error("unsupported architecture {0:?} (general.architecture; Ferry serves llama)")]
+    /// An architecture Ferry does not serve.
+    #[error("unsupported architecture {0:?} (general.architecture; Ferry serves {served})", served = served())]
     Architecture(String),
     /// A metadata key asks for something the forward does not do: served anyway, the model
     /// would answer wrongly.
@@ -34,9 +35,52 @@ pub enum ShapeError {
     Inconsistent(String),
 }
 
-/// The dimensions of a Llama model.
+/// How the rotary embedding pairs a head's dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pair `i` is (x\[2i\], x\[2i+1\]): llama.cpp's "normal" rotation. GGUF Llama files hold
+    /// Q and K permuted for it (llama.cpp's converter).
+    Adjacent,
+    /// Pair `i` is (x\[i\], x\[i + d/2\]): llama.cpp's "NEOX" rotation, Hugging Face's
+    /// `rotate_half`. Qwen 2 files keep Hugging Face's Q and K layout.
+    Halves,
+}
+
+/// What an architecture's forward does differently from Llama's: data, read by every backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Family {
+    /// `general.architecture`, and the prefix of its metadata keys.
+    pub name: &'static str,
+    /// Its rotary pairing.
+    pub rope: RopeStyle,
+    /// Whether Q, K and V projections add a bias (`attn_q.bias`, `attn_k.bias`, `attn_v.bias`).
+    pub qkv_bias: bool,
+}
+
+impl Family {
+    /// Llama 1-3 and the models in its layout (SmolLM, Mistral without a sliding window).
+    pub const LLAMA: Self = Self { name: "llama", rope: RopeStyle::Adjacent, qkv_bias: false };
+    /// Qwen 2 and 2.5: Llama with biases on Q, K and V and the NEOX rotation.
+    pub const QWEN2: Self = Self { name: "qwen2", rope: RopeStyle::Halves, qkv_bias: true };
+    /// Every architecture served.
+    pub const ALL: [Self; 2] = [Self::LLAMA, Self::QWEN2];
+
+    /// The family whose `general.architecture` is `name`.
+    pub fn named(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.name == name)
+    }
+}
+
+/// The architectures served, for messages: "llama, qwen2".
+pub fn served() -> String {
+    Family::ALL.map(|f| f.name).join(", ")
+}
+
+/// The dimensions of a model of one of the [`Family`]s.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LlamaShape {
+    /// The architecture.
+    pub family: Family,
     /// Transformer blocks.
     pub num_layers: usize,
     /// Residual width.
@@ -76,61 +120,63 @@ fn wrong_type(key: &str, want: &str, got: &Value) -> ShapeError {
     }
 }
 
-/// The `llama.*` keys the forward reads or that change nothing it computes.
+/// The `<architecture>.*` keys the forward reads or that change nothing it computes (after
+/// the prefix).
 const UNDERSTOOD: &[&str] = &[
-    "llama.block_count",
-    "llama.context_length",
-    "llama.embedding_length",
-    "llama.feed_forward_length",
-    "llama.attention.head_count",
-    "llama.attention.head_count_kv",
-    "llama.attention.layer_norm_rms_epsilon",
-    "llama.vocab_size",
-    "llama.rope.freq_base",
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "vocab_size",
+    "rope.freq_base",
     // Checked below: equal to the head size, or no expert.
-    "llama.rope.dimension_count",
-    "llama.attention.key_length",
-    "llama.attention.value_length",
-    "llama.expert_count",
-    "llama.expert_used_count",
+    "rope.dimension_count",
+    "attention.key_length",
+    "attention.value_length",
+    "expert_count",
+    "expert_used_count",
     // Read by `rope_scale`.
-    "llama.rope.scaling.type",
-    "llama.rope.scaling.factor",
-    "llama.rope.scale_linear",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scale_linear",
     // The length a scaled model was trained at before its extension: information only.
-    "llama.rope.scaling.original_context_length",
-    "llama.rope.scaling.finetuned",
+    "rope.scaling.original_context_length",
+    "rope.scaling.finetuned",
 ];
 
 fn unsupported(key: &str, value: &Value, reason: &str) -> ShapeError {
     ShapeError::Unsupported { key: key.into(), value: value.to_string(), reason: reason.into() }
 }
 
-/// Refuses any `llama.*` key Ferry does not understand, and understood keys with values the
-/// forward does not compute (a rotary part of the head, a head size that is not width /
-/// heads, experts): a file served without them answers wrongly, without an error.
-fn check_understood(header: &GgufHeader, head_dim: usize) -> Result<(), ShapeError> {
+/// Refuses any `<architecture>.*` key Ferry does not understand, and understood keys with
+/// values the forward does not compute (a rotary part of the head, a head size that is not
+/// width / heads, experts): a file served without them answers wrongly, without an error.
+fn check_understood(header: &GgufHeader, arch: &str, head_dim: usize) -> Result<(), ShapeError> {
     let mut keys: Vec<&String> = header.metadata.keys().collect();
     keys.sort();
-    if let Some(key) =
-        keys.into_iter().find(|k| k.starts_with("llama.") && !UNDERSTOOD.contains(&k.as_str()))
-    {
+    let prefix = format!("{arch}.");
+    let unknown =
+        |k: &&String| k.strip_prefix(&prefix).is_some_and(|rest| !UNDERSTOOD.contains(&rest));
+    if let Some(key) = keys.into_iter().find(unknown) {
         return Err(unsupported(key, &header.metadata[key], "a key Ferry does not know"));
     }
-    for key in
-        ["llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"]
-    {
-        if let Some(v) = header.get(key) {
+    for key in ["rope.dimension_count", "attention.key_length", "attention.value_length"] {
+        let key = format!("{prefix}{key}");
+        if let Some(v) = header.get(&key) {
             if v.as_u32().map(|n| n as usize) != Some(head_dim) {
                 let reason = format!("Ferry computes heads of width / heads = {head_dim}");
-                return Err(unsupported(key, v, &reason));
+                return Err(unsupported(&key, v, &reason));
             }
         }
     }
-    for key in ["llama.expert_count", "llama.expert_used_count"] {
-        if let Some(v) = header.get(key) {
+    for key in ["expert_count", "expert_used_count"] {
+        let key = format!("{prefix}{key}");
+        if let Some(v) = header.get(&key) {
             if v.as_u32() != Some(0) {
-                return Err(unsupported(key, v, "mixture-of-experts models are not served"));
+                return Err(unsupported(&key, v, "mixture-of-experts models are not served"));
             }
         }
     }
@@ -138,23 +184,24 @@ fn check_understood(header: &GgufHeader, head_dim: usize) -> Result<(), ShapeErr
 }
 
 /// The linear rotary scale the file asks for (1: none); other scalings are refused.
-fn rope_scale(header: &GgufHeader) -> Result<f32, ShapeError> {
+fn rope_scale(header: &GgufHeader, arch: &str) -> Result<f32, ShapeError> {
     let factor = |key: &str| -> Result<Option<f32>, ShapeError> {
-        let Some(v) = header.get(key) else { return Ok(None) };
+        let key = format!("{arch}.{key}");
+        let Some(v) = header.get(&key) else { return Ok(None) };
         match v.as_f32() {
             Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
-            _ => Err(unsupported(key, v, "expected a positive number")),
+            _ => Err(unsupported(&key, v, "expected a positive number")),
         }
     };
-    let key = "llama.rope.scaling.type";
-    let factor = match header.get(key) {
-        None => factor("llama.rope.scale_linear")?,
-        Some(v) => match v.as_str().ok_or_else(|| wrong_type(key, "a string", v))? {
-            "none" => factor("llama.rope.scale_linear")?,
-            "linear" => factor("llama.rope.scaling.factor")?,
+    let key = format!("{arch}.rope.scaling.type");
+    let factor = match header.get(&key) {
+        None => factor("rope.scale_linear")?,
+        Some(v) => match v.as_str().ok_or_else(|| wrong_type(&key, "a string", v))? {
+            "none" => factor("rope.scale_linear")?,
+            "linear" => factor("rope.scaling.factor")?,
             _ => {
                 let reason = "Ferry rotates without scaling or with linear scaling";
-                return Err(unsupported(key, v, reason));
+                return Err(unsupported(&key, v, reason));
             }
         },
     };
@@ -162,50 +209,57 @@ fn rope_scale(header: &GgufHeader) -> Result<f32, ShapeError> {
 }
 
 impl LlamaShape {
-    /// Reads the shape from `llama.*` metadata.
+    /// Reads the shape from `general.architecture` and that architecture's metadata.
     pub fn from_gguf(header: &GgufHeader) -> Result<Self, ShapeError> {
         let arch_value = required(header, "general.architecture")?;
         let arch = arch_value
             .as_str()
             .ok_or_else(|| wrong_type("general.architecture", "a string", arch_value))?;
-        if arch != "llama" {
-            return Err(ShapeError::Architecture(arch.to_string()));
-        }
+        let family = Family::named(arch).ok_or_else(|| ShapeError::Architecture(arch.into()))?;
+        let key = |k: &str| format!("{arch}.{k}");
         let count = |v: &Value, key: &str| {
             v.as_u32().map(|n| n as usize).ok_or_else(|| wrong_type(key, "a 32-bit count", v))
         };
-        let u = |key: &str| count(required(header, key)?, key);
-        let optional_u = |key: &str| header.get(key).map(|v| count(v, key)).transpose();
+        let u = |k: &str| {
+            let k = key(k);
+            count(required(header, &k)?, &k)
+        };
+        let optional_u = |k: &str| {
+            let k = key(k);
+            header.get(&k).map(|v| count(v, &k)).transpose()
+        };
         let float = |v: &Value, key: &str| v.as_f32().ok_or_else(|| wrong_type(key, "a number", v));
-        let hidden = u("llama.embedding_length")?;
-        let num_heads = u("llama.attention.head_count")?;
-        let num_kv_heads = optional_u("llama.attention.head_count_kv")?.unwrap_or(num_heads);
-        let vocab_size = if let Some(n) = optional_u("llama.vocab_size")? {
+        let hidden = u("embedding_length")?;
+        let num_heads = u("attention.head_count")?;
+        let num_kv_heads = optional_u("attention.head_count_kv")?.unwrap_or(num_heads);
+        let vocab_size = if let Some(n) = optional_u("vocab_size")? {
             n
         } else {
             let key = "tokenizer.ggml.tokens";
             let tokens = required(header, key)?;
             tokens.as_array().ok_or_else(|| wrong_type(key, "an array", tokens))?.len()
         };
-        let rope_theta = match header.get("llama.rope.freq_base") {
-            Some(v) => float(v, "llama.rope.freq_base")?,
+        let theta_key = key("rope.freq_base");
+        let rope_theta = match header.get(&theta_key) {
+            Some(v) => float(v, &theta_key)?,
             None => 10_000.0,
         };
-        let eps_key = "llama.attention.layer_norm_rms_epsilon";
+        let eps_key = key("attention.layer_norm_rms_epsilon");
         let head_dim = hidden.checked_div(num_heads).unwrap_or(0);
-        check_understood(header, head_dim)?;
+        check_understood(header, arch, head_dim)?;
         let shape = Self {
-            num_layers: u("llama.block_count")?,
+            family,
+            num_layers: u("block_count")?,
             hidden,
-            intermediate: u("llama.feed_forward_length")?,
+            intermediate: u("feed_forward_length")?,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size,
             rope_theta,
-            rope_scale: rope_scale(header)?,
-            rms_eps: float(required(header, eps_key)?, eps_key)?,
-            max_model_len: u("llama.context_length")?,
+            rope_scale: rope_scale(header, arch)?,
+            rms_eps: float(required(header, &eps_key)?, &eps_key)?,
+            max_model_len: u("context_length")?,
         };
         if num_heads == 0
             || num_kv_heads == 0
@@ -230,18 +284,24 @@ mod tests {
 
     /// SmolLM2-135M's keys (a head of 64).
     fn smollm() -> Builder {
+        smollm_as("llama")
+    }
+
+    /// SmolLM2-135M's dimensions as architecture `arch` states them.
+    fn smollm_as(arch: &str) -> Builder {
+        let key = |k: &str| format!("{arch}.{k}");
         Builder::new()
-            .string("general.architecture", "llama")
-            .u32("llama.block_count", 30)
-            .u32("llama.context_length", 8192)
-            .u32("llama.embedding_length", 576)
-            .u32("llama.feed_forward_length", 1536)
-            .u32("llama.attention.head_count", 9)
-            .u32("llama.attention.head_count_kv", 3)
-            .f32("llama.rope.freq_base", 100_000.0)
-            .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-            .u32("llama.vocab_size", 49152)
-            .u32("llama.rope.dimension_count", 64)
+            .string("general.architecture", arch)
+            .u32(&key("block_count"), 30)
+            .u32(&key("context_length"), 8192)
+            .u32(&key("embedding_length"), 576)
+            .u32(&key("feed_forward_length"), 1536)
+            .u32(&key("attention.head_count"), 9)
+            .u32(&key("attention.head_count_kv"), 3)
+            .f32(&key("rope.freq_base"), 100_000.0)
+            .f32(&key("attention.layer_norm_rms_epsilon"), 1e-5)
+            .u32(&key("vocab_size"), 49152)
+            .u32(&key("rope.dimension_count"), 64)
     }
 
     fn shape(b: Builder) -> Result<LlamaShape, ShapeError> {
@@ -256,6 +316,23 @@ mod tests {
         let s = shape(smollm()).unwrap();
         assert_eq!((s.num_layers, s.hidden, s.head_dim, s.kv_dim()), (30, 576, 64, 192));
         assert_eq!((s.rope_theta, s.rope_scale), (100_000.0, 1.0));
+        assert_eq!(s.family, Family::LLAMA);
+    }
+
+    /// Another family's file is read from its own prefix, and gets its family's forward;
+    /// another family's keys in it are not understood.
+    #[test]
+    fn a_qwen2_file_is_read_from_its_keys_and_rotates_halves_with_biases() {
+        let s = shape(smollm_as("qwen2")).unwrap();
+        assert_eq!((s.num_layers, s.hidden, s.head_dim, s.kv_dim()), (30, 576, 64, 192));
+        assert_eq!((s.family.rope, s.family.qkv_bias), (RopeStyle::Halves, true));
+        let err = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window", 4096));
+        assert!(err.unwrap_err().to_string().contains("qwen2.attention.sliding_window"));
+        let b = smollm_as("qwen2").string("qwen2.rope.scaling.type", "yarn");
+        assert!(shape(b).unwrap_err().to_string().contains("qwen2.rope.scaling.type"));
+        let err = shape(smollm_as("llama").string("general.architecture", "qwen2")).unwrap_err();
+        let err = err.to_string();
+        assert!(err.contains("qwen2.embedding_length") && err.contains("missing"), "{err}");
     }
 
     #[test]
@@ -294,5 +371,6 @@ mod tests {
         let qwen = smollm().string("general.architecture", "qwen9");
         let err = shape(qwen).unwrap_err().to_string();
         assert!(err.contains("\"qwen9\"") && err.contains("general.architecture"), "{err}");
+        assert!(err.contains("llama, qwen2"), "the refusal lists what is served: {err}");
     }
 }

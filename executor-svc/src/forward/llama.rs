@@ -1,8 +1,10 @@
-//! The Llama architecture's weights as a GGUF file holds them, loaded once into the layout the
-//! forward passes use (the shape comes from `ferry-model`, which reads the header).
+//! The weights of a Llama-family model (llama, qwen2: `ferry_model::Family`) as a GGUF file holds
+//! them, loaded once into the layout the forward passes use (the shape comes from `ferry-model`,
+//! which reads the header).
 //!
-//! GGUF stores Q and K projections permuted for llama.cpp's rotary embedding, which rotates
-//! *adjacent* pairs (x[2i], x[2i+1]); the forwards here use that convention too.
+//! GGUF stores Llama's Q and K projections permuted for llama.cpp's rotary embedding, which
+//! rotates *adjacent* pairs (x[2i], x[2i+1]); Qwen 2's keep Hugging Face's layout, rotated in
+//! halves. The forwards rotate as the family's `RopeStyle` says.
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
@@ -36,15 +38,21 @@ pub enum LoadError {
     },
     /// The file has a tensor the forward would not use: a model served without it answers
     /// wrongly (a bias, a norm, another architecture's part).
-    #[error("tensor {0} is not part of the llama forward Ferry computes")]
-    Unexpected(String),
+    #[error("tensor {name} is not part of the {arch} forward Ferry computes")]
+    Unexpected {
+        /// The tensor.
+        name: String,
+        /// The file's architecture.
+        arch: &'static str,
+    },
     /// Reading the file failed.
     #[error("reading the model: {0}")]
     Io(#[from] std::io::Error),
 }
 
-/// The tensors of a Llama model of `layers` blocks, with the optional ones the file has.
-fn expected_tensors(layers: usize) -> impl Fn(&str) -> bool {
+/// The tensors of a model of `shape`, with the optional ones the file has.
+fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
+    const BIASES: [&str; 3] = ["attn_q.bias", "attn_k.bias", "attn_v.bias"];
     const GLOBAL: [&str; 4] =
         ["token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"];
     const PER_LAYER: [&str; 9] = [
@@ -58,11 +66,13 @@ fn expected_tensors(layers: usize) -> impl Fn(&str) -> bool {
         "ffn_up.weight",
         "ffn_down.weight",
     ];
+    let (layers, biases) = (shape.num_layers, shape.family.qkv_bias);
     move |name: &str| {
         GLOBAL.contains(&name)
             || name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).is_some_and(
                 |(i, part)| {
-                    i.parse::<usize>().is_ok_and(|i| i < layers) && PER_LAYER.contains(&part)
+                    i.parse::<usize>().is_ok_and(|i| i < layers)
+                        && (PER_LAYER.contains(&part) || biases && BIASES.contains(&part))
                 },
             )
     }
@@ -75,6 +85,8 @@ pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     /// Query, key and value projections stacked: `[hidden + 2·kv_dim, hidden]`.
     pub wqkv: Stacked,
+    /// Their biases, `[hidden + 2·kv_dim]`, where the family has them (Qwen 2).
+    pub qkv_bias: Option<Vec<f32>>,
     /// Output projection `[hidden, hidden]`.
     pub wo: QWeight,
     /// RMS norm before the feed-forward.
@@ -111,11 +123,11 @@ impl LlamaWeights {
         reader: &mut R,
     ) -> Result<Self, LoadError> {
         let device = Device::Cpu;
-        let expected = expected_tensors(shape.num_layers);
+        let expected = expected_tensors(&shape);
         let mut names: Vec<&String> = content.tensor_infos.keys().collect();
         names.sort();
         if let Some(name) = names.into_iter().find(|n| !expected(n)) {
-            return Err(LoadError::Unexpected(name.clone()));
+            return Err(LoadError::Unexpected { name: name.clone(), arch: shape.family.name });
         }
         let mut read = |name: &str, dims: &[usize]| {
             let t = content
@@ -182,9 +194,19 @@ impl LlamaWeights {
                     Stacked::new(parts)
                         .ok_or_else(|| LoadError::Shape(format!("{an}: {what} differ in width")))
                 };
+                let qkv_bias = if shape.family.qkv_bias {
+                    let p = an.trim_end_matches("attn_norm.weight");
+                    let mut bias = vector(&format!("{p}attn_q.bias"), h)?;
+                    bias.extend(vector(&format!("{p}attn_k.bias"), kv)?);
+                    bias.extend(vector(&format!("{p}attn_v.bias"), kv)?);
+                    Some(bias)
+                } else {
+                    None
+                };
                 Ok(LayerWeights {
                     attn_norm: vector(&an, h)?,
                     wqkv: stack(&[&wq, &wk, &wv], "Q, K and V")?,
+                    qkv_bias,
                     wo,
                     ffn_norm: vector(&fnn, h)?,
                     w_gate_up: stack(&[&w_gate, &w_up], "gate and up")?,

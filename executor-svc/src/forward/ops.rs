@@ -1,6 +1,8 @@
 //! The small numeric kernels both forwards share, on row-major `f32` slices: RMS norm, the
-//! rotary embedding (adjacent-pair convention of GGUF Llama), `SiLU` gating, and the product
+//! rotary embedding (either pairing of `RopeStyle`), biases, `SiLU` gating, and the product
 //! against a quantized `[out, in]` weight.
+
+use ferry_model::RopeStyle;
 
 use crate::kernels::Matrix;
 
@@ -79,12 +81,28 @@ pub fn rope_angles(pos: usize, freqs: &[f32], out: &mut [(f32, f32)]) {
     }
 }
 
-/// Rotates one head vector by [`rope_angles`]: pair (x[2i], x[2i+1]) turns by angle `i`.
-pub fn rope_rotate(head: &mut [f32], angles: &[(f32, f32)]) {
+/// Rotates one head vector by [`rope_angles`]: pair `i` turns by angle `i`, the pair being
+/// (x[2i], x[2i+1]) or (x[i], x[i + d/2]) as `style` says.
+pub fn rope_rotate(head: &mut [f32], angles: &[(f32, f32)], style: RopeStyle) {
+    // Where pair `i`'s two values are: `step · i` and `step · i + offset`.
+    let (step, offset) = match style {
+        RopeStyle::Adjacent => (2, 1),
+        RopeStyle::Halves => (1, angles.len()),
+    };
     for (i, &(sin, cos)) in angles.iter().enumerate() {
-        let (a, b) = (head[2 * i], head[2 * i + 1]);
-        head[2 * i] = a * cos - b * sin;
-        head[2 * i + 1] = a * sin + b * cos;
+        let (ia, ib) = (step * i, step * i + offset);
+        let (a, b) = (head[ia], head[ib]);
+        head[ia] = a * cos - b * sin;
+        head[ib] = a * sin + b * cos;
+    }
+}
+
+/// A row's projections plus their bias, where the model has one (Qwen 2's Q, K and V).
+pub fn add_bias(row: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(bias) = bias {
+        for (x, b) in row.iter_mut().zip(bias) {
+            *x += b;
+        }
     }
 }
 

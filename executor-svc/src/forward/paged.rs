@@ -18,7 +18,7 @@ use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache, SharedKv};
 use super::llama::LlamaWeights;
 use super::ops::{
-    add_rms_norm, linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into,
+    add_bias, add_rms_norm, linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into,
 };
 
 /// One sequence's part of a batch.
@@ -462,10 +462,13 @@ fn forward_part(
         linear_into(hn, &layer.wqkv, qkv);
         matmul += t.elapsed();
         let t = Instant::now();
-        // Rotate the query and key heads (adjacent in each row) in place, rows in parallel.
+        // Add the projections' bias (where the family has one) and rotate the query and key
+        // heads (adjacent in each row) in place, rows in parallel.
+        let (bias, style) = (layer.qkv_bias.as_deref(), s.family.rope);
         qkv.par_chunks_mut(qkv_width).zip(angles.par_chunks(half)).for_each(|(row, angles)| {
+            add_bias(row, bias);
             for head in row[..h + kv_dim].chunks_exact_mut(hd) {
-                rope_rotate(head, angles);
+                rope_rotate(head, angles, style);
             }
         });
         for (r, &(seq, pos)) in rows.iter().enumerate() {

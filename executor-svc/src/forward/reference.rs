@@ -4,7 +4,9 @@
 
 use super::attention::{attend, AttnScratch, Heads, KvRun};
 use super::llama::LlamaWeights;
-use super::ops::{argmax, linear, rms_norm, rope_angles, rope_rotate, silu_mul, split_qkv};
+use super::ops::{
+    add_bias, argmax, linear, rms_norm, rope_angles, rope_rotate, silu_mul, split_qkv,
+};
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
 #[derive(Debug, Default, Clone)]
@@ -63,13 +65,18 @@ pub fn forward(
     for (l, layer) in w.layers.iter().enumerate() {
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
-        let (mut q, mut k, v) = split_qkv(&linear(&hn, &layer.wqkv), h, kv_dim);
+        let mut qkv = linear(&hn, &layer.wqkv);
+        for row in qkv.chunks_exact_mut(h + 2 * kv_dim) {
+            add_bias(row, layer.qkv_bias.as_deref());
+        }
+        let (mut q, mut k, v) = split_qkv(&qkv, h, kv_dim);
+        let style = s.family.rope;
         for (i, a) in angles.chunks_exact(half).enumerate() {
             for head in q[i * h..(i + 1) * h].chunks_exact_mut(hd) {
-                rope_rotate(head, a);
+                rope_rotate(head, a, style);
             }
             for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                rope_rotate(head, a);
+                rope_rotate(head, a, style);
             }
         }
         let round = |x: &[f32]| -> Vec<f32> {

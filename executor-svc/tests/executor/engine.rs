@@ -573,6 +573,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
     use ferry_executor_svc::engine::simulated_gpu::{SimClock, SimHardware, SimModel};
     use ferry_executor_svc::engine::SimBackend;
     let shape = ferry_executor_svc::forward::LlamaShape {
+        family: ferry_model::Family::LLAMA,
         num_layers: 32,
         hidden: 4096,
         intermediate: 11008,

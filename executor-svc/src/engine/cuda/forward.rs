@@ -164,7 +164,10 @@ pub fn forward(
     for (l, layer) in w.layers.iter().enumerate() {
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.attn_norm, n, s.rms_eps)?;
         linear(&gpu.blas, &layer.wqkv, &a.hn, n, &mut a.qkv, false, "the QKV projection")?;
-        k.rope(stream, &mut a.qkv, &positions, &w.rope_freqs, n, heads)?;
+        if let Some(bias) = &layer.qkv_bias {
+            k.add_bias(stream, &mut a.qkv, bias, n)?;
+        }
+        k.rope(stream, &mut a.qkv, &positions, (&w.rope_freqs, s.family.rope), n, heads)?;
         let ctx = PagedContext {
             rows: n,
             heads,

@@ -86,13 +86,15 @@ extern "C" __global__ void rms_norm(float* __restrict__ out, const float* __rest
     for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = xr[c] * (scale * w[c]);
 }
 
-// Rotary embedding, in place, on the Q and K heads of fused [q | k | v] rows: pairs
-// (x[2i], x[2i+1]) of each head turn by pos * freqs[i] (GGUF Llama's adjacent-pair convention).
-// `qk_heads` = query heads + key heads, which sit side by side at the start of each row.
+// Rotary embedding, in place, on the Q and K heads of fused [q | k | v] rows: pair p of each
+// head turns by pos * freqs[p]; the pair is (x[2p], x[2p+1]) (GGUF Llama's adjacent pairs) or,
+// with `halves`, (x[p], x[p + head_dim/2]) (NEOX: Qwen 2). `qk_heads` = query heads + key
+// heads, which sit side by side at the start of each row.
 extern "C" __global__ void rope(float* __restrict__ qkv, const unsigned long long* __restrict__ pos,
                                 const float* __restrict__ freqs, int rows, int qk_heads,
-                                int head_dim, int row_width) {
+                                int head_dim, int row_width, int halves) {
     int pairs = head_dim / 2;
+    int step = halves ? 1 : 2, offset = halves ? pairs : 1;
     size_t total = (size_t)rows * qk_heads * pairs;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -100,12 +102,22 @@ extern "C" __global__ void rope(float* __restrict__ qkv, const unsigned long lon
         size_t t = i / pairs;
         int head = (int)(t % qk_heads);
         int r = (int)(t / qk_heads);
-        float* v = qkv + (size_t)r * row_width + (size_t)head * head_dim + 2 * p;
+        float* v = qkv + (size_t)r * row_width + (size_t)head * head_dim + step * p;
         float s, c;
         sincosf((float)pos[r] * freqs[p], &s, &c);
-        float a = v[0], b = v[1];
+        float a = v[0], b = v[offset];
         v[0] = a * c - b * s;
-        v[1] = a * s + b * c;
+        v[offset] = a * s + b * c;
+    }
+}
+
+// x[r, j] += bias[j] for `rows` rows of `width` (Qwen 2's Q, K and V biases).
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias,
+                                    int rows, int width) {
+    size_t total = (size_t)rows * width;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] += bias[i % width];
     }
 }
 
@@ -278,6 +290,8 @@ pub struct Kernels {
     pub rms_norm: CudaFunction,
     /// [`BODY`]'s `rope`.
     pub rope: CudaFunction,
+    /// [`BODY`]'s `add_bias`.
+    pub add_bias: CudaFunction,
     /// [`BODY`]'s `kv_write`.
     pub kv_write: CudaFunction,
     /// [`BODY`]'s `paged_attention`.
@@ -298,6 +312,7 @@ impl Kernels {
             gather_rows: f("gather_rows")?,
             rms_norm: f("rms_norm")?,
             rope: f("rope")?,
+            add_bias: f("add_bias")?,
             kv_write: f("kv_write")?,
             paged_attention: f("paged_attention")?,
             silu_mul: f("silu_mul")?,

@@ -3,7 +3,8 @@
 //! `unsafe` launch. Indices *inside* buffers (token ids, block ids, rows picked for logits)
 //! come from a batch that has passed validation; the kernels do not check them again.
 
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use ferry_model::RopeStyle;
 
 use super::kernels::{Kernels, ATTN_WARPS, ROW_THREADS};
 use super::CudaError;
@@ -134,13 +135,27 @@ impl Kernels {
         Ok(())
     }
 
-    /// Rotates the query and key heads of `rows` fused rows in place.
+    /// Adds `bias` to each of `rows` rows of `x` (each `bias.len()` wide) in place.
+    pub fn add_bias(
+        &self,
+        stream: &CudaStream,
+        x: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let width = bias.len();
+        assert!(x.len() >= rows * width, "add_bias buffers too small");
+        launch_rows(stream, &self.add_bias, (x, bias), (rows, width), "launching add_bias")
+    }
+
+    /// Rotates the query and key heads of `rows` fused rows in place, by the `rotary`
+    /// frequencies and pairing.
     pub fn rope(
         &self,
         stream: &CudaStream,
         qkv: &mut CudaSlice<f32>,
         positions: &CudaSlice<u64>,
-        freqs: &CudaSlice<f32>,
+        (freqs, style): (&CudaSlice<f32>, RopeStyle),
         rows: usize,
         heads: Heads,
     ) -> Result<(), CudaError> {
@@ -153,8 +168,10 @@ impl Kernels {
         let qk_heads = heads.num_heads + heads.num_kv_heads;
         let (rows_i, qk_i, hd_i, row_i) =
             (int(rows), int(qk_heads), int(heads.head_dim), int(heads.row_width()));
+        let halves = i32::from(style == RopeStyle::Halves);
         let mut b = stream.launch_builder(&self.rope);
         b.arg(qkv).arg(positions).arg(freqs).arg(&rows_i).arg(&qk_i).arg(&hd_i).arg(&row_i);
+        b.arg(&halves);
         let cfg = elementwise(rows * qk_heads * (heads.head_dim / 2));
         // SAFETY: arguments match the kernel's signature; sizes checked above.
         unsafe { b.launch(cfg) }.map_err(CudaError::driver("launching rope"))?;
@@ -240,12 +257,23 @@ impl Kernels {
             out.len() >= rows * width && gate_up.len() >= rows * 2 * width,
             "silu_mul buffers too small"
         );
-        let (rows_i, width_i) = (int(rows), int(width));
-        let mut b = stream.launch_builder(&self.silu_mul);
-        b.arg(out).arg(gate_up).arg(&rows_i).arg(&width_i);
-        // SAFETY: arguments match the kernel's signature; sizes checked above.
-        unsafe { b.launch(elementwise(rows * width)) }
-            .map_err(CudaError::driver("launching silu_mul"))?;
-        Ok(())
+        launch_rows(stream, &self.silu_mul, (out, gate_up), (rows, width), "launching silu_mul")
     }
+}
+
+/// Launches `kernel(out, input, rows, width)`, one thread per element of `rows × width`: the
+/// signature of the row-wise kernels (`add_bias`, `silu_mul`). The caller checks the sizes.
+fn launch_rows(
+    stream: &CudaStream,
+    kernel: &CudaFunction,
+    (out, input): (&mut CudaSlice<f32>, &CudaSlice<f32>),
+    (rows, width): (usize, usize),
+    during: &'static str,
+) -> Result<(), CudaError> {
+    let (rows_i, width_i) = (int(rows), int(width));
+    let mut b = stream.launch_builder(kernel);
+    b.arg(out).arg(input).arg(&rows_i).arg(&width_i);
+    // SAFETY: `kernel` takes (float*, const float*, int, int); the caller checked the sizes.
+    unsafe { b.launch(elementwise(rows * width)) }.map_err(CudaError::driver(during))?;
+    Ok(())
 }

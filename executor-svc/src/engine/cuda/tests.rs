@@ -38,6 +38,7 @@ impl Lcg {
 /// A small random Llama with grouped-query attention, in both weight formats.
 fn tiny_model() -> LlamaWeights {
     let shape = LlamaShape {
+        family: ferry_model::Family::LLAMA,
         num_layers: 2,
         hidden: 64,
         intermediate: 96,
@@ -56,6 +57,7 @@ fn tiny_model() -> LlamaWeights {
         .map(|_| LayerWeights {
             attn_norm: rng.norm(h),
             wqkv: Stacked::new(&[&rng.matrix(h + 2 * kv, h, 0.3, GgmlDType::Q8_0)]).unwrap(),
+            qkv_bias: None,
             wo: rng.matrix(h, h, 0.2, GgmlDType::Q4_1),
             ffn_norm: rng.norm(h),
             w_gate_up: Stacked::new(&[&rng.matrix(2 * ff, h, 0.3, GgmlDType::Q4_1)]).unwrap(),

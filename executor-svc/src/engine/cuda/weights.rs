@@ -35,6 +35,8 @@ pub struct DeviceLayer {
     pub attn_norm: CudaSlice<f32>,
     /// Fused Q, K, V projection `[hidden + 2·kv_dim, hidden]`.
     pub wqkv: DeviceMatrix,
+    /// Its bias, where the family has one (Qwen 2).
+    pub qkv_bias: Option<CudaSlice<f32>>,
     /// Output projection `[hidden, hidden]`.
     pub wo: DeviceMatrix,
     /// RMS norm before the feed-forward.
@@ -78,6 +80,7 @@ impl DeviceWeights {
                 Ok(DeviceLayer {
                     attn_norm: vector(&l.attn_norm)?,
                     wqkv: matrix(&l.wqkv)?,
+                    qkv_bias: l.qkv_bias.as_deref().map(vector).transpose()?,
                     wo: matrix(&l.wo)?,
                     ffn_norm: vector(&l.ffn_norm)?,
                     w_gate_up: matrix(&l.w_gate_up)?,
@@ -110,6 +113,7 @@ impl DeviceWeights {
             .map(|l| {
                 l.attn_norm.num_bytes()
                     + l.ffn_norm.num_bytes()
+                    + l.qkv_bias.as_ref().map_or(0, CudaSlice::num_bytes)
                     + m(&l.wqkv)
                     + m(&l.wo)
                     + m(&l.w_gate_up)

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Tiny Llama-family models written as GGUF files the way llama.cpp's converter writes them,
-and their logits from a forward written here after Hugging Face's `modeling_llama.py` (numpy,
-f64, HF's layout: unpermuted Q/K, `rotate_half` rotary embedding, HF's rope scalings). Nothing
-here is Ferry's: the weights are quantized and read back by the `gguf` package.
+and their logits from a forward written here after Hugging Face's `modeling_llama.py` and
+`modeling_qwen2.py` (numpy, f64, HF's layout: unpermuted Q/K, `rotate_half` rotary embedding,
+HF's rope scalings; Qwen 2 is Llama with biases on Q, K and V, and its GGUF keeps HF's Q/K
+layout). Nothing here is Ferry's: the weights are quantized and read back by the `gguf`
+package.
 
     llama_hf.py OUT_DIR
 
@@ -117,9 +119,10 @@ def forward(m, tokens, inv_freq):
     mask = np.triu(np.full((n, n), -np.inf), 1)
     for l in m["layers"]:
         h = rms_norm(x, l["attn_norm"])
-        q = (h @ l["q"].T).reshape(n, HEADS, HEAD)
-        k = (h @ l["k"].T).reshape(n, KV_HEADS, HEAD)
-        v = (h @ l["v"].T).reshape(n, KV_HEADS, HEAD)
+        bias = lambda name: l.get(name, 0.0)
+        q = (h @ l["q"].T + bias("bq")).reshape(n, HEADS, HEAD)
+        k = (h @ l["k"].T + bias("bk")).reshape(n, KV_HEADS, HEAD)
+        v = (h @ l["v"].T + bias("bv")).reshape(n, KV_HEADS, HEAD)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         group = HEADS // KV_HEADS
@@ -136,9 +139,12 @@ def forward(m, tokens, inv_freq):
     return rms_norm(x, m["norm"]) @ m["output"].T
 
 
-def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, types=None):
-    """Writes the GGUF file; returns the model the reference computes with."""
-    w = gguf.GGUFWriter(path, "llama")
+def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, types=None,
+          arch="llama", biases=("q", "k", "v")):
+    """Writes the GGUF file; returns the model the reference computes with. A `qwen2` file has
+    the Q, K and V `biases` named and its Q/K unpermuted, as llama.cpp's converter writes it."""
+    w = gguf.GGUFWriter(path, arch)
+    qwen2 = arch == "qwen2"
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -153,7 +159,7 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre("qwen2" if qwen2 else "gpt-2")
     w.add_token_list(VOCAB)
     w.add_token_types([1] * 258 + [3] * 4)
     w.add_token_merges(MERGES)
@@ -170,19 +176,24 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
         w.add_tensor(name, permute(data, n_head) if n_head else data, raw_dtype=qtype)
         return ref
 
-    def vector(name, n):
-        v = (1 + rng.normal(0, 0.1, n)).astype(np.float32)
+    def vector(name, n, mean=1.0, sd=0.1):
+        v = (mean + rng.normal(0, sd, n)).astype(np.float32)
         w.add_tensor(name, v)
         return v.astype(np.float64)
 
     m = {"embed": matrix("token_embd.weight", len(VOCAB), HIDDEN), "layers": []}
     for i in range(LAYERS):
         p = f"blk.{i}"
+        layer = {}
+        if qwen2:  # biases of the size of the projections' outputs, as the file orders them
+            for b, n in (("q", HIDDEN), ("k", KV_HEADS * HEAD), ("v", KV_HEADS * HEAD)):
+                if b in biases:
+                    layer["b" + b] = vector(f"{p}.attn_{b}.bias", n, mean=0.0, sd=0.5)
         m["layers"].append(
-            {
+            layer | {
                 "attn_norm": vector(f"{p}.attn_norm.weight", HIDDEN),
-                "q": matrix(f"{p}.attn_q.weight", HIDDEN, HIDDEN, HEADS),
-                "k": matrix(f"{p}.attn_k.weight", KV_HEADS * HEAD, HIDDEN, KV_HEADS),
+                "q": matrix(f"{p}.attn_q.weight", HIDDEN, HIDDEN, None if qwen2 else HEADS),
+                "k": matrix(f"{p}.attn_k.weight", KV_HEADS * HEAD, HIDDEN, None if qwen2 else KV_HEADS),
                 "v": matrix(f"{p}.attn_v.weight", KV_HEADS * HEAD, HIDDEN),
                 "o": matrix(f"{p}.attn_output.weight", HIDDEN, HIDDEN),
                 "ffn_norm": vector(f"{p}.ffn_norm.weight", HIDDEN),
@@ -260,6 +271,13 @@ def main():
     m = build(f"{out_dir}/k-quants.gguf", np.random.default_rng(6), 10000.0, tied=False, types=k_mix)
     run("k-quants", m, inv(10000.0), inv(10000.0))
     set_dims(64, 128)
+    # Qwen 2.5 style: biases on Q, K and V, HF's Q/K layout rotated in halves, untied output.
+    m = build(f"{out_dir}/qwen2.gguf", np.random.default_rng(7), 1000000.0, tied=False, arch="qwen2")
+    run("qwen2", m, inv(1000000.0), inv(1000000.0))
+    # A Qwen 2 file without one of its biases.
+    path = f"{out_dir}/qwen2-no-k-bias.gguf"
+    build(path, np.random.default_rng(8), 1000000.0, tied=True, arch="qwen2", biases=("q", "v"))
+    refused["qwen2 without a bias"] = [path, "blk.0.attn_k.bias"]
     # A tensor the llama forward does not compute (Qwen 2's bias).
     path = f"{out_dir}/bias.gguf"
     build(path, np.random.default_rng(4), 10000.0, tied=True, extra="blk.0.attn_q.bias")

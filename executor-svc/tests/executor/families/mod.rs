@@ -1,15 +1,16 @@
 //! Llama-family files Ferry did not write, against a forward Ferry did not write: tiny models
 //! in GGUF as llama.cpp's converter lays them out (`llama_hf.py`, with the `gguf` package's
 //! quantizers; plain, Llama 3 and linear rope scaling, every legacy type mixed in one file, a
-//! `Q4_K_M`-like k-quant mix), their logits from a numpy forward after Hugging Face's
-//! `modeling_llama.py` (f64, HF's layout and rotary scalings, the weights the package
+//! `Q4_K_M`-like k-quant mix, Qwen 2), their logits from a numpy forward after Hugging Face's
+//! `modeling_llama.py` and `modeling_qwen2.py` (f64, HF's layout and rotary scalings, the weights the package
 //! dequantizes); and every weight type's conversion against the package's (`formats.py`). Ferry loads each file and computes every position's
 //! logits with its reference forward (the serving forward is held to that one elsewhere).
 
 use std::path::{Path, PathBuf};
 
+use ferry_executor_svc::forward::paged::{self, ForwardScratch, SeqSlice};
 use ferry_executor_svc::forward::reference::{forward, greedy, ContiguousCache};
-use ferry_executor_svc::forward::{LoadedModel, ModelFile};
+use ferry_executor_svc::forward::{LoadedModel, ModelFile, PagedKvCache};
 
 /// Largest difference of a logit from the f64 reference: Ferry computes in f32 with the
 /// file's exact weights (logits here are of size 1-8; measured: within 4e-6, 3e-5 for the
@@ -43,6 +44,27 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// The serving forward (paged, rows in parallel) on `tokens` one step each: bit for bit the
+/// reference forward's `logits` at every position, as for the default model (`paged_forward`).
+fn assert_serving_forward_equals(
+    w: &ferry_executor_svc::forward::LlamaWeights,
+    tokens: &[u32],
+    logits: &[Vec<f32>],
+    name: &str,
+) {
+    const BLOCK: usize = 4;
+    let blocks = tokens.len().div_ceil(BLOCK);
+    let mut cache = PagedKvCache::new(&w.shape, BLOCK, blocks);
+    let table: Vec<u32> = (0..u32::try_from(blocks).unwrap()).rev().collect();
+    let mut scratch = ForwardScratch::default();
+    for (i, want) in logits.iter().enumerate() {
+        let step = [SeqSlice { tokens: &tokens[i..=i], start: i, block_table: &table, logits: 1 }];
+        let got = paged::forward(w, &mut cache, &step, &mut scratch).unwrap().remove(0);
+        let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name}: the serving forward's logits at {i} are not the reference's");
+    }
+}
+
 #[test]
 fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scaling_and_extras_are_refused(
 ) {
@@ -54,8 +76,10 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
         let tokens = ids(&want["tokens"]);
         let mut cache = ContiguousCache::default();
         let mut worst = 0f32;
+        let mut computed = Vec::new();
         for (i, (&t, logits)) in tokens.iter().zip(want["logits"].as_array().unwrap()).enumerate() {
             let got = forward(w, &[t], &mut cache).unwrap();
+            computed.push(got.clone());
             let (want, unscaled) = (floats(logits), floats(&want["unscaled_logits"][i]));
             let diff = max_diff(&got, &want);
             assert!(diff < TOLERANCE, "{name}: position {i}: logits differ by {diff}");
@@ -67,13 +91,14 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
             }
         }
         eprintln!("{name}: logits within {worst:e} of the f64 reference");
+        assert_serving_forward_equals(w, &tokens, &computed, name);
         // Greedy, from the reference's f64 argmax (which no near tie decides here).
         let want = ids(&want["greedy"]);
         assert_eq!(greedy(w, &tokens, want.len(), None).unwrap(), want, "{name}: greedy");
         checked.push(name.clone());
     }
     checked.sort();
-    assert_eq!(checked, ["k-quants", "linear", "llama", "llama3", "mixed"]);
+    assert_eq!(checked, ["k-quants", "linear", "llama", "llama3", "mixed", "qwen2"]);
     for (name, refused) in expected["refused"].as_object().unwrap() {
         let err = load(Path::new(refused[0].as_str().unwrap())).unwrap_err();
         let what = refused[1].as_str().unwrap();

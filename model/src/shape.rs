@@ -55,15 +55,24 @@ pub struct Family {
     pub rope: RopeStyle,
     /// Whether Q, K and V projections add a bias (`attn_q.bias`, `attn_k.bias`, `attn_v.bias`).
     pub qkv_bias: bool,
+    /// Whether each query and key head is RMS-normed before its rotation (`attn_q_norm`,
+    /// `attn_k_norm`: one weight per head dimension, shared by the heads).
+    pub qk_norm: bool,
 }
 
 impl Family {
     /// Llama 1-3 and the models in its layout (SmolLM, Mistral without a sliding window).
-    pub const LLAMA: Self = Self { name: "llama", rope: RopeStyle::Adjacent, qkv_bias: false };
+    pub const LLAMA: Self =
+        Self { name: "llama", rope: RopeStyle::Adjacent, qkv_bias: false, qk_norm: false };
     /// Qwen 2 and 2.5: Llama with biases on Q, K and V and the NEOX rotation.
-    pub const QWEN2: Self = Self { name: "qwen2", rope: RopeStyle::Halves, qkv_bias: true };
+    pub const QWEN2: Self =
+        Self { name: "qwen2", rope: RopeStyle::Halves, qkv_bias: true, qk_norm: false };
+    /// Qwen 3 (dense): Llama with the NEOX rotation and each Q and K head RMS-normed first; its
+    /// heads are usually not width / heads wide (`attention.key_length`).
+    pub const QWEN3: Self =
+        Self { name: "qwen3", rope: RopeStyle::Halves, qkv_bias: false, qk_norm: true };
     /// Every architecture served.
-    pub const ALL: [Self; 2] = [Self::LLAMA, Self::QWEN2];
+    pub const ALL: [Self; 3] = [Self::LLAMA, Self::QWEN2, Self::QWEN3];
 
     /// The family whose `general.architecture` is `name`.
     pub fn named(name: &str) -> Option<Self> {
@@ -91,7 +100,7 @@ pub struct LlamaShape {
     pub num_heads: usize,
     /// Key/value heads (grouped-query attention).
     pub num_kv_heads: usize,
-    /// Size of one head.
+    /// Size of one head: `attention.key_length`, or width / heads.
     pub head_dim: usize,
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -152,8 +161,8 @@ fn unsupported(key: &str, value: &Value, reason: &str) -> ShapeError {
 }
 
 /// Refuses any `<architecture>.*` key Ferry does not understand, and understood keys with
-/// values the forward does not compute (a rotary part of the head, a head size that is not
-/// width / heads, experts): a file served without them answers wrongly, without an error.
+/// values the forward does not compute (a rotary part of the head, values of another size than
+/// keys, experts): a file served without them answers wrongly, without an error.
 fn check_understood(header: &GgufHeader, arch: &str, head_dim: usize) -> Result<(), ShapeError> {
     let mut keys: Vec<&String> = header.metadata.keys().collect();
     keys.sort();
@@ -163,11 +172,11 @@ fn check_understood(header: &GgufHeader, arch: &str, head_dim: usize) -> Result<
     if let Some(key) = keys.into_iter().find(unknown) {
         return Err(unsupported(key, &header.metadata[key], "a key Ferry does not know"));
     }
-    for key in ["rope.dimension_count", "attention.key_length", "attention.value_length"] {
+    for key in ["rope.dimension_count", "attention.value_length"] {
         let key = format!("{prefix}{key}");
         if let Some(v) = header.get(&key) {
             if v.as_u32().map(|n| n as usize) != Some(head_dim) {
-                let reason = format!("Ferry computes heads of width / heads = {head_dim}");
+                let reason = format!("Ferry rotates and attends whole heads of {head_dim}");
                 return Err(unsupported(&key, v, &reason));
             }
         }
@@ -245,7 +254,10 @@ impl LlamaShape {
             None => 10_000.0,
         };
         let eps_key = key("attention.layer_norm_rms_epsilon");
-        let head_dim = hidden.checked_div(num_heads).unwrap_or(0);
+        let head_dim = match optional_u("attention.key_length")? {
+            Some(n) => n,
+            None => hidden.checked_div(num_heads).unwrap_or(0),
+        };
         check_understood(header, arch, head_dim)?;
         let shape = Self {
             family,
@@ -263,7 +275,8 @@ impl LlamaShape {
         };
         if num_heads == 0
             || num_kv_heads == 0
-            || hidden % num_heads != 0
+            || head_dim == 0
+            || head_dim % 2 != 0
             || num_heads % num_kv_heads != 0
         {
             return Err(ShapeError::Inconsistent(format!("{shape:?}")));
@@ -274,6 +287,12 @@ impl LlamaShape {
     /// Width of the K (or V) projection: `kv_heads` × `head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// Width of the Q projection and of the attention's output: `heads` × `head_dim` (the
+    /// residual width, but in families whose heads are not width / heads wide).
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
     }
 }
 
@@ -330,6 +349,14 @@ mod tests {
         assert!(err.unwrap_err().to_string().contains("qwen2.attention.sliding_window"));
         let b = smollm_as("qwen2").string("qwen2.rope.scaling.type", "yarn");
         assert!(shape(b).unwrap_err().to_string().contains("qwen2.rope.scaling.type"));
+        // Qwen 3: heads wider than width / heads, as its key length says.
+        let b = smollm_as("qwen3").u32("qwen3.attention.key_length", 128);
+        let s = shape(
+            b.u32("qwen3.attention.value_length", 128).u32("qwen3.rope.dimension_count", 128),
+        );
+        let s = s.unwrap();
+        assert_eq!((s.head_dim, s.q_dim(), s.kv_dim(), s.hidden), (128, 1152, 384, 576));
+        assert!(s.family.qk_norm && !s.family.qkv_bias);
         let err = shape(smollm_as("llama").string("general.architecture", "qwen2")).unwrap_err();
         let err = err.to_string();
         assert!(err.contains("qwen2.embedding_length") && err.contains("missing"), "{err}");
@@ -358,7 +385,8 @@ mod tests {
                 "llama.attention.sliding_window",
             ),
             (smollm().u32("llama.expert_count", 8), "llama.expert_count"),
-            (smollm().u32("llama.attention.key_length", 128), "llama.attention.key_length"),
+            (smollm().u32("llama.attention.value_length", 128), "llama.attention.value_length"),
+            (smollm().u32("llama.attention.key_length", 128), "llama.rope.dimension_count"),
             (smollm().f32("llama.rope.scaling.factor_x", 8.0), "llama.rope.scaling.factor_x"),
         ];
         for (b, key) in cases {

@@ -53,6 +53,7 @@ pub enum LoadError {
 /// The tensors of a model of `shape`, with the optional ones the file has.
 fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
     const BIASES: [&str; 3] = ["attn_q.bias", "attn_k.bias", "attn_v.bias"];
+    const QK_NORMS: [&str; 2] = ["attn_q_norm.weight", "attn_k_norm.weight"];
     const GLOBAL: [&str; 4] =
         ["token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"];
     const PER_LAYER: [&str; 9] = [
@@ -66,13 +67,15 @@ fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
         "ffn_up.weight",
         "ffn_down.weight",
     ];
-    let (layers, biases) = (shape.num_layers, shape.family.qkv_bias);
+    let (layers, biases, norms) = (shape.num_layers, shape.family.qkv_bias, shape.family.qk_norm);
     move |name: &str| {
         GLOBAL.contains(&name)
             || name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).is_some_and(
                 |(i, part)| {
                     i.parse::<usize>().is_ok_and(|i| i < layers)
-                        && (PER_LAYER.contains(&part) || biases && BIASES.contains(&part))
+                        && (PER_LAYER.contains(&part)
+                            || biases && BIASES.contains(&part)
+                            || norms && QK_NORMS.contains(&part))
                 },
             )
     }
@@ -83,11 +86,14 @@ fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
 pub struct LayerWeights {
     /// RMS norm before attention.
     pub attn_norm: Vec<f32>,
-    /// Query, key and value projections stacked: `[hidden + 2·kv_dim, hidden]`.
+    /// Query, key and value projections stacked: `[q_dim + 2·kv_dim, hidden]`.
     pub wqkv: Stacked,
-    /// Their biases, `[hidden + 2·kv_dim]`, where the family has them (Qwen 2).
+    /// Their biases, `[q_dim + 2·kv_dim]`, where the family has them (Qwen 2).
     pub qkv_bias: Option<Vec<f32>>,
-    /// Output projection `[hidden, hidden]`.
+    /// The RMS norm weights of every query head and of every key head, `[head_dim]` each,
+    /// where the family norms them (Qwen 3).
+    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// Output projection `[hidden, q_dim]`.
     pub wo: QWeight,
     /// RMS norm before the feed-forward.
     pub ffn_norm: Vec<f32>,
@@ -95,6 +101,22 @@ pub struct LayerWeights {
     pub w_gate_up: Stacked,
     /// Down projection `[hidden, intermediate]`.
     pub w_down: QWeight,
+}
+
+impl LayerWeights {
+    /// One fused `[q | k | v]` row made ready for attention as the family says: its bias
+    /// added, each query and key head RMS-normed, then rotated by the row's `angles`.
+    pub fn prepare_qkv(&self, row: &mut [f32], shape: &LlamaShape, angles: &[(f32, f32)]) {
+        use super::ops::{add_bias, rms_norm_row, rope_rotate};
+        add_bias(row, self.qkv_bias.as_deref());
+        let (q, kv, hd) = (shape.q_dim(), shape.kv_dim(), shape.head_dim);
+        for (i, head) in row[..q + kv].chunks_exact_mut(hd).enumerate() {
+            if let Some((q_norm, k_norm)) = &self.qk_norm {
+                rms_norm_row(head, if i * hd < q { q_norm } else { k_norm }, shape.rms_eps);
+            }
+            rope_rotate(head, angles, shape.family.rope);
+        }
+    }
 }
 
 /// All weights of a Llama model.
@@ -145,17 +167,17 @@ impl LlamaWeights {
             let t = read(&name, dims)?;
             QWeight::from_qtensor(&t).map_err(|source| LoadError::Kernel { name, source })
         };
-        let (h, kv, ff) = (shape.hidden, shape.kv_dim(), shape.intermediate);
+        let (h, q, kv, ff) = (shape.hidden, shape.q_dim(), shape.kv_dim(), shape.intermediate);
         let mut layers = Vec::with_capacity(shape.num_layers);
         let mut norms = Vec::new();
         for i in 0..shape.num_layers {
             let p = format!("blk.{i}");
             norms.push((format!("{p}.attn_norm.weight"), format!("{p}.ffn_norm.weight")));
             layers.push((
-                matrix(format!("{p}.attn_q.weight"), &[h, h])?,
+                matrix(format!("{p}.attn_q.weight"), &[q, h])?,
                 matrix(format!("{p}.attn_k.weight"), &[kv, h])?,
                 matrix(format!("{p}.attn_v.weight"), &[kv, h])?,
-                matrix(format!("{p}.attn_output.weight"), &[h, h])?,
+                matrix(format!("{p}.attn_output.weight"), &[h, q])?,
                 matrix(format!("{p}.ffn_gate.weight"), &[ff, h])?,
                 matrix(format!("{p}.ffn_up.weight"), &[ff, h])?,
                 matrix(format!("{p}.ffn_down.weight"), &[h, ff])?,
@@ -194,12 +216,19 @@ impl LlamaWeights {
                     Stacked::new(parts)
                         .ok_or_else(|| LoadError::Shape(format!("{an}: {what} differ in width")))
                 };
+                let p = an.trim_end_matches("attn_norm.weight");
                 let qkv_bias = if shape.family.qkv_bias {
-                    let p = an.trim_end_matches("attn_norm.weight");
-                    let mut bias = vector(&format!("{p}attn_q.bias"), h)?;
+                    let mut bias = vector(&format!("{p}attn_q.bias"), q)?;
                     bias.extend(vector(&format!("{p}attn_k.bias"), kv)?);
                     bias.extend(vector(&format!("{p}attn_v.bias"), kv)?);
                     Some(bias)
+                } else {
+                    None
+                };
+                let hd = shape.head_dim;
+                let qk_norm = if shape.family.qk_norm {
+                    let q = vector(&format!("{p}attn_q_norm.weight"), hd)?;
+                    Some((q, vector(&format!("{p}attn_k_norm.weight"), hd)?))
                 } else {
                     None
                 };
@@ -207,6 +236,7 @@ impl LlamaWeights {
                     attn_norm: vector(&an, h)?,
                     wqkv: stack(&[&wq, &wk, &wv], "Q, K and V")?,
                     qkv_bias,
+                    qk_norm,
                     wo,
                     ffn_norm: vector(&fnn, h)?,
                     w_gate_up: stack(&[&w_gate, &w_up], "gate and up")?,

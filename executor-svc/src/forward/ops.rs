@@ -32,7 +32,7 @@ pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
 }
 
 /// One row of [`rms_norm`]: the mean square summed in order, then `v · (scale · w)`.
-fn rms_norm_row(row: &mut [f32], weight: &[f32], eps: f32) {
+pub(crate) fn rms_norm_row(row: &mut [f32], weight: &[f32], eps: f32) {
     let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / weight.len() as f32;
     let scale = 1.0 / (mean_sq + eps).sqrt();
     for (v, w) in row.iter_mut().zip(weight) {

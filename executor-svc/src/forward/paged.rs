@@ -17,9 +17,7 @@ use rayon::prelude::*;
 use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache, SharedKv};
 use super::llama::LlamaWeights;
-use super::ops::{
-    add_bias, add_rms_norm, linear, linear_into, rms_norm, rope_angles, rope_rotate, silu_mul_into,
-};
+use super::ops::{add_rms_norm, linear, linear_into, rms_norm, rope_angles, silu_mul_into};
 
 /// One sequence's part of a batch.
 #[derive(Clone, Copy, Debug)]
@@ -194,8 +192,8 @@ fn attend_layer(
     threads: usize,
 ) {
     let s = &w.shape;
-    let (h, hd, group) = (s.hidden, s.head_dim, s.num_heads / s.num_kv_heads);
-    let (scale, qkv_width) = (1.0 / (hd as f32).sqrt(), h + 2 * s.kv_dim());
+    let (q_dim, hd, group) = (s.q_dim(), s.head_dim, s.num_heads / s.num_kv_heads);
+    let (scale, qkv_width) = (1.0 / (hd as f32).sqrt(), q_dim + 2 * s.kv_dim());
     let Layout { batch, rows, tiles } = layout;
     // A tile's tokens attend together, each with the KV heads' query heads, reading each
     // cached key and value once for all of them. Tasks take a tile's KV heads together when
@@ -249,12 +247,12 @@ fn attend_layer(
         });
     });
     // Back to rows of all heads.
-    attn.resize(rows.len() * h, 0.0);
+    attn.resize(rows.len() * q_dim, 0.0);
     let mut from = tiled_out.chunks_exact(kvt * gw);
     for &(r0, len) in tiles {
         for k in 0..per_tile {
             for r in r0..r0 + len {
-                let at = r * h + k * kvt * gw;
+                let at = r * q_dim + k * kvt * gw;
                 attn[at..at + kvt * gw].copy_from_slice(from.next().expect("a tile per row"));
             }
         }
@@ -434,7 +432,7 @@ fn forward_part(
 ) -> Vec<Vec<f32>> {
     let start = Instant::now();
     let s = &w.shape;
-    let (h, kv_dim, hd) = (s.hidden, s.kv_dim(), s.head_dim);
+    let (h, q_dim, kv_dim) = (s.hidden, s.q_dim(), s.kv_dim());
     let layout = Layout::of(batch);
     let rows = &layout.rows;
     let n = rows.len();
@@ -451,9 +449,9 @@ fn forward_part(
     for (r, &(_, pos)) in rows.iter().enumerate() {
         rope_angles(pos, &w.rope_freqs, &mut angles[r * half..(r + 1) * half]);
     }
-    tiled_out.resize(n * h, 0.0);
+    tiled_out.resize(n * q_dim, 0.0);
     let (mut matmul, mut attention) = (Duration::ZERO, Duration::ZERO);
-    let qkv_width = h + 2 * kv_dim;
+    let qkv_width = q_dim + 2 * kv_dim;
     for (l, layer) in w.layers.iter().enumerate() {
         // The previous layer's MLP output joins the residual stream here (the first layer has
         // none), with this layer's attention norm in the same pass.
@@ -462,20 +460,15 @@ fn forward_part(
         linear_into(hn, &layer.wqkv, qkv);
         matmul += t.elapsed();
         let t = Instant::now();
-        // Add the projections' bias (where the family has one) and rotate the query and key
-        // heads (adjacent in each row) in place, rows in parallel.
-        let (bias, style) = (layer.qkv_bias.as_deref(), s.family.rope);
+        // Bias, head norms and rotation, as the family has them, in place, rows in parallel.
         qkv.par_chunks_mut(qkv_width).zip(angles.par_chunks(half)).for_each(|(row, angles)| {
-            add_bias(row, bias);
-            for head in row[..h + kv_dim].chunks_exact_mut(hd) {
-                rope_rotate(head, angles, style);
-            }
+            layer.prepare_qkv(row, s, angles);
         });
         for (r, &(seq, pos)) in rows.iter().enumerate() {
             let row = &qkv[r * qkv_width..(r + 1) * qkv_width];
             let at = cache.locate(batch[seq].block_table, pos);
             // SAFETY: this part's sequence's position; no other thread uses it this step.
-            unsafe { cache.write(l, at, &row[h..h + kv_dim], &row[h + kv_dim..]) };
+            unsafe { cache.write(l, at, &row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]) };
         }
         attend_layer(w, cache, l, &layout, qkv, tiled_out, attn, threads);
         attention += t.elapsed();

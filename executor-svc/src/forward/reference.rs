@@ -4,9 +4,7 @@
 
 use super::attention::{attend, AttnScratch, Heads, KvRun};
 use super::llama::LlamaWeights;
-use super::ops::{
-    add_bias, argmax, linear, rms_norm, rope_angles, rope_rotate, silu_mul, split_qkv,
-};
+use super::ops::{argmax, linear, rms_norm, rope_angles, silu_mul, split_qkv};
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
 #[derive(Debug, Default, Clone)]
@@ -40,7 +38,7 @@ pub fn forward(
     cache: &mut ContiguousCache,
 ) -> Result<Vec<f32>, String> {
     let s = &w.shape;
-    let (h, kv_dim, hd) = (s.hidden, s.kv_dim(), s.head_dim);
+    let (h, q_dim, kv_dim, hd) = (s.hidden, s.q_dim(), s.kv_dim(), s.head_dim);
     let n = tokens.len();
     if cache.keys.is_empty() {
         cache.keys = vec![Vec::new(); s.num_layers];
@@ -66,19 +64,10 @@ pub fn forward(
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
         let mut qkv = linear(&hn, &layer.wqkv);
-        for row in qkv.chunks_exact_mut(h + 2 * kv_dim) {
-            add_bias(row, layer.qkv_bias.as_deref());
+        for (row, a) in qkv.chunks_exact_mut(q_dim + 2 * kv_dim).zip(angles.chunks_exact(half)) {
+            layer.prepare_qkv(row, s, a);
         }
-        let (mut q, mut k, v) = split_qkv(&qkv, h, kv_dim);
-        let style = s.family.rope;
-        for (i, a) in angles.chunks_exact(half).enumerate() {
-            for head in q[i * h..(i + 1) * h].chunks_exact_mut(hd) {
-                rope_rotate(head, a, style);
-            }
-            for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                rope_rotate(head, a, style);
-            }
-        }
+        let (q, k, v) = split_qkv(&qkv, q_dim, kv_dim);
         let round = |x: &[f32]| -> Vec<f32> {
             if cache.f16 {
                 x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
@@ -90,7 +79,7 @@ pub fn forward(
         cache.keys[l].extend_from_slice(&k);
         cache.values[l].extend_from_slice(&v);
         let (keys, values) = (&cache.keys[l], &cache.values[l]);
-        let mut attn = vec![0f32; n * h];
+        let mut attn = vec![0f32; n * q_dim];
         let mut scratch = AttnScratch::default();
         for i in 0..n {
             for head in 0..s.num_heads {
@@ -100,7 +89,7 @@ pub fn forward(
                 // comparison tests check).
                 attend(
                     Heads { hd, group: 1, lane: kvh * hd, kv: 1, scale },
-                    &q[i * h + head * hd..i * h + (head + 1) * hd],
+                    &q[i * q_dim + head * hd..i * q_dim + (head + 1) * hd],
                     start + i + 1,
                     |p| KvRun {
                         keys: &keys[p * kv_dim..],
@@ -109,7 +98,7 @@ pub fn forward(
                         len: keys.len() / kv_dim - p,
                     },
                     &mut scratch,
-                    &mut attn[i * h + head * hd..i * h + (head + 1) * hd],
+                    &mut attn[i * q_dim + head * hd..i * q_dim + (head + 1) * hd],
                 );
             }
         }

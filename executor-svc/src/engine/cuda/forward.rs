@@ -73,7 +73,8 @@ impl Scratch {
         rows: usize,
         logit_rows: usize,
     ) -> Result<(&mut Activations, &mut HeadBuffers), CudaError> {
-        let (h, qkv_w, ff) = (s.hidden, s.hidden + 2 * s.kv_dim(), s.intermediate);
+        let (h, q_dim, ff) = (s.hidden, s.q_dim(), s.intermediate);
+        let qkv_w = q_dim + 2 * s.kv_dim();
         if self.act.as_ref().is_none_or(|a| a.rows < rows) {
             // Free the old buffers first so peak memory is one set, not two.
             self.act = None;
@@ -82,7 +83,7 @@ impl Scratch {
                 x: zeros(stream, rows * h)?,
                 hn: zeros(stream, rows * h)?,
                 qkv: zeros(stream, rows * qkv_w)?,
-                attn: zeros(stream, rows * h)?,
+                attn: zeros(stream, rows * q_dim)?,
                 gate_up: zeros(stream, rows * 2 * ff)?,
                 ffn: zeros(stream, rows * ff)?,
             });
@@ -166,6 +167,9 @@ pub fn forward(
         linear(&gpu.blas, &layer.wqkv, &a.hn, n, &mut a.qkv, false, "the QKV projection")?;
         if let Some(bias) = &layer.qkv_bias {
             k.add_bias(stream, &mut a.qkv, bias, n)?;
+        }
+        if let Some((q_norm, k_norm)) = &layer.qk_norm {
+            k.head_norm(stream, &mut a.qkv, (q_norm, k_norm), n, heads, s.rms_eps)?;
         }
         k.rope(stream, &mut a.qkv, &positions, (&w.rope_freqs, s.family.rope), n, heads)?;
         let ctx = PagedContext {

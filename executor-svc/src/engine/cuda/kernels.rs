@@ -86,6 +86,24 @@ extern "C" __global__ void rms_norm(float* __restrict__ out, const float* __rest
     for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = xr[c] * (scale * w[c]);
 }
 
+// Each query and key head of fused [q | k | v] rows RMS-normed in place, query heads by `qw`,
+// key heads by `kw` (`head_dim` each; Qwen 3). `qk_heads` = query heads + key heads, side by
+// side at the start of each row. Grid: one block per (row, head).
+extern "C" __global__ void head_norm(float* __restrict__ qkv, const float* __restrict__ qw,
+                                     const float* __restrict__ kw, int rows, int q_heads,
+                                     int qk_heads, int head_dim, int row_width, float eps) {
+    __shared__ float scratch[32];
+    int r = blockIdx.x / qk_heads, head = blockIdx.x % qk_heads;
+    if (r >= rows) return;  // the whole block leaves together
+    float* v = qkv + (size_t)r * row_width + (size_t)head * head_dim;
+    const float* w = head < q_heads ? qw : kw;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) ss += v[c] * v[c];
+    ss = block_sum(ss, scratch);
+    float scale = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) v[c] = v[c] * (scale * w[c]);
+}
+
 // Rotary embedding, in place, on the Q and K heads of fused [q | k | v] rows: pair p of each
 // head turns by pos * freqs[p]; the pair is (x[2p], x[2p+1]) (GGUF Llama's adjacent pairs) or,
 // with `halves`, (x[p], x[p + head_dim/2]) (NEOX: Qwen 2). `qk_heads` = query heads + key
@@ -292,6 +310,8 @@ pub struct Kernels {
     pub rope: CudaFunction,
     /// [`BODY`]'s `add_bias`.
     pub add_bias: CudaFunction,
+    /// [`BODY`]'s `head_norm`.
+    pub head_norm: CudaFunction,
     /// [`BODY`]'s `kv_write`.
     pub kv_write: CudaFunction,
     /// [`BODY`]'s `paged_attention`.
@@ -313,6 +333,7 @@ impl Kernels {
             rms_norm: f("rms_norm")?,
             rope: f("rope")?,
             add_bias: f("add_bias")?,
+            head_norm: f("head_norm")?,
             kv_write: f("kv_write")?,
             paged_attention: f("paged_attention")?,
             silu_mul: f("silu_mul")?,

@@ -148,6 +148,36 @@ impl Kernels {
         launch_rows(stream, &self.add_bias, (x, bias), (rows, width), "launching add_bias")
     }
 
+    /// RMS-norms each query head (by `q_norm`) and key head (by `k_norm`) of `rows` fused rows
+    /// in place.
+    pub fn head_norm(
+        &self,
+        stream: &CudaStream,
+        qkv: &mut CudaSlice<f32>,
+        (q_norm, k_norm): (&CudaSlice<f32>, &CudaSlice<f32>),
+        rows: usize,
+        heads: Heads,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        assert!(
+            qkv.len() >= rows * heads.row_width()
+                && q_norm.len() >= heads.head_dim
+                && k_norm.len() >= heads.head_dim,
+            "head_norm buffers too small"
+        );
+        let qk_heads = heads.num_heads + heads.num_kv_heads;
+        let (rows_i, q_i, qk_i) = (int(rows), int(heads.num_heads), int(qk_heads));
+        let (hd_i, row_i) = (int(heads.head_dim), int(heads.row_width()));
+        let mut b = stream.launch_builder(&self.head_norm);
+        b.arg(qkv).arg(q_norm).arg(k_norm).arg(&rows_i).arg(&q_i).arg(&qk_i).arg(&hd_i);
+        b.arg(&row_i).arg(&eps);
+        // SAFETY: arguments match the kernel's signature; sizes checked above; blocks have
+        // ROW_THREADS threads, a multiple of 32.
+        unsafe { b.launch(per_row(rows * qk_heads)) }
+            .map_err(CudaError::driver("launching head_norm"))?;
+        Ok(())
+    }
+
     /// Rotates the query and key heads of `rows` fused rows in place, by the `rotary`
     /// frequencies and pairing.
     pub fn rope(

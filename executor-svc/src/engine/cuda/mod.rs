@@ -150,19 +150,11 @@ fn check_shape(shape: &LlamaShape, block_size: usize, num_blocks: usize) -> Resu
             s.num_heads, s.num_kv_heads
         )));
     }
-    if s.num_heads * s.head_dim != s.hidden {
-        // The kernels take the query part of a fused row, and the attention output, as
-        // `hidden` wide.
-        return Err(CudaError::Unsupported(format!(
-            "{} heads of {} do not make the hidden size {}",
-            s.num_heads, s.head_dim, s.hidden
-        )));
-    }
     if block_size == 0 || num_blocks == 0 {
         return Err(CudaError::Unsupported("an empty KV pool".into()));
     }
     let widest = [
-        s.hidden + 2 * s.kv_dim(),
+        s.q_dim() + 2 * s.kv_dim(),
         2 * s.intermediate,
         s.vocab_size,
         s.num_layers,

@@ -58,6 +58,7 @@ fn tiny_model() -> LlamaWeights {
             attn_norm: rng.norm(h),
             wqkv: Stacked::new(&[&rng.matrix(h + 2 * kv, h, 0.3, GgmlDType::Q8_0)]).unwrap(),
             qkv_bias: None,
+            qk_norm: None,
             wo: rng.matrix(h, h, 0.2, GgmlDType::Q4_1),
             ffn_norm: rng.norm(h),
             w_gate_up: Stacked::new(&[&rng.matrix(2 * ff, h, 0.3, GgmlDType::Q4_1)]).unwrap(),

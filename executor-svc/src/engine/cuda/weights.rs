@@ -33,10 +33,12 @@ pub struct DeviceMatrix {
 pub struct DeviceLayer {
     /// RMS norm before attention.
     pub attn_norm: CudaSlice<f32>,
-    /// Fused Q, K, V projection `[hidden + 2·kv_dim, hidden]`.
+    /// Fused Q, K, V projection `[q_dim + 2·kv_dim, hidden]`.
     pub wqkv: DeviceMatrix,
     /// Its bias, where the family has one (Qwen 2).
     pub qkv_bias: Option<CudaSlice<f32>>,
+    /// The query and key heads' RMS norm weights, where the family has them (Qwen 3).
+    pub qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Output projection `[hidden, hidden]`.
     pub wo: DeviceMatrix,
     /// RMS norm before the feed-forward.
@@ -81,6 +83,10 @@ impl DeviceWeights {
                     attn_norm: vector(&l.attn_norm)?,
                     wqkv: matrix(&l.wqkv)?,
                     qkv_bias: l.qkv_bias.as_deref().map(vector).transpose()?,
+                    qk_norm: match &l.qk_norm {
+                        Some((q, k)) => Some((vector(q)?, vector(k)?)),
+                        None => None,
+                    },
                     wo: matrix(&l.wo)?,
                     ffn_norm: vector(&l.ffn_norm)?,
                     w_gate_up: matrix(&l.w_gate_up)?,
@@ -114,6 +120,7 @@ impl DeviceWeights {
                 l.attn_norm.num_bytes()
                     + l.ffn_norm.num_bytes()
                     + l.qkv_bias.as_ref().map_or(0, CudaSlice::num_bytes)
+                    + l.qk_norm.as_ref().map_or(0, |(q, k)| q.num_bytes() + k.num_bytes())
                     + m(&l.wqkv)
                     + m(&l.wo)
                     + m(&l.w_gate_up)

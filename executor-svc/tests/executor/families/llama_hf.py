@@ -30,10 +30,11 @@ HEAD = HIDDEN // HEADS
 K_QUANTS = {Q.Q4_K: 2.7e-4, Q.Q5_K: 1.3e-4, Q.Q6_K: 6e-5}
 
 
-def set_dims(hidden, ff):
-    """The widths of the next model (k-quants need inputs in multiples of 256)."""
+def set_dims(hidden, ff, head=None):
+    """The widths of the next model (k-quants need inputs in multiples of 256; Qwen 3's heads
+    are wider than width / heads)."""
     global HIDDEN, FF, HEAD
-    HIDDEN, FF, HEAD = hidden, ff, hidden // HEADS
+    HIDDEN, FF, HEAD = hidden, ff, head or hidden // HEADS
 EPS = 1e-5
 TOKENS = [5, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101]
 
@@ -123,6 +124,8 @@ def forward(m, tokens, inv_freq):
         q = (h @ l["q"].T + bias("bq")).reshape(n, HEADS, HEAD)
         k = (h @ l["k"].T + bias("bk")).reshape(n, KV_HEADS, HEAD)
         v = (h @ l["v"].T + bias("bv")).reshape(n, KV_HEADS, HEAD)
+        if "q_norm" in l:  # Qwen 3: each head RMS-normed over its own dimensions
+            q, k = rms_norm(q, l["q_norm"]), rms_norm(k, l["k_norm"])
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         group = HEADS // KV_HEADS
@@ -132,7 +135,7 @@ def forward(m, tokens, inv_freq):
             p = np.exp(s - s.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
             out[:, hd] = p @ v[:, hd // group]
-        x = x + out.reshape(n, HIDDEN) @ l["o"].T
+        x = x + out.reshape(n, HEADS * HEAD) @ l["o"].T
         h = rms_norm(x, l["ffn_norm"])
         g, u = h @ l["gate"].T, h @ l["up"].T
         x = x + ((g / (1 + np.exp(-g))) * u) @ l["down"].T
@@ -142,9 +145,10 @@ def forward(m, tokens, inv_freq):
 def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, types=None,
           arch="llama", biases=("q", "k", "v")):
     """Writes the GGUF file; returns the model the reference computes with. A `qwen2` file has
-    the Q, K and V `biases` named and its Q/K unpermuted, as llama.cpp's converter writes it."""
+    the Q, K and V `biases` named, a `qwen3` file Q and K head norms; both keep Q/K unpermuted,
+    as llama.cpp's converter writes them."""
     w = gguf.GGUFWriter(path, arch)
-    qwen2 = arch == "qwen2"
+    qwen2, hf_layout = arch == "qwen2", arch in ("qwen2", "qwen3")
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -155,6 +159,9 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
     w.add_layer_norm_rms_eps(EPS)
     w.add_vocab_size(len(VOCAB))
     w.add_rope_dimension_count(HEAD)
+    if HEAD != HIDDEN // HEADS:
+        w.add_key_length(HEAD)
+        w.add_value_length(HEAD)
     if scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling)
@@ -186,16 +193,20 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
         p = f"blk.{i}"
         layer = {}
         if qwen2:  # biases of the size of the projections' outputs, as the file orders them
-            for b, n in (("q", HIDDEN), ("k", KV_HEADS * HEAD), ("v", KV_HEADS * HEAD)):
+            for b, n in (("q", HEADS * HEAD), ("k", KV_HEADS * HEAD), ("v", KV_HEADS * HEAD)):
                 if b in biases:
                     layer["b" + b] = vector(f"{p}.attn_{b}.bias", n, mean=0.0, sd=0.5)
+        if arch == "qwen3":  # weights far from 1, so that a forward without them differs
+            layer["q_norm"] = vector(f"{p}.attn_q_norm.weight", HEAD, sd=0.5)
+            layer["k_norm"] = vector(f"{p}.attn_k_norm.weight", HEAD, sd=0.5)
         m["layers"].append(
             layer | {
                 "attn_norm": vector(f"{p}.attn_norm.weight", HIDDEN),
-                "q": matrix(f"{p}.attn_q.weight", HIDDEN, HIDDEN, None if qwen2 else HEADS),
-                "k": matrix(f"{p}.attn_k.weight", KV_HEADS * HEAD, HIDDEN, None if qwen2 else KV_HEADS),
+                "q": matrix(f"{p}.attn_q.weight", HEADS * HEAD, HIDDEN, None if hf_layout else HEADS),
+                "k": matrix(f"{p}.attn_k.weight", KV_HEADS * HEAD, HIDDEN,
+                            None if hf_layout else KV_HEADS),
                 "v": matrix(f"{p}.attn_v.weight", KV_HEADS * HEAD, HIDDEN),
-                "o": matrix(f"{p}.attn_output.weight", HIDDEN, HIDDEN),
+                "o": matrix(f"{p}.attn_output.weight", HIDDEN, HEADS * HEAD),
                 "ffn_norm": vector(f"{p}.ffn_norm.weight", HIDDEN),
                 "gate": matrix(f"{p}.ffn_gate.weight", FF, HIDDEN),
                 "up": matrix(f"{p}.ffn_up.weight", FF, HIDDEN),
@@ -278,6 +289,12 @@ def main():
     path = f"{out_dir}/qwen2-no-k-bias.gguf"
     build(path, np.random.default_rng(8), 1000000.0, tied=True, arch="qwen2", biases=("q", "v"))
     refused["qwen2 without a bias"] = [path, "blk.0.attn_k.bias"]
+    # Qwen 3 style: heads twice width / heads (its key length), each Q and K head RMS-normed
+    # before the NEOX rotation, no biases.
+    set_dims(64, 128, head=32)
+    m = build(f"{out_dir}/qwen3.gguf", np.random.default_rng(9), 1000000.0, tied=True, arch="qwen3")
+    run("qwen3", m, inv(1000000.0), inv(1000000.0))
+    set_dims(64, 128)
     # A tensor the llama forward does not compute (Qwen 2's bias).
     path = f"{out_dir}/bias.gguf"
     build(path, np.random.default_rng(4), 10000.0, tied=True, extra="blk.0.attn_q.bias")

@@ -1,10 +1,12 @@
 //! Llama-family files Ferry did not write, against a forward Ferry did not write: tiny models
 //! in GGUF as llama.cpp's converter lays them out (`llama_hf.py`, with the `gguf` package's
 //! quantizers; plain, Llama 3 and linear rope scaling, every legacy type mixed in one file, a
-//! `Q4_K_M`-like k-quant mix, Qwen 2), their logits from a numpy forward after Hugging Face's
-//! `modeling_llama.py` and `modeling_qwen2.py` (f64, HF's layout and rotary scalings, the weights the package
-//! dequantizes); and every weight type's conversion against the package's (`formats.py`). Ferry loads each file and computes every position's
-//! logits with its reference forward (the serving forward is held to that one elsewhere).
+//! `Q4_K_M`-like k-quant mix, Qwen 2, Qwen 3), their logits from a numpy forward after Hugging
+//! Face's `modeling_llama.py`, `modeling_qwen2.py` and `modeling_qwen3.py` (f64, HF's layout
+//! and rotary scalings, the weights the package dequantizes); and every weight type's
+//! conversion against the package's (`formats.py`). Ferry loads each file and computes every
+//! position's logits with its reference forward, and its serving forward must give the same
+//! logits bit for bit.
 
 use std::path::{Path, PathBuf};
 
@@ -98,7 +100,7 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
         checked.push(name.clone());
     }
     checked.sort();
-    assert_eq!(checked, ["k-quants", "linear", "llama", "llama3", "mixed", "qwen2"]);
+    assert_eq!(checked, ["k-quants", "linear", "llama", "llama3", "mixed", "qwen2", "qwen3"]);
     for (name, refused) in expected["refused"].as_object().unwrap() {
         let err = load(Path::new(refused[0].as_str().unwrap())).unwrap_err();
         let what = refused[1].as_str().unwrap();

@@ -80,7 +80,7 @@ impl Family {
     }
 }
 
-/// The architectures served, for messages: "llama, qwen2".
+/// The architectures served, for messages: "llama, qwen2, qwen3".
 pub fn served() -> String {
     Family::ALL.map(|f| f.name).join(", ")
 }

@@ -334,7 +334,7 @@ class Run:
         run at once: a refused one takes grpcurl seconds to give up."""
         if not self.tls:
             return
-        calls = []  # (what it must do, pod/container, flags, target)
+        calls = []  # (whether it must answer, what a failure means, flags, target)
         for p in self.m.pods:
             for c in p.containers:
                 if (c.init and not c.sidecar) or c.image.split(":")[0] != self.args.image_repo:

@@ -254,9 +254,17 @@ impl LlamaShape {
             None => 10_000.0,
         };
         let eps_key = key("attention.layer_norm_rms_epsilon");
+        // Without a key length, heads are width / heads wide, which must divide.
         let head_dim = match optional_u("attention.key_length")? {
             Some(n) => n,
-            None => hidden.checked_div(num_heads).unwrap_or(0),
+            None if num_heads > 0 && hidden % num_heads == 0 => hidden / num_heads,
+            None => {
+                return Err(ShapeError::Inconsistent(format!(
+                    "width {hidden} is not a multiple of {num_heads} heads, and no {} gives \
+                     the head size",
+                    key("attention.key_length")
+                )))
+            }
         };
         check_understood(header, arch, head_dim)?;
         let shape = Self {
@@ -396,6 +404,13 @@ mod tests {
         // A head size equal to width / heads, said explicitly, is fine; no experts too.
         let b = smollm().u32("llama.attention.key_length", 64).u32("llama.expert_count", 0);
         assert!(shape(b).is_ok());
+        // Width / heads must divide when no key length says the head size.
+        let b = smollm().u32("llama.embedding_length", 577);
+        let err = shape(b).unwrap_err().to_string();
+        assert!(
+            err.contains("inconsistent") && err.contains("llama.attention.key_length"),
+            "{err}"
+        );
         let qwen = smollm().string("general.architecture", "qwen9");
         let err = shape(qwen).unwrap_err().to_string();
         assert!(err.contains("\"qwen9\"") && err.contains("general.architecture"), "{err}");

@@ -1,9 +1,9 @@
-//! The weights of a Llama-family model (llama, qwen2: `ferry_model::Family`) as a GGUF file holds
-//! them, loaded once into the layout the forward passes use (the shape comes from `ferry-model`,
-//! which reads the header).
+//! The weights of a Llama-family model (llama, qwen2, qwen3: `ferry_model::Family`) as a GGUF
+//! file holds them, loaded once into the layout the forward passes use (the shape comes from
+//! `ferry-model`, which reads the header).
 //!
 //! GGUF stores Llama's Q and K projections permuted for llama.cpp's rotary embedding, which
-//! rotates *adjacent* pairs (x[2i], x[2i+1]); Qwen 2's keep Hugging Face's layout, rotated in
+//! rotates *adjacent* pairs (x[2i], x[2i+1]); Qwen's keep Hugging Face's layout, rotated in
 //! halves. The forwards rotate as the family's `RopeStyle` says.
 
 use candle_core::quantized::gguf_file;
@@ -110,10 +110,12 @@ impl LayerWeights {
         use super::ops::{add_bias, rms_norm_row, rope_rotate};
         add_bias(row, self.qkv_bias.as_deref());
         let (q, kv, hd) = (shape.q_dim(), shape.kv_dim(), shape.head_dim);
-        for (i, head) in row[..q + kv].chunks_exact_mut(hd).enumerate() {
-            if let Some((q_norm, k_norm)) = &self.qk_norm {
-                rms_norm_row(head, if i * hd < q { q_norm } else { k_norm }, shape.rms_eps);
-            }
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
+            let (qs, ks) = row[..q + kv].split_at_mut(q);
+            qs.chunks_exact_mut(hd).for_each(|head| rms_norm_row(head, q_norm, shape.rms_eps));
+            ks.chunks_exact_mut(hd).for_each(|head| rms_norm_row(head, k_norm, shape.rms_eps));
+        }
+        for head in row[..q + kv].chunks_exact_mut(hd) {
             rope_rotate(head, angles, shape.family.rope);
         }
     }
@@ -169,10 +171,9 @@ impl LlamaWeights {
         };
         let (h, q, kv, ff) = (shape.hidden, shape.q_dim(), shape.kv_dim(), shape.intermediate);
         let mut layers = Vec::with_capacity(shape.num_layers);
-        let mut norms = Vec::new();
+        let mut prefixes = Vec::with_capacity(shape.num_layers);
         for i in 0..shape.num_layers {
             let p = format!("blk.{i}");
-            norms.push((format!("{p}.attn_norm.weight"), format!("{p}.ffn_norm.weight")));
             layers.push((
                 matrix(format!("{p}.attn_q.weight"), &[q, h])?,
                 matrix(format!("{p}.attn_k.weight"), &[kv, h])?,
@@ -182,6 +183,7 @@ impl LlamaWeights {
                 matrix(format!("{p}.ffn_up.weight"), &[ff, h])?,
                 matrix(format!("{p}.ffn_down.weight"), &[h, ff])?,
             ));
+            prefixes.push(p);
         }
         let embed = matrix("token_embd.weight".into(), &[shape.vocab_size, h])?;
         let lm_head = if content.tensor_infos.contains_key("output.weight") {
@@ -210,35 +212,34 @@ impl LlamaWeights {
         }
         let layers = layers
             .into_iter()
-            .zip(norms)
-            .map(|((wq, wk, wv, wo, w_gate, w_up, w_down), (an, fnn))| {
+            .zip(prefixes)
+            .map(|((wq, wk, wv, wo, w_gate, w_up, w_down), p)| {
                 let stack = |parts: &[&QWeight], what: &str| {
                     Stacked::new(parts)
-                        .ok_or_else(|| LoadError::Shape(format!("{an}: {what} differ in width")))
+                        .ok_or_else(|| LoadError::Shape(format!("{p}: {what} differ in width")))
                 };
-                let p = an.trim_end_matches("attn_norm.weight");
+                let mut vector = |part: &str, len| vector(&format!("{p}.{part}"), len);
                 let qkv_bias = if shape.family.qkv_bias {
-                    let mut bias = vector(&format!("{p}attn_q.bias"), q)?;
-                    bias.extend(vector(&format!("{p}attn_k.bias"), kv)?);
-                    bias.extend(vector(&format!("{p}attn_v.bias"), kv)?);
+                    let mut bias = vector("attn_q.bias", q)?;
+                    bias.extend(vector("attn_k.bias", kv)?);
+                    bias.extend(vector("attn_v.bias", kv)?);
                     Some(bias)
                 } else {
                     None
                 };
                 let hd = shape.head_dim;
                 let qk_norm = if shape.family.qk_norm {
-                    let q = vector(&format!("{p}attn_q_norm.weight"), hd)?;
-                    Some((q, vector(&format!("{p}attn_k_norm.weight"), hd)?))
+                    Some((vector("attn_q_norm.weight", hd)?, vector("attn_k_norm.weight", hd)?))
                 } else {
                     None
                 };
                 Ok(LayerWeights {
-                    attn_norm: vector(&an, h)?,
+                    attn_norm: vector("attn_norm.weight", h)?,
                     wqkv: stack(&[&wq, &wk, &wv], "Q, K and V")?,
                     qkv_bias,
                     qk_norm,
                     wo,
-                    ffn_norm: vector(&fnn, h)?,
+                    ffn_norm: vector("ffn_norm.weight", h)?,
                     w_gate_up: stack(&[&w_gate, &w_up], "gate and up")?,
                     w_down,
                 })

@@ -70,6 +70,17 @@ extern "C" __global__ void gather_rows(float* __restrict__ out, const float* __r
     for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = s[c];
 }
 
+// out = x / sqrt(mean(x^2) + eps) * w over `width` values, by the block's threads together
+// (`out` may be `x`: each thread writes only what it read, after the block's sum).
+__device__ void norm_by_block(float* out, const float* x, const float* w, int width, float eps,
+                              float* scratch) {
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += x[c] * x[c];
+    ss = block_sum(ss, scratch);
+    float scale = 1.0f / sqrtf(ss / (float)width + eps);
+    for (int c = threadIdx.x; c < width; c += blockDim.x) out[c] = x[c] * (scale * w[c]);
+}
+
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w. Grid: one block per row.
 extern "C" __global__ void rms_norm(float* __restrict__ out, const float* __restrict__ x,
                                     const float* __restrict__ w, int rows, int width,
@@ -77,13 +88,7 @@ extern "C" __global__ void rms_norm(float* __restrict__ out, const float* __rest
     __shared__ float scratch[32];
     int r = blockIdx.x;
     if (r >= rows) return;  // the whole block leaves together
-    const float* xr = x + (size_t)r * width;
-    float* o = out + (size_t)r * width;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += xr[c] * xr[c];
-    ss = block_sum(ss, scratch);
-    float scale = 1.0f / sqrtf(ss / (float)width + eps);
-    for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = xr[c] * (scale * w[c]);
+    norm_by_block(out + (size_t)r * width, x + (size_t)r * width, w, width, eps, scratch);
 }
 
 // Each query and key head of fused [q | k | v] rows RMS-normed in place, query heads by `qw`,
@@ -96,17 +101,12 @@ extern "C" __global__ void head_norm(float* __restrict__ qkv, const float* __res
     int r = blockIdx.x / qk_heads, head = blockIdx.x % qk_heads;
     if (r >= rows) return;  // the whole block leaves together
     float* v = qkv + (size_t)r * row_width + (size_t)head * head_dim;
-    const float* w = head < q_heads ? qw : kw;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) ss += v[c] * v[c];
-    ss = block_sum(ss, scratch);
-    float scale = 1.0f / sqrtf(ss / (float)head_dim + eps);
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) v[c] = v[c] * (scale * w[c]);
+    norm_by_block(v, v, head < q_heads ? qw : kw, head_dim, eps, scratch);
 }
 
 // Rotary embedding, in place, on the Q and K heads of fused [q | k | v] rows: pair p of each
 // head turns by pos * freqs[p]; the pair is (x[2p], x[2p+1]) (GGUF Llama's adjacent pairs) or,
-// with `halves`, (x[p], x[p + head_dim/2]) (NEOX: Qwen 2). `qk_heads` = query heads + key
+// with `halves`, (x[p], x[p + head_dim/2]) (NEOX: Qwen). `qk_heads` = query heads + key
 // heads, which sit side by side at the start of each row.
 extern "C" __global__ void rope(float* __restrict__ qkv, const unsigned long long* __restrict__ pos,
                                 const float* __restrict__ freqs, int rows, int qk_heads,

@@ -39,7 +39,7 @@ pub struct DeviceLayer {
     pub qkv_bias: Option<CudaSlice<f32>>,
     /// The query and key heads' RMS norm weights, where the family has them (Qwen 3).
     pub qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
-    /// Output projection `[hidden, hidden]`.
+    /// Output projection `[hidden, q_dim]`.
     pub wo: DeviceMatrix,
     /// RMS norm before the feed-forward.
     pub ffn_norm: CudaSlice<f32>,

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Tiny Llama-family models written as GGUF files the way llama.cpp's converter writes them,
-and their logits from a forward written here after Hugging Face's `modeling_llama.py` and
-`modeling_qwen2.py` (numpy, f64, HF's layout: unpermuted Q/K, `rotate_half` rotary embedding,
-HF's rope scalings; Qwen 2 is Llama with biases on Q, K and V, and its GGUF keeps HF's Q/K
-layout). Nothing here is Ferry's: the weights are quantized and read back by the `gguf`
+and their logits from a forward written here after Hugging Face's `modeling_llama.py`,
+`modeling_qwen2.py` and `modeling_qwen3.py` (numpy, f64, HF's layout: unpermuted Q/K,
+`rotate_half` rotary embedding, HF's rope scalings; Qwen 2 is Llama with biases on Q, K and V,
+Qwen 3 with each Q and K head RMS-normed, and their GGUF files keep HF's Q/K layout). Nothing here is Ferry's: the weights are quantized and read back by the `gguf`
 package.
 
     llama_hf.py OUT_DIR
@@ -166,7 +166,7 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if qwen2 else "gpt-2")
+    w.add_tokenizer_pre("qwen2" if hf_layout else "gpt-2")  # Qwen 3's files name qwen2's
     w.add_token_list(VOCAB)
     w.add_token_types([1] * 258 + [3] * 4)
     w.add_token_merges(MERGES)

@@ -53,7 +53,7 @@ impl From<Role> for v1::ExecutorRole {
 pub struct ExecutorConfig {
     /// GGUF model file; the default model (obtained when missing) if absent. Architectures
     /// `llama`, `qwen2` and `qwen3`; matrices `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`,
-    /// `Q5_K`, `Q6_K` (anything else is refused at start-up, named).
+    /// `Q5_K`, `Q6_K`, `F16`, `BF16`, `F32` (anything else is refused at start-up, named).
     #[arg(long, env = "FERRY_MODEL")]
     pub model: Option<std::path::PathBuf>,
     /// Stable id of this executor in the cluster.

@@ -1,6 +1,6 @@
 //! The weight types: the packed forms the kernels read ([`WeightFormat`], and [`kind`], the same
 //! as const parameters), and the conversion of each GGUF type's blocks into them, every weight
-//! the value llama.cpp's dequantization gives.
+//! the value llama.cpp's dequantization gives (the float types' weights kept as they are).
 
 use candle_core::quantized::GgmlDType;
 
@@ -25,10 +25,18 @@ pub enum WeightFormat {
     /// 6-bit signed codes in bytes with an f32 scale per 16 inputs: `w = d·q` with the first
     /// half's `d` in the scale's place and the second half's in the minimum's (GGUF `Q6_K`).
     Q6K,
+    /// The weights themselves as IEEE half floats, no scale (`d = 1`; GGUF `F16`).
+    F16,
+    /// The weights themselves as bfloat16, no scale (GGUF `BF16`).
+    BF16,
+    /// The weights themselves as f32, no scale (GGUF `F32`).
+    F32,
 }
 
 /// The packed forms as the kernels' const parameters (a `match` on them compiles away).
 pub mod kind {
+    use crate::BLOCK;
+
     /// [`super::WeightFormat::Q4`].
     pub const Q4: u8 = 0;
     /// [`super::WeightFormat::Q8`].
@@ -39,11 +47,43 @@ pub mod kind {
     pub const Q5K: u8 = 3;
     /// [`super::WeightFormat::Q6K`].
     pub const Q6K: u8 = 4;
+    /// [`super::WeightFormat::F16`].
+    pub const F16: u8 = 5;
+    /// [`super::WeightFormat::BF16`].
+    pub const BF16: u8 = 6;
+    /// [`super::WeightFormat::F32`].
+    pub const F32: u8 = 7;
 
     /// Whether codes are bytes (else nibbles: input `i` in the low nibble of byte `i`, input
     /// `i + 16` in its high nibble).
     pub const fn bytes(f: u8) -> bool {
-        !matches!(f, Q4 | Q4K)
+        matches!(f, Q8 | Q5K | Q6K)
+    }
+
+    /// Whether the codes are the weights as floats of [`float_bytes`] bytes, with no
+    /// parameters (a scale of 1).
+    pub const fn float(f: u8) -> bool {
+        matches!(f, F16 | BF16 | F32)
+    }
+
+    /// Code bytes per block of one column.
+    pub const fn code_bytes(f: u8) -> usize {
+        if float(f) {
+            BLOCK * float_bytes(f)
+        } else if bytes(f) {
+            BLOCK
+        } else {
+            BLOCK / 2
+        }
+    }
+
+    /// Bytes of one float code (0 for integer codes).
+    pub const fn float_bytes(f: u8) -> usize {
+        match f {
+            F16 | BF16 => 2,
+            F32 => 4,
+            _ => 0,
+        }
     }
 
     /// Whether a block has a minimum (`acc += s_b · m`, `s_b` the block's activation sum).
@@ -71,16 +111,20 @@ impl WeightFormat {
             WeightFormat::Q4K => kind::Q4K,
             WeightFormat::Q5K => kind::Q5K,
             WeightFormat::Q6K => kind::Q6K,
+            WeightFormat::F16 => kind::F16,
+            WeightFormat::BF16 => kind::BF16,
+            WeightFormat::F32 => kind::F32,
         }
     }
 
     /// Code bytes per block of one column.
     pub const fn code_bytes(self) -> usize {
-        if kind::bytes(self.kind()) {
-            32
-        } else {
-            16
-        }
+        kind::code_bytes(self.kind())
+    }
+
+    /// Whether the codes are the weights as floats (no scale or minimum).
+    pub const fn float(self) -> bool {
+        kind::float(self.kind())
     }
 
     /// Whether blocks have a minimum.
@@ -107,6 +151,15 @@ pub(crate) fn from_f16(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()
 }
 
+/// A float code of kind `f` (its [`kind::float_bytes`] little-endian bytes) as f32, exactly.
+pub(crate) fn float_code(f: u8, b: &[u8]) -> f32 {
+    match f {
+        kind::F16 => f16(b[0], b[1]),
+        kind::BF16 => f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16),
+        _ => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+    }
+}
+
 /// GGUF's block of each type Ferry reads: elements and bytes.
 pub(crate) fn gguf_block(dtype: GgmlDType) -> Option<(usize, usize)> {
     Some(match dtype {
@@ -118,6 +171,8 @@ pub(crate) fn gguf_block(dtype: GgmlDType) -> Option<(usize, usize)> {
         GgmlDType::Q4K => (256, 144),
         GgmlDType::Q5K => (256, 176),
         GgmlDType::Q6K => (256, 210),
+        GgmlDType::F16 | GgmlDType::BF16 => (32, 64),
+        GgmlDType::F32 => (32, 128),
         _ => return None,
     })
 }
@@ -129,6 +184,9 @@ pub(crate) fn format_of(dtype: GgmlDType) -> WeightFormat {
         GgmlDType::Q5_0 | GgmlDType::Q8_0 => WeightFormat::Q8,
         GgmlDType::Q4K => WeightFormat::Q4K,
         GgmlDType::Q5_1 | GgmlDType::Q5K => WeightFormat::Q5K,
+        GgmlDType::F16 => WeightFormat::F16,
+        GgmlDType::BF16 => WeightFormat::BF16,
+        GgmlDType::F32 => WeightFormat::F32,
         _ => WeightFormat::Q6K,
     }
 }
@@ -153,6 +211,8 @@ pub(crate) fn decode_block(dtype: GgmlDType, raw: &[u8], push: &mut impl FnMut(f
         GgmlDType::Q4_0 => push(half(0), -8.0 * half(0), &raw[2..18]),
         GgmlDType::Q4_1 => push(half(0), half(2), &raw[4..20]),
         GgmlDType::Q8_0 => push(half(0), 0.0, &raw[2..34]),
+        // The weights as they are, little-endian: a scale of 1.
+        GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => push(1.0, 0.0, raw),
         GgmlDType::Q5_0 | GgmlDType::Q5_1 => {
             let (d, m, at) =
                 if dtype == GgmlDType::Q5_0 { (half(0), 0.0, 2) } else { (half(0), half(2), 4) };

@@ -1,13 +1,14 @@
 //! Products against quantized weights for the CPU forward, in f32: the weights stay in blocks of
-//! their GGUF codes in memory (`Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`;
-//! see [`WeightFormat`]), their codes become floats exactly as the product reads them,
-//! and the activations stay f32. So the products are those of the true model, up to f32 rounding
+//! their GGUF codes in memory (`Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`,
+//! and the unquantized `F16`, `BF16`, `F32`; see [`WeightFormat`]), their codes become floats
+//! exactly as the product reads them, and the activations stay f32. So the products are those of the true model, up to f32 rounding
 //! of the sums (llama.cpp instead quantizes activations to 8 bits, which moves this model's logits
 //! by about 0.2 and flips greedy answers).
 //!
 //! The arithmetic of one output element, for activation row `x` and weight column `o` with
 //! blocks of 32 `(q, d, m)` (`w = d·q + m`; `Q8_0` has `m = 0`, `Q4_0` has `m = -8d`; a
-//! k-quant's `d` and `m` are its super-block's scales times the block's 6-bit ones), is fixed:
+//! k-quant's `d` and `m` are its super-block's scales times the block's 6-bit ones; the float
+//! types are their own codes, with `d = 1`, `m = 0`), is fixed:
 //!
 //! ```text
 //! acc = 0
@@ -62,6 +63,9 @@ pub use stacked::{matmul_stacked, Matrix, Stacked};
 /// Elements per quantization block.
 pub const BLOCK: usize = 32;
 
+/// Most code bytes of one column's block (`F32`'s).
+pub const MAX_CODE_BYTES: usize = 4 * BLOCK;
+
 /// Output columns interleaved together in the packed weight layout (one 512-bit register of f32,
 /// two 256-bit ones).
 pub const GROUP: usize = 16;
@@ -77,6 +81,8 @@ pub const GROUP: usize = 16;
 ///   per column, and input `4t + e`'s codes for the whole group are one shift away: byte `e` of
 ///   each dword (byte codes), or its low nibble (nibble codes; its high nibble is input
 ///   `16 + 4t + e`).
+///   The float formats (no parameters) instead keep each input's 16 columns together: input
+///   `k` of column `j` at bytes `(16k + j)·size ..`, so one load is a whole group's input.
 #[derive(Clone, Debug)]
 pub struct QWeight {
     /// Storage format.
@@ -97,10 +103,16 @@ pub struct QWeight {
     q: Vec<u8>,
 }
 
-/// Where column `j`'s GGUF code byte `i` sits in its group-block (see [`QWeight`]).
+/// Where column `j`'s code byte `i` (in natural order) sits in its group-block of `format`
+/// (see [`QWeight`]).
 #[inline]
-fn code_at(i: usize, j: usize) -> usize {
-    4 * GROUP * (i / 4) + 4 * j + i % 4
+fn code_at(format: WeightFormat, i: usize, j: usize) -> usize {
+    if format.float() {
+        let size = kind::float_bytes(format.kind());
+        (GROUP * (i / size) + j) * size + i % size
+    } else {
+        4 * GROUP * (i / 4) + 4 * j + i % 4
+    }
 }
 
 /// Why a tensor cannot be used as a quantized weight.
@@ -108,7 +120,8 @@ fn code_at(i: usize, j: usize) -> usize {
 pub enum KernelError {
     /// A type with no kernel here.
     #[error(
-        "weight type {0:?} is not supported (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are)"
+        "weight type {0:?} is not supported (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, \
+         BF16 and F32 are)"
     )]
     Unsupported(GgmlDType),
     /// Shape not a matrix with whole blocks of inputs.
@@ -124,7 +137,7 @@ pub enum KernelError {
 /// One column's block in the packed form's natural order: scale, minimum (`Q6K`: the second
 /// half's scale) and code bytes (nibble codes: 16 bytes, element `i` in the low nibble of byte
 /// `i` and element `i + 16` in its high nibble; byte codes: 32 bytes, signed for `Q8` and
-/// `Q6K`, unsigned for `Q5K`).
+/// `Q6K`, unsigned for `Q5K`; float codes: the 32 weights, little-endian, scale 1).
 #[derive(Clone, Copy, Debug)]
 pub struct NaturalBlock<'a> {
     /// Scale.
@@ -149,7 +162,11 @@ impl QWeight {
         let bpr = cols / BLOCK;
         let params = rows.div_ceil(GROUP) * bpr * GROUP;
         let cb = format.code_bytes();
-        let (narrow, wide) = if format.wide() { (0, params) } else { (params, 0) };
+        let (narrow, wide) = match (format.float(), format.wide()) {
+            (true, _) => (0, 0),
+            (false, true) => (0, params),
+            (false, false) => (params, 0),
+        };
         let mut w = Self {
             format,
             rows,
@@ -168,7 +185,9 @@ impl QWeight {
                 let nb = block(r, b);
                 debug_assert_eq!(nb.codes.len(), cb);
                 let at = gb * GROUP + j;
-                if format.wide() {
+                if format.float() {
+                    debug_assert!(nb.d == 1.0 && nb.m == 0.0, "float codes have no parameters");
+                } else if format.wide() {
                     w.dw[at] = nb.d;
                     if format.two_params() {
                         w.mw[at] = nb.m;
@@ -181,7 +200,7 @@ impl QWeight {
                 }
                 let base = gb * GROUP * cb;
                 for (i, &code) in nb.codes.iter().enumerate() {
-                    w.q[base + code_at(i, j)] = code;
+                    w.q[base + code_at(format, i, j)] = code;
                 }
             }
         }
@@ -196,8 +215,8 @@ impl QWeight {
     }
 
     /// Packs a `[rows, cols]` matrix from its GGUF data of type `dtype` (`Q4_0`, `Q4_1`,
-    /// `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`), every weight exactly the value
-    /// llama.cpp's dequantization gives.
+    /// `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`, `F16`, `BF16`, `F32`), every weight
+    /// exactly the value llama.cpp's dequantization gives.
     pub fn from_gguf(
         dtype: GgmlDType,
         rows: usize,
@@ -244,7 +263,9 @@ impl QWeight {
 
     /// The scale and minimum (`Q6K`: second scale) at parameter index `at`.
     fn params(&self, at: usize) -> (f32, f32) {
-        if self.format.wide() {
+        if self.format.float() {
+            (1.0, 0.0)
+        } else if self.format.wide() {
             (self.dw[at], if self.format.two_params() { self.mw[at] } else { 0.0 })
         } else {
             let m = if self.format.has_min() { from_f16(self.m[at]) } else { 0.0 };
@@ -252,14 +273,20 @@ impl QWeight {
         }
     }
 
-    /// Row `r`'s block `b` in natural order: scale, minimum and code bytes (written to `codes`).
-    pub fn natural_block(&self, r: usize, b: usize, codes: &mut [u8; 32]) -> (f32, f32) {
+    /// Row `r`'s block `b` in natural order: scale, minimum and code bytes (written to the
+    /// first [`WeightFormat::code_bytes`] of `codes`).
+    pub fn natural_block(
+        &self,
+        r: usize,
+        b: usize,
+        codes: &mut [u8; MAX_CODE_BYTES],
+    ) -> (f32, f32) {
         let (g, j) = (r / GROUP, r % GROUP);
         let gb = g * self.blocks_per_row() + b;
         let cb = self.format.code_bytes();
         let base = gb * GROUP * cb;
         for (i, code) in codes[..cb].iter_mut().enumerate() {
-            *code = self.q[base + code_at(i, j)];
+            *code = self.q[base + code_at(self.format, i, j)];
         }
         self.params(gb * GROUP + j)
     }
@@ -272,10 +299,15 @@ impl QWeight {
         let gb = g * self.blocks_per_row() + b;
         let (d, m) = self.params(gb * GROUP + j);
         let f = self.format.kind();
+        let size = kind::float_bytes(f);
+        if size > 0 {
+            let at = gb * GROUP * BLOCK * size + code_at(self.format, e * size, j);
+            return format::float_code(f, &self.q[at..at + size]);
+        }
         let q = if kind::bytes(f) {
-            f32::from(self.q[gb * GROUP * 32 + code_at(e, j)] as i8)
+            f32::from(self.q[gb * GROUP * 32 + code_at(self.format, e, j)] as i8)
         } else {
-            let byte = self.q[gb * GROUP * 16 + code_at(e % 16, j)];
+            let byte = self.q[gb * GROUP * 16 + code_at(self.format, e % 16, j)];
             f32::from(if e < 16 { byte & 0x0F } else { byte >> 4 })
         };
         if kind::has_min(f) {
@@ -307,7 +339,7 @@ impl QWeight {
         let mut d = Vec::new();
         let mut m = Vec::new();
         let mut codes = Vec::new();
-        let mut block = [0u8; 32];
+        let mut block = [0u8; MAX_CODE_BYTES];
         for p in parts {
             for r in 0..p.rows {
                 for b in 0..bpr {

@@ -1,7 +1,7 @@
 //! The portable product: the same arithmetic as the SIMD paths (the kernels' module head),
 //! written element by element, so results are bit-identical on machines without AVX2.
 
-use super::format::kind;
+use super::format::{float_code, kind};
 use super::{code_at, QWeight, BLOCK, GROUP};
 
 /// One output element: activation row `x` against weight column `o`.
@@ -16,10 +16,14 @@ pub fn dot(x: &[f32], w: &QWeight, o: usize) -> f32 {
         let (d, m) = w.params(gb * GROUP + j);
         let codes = &w.q[gb * GROUP * cb..(gb + 1) * GROUP * cb];
         let code = |k: usize| {
-            if kind::bytes(f) {
-                f32::from(codes[code_at(k, j)] as i8)
+            let size = kind::float_bytes(f);
+            if size > 0 {
+                let at = code_at(w.format, k * size, j);
+                float_code(f, &codes[at..at + size])
+            } else if kind::bytes(f) {
+                f32::from(codes[code_at(w.format, k, j)] as i8)
             } else {
-                let byte = codes[code_at(k % 16, j)];
+                let byte = codes[code_at(w.format, k % 16, j)];
                 f32::from(if k < 16 { byte & 0x0F } else { byte >> 4 })
             }
         };

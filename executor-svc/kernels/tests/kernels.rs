@@ -16,8 +16,35 @@ fn lcg(seed: &mut u64) -> f32 {
 }
 
 /// Every packed form.
-const FORMATS: [WeightFormat; 5] =
-    [WeightFormat::Q4, WeightFormat::Q8, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
+const FORMATS: [WeightFormat; 8] = [
+    WeightFormat::Q4,
+    WeightFormat::Q8,
+    WeightFormat::Q4K,
+    WeightFormat::Q5K,
+    WeightFormat::Q6K,
+    WeightFormat::F16,
+    WeightFormat::BF16,
+    WeightFormat::F32,
+];
+
+/// A float format's code for `v`, little-endian (rounded to the format).
+fn float_bytes(format: WeightFormat, v: f32) -> Vec<u8> {
+    match format {
+        WeightFormat::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+        WeightFormat::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+        _ => v.to_le_bytes().to_vec(),
+    }
+}
+
+/// Float code `e` of a block, decoded by `half` (not the kernels' conversion).
+fn float_value(format: WeightFormat, codes: &[u8], e: usize) -> f64 {
+    let at = |n: usize| &codes[e * n..e * n + n];
+    match format {
+        WeightFormat::F16 => f64::from(half::f16::from_le_bytes([at(2)[0], at(2)[1]]).to_f32()),
+        WeightFormat::BF16 => f64::from(half::bf16::from_le_bytes([at(2)[0], at(2)[1]]).to_f32()),
+        _ => f64::from(f32::from_le_bytes(at(4).try_into().unwrap())),
+    }
+}
 
 /// A random block of `format` in natural order: scale, minimum (`Q6K`: second scale), codes.
 /// The wide formats' parameters are an f16 times a small integer, as in a k-quant.
@@ -49,12 +76,26 @@ fn block(format: WeightFormat, seed: &mut u64) -> (f32, f32, Vec<u8>) {
             h(lcg(seed).abs() * 0.001) * (lcg(seed) * 127.0).round(),
             (0..32).map(|_| ((lcg(seed) * 32.0).floor() as i8) as u8).collect(),
         ),
+        // Weights over several binades, some tiny (f16 subnormals), signs mixed.
+        _ => (
+            1.0,
+            0.0,
+            (0..32)
+                .flat_map(|i| {
+                    let v = lcg(seed) * if i % 7 == 0 { 1e-6 } else { 0.3 };
+                    float_bytes(format, v)
+                })
+                .collect(),
+        ),
     }
 }
 
 /// Weight `e` of a block in natural order, in f64: `d·q + m`, `d·q` (`Q8`), or `Q6K`'s
 /// `d·q` and `m·q` by half.
 fn source_value(format: WeightFormat, d: f32, m: f32, codes: &[u8], e: usize) -> f64 {
+    if format.float() {
+        return float_value(format, codes, e);
+    }
     let c = if format.code_bytes() == 32 {
         f64::from(codes[e] as i8)
     } else {
@@ -100,7 +141,7 @@ fn q4_weight(rows: usize, cols: usize, seed: &mut u64) -> QWeight {
 fn exact(x: &[f32], w: &QWeight, o: usize) -> (f64, f64) {
     let mut row = vec![0f32; w.cols];
     w.dequantize_row(o, &mut row);
-    let mut codes = [0u8; 32];
+    let mut codes = [0u8; MAX_CODE_BYTES];
     let (mut sum, mut size) = (0f64, 0f64);
     for b in 0..w.cols / BLOCK {
         let (d, m) = w.natural_block(o, b, &mut codes);
@@ -279,7 +320,7 @@ fn dequantized_rows_are_exact() {
     for format in FORMATS {
         let w = weight(format, 20, 96, &mut seed);
         let mut row = vec![0f32; 96];
-        let mut codes = [0u8; 32];
+        let mut codes = [0u8; MAX_CODE_BYTES];
         for o in 0..20 {
             w.dequantize_row(o, &mut row);
             for b in 0..3 {

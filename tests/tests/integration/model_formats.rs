@@ -1,18 +1,21 @@
-//! The default model in another weight type, re-quantized by the `gguf` package (not Ferry;
+//! The default model in other weight types, re-quantized by the `gguf` package (not Ferry;
 //! `requantize.py`), served end to end by `ferry serve --model FILE`: the file's greedy answers
 //! over HTTP equal the reference forward's of the same file (f32 on its exactly converted
-//! weights; that forward is held to an independent f64 one in the executor's tests). `Q5_1` is
-//! the one type run here: its form (bytes with f32 parameters) is the k-quants' `Q5_K`, which
-//! the model's 576-wide rows cannot take; `Q8_0` and `Q5_0` are the `Q8` form, which the default
-//! model's output head already runs, and re-quantizing costs 8 s a type (`Q8_0`, `Q5_0` and
-//! `Q5_1` passed when run by hand: `TYPES`).
+//! weights; that forward is held to an independent f64 one in the executor's tests). Two types
+//! run here, one of each kind of packed form the default model does not already use: `Q5_1`
+//! (bytes with f32 parameters, the k-quants' `Q5_K` form, which the model's 576-wide rows
+//! cannot take) and `BF16` (the float forms: the weights themselves, no scale); `Q8_0` and
+//! `Q5_0` are the `Q8` form, which the default model's output head already runs, `F16` differs
+//! from `BF16` only in its conversion (held to the `gguf` package's in the executor's tests),
+//! and re-quantizing costs 5-8 s a type (`Q8_0`, `Q5_0`, `Q5_1`, `F16` and `BF16` passed when
+//! run by hand: `TYPES`).
 
 use ferry_executor_svc::forward::{reference, LoadedModel};
 use ferry_tests::{http, Service};
 
 const PROMPTS: [&str; 2] = ["The capital of France is", "def fibonacci(n):"];
 const TOKENS: usize = 12;
-const TYPES: [&str; 1] = ["Q5_1"];
+const TYPES: [&str; 2] = ["Q5_1", "BF16"];
 
 /// The reference forward's greedy continuation of `prompt` (up to EOS or `TOKENS`).
 fn reference_answer(model: &LoadedModel, prompt: &str) -> String {
@@ -22,7 +25,7 @@ fn reference_answer(model: &LoadedModel, prompt: &str) -> String {
 }
 
 #[test]
-fn the_default_model_requantized_to_q5_1_serves_its_reference_greedy_answers() {
+fn the_default_model_requantized_to_q5_1_and_bf16_serves_its_reference_greedy_answers() {
     let source = ferry_model::default_model_path().unwrap();
     let dir = std::env::temp_dir().join(format!("ferry-requantized-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -2,7 +2,7 @@
 """The default model in other weight types, made by the `gguf` package (not Ferry): every
 quantized matrix dequantized and quantized again into TYPE, norms left f32, the metadata copied.
 
-    requantize.py SOURCE.gguf OUT.gguf TYPE      (TYPE: Q8_0, Q5_0, Q5_1, Q4_0)
+    requantize.py SOURCE.gguf OUT.gguf TYPE      (TYPE: Q8_0, Q5_0, Q5_1, Q4_0, F16, BF16)
 """
 import sys
 

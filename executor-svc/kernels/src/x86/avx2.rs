@@ -8,10 +8,11 @@
 //! `#[target_feature]`, run only after `detect` found the instruction set.
 
 use std::arch::x86_64::{
-    __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_cvtepi32_ps, _mm256_cvtph_ps,
-    _mm256_fmadd_ps, _mm256_load_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_set1_epi32,
-    _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32,
-    _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm_loadu_si128, _mm_setr_epi32,
+    __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_cvtepi32_ps,
+    _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_load_ps, _mm256_loadu_ps,
+    _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
+    _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps,
+    _mm_loadu_si128, _mm_setr_epi32,
 };
 
 use super::{
@@ -61,6 +62,15 @@ unsafe fn store_line(p: *mut f32, v: V) {
 unsafe fn f16s(p: *const u16) -> V {
     // SAFETY: 8 values readable at `p`.
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+}
+
+/// 8 bfloat16 values (each the top half of its f32).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bf16s(p: *const u16) -> V {
+    // SAFETY: 8 values readable at `p`.
+    let h = unsafe { _mm_loadu_si128(p.cast()) };
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
 }
 
 /// 8 f32 values.

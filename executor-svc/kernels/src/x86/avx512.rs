@@ -6,10 +6,10 @@
 //! behind `#[target_feature]`, run only after `detect` found the instruction set.
 
 use std::arch::x86_64::{
-    __m512, _mm256_loadu_si256, _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_fmadd_ps,
-    _mm512_load_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_permutexvar_ps, _mm512_set1_ps,
-    _mm512_setr_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_srai_epi32, _mm512_srli_epi32,
-    _mm512_store_ps,
+    __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepi32_ps, _mm512_cvtepu16_epi32,
+    _mm512_cvtph_ps, _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+    _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_ps, _mm512_setzero_ps, _mm512_slli_epi32,
+    _mm512_srai_epi32, _mm512_srli_epi32, _mm512_store_ps,
 };
 
 use super::{
@@ -59,6 +59,15 @@ unsafe fn store_line(p: *mut f32, v: V) {
 unsafe fn f16s(p: *const u16) -> V {
     // SAFETY: 16 values readable at `p`.
     _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p.cast()) })
+}
+
+/// 16 bfloat16 values (each the top half of its f32).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bf16s(p: *const u16) -> V {
+    // SAFETY: 16 values readable at `p`.
+    let h = unsafe { _mm256_loadu_si256(p.cast()) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
 }
 
 /// 16 f32 values.

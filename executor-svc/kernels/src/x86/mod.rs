@@ -103,7 +103,7 @@ pub(super) unsafe fn matmul_groups(
     out: OutPtr,
 ) {
     let f = w.format.kind();
-    let fm = isa.fused_rows(kind::bytes(f));
+    let fm = isa.fused_rows(!kind::float(f) && kind::bytes(f));
     // SAFETY: the caller's contract.
     unsafe {
         macro_rules! each_format {
@@ -113,7 +113,10 @@ pub(super) unsafe fn matmul_groups(
                     kind::Q8 => $isa::run::<{ kind::Q8 }>(x, sums, rows, w, groups, out, fm),
                     kind::Q4K => $isa::run::<{ kind::Q4K }>(x, sums, rows, w, groups, out, fm),
                     kind::Q5K => $isa::run::<{ kind::Q5K }>(x, sums, rows, w, groups, out, fm),
-                    _ => $isa::run::<{ kind::Q6K }>(x, sums, rows, w, groups, out, fm),
+                    kind::Q6K => $isa::run::<{ kind::Q6K }>(x, sums, rows, w, groups, out, fm),
+                    kind::F16 => $isa::run::<{ kind::F16 }>(x, sums, rows, w, groups, out, fm),
+                    kind::BF16 => $isa::run::<{ kind::BF16 }>(x, sums, rows, w, groups, out, fm),
+                    _ => $isa::run::<{ kind::F32 }>(x, sums, rows, w, groups, out, fm),
                 }
             };
         }

@@ -1,6 +1,6 @@
 //! The parts of a register tile that the fused and the panel kernels share, written once over
-//! an instruction set's primitives (`V`, `zero`, `fma`, `splat`, `f16s`, `f32s`, `nibble`, `byte`,
-//! `load_line`, `store_line`, defined by the module that expands it): the tile's
+//! an instruction set's primitives (`V`, `zero`, `fma`, `splat`, `f16s`, `bf16s`, `f32s`,
+//! `nibble`, `byte`, `load_line`, `store_line`, defined by the module that expands it): the tile's
 //! accumulators, its rows' pointers, a block's codes as floats and its scales and minimums,
 //! the end of a block (scales and minimums applied), and the store of a finished tile.
 
@@ -76,7 +76,7 @@ macro_rules! tile_parts {
             b: usize,
         ) -> ([*const u8; CG], [[V; NV]; CG], [[V; NV]; CG]) {
             let bpr = w.cols / BLOCK;
-            let cb = if kind::bytes(F) { 32 } else { 16 };
+            let cb = kind::code_bytes(F);
             let second = kind::has_min(F) || kind::halves(F);
             let mut q = [w.q.as_ptr(); CG];
             let (mut d, mut m) = ([[zero(); NV]; CG], [[zero(); NV]; CG]);
@@ -87,7 +87,10 @@ macro_rules! tile_parts {
                     q[c] = w.q.as_ptr().add(gb * GROUP * cb);
                     for h in 0..NV {
                         let at = gb * GROUP + h * LANES;
-                        if kind::wide(F) {
+                        if kind::float(F) {
+                            // No parameters: a scale of 1 (`fma(p, 1, acc)` is `acc + p`).
+                            d[c][h] = splat(&1.0);
+                        } else if kind::wide(F) {
                             d[c][h] = f32s(w.dw.as_ptr().add(at));
                             if second {
                                 m[c][h] = f32s(w.mw.as_ptr().add(at));
@@ -117,6 +120,21 @@ macro_rules! tile_parts {
             let mut v = [[zero(); NV]; CG];
             for c in 0..CG {
                 for h in 0..NV {
+                    if kind::float(F) {
+                        // Float codes: input `k`'s 16 columns side by side.
+                        let k = if HIGH { 16 } else { 0 } + 4 * t + E;
+                        let size = kind::float_bytes(F);
+                        // SAFETY: `q[c]` points at a whole group-block of codes.
+                        v[c][h] = unsafe {
+                            let p = q[c].add((GROUP * k + LANES * h) * size);
+                            match F {
+                                kind::F16 => f16s(p.cast()),
+                                kind::BF16 => bf16s(p.cast()),
+                                _ => f32s(p.cast()),
+                            }
+                        };
+                        continue;
+                    }
                     // SAFETY: `q[c]` points at a whole group-block of codes.
                     v[c][h] = unsafe {
                         let p = q[c].add(4 * GROUP * quad + 4 * LANES * h);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Blocks of every GGUF type Ferry reads, made and read back by the `gguf` package: the legacy
-types quantized from random weights by its numpy quantizers, the k-quants (which it only
-dequantizes) as random blocks with sane f16 scales. For each type, OUT_DIR/<type>.bin holds the
+and float types quantized from random weights by its numpy quantizers (BF16 rounded to nearest
+even as ggml does; the weights spread over many binades, some f16 subnormals), the k-quants
+(which it only dequantizes) as random blocks with sane f16 scales. For each type, OUT_DIR/<type>.bin holds the
 raw blocks of a [ROWS, COLS] matrix and OUT_DIR/<type>.f32 the package's dequantization
 (little-endian f32); OUT_DIR/formats.json lists them.
 
@@ -17,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 ROWS, COLS = 24, 512
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FLOATS = [Q.F16, Q.BF16, Q.F32]
 
 
 def random_k_blocks(rng, qtype, rows, cols, d_scale):
@@ -40,9 +42,14 @@ def main():
     out_dir = sys.argv[1]
     rng = np.random.default_rng(5)
     listed = []
-    for qtype in LEGACY + K_QUANTS:
+    for qtype in LEGACY + K_QUANTS + FLOATS:
         if qtype in LEGACY:
             raw = gguf.quants.quantize(rng.normal(0, 1, (ROWS, COLS)).astype(np.float32), qtype)
+        elif qtype in FLOATS:
+            spread = np.exp2(rng.integers(-30, 4, size=(ROWS, COLS)))
+            values = (rng.normal(0, 1, (ROWS, COLS)) * spread).astype(np.float32)
+            raw = gguf.quants.quantize(values, qtype)
+            raw = raw.view(np.uint8).reshape(ROWS, -1)
         else:
             raw = random_k_blocks(rng, qtype, ROWS, COLS, 1e-3)
         values = gguf.quants.dequantize(raw, qtype).astype(np.float32)

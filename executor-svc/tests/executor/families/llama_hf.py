@@ -63,8 +63,8 @@ def permute(w, n_head):
 
 
 def quantized(rng, rows, cols, qtype):
-    """(the bytes the file holds, the weights they stand for, f64): a legacy type quantized
-    from normal weights by the package, a k-quant as random blocks it dequantizes."""
+    """(the bytes the file holds, the weights they stand for, f64): a legacy or float type
+    quantized from normal weights by the package, a k-quant as random blocks it dequantizes."""
     if qtype in K_QUANTS:
         data = random_k_blocks(rng, qtype, rows, cols, K_QUANTS[qtype])
     else:
@@ -282,6 +282,15 @@ def main():
     m = build(f"{out_dir}/k-quants.gguf", np.random.default_rng(6), 10000.0, tied=False, types=k_mix)
     run("k-quants", m, inv(10000.0), inv(10000.0))
     set_dims(64, 128)
+    # Unquantized weights, the three float types mixed (as a converter's F16 or BF16 output
+    # with some tensors kept F32), Q, K and V of different types.
+    floats = {
+        "token_embd": Q.BF16, "attn_q": Q.F16, "attn_k": Q.BF16, "attn_v": Q.F32,
+        "attn_output": Q.F16, "ffn_gate": Q.BF16, "ffn_up": Q.F16, "ffn_down": Q.BF16,
+        "output": Q.F32,
+    }
+    m = build(f"{out_dir}/floats.gguf", np.random.default_rng(10), 10000.0, tied=False, types=floats)
+    run("floats", m, inv(10000.0), inv(10000.0))
     # Qwen 2.5 style: biases on Q, K and V, HF's Q/K layout rotated in halves, untied output.
     m = build(f"{out_dir}/qwen2.gguf", np.random.default_rng(7), 1000000.0, tied=False, arch="qwen2")
     run("qwen2", m, inv(1000000.0), inv(1000000.0))

@@ -1,7 +1,7 @@
 //! Llama-family files Ferry did not write, against a forward Ferry did not write: tiny models
 //! in GGUF as llama.cpp's converter lays them out (`llama_hf.py`, with the `gguf` package's
 //! quantizers; plain, Llama 3 and linear rope scaling, every legacy type mixed in one file, a
-//! `Q4_K_M`-like k-quant mix, Qwen 2, Qwen 3), their logits from a numpy forward after Hugging
+//! `Q4_K_M`-like k-quant mix, `F16`, `BF16` and `F32` mixed, Qwen 2, Qwen 3), their logits from a numpy forward after Hugging
 //! Face's `modeling_llama.py`, `modeling_qwen2.py` and `modeling_qwen3.py` (f64, HF's layout
 //! and rotary scalings, the weights the package dequantizes); and every weight type's
 //! conversion against the package's (`formats.py`). Ferry loads each file and computes every
@@ -42,8 +42,19 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
+/// The largest difference, infinite where either side is not a number (which `f32::max`
+/// would skip).
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    assert_eq!(a.len(), b.len(), "logits of different lengths");
+    let diff = |(x, y): (&f32, &f32)| {
+        let d = (x - y).abs();
+        if d.is_nan() {
+            f32::INFINITY
+        } else {
+            d
+        }
+    };
+    a.iter().zip(b).map(diff).fold(0.0, f32::max)
 }
 
 /// The serving forward (paged, rows in parallel) on `tokens` one step each: bit for bit the
@@ -100,7 +111,8 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
         checked.push(name.clone());
     }
     checked.sort();
-    assert_eq!(checked, ["k-quants", "linear", "llama", "llama3", "mixed", "qwen2", "qwen3"]);
+    let every = ["floats", "k-quants", "linear", "llama", "llama3", "mixed", "qwen2", "qwen3"];
+    assert_eq!(checked, every);
     for (name, refused) in expected["refused"].as_object().unwrap() {
         let err = load(Path::new(refused[0].as_str().unwrap())).unwrap_err();
         let what = refused[1].as_str().unwrap();
@@ -110,8 +122,8 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
 }
 
 /// Every GGUF type Ferry reads, converted by Ferry, equals the `gguf` package's dequantization
-/// of the same blocks bit for bit, zeros' signs aside (`formats.py`: the legacy types from its quantizers, the
-/// k-quants as random blocks), and the product over them matches those weights in f64.
+/// of the same blocks bit for bit, zeros' signs aside (`formats.py`: the legacy and float types
+/// from its quantizers, the k-quants as random blocks), and the product over them matches those weights in f64.
 #[test]
 fn every_weight_type_converts_to_the_gguf_packages_dequantization_bit_for_bit() {
     use candle_core::quantized::GgmlDType;
@@ -137,6 +149,9 @@ fn every_weight_type_converts_to_the_gguf_packages_dequantization_bit_for_bit() 
             "Q4_K" => GgmlDType::Q4K,
             "Q5_K" => GgmlDType::Q5K,
             "Q6_K" => GgmlDType::Q6K,
+            "F16" => GgmlDType::F16,
+            "BF16" => GgmlDType::BF16,
+            "F32" => GgmlDType::F32,
             other => panic!("formats.py made {other}, which this test does not know"),
         };
         let raw = std::fs::read(dir.join(format!("{name}.bin"))).unwrap();
@@ -175,6 +190,8 @@ fn every_weight_type_converts_to_the_gguf_packages_dequantization_bit_for_bit() 
         }
         checked.push(name);
     }
-    assert_eq!(checked, ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]);
+    let every =
+        ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"];
+    assert_eq!(checked, every);
     std::fs::remove_dir_all(dir).ok();
 }

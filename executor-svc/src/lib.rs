@@ -87,7 +87,7 @@ pub fn build(
     let block_size = config.kv_cache.block_size as usize;
     let dtype = config.kv_dtype();
     let num_blocks = config.kv_cache.num_blocks(&shape, dtype)?;
-    let eos = model.file.tokenizer.eos_token_id;
+    let eos = model.file.tokenizer.eog_token_ids.clone();
     let kv_layout = v1::KvLayout {
         num_layers: shape.num_layers as u32,
         block_size: config.kv_cache.block_size,
@@ -147,7 +147,7 @@ pub fn build(
         fingerprint: model.file.fingerprint.clone(),
         max_model_len: shape.max_model_len as u32,
         vocab_size: shape.vocab_size as u32,
-        eos: Some(eos),
+        eos,
         grammars,
     };
     assemble(config, backend, (num_blocks as u32, kv_layout, staging), serves, None)
@@ -159,7 +159,9 @@ struct Serves {
     fingerprint: String,
     max_model_len: u32,
     vocab_size: u32,
-    eos: Option<u32>,
+    /// The tokens that end a generation, the EOS first (none for a simulated executor before
+    /// its handshake).
+    eos: Vec<u32>,
     grammars: engine::grammar::GrammarSource,
 }
 
@@ -174,7 +176,7 @@ fn assemble(
     use ferry_proto::v1;
     let kv_port = kv_port(config, &kv_layout, staging)?;
     // An executor without an end token (a simulated one before its handshake) never avoids one.
-    let eos_token_id = serves.eos.unwrap_or(u32::MAX);
+    let eos_token_id = serves.eos.first().copied().unwrap_or(u32::MAX);
     let engine_config =
         engine::EngineConfig { eos_token_id, max_live_requests: config.max_live_requests as usize };
     let engine = engine::Engine::new(backend, engine_config).with_grammars(serves.grammars);
@@ -187,7 +189,7 @@ fn assemble(
         num_blocks,
         max_model_len: serves.max_model_len,
         vocab_size: serves.vocab_size,
-        eos_token_ids: serves.eos.into_iter().collect(),
+        eos_token_ids: serves.eos,
         role: v1::ExecutorRole::from(config.role).into(),
         backend: v1::Backend::from(config.backend).into(),
         kv_layout: Some(kv_layout),
@@ -262,7 +264,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         fingerprint,
         max_model_len: SIMULATED_MAX_MODEL_LEN as u32,
         vocab_size: profile.vocab_size,
-        eos: None,
+        eos: Vec::new(),
         grammars: None,
     };
     let staging = engine::kv::staging(config, &kv_layout, 0).map(|(region, _)| region);

@@ -116,6 +116,55 @@ impl std::fmt::Display for Value {
     }
 }
 
+/// GGML's type names by code (`ggml_type`), for the types a GGUF file may hold.
+const GGML_TYPES: [(u32, &str); 31] = [
+    (0, "F32"),
+    (1, "F16"),
+    (2, "Q4_0"),
+    (3, "Q4_1"),
+    (6, "Q5_0"),
+    (7, "Q5_1"),
+    (8, "Q8_0"),
+    (9, "Q8_1"),
+    (10, "Q2_K"),
+    (11, "Q3_K"),
+    (12, "Q4_K"),
+    (13, "Q5_K"),
+    (14, "Q6_K"),
+    (15, "Q8_K"),
+    (16, "IQ2_XXS"),
+    (17, "IQ2_XS"),
+    (18, "IQ3_XXS"),
+    (19, "IQ1_S"),
+    (20, "IQ4_NL"),
+    (21, "IQ3_S"),
+    (22, "IQ2_S"),
+    (23, "IQ4_XS"),
+    (24, "I8"),
+    (25, "I16"),
+    (26, "I32"),
+    (27, "I64"),
+    (28, "F64"),
+    (29, "IQ1_M"),
+    (30, "BF16"),
+    (34, "TQ1_0"),
+    (35, "TQ2_0"),
+];
+
+/// The types Ferry computes matrices in (the executor's kernels take exactly these; a test
+/// holds the two lists equal).
+pub const SERVED_WEIGHT_TYPES: [&str; 11] =
+    ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"];
+
+/// The name of GGML type `code` (`Q4_K`, `BF16`, …), or `type <code>` for one GGML does not
+/// name.
+pub fn ggml_type_name(code: u32) -> String {
+    GGML_TYPES
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or_else(|| format!("type {code}"), |(_, name)| (*name).to_string())
+}
+
 /// Where one tensor lives in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -225,6 +274,29 @@ impl GgufHeader {
     /// The tensor named `name`.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The types of its matrices (tensors of two or more dimensions), most tensors first (ties
+    /// by name): `["Q4_K", "Q6_K"]` for a `Q4_K_M` file.
+    pub fn weight_types(&self) -> Vec<String> {
+        let mut counts: Vec<(String, usize)> = Vec::new();
+        for t in self.tensors.iter().filter(|t| t.dims.len() >= 2) {
+            let name = ggml_type_name(t.ggml_type);
+            match counts.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, c)) => *c += 1,
+                None => counts.push((name, 1)),
+            }
+        }
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        counts.into_iter().map(|(n, _)| n).collect()
+    }
+
+    /// The first matrix whose type Ferry does not compute in, with that type's name.
+    pub fn unserved_matrix(&self) -> Option<(&TensorInfo, String)> {
+        self.tensors.iter().filter(|t| t.dims.len() >= 2).find_map(|t| {
+            let name = ggml_type_name(t.ggml_type);
+            (!SERVED_WEIGHT_TYPES.contains(&name.as_str())).then_some((t, name))
+        })
     }
 }
 

@@ -43,6 +43,8 @@ pub struct ModelFile {
     pub shape: LlamaShape,
     /// The tokenizer and chat template.
     pub tokenizer: Tokenizer,
+    /// Its matrices' GGUF types, most tensors first (`Q4_1`, `Q8_0`).
+    pub weight_types: Vec<String>,
     /// The structured-output compiler for this vocabulary, built on first use.
     grammars: std::sync::OnceLock<Result<Grammars, GrammarError>>,
 }
@@ -70,6 +72,19 @@ pub enum ModelError {
         /// The cause.
         #[source]
         source: ShapeError,
+    },
+    /// A matrix is of a type Ferry does not compute in.
+    #[error(
+        "{path}: tensor {tensor} is of type {ty}, which Ferry does not serve (matrices of \
+         Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16 and F32 are served)"
+    )]
+    WeightType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// Its type's name.
+        ty: String,
     },
     /// The tokenizer could not be built.
     #[error("{path}: {source}")]
@@ -99,10 +114,15 @@ impl ModelFile {
             .map_err(|source| ModelError::Gguf { path: path.clone(), source })?;
         let shape = LlamaShape::from_gguf(&header)
             .map_err(|source| ModelError::Shape { path: path.clone(), source })?;
+        if let Some((t, ty)) = header.unserved_matrix() {
+            return Err(ModelError::WeightType { path, tensor: t.name.clone(), ty });
+        }
         let tokenizer = Tokenizer::from_gguf(&header)
             .map_err(|source| ModelError::Tokenizer { path: path.clone(), source })?;
         let fingerprint = fingerprint(&header);
-        Ok(Self { name, path, fingerprint, shape, tokenizer, grammars: std::sync::OnceLock::new() })
+        let weight_types = header.weight_types();
+        let grammars = std::sync::OnceLock::new();
+        Ok(Self { name, path, fingerprint, shape, tokenizer, weight_types, grammars })
     }
 
     /// The structured-output compiler for this model's vocabulary (built on the first call,

@@ -47,6 +47,87 @@ pub enum TokenizerError {
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
+/// The texts of the tokens llama.cpp takes as the end of a generation in any vocabulary (its
+/// `llama_vocab::impl::load`), made control tokens where a file left them normal.
+pub const END_OF_GENERATION_TEXTS: [&str; 12] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+];
+
+/// The metadata keys of the other tokens that end a generation.
+const END_OF_GENERATION_KEYS: [&str; 5] = [
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+    "tokenizer.ggml.fim_pad_token_id",
+    "tokenizer.ggml.fim_rep_token_id",
+    "tokenizer.ggml.fim_sep_token_id",
+];
+
+/// `tokenizer.ggml.token_type`, one per token (all normal when absent).
+fn token_types(header: &GgufHeader, n: usize) -> Result<Vec<i32>, TokenizerError> {
+    let key = "tokenizer.ggml.token_type";
+    let Some(v) = header.get(key) else { return Ok(vec![1; n]) };
+    let items = v.as_array().ok_or_else(|| bad(key, "an array", v))?;
+    let types = items
+        .iter()
+        .map(|t| t.as_i32().ok_or_else(|| bad(key, "an integer", t)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if types.len() != n {
+        let reason = format!("{} types for {n} tokens", types.len());
+        return Err(TokenizerError::Metadata { key, reason });
+    }
+    Ok(types)
+}
+
+/// The token id at `key`, which must lie in a vocabulary of `n` tokens.
+fn token_id(
+    header: &GgufHeader,
+    key: &'static str,
+    n: usize,
+) -> Result<Option<u32>, TokenizerError> {
+    let Some(v) = header.get(key) else { return Ok(None) };
+    let id = v.as_u32().ok_or_else(|| bad(key, "a token id", v))?;
+    if id as usize >= n {
+        let reason = format!("token id {id} is past the vocabulary's {n} tokens");
+        return Err(TokenizerError::Metadata { key, reason });
+    }
+    Ok(Some(id))
+}
+
+/// The end-of-generation set (see [`Tokenizer::eog_token_ids`]), EOS first; the tokens found
+/// by their text become control tokens in `types`, as llama.cpp overrides them.
+fn end_of_generation(
+    header: &GgufHeader,
+    eos: u32,
+    tokens: &[String],
+    types: &mut [i32],
+) -> Result<Vec<u32>, TokenizerError> {
+    let mut rest = Vec::new();
+    for key in END_OF_GENERATION_KEYS {
+        rest.extend(token_id(header, key, tokens.len())?);
+    }
+    for (id, text) in tokens.iter().enumerate() {
+        if END_OF_GENERATION_TEXTS.contains(&text.as_str()) {
+            types[id] = TOKEN_TYPE_CONTROL;
+            rest.push(id as u32);
+        }
+    }
+    rest.sort_unstable();
+    rest.dedup();
+    rest.retain(|&id| id != eos);
+    Ok(std::iter::once(eos).chain(rest).collect())
+}
+
 /// A chat message for the template.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ChatMessage {
@@ -63,6 +144,11 @@ pub struct Tokenizer {
     token_bytes: Vec<Vec<u8>>,
     /// End-of-sequence token.
     pub eos_token_id: u32,
+    /// Every token that ends a generation, as llama.cpp collects them: the EOS first, then
+    /// the EOT, EOM and fill-in-the-middle ids the metadata names and every token whose text
+    /// is one of [`END_OF_GENERATION_TEXTS`] (Llama 3's `<|eot_id|>` beside its EOS
+    /// `<|end_of_text|>`, Qwen's `<|endoftext|>` beside `<|im_end|>`).
+    pub eog_token_ids: Vec<u32>,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<u32>,
     /// Whether prompts start with BOS.
@@ -79,6 +165,7 @@ impl std::fmt::Debug for Tokenizer {
         f.debug_struct("Tokenizer")
             .field("vocab_size", &self.token_bytes.len())
             .field("eos_token_id", &self.eos_token_id)
+            .field("eog_token_ids", &self.eog_token_ids)
             .finish_non_exhaustive()
     }
 }
@@ -117,23 +204,7 @@ impl Tokenizer {
         };
         let pre = PreTokenizer::named(pre)?;
         let tokens = strings(header, "tokenizer.ggml.tokens")?;
-        let types: Vec<i32> = match header.get("tokenizer.ggml.token_type") {
-            Some(v) => {
-                let key = "tokenizer.ggml.token_type";
-                let items = v.as_array().ok_or_else(|| bad(key, "an array", v))?;
-                items
-                    .iter()
-                    .map(|t| t.as_i32().ok_or_else(|| bad(key, "an integer", t)))
-                    .collect::<Result<_, _>>()?
-            }
-            None => vec![1; tokens.len()],
-        };
-        if types.len() != tokens.len() {
-            return Err(TokenizerError::Metadata {
-                key: "tokenizer.ggml.token_type",
-                reason: format!("{} types for {} tokens", types.len(), tokens.len()),
-            });
-        }
+        let mut types = token_types(header, tokens.len())?;
         let merges: Vec<(String, String)> = strings(header, "tokenizer.ggml.merges")?
             .into_iter()
             .map(|m| {
@@ -146,8 +217,9 @@ impl Tokenizer {
             })
             .collect::<Result<_, _>>()?;
         let key = "tokenizer.ggml.eos_token_id";
-        let eos = meta(header, key)?;
-        let eos_token_id = eos.as_u32().ok_or_else(|| bad(key, "a token id", eos))?;
+        let missing = || TokenizerError::Metadata { key, reason: "missing".into() };
+        let eos_token_id = token_id(header, key, tokens.len())?.ok_or_else(missing)?;
+        let eog_token_ids = end_of_generation(header, eos_token_id, &tokens, &mut types)?;
         let bos_token_id = header.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u32);
         let add_bos = header
             .get("tokenizer.ggml.add_bos_token")
@@ -199,6 +271,7 @@ impl Tokenizer {
             inner,
             token_bytes,
             eos_token_id,
+            eog_token_ids,
             bos_token_id,
             add_bos,
             chat_template,

@@ -1,6 +1,7 @@
 //! The tokenizer and chat template read from the real default model's GGUF metadata, and what
 //! the header says of the model.
 
+use ferry_model::gguf::Value;
 use ferry_model::{ChatMessage, IncrementalDecoder, ModelFile, Tokenizer};
 
 fn model() -> ModelFile {
@@ -166,4 +167,52 @@ fn bad_words_are_masked_alone_and_after_a_space() {
     // Each word as it starts a text and as it follows a space (vLLM's two forms).
     assert_eq!(texts, ["Paris", " Paris", "hello world", " hello world"], "{seqs:?}");
     assert!(seqs.iter().all(|s| tok.bos_token_id.is_none_or(|b| s.ids[0] != b)));
+}
+
+/// The tokens that end a generation, as llama.cpp collects them: the EOS, the ids the metadata
+/// names (EOT, EOM, fill-in-the-middle) and the tokens of the known end texts, made control
+/// tokens where the file left them normal; an id past the vocabulary is refused, naming its key.
+#[test]
+fn the_end_of_generation_set_is_llama_cpps() {
+    let tok = tokenizer();
+    // SmolLM2: its EOS <|im_end|>, and <|endoftext|>.
+    assert_eq!(tok.decode(&[2, 0]), "<|im_end|><|endoftext|>");
+    assert_eq!(tok.eog_token_ids, [2, 0]);
+
+    // A Llama 3 style vocabulary: EOS <|end_of_text|>, the EOT key naming <|eot_id|>, an
+    // <|eom_id|> of the normal type, and a fill-in-the-middle separator.
+    let mut header = ferry_model::GgufHeader::open(&model().path).unwrap();
+    let set = |h: &mut ferry_model::GgufHeader, key: &str, v: Value| {
+        h.metadata.insert(key.into(), v);
+    };
+    let rename = |h: &mut ferry_model::GgufHeader, id: usize, text: &str, ty: i64| {
+        let Some(Value::Array(tokens)) = h.metadata.get_mut("tokenizer.ggml.tokens") else {
+            panic!("tokens")
+        };
+        tokens[id] = Value::String(text.into());
+        let Some(Value::Array(types)) = h.metadata.get_mut("tokenizer.ggml.token_type") else {
+            panic!("types")
+        };
+        types[id] = Value::I64(ty);
+    };
+    for (id, text, ty) in [
+        (0, "<|end_of_text|>", 3),
+        (2, "<|eot_id|>", 3),
+        (3, "<|eom_id|>", 1),
+        (4, "<|fim_sep_custom|>", 3),
+    ] {
+        rename(&mut header, id, text, ty);
+    }
+    set(&mut header, "tokenizer.ggml.eos_token_id", Value::U64(0));
+    set(&mut header, "tokenizer.ggml.eot_token_id", Value::U64(2));
+    set(&mut header, "tokenizer.ggml.fim_sep_token_id", Value::U64(4));
+    let llama3 = Tokenizer::from_gguf(&header).unwrap();
+    assert_eq!(llama3.eog_token_ids, [0, 2, 3, 4]);
+    // The normal-typed <|eom_id|> became a control token: matched whole, left out of text.
+    assert_eq!(llama3.encode("a<|eom_id|>").unwrap().len(), 2);
+    assert!(llama3.is_special(3));
+
+    set(&mut header, "tokenizer.ggml.eom_token_id", Value::U64(49_152));
+    let err = Tokenizer::from_gguf(&header).unwrap_err().to_string();
+    assert!(err.contains("tokenizer.ggml.eom_token_id") && err.contains("49152"), "{err}");
 }

@@ -76,7 +76,7 @@ pub async fn run(
         fingerprint: model.fingerprint.as_str().into(),
         vocab: (
             u32::try_from(model.shape.vocab_size).unwrap_or(u32::MAX),
-            [model.tokenizer.eos_token_id].into(),
+            model.tokenizer.eog_token_ids.as_slice().into(),
         ),
         epoch: 0,
         token: role.scheduler.static_token.clone(),

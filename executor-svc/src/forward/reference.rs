@@ -116,19 +116,19 @@ pub fn forward(
 }
 
 /// The greedy continuation of `prompt`: up to `max` tokens, each the argmax of the last logits,
-/// ending before `eos` when it comes.
+/// ending before any token of `stop` when one comes.
 pub fn greedy(
     w: &LlamaWeights,
     prompt: &[u32],
     max: usize,
-    eos: Option<u32>,
+    stop: &[u32],
 ) -> Result<Vec<u32>, String> {
     let mut cache = ContiguousCache::default();
     let mut logits = forward(w, prompt, &mut cache)?;
     let mut out = Vec::with_capacity(max);
     while out.len() < max {
         let next = argmax(&logits).ok_or("no logits")? as u32;
-        if Some(next) == eos {
+        if stop.contains(&next) {
             break;
         }
         out.push(next);

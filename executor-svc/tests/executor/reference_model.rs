@@ -11,7 +11,7 @@ fn load() -> (Tokenizer, LlamaWeights) {
 }
 
 fn greedy(w: &LlamaWeights, tok: &Tokenizer, prompt: &[u32], max: usize) -> String {
-    tok.decode(&reference::greedy(w, prompt, max, Some(tok.eos_token_id)).unwrap())
+    tok.decode(&reference::greedy(w, prompt, max, &tok.eog_token_ids).unwrap())
 }
 
 #[test]

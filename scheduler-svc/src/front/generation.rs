@@ -210,6 +210,8 @@ impl Generation for GenerationService {
                 id: m.name().to_string(),
                 max_model_len: u32::try_from(m.max_model_len).unwrap_or(u32::MAX),
                 owned_by: "ferry".into(),
+                architecture: m.file.shape.family.name.into(),
+                weight_types: m.file.weight_types.clone(),
             }],
         }))
     }

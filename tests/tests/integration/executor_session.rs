@@ -69,7 +69,7 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
     assert_eq!(info.model, "SmolLM2-135M-Instruct");
     assert_eq!(info.model_fingerprint, model.fingerprint);
     assert!(info.num_blocks > 8, "{info:?}");
-    assert_eq!(info.eos_token_ids, vec![tok.eos_token_id]);
+    assert_eq!(info.eos_token_ids, tok.eog_token_ids);
 
     assert_eq!(hs.session_secret.len(), ferry_runtime::secret::LEN, "a session secret");
     let (tx, rx) = mpsc::channel(4);

@@ -21,7 +21,7 @@ const TYPES: [&str; 2] = ["Q5_1", "BF16"];
 fn reference_answer(model: &LoadedModel, prompt: &str) -> String {
     let tok = &model.file.tokenizer;
     let prompt = tok.encode(prompt).unwrap();
-    tok.decode(&reference::greedy(&model.weights, &prompt, TOKENS, Some(tok.eos_token_id)).unwrap())
+    tok.decode(&reference::greedy(&model.weights, &prompt, TOKENS, &tok.eog_token_ids).unwrap())
 }
 
 #[test]

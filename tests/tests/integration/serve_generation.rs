@@ -161,8 +161,12 @@ async fn serve_answers_over_grpc() {
     assert_eq!(generate(&mut client, bad_model).await.unwrap_err().code(), tonic::Code::NotFound);
     let too_long = generate(&mut client, prompt("Hi", 100_000)).await.unwrap_err();
     assert_eq!(too_long.code(), tonic::Code::InvalidArgument);
-    let served = client.list_models(v1::ListModelsRequest {}).await.unwrap().into_inner().models[0]
-        .max_model_len;
+    let listed = client.list_models(v1::ListModelsRequest {}).await.unwrap().into_inner().models;
+    assert_eq!(
+        (listed[0].architecture.as_str(), &listed[0].weight_types[..]),
+        ("llama", &["Q4_1".to_string(), "Q8_0".to_string()][..])
+    );
+    let served = listed[0].max_model_len;
     assert!(served < 8192, "the KV cache of 128 MiB caps the length below the model's 8192");
     assert!(too_long.message().contains(&served.to_string()), "{too_long}");
     let mut bad_temp = prompt("Hi", 4);
@@ -252,6 +256,10 @@ fn serve_speaks_the_openai_http_api() {
     let (status, models) = http(h, "GET", "/v1/models", b"").unwrap();
     assert_eq!(status, 200);
     assert!(models.contains("\"SmolLM2-135M-Instruct\""), "{models}");
+    // What the file is: its architecture and its matrices' types, most tensors first.
+    let listed: serde_json::Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(listed["data"][0]["architecture"], "llama", "{models}");
+    assert_eq!(listed["data"][0]["weight_types"], serde_json::json!(["Q4_1", "Q8_0"]), "{models}");
 
     let chat = br#"{"model":"SmolLM2-135M-Instruct","temperature":0,"messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"What is the capital of France?"}]}"#;
     let (status, body) = http(h, "POST", "/v1/chat/completions", chat).unwrap();

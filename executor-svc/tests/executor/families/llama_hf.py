@@ -67,6 +67,11 @@ def quantized(rng, rows, cols, qtype):
     quantized from normal weights by the package, a k-quant as random blocks it dequantizes."""
     if qtype in K_QUANTS:
         data = random_k_blocks(rng, qtype, rows, cols, K_QUANTS[qtype])
+    elif qtype == Q.Q2_K:
+        # A type Ferry does not serve: random blocks, for a refusal.
+        _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, size=(rows, cols // 256 * block_bytes), dtype=np.uint8)
+        return data, None
     else:
         w = rng.normal(0, 1 / np.sqrt(cols), (rows, cols)).astype(np.float32)
         data = gguf.quants.quantize(w, qtype)
@@ -281,6 +286,10 @@ def main():
     }
     m = build(f"{out_dir}/k-quants.gguf", np.random.default_rng(6), 10000.0, tied=False, types=k_mix)
     run("k-quants", m, inv(10000.0), inv(10000.0))
+    # A matrix of a type Ferry does not compute in (Q2_K): refused when the file is opened.
+    path = f"{out_dir}/q2_k.gguf"
+    build(path, np.random.default_rng(11), 10000.0, tied=True, types={"ffn_up": Q.Q2_K})
+    refused["a Q2_K matrix"] = [path, "blk.0.ffn_up.weight is of type Q2_K"]
     set_dims(64, 128)
     # Unquantized weights, the three float types mixed (as a converter's F16 or BF16 output
     # with some tensors kept F32), Q, K and V of different types.

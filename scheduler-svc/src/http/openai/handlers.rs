@@ -273,9 +273,12 @@ pub async fn chat_completions(
 /// `GET /v1/models`.
 pub async fn models(State(front): State<GenerationService>) -> Response {
     let m = front.model();
-    let body = json!({
-        "object": "list",
-        "data": [{ "id": m.name(), "object": "model", "created": 0, "owned_by": "ferry", "max_model_len": m.max_model_len }],
+    // `architecture` and `weight_types` are Ferry's: what the file is and that it is served.
+    let model = json!({
+        "id": m.name(), "object": "model", "created": 0, "owned_by": "ferry",
+        "max_model_len": m.max_model_len, "architecture": m.file.shape.family.name,
+        "weight_types": m.file.weight_types,
     });
+    let body = json!({ "object": "list", "data": [model] });
     ([("content-type", "application/json")], body.to_string()).into_response()
 }

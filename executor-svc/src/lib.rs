@@ -223,6 +223,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         rope_scale: 1.0,
         rms_eps: 1e-5,
         max_model_len: SIMULATED_MAX_MODEL_LEN,
+        sliding_window: None,
     };
     // vLLM's default batch limits size the activation workspace.
     let activations = activation_bytes(&sim_model, hardware.tensor_parallel, 8192, 256);

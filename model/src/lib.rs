@@ -17,8 +17,10 @@ pub mod gguf;
 pub mod pre_tokenizer;
 pub mod sampling;
 pub mod shape;
+mod spm;
 pub mod structured;
 pub mod tokenizer;
+mod vocab;
 
 use std::path::{Path, PathBuf};
 

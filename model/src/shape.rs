@@ -58,21 +58,33 @@ pub struct Family {
     /// Whether each query and key head is RMS-normed before its rotation (`attn_q_norm`,
     /// `attn_k_norm`: one weight per head dimension, shared by the heads).
     pub qk_norm: bool,
+    /// Whether the file holds Q, K and V as one matrix (`attn_qkv`) and gate and up as one
+    /// (`ffn_up`, gate rows first): the stacked matrices the forward multiplies by anyway.
+    pub fused: bool,
 }
 
 impl Family {
     /// Llama 1-3 and the models in its layout (SmolLM, Mistral without a sliding window).
-    pub const LLAMA: Self =
-        Self { name: "llama", rope: RopeStyle::Adjacent, qkv_bias: false, qk_norm: false };
+    pub const LLAMA: Self = Self {
+        name: "llama",
+        rope: RopeStyle::Adjacent,
+        qkv_bias: false,
+        qk_norm: false,
+        fused: false,
+    };
     /// Qwen 2 and 2.5: Llama with biases on Q, K and V and the NEOX rotation.
     pub const QWEN2: Self =
-        Self { name: "qwen2", rope: RopeStyle::Halves, qkv_bias: true, qk_norm: false };
+        Self { name: "qwen2", rope: RopeStyle::Halves, qkv_bias: true, ..Self::LLAMA };
     /// Qwen 3 (dense): Llama with the NEOX rotation and each Q and K head RMS-normed first; its
     /// heads are usually not width / heads wide (`attention.key_length`).
     pub const QWEN3: Self =
-        Self { name: "qwen3", rope: RopeStyle::Halves, qkv_bias: false, qk_norm: true };
+        Self { name: "qwen3", rope: RopeStyle::Halves, qk_norm: true, ..Self::LLAMA };
+    /// Phi-3 and 3.5 (mini, medium): Llama with the NEOX rotation, Q, K and V in one matrix and
+    /// gate and up in another, usually a sliding window.
+    pub const PHI3: Self =
+        Self { name: "phi3", rope: RopeStyle::Halves, fused: true, ..Self::LLAMA };
     /// Every architecture served.
-    pub const ALL: [Self; 3] = [Self::LLAMA, Self::QWEN2, Self::QWEN3];
+    pub const ALL: [Self; 4] = [Self::LLAMA, Self::QWEN2, Self::QWEN3, Self::PHI3];
 
     /// The family whose `general.architecture` is `name`.
     pub fn named(name: &str) -> Option<Self> {
@@ -113,6 +125,10 @@ pub struct LlamaShape {
     pub rms_eps: f32,
     /// Longest context the model was trained for.
     pub max_model_len: usize,
+    /// Mistral-style sliding window (`attention.sliding_window`): each token attends to the
+    /// last this many positions, itself included (Hugging Face's `q - k < window`, llama.cpp's
+    /// standard window); `None` attends to every earlier position.
+    pub sliding_window: Option<usize>,
 }
 
 /// `key`'s value, or a `Metadata` error saying it is missing.
@@ -154,6 +170,8 @@ const UNDERSTOOD: &[&str] = &[
     // The length a scaled model was trained at before its extension: information only.
     "rope.scaling.original_context_length",
     "rope.scaling.finetuned",
+    // Read into `sliding_window`.
+    "attention.sliding_window",
 ];
 
 fn unsupported(key: &str, value: &Value, reason: &str) -> ShapeError {
@@ -280,6 +298,8 @@ impl LlamaShape {
             rope_scale: rope_scale(header, arch)?,
             rms_eps: float(required(header, &eps_key)?, &eps_key)?,
             max_model_len: u("context_length")?,
+            // 0: no window, as llama.cpp reads it.
+            sliding_window: optional_u("attention.sliding_window")?.filter(|&w| w > 0),
         };
         if num_heads == 0
             || num_kv_heads == 0
@@ -290,6 +310,11 @@ impl LlamaShape {
             return Err(ShapeError::Inconsistent(format!("{shape:?}")));
         }
         Ok(shape)
+    }
+
+    /// Positions a token attends to at most (`usize::MAX` without a sliding window).
+    pub fn window(&self) -> usize {
+        self.sliding_window.unwrap_or(usize::MAX)
     }
 
     /// Width of the K (or V) projection: `kv_heads` × `head_dim`.
@@ -353,8 +378,14 @@ mod tests {
         let s = shape(smollm_as("qwen2")).unwrap();
         assert_eq!((s.num_layers, s.hidden, s.head_dim, s.kv_dim()), (30, 576, 64, 192));
         assert_eq!((s.family.rope, s.family.qkv_bias), (RopeStyle::Halves, true));
-        let err = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window", 4096));
-        assert!(err.unwrap_err().to_string().contains("qwen2.attention.sliding_window"));
+        // A sliding window where the metadata asks for one (0: none, as llama.cpp reads it);
+        // Gemma's alternating windows are not understood.
+        let s = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window", 4096)).unwrap();
+        assert_eq!((s.sliding_window, s.window()), (Some(4096), 4096));
+        let s = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window", 0)).unwrap();
+        assert_eq!((s.sliding_window, s.window()), (None, usize::MAX));
+        let err = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window_pattern", 6));
+        assert!(err.unwrap_err().to_string().contains("qwen2.attention.sliding_window_pattern"));
         let b = smollm_as("qwen2").string("qwen2.rope.scaling.type", "yarn");
         assert!(shape(b).unwrap_err().to_string().contains("qwen2.rope.scaling.type"));
         // Qwen 3: heads wider than width / heads, as its key length says.
@@ -389,8 +420,8 @@ mod tests {
             (smollm().string("llama.rope.scaling.type", "yarn"), "llama.rope.scaling.type"),
             (smollm().u32("llama.rope.dimension_count_x", 1), "llama.rope.dimension_count_x"),
             (
-                smollm().u32("llama.attention.sliding_window", 4096),
-                "llama.attention.sliding_window",
+                smollm().u32("llama.attention.sliding_window_pattern", 6),
+                "llama.attention.sliding_window_pattern",
             ),
             (smollm().u32("llama.expert_count", 8), "llama.expert_count"),
             (smollm().u32("llama.attention.value_length", 128), "llama.attention.value_length"),

@@ -2,131 +2,22 @@
 //!
 //! Encoding is byte-level BPE (GPT-2 style) built from `tokenizer.ggml.tokens` and `.merges`
 //! with the `tokenizers` crate, after the pre-tokenizer `tokenizer.ggml.pre` names
-//! ([`crate::pre_tokenizer`]); control and user-defined tokens (`<|im_start|>` …) are matched
-//! as whole tokens in the text. Decoding does not go through `tokenizers`: every id maps to its
-//! raw bytes once at load, so decoding is a concatenation, and [`IncrementalDecoder`] emits the
-//! longest complete UTF-8 prefix — it never splits a character, whatever the token boundaries.
-
-use std::collections::HashMap;
+//! ([`crate::pre_tokenizer`]), or SentencePiece as llama.cpp encodes it (`crate::spm`: merges
+//! by `tokenizer.ggml.scores`, byte fallback); control and user-defined tokens (`<|im_start|>`
+//! …) are matched as whole tokens in the text (`crate::vocab`). Decoding does not go through
+//! `tokenizers`: every id maps to its raw bytes once at load, so decoding is a concatenation,
+//! and [`IncrementalDecoder`] emits the longest complete UTF-8 prefix — it never splits a
+//! character, whatever the token boundaries.
 
 use minijinja::Environment;
 
 use crate::chat::{self, ChatOptions};
-use tokenizers::models::bpe::BPE;
-use tokenizers::AddedToken;
-
 use crate::gguf::{GgufHeader, Value};
-use crate::pre_tokenizer::{PreTokenizer, UnknownPreTokenizer};
-
-/// Why a tokenizer could not be built or used.
-#[derive(Debug, thiserror::Error)]
-pub enum TokenizerError {
-    /// A metadata key is missing or has the wrong type.
-    #[error("GGUF metadata {key}: {reason}")]
-    Metadata {
-        /// The key.
-        key: &'static str,
-        /// What was wrong.
-        reason: String,
-    },
-    /// The tokenizer model is not byte-level BPE.
-    #[error("unsupported tokenizer model {0:?} (only byte-level BPE, \"gpt2\", is supported)")]
-    Unsupported(String),
-    /// `tokenizer.ggml.pre` names a pre-tokenizer Ferry does not know.
-    #[error(transparent)]
-    PreTokenizer(#[from] UnknownPreTokenizer),
-    /// The `tokenizers` crate failed.
-    #[error("tokenizer: {0}")]
-    Tokenizers(String),
-    /// The chat template failed to compile or render.
-    #[error("chat template: {0}")]
-    Template(String),
-}
-
-/// GGUF token types (llama.cpp's `llama_token_type`).
-const TOKEN_TYPE_CONTROL: i32 = 3;
-const TOKEN_TYPE_USER_DEFINED: i32 = 4;
-
-/// The texts of the tokens llama.cpp takes as the end of a generation in any vocabulary (its
-/// `llama_vocab::impl::load`), made control tokens where a file left them normal.
-pub const END_OF_GENERATION_TEXTS: [&str; 12] = [
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<|return|>",
-    "<|call|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
-    "_<EOT>",
-    "<|end_of_text|>",
-    "<end_of_utterance>",
-];
-
-/// The metadata keys of the other tokens that end a generation.
-const END_OF_GENERATION_KEYS: [&str; 5] = [
-    "tokenizer.ggml.eot_token_id",
-    "tokenizer.ggml.eom_token_id",
-    "tokenizer.ggml.fim_pad_token_id",
-    "tokenizer.ggml.fim_rep_token_id",
-    "tokenizer.ggml.fim_sep_token_id",
-];
-
-/// `tokenizer.ggml.token_type`, one per token (all normal when absent).
-fn token_types(header: &GgufHeader, n: usize) -> Result<Vec<i32>, TokenizerError> {
-    let key = "tokenizer.ggml.token_type";
-    let Some(v) = header.get(key) else { return Ok(vec![1; n]) };
-    let items = v.as_array().ok_or_else(|| bad(key, "an array", v))?;
-    let types = items
-        .iter()
-        .map(|t| t.as_i32().ok_or_else(|| bad(key, "an integer", t)))
-        .collect::<Result<Vec<_>, _>>()?;
-    if types.len() != n {
-        let reason = format!("{} types for {n} tokens", types.len());
-        return Err(TokenizerError::Metadata { key, reason });
-    }
-    Ok(types)
-}
-
-/// The token id at `key`, which must lie in a vocabulary of `n` tokens.
-fn token_id(
-    header: &GgufHeader,
-    key: &'static str,
-    n: usize,
-) -> Result<Option<u32>, TokenizerError> {
-    let Some(v) = header.get(key) else { return Ok(None) };
-    let id = v.as_u32().ok_or_else(|| bad(key, "a token id", v))?;
-    if id as usize >= n {
-        let reason = format!("token id {id} is past the vocabulary's {n} tokens");
-        return Err(TokenizerError::Metadata { key, reason });
-    }
-    Ok(Some(id))
-}
-
-/// The end-of-generation set (see [`Tokenizer::eog_token_ids`]), EOS first; the tokens found
-/// by their text become control tokens in `types`, as llama.cpp overrides them.
-fn end_of_generation(
-    header: &GgufHeader,
-    eos: u32,
-    tokens: &[String],
-    types: &mut [i32],
-) -> Result<Vec<u32>, TokenizerError> {
-    let mut rest = Vec::new();
-    for key in END_OF_GENERATION_KEYS {
-        rest.extend(token_id(header, key, tokens.len())?);
-    }
-    for (id, text) in tokens.iter().enumerate() {
-        if END_OF_GENERATION_TEXTS.contains(&text.as_str()) {
-            types[id] = TOKEN_TYPE_CONTROL;
-            rest.push(id as u32);
-        }
-    }
-    rest.sort_unstable();
-    rest.dedup();
-    rest.retain(|&id| id != eos);
-    Ok(std::iter::once(eos).chain(rest).collect())
-}
+use crate::vocab::{
+    bad, bpe, end_of_generation, meta, partition, spm, strings, token_bytes, token_id, token_types,
+    Encoder, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED,
+};
+pub use crate::vocab::{TokenizerError, END_OF_GENERATION_TEXTS};
 
 /// A chat message for the template.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -139,7 +30,7 @@ pub struct ChatMessage {
 
 /// The tokenizer of one model.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Encoder,
     /// Raw bytes of each token id, for decoding.
     token_bytes: Vec<Vec<u8>>,
     /// End-of-sequence token.
@@ -170,101 +61,31 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
-fn meta<'a>(header: &'a GgufHeader, key: &'static str) -> Result<&'a Value, TokenizerError> {
-    header.get(key).ok_or(TokenizerError::Metadata { key, reason: "missing".into() })
-}
-
-fn bad(key: &'static str, want: &str, got: &Value) -> TokenizerError {
-    TokenizerError::Metadata { key, reason: format!("expected {want}, found {}", got.type_name()) }
-}
-
-/// `key`'s value as an array of strings.
-fn strings(header: &GgufHeader, key: &'static str) -> Result<Vec<String>, TokenizerError> {
-    let v = meta(header, key)?;
-    let items = v.as_array().ok_or_else(|| bad(key, "an array of strings", v))?;
-    items
-        .iter()
-        .map(|item| item.as_str().map(str::to_string).ok_or_else(|| bad(key, "a string", item)))
-        .collect()
-}
-
 impl Tokenizer {
     /// Builds the tokenizer from a GGUF file's metadata.
     pub fn from_gguf(header: &GgufHeader) -> Result<Self, TokenizerError> {
         let key = "tokenizer.ggml.model";
         let model = meta(header, key)?;
         let model = model.as_str().ok_or_else(|| bad(key, "a string", model))?;
-        if model != "gpt2" {
-            return Err(TokenizerError::Unsupported(model.to_string()));
-        }
-        let key = "tokenizer.ggml.pre";
-        let pre = match header.get(key) {
-            Some(v) => Some(v.as_str().ok_or_else(|| bad(key, "a string", v))?),
-            None => None,
-        };
-        let pre = PreTokenizer::named(pre)?;
         let tokens = strings(header, "tokenizer.ggml.tokens")?;
         let mut types = token_types(header, tokens.len())?;
-        let merges: Vec<(String, String)> = strings(header, "tokenizer.ggml.merges")?
-            .into_iter()
-            .map(|m| {
-                m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| {
-                    TokenizerError::Metadata {
-                        key: "tokenizer.ggml.merges",
-                        reason: format!("merge {m:?} has no space"),
-                    }
-                })
-            })
-            .collect::<Result<_, _>>()?;
         let key = "tokenizer.ggml.eos_token_id";
         let missing = || TokenizerError::Metadata { key, reason: "missing".into() };
         let eos_token_id = token_id(header, key, tokens.len())?.ok_or_else(missing)?;
         let eog_token_ids = end_of_generation(header, eos_token_id, &tokens, &mut types)?;
-        let bos_token_id = header.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u32);
+        let (inner, add_bos_default) = match model {
+            "gpt2" => bpe(header, &tokens, &types)?,
+            "llama" => spm(header, &tokens, &types)?,
+            other => return Err(TokenizerError::Unsupported(other.to_string())),
+        };
+        let bos_token_id = token_id(header, "tokenizer.ggml.bos_token_id", tokens.len())?;
         let add_bos = header
             .get("tokenizer.ggml.add_bos_token")
             .and_then(Value::as_bool)
-            .unwrap_or(pre.add_bos_default);
+            .unwrap_or(add_bos_default);
         let chat_template =
             header.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string);
-
-        let vocab: tokenizers::models::bpe::Vocab =
-            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .ignore_merges(pre.ignore_merges)
-            .build()
-            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = pre.build().map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-        inner.with_pre_tokenizer(Some(pre));
-        let specials: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
-            .map(|(tok, t)| AddedToken::from(tok.clone(), *t == TOKEN_TYPE_CONTROL))
-            .collect();
-        inner
-            .add_special_tokens(specials)
-            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-
-        let unicode_to_byte = byte_level_decoder_table();
-        let token_bytes = tokens
-            .iter()
-            .zip(&types)
-            .map(|(tok, t)| {
-                if *t == TOKEN_TYPE_CONTROL || *t == TOKEN_TYPE_USER_DEFINED {
-                    tok.as_bytes().to_vec()
-                } else {
-                    tok.chars()
-                        .flat_map(|c| match unicode_to_byte.get(&c) {
-                            Some(b) => vec![*b],
-                            None => c.to_string().into_bytes(),
-                        })
-                        .collect()
-                }
-            })
-            .collect();
+        let token_bytes = token_bytes(model == "gpt2", &tokens, &types);
         let special = types.iter().map(|t| *t == TOKEN_TYPE_CONTROL).collect();
         let added = types.iter().map(|t| *t == TOKEN_TYPE_USER_DEFINED).collect();
         Ok(Self {
@@ -295,15 +116,29 @@ impl Tokenizer {
     /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
     /// ids; BOS is prepended when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.add_bos {
             ids.extend(self.bos_token_id);
         }
-        ids.extend_from_slice(enc.get_ids());
+        match &self.inner {
+            Encoder::Bpe(inner) => {
+                let enc = inner
+                    .encode(text, false)
+                    .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Encoder::Spm { spm, add_space_prefix, specials } => {
+                // A space before the text and after each special token, as llama.cpp does.
+                let mut after_special = true;
+                for part in partition(text, specials) {
+                    match part {
+                        Ok(run) => spm.encode(run, *add_space_prefix && after_special, &mut ids),
+                        Err(id) => ids.push(id),
+                    }
+                    after_special = part.is_err();
+                }
+            }
+        }
         Ok(ids)
     }
 
@@ -432,24 +267,6 @@ impl Tokenizer {
         }
         Ok(text)
     }
-}
-
-/// GPT-2's byte-level alphabet, reversed: the printable stand-in char of each byte → the byte.
-fn byte_level_decoder_table() -> HashMap<char, u8> {
-    let mut table = HashMap::with_capacity(256);
-    let mut extra = 0u32;
-    for b in 0u32..=255 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        let c = if printable {
-            b
-        } else {
-            extra += 1;
-            255 + extra
-        };
-        table.insert(char::from_u32(c).expect("byte-level alphabet is valid chars"), b as u8);
-    }
-    table
 }
 
 /// Turns a stream of token ids into text deltas that never split a UTF-8 character.

@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""The reference for Ferry's BPE tokenizers: vocabularies trained here with Hugging Face's
+"""The reference for Ferry's tokenizers: BPE vocabularies trained here with Hugging Face's
 `tokenizers` package, each family's pre-tokenizer written as its published tokenizer.json
-defines it (not as Ferry or llama.cpp writes it), saved as GGUF metadata with the `gguf`
-package, and the ids `tokenizers` gives for a fixed set of texts.
+defines it (not as Ferry or llama.cpp writes it), and a SentencePiece BPE vocabulary with byte
+fallback trained with the `sentencepiece` package as Llama 2 and Mistral's were (identity
+normalization, whitespace kept, digits split), saved as GGUF metadata with the `gguf` package,
+and the ids `tokenizers` or `sentencepiece` gives for a fixed set of texts (for SentencePiece,
+the texts without special tokens: `sentencepiece` matches none in a text, where llama.cpp does —
+null there).
 
     reference_tokenizers.py OUT_DIR [REAL_MODEL.gguf]
 
@@ -14,7 +18,10 @@ SmolLM2's published pre-tokenizer.
 import json
 import sys
 
+import io
+
 import gguf
+import sentencepiece
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 TEXTS = [
@@ -128,6 +135,51 @@ def trained(family, out_dir):
     return {"gguf": path, "ids": ids}
 
 
+def sentencepiece_family(out_dir):
+    """A SentencePiece BPE vocabulary with byte fallback (rare characters — the emoji, some CJK
+    — left to their bytes), written as llama.cpp's converter writes Llama 2's."""
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=700, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, add_dummy_prefix=True,
+        character_coverage=0.99, minloglevel=2,
+    )
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    n = sp.get_piece_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    scores = [sp.get_score(i) for i in range(n)]
+
+    def kind(i):
+        if sp.is_unknown(i):
+            return 2
+        if sp.is_control(i):
+            return 3
+        if sp.is_byte(i):
+            return 6
+        return 1
+
+    path = f"{out_dir}/spm.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types([kind(i) for i in range(n)])
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    byte_fallbacks = sum(sp.is_byte(i) for t in TEXTS for i in sp.encode(t))
+    assert byte_fallbacks > 0, "no text falls back to bytes: the test would not cover it"
+    ids = [None if "<|" in t else sp.encode(t) for t in TEXTS]
+    return {"gguf": path, "ids": ids}
+
+
 def field(reader, key):
     return reader.fields[key].contents()
 
@@ -152,6 +204,7 @@ def real(path):
 def main():
     out_dir = sys.argv[1]
     families = {f: trained(f, out_dir) for f in FAMILIES}
+    families["spm"] = sentencepiece_family(out_dir)
     if len(sys.argv) > 2:
         families["smollm-real"] = real(sys.argv[2])
     with open(f"{out_dir}/expected.json", "w") as f:

@@ -1,4 +1,4 @@
-//! The weights of a Llama-family model (llama, qwen2, qwen3: `ferry_model::Family`) as a GGUF
+//! The weights of a Llama-family model (llama, qwen2, qwen3, phi3: `ferry_model::Family`) as a GGUF
 //! file holds them, loaded once into the layout the forward passes use (the shape comes from
 //! `ferry-model`, which reads the header).
 //!
@@ -67,18 +67,58 @@ fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
         "ffn_up.weight",
         "ffn_down.weight",
     ];
-    let (layers, biases, norms) = (shape.num_layers, shape.family.qkv_bias, shape.family.qk_norm);
+    // Phi-3's: Q, K and V in one matrix, gate and up in another.
+    const FUSED: [&str; 6] = [
+        "attn_norm.weight",
+        "attn_qkv.weight",
+        "attn_output.weight",
+        "ffn_norm.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    ];
+    let f = shape.family;
+    let (layers, biases, norms) = (shape.num_layers, f.qkv_bias, f.qk_norm);
+    let per_layer: &[&str] = if f.fused { &FUSED } else { &PER_LAYER };
     move |name: &str| {
         GLOBAL.contains(&name)
             || name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).is_some_and(
                 |(i, part)| {
                     i.parse::<usize>().is_ok_and(|i| i < layers)
-                        && (PER_LAYER.contains(&part)
+                        && (per_layer.contains(&part)
                             || biases && BIASES.contains(&part)
                             || norms && QK_NORMS.contains(&part))
                 },
             )
     }
+}
+
+/// Block `p`'s parts of the stacked Q, K, V and gate, up matrices, as the file holds them
+/// (each part, or the family's fused matrices), read by `matrix(name, dims)`.
+#[allow(clippy::type_complexity)]
+fn stacked_parts(
+    shape: &LlamaShape,
+    p: &str,
+    matrix: &mut impl FnMut(String, &[usize]) -> Result<QWeight, LoadError>,
+) -> Result<(Vec<QWeight>, Vec<QWeight>), LoadError> {
+    let (h, q, kv, ff) = (shape.hidden, shape.q_dim(), shape.kv_dim(), shape.intermediate);
+    Ok(if shape.family.fused {
+        (
+            vec![matrix(format!("{p}.attn_qkv.weight"), &[q + 2 * kv, h])?],
+            vec![matrix(format!("{p}.ffn_up.weight"), &[2 * ff, h])?],
+        )
+    } else {
+        (
+            vec![
+                matrix(format!("{p}.attn_q.weight"), &[q, h])?,
+                matrix(format!("{p}.attn_k.weight"), &[kv, h])?,
+                matrix(format!("{p}.attn_v.weight"), &[kv, h])?,
+            ],
+            vec![
+                matrix(format!("{p}.ffn_gate.weight"), &[ff, h])?,
+                matrix(format!("{p}.ffn_up.weight"), &[ff, h])?,
+            ],
+        )
+    })
 }
 
 /// One transformer block's weights. Matrices are `[out, in]` in their GGUF quantization.
@@ -174,15 +214,9 @@ impl LlamaWeights {
         let mut prefixes = Vec::with_capacity(shape.num_layers);
         for i in 0..shape.num_layers {
             let p = format!("blk.{i}");
-            layers.push((
-                matrix(format!("{p}.attn_q.weight"), &[q, h])?,
-                matrix(format!("{p}.attn_k.weight"), &[kv, h])?,
-                matrix(format!("{p}.attn_v.weight"), &[kv, h])?,
-                matrix(format!("{p}.attn_output.weight"), &[h, q])?,
-                matrix(format!("{p}.ffn_gate.weight"), &[ff, h])?,
-                matrix(format!("{p}.ffn_up.weight"), &[ff, h])?,
-                matrix(format!("{p}.ffn_down.weight"), &[h, ff])?,
-            ));
+            let (qkv, gate_up) = stacked_parts(&shape, &p, &mut matrix)?;
+            let wo = matrix(format!("{p}.attn_output.weight"), &[h, q])?;
+            layers.push((qkv, wo, gate_up, matrix(format!("{p}.ffn_down.weight"), &[h, ff])?));
             prefixes.push(p);
         }
         let embed = matrix("token_embd.weight".into(), &[shape.vocab_size, h])?;
@@ -213,9 +247,9 @@ impl LlamaWeights {
         let layers = layers
             .into_iter()
             .zip(prefixes)
-            .map(|((wq, wk, wv, wo, w_gate, w_up, w_down), p)| {
-                let stack = |parts: &[&QWeight], what: &str| {
-                    Stacked::new(parts)
+            .map(|((qkv, wo, gate_up, w_down), p)| {
+                let stack = |parts: &[QWeight], what: &str| {
+                    Stacked::new(&parts.iter().collect::<Vec<_>>())
                         .ok_or_else(|| LoadError::Shape(format!("{p}: {what} differ in width")))
                 };
                 let mut vector = |part: &str, len| vector(&format!("{p}.{part}"), len);
@@ -235,12 +269,12 @@ impl LlamaWeights {
                 };
                 Ok(LayerWeights {
                     attn_norm: vector("attn_norm.weight", h)?,
-                    wqkv: stack(&[&wq, &wk, &wv], "Q, K and V")?,
+                    wqkv: stack(&qkv, "Q, K and V")?,
                     qkv_bias,
                     qk_norm,
                     wo,
                     ffn_norm: vector("ffn_norm.weight", h)?,
-                    w_gate_up: stack(&[&w_gate, &w_up], "gate and up")?,
+                    w_gate_up: stack(&gate_up, "gate and up")?,
                     w_down,
                 })
             })

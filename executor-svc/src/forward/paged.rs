@@ -230,7 +230,7 @@ fn attend_layer(
                 let at = r * qkv_width + k0 * gw;
                 q.extend_from_slice(&qkv[at..at + kvt * gw]);
             }
-            let heads = Heads { hd, group, lane: k0 * hd, kv: kvt, scale };
+            let heads = Heads { hd, group, lane: k0 * hd, kv: kvt, scale, window: s.window() };
             match cache.dtype {
                 // SAFETY (both): this part's sequences' positions, which no thread writes
                 // while the layer's attention runs (this part wrote them before it; other

@@ -88,7 +88,7 @@ pub fn forward(
                 // KV head's query heads; the arithmetic per head is the same, which the
                 // comparison tests check).
                 attend(
-                    Heads { hd, group: 1, lane: kvh * hd, kv: 1, scale },
+                    Heads { hd, group: 1, lane: kvh * hd, kv: 1, scale, window: s.window() },
                     &q[i * q_dim + head * hd..i * q_dim + (head + 1) * hd],
                     start + i + 1,
                     |p| KvRun {

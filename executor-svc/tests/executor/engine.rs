@@ -585,6 +585,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
         rope_scale: 1.0,
         rms_eps: 1e-5,
         max_model_len: 4096,
+        sliding_window: None,
     };
     let model = SimModel::llama(32, 4096, 11008, 32, 32, 32000, 2.0);
     let sim = || {

@@ -183,7 +183,7 @@ pub fn forward(
             block_size: cache.block_size,
         };
         k.kv_write(stream, &mut cache.data, &a.qkv, &ctx)?;
-        k.paged_attention(stream, &mut a.attn, &a.qkv, &cache.data, &ctx, scale)?;
+        k.paged_attention(stream, &mut a.attn, &a.qkv, &cache.data, &ctx, scale, s.window())?;
         linear(&gpu.blas, &layer.wo, &a.attn, n, &mut a.x, true, "the output projection")?;
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.ffn_norm, n, s.rms_eps)?;
         linear(&gpu.blas, &layer.w_gate_up, &a.hn, n, &mut a.gate_up, false, "the gate/up")?;

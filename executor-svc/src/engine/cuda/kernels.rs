@@ -169,8 +169,8 @@ extern "C" __global__ void kv_write(float* __restrict__ cache, const float* __re
     }
 }
 
-// Causal attention of one query head of one row over positions 0..=pos of the row's sequence,
-// read through its block table: out = softmax(q . K^T * scale) V. Grid: (rows, query heads);
+// Causal attention of one query head of one row over positions 0..=pos of the row's sequence
+// (the last `window` of them with a sliding window), read through its block table: out = softmax(q . K^T * scale) V. Grid: (rows, query heads);
 // ATTN_WARPS warps per block. Warp w visits positions w, w + ATTN_WARPS, ... keeping a running
 // maximum, normaliser and weighted sum (online softmax); the warps then merge their partials.
 // Lane l holds dimensions l, l + 32, ... of the head.
@@ -181,7 +181,8 @@ extern "C" __global__ void paged_attention(float* __restrict__ out, const float*
                                            const unsigned int* __restrict__ tables, int rows,
                                            int num_heads, int num_kv_heads, int head_dim,
                                            int layer, int num_layers, int block_size,
-                                           int row_width, float scale) {
+                                           int row_width, float scale,
+                                           unsigned long long window) {
     const int PER_LANE = MAX_HEAD_DIM / WARP;
     __shared__ float q_s[MAX_HEAD_DIM];
     __shared__ float max_s[ATTN_WARPS];
@@ -197,11 +198,12 @@ extern "C" __global__ void paged_attention(float* __restrict__ out, const float*
     __syncthreads();
 
     unsigned long long ctx = pos[r] + 1;
+    unsigned long long first = ctx > window ? ctx - window : 0;
     const unsigned int* table = tables + row_table[r];
     float m = NEG_INF, l = 0.0f, acc[PER_LANE];
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.0f;
-    for (unsigned long long p = warp; p < ctx; p += ATTN_WARPS) {
+    for (unsigned long long p = first + warp; p < ctx; p += ATTN_WARPS) {
         unsigned int block = table[p / block_size];
         size_t slot = p % block_size;
         const float* k =

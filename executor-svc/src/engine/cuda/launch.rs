@@ -236,7 +236,9 @@ impl Kernels {
     }
 
     /// Causal attention of every query head of `ctx.rows` fused rows over their sequences'
-    /// context in `cache`; writes `rows × q_width` into `out`.
+    /// context in `cache` (the last `window` positions of it; `usize::MAX`: all); writes
+    /// `rows × q_width` into `out`.
+    #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
         stream: &CudaStream,
@@ -245,6 +247,7 @@ impl Kernels {
         cache: &CudaSlice<f32>,
         ctx: &PagedContext<'_>,
         scale: f32,
+        window: usize,
     ) -> Result<(), CudaError> {
         let (rows, heads) = (ctx.rows, ctx.heads);
         assert!(
@@ -260,7 +263,8 @@ impl Kernels {
         let mut b = stream.launch_builder(&self.paged_attention);
         b.arg(out).arg(qkv).arg(cache).arg(ctx.positions).arg(ctx.row_table).arg(ctx.tables);
         b.arg(&rows_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&layer_i).arg(&layers_i);
-        b.arg(&bs_i).arg(&row_i).arg(&scale);
+        let window = window as u64;
+        b.arg(&bs_i).arg(&row_i).arg(&scale).arg(&window);
         let cfg = LaunchConfig {
             // Rows on x (up to 2^31 - 1 blocks), heads on y (up to 65 535).
             grid_dim: (rows_i as u32, nh_i as u32, 1),

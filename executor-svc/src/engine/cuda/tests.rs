@@ -50,6 +50,7 @@ fn tiny_model() -> LlamaWeights {
         rope_scale: 1.0,
         rms_eps: 1e-5,
         max_model_len: 256,
+        sliding_window: None,
     };
     let (h, kv, ff) = (shape.hidden, shape.kv_dim(), shape.intermediate);
     let mut rng = Lcg(7);

@@ -206,6 +206,9 @@ pub struct Heads {
     pub kv: usize,
     /// The scores' factor (`1 / √hd`).
     pub scale: f32,
+    /// Positions a token attends to at most, its own included: the last `window` of its
+    /// context (a sliding window; `usize::MAX` for none).
+    pub window: usize,
 }
 
 impl Heads {
@@ -227,7 +230,7 @@ pub struct AttnScratch {
 /// Causal attention of `tokens` consecutive query tokens over `n_ctx + tokens − 1` cached
 /// positions: `q` holds each token's `heads.kv × heads.group` query heads (`hd` each; KV head
 /// `j` serves the `j`-th `group` of them) one token after the other, token `t` attending to
-/// the first `n_ctx + t` positions; `out` (as long as `q`) gets, per head,
+/// the first `n_ctx + t` positions (the last `heads.window` of them with a sliding window); `out` (as long as `q`) gets, per head,
 /// `softmax(q·Kᵀ · scale) · V`. `run(p)` gives the run of positions starting at `p` (a paged
 /// cache: to the end of `p`'s block; a contiguous one: to the end), with the first KV head's
 /// vectors at offset `heads.lane` of each position.
@@ -247,11 +250,16 @@ pub fn attend<'a, T: Elem>(
     debug_assert_eq!(q.len(), out.len());
     debug_assert!(n_ctx >= 1 && q.len().is_multiple_of(heads.kv * heads.group * heads.hd));
     #[cfg(target_arch = "x86_64")]
-    if heads.hd == simd::HD && heads.group <= simd::MAX_HEADS {
-        if let Some(isa) = simd::detect() {
-            // SAFETY: the instruction set was detected at run time.
-            unsafe { simd::attend(isa, heads, q, n_ctx, run, scratch, out) };
-            return;
+    {
+        // The tiled kernels attend from position 0: where a window leaves earlier positions
+        // out (a sliding-window model past its window), the portable path computes.
+        let last = n_ctx + q.len() / (heads.kv * heads.group * heads.hd) - 1;
+        if heads.hd == simd::HD && heads.group <= simd::MAX_HEADS && last <= heads.window {
+            if let Some(isa) = simd::detect() {
+                // SAFETY: the instruction set was detected at run time.
+                unsafe { simd::attend(isa, heads, q, n_ctx, run, scratch, out) };
+                return;
+            }
         }
     }
     attend_with(heads, q, n_ctx, run, out);
@@ -295,9 +303,10 @@ fn attend_with<'a, T: Elem>(
     for (i, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
         let (token, lane) = heads.of(i);
         let n = n_ctx + token;
+        let first = n.saturating_sub(heads.window);
         scores.clear();
         each_position(
-            0..n,
+            first..n,
             lane,
             &run,
             |r| r.keys,
@@ -308,13 +317,13 @@ fn attend_with<'a, T: Elem>(
         softmax(&mut scores);
         oh.fill(0.0);
         each_position(
-            0..n,
+            first..n,
             lane,
             &run,
             |r| r.values,
             |p, value| {
                 for (o, v) in oh.iter_mut().zip(&value[..hd]) {
-                    *o = scores[p].mul_add(v.f32(), *o);
+                    *o = scores[p - first].mul_add(v.f32(), *o);
                 }
             },
         );
@@ -435,7 +444,7 @@ mod tests {
                 len: 5 - p % 5,
             };
             for (group, kv) in (1..=4).map(|g| (g, 1)).chain([(1, 2), (3, 2)]) {
-                let heads = Heads { hd, group, lane, kv, scale: 0.125 };
+                let heads = Heads { hd, group, lane, kv, scale: 0.125, window: usize::MAX };
                 for (tokens, n_ctx) in
                     [(1, 1), (1, 7), (1, 16), (1, 17), (1, 64), (1, 65), (1, 143)]
                         .into_iter()
@@ -446,6 +455,56 @@ mod tests {
                     check(&isas, q, heads, n_ctx, run16, "f16");
                 }
             }
+        }
+    }
+
+    /// A sliding window of `w` positions: each token's result is the unwindowed attention over
+    /// its last `w` positions alone (bit for bit), for single tokens and tiles, windows that
+    /// do and do not cut (where they do, the result differs from attending to everything).
+    #[test]
+    fn a_sliding_window_attends_to_the_last_positions_alone() {
+        let mut seed = 23u64;
+        for hd in [64, 48] {
+            let (stride, positions) = (hd, 120);
+            let keys = values(&mut seed, positions * stride);
+            let vals = values(&mut seed, positions * stride);
+            let q = values(&mut seed, 9 * 2 * hd);
+            let from = |first: usize| {
+                let (keys, vals) = (&keys, &vals);
+                move |p: usize| KvRun {
+                    keys: &keys[(first + p) * stride..],
+                    values: &vals[(first + p) * stride..],
+                    stride,
+                    len: 7 - (first + p) % 7,
+                }
+            };
+            let all = Heads { hd, group: 2, lane: 0, kv: 1, scale: 0.125, window: usize::MAX };
+            let mut scratch = AttnScratch::default();
+            let mut cut = 0;
+            for (window, tokens, n_ctx) in [(8, 1, 30), (8, 9, 30), (50, 9, 20), (16, 4, 13)] {
+                let heads = Heads { window, ..all };
+                let q = &q[..tokens * 2 * hd];
+                let mut got = vec![f32::NAN; q.len()];
+                attend(heads, q, n_ctx, from(0), &mut scratch, &mut got);
+                let mut everything = vec![f32::NAN; q.len()];
+                attend(all, q, n_ctx, from(0), &mut scratch, &mut everything);
+                for t in 0..tokens {
+                    let n = n_ctx + t;
+                    let first = n.saturating_sub(window);
+                    let row = t * 2 * hd..(t + 1) * 2 * hd;
+                    let mut want = vec![f32::NAN; 2 * hd];
+                    attend(all, &q[row.clone()], n - first, from(first), &mut scratch, &mut want);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got[row.clone()]), bits(&want), "window {window}, token {t}");
+                    if first > 0 {
+                        assert_ne!(got[row.clone()], everything[row], "window {window}, {t}");
+                        cut += 1;
+                    } else {
+                        assert_eq!(bits(&got[row.clone()]), bits(&everything[row]));
+                    }
+                }
+            }
+            assert!(cut >= 10, "the windows cut {cut} tokens' contexts");
         }
     }
 

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Tiny Llama-family models written as GGUF files the way llama.cpp's converter writes them,
 and their logits from a forward written here after Hugging Face's `modeling_llama.py`,
-`modeling_qwen2.py` and `modeling_qwen3.py` (numpy, f64, HF's layout: unpermuted Q/K,
-`rotate_half` rotary embedding, HF's rope scalings; Qwen 2 is Llama with biases on Q, K and V,
-Qwen 3 with each Q and K head RMS-normed, and their GGUF files keep HF's Q/K layout). Nothing here is Ferry's: the weights are quantized and read back by the `gguf`
-package.
+`modeling_qwen2.py`, `modeling_qwen3.py` and `modeling_phi3.py` (numpy, f64, HF's layout:
+unpermuted Q/K, `rotate_half` rotary embedding, HF's rope scalings and sliding-window mask
+`q - k < window`; Qwen 2 is Llama with biases on Q, K and V, Qwen 3 with each Q and K head
+RMS-normed, Phi-3 with Q, K and V in one `qkv_proj` and gate and up in one `gate_up_proj`,
+and their GGUF files keep HF's Q/K layout). Nothing here is Ferry's: the weights are quantized
+and read back by the `gguf` package.
 
     llama_hf.py OUT_DIR
 
 writes OUT_DIR/<variant>.gguf and OUT_DIR/expected.json:
 {"variants": {"<variant>": {"gguf": path, "tokens": [...], "logits": [[...] per position],
-  "unscaled_logits": [[...]] (the same weights without the variant's rope scaling),
+  "unscaled_logits": [[...]] (the same weights without the variant's rope scaling or window),
   "greedy": [...] (8 tokens after `tokens`)}}, "refused": {"<variant>": [path, what it names]}}
 """
 import json
@@ -114,8 +116,9 @@ def rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def forward(m, tokens, inv_freq):
-    """Logits at every position (HF's LlamaForCausalLM, no cache)."""
+def forward(m, tokens, inv_freq, window=None):
+    """Logits at every position (HF's LlamaForCausalLM, no cache); with a sliding `window`,
+    query i attends to keys j with i - j < window."""
     n = len(tokens)
     x = m["embed"][tokens]
     pos = np.arange(n, dtype=np.float64)
@@ -123,6 +126,8 @@ def forward(m, tokens, inv_freq):
     emb = np.concatenate([freqs, freqs], axis=-1)
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
     mask = np.triu(np.full((n, n), -np.inf), 1)
+    if window is not None:
+        mask[np.subtract.outer(np.arange(n), np.arange(n)) >= window] = -np.inf
     for l in m["layers"]:
         h = rms_norm(x, l["attn_norm"])
         bias = lambda name: l.get(name, 0.0)
@@ -148,12 +153,13 @@ def forward(m, tokens, inv_freq):
 
 
 def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, types=None,
-          arch="llama", biases=("q", "k", "v")):
+          arch="llama", biases=("q", "k", "v"), window=None):
     """Writes the GGUF file; returns the model the reference computes with. A `qwen2` file has
-    the Q, K and V `biases` named, a `qwen3` file Q and K head norms; both keep Q/K unpermuted,
-    as llama.cpp's converter writes them."""
+    the Q, K and V `biases` named, a `qwen3` file Q and K head norms, a `phi3` file Q, K and V
+    in one `attn_qkv` and gate and up in one `ffn_up`; all three keep Q/K unpermuted, as
+    llama.cpp's converter writes them. `window`: a sliding window in the metadata."""
     w = gguf.GGUFWriter(path, arch)
-    qwen2, hf_layout = arch == "qwen2", arch in ("qwen2", "qwen3")
+    qwen2, hf_layout = arch == "qwen2", arch in ("qwen2", "qwen3", "phi3")
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -167,6 +173,8 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
     if HEAD != HIDDEN // HEADS:
         w.add_key_length(HEAD)
         w.add_value_length(HEAD)
+    if window is not None:
+        w.add_sliding_window(window)
     if scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling)
@@ -204,6 +212,18 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
         if arch == "qwen3":  # weights far from 1, so that a forward without them differs
             layer["q_norm"] = vector(f"{p}.attn_q_norm.weight", HEAD, sd=0.5)
             layer["k_norm"] = vector(f"{p}.attn_k_norm.weight", HEAD, sd=0.5)
+        if arch == "phi3":  # fused, as HF's qkv_proj and gate_up_proj: split for the forward
+            q_dim, kv_dim = HEADS * HEAD, KV_HEADS * HEAD
+            layer["attn_norm"] = vector(f"{p}.attn_norm.weight", HIDDEN)
+            qkv = matrix(f"{p}.attn_qkv.weight", q_dim + 2 * kv_dim, HIDDEN)
+            layer |= {"q": qkv[:q_dim], "k": qkv[q_dim:q_dim + kv_dim], "v": qkv[q_dim + kv_dim:]}
+            layer["o"] = matrix(f"{p}.attn_output.weight", HIDDEN, q_dim)
+            layer["ffn_norm"] = vector(f"{p}.ffn_norm.weight", HIDDEN)
+            gate_up = matrix(f"{p}.ffn_up.weight", 2 * FF, HIDDEN)
+            layer |= {"gate": gate_up[:FF], "up": gate_up[FF:]}
+            layer["down"] = matrix(f"{p}.ffn_down.weight", HIDDEN, FF)
+            m["layers"].append(layer)
+            continue
         m["layers"].append(
             layer | {
                 "attn_norm": vector(f"{p}.attn_norm.weight", HIDDEN),
@@ -219,6 +239,7 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
             }
         )
     m["norm"] = vector("output_norm.weight", HIDDEN)
+    m["window"] = window
     m["output"] = m["embed"] if tied else matrix("output.weight", len(VOCAB), HIDDEN)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
@@ -235,7 +256,7 @@ def greedy(m, tokens, inv_freq, n):
     tokens = list(tokens)
     out = []
     for _ in range(n):
-        nxt = int(np.argmax(forward(m, tokens, inv_freq)[-1]))
+        nxt = int(np.argmax(forward(m, tokens, inv_freq, m["window"])[-1]))
         out.append(nxt)
         tokens.append(nxt)
     return out
@@ -249,7 +270,7 @@ def main():
         variants[name] = {
             "gguf": f"{out_dir}/{name}.gguf",
             "tokens": TOKENS,
-            "logits": forward(m, TOKENS, inv_freq).tolist(),
+            "logits": forward(m, TOKENS, inv_freq, m["window"]).tolist(),
             "unscaled_logits": forward(m, TOKENS, plain_inv_freq).tolist(),
             "greedy": greedy(m, TOKENS, inv_freq, 8),
         }
@@ -313,6 +334,11 @@ def main():
     m = build(f"{out_dir}/qwen3.gguf", np.random.default_rng(9), 1000000.0, tied=True, arch="qwen3")
     run("qwen3", m, inv(1000000.0), inv(1000000.0))
     set_dims(64, 128)
+    # Phi-3 style: fused Q, K, V and gate, up, the NEOX rotation, and a sliding window of 5
+    # positions (Phi-3 mini's is 2047), which the 18 tokens pass.
+    m = build(f"{out_dir}/phi3.gguf", np.random.default_rng(12), 10000.0, tied=False, arch="phi3",
+              window=5)
+    run("phi3", m, inv(10000.0), inv(10000.0))
     # A tensor the llama forward does not compute (Qwen 2's bias).
     path = f"{out_dir}/bias.gguf"
     build(path, np.random.default_rng(4), 10000.0, tied=True, extra="blk.0.attn_q.bias")

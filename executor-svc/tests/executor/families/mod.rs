@@ -1,9 +1,10 @@
 //! Llama-family files Ferry did not write, against a forward Ferry did not write: tiny models
 //! in GGUF as llama.cpp's converter lays them out (`llama_hf.py`, with the `gguf` package's
 //! quantizers; plain, Llama 3 and linear rope scaling, every legacy type mixed in one file, a
-//! `Q4_K_M`-like k-quant mix, `F16`, `BF16` and `F32` mixed, Qwen 2, Qwen 3), their logits from a numpy forward after Hugging
-//! Face's `modeling_llama.py`, `modeling_qwen2.py` and `modeling_qwen3.py` (f64, HF's layout
-//! and rotary scalings, the weights the package dequantizes); and every weight type's
+//! `Q4_K_M`-like k-quant mix, `F16`, `BF16` and `F32` mixed, Qwen 2, Qwen 3, Phi-3 with a
+//! sliding window), their logits from a numpy forward after Hugging Face's `modeling_llama.py`,
+//! `modeling_qwen2.py`, `modeling_qwen3.py` and `modeling_phi3.py` (f64, HF's layout, rotary
+//! scalings and sliding-window mask, the weights the package dequantizes); and every weight type's
 //! conversion against the package's (`formats.py`). Ferry loads each file and computes every
 //! position's logits with its reference forward, and its serving forward must give the same
 //! logits bit for bit.
@@ -97,10 +98,16 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
             let diff = max_diff(&got, &want);
             assert!(diff < TOLERANCE, "{name}: position {i}: logits differ by {diff}");
             worst = worst.max(diff);
-            // Where the variant's rotary scaling changes the logits, the test could tell a
-            // forward that ignored it (the scaled and unscaled references differ by more).
-            if i >= 4 && (name == "llama3" || name == "linear") {
-                assert!(max_diff(&want, &unscaled) > 10.0 * TOLERANCE, "{name}: {i}: no scaling");
+            // Where the variant's rotary scaling or sliding window (5 positions) changes the
+            // logits, the test could tell a forward that ignored it (the references with and
+            // without differ by more).
+            let changes = match name.as_str() {
+                "llama3" | "linear" => i >= 4,
+                "phi3" => i >= 5,
+                _ => false,
+            };
+            if changes {
+                assert!(max_diff(&want, &unscaled) > 10.0 * TOLERANCE, "{name}: {i}: no effect");
             }
         }
         eprintln!("{name}: logits within {worst:e} of the f64 reference");
@@ -111,7 +118,8 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
         checked.push(name.clone());
     }
     checked.sort();
-    let every = ["floats", "k-quants", "linear", "llama", "llama3", "mixed", "qwen2", "qwen3"];
+    let every =
+        ["floats", "k-quants", "linear", "llama", "llama3", "mixed", "phi3", "qwen2", "qwen3"];
     assert_eq!(checked, every);
     for (name, refused) in expected["refused"].as_object().unwrap() {
         let err = load(Path::new(refused[0].as_str().unwrap())).unwrap_err();

@@ -49,6 +49,8 @@ pub struct ChatOptions<'a> {
     pub tools: &'a [Value],
     /// Extra template variables (none of [`RESERVED_TEMPLATE_VARIABLES`]).
     pub kwargs: Option<&'a Map<String, Value>>,
+    /// The time the template's `strftime_now` gives (now when `None`; tests fix it).
+    pub now: Option<std::time::SystemTime>,
 }
 
 /// A tool's function name: OpenAI's rule, `^[a-zA-Z0-9_-]{1,64}$`.
@@ -255,10 +257,19 @@ pub(crate) fn hermes(messages: Vec<Value>, tools: &[Value]) -> Vec<Value> {
     out
 }
 
+/// Whether `m` names a participant (`"name": "ann"` on a user, system or assistant message; a
+/// tool result's `name` is its function's, which templates render or not as they choose).
+pub(crate) fn names_participant(m: &Value) -> bool {
+    m.get("name").is_some() && m.get("role").and_then(Value::as_str) != Some("tool")
+}
+
 /// `messages` with each participant's name written before its text (`"ann: hello"`), for a
 /// template that does not render names.
 pub(crate) fn names_in_content(messages: &mut [Value]) {
     for m in messages {
+        if !names_participant(m) {
+            continue;
+        }
         let Some(name) = m.as_object_mut().and_then(|o| o.remove("name")) else { continue };
         let text = format!("{}: {}", name.as_str().unwrap_or_default(), content_of(m));
         m["content"] = text.into();

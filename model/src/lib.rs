@@ -19,6 +19,7 @@ pub mod sampling;
 pub mod shape;
 mod spm;
 pub mod structured;
+mod template_helpers;
 pub mod tokenizer;
 mod vocab;
 

@@ -13,6 +13,7 @@ use minijinja::Environment;
 
 use crate::chat::{self, ChatOptions};
 use crate::gguf::{GgufHeader, Value};
+use crate::template_helpers;
 use crate::vocab::{
     bad, bpe, end_of_generation, meta, partition, spm, strings, token_bytes, token_id, token_types,
     Encoder, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED,
@@ -59,6 +60,44 @@ impl std::fmt::Debug for Tokenizer {
             .field("eog_token_ids", &self.eog_token_ids)
             .finish_non_exhaustive()
     }
+}
+
+/// The environment a chat template renders in, as `transformers` compiles one: blocks' first
+/// newline trimmed and their leading whitespace stripped, Python's string and dict methods
+/// (`.strip()`, `.split()`, `.items()` …), and its helpers `raise_exception`, `strftime_now`
+/// (at `now`) and `tojson` (Python's `json.dumps`, where Jinja's escapes HTML).
+fn template_environment(now: std::time::SystemTime) -> Environment<'static> {
+    use minijinja::{Error, ErrorKind};
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |message: String| -> Result<String, Error> {
+        Err(Error::new(ErrorKind::InvalidOperation, message))
+    });
+    env.add_function("strftime_now", move |format: String| -> Result<String, Error> {
+        template_helpers::strftime(&format, now)
+            .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
+    });
+    env.add_filter(
+        "tojson",
+        |value: minijinja::Value, kwargs: minijinja::value::Kwargs| -> Result<String, Error> {
+            let indent: Option<usize> = kwargs.get("indent")?;
+            // Python's other arguments: ASCII escapes and sorted keys are not what templates
+            // ask for; refused rather than ignored.
+            for unsupported in ["ensure_ascii", "sort_keys", "separators"] {
+                if kwargs.has(unsupported) {
+                    let message = format!("tojson: {unsupported} is not supported");
+                    return Err(Error::new(ErrorKind::InvalidOperation, message));
+                }
+            }
+            kwargs.assert_all_used()?;
+            let json = serde_json::to_value(&value)
+                .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            Ok(template_helpers::tojson(&json, indent))
+        },
+    );
+    env
 }
 
 impl Tokenizer {
@@ -198,17 +237,12 @@ impl Tokenizer {
                     .into(),
             ));
         }
-        let mut env = Environment::new();
-        env.add_function(
-            "raise_exception",
-            |message: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
-            },
-        );
+        let env = template_environment(options.now.unwrap_or_else(std::time::SystemTime::now));
+        let mut env = env;
         env.add_template("chat", source).map_err(|e| err(e.to_string()))?;
         let template = env.get_template("chat").map_err(|e| err(e.to_string()))?;
         // Whether the template renders names: asked with a probe only when a message has one.
-        if messages.iter().any(|m| m.get("name").is_some()) {
+        if messages.iter().any(chat::names_participant) {
             const PROBE: &str = "ferry-name-probe";
             let probe = serde_json::json!([{"role": "user", "content": "x", "name": PROBE}]);
             let shown = template

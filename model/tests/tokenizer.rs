@@ -216,3 +216,57 @@ fn the_end_of_generation_set_is_llama_cpps() {
     let err = Tokenizer::from_gguf(&header).unwrap_err().to_string();
     assert!(err.contains("tokenizer.ggml.eom_token_id") && err.contains("49152"), "{err}");
 }
+
+/// Each family's published chat template (`tests/templates/`, as llama.cpp keeps them from the
+/// model cards) renders as `transformers` renders it with Jinja2 (`reference_templates.py`:
+/// trimmed blocks, its `tojson`, `raise_exception` and `strftime_now`, the clock fixed):
+/// byte for byte, and with the template's own refusals (Gemma's system role, Mistral's tool-call
+/// ids) where Jinja2 raises.
+#[test]
+fn published_chat_templates_render_as_transformers_renders_them() {
+    use ferry_model::ChatOptions;
+    let tok = tokenizer();
+    let (bos, eos) = (tok.decode(&[tok.bos_token_id.unwrap()]), tok.decode(&[tok.eos_token_id]));
+    let dir = std::env::temp_dir().join(format!("ferry-templates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("expected.json");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference_templates.py");
+    let status =
+        std::process::Command::new("python3").arg(script).arg(&out).arg(&bos).arg(&eos).status();
+    assert!(status.unwrap().success(), "{script} failed (needs pip's jinja2: scripts/setup)");
+    let expected: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    // The reference's clock: 2026-12-05 13:45:07.
+    let now = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_478_307);
+    let mut rendered = std::collections::BTreeMap::new();
+    let mut tokenizers = std::collections::HashMap::new();
+    for case in expected["cases"].as_array().unwrap() {
+        let name = case["template"].as_str().unwrap();
+        let t = tokenizers.entry(name).or_insert_with(|| {
+            let path = format!("{}/tests/templates/{name}", env!("CARGO_MANIFEST_DIR"));
+            tokenizer().with_chat_template(std::fs::read_to_string(path).unwrap())
+        });
+        let messages = case["messages"].as_array().unwrap().clone();
+        let tools = case["tools"].as_array().unwrap().clone();
+        let options = ChatOptions {
+            add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+            tools: &tools,
+            now: Some(now),
+            ..ChatOptions::default()
+        };
+        let what = format!("{name}, {}, {}", case["conversation"], case["add_generation_prompt"]);
+        match (t.render_chat(messages, &options), case["text"].as_str()) {
+            (Ok(got), Some(want)) => assert_eq!(got, want, "{what}"),
+            (Err(e), None) => {
+                let want = case["error"].as_str().unwrap();
+                assert!(e.to_string().contains(want), "{what}: {e} is not {want:?}");
+            }
+            (got, _) => panic!("{what}: {got:?}, where Jinja2 gave {}", case["text"]),
+        }
+        *rendered.entry(name).or_insert(0) += 1;
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    // Every template, every conversation it takes, both ways.
+    assert_eq!(rendered.len(), 9, "{rendered:?}");
+    assert!(rendered.values().all(|&n| n >= 4), "{rendered:?}");
+}

@@ -184,6 +184,7 @@ fn render_chat(tok: &ferry_model::Tokenizer, chat: &v1::Chat) -> Result<String, 
         continue_final_message: chat.continue_final_message,
         tools: &tools,
         kwargs: kwargs.as_ref(),
+        now: None,
     };
     tok.render_chat(messages, &options).map_err(|e| invalid(e.to_string()))
 }

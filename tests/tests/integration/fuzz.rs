@@ -527,6 +527,7 @@ fn fuzz_chats_and_tool_calls() {
             continue_final_message: continued,
             tools: if valid { &tools } else { &[] },
             kwargs: None,
+            now: None,
         };
         match tok.render_chat(messages, &options) {
             Ok(text) => {

@@ -254,7 +254,7 @@ pub fn attend<'a, T: Elem>(
         // The tiled kernels attend from position 0: where a window leaves earlier positions
         // out (a sliding-window model past its window), the portable path computes.
         let last = n_ctx + q.len() / (heads.kv * heads.group * heads.hd) - 1;
-        if heads.hd == simd::HD && heads.group <= simd::MAX_HEADS && last <= heads.window {
+        if simd::supports(heads.hd) && heads.group <= simd::MAX_HEADS && last <= heads.window {
             if let Some(isa) = simd::detect() {
                 // SAFETY: the instruction set was detected at run time.
                 unsafe { simd::attend(isa, heads, q, n_ctx, run, scratch, out) };
@@ -388,7 +388,7 @@ mod tests {
             match isa {
                 None => attend(heads, q, n_ctx, run, &mut scratch, &mut fast),
                 #[cfg(target_arch = "x86_64")]
-                Some(isa) if hd == simd::HD => unsafe {
+                Some(isa) if simd::supports(hd) => unsafe {
                     // SAFETY: only the instruction sets this CPU has are listed.
                     simd::attend(*isa, heads, q, n_ctx, run, &mut scratch, &mut fast);
                 },
@@ -411,7 +411,8 @@ mod tests {
     /// token by token: for tiles of 1 to 17 tokens, contexts that are and are not multiples
     /// of 8, 16 and the 64-position chunks, over runs of uneven lengths, for groups of 1 to
     /// 4 heads of one KV head and groups of 1 and 3 of two KV heads at once, over f32 and f16
-    /// keys and values, and for a head size without the specialised path.
+    /// keys and values, for heads of 64 and 128, and for a head size without the specialised
+    /// path.
     #[test]
     fn simd_attention_matches_the_portable_loop_bit_for_bit() {
         let mut seed = 17u64;
@@ -419,7 +420,7 @@ mod tests {
         assert!(
             isas.len() > 1 || !cfg!(target_arch = "x86_64") || !is_x86_feature_detected!("fma")
         );
-        for hd in [64, 48] {
+        for hd in [64, 128, 48] {
             let (stride, lane, positions) = (3 * hd, hd, 160);
             // Room for two KV heads from the lane (and a query for each).
             let keys = values(&mut seed, positions * stride);
@@ -464,7 +465,7 @@ mod tests {
     #[test]
     fn a_sliding_window_attends_to_the_last_positions_alone() {
         let mut seed = 23u64;
-        for hd in [64, 48] {
+        for hd in [64, 128, 48] {
             let (stride, positions) = (hd, 120);
             let keys = values(&mut seed, positions * stride);
             let vals = values(&mut seed, positions * stride);

@@ -19,7 +19,7 @@ use std::arch::x86_64::{
 use super::super::{
     AttnScratch, Elem, Heads, KvRun, EXP_FLOOR, EXP_P, LN2_HI, LN2_LO, LOG2E, SILU_EXP_MAX,
 };
-use super::{reduce8, tiled, Arch, HD, NEAREST};
+use super::{reduce8, tiled, Arch, NEAREST, VALUE_COLS};
 
 /// The AVX2 pieces.
 struct Avx2;
@@ -34,8 +34,13 @@ pub(super) unsafe fn avx2<'a, T: Elem>(
     scratch: &mut AttnScratch,
     out: &mut [f32],
 ) {
-    // SAFETY: the caller's contract.
-    unsafe { tiled::<T, Avx2>(heads, q, n_ctx, run, scratch, out) }
+    // SAFETY: the caller's contract (a head size `super::supports` takes).
+    unsafe {
+        match heads.hd {
+            64 => tiled::<T, Avx2, 64>(heads, q, n_ctx, run, scratch, out),
+            _ => tiled::<T, Avx2, 128>(heads, q, n_ctx, run, scratch, out),
+        }
+    }
 }
 
 impl Arch for Avx2 {
@@ -44,23 +49,25 @@ impl Arch for Avx2 {
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn dots(q: *const f32, keys: *const f32, scale: f32, out: *mut f32) {
+    unsafe fn dots<const H: usize>(q: *const f32, keys: *const f32, scale: f32, out: *mut f32) {
         // SAFETY: the trait's contract; AVX2 in the caller.
-        unsafe { _mm256_storeu_ps(out, _mm256_mul_ps(dots8(q, keys), _mm256_set1_ps(scale))) }
+        unsafe {
+            _mm256_storeu_ps(out, _mm256_mul_ps(dots8::<H>(q, keys), _mm256_set1_ps(scale)));
+        }
     }
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn dot(q: *const f32, key: *const f32) -> f32 {
+    unsafe fn dot<const H: usize>(q: *const f32, key: *const f32) -> f32 {
         // SAFETY: as above.
-        unsafe { reduce8(halves(q, key)) }
+        unsafe { reduce8(halves::<H>(q, key)) }
     }
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn convert<T: Elem>(src: *const T, dst: *mut f32) {
+    unsafe fn convert<const H: usize, T: Elem>(src: *const T, dst: *mut f32) {
         // SAFETY: as above.
-        unsafe { convert256(src, dst) }
+        unsafe { convert256::<H, T>(src, dst) }
     }
 
     #[allow(clippy::inline_always)]
@@ -72,7 +79,7 @@ impl Arch for Avx2 {
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn values(
+    unsafe fn values<const H: usize>(
         _n: usize,
         w: *const f32,
         _stride: usize,
@@ -81,20 +88,20 @@ impl Arch for Avx2 {
         out: *mut f32,
     ) {
         // SAFETY: as above.
-        unsafe { values256(w, values, len, out) }
+        unsafe { values256::<H>(w, values, len, out) }
     }
 }
 
-/// `HD` cached elements as f32.
+/// `H` cached elements as f32.
 ///
 /// # Safety
-/// AVX2 + F16C; `src` reads and `dst` takes `HD` elements.
+/// AVX2 + F16C; `src` reads and `dst` takes `H` elements.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn convert256<T: Elem>(src: *const T, dst: *mut f32) {
+unsafe fn convert256<const H: usize, T: Elem>(src: *const T, dst: *mut f32) {
     // SAFETY: the caller's contract.
     unsafe {
-        for c in 0..HD / 8 {
+        for c in 0..H / 8 {
             let v = if T::F16 {
                 _mm256_cvtph_ps(_mm_loadu_si128(src.add(8 * c).cast()))
             } else {
@@ -109,14 +116,14 @@ unsafe fn convert256<T: Elem>(src: *const T, dst: *mut f32) {
 /// added as `l + (l + 8)`: the first step of [`super::super::reduce16`].
 ///
 /// # Safety
-/// AVX2 + FMA; both pointers read `HD` floats.
+/// AVX2 + FMA; both pointers read `H` floats.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn halves(q: *const f32, key: *const f32) -> __m256 {
+unsafe fn halves<const H: usize>(q: *const f32, key: *const f32) -> __m256 {
     // SAFETY: the caller's contract.
     unsafe {
         let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for c in 0..HD / 16 {
+        for c in 0..H / 16 {
             let (qc, kc) = (q.add(16 * c), key.add(16 * c));
             lo = _mm256_fmadd_ps(_mm256_loadu_ps(qc), _mm256_loadu_ps(kc), lo);
             hi = _mm256_fmadd_ps(_mm256_loadu_ps(qc.add(8)), _mm256_loadu_ps(kc.add(8)), hi);
@@ -129,13 +136,13 @@ unsafe fn halves(q: *const f32, key: *const f32) -> __m256 {
 /// position order: [`halves`], then `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))` by shuffles.
 ///
 /// # Safety
-/// AVX2 + FMA; `q` reads `HD` floats, `keys` 8 keys of `HD`.
+/// AVX2 + FMA; `q` reads `H` floats, `keys` 8 keys of `H`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dots8(q: *const f32, keys: *const f32) -> __m256 {
+unsafe fn dots8<const H: usize>(q: *const f32, keys: *const f32) -> __m256 {
     // SAFETY: the caller's contract.
     unsafe {
-        let a: [__m256; 8] = std::array::from_fn(|p| halves(q, keys.add(p * HD)));
+        let a: [__m256; 8] = std::array::from_fn(|p| halves::<H>(q, keys.add(p * H)));
         // Lanes l and l+4 of positions (p, p+4) together: [p: s0..s3 | p+4: s0..s3] with
         // s_i = l_i + l_{i+4}.
         let s: [__m256; 4] = std::array::from_fn(|p| {
@@ -245,22 +252,23 @@ unsafe fn softmax256(row: &mut [f32]) {
     }
 }
 
-/// `out = fma(w_p, v_p, out)` over `len` positions for one head, the output in registers.
+/// `out = fma(w_p, v_p, out)` over `len` positions for one head's [`VALUE_COLS`] columns,
+/// the output in registers.
 ///
 /// # Safety
-/// AVX2 + FMA; `len` weights at `w`, `len` values of `HD` at `values`, `HD` outputs at
-/// `out`.
+/// AVX2 + FMA; `len` weights at `w`, `len` values `H` apart at `values`, [`VALUE_COLS`]
+/// outputs at `out`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn values256(w: *const f32, values: *const f32, len: usize, out: *mut f32) {
-    const CH: usize = HD / 8;
+unsafe fn values256<const H: usize>(w: *const f32, values: *const f32, len: usize, out: *mut f32) {
+    const CH: usize = VALUE_COLS / 8;
     // SAFETY: the caller's contract.
     unsafe {
         let mut acc: [__m256; CH] = std::array::from_fn(|c| _mm256_loadu_ps(out.add(8 * c)));
         for p in 0..len {
             let wp = _mm256_set1_ps(*w.add(p));
             for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(wp, _mm256_loadu_ps(values.add(p * HD + 8 * c)), *a);
+                *a = _mm256_fmadd_ps(wp, _mm256_loadu_ps(values.add(p * H + 8 * c)), *a);
             }
         }
         for (c, a) in acc.iter().enumerate() {

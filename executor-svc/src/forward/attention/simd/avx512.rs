@@ -18,7 +18,7 @@ use std::arch::x86_64::{
 };
 
 use super::super::{AttnScratch, Elem, Heads, KvRun, EXP_FLOOR, EXP_P, LN2_HI, LN2_LO, LOG2E};
-use super::{reduce8, tiled, Arch, HD, NEAREST};
+use super::{reduce8, tiled, Arch, MAX_CH, NEAREST, VALUE_COLS};
 
 /// The AVX-512 pieces.
 struct Avx512;
@@ -33,8 +33,13 @@ pub(super) unsafe fn avx512<'a, T: Elem>(
     scratch: &mut AttnScratch,
     out: &mut [f32],
 ) {
-    // SAFETY: the caller's contract.
-    unsafe { tiled::<T, Avx512>(heads, q, n_ctx, run, scratch, out) }
+    // SAFETY: the caller's contract (a head size `super::supports` takes).
+    unsafe {
+        match heads.hd {
+            64 => tiled::<T, Avx512, 64>(heads, q, n_ctx, run, scratch, out),
+            _ => tiled::<T, Avx512, 128>(heads, q, n_ctx, run, scratch, out),
+        }
+    }
 }
 
 impl Arch for Avx512 {
@@ -43,23 +48,23 @@ impl Arch for Avx512 {
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn dots(q: *const f32, keys: *const f32, scale: f32, out: *mut f32) {
+    unsafe fn dots<const H: usize>(q: *const f32, keys: *const f32, scale: f32, out: *mut f32) {
         // SAFETY: the trait's contract; AVX-512 in the caller.
-        unsafe { dots16(q, keys, scale, out) }
+        unsafe { dots16::<H>(q, keys, scale, out) }
     }
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn dot(q: *const f32, key: *const f32) -> f32 {
+    unsafe fn dot<const H: usize>(q: *const f32, key: *const f32) -> f32 {
         // SAFETY: as above.
-        unsafe { dot512(q, key) }
+        unsafe { dot512::<H>(q, key) }
     }
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn convert<T: Elem>(src: *const T, dst: *mut f32) {
+    unsafe fn convert<const H: usize, T: Elem>(src: *const T, dst: *mut f32) {
         // SAFETY: as above.
-        unsafe { convert512(src, dst) }
+        unsafe { convert512::<H, T>(src, dst) }
     }
 
     #[allow(clippy::inline_always)]
@@ -71,7 +76,7 @@ impl Arch for Avx512 {
 
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    unsafe fn values(
+    unsafe fn values<const H: usize>(
         n: usize,
         w: *const f32,
         stride: usize,
@@ -82,9 +87,9 @@ impl Arch for Avx512 {
         // SAFETY: as above.
         unsafe {
             match n {
-                1 => values512::<1>(w, stride, values, len, out),
-                2 => values512::<2>(w, stride, values, len, out),
-                _ => values512::<3>(w, stride, values, len, out),
+                1 => values512::<1, H>(w, stride, values, len, out),
+                2 => values512::<2, H>(w, stride, values, len, out),
+                _ => values512::<3, H>(w, stride, values, len, out),
             }
         }
     }
@@ -96,17 +101,23 @@ impl Arch for Avx512 {
 /// `4j + t` holding position `[0, 2, 1, 3][t] + [0, 8, 4, 12][j]` (permuted back).
 ///
 /// # Safety
-/// AVX-512 F; `q` reads `HD` floats, `keys` 16 keys of `HD`, `out` takes 16.
+/// AVX-512 F; `q` reads `H` floats, `keys` 16 keys of `H`, `out` takes 16.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn dots16(q: *const f32, keys: *const f32, scale: f32, out: *mut f32) {
-    // SAFETY: the caller's contract.
+unsafe fn dots16<const H: usize>(q: *const f32, keys: *const f32, scale: f32, out: *mut f32) {
+    // SAFETY: the caller's contract (chunks past the head's `H / 16` are never loaded).
     unsafe {
-        let qv: [__m512; HD / 16] = std::array::from_fn(|c| _mm512_loadu_ps(q.add(16 * c)));
+        let qv: [__m512; MAX_CH] = std::array::from_fn(|c| {
+            if c < H / 16 {
+                _mm512_loadu_ps(q.add(16 * c))
+            } else {
+                _mm512_setzero_ps()
+            }
+        });
         let a: [__m512; 16] = std::array::from_fn(|p| {
             let mut acc = _mm512_setzero_ps();
-            for (c, qc) in qv.iter().enumerate() {
-                acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(keys.add(p * HD + 16 * c)), acc);
+            for (c, qc) in qv.iter().enumerate().take(H / 16) {
+                acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(keys.add(p * H + 16 * c)), acc);
             }
             acc
         });
@@ -145,14 +156,14 @@ unsafe fn dots16(q: *const f32, keys: *const f32, scale: f32, out: *mut f32) {
 /// One key's dot product with `q`, as [`super::super::dot`].
 ///
 /// # Safety
-/// AVX-512 F; both read `HD` floats.
+/// AVX-512 F; both read `H` floats.
 #[inline]
 #[target_feature(enable = "avx512f,avx512dq,fma")]
-unsafe fn dot512(q: *const f32, key: *const f32) -> f32 {
+unsafe fn dot512<const H: usize>(q: *const f32, key: *const f32) -> f32 {
     // SAFETY: the caller's contract.
     unsafe {
         let mut acc = _mm512_setzero_ps();
-        for c in 0..HD / 16 {
+        for c in 0..H / 16 {
             acc = _mm512_fmadd_ps(
                 _mm512_loadu_ps(q.add(16 * c)),
                 _mm512_loadu_ps(key.add(16 * c)),
@@ -163,16 +174,16 @@ unsafe fn dot512(q: *const f32, key: *const f32) -> f32 {
     }
 }
 
-/// `HD` cached elements as f32.
+/// `H` cached elements as f32.
 ///
 /// # Safety
-/// AVX-512 F; `src` reads and `dst` takes `HD` elements.
+/// AVX-512 F; `src` reads and `dst` takes `H` elements.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn convert512<T: Elem>(src: *const T, dst: *mut f32) {
+unsafe fn convert512<const H: usize, T: Elem>(src: *const T, dst: *mut f32) {
     // SAFETY: the caller's contract.
     unsafe {
-        for c in 0..HD / 16 {
+        for c in 0..H / 16 {
             let v = if T::F16 {
                 _mm512_cvtph_ps(_mm256_loadu_si256(src.add(16 * c).cast()))
             } else {
@@ -241,29 +252,29 @@ unsafe fn softmax512(row: &mut [f32]) {
 }
 
 /// `out = fma(w_p, v_p, out)` over `len` positions for `G` heads at once (each value read
-/// once for them), the outputs in registers.
+/// once for them), [`VALUE_COLS`] columns of each, the outputs in registers.
 ///
 /// # Safety
-/// AVX-512 F; `G` rows of `len` weights `stride` apart at `w`, `len` values of `HD` at
-/// `values`, `G · HD` outputs at `out`.
+/// AVX-512 F; `G` rows of `len` weights `stride` apart at `w`, `len` values `H` apart at
+/// `values`, `G` heads of outputs `H` apart at `out`, each with [`VALUE_COLS`] columns.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn values512<const G: usize>(
+unsafe fn values512<const G: usize, const H: usize>(
     w: *const f32,
     stride: usize,
     values: *const f32,
     len: usize,
     out: *mut f32,
 ) {
-    const CH: usize = HD / 16;
+    const CH: usize = VALUE_COLS / 16;
     // SAFETY: the caller's contract.
     unsafe {
         let mut acc: [[__m512; CH]; G] = std::array::from_fn(|g| {
-            std::array::from_fn(|c| _mm512_loadu_ps(out.add(g * HD + 16 * c)))
+            std::array::from_fn(|c| _mm512_loadu_ps(out.add(g * H + 16 * c)))
         });
         for p in 0..len {
             let v: [__m512; CH] =
-                std::array::from_fn(|c| _mm512_loadu_ps(values.add(p * HD + 16 * c)));
+                std::array::from_fn(|c| _mm512_loadu_ps(values.add(p * H + 16 * c)));
             for (g, head) in acc.iter_mut().enumerate() {
                 let wg = _mm512_set1_ps(*w.add(g * stride + p));
                 for (a, vc) in head.iter_mut().zip(&v) {
@@ -273,7 +284,7 @@ unsafe fn values512<const G: usize>(
         }
         for (g, head) in acc.iter().enumerate() {
             for (c, a) in head.iter().enumerate() {
-                _mm512_storeu_ps(out.add(g * HD + 16 * c), *a);
+                _mm512_storeu_ps(out.add(g * H + 16 * c), *a);
             }
         }
     }

@@ -1,6 +1,6 @@
-//! [`super::attend`] with AVX-512 or AVX2 + FMA, for heads of 64 (other sizes take the
-//! portable path): the same fused multiply-adds per lane as [`super::dot`], the same
-//! reduction trees, the same [`super::exp`] lane by lane, so the same bits.
+//! [`super::attend`] with AVX-512 or AVX2 + FMA, for heads of 64 or 128 ([`supports`]; other
+//! sizes take the portable path): the same fused multiply-adds per lane as [`super::dot`], the
+//! same reduction trees, the same [`super::exp`] lane by lane, so the same bits.
 //!
 //! A tile's keys, then its values, are converted to f32 a chunk of positions at a time;
 //! every row (token × head) of the tile then reads the chunk from L1. Scores are computed
@@ -27,8 +27,18 @@ mod avx512;
 
 pub use avx2::silu_mul8;
 
-/// The head size of the SIMD paths (SmolLM2 and most small Llama-family models).
-pub const HD: usize = 64;
+/// Whether the SIMD paths take heads of `hd`: 64 (SmolLM2 and most small Llama-family
+/// models) and 128 (Llama 3, Mistral, Qwen 2.5 7B and Qwen 3).
+pub const fn supports(hd: usize) -> bool {
+    hd == 64 || hd == 128
+}
+
+/// Most chunks of 16 elements in a head the kernels hold (128 / 16).
+const MAX_CH: usize = 8;
+
+/// Columns of a head that [`Arch::values`] keeps in registers per call (the rest of a head of
+/// 128 is a second call: each output element's chain of fused multiply-adds is its own).
+const VALUE_COLS: usize = 64;
 
 /// Most query heads sharing a KV head that the SIMD paths take (more: the portable path).
 pub const MAX_HEADS: usize = 16;
@@ -57,7 +67,7 @@ pub fn detect() -> Option<Isa> {
     }
 }
 
-/// [`super::attend`] with the kernel for `isa`, for heads of [`HD`] and groups of at most
+/// [`super::attend`] with the kernel for `isa`, for heads [`supports`] takes and groups of at most
 /// [`MAX_HEADS`].
 ///
 /// # Safety
@@ -95,22 +105,23 @@ trait Arch {
     /// Positions scored together.
     const W: usize;
 
-    /// `W` consecutive keys' (`HD` floats apart from `keys`) dot products with `q`, times
+    /// `W` consecutive keys' (`H` floats apart from `keys`) dot products with `q`, times
     /// `scale`, to `out[..W]`.
-    unsafe fn dots(q: *const f32, keys: *const f32, scale: f32, out: *mut f32);
+    unsafe fn dots<const H: usize>(q: *const f32, keys: *const f32, scale: f32, out: *mut f32);
 
-    /// One key's dot product with `q`.
-    unsafe fn dot(q: *const f32, key: *const f32) -> f32;
+    /// One key's dot product with `q` (`H` floats each).
+    unsafe fn dot<const H: usize>(q: *const f32, key: *const f32) -> f32;
 
-    /// `HD` cached elements at `src` as f32 to `dst`.
-    unsafe fn convert<T: Elem>(src: *const T, dst: *mut f32);
+    /// `H` cached elements at `src` as f32 to `dst`.
+    unsafe fn convert<const H: usize, T: Elem>(src: *const T, dst: *mut f32);
 
     /// [`super::softmax`] of `row`.
     unsafe fn softmax(row: &mut [f32]);
 
-    /// For `n` heads (rows of weights `stride` apart from `w`, outputs consecutive from
-    /// `out`): `out = fma(w_p, v_p, out)` for the `len` values from `values` (`HD` apart).
-    unsafe fn values(
+    /// For `n` heads (rows of weights `stride` apart from `w`, outputs `H` apart from `out`):
+    /// `out = fma(w_p, v_p, out)` over [`VALUE_COLS`] columns for the `len` values from
+    /// `values` (`H` apart).
+    unsafe fn values<const H: usize>(
         n: usize,
         w: *const f32,
         stride: usize,
@@ -127,10 +138,10 @@ trait Arch {
 /// `#[target_feature]` entry point, so the pieces inline into it.
 ///
 /// # Safety
-/// The CPU must support `A`'s instructions; `heads.hd == HD`, `heads.group ≤ MAX_HEADS`.
+/// The CPU must support `A`'s instructions; `heads.hd == H`, `heads.group ≤ MAX_HEADS`.
 #[allow(clippy::inline_always)]
 #[inline(always)]
-unsafe fn tiled<'a, T: Elem, A: Arch>(
+unsafe fn tiled<'a, T: Elem, A: Arch, const H: usize>(
     heads: Heads,
     q: &[f32],
     n_ctx: usize,
@@ -139,7 +150,7 @@ unsafe fn tiled<'a, T: Elem, A: Arch>(
     out: &mut [f32],
 ) {
     let (g, kv) = (heads.group, heads.kv);
-    let rows = q.len() / HD;
+    let rows = q.len() / H;
     let tokens = rows / (kv * g);
     // Positions the last token attends to: each row's scores are that far apart.
     let n_max = n_ctx + tokens - 1;
@@ -147,17 +158,17 @@ unsafe fn tiled<'a, T: Elem, A: Arch>(
     if scores.len() < rows * n_max {
         scores.resize(rows * n_max, 0.0);
     }
-    chunk.resize(kv * CHUNK * HD, 0.0);
+    chunk.resize(kv * CHUNK * H, 0.0);
     let (kb, sc) = (chunk.as_mut_ptr(), scores.as_mut_ptr());
-    // SAFETY (whole body): `q` and `out` hold `rows` heads of `HD`; `scores` `rows` rows of
-    // `n_max`; the chunk `kv` runs of `CHUNK` positions of `HD` (KV head `j`'s from
-    // `j · CHUNK · HD`); positions read are below each row's context (`n_ctx + t ≤
+    // SAFETY (whole body): `q` and `out` hold `rows` heads of `H`; `scores` `rows` rows of
+    // `n_max`; the chunk `kv` runs of `CHUNK` positions of `H` (KV head `j`'s from
+    // `j · CHUNK · H`); positions read are below each row's context (`n_ctx + t ≤
     // n_max`), which `run` covers, each with `kv` heads' vectors from the lane on.
     unsafe {
         // A decode's single token has little to compute per cached position, so it waits
         // on memory unless the lines are asked for ahead; a prefill tile's tokens compute
         // long enough on each chunk for the hardware to keep up.
-        let mut fetch = (tokens == 1).then(|| Fetch::new(&run, heads.lane, kv, n_max));
+        let mut fetch = (tokens == 1).then(|| Fetch::new(&run, heads.lane, kv * H, n_max));
         // Scores, a chunk of keys at a time.
         let mut c0 = 0;
         while c0 < n_max {
@@ -172,24 +183,27 @@ unsafe fn tiled<'a, T: Elem, A: Arch>(
                         f.ahead_of(p);
                     }
                     for j in 0..kv {
-                        A::convert(key.as_ptr().add(j * HD), kb.add((j * CHUNK + p - c0) * HD));
+                        A::convert::<H, T>(
+                            key.as_ptr().add(j * H),
+                            kb.add((j * CHUNK + p - c0) * H),
+                        );
                     }
                 },
             );
             for t in 0..tokens {
                 let end = (n_ctx + t).min(c1);
                 for j in 0..kv {
-                    let kj = kb.add(j * CHUNK * HD);
+                    let kj = kb.add(j * CHUNK * H);
                     for h in 0..g {
                         let row = (t * kv + j) * g + h;
-                        let (qr, sr) = (q.as_ptr().add(row * HD), sc.add(row * n_max));
+                        let (qr, sr) = (q.as_ptr().add(row * H), sc.add(row * n_max));
                         let mut p = c0;
                         while p + A::W <= end {
-                            A::dots(qr, kj.add((p - c0) * HD), heads.scale, sr.add(p));
+                            A::dots::<H>(qr, kj.add((p - c0) * H), heads.scale, sr.add(p));
                             p += A::W;
                         }
                         for p in p..end {
-                            *sr.add(p) = A::dot(qr, kj.add((p - c0) * HD)) * heads.scale;
+                            *sr.add(p) = A::dot::<H>(qr, kj.add((p - c0) * H)) * heads.scale;
                         }
                     }
                 }
@@ -215,8 +229,8 @@ unsafe fn tiled<'a, T: Elem, A: Arch>(
                         f.ahead_of(n_max + p);
                     }
                     for j in 0..kv {
-                        let at = kb.add((j * CHUNK + p - c0) * HD);
-                        A::convert(value.as_ptr().add(j * HD), at);
+                        let at = kb.add((j * CHUNK + p - c0) * H);
+                        A::convert::<H, T>(value.as_ptr().add(j * H), at);
                     }
                 },
             );
@@ -226,13 +240,15 @@ unsafe fn tiled<'a, T: Elem, A: Arch>(
                     continue;
                 }
                 for j in 0..kv {
-                    let vj = kb.add(j * CHUNK * HD);
+                    let vj = kb.add(j * CHUNK * H);
                     let mut h = 0;
                     while h < g {
                         let n = (g - h).min(A::HEADS);
                         let row = (t * kv + j) * g + h;
-                        let (w, o) = (sc.add(row * n_max + c0), out.as_mut_ptr().add(row * HD));
-                        A::values(n, w, n_max, vj, end - c0, o);
+                        let (w, o) = (sc.add(row * n_max + c0), out.as_mut_ptr().add(row * H));
+                        for col in (0..H).step_by(VALUE_COLS) {
+                            A::values::<H>(n, w, n_max, vj.add(col), end - c0, o.add(col));
+                        }
                         h += n;
                     }
                 }
@@ -255,7 +271,7 @@ const AHEAD: usize = 32;
 struct Fetch<'a, 'r, T, R> {
     run: &'r R,
     lane: usize,
-    /// Bytes of a position's row from the lane on (`kv · HD` elements).
+    /// Bytes of a position's row from the lane on (`kv` heads' elements).
     bytes: usize,
     /// Positions: items `0..n` are keys, `n..2n` values.
     n: usize,
@@ -266,8 +282,9 @@ struct Fetch<'a, 'r, T, R> {
 }
 
 impl<'a, 'r, T: Elem, R: Fn(usize) -> KvRun<'a, T>> Fetch<'a, 'r, T, R> {
-    fn new(run: &'r R, lane: usize, kv: usize, n: usize) -> Self {
-        Self { run, lane, bytes: kv * HD * std::mem::size_of::<T>(), n, next: 0, at: None }
+    /// `elements`: of a position's row from the lane on (KV heads × head size).
+    fn new(run: &'r R, lane: usize, elements: usize, n: usize) -> Self {
+        Self { run, lane, bytes: elements * std::mem::size_of::<T>(), n, next: 0, at: None }
     }
 
     /// Fetches the items before `item + AHEAD`.

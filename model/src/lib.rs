@@ -79,7 +79,8 @@ pub enum ModelError {
     /// A matrix is of a type Ferry does not compute in.
     #[error(
         "{path}: tensor {tensor} is of type {ty}, which Ferry does not serve (matrices of \
-         Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16 and F32 are served)"
+         {served} are served)",
+        served = gguf::SERVED_WEIGHT_TYPES.join(", ")
     )]
     WeightType {
         /// The file.

@@ -30,6 +30,9 @@ from formats import random_k_blocks  # noqa: E402
 HIDDEN, FF, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
 HEAD = HIDDEN // HEADS
 K_QUANTS = {Q.Q4_K: 2.7e-4, Q.Q5_K: 1.3e-4, Q.Q6_K: 6e-5}
+# The matrices of a file, as `build`'s `types` names them.
+PARTS = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+         "ffn_down", "output")
 
 
 def set_dims(hidden, ff, head=None):
@@ -276,6 +279,13 @@ def main():
         }
 
     inv = lambda theta: 1.0 / theta ** (np.arange(0, HEAD, 2, dtype=np.float64) / HEAD)
+
+    def mixed(name, seed, *types):
+        """A plain Llama file, untied, whose matrices have `types` in the order of `PARTS`."""
+        m = build(f"{out_dir}/{name}.gguf", np.random.default_rng(seed), 10000.0, tied=False,
+                  types=dict(zip(PARTS, types, strict=True)))
+        run(name, m, inv(10000.0), inv(10000.0))
+
     # Plain Llama 2 style, tied output.
     m = build(f"{out_dir}/llama.gguf", np.random.default_rng(1), 10000.0, tied=True)
     run("llama", m, inv(10000.0), inv(10000.0))
@@ -290,23 +300,11 @@ def main():
     run("linear", m, inv(10000.0) / 4.0, inv(10000.0))
     # Every legacy type in one file, Q, K and V (and gate and up) each in another: stacked
     # products over parts of different types.
-    legacy = {
-        "token_embd": Q.Q4_0, "attn_q": Q.Q5_0, "attn_k": Q.Q5_1, "attn_v": Q.Q4_1,
-        "attn_output": Q.Q8_0, "ffn_gate": Q.Q5_1, "ffn_up": Q.Q4_0, "ffn_down": Q.Q5_0,
-        "output": Q.Q8_0,
-    }
-    m = build(f"{out_dir}/mixed.gguf", np.random.default_rng(5), 10000.0, tied=False, types=legacy)
-    run("mixed", m, inv(10000.0), inv(10000.0))
+    mixed("mixed", 5, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q4_0, Q.Q5_0, Q.Q8_0)
     # A Q4_K_M-like file: Q4_K with Q6_K values, down projections and output, and a Q5_K up
     # projection, at widths of multiples of 256.
     set_dims(256, 512)
-    k_mix = {
-        "token_embd": Q.Q4_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K,
-        "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K,
-        "output": Q.Q6_K,
-    }
-    m = build(f"{out_dir}/k-quants.gguf", np.random.default_rng(6), 10000.0, tied=False, types=k_mix)
-    run("k-quants", m, inv(10000.0), inv(10000.0))
+    mixed("k-quants", 6, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q6_K)
     # A matrix of a type Ferry does not compute in (Q2_K): refused when the file is opened.
     path = f"{out_dir}/q2_k.gguf"
     build(path, np.random.default_rng(11), 10000.0, tied=True, types={"ffn_up": Q.Q2_K})
@@ -314,13 +312,7 @@ def main():
     set_dims(64, 128)
     # Unquantized weights, the three float types mixed (as a converter's F16 or BF16 output
     # with some tensors kept F32), Q, K and V of different types.
-    floats = {
-        "token_embd": Q.BF16, "attn_q": Q.F16, "attn_k": Q.BF16, "attn_v": Q.F32,
-        "attn_output": Q.F16, "ffn_gate": Q.BF16, "ffn_up": Q.F16, "ffn_down": Q.BF16,
-        "output": Q.F32,
-    }
-    m = build(f"{out_dir}/floats.gguf", np.random.default_rng(10), 10000.0, tied=False, types=floats)
-    run("floats", m, inv(10000.0), inv(10000.0))
+    mixed("floats", 10, Q.BF16, Q.F16, Q.BF16, Q.F32, Q.F16, Q.BF16, Q.F16, Q.BF16, Q.F32)
     # Qwen 2.5 style: biases on Q, K and V, HF's Q/K layout rotated in halves, untied output.
     m = build(f"{out_dir}/qwen2.gguf", np.random.default_rng(7), 1000000.0, tied=False, arch="qwen2")
     run("qwen2", m, inv(1000000.0), inv(1000000.0))

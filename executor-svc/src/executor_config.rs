@@ -52,7 +52,8 @@ impl From<Role> for v1::ExecutorRole {
 #[derive(Clone, Debug, Args)]
 pub struct ExecutorConfig {
     /// GGUF model file; the default model (obtained when missing) if absent. Architectures
-    /// `llama`, `qwen2`, `qwen3` and `phi3`; tokenizers byte-level BPE and SentencePiece;
+    /// `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2` and `gemma3`; tokenizers byte-level BPE and
+    /// SentencePiece;
     /// matrices `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`,
     /// `Q5_K`, `Q6_K`, `F16`, `BF16`, `F32` (anything else is refused at start-up, named).
     #[arg(long, env = "FERRY_MODEL")]

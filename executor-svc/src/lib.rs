@@ -224,6 +224,9 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
         rms_eps: 1e-5,
         max_model_len: SIMULATED_MAX_MODEL_LEN,
         sliding_window: None,
+        query_scale: 1.0 / (profile.head_dim as f32).sqrt(),
+        attn_softcap: None,
+        final_softcap: None,
     };
     // vLLM's default batch limits size the activation workspace.
     let activations = activation_bytes(&sim_model, hardware.tensor_parallel, 8192, 256);

@@ -12,6 +12,7 @@
 //! wrong vocabulary.
 
 pub mod chat;
+pub mod family;
 pub mod fetch;
 pub mod gguf;
 pub mod pre_tokenizer;
@@ -28,7 +29,7 @@ use std::path::{Path, PathBuf};
 pub use chat::{ChatOptions, ToolCallParser, ToolPiece};
 pub use fetch::{default_model_path, model_dir, FetchError, DEFAULT_MODEL_NAME};
 pub use gguf::{GgufError, GgufHeader};
-pub use shape::{Family, LlamaShape, RopeStyle, ShapeError};
+pub use shape::{Activation, Family, LlamaShape, RopeStyle, ShapeError};
 pub use structured::{GrammarError, Grammars};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer, TokenizerError};
 

@@ -3,6 +3,7 @@
 //! length. The architectures served differ from Llama only in data ([`Family`]): one forward
 //! computes them all.
 
+pub use crate::family::{served, Activation, Family, RopeStyle};
 use crate::gguf::{GgufHeader, Value};
 
 /// Why a model's shape could not be read.
@@ -35,68 +36,6 @@ pub enum ShapeError {
     Inconsistent(String),
 }
 
-/// How the rotary embedding pairs a head's dimensions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// Pair `i` is (x\[2i\], x\[2i+1\]): llama.cpp's "normal" rotation. GGUF Llama files hold
-    /// Q and K permuted for it (llama.cpp's converter).
-    Adjacent,
-    /// Pair `i` is (x\[i\], x\[i + d/2\]): llama.cpp's "NEOX" rotation, Hugging Face's
-    /// `rotate_half`. Qwen 2 files keep Hugging Face's Q and K layout.
-    Halves,
-}
-
-/// What an architecture's forward does differently from Llama's: data, read by every backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Family {
-    /// `general.architecture`, and the prefix of its metadata keys.
-    pub name: &'static str,
-    /// Its rotary pairing.
-    pub rope: RopeStyle,
-    /// Whether Q, K and V projections add a bias (`attn_q.bias`, `attn_k.bias`, `attn_v.bias`).
-    pub qkv_bias: bool,
-    /// Whether each query and key head is RMS-normed before its rotation (`attn_q_norm`,
-    /// `attn_k_norm`: one weight per head dimension, shared by the heads).
-    pub qk_norm: bool,
-    /// Whether the file holds Q, K and V as one matrix (`attn_qkv`) and gate and up as one
-    /// (`ffn_up`, gate rows first): the stacked matrices the forward multiplies by anyway.
-    pub fused: bool,
-}
-
-impl Family {
-    /// Llama 1-3 and the models in its layout (SmolLM, Mistral without a sliding window).
-    pub const LLAMA: Self = Self {
-        name: "llama",
-        rope: RopeStyle::Adjacent,
-        qkv_bias: false,
-        qk_norm: false,
-        fused: false,
-    };
-    /// Qwen 2 and 2.5: Llama with biases on Q, K and V and the NEOX rotation.
-    pub const QWEN2: Self =
-        Self { name: "qwen2", rope: RopeStyle::Halves, qkv_bias: true, ..Self::LLAMA };
-    /// Qwen 3 (dense): Llama with the NEOX rotation and each Q and K head RMS-normed first; its
-    /// heads are usually not width / heads wide (`attention.key_length`).
-    pub const QWEN3: Self =
-        Self { name: "qwen3", rope: RopeStyle::Halves, qk_norm: true, ..Self::LLAMA };
-    /// Phi-3 and 3.5 (mini, medium): Llama with the NEOX rotation, Q, K and V in one matrix and
-    /// gate and up in another, usually a sliding window.
-    pub const PHI3: Self =
-        Self { name: "phi3", rope: RopeStyle::Halves, fused: true, ..Self::LLAMA };
-    /// Every architecture served.
-    pub const ALL: [Self; 4] = [Self::LLAMA, Self::QWEN2, Self::QWEN3, Self::PHI3];
-
-    /// The family whose `general.architecture` is `name`.
-    pub fn named(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|f| f.name == name)
-    }
-}
-
-/// The architectures served, for messages: "llama, qwen2, qwen3".
-pub fn served() -> String {
-    Family::ALL.map(|f| f.name).join(", ")
-}
-
 /// The dimensions of a model of one of the [`Family`]s.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LlamaShape {
@@ -127,8 +66,15 @@ pub struct LlamaShape {
     pub max_model_len: usize,
     /// Mistral-style sliding window (`attention.sliding_window`): each token attends to the
     /// last this many positions, itself included (Hugging Face's `q - k < window`, llama.cpp's
-    /// standard window); `None` attends to every earlier position.
+    /// standard window); `None` attends to every earlier position. Which layers have it: the
+    /// family's `window_pattern` ([`LlamaShape::layer_window`]).
     pub sliding_window: Option<usize>,
+    /// The attention scores' factor: `1/√head_dim`, or the family's exception.
+    pub query_scale: f32,
+    /// Attention scores soft-capped at this (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// Logits soft-capped at this (Gemma 2).
+    pub final_softcap: Option<f32>,
 }
 
 /// `key`'s value, or a `Metadata` error saying it is missing.
@@ -172,6 +118,9 @@ const UNDERSTOOD: &[&str] = &[
     "rope.scaling.finetuned",
     // Read into `sliding_window`.
     "attention.sliding_window",
+    // Read into the soft caps, where the family caps (refused elsewhere).
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
 ];
 
 fn unsupported(key: &str, value: &Value, reason: &str) -> ShapeError {
@@ -181,7 +130,12 @@ fn unsupported(key: &str, value: &Value, reason: &str) -> ShapeError {
 /// Refuses any `<architecture>.*` key Ferry does not understand, and understood keys with
 /// values the forward does not compute (a rotary part of the head, values of another size than
 /// keys, experts): a file served without them answers wrongly, without an error.
-fn check_understood(header: &GgufHeader, arch: &str, head_dim: usize) -> Result<(), ShapeError> {
+fn check_understood(
+    header: &GgufHeader,
+    family: Family,
+    head_dim: usize,
+) -> Result<(), ShapeError> {
+    let arch = family.name;
     let mut keys: Vec<&String> = header.metadata.keys().collect();
     keys.sort();
     let prefix = format!("{arch}.");
@@ -196,6 +150,14 @@ fn check_understood(header: &GgufHeader, arch: &str, head_dim: usize) -> Result<
             if v.as_u32().map(|n| n as usize) != Some(head_dim) {
                 let reason = format!("Ferry rotates and attends whole heads of {head_dim}");
                 return Err(unsupported(&key, v, &reason));
+            }
+        }
+    }
+    if family.softcap.is_none() {
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            let key = format!("{prefix}{key}");
+            if let Some(v) = header.get(&key) {
+                return Err(unsupported(&key, v, "this architecture's forward caps nothing"));
             }
         }
     }
@@ -233,6 +195,34 @@ fn rope_scale(header: &GgufHeader, arch: &str) -> Result<f32, ShapeError> {
         },
     };
     Ok(factor.map_or(1.0, |f| 1.0 / f))
+}
+
+/// The family's soft caps of attention scores and logits, as the file sets them or by the
+/// family's defaults; `None` for a family that caps nothing.
+fn soft_caps(
+    header: &GgufHeader,
+    family: Family,
+) -> Result<(Option<f32>, Option<f32>), ShapeError> {
+    let Some((attn, last)) = family.softcap else { return Ok((None, None)) };
+    let cap = |k: &str, default: f32| -> Result<Option<f32>, ShapeError> {
+        let k = format!("{}.{k}", family.name);
+        match header.get(&k) {
+            None => Ok(Some(default)),
+            Some(v) => match v.as_f32() {
+                Some(c) if c.is_finite() && c > 0.0 => Ok(Some(c)),
+                _ => Err(unsupported(&k, v, "expected a positive number")),
+            },
+        }
+    };
+    Ok((cap("attn_logit_softcapping", attn)?, cap("final_logit_softcapping", last)?))
+}
+
+/// The attention scores' factor: `1/√head_dim`, but `1/√(width / heads)` for the layer counts
+/// the family names (llama.cpp's rule for Gemma's 27B models, after Google's `gemma_pytorch`).
+fn query_scale(family: Family, num_layers: usize, width_per_head: usize, head_dim: usize) -> f32 {
+    let size =
+        if family.wide_query_scale_at.contains(&num_layers) { width_per_head } else { head_dim };
+    1.0 / (size as f32).sqrt()
 }
 
 impl LlamaShape {
@@ -284,10 +274,12 @@ impl LlamaShape {
                 )))
             }
         };
-        check_understood(header, arch, head_dim)?;
+        check_understood(header, family, head_dim)?;
+        let (attn_softcap, final_softcap) = soft_caps(header, family)?;
+        let num_layers = u("block_count")?;
         let shape = Self {
             family,
-            num_layers: u("block_count")?,
+            num_layers,
             hidden,
             intermediate: u("feed_forward_length")?,
             num_heads,
@@ -299,8 +291,20 @@ impl LlamaShape {
             rms_eps: float(required(header, &eps_key)?, &eps_key)?,
             max_model_len: u("context_length")?,
             // 0: no window, as llama.cpp reads it.
-            sliding_window: optional_u("attention.sliding_window")?.filter(|&w| w > 0),
+            sliding_window: optional_u("attention.sliding_window")?
+                .or(family.default_window)
+                .filter(|&w| w > 0),
+            query_scale: query_scale(family, num_layers, hidden / num_heads.max(1), head_dim),
+            attn_softcap,
+            final_softcap,
         };
+        if family.window_pattern.is_some() && shape.sliding_window.is_none() {
+            let reason = "missing: this architecture alternates windowed and global layers";
+            return Err(ShapeError::Metadata {
+                key: key("attention.sliding_window"),
+                reason: reason.into(),
+            });
+        }
         if num_heads == 0
             || num_kv_heads == 0
             || head_dim == 0
@@ -312,9 +316,20 @@ impl LlamaShape {
         Ok(shape)
     }
 
-    /// Positions a token attends to at most (`usize::MAX` without a sliding window).
-    pub fn window(&self) -> usize {
-        self.sliding_window.unwrap_or(usize::MAX)
+    /// Positions a token attends to at most in layer `l` (`usize::MAX` where it attends to
+    /// its whole context).
+    pub fn layer_window(&self, l: usize) -> usize {
+        match (self.sliding_window, self.family.window_pattern) {
+            (Some(w), Some(n)) if l % n < n - 1 => w,
+            (Some(w), None) => w,
+            _ => usize::MAX,
+        }
+    }
+
+    /// Whether layer `l` rotates by the family's windowed-layer base (Gemma 3's local layers)
+    /// rather than the file's.
+    pub fn local_rope(&self, l: usize) -> bool {
+        self.family.window_rope_base.is_some() && self.layer_window(l) != usize::MAX
     }
 
     /// Width of the K (or V) projection: `kv_heads` × `head_dim`.
@@ -381,9 +396,9 @@ mod tests {
         // A sliding window where the metadata asks for one (0: none, as llama.cpp reads it);
         // Gemma's alternating windows are not understood.
         let s = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window", 4096)).unwrap();
-        assert_eq!((s.sliding_window, s.window()), (Some(4096), 4096));
+        assert_eq!((s.sliding_window, s.layer_window(7)), (Some(4096), 4096));
         let s = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window", 0)).unwrap();
-        assert_eq!((s.sliding_window, s.window()), (None, usize::MAX));
+        assert_eq!((s.sliding_window, s.layer_window(0)), (None, usize::MAX));
         let err = shape(smollm_as("qwen2").u32("qwen2.attention.sliding_window_pattern", 6));
         assert!(err.unwrap_err().to_string().contains("qwen2.attention.sliding_window_pattern"));
         let b = smollm_as("qwen2").string("qwen2.rope.scaling.type", "yarn");
@@ -399,6 +414,47 @@ mod tests {
         let err = shape(smollm_as("llama").string("general.architecture", "qwen2")).unwrap_err();
         let err = err.to_string();
         assert!(err.contains("qwen2.embedding_length") && err.contains("missing"), "{err}");
+    }
+
+    /// Gemma 2 and 3: the window on the layers llama.cpp gives it, Gemma 3's local rotary
+    /// layers, Gemma 2's soft caps (defaults, or the file's), the 27B query scale.
+    #[test]
+    fn gemma_files_alternate_windowed_and_global_layers_and_cap_as_llama_cpp_reads_them() {
+        let gemma = |arch: &str| {
+            smollm_as(arch)
+                .u32(&format!("{arch}.attention.key_length"), 256)
+                .u32(&format!("{arch}.attention.value_length"), 256)
+                .u32(&format!("{arch}.rope.dimension_count"), 256)
+        };
+        let s = shape(gemma("gemma2")).unwrap();
+        let windows: Vec<usize> = (0..4).map(|l| s.layer_window(l)).collect();
+        assert_eq!(windows, [4096, usize::MAX, 4096, usize::MAX]);
+        assert_eq!((s.attn_softcap, s.final_softcap), (Some(50.0), Some(30.0)));
+        assert_eq!(s.query_scale, 1.0 / 16.0);
+        assert!(!s.local_rope(0), "Gemma 2 rotates every layer alike");
+        let b = gemma("gemma2").f32("gemma2.attn_logit_softcapping", 20.0);
+        let s = shape(b.u32("gemma2.attention.sliding_window", 8)).unwrap();
+        assert_eq!((s.attn_softcap, s.layer_window(0)), (Some(20.0), 8));
+        // 46 layers: Gemma 2 27B, queries scaled by width / heads (576 / 9 = 64).
+        let s = shape(gemma("gemma2").u32("gemma2.block_count", 46)).unwrap();
+        assert_eq!(s.query_scale, 1.0 / 8.0);
+        let err = shape(gemma("gemma2").f32("gemma2.final_logit_softcapping", -1.0)).unwrap_err();
+        assert!(err.to_string().contains("gemma2.final_logit_softcapping"), "{err}");
+        // Gemma 3: five windowed layers to a global one, the windowed ones on their own base;
+        // no caps; the window is required.
+        let s = shape(gemma("gemma3").u32("gemma3.attention.sliding_window", 512)).unwrap();
+        let windows: Vec<usize> = (0..7).map(|l| s.layer_window(l)).collect();
+        assert_eq!(windows, [512, 512, 512, 512, 512, usize::MAX, 512]);
+        assert_eq!((s.local_rope(0), s.local_rope(5)), (true, false));
+        assert_eq!((s.attn_softcap, s.final_softcap), (None, None));
+        let err = shape(gemma("gemma3")).unwrap_err().to_string();
+        assert!(err.contains("gemma3.attention.sliding_window") && err.contains("missing"));
+        let b = gemma("gemma3").u32("gemma3.attention.sliding_window", 512);
+        let err = shape(b.f32("gemma3.attn_logit_softcapping", 50.0)).unwrap_err().to_string();
+        assert!(err.contains("gemma3.attn_logit_softcapping"), "{err}");
+        // A family that caps nothing refuses the caps.
+        let err = shape(smollm().f32("llama.final_logit_softcapping", 30.0)).unwrap_err();
+        assert!(err.to_string().contains("llama.final_logit_softcapping"), "{err}");
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The weights of a Llama-family model (llama, qwen2, qwen3, phi3: `ferry_model::Family`) as a GGUF
+//! The weights of a Llama-family model (llama, qwen2, qwen3, phi3, gemma2, gemma3:
+//! `ferry_model::Family`) as a GGUF
 //! file holds them, loaded once into the layout the forward passes use (the shape comes from
 //! `ferry-model`, which reads the header).
 //!
@@ -50,6 +51,9 @@ pub enum LoadError {
     Io(#[from] std::io::Error),
 }
 
+/// Gemma's norms of a block's attention and feed-forward outputs.
+const POST_NORMS: [&str; 2] = ["post_attention_norm.weight", "post_ffw_norm.weight"];
+
 /// The tensors of a model of `shape`, with the optional ones the file has.
 fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
     const BIASES: [&str; 3] = ["attn_q.bias", "attn_k.bias", "attn_v.bias"];
@@ -77,7 +81,7 @@ fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
         "ffn_down.weight",
     ];
     let f = shape.family;
-    let (layers, biases, norms) = (shape.num_layers, f.qkv_bias, f.qk_norm);
+    let (layers, biases, norms, post) = (shape.num_layers, f.qkv_bias, f.qk_norm, f.post_norms);
     let per_layer: &[&str] = if f.fused { &FUSED } else { &PER_LAYER };
     move |name: &str| {
         GLOBAL.contains(&name)
@@ -86,7 +90,8 @@ fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
                     i.parse::<usize>().is_ok_and(|i| i < layers)
                         && (per_layer.contains(&part)
                             || biases && BIASES.contains(&part)
-                            || norms && QK_NORMS.contains(&part))
+                            || norms && QK_NORMS.contains(&part)
+                            || post && POST_NORMS.contains(&part))
                 },
             )
     }
@@ -133,6 +138,9 @@ pub struct LayerWeights {
     /// The RMS norm weights of every query head and of every key head, `[head_dim]` each,
     /// where the family norms them (Qwen 3).
     pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// The RMS norms of the attention's and the feed-forward's outputs before each joins the
+    /// residual stream, `[hidden]` each, where the family has them (Gemma).
+    pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Output projection `[hidden, q_dim]`.
     pub wo: QWeight,
     /// RMS norm before the feed-forward.
@@ -176,6 +184,41 @@ pub struct LlamaWeights {
     pub lm_head: QWeight,
     /// Rotary frequencies, one per pair of a head's dimensions.
     pub rope_freqs: Vec<f32>,
+    /// The windowed layers' own rotary frequencies, where the family has them (Gemma 3).
+    pub local_rope_freqs: Option<Vec<f32>>,
+}
+
+impl LlamaWeights {
+    /// Token `t`'s embedding into `row`, scaled by √width where the family scales it (Gemma;
+    /// one f32 product per element, as llama.cpp's `ggml_scale` and Hugging Face's f32
+    /// `normalizer`).
+    pub fn embed_row(&self, t: usize, row: &mut [f32]) {
+        self.embed.dequantize_row(t, row);
+        if self.shape.family.embed_scale {
+            let scale = (self.shape.hidden as f32).sqrt();
+            for v in row.iter_mut() {
+                *v *= scale;
+            }
+        }
+    }
+
+    /// The rotary frequencies of layer `l`.
+    pub fn layer_rope_freqs(&self, l: usize) -> &[f32] {
+        match &self.local_rope_freqs {
+            Some(local) if self.shape.local_rope(l) => local,
+            _ => &self.rope_freqs,
+        }
+    }
+
+    /// Logits as the model gives them: soft-capped where it caps them (Gemma 2:
+    /// `c · tanh(x / c)`, in Hugging Face's order).
+    pub fn finish_logits(&self, logits: &mut [f32]) {
+        if let Some(c) = self.shape.final_softcap {
+            for v in logits.iter_mut() {
+                *v = (*v / c).tanh() * c;
+            }
+        }
+    }
 }
 
 impl LlamaWeights {
@@ -261,14 +304,17 @@ impl LlamaWeights {
                 } else {
                     None
                 };
-                let hd = shape.head_dim;
-                let qk_norm = if shape.family.qk_norm {
-                    Some((vector("attn_q_norm.weight", hd)?, vector("attn_k_norm.weight", hd)?))
-                } else {
-                    None
+                // Two norm weights where the family has them.
+                let mut pair = |on: bool, a: &str, b: &str, len| -> Result<_, LoadError> {
+                    Ok(if on { Some((vector(a, len)?, vector(b, len)?)) } else { None })
                 };
+                let f = shape.family;
+                let (qk, post) = (["attn_q_norm.weight", "attn_k_norm.weight"], POST_NORMS);
+                let qk_norm = pair(f.qk_norm, qk[0], qk[1], shape.head_dim)?;
+                let post_norms = pair(f.post_norms, post[0], post[1], h)?;
                 Ok(LayerWeights {
                     attn_norm: vector("attn_norm.weight", h)?,
+                    post_norms,
                     wqkv: stack(&qkv, "Q, K and V")?,
                     qkv_bias,
                     qk_norm,
@@ -279,6 +325,12 @@ impl LlamaWeights {
                 })
             })
             .collect::<Result<Vec<_>, LoadError>>()?;
-        Ok(Self { shape, embed, layers, norm, lm_head, rope_freqs })
+        // Gemma 3's windowed layers: their own base, unscaled (llama.cpp's
+        // `rope_freq_base_train_swa`, `rope_freq_scale_train_swa`).
+        let local_rope_freqs = shape
+            .family
+            .window_rope_base
+            .map(|base| super::ops::rope_frequencies(shape.head_dim, base, 1.0));
+        Ok(Self { shape, embed, layers, norm, lm_head, rope_freqs, local_rope_freqs })
     }
 }

@@ -1,8 +1,8 @@
 //! The small numeric kernels both forwards share, on row-major `f32` slices: RMS norm, the
-//! rotary embedding (either pairing of `RopeStyle`), biases, `SiLU` gating, and the product
-//! against a quantized `[out, in]` weight.
+//! rotary embedding (either pairing of `RopeStyle`), biases, `SiLU` and GELU gating, and the
+//! product against a quantized `[out, in]` weight.
 
-use ferry_model::RopeStyle;
+use ferry_model::{Activation, RopeStyle};
 
 use crate::kernels::Matrix;
 
@@ -24,11 +24,15 @@ pub fn linear_into(x: &[f32], w: &impl Matrix, out: &mut Vec<f32>) {
 /// prefill's thousands of rows split between the threads, a decode step's few stay on one).
 const ROWS_PER_TASK: usize = 32;
 
-/// RMS-normalises each row of `x` (width `weight.len()`) and scales it by `weight`, in place.
+/// RMS-normalises each row of `x` (width `weight.len()`) and scales it by `weight`, in place,
+/// rows in parallel.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
-    for row in x.chunks_exact_mut(weight.len()) {
-        rms_norm_row(row, weight, eps);
-    }
+    use rayon::prelude::*;
+    x.par_chunks_mut(ROWS_PER_TASK * weight.len()).for_each(|rows| {
+        for row in rows.chunks_exact_mut(weight.len()) {
+            rms_norm_row(row, weight, eps);
+        }
+    });
 }
 
 /// One row of [`rms_norm`]: the mean square summed in order, then `v · (scale · w)`.
@@ -106,21 +110,35 @@ pub fn add_bias(row: &mut [f32], bias: Option<&[f32]>) {
     }
 }
 
-/// From rows of `[gate | up]` (each `width` wide), `silu(gate) · up` per row.
-pub fn silu_mul(fused: &[f32], width: usize) -> Vec<f32> {
+/// From rows of `[gate | up]` (each `width` wide), `act(gate) · up` per row.
+pub fn gate_mul(act: Activation, fused: &[f32], width: usize) -> Vec<f32> {
     let mut out = Vec::new();
-    silu_mul_into(fused, width, &mut out);
+    gate_mul_into(act, fused, width, &mut out);
     out
 }
 
-/// [`silu_mul`] into `out` (its allocation reused), rows in parallel.
-pub fn silu_mul_into(fused: &[f32], width: usize, out: &mut Vec<f32>) {
+/// [`gate_mul`] into `out` (its allocation reused), rows in parallel.
+pub fn gate_mul_into(act: Activation, fused: &[f32], width: usize, out: &mut Vec<f32>) {
     use rayon::prelude::*;
     out.resize(fused.len() / 2, 0.0);
     out.par_chunks_mut(width).zip(fused.par_chunks(2 * width)).for_each(|(dst, row)| {
         let (gate, up) = row.split_at(width);
-        super::attention::silu_mul_row(gate, up, dst);
+        match act {
+            Activation::Silu => super::attention::silu_mul_row(gate, up, dst),
+            Activation::GeluTanh => gelu_mul_row(gate, up, dst),
+        }
     });
+}
+
+/// `gelu(g) · u` for each element of one row, GELU in its tanh form as PyTorch's
+/// `gelu(approximate="tanh")` computes it: `g/2 · (1 + tanh(√(2/π) · (g + 0.044715 g³)))`.
+pub fn gelu_mul_row(gate: &[f32], up: &[f32], dst: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const KAPPA: f32 = 0.044_715;
+    for ((d, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
+        let inner = SQRT_2_OVER_PI * (g + KAPPA * g * g * g);
+        *d = 0.5 * g * (1.0 + inner.tanh()) * u;
+    }
 }
 
 /// Splits rows of `[q | k | v]` into three row-major matrices of widths `q_width` and `kv_width`.

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache, SharedKv};
 use super::llama::LlamaWeights;
-use super::ops::{add_rms_norm, linear, linear_into, rms_norm, rope_angles, silu_mul_into};
+use super::ops::{add_rms_norm, gate_mul_into, linear, linear_into, rms_norm, rope_angles};
 
 /// One sequence's part of a batch.
 #[derive(Clone, Copy, Debug)]
@@ -152,6 +152,8 @@ pub struct ForwardScratch {
     act: Vec<f32>,
     /// Each row's rotary sines and cosines.
     angles: Vec<(f32, f32)>,
+    /// The same at the windowed layers' own frequencies, where the model has them.
+    local_angles: Vec<(f32, f32)>,
     /// The parts' own buffers, when a batch is split between the threads.
     parts: Vec<ForwardScratch>,
 }
@@ -193,7 +195,8 @@ fn attend_layer(
 ) {
     let s = &w.shape;
     let (q_dim, hd, group) = (s.q_dim(), s.head_dim, s.num_heads / s.num_kv_heads);
-    let (scale, qkv_width) = (1.0 / (hd as f32).sqrt(), q_dim + 2 * s.kv_dim());
+    let qkv_width = q_dim + 2 * s.kv_dim();
+    let (scale, window, softcap) = (s.query_scale, s.layer_window(l), s.attn_softcap);
     let Layout { batch, rows, tiles } = layout;
     // A tile's tokens attend together, each with the KV heads' query heads, reading each
     // cached key and value once for all of them. Tasks take a tile's KV heads together when
@@ -230,7 +233,7 @@ fn attend_layer(
                 let at = r * qkv_width + k0 * gw;
                 q.extend_from_slice(&qkv[at..at + kvt * gw]);
             }
-            let heads = Heads { hd, group, lane: k0 * hd, kv: kvt, scale, window: s.window() };
+            let heads = Heads { hd, group, lane: k0 * hd, kv: kvt, scale, window, softcap };
             match cache.dtype {
                 // SAFETY (both): this part's sequences' positions, which no thread writes
                 // while the layer's attention runs (this part wrote them before it; other
@@ -439,15 +442,32 @@ fn forward_part(
     let mut x = vec![0f32; n * h];
     x.par_chunks_mut(h).zip(rows.par_iter()).for_each(|(row, &(seq, pos))| {
         let t = batch[seq].tokens[pos - batch[seq].start];
-        w.embed.dequantize_row(t as usize, row);
+        w.embed_row(t as usize, row);
     });
-    let ForwardScratch { times, hn, qkv, attn, tiled_out, proj, gate_up, act, angles, .. } =
-        scratch;
-    // Each row's rotary angles, for every head of every layer.
+    let ForwardScratch {
+        times,
+        hn,
+        qkv,
+        attn,
+        tiled_out,
+        proj,
+        gate_up,
+        act,
+        angles,
+        local_angles,
+        ..
+    } = scratch;
+    // Each row's rotary angles, for every head of every layer (and of the windowed layers, at
+    // their own frequencies).
     let half = w.rope_freqs.len();
-    angles.resize(n * half, (0.0, 0.0));
-    for (r, &(_, pos)) in rows.iter().enumerate() {
-        rope_angles(pos, &w.rope_freqs, &mut angles[r * half..(r + 1) * half]);
+    for (angles, freqs) in
+        [(&mut *angles, Some(&w.rope_freqs)), (&mut *local_angles, w.local_rope_freqs.as_ref())]
+    {
+        let Some(freqs) = freqs else { continue };
+        angles.resize(n * half, (0.0, 0.0));
+        for (r, &(_, pos)) in rows.iter().enumerate() {
+            rope_angles(pos, freqs, &mut angles[r * half..(r + 1) * half]);
+        }
     }
     tiled_out.resize(n * q_dim, 0.0);
     let (mut matmul, mut attention) = (Duration::ZERO, Duration::ZERO);
@@ -461,6 +481,8 @@ fn forward_part(
         matmul += t.elapsed();
         let t = Instant::now();
         // Bias, head norms and rotation, as the family has them, in place, rows in parallel.
+        let angles: &[(f32, f32)] =
+            if s.local_rope(l) && w.local_rope_freqs.is_some() { local_angles } else { angles };
         qkv.par_chunks_mut(qkv_width).zip(angles.par_chunks(half)).for_each(|(row, angles)| {
             layer.prepare_qkv(row, s, angles);
         });
@@ -475,14 +497,20 @@ fn forward_part(
         let t = Instant::now();
         linear_into(attn, &layer.wo, proj);
         matmul += t.elapsed();
+        if let Some((post_attention, _)) = &layer.post_norms {
+            rms_norm(proj, post_attention, s.rms_eps);
+        }
         add_rms_norm(&mut x, Some(proj), &layer.ffn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.w_gate_up, gate_up);
         matmul += t.elapsed();
-        silu_mul_into(gate_up, s.intermediate, act);
+        gate_mul_into(s.family.activation, gate_up, s.intermediate, act);
         let t = Instant::now();
         linear_into(act, &layer.w_down, proj);
         matmul += t.elapsed();
+        if let Some((_, post_ffw)) = &layer.post_norms {
+            rms_norm(proj, post_ffw, s.rms_eps);
+        }
     }
     // The last layer's MLP output joins the residual stream only in the rows that need logits
     // (a prefill's other rows are done), then the final norm and the output head.
@@ -499,8 +527,9 @@ fn forward_part(
     } else {
         rms_norm(&mut last, &w.norm, s.rms_eps);
         let t = Instant::now();
-        let logits = linear(&last, &w.lm_head);
+        let mut logits = linear(&last, &w.lm_head);
         matmul += t.elapsed();
+        w.finish_logits(&mut logits);
         logits
     };
     times.matmul += matmul;

@@ -4,7 +4,7 @@
 
 use super::attention::{attend, AttnScratch, Heads, KvRun};
 use super::llama::LlamaWeights;
-use super::ops::{argmax, linear, rms_norm, rope_angles, silu_mul, split_qkv};
+use super::ops::{argmax, gate_mul, linear, rms_norm, rope_angles, split_qkv};
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
 #[derive(Debug, Default, Clone)]
@@ -50,17 +50,16 @@ pub fn forward(
         if t as usize >= s.vocab_size {
             return Err(format!("token id {t} is outside the vocabulary ({})", s.vocab_size));
         }
-        w.embed.dequantize_row(t as usize, &mut x[i * h..(i + 1) * h]);
+        w.embed_row(t as usize, &mut x[i * h..(i + 1) * h]);
     }
     let group = s.num_heads / s.num_kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    // Each token's rotary angles, for every head of every layer.
     let half = w.rope_freqs.len();
-    let mut angles = vec![(0.0, 0.0); n * half];
-    for (i, a) in angles.chunks_exact_mut(half).enumerate() {
-        rope_angles(start + i, &w.rope_freqs, a);
-    }
     for (l, layer) in w.layers.iter().enumerate() {
+        // Each token's rotary angles at this layer's frequencies.
+        let mut angles = vec![(0.0, 0.0); n * half];
+        for (i, a) in angles.chunks_exact_mut(half).enumerate() {
+            rope_angles(start + i, w.layer_rope_freqs(l), a);
+        }
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
         let mut qkv = linear(&hn, &layer.wqkv);
@@ -88,7 +87,15 @@ pub fn forward(
                 // KV head's query heads; the arithmetic per head is the same, which the
                 // comparison tests check).
                 attend(
-                    Heads { hd, group: 1, lane: kvh * hd, kv: 1, scale, window: s.window() },
+                    Heads {
+                        hd,
+                        group: 1,
+                        lane: kvh * hd,
+                        kv: 1,
+                        scale: s.query_scale,
+                        window: s.layer_window(l),
+                        softcap: s.attn_softcap,
+                    },
                     &q[i * q_dim + head * hd..i * q_dim + (head + 1) * hd],
                     start + i + 1,
                     |p| KvRun {
@@ -102,17 +109,25 @@ pub fn forward(
                 );
             }
         }
-        let o = linear(&attn, &layer.wo);
+        let mut o = linear(&attn, &layer.wo);
+        if let Some((post_attention, _)) = &layer.post_norms {
+            rms_norm(&mut o, post_attention, s.rms_eps);
+        }
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.ffn_norm, s.rms_eps);
-        let gate = silu_mul(&linear(&hn, &layer.w_gate_up), s.intermediate);
-        let down = linear(&gate, &layer.w_down);
+        let gate = gate_mul(s.family.activation, &linear(&hn, &layer.w_gate_up), s.intermediate);
+        let mut down = linear(&gate, &layer.w_down);
+        if let Some((_, post_ffw)) = &layer.post_norms {
+            rms_norm(&mut down, post_ffw, s.rms_eps);
+        }
         x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
     }
     let mut last = x[(n - 1) * h..].to_vec();
     rms_norm(&mut last, &w.norm, s.rms_eps);
-    Ok(linear(&last, &w.lm_head))
+    let mut logits = linear(&last, &w.lm_head);
+    w.finish_logits(&mut logits);
+    Ok(logits)
 }
 
 /// The greedy continuation of `prompt`: up to `max` tokens, each the argmax of the last logits,

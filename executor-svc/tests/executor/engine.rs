@@ -586,6 +586,9 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
         rms_eps: 1e-5,
         max_model_len: 4096,
         sliding_window: None,
+        query_scale: 1.0 / 128f32.sqrt(),
+        attn_softcap: None,
+        final_softcap: None,
     };
     let model = SimModel::llama(32, 4096, 11008, 32, 32, 32000, 2.0);
     let sim = || {

@@ -35,9 +35,11 @@ struct Activations {
     qkv: CudaSlice<f32>,
     /// Attention output `rows × hidden`.
     attn: CudaSlice<f32>,
+    /// A projection's output before its post-norm, `rows × hidden` (Gemma).
+    proj: CudaSlice<f32>,
     /// Fused `[gate | up]` rows.
     gate_up: CudaSlice<f32>,
-    /// `silu(gate) · up`, `rows × intermediate`.
+    /// `act(gate) · up`, `rows × intermediate`.
     ffn: CudaSlice<f32>,
 }
 
@@ -84,6 +86,7 @@ impl Scratch {
                 hn: zeros(stream, rows * h)?,
                 qkv: zeros(stream, rows * qkv_w)?,
                 attn: zeros(stream, rows * q_dim)?,
+                proj: zeros(stream, rows * h)?,
                 gate_up: zeros(stream, rows * 2 * ff)?,
                 ffn: zeros(stream, rows * ff)?,
             });
@@ -138,6 +141,28 @@ fn linear(
     unsafe { blas.gemm(cfg, &w.data, x, y) }.map_err(CudaError::cublas(during))
 }
 
+/// `x += a·Wᵀ`, RMS-normed by `post_norm` first where the family norms a block's outputs
+/// (the product alone into `proj`, normed into `normed`, then added; both `x`'s size).
+#[allow(clippy::too_many_arguments)]
+fn residual(
+    gpu: &Gpu,
+    w: &DeviceMatrix,
+    a: &CudaSlice<f32>,
+    post_norm: Option<&CudaSlice<f32>>,
+    (x, proj, normed): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+    rows: usize,
+    s: &LlamaShape,
+    during: &'static str,
+) -> Result<(), CudaError> {
+    let Some(norm) = post_norm else {
+        return linear(&gpu.blas, w, a, rows, x, true, during);
+    };
+    let (stream, k) = (&gpu.stream, &gpu.kernels);
+    linear(&gpu.blas, w, a, rows, proj, false, during)?;
+    k.rms_norm(stream, normed, proj, norm, rows, s.rms_eps)?;
+    k.add_rows(stream, x, normed, (rows, s.hidden))
+}
+
 /// Runs the batch `plan` describes; returns the logits of the rows that want them (`vocab`
 /// each, in batch order). The caller has validated the batch and bound the context.
 pub fn forward(
@@ -153,7 +178,6 @@ pub fn forward(
     let m = plan.logit_rows.len();
     let heads =
         Heads { num_heads: s.num_heads, num_kv_heads: s.num_kv_heads, head_dim: s.head_dim };
-    let scale = 1.0 / (s.head_dim as f32).sqrt();
     let upload = CudaError::driver("copying the batch to the device");
     let tokens = stream.clone_htod(&plan.tokens).map_err(upload)?;
     let positions = stream.clone_htod(&plan.positions).map_err(upload)?;
@@ -162,6 +186,9 @@ pub fn forward(
     let (a, head) = scratch.buffers(stream, s, n, m)?;
 
     k.gather_rows(stream, &mut a.x, &w.embed.data, &tokens, n, s.hidden)?;
+    if s.family.embed_scale {
+        k.map(stream, &k.scale, &mut a.x, (s.hidden as f32).sqrt(), n * s.hidden)?;
+    }
     for (l, layer) in w.layers.iter().enumerate() {
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.attn_norm, n, s.rms_eps)?;
         linear(&gpu.blas, &layer.wqkv, &a.hn, n, &mut a.qkv, false, "the QKV projection")?;
@@ -171,7 +198,11 @@ pub fn forward(
         if let Some((q_norm, k_norm)) = &layer.qk_norm {
             k.head_norm(stream, &mut a.qkv, (q_norm, k_norm), n, heads, s.rms_eps)?;
         }
-        k.rope(stream, &mut a.qkv, &positions, (&w.rope_freqs, s.family.rope), n, heads)?;
+        let freqs = match &w.local_rope_freqs {
+            Some(local) if s.local_rope(l) => local,
+            _ => &w.rope_freqs,
+        };
+        k.rope(stream, &mut a.qkv, &positions, (freqs, s.family.rope), n, heads)?;
         let ctx = PagedContext {
             rows: n,
             heads,
@@ -183,12 +214,18 @@ pub fn forward(
             block_size: cache.block_size,
         };
         k.kv_write(stream, &mut cache.data, &a.qkv, &ctx)?;
-        k.paged_attention(stream, &mut a.attn, &a.qkv, &cache.data, &ctx, scale, s.window())?;
-        linear(&gpu.blas, &layer.wo, &a.attn, n, &mut a.x, true, "the output projection")?;
+        let attention = (s.query_scale, s.layer_window(l), s.attn_softcap);
+        k.paged_attention(stream, &mut a.attn, &a.qkv, &cache.data, &ctx, attention)?;
+        let post = layer.post_norms.as_ref();
+        let (wo, down) = ("the output projection", "the down projection");
+        let buffers = (&mut a.x, &mut a.proj, &mut a.hn);
+        residual(gpu, &layer.wo, &a.attn, post.map(|p| &p.0), buffers, n, s, wo)?;
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.ffn_norm, n, s.rms_eps)?;
         linear(&gpu.blas, &layer.w_gate_up, &a.hn, n, &mut a.gate_up, false, "the gate/up")?;
-        k.silu_mul(stream, &mut a.ffn, &a.gate_up, n, s.intermediate)?;
-        linear(&gpu.blas, &layer.w_down, &a.ffn, n, &mut a.x, true, "the down projection")?;
+        let (act, width) = (s.family.activation, s.intermediate);
+        k.gate_mul(stream, act, &mut a.ffn, &a.gate_up, (n, width))?;
+        let buffers = (&mut a.x, &mut a.proj, &mut a.hn);
+        residual(gpu, &layer.w_down, &a.ffn, post.map(|p| &p.1), buffers, n, s, down)?;
     }
     if m == 0 {
         gpu.finish()?;
@@ -198,6 +235,9 @@ pub fn forward(
     k.gather_rows(stream, &mut head.last, &a.x, &logit_rows, m, s.hidden)?;
     k.rms_norm(stream, &mut head.last_norm, &head.last, &w.norm, m, s.rms_eps)?;
     linear(&gpu.blas, w.lm_head(), &head.last_norm, m, &mut head.logits, false, "the LM head")?;
+    if let Some(c) = s.final_softcap {
+        k.map(stream, &k.softcap, &mut head.logits, c, m * s.vocab_size)?;
+    }
     let logits = stream
         .clone_dtoh(&head.logits.slice(0..m * s.vocab_size))
         .map_err(CudaError::driver("copying the logits back"))?;

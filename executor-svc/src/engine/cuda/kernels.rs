@@ -129,6 +129,32 @@ extern "C" __global__ void rope(float* __restrict__ qkv, const unsigned long lon
     }
 }
 
+// x[i] *= c for the first `n` values (Gemma's embeddings, by sqrt(width)).
+extern "C" __global__ void scale(float* __restrict__ x, float c, unsigned long long n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] *= c;
+    }
+}
+
+// x[i] = tanh(x[i] / c) * c for the first `n` values (Gemma 2's logits).
+extern "C" __global__ void softcap(float* __restrict__ x, float c, unsigned long long n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] = tanhf(x[i] / c) * c;
+    }
+}
+
+// x[i] += y[i] for `rows` rows of `width` (a post-normed output joining the residual stream).
+extern "C" __global__ void add_rows(float* __restrict__ x, const float* __restrict__ y,
+                                    int rows, int width) {
+    size_t total = (size_t)rows * width;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] += y[i];
+    }
+}
+
 // x[r, j] += bias[j] for `rows` rows of `width` (Qwen 2's Q, K and V biases).
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias,
                                     int rows, int width) {
@@ -170,7 +196,9 @@ extern "C" __global__ void kv_write(float* __restrict__ cache, const float* __re
 }
 
 // Causal attention of one query head of one row over positions 0..=pos of the row's sequence
-// (the last `window` of them with a sliding window), read through its block table: out = softmax(q . K^T * scale) V. Grid: (rows, query heads);
+// (the last `window` of them with a sliding window), read through its block table:
+// out = softmax(cap(q . K^T * scale)) V, where cap(s) = tanh(s / softcap) * softcap when
+// `softcap` > 0 (Gemma 2) and s otherwise. Grid: (rows, query heads);
 // ATTN_WARPS warps per block. Warp w visits positions w, w + ATTN_WARPS, ... keeping a running
 // maximum, normaliser and weighted sum (online softmax); the warps then merge their partials.
 // Lane l holds dimensions l, l + 32, ... of the head.
@@ -182,7 +210,7 @@ extern "C" __global__ void paged_attention(float* __restrict__ out, const float*
                                            int num_heads, int num_kv_heads, int head_dim,
                                            int layer, int num_layers, int block_size,
                                            int row_width, float scale,
-                                           unsigned long long window) {
+                                           unsigned long long window, float softcap) {
     const int PER_LANE = MAX_HEAD_DIM / WARP;
     __shared__ float q_s[MAX_HEAD_DIM];
     __shared__ float max_s[ATTN_WARPS];
@@ -215,6 +243,7 @@ extern "C" __global__ void paged_attention(float* __restrict__ out, const float*
         float dot = 0.0f;
         for (int d = lane; d < head_dim; d += WARP) dot += q_s[d] * k[d];
         float s = warp_sum(dot) * scale;
+        if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
         float m_new = fmaxf(m, s);
         float carry = expf(m - m_new);  // 0 on the first position (m is -inf)
         float weight = expf(s - m_new);
@@ -256,9 +285,10 @@ extern "C" __global__ void paged_attention(float* __restrict__ out, const float*
     }
 }
 
-// From rows of [gate | up] (each `width` wide): out[r, j] = silu(gate[j]) * up[j].
-extern "C" __global__ void silu_mul(float* __restrict__ out, const float* __restrict__ gate_up,
-                                    int rows, int width) {
+// From rows of [gate | up] (each `width` wide): out[r, j] = act(gate[j]) * up[j], act being
+// silu, or with `gelu` GELU's tanh form (Gemma).
+extern "C" __global__ void gate_mul(float* __restrict__ out, const float* __restrict__ gate_up,
+                                    int rows, int width, int gelu) {
     size_t total = (size_t)rows * width;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -266,7 +296,12 @@ extern "C" __global__ void silu_mul(float* __restrict__ out, const float* __rest
         int j = (int)(i % width);
         float g = gate_up[r * 2 * width + j];
         float u = gate_up[r * 2 * width + width + j];
-        out[i] = g / (1.0f + expf(-g)) * u;
+        if (gelu) {
+            float inner = 0.7978846f * (g + 0.044715f * g * g * g);
+            out[i] = 0.5f * g * (1.0f + tanhf(inner)) * u;
+        } else {
+            out[i] = g / (1.0f + expf(-g)) * u;
+        }
     }
 }
 "#;
@@ -318,8 +353,14 @@ pub struct Kernels {
     pub kv_write: CudaFunction,
     /// [`BODY`]'s `paged_attention`.
     pub paged_attention: CudaFunction,
-    /// [`BODY`]'s `silu_mul`.
-    pub silu_mul: CudaFunction,
+    /// [`BODY`]'s `gate_mul`.
+    pub gate_mul: CudaFunction,
+    /// [`BODY`]'s `scale`.
+    pub scale: CudaFunction,
+    /// [`BODY`]'s `softcap`.
+    pub softcap: CudaFunction,
+    /// [`BODY`]'s `add_rows`.
+    pub add_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -338,7 +379,10 @@ impl Kernels {
             head_norm: f("head_norm")?,
             kv_write: f("kv_write")?,
             paged_attention: f("paged_attention")?,
-            silu_mul: f("silu_mul")?,
+            gate_mul: f("gate_mul")?,
+            scale: f("scale")?,
+            softcap: f("softcap")?,
+            add_rows: f("add_rows")?,
             _module: module,
         })
     }

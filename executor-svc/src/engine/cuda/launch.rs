@@ -4,7 +4,7 @@
 //! come from a batch that has passed validation; the kernels do not check them again.
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use ferry_model::RopeStyle;
+use ferry_model::{Activation, RopeStyle};
 
 use super::kernels::{Kernels, ATTN_WARPS, ROW_THREADS};
 use super::CudaError;
@@ -236,8 +236,9 @@ impl Kernels {
     }
 
     /// Causal attention of every query head of `ctx.rows` fused rows over their sequences'
-    /// context in `cache` (the last `window` positions of it; `usize::MAX`: all); writes
-    /// `rows × q_width` into `out`.
+    /// context in `cache` (the last `window` positions of it; `usize::MAX`: all), scores
+    /// scaled by `scale` and soft-capped where `softcap` says; writes `rows × q_width` into
+    /// `out`.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -246,8 +247,7 @@ impl Kernels {
         qkv: &CudaSlice<f32>,
         cache: &CudaSlice<f32>,
         ctx: &PagedContext<'_>,
-        scale: f32,
-        window: usize,
+        (scale, window, softcap): (f32, usize, Option<f32>),
     ) -> Result<(), CudaError> {
         let (rows, heads) = (ctx.rows, ctx.heads);
         assert!(
@@ -263,8 +263,8 @@ impl Kernels {
         let mut b = stream.launch_builder(&self.paged_attention);
         b.arg(out).arg(qkv).arg(cache).arg(ctx.positions).arg(ctx.row_table).arg(ctx.tables);
         b.arg(&rows_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&layer_i).arg(&layers_i);
-        let window = window as u64;
-        b.arg(&bs_i).arg(&row_i).arg(&scale).arg(&window);
+        let (window, softcap) = (window as u64, softcap.unwrap_or(0.0));
+        b.arg(&bs_i).arg(&row_i).arg(&scale).arg(&window).arg(&softcap);
         let cfg = LaunchConfig {
             // Rows on x (up to 2^31 - 1 blocks), heads on y (up to 65 535).
             grid_dim: (rows_i as u32, nh_i as u32, 1),
@@ -278,25 +278,63 @@ impl Kernels {
         Ok(())
     }
 
-    /// `out[r] = silu(gate[r]) · up[r]` from `rows` rows of `[gate | up]`, each `width` wide.
-    pub fn silu_mul(
+    /// `out[r] = act(gate[r]) · up[r]` from `rows` rows of `[gate | up]`, each `width` wide.
+    pub fn gate_mul(
         &self,
         stream: &CudaStream,
+        act: Activation,
         out: &mut CudaSlice<f32>,
         gate_up: &CudaSlice<f32>,
-        rows: usize,
-        width: usize,
+        (rows, width): (usize, usize),
     ) -> Result<(), CudaError> {
         assert!(
             out.len() >= rows * width && gate_up.len() >= rows * 2 * width,
-            "silu_mul buffers too small"
+            "gate_mul buffers too small"
         );
-        launch_rows(stream, &self.silu_mul, (out, gate_up), (rows, width), "launching silu_mul")
+        let (rows_i, width_i) = (int(rows), int(width));
+        let gelu = i32::from(act == Activation::GeluTanh);
+        let mut b = stream.launch_builder(&self.gate_mul);
+        b.arg(out).arg(gate_up).arg(&rows_i).arg(&width_i).arg(&gelu);
+        // SAFETY: arguments match the kernel's signature; sizes checked above.
+        unsafe { b.launch(elementwise(rows * width)) }
+            .map_err(CudaError::driver("launching gate_mul"))?;
+        Ok(())
+    }
+
+    /// `x += y` over `rows` rows of `width`.
+    pub fn add_rows(
+        &self,
+        stream: &CudaStream,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        (rows, width): (usize, usize),
+    ) -> Result<(), CudaError> {
+        assert!(x.len() >= rows * width && y.len() >= rows * width, "add_rows buffers too small");
+        launch_rows(stream, &self.add_rows, (x, y), (rows, width), "launching add_rows")
+    }
+
+    /// `x[i] = x[i] · c` (`scale`) or `tanh(x[i] / c) · c` (`softcap`) for the first `n`
+    /// values of `x`.
+    pub fn map(
+        &self,
+        stream: &CudaStream,
+        kernel: &CudaFunction,
+        x: &mut CudaSlice<f32>,
+        c: f32,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        assert!(x.len() >= n, "scale buffers too small");
+        let n_u = n as u64;
+        let mut b = stream.launch_builder(kernel);
+        b.arg(x).arg(&c).arg(&n_u);
+        // SAFETY: `kernel` takes (float*, float, unsigned long long); `x` holds `n` values.
+        unsafe { b.launch(elementwise(n)) }.map_err(CudaError::driver("launching scale"))?;
+        Ok(())
     }
 }
 
 /// Launches `kernel(out, input, rows, width)`, one thread per element of `rows × width`: the
-/// signature of the row-wise kernels (`add_bias`, `silu_mul`). The caller checks the sizes.
+/// signature of the row-wise kernels (`add_bias`, `add_rows`). The caller checks the sizes.
 fn launch_rows(
     stream: &CudaStream,
     kernel: &CudaFunction,

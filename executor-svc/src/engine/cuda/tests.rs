@@ -5,6 +5,7 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use ferry_model::Family;
 
 use super::probe::{try_load, CudaLibrary};
 use super::{kernels, CudaBackend, CudaError};
@@ -37,9 +38,18 @@ impl Lcg {
 
 /// A small random Llama with grouped-query attention, in both weight formats.
 fn tiny_model() -> LlamaWeights {
+    tiny_model_of(Family::LLAMA)
+}
+
+/// A small random model of `family`: Gemma's with six layers (a global one after five
+/// windowed ones), a window of 3, soft caps low enough to matter (Gemma 2), head norms and
+/// local rotary frequencies (Gemma 3).
+fn tiny_model_of(family: Family) -> LlamaWeights {
+    let gemma = family.post_norms;
+    let caps = family.softcap.map(|_| (1.5, 2.0));
     let shape = LlamaShape {
-        family: ferry_model::Family::LLAMA,
-        num_layers: 2,
+        family,
+        num_layers: if gemma { 6 } else { 2 },
         hidden: 64,
         intermediate: 96,
         num_heads: 4,
@@ -50,7 +60,10 @@ fn tiny_model() -> LlamaWeights {
         rope_scale: 1.0,
         rms_eps: 1e-5,
         max_model_len: 256,
-        sliding_window: None,
+        sliding_window: gemma.then_some(3),
+        query_scale: 0.25,
+        attn_softcap: caps.map(|c| c.0),
+        final_softcap: caps.map(|c| c.1),
     };
     let (h, kv, ff) = (shape.hidden, shape.kv_dim(), shape.intermediate);
     let mut rng = Lcg(7);
@@ -59,7 +72,8 @@ fn tiny_model() -> LlamaWeights {
             attn_norm: rng.norm(h),
             wqkv: Stacked::new(&[&rng.matrix(h + 2 * kv, h, 0.3, GgmlDType::Q8_0)]).unwrap(),
             qkv_bias: None,
-            qk_norm: None,
+            qk_norm: family.qk_norm.then(|| (rng.norm(16), rng.norm(16))),
+            post_norms: gemma.then(|| (rng.norm(h), rng.norm(h))),
             wo: rng.matrix(h, h, 0.2, GgmlDType::Q4_1),
             ffn_norm: rng.norm(h),
             w_gate_up: Stacked::new(&[&rng.matrix(2 * ff, h, 0.3, GgmlDType::Q4_1)]).unwrap(),
@@ -74,6 +88,9 @@ fn tiny_model() -> LlamaWeights {
         layers,
         norm: rng.norm(h),
         rope_freqs: ops::rope_frequencies(shape.head_dim, shape.rope_theta, shape.rope_scale),
+        local_rope_freqs: family
+            .window_rope_base
+            .map(|base| ops::rope_frequencies(shape.head_dim, base, 1.0)),
     }
 }
 
@@ -144,10 +161,17 @@ fn assert_close(gpu: &[Vec<f32>], cpu: &[Vec<f32>], tol: f32, what: &str) {
 
 #[test]
 fn on_a_gpu_mixed_batches_match_the_cpu_backend() {
-    let w = tiny_model();
+    for family in [Family::LLAMA, Family::GEMMA2, Family::GEMMA3] {
+        mixed_batches_match_the_cpu_backend(family);
+    }
+}
+
+/// [`on_a_gpu_mixed_batches_match_the_cpu_backend`] on a model of `family`.
+fn mixed_batches_match_the_cpu_backend(family: Family) {
+    let w = tiny_model_of(family);
     let (bs, blocks) = (4, 32);
     let Some(mut gpu) = gpu_backend(&w, bs, blocks) else { return };
-    let mut cpu = CpuBackend::new(tiny_model(), bs, blocks);
+    let mut cpu = CpuBackend::new(tiny_model_of(family), bs, blocks);
     // Scattered tables; A and B share no block.
     let (table_a, table_b, table_c) = ([9u32, 3, 17], [4u32, 30, 1, 12], [25u32]);
     let steps: Vec<Vec<SeqSlice>> = vec![
@@ -178,7 +202,7 @@ fn on_a_gpu_mixed_batches_match_the_cpu_backend() {
         let c = logits(cpu.run(batch).expect("cpu step"));
         // Measured in the CPU emulation of these kernels: within 2.2% (the CPU's 8-bit
         // activations), and within 1e-6 of a plain f32 forward.
-        assert_close(&g, &c, 0.05, &format!("step {i}"));
+        assert_close(&g, &c, 0.05, &format!("{}: step {i}", family.name));
     }
 }
 

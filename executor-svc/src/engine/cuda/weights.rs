@@ -39,6 +39,9 @@ pub struct DeviceLayer {
     pub qkv_bias: Option<CudaSlice<f32>>,
     /// The query and key heads' RMS norm weights, where the family has them (Qwen 3).
     pub qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// The RMS norms of the attention's and feed-forward's outputs, where the family has them
+    /// (Gemma).
+    pub post_norms: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Output projection `[hidden, q_dim]`.
     pub wo: DeviceMatrix,
     /// RMS norm before the feed-forward.
@@ -62,6 +65,8 @@ pub struct DeviceWeights {
     pub layers: Vec<DeviceLayer>,
     /// Rotary frequencies, one per pair of a head's dimensions (the CPU path's values).
     pub rope_freqs: CudaSlice<f32>,
+    /// The windowed layers' own rotary frequencies, where the family has them (Gemma 3).
+    pub local_rope_freqs: Option<CudaSlice<f32>>,
 }
 
 impl DeviceWeights {
@@ -87,6 +92,10 @@ impl DeviceWeights {
                         Some((q, k)) => Some((vector(q)?, vector(k)?)),
                         None => None,
                     },
+                    post_norms: match &l.post_norms {
+                        Some((a, f)) => Some((vector(a)?, vector(f)?)),
+                        None => None,
+                    },
                     wo: matrix(&l.wo)?,
                     ffn_norm: vector(&l.ffn_norm)?,
                     w_gate_up: matrix(&l.w_gate_up)?,
@@ -107,6 +116,7 @@ impl DeviceWeights {
             norm: vector(&w.norm)?,
             layers,
             rope_freqs: vector(&w.rope_freqs)?,
+            local_rope_freqs: w.local_rope_freqs.as_deref().map(vector).transpose()?,
         })
     }
 
@@ -121,6 +131,7 @@ impl DeviceWeights {
                     + l.ffn_norm.num_bytes()
                     + l.qkv_bias.as_ref().map_or(0, CudaSlice::num_bytes)
                     + l.qk_norm.as_ref().map_or(0, |(q, k)| q.num_bytes() + k.num_bytes())
+                    + l.post_norms.as_ref().map_or(0, |(a, f)| a.num_bytes() + f.num_bytes())
                     + m(&l.wqkv)
                     + m(&l.wo)
                     + m(&l.w_gate_up)
@@ -132,6 +143,7 @@ impl DeviceWeights {
             + self.lm_head.as_ref().map_or(0, m)
             + self.norm.num_bytes()
             + self.rope_freqs.num_bytes()
+            + self.local_rope_freqs.as_ref().map_or(0, CudaSlice::num_bytes)
     }
 }
 

@@ -209,6 +209,8 @@ pub struct Heads {
     /// Positions a token attends to at most, its own included: the last `window` of its
     /// context (a sliding window; `usize::MAX` for none).
     pub window: usize,
+    /// Scores soft-capped at this, `c · tanh(s / c)` after the scale (Gemma 2).
+    pub softcap: Option<f32>,
 }
 
 impl Heads {
@@ -251,10 +253,12 @@ pub fn attend<'a, T: Elem>(
     debug_assert!(n_ctx >= 1 && q.len().is_multiple_of(heads.kv * heads.group * heads.hd));
     #[cfg(target_arch = "x86_64")]
     {
-        // The tiled kernels attend from position 0: where a window leaves earlier positions
-        // out (a sliding-window model past its window), the portable path computes.
+        // The tiled kernels attend from position 0 and do not cap: where a window leaves
+        // earlier positions out (a sliding-window model past its window), or scores are
+        // capped, the portable path computes.
         let last = n_ctx + q.len() / (heads.kv * heads.group * heads.hd) - 1;
-        if simd::supports(heads.hd) && heads.group <= simd::MAX_HEADS && last <= heads.window {
+        let plain = last <= heads.window && heads.softcap.is_none();
+        if simd::supports(heads.hd) && heads.group <= simd::MAX_HEADS && plain {
             if let Some(isa) = simd::detect() {
                 // SAFETY: the instruction set was detected at run time.
                 unsafe { simd::attend(isa, heads, q, n_ctx, run, scratch, out) };
@@ -311,7 +315,8 @@ fn attend_with<'a, T: Elem>(
             &run,
             |r| r.keys,
             |_, key| {
-                scores.push(dot(qh, &key[..hd]) * heads.scale);
+                let s = dot(qh, &key[..hd]) * heads.scale;
+                scores.push(heads.softcap.map_or(s, |c| (s / c).tanh() * c));
             },
         );
         softmax(&mut scores);
@@ -445,7 +450,8 @@ mod tests {
                 len: 5 - p % 5,
             };
             for (group, kv) in (1..=4).map(|g| (g, 1)).chain([(1, 2), (3, 2)]) {
-                let heads = Heads { hd, group, lane, kv, scale: 0.125, window: usize::MAX };
+                let heads =
+                    Heads { hd, group, lane, kv, scale: 0.125, window: usize::MAX, softcap: None };
                 for (tokens, n_ctx) in
                     [(1, 1), (1, 7), (1, 16), (1, 17), (1, 64), (1, 65), (1, 143)]
                         .into_iter()
@@ -479,7 +485,15 @@ mod tests {
                     len: 7 - (first + p) % 7,
                 }
             };
-            let all = Heads { hd, group: 2, lane: 0, kv: 1, scale: 0.125, window: usize::MAX };
+            let all = Heads {
+                hd,
+                group: 2,
+                lane: 0,
+                kv: 1,
+                scale: 0.125,
+                window: usize::MAX,
+                softcap: None,
+            };
             let mut scratch = AttnScratch::default();
             let mut cut = 0;
             for (window, tokens, n_ctx) in [(8, 1, 30), (8, 9, 30), (50, 9, 20), (16, 4, 13)] {

@@ -5,7 +5,9 @@ and their logits from a forward written here after Hugging Face's `modeling_llam
 unpermuted Q/K, `rotate_half` rotary embedding, HF's rope scalings and sliding-window mask
 `q - k < window`; Qwen 2 is Llama with biases on Q, K and V, Qwen 3 with each Q and K head
 RMS-normed, Phi-3 with Q, K and V in one `qkv_proj` and gate and up in one `gate_up_proj`,
-and their GGUF files keep HF's Q/K layout). Nothing here is Ferry's: the weights are quantized
+and their GGUF files keep HF's Q/K layout; Gemma 2 and 3 after `modeling_gemma2.py` and
+`modeling_gemma3.py`: scaled embeddings, `1 + w` norms, post-norms, GeGLU, soft caps, windowed
+and global layers, Gemma 3's local rotary base). Nothing here is Ferry's: the weights are quantized
 and read back by the `gguf` package.
 
     llama_hf.py OUT_DIR
@@ -13,7 +15,8 @@ and read back by the `gguf` package.
 writes OUT_DIR/<variant>.gguf and OUT_DIR/expected.json:
 {"variants": {"<variant>": {"gguf": path, "tokens": [...], "logits": [[...] per position],
   "unscaled_logits": [[...]] (the same weights without the variant's rope scaling or window),
-  "greedy": [...] (8 tokens after `tokens`)}}, "refused": {"<variant>": [path, what it names]}}
+  "greedy": [...] (8 tokens after `tokens`), "ablations": {what: [last position's logits without
+  it]}}}, "refused": {"<variant>": [path, what it names]}}
 """
 import json
 import sys
@@ -35,11 +38,11 @@ PARTS = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", 
          "ffn_down", "output")
 
 
-def set_dims(hidden, ff, head=None):
-    """The widths of the next model (k-quants need inputs in multiples of 256; Qwen 3's heads
-    are wider than width / heads)."""
-    global HIDDEN, FF, HEAD
-    HIDDEN, FF, HEAD = hidden, ff, head or hidden // HEADS
+def set_dims(hidden, ff, head=None, layers=2):
+    """The widths of the next model (k-quants need inputs in multiples of 256; Qwen 3's and
+    Gemma's heads are wider than width / heads; Gemma 3 needs six layers for a global one)."""
+    global HIDDEN, FF, HEAD, LAYERS
+    HIDDEN, FF, HEAD, LAYERS = hidden, ff, head or hidden // HEADS, layers
 EPS = 1e-5
 TOKENS = [5, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101]
 
@@ -119,19 +122,44 @@ def rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def forward(m, tokens, inv_freq, window=None):
-    """Logits at every position (HF's LlamaForCausalLM, no cache); with a sliding `window`,
-    query i attends to keys j with i - j < window."""
-    n = len(tokens)
-    x = m["embed"][tokens]
+def gelu_tanh(x):
+    """PyTorch's `gelu(approximate="tanh")`, Gemma's `gelu_pytorch_tanh`."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def cap(x, c):
+    """Gemma 2's soft-capping: `c · tanh(x / c)`; none for `c` None."""
+    return x if c is None else np.tanh(x / c) * c
+
+
+def rotary(inv_freq, n):
     pos = np.arange(n, dtype=np.float64)
     freqs = np.outer(pos, inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)
-    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
-    mask = np.triu(np.full((n, n), -np.inf), 1)
+    return np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+
+
+def forward(m, tokens, inv_freq, window=None, gemma=None):
+    """Logits at every position (HF's LlamaForCausalLM, no cache); with a sliding `window`,
+    query i attends to keys j with i - j < window. `gemma` (a dict) makes it HF's
+    Gemma2ForCausalLM / Gemma3ForCausalLM: embeddings times sqrt(width), Gemma's norms (`1 + w`,
+    the file holding `1 + w`), outputs post-normed before each residual add, GeGLU, scores
+    scaled by `query_pre_attn_scalar ** -0.5` and soft-capped at `attn_cap`, logits at
+    `final_cap`, the window on the layers of `pattern` (`layer_types`), those layers rotated by
+    `local_inv_freq` (Gemma 3's `rope_local_base_freq`)."""
+    n = len(tokens)
+    g = gemma or {}
+    x = m["embed"][tokens] * (np.sqrt(HIDDEN) if gemma else 1.0)
+    cos_sin = rotary(inv_freq, n)
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    windowed = causal.copy()
     if window is not None:
-        mask[np.subtract.outer(np.arange(n), np.arange(n)) >= window] = -np.inf
-    for l in m["layers"]:
+        windowed[np.subtract.outer(np.arange(n), np.arange(n)) >= window] = -np.inf
+    for i, l in enumerate(m["layers"]):
+        # Gemma's `layer_types`: full attention on the last layer of each `pattern`.
+        local = "pattern" not in g or i % g["pattern"] < g["pattern"] - 1
+        mask = windowed if local else causal
+        cos, sin = rotary(g["local_inv_freq"], n) if local and "local_inv_freq" in g else cos_sin
         h = rms_norm(x, l["attn_norm"])
         bias = lambda name: l.get(name, 0.0)
         q = (h @ l["q"].T + bias("bq")).reshape(n, HEADS, HEAD)
@@ -144,25 +172,31 @@ def forward(m, tokens, inv_freq, window=None):
         group = HEADS // KV_HEADS
         out = np.zeros((n, HEADS, HEAD))
         for hd in range(HEADS):
-            s = q[:, hd] @ k[:, hd // group].T / np.sqrt(HEAD) + mask
+            s = cap(q[:, hd] @ k[:, hd // group].T / np.sqrt(HEAD), g.get("attn_cap")) + mask
             p = np.exp(s - s.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
             out[:, hd] = p @ v[:, hd // group]
-        x = x + out.reshape(n, HEADS * HEAD) @ l["o"].T
+        o = out.reshape(n, HEADS * HEAD) @ l["o"].T
+        x = x + (rms_norm(o, l["post_attention_norm"]) if gemma else o)
         h = rms_norm(x, l["ffn_norm"])
-        g, u = h @ l["gate"].T, h @ l["up"].T
-        x = x + ((g / (1 + np.exp(-g))) * u) @ l["down"].T
-    return rms_norm(x, m["norm"]) @ m["output"].T
+        gate, u = h @ l["gate"].T, h @ l["up"].T
+        act = gelu_tanh(gate) if gemma else gate / (1 + np.exp(-gate))
+        down = (act * u) @ l["down"].T
+        x = x + (rms_norm(down, l["post_ffw_norm"]) if gemma else down)
+    return cap(rms_norm(x, m["norm"]) @ m["output"].T, g.get("final_cap"))
 
 
 def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, types=None,
-          arch="llama", biases=("q", "k", "v"), window=None):
+          arch="llama", biases=("q", "k", "v"), window=None, caps=None):
     """Writes the GGUF file; returns the model the reference computes with. A `qwen2` file has
     the Q, K and V `biases` named, a `qwen3` file Q and K head norms, a `phi3` file Q, K and V
     in one `attn_qkv` and gate and up in one `ffn_up`; all three keep Q/K unpermuted, as
-    llama.cpp's converter writes them. `window`: a sliding window in the metadata."""
+    llama.cpp's converter writes them; `gemma2` and `gemma3` files have post-norms (and Gemma 3
+    Q and K head norms), their norm weights holding `1 + w`. `window`: a sliding window in the
+    metadata; `caps`: Gemma 2's (attention, final) soft caps."""
     w = gguf.GGUFWriter(path, arch)
-    qwen2, hf_layout = arch == "qwen2", arch in ("qwen2", "qwen3", "phi3")
+    gemma = arch in ("gemma2", "gemma3")
+    qwen2, hf_layout = arch == "qwen2", arch in ("qwen2", "qwen3", "phi3") or gemma
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -178,6 +212,9 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
         w.add_value_length(HEAD)
     if window is not None:
         w.add_sliding_window(window)
+    if caps is not None:
+        w.add_attn_logit_softcapping(caps[0])
+        w.add_final_logit_softcapping(caps[1])
     if scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling)
@@ -212,7 +249,10 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
             for b, n in (("q", HEADS * HEAD), ("k", KV_HEADS * HEAD), ("v", KV_HEADS * HEAD)):
                 if b in biases:
                     layer["b" + b] = vector(f"{p}.attn_{b}.bias", n, mean=0.0, sd=0.5)
-        if arch == "qwen3":  # weights far from 1, so that a forward without them differs
+        if gemma:
+            layer["post_attention_norm"] = vector(f"{p}.post_attention_norm.weight", HIDDEN)
+            layer["post_ffw_norm"] = vector(f"{p}.post_ffw_norm.weight", HIDDEN)
+        if arch in ("qwen3", "gemma3"):  # weights far from 1, so that a forward without them differs
             layer["q_norm"] = vector(f"{p}.attn_q_norm.weight", HEAD, sd=0.5)
             layer["k_norm"] = vector(f"{p}.attn_k_norm.weight", HEAD, sd=0.5)
         if arch == "phi3":  # fused, as HF's qkv_proj and gate_up_proj: split for the forward
@@ -255,11 +295,11 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
     return m
 
 
-def greedy(m, tokens, inv_freq, n):
+def greedy(m, tokens, inv_freq, n, gemma=None):
     tokens = list(tokens)
     out = []
     for _ in range(n):
-        nxt = int(np.argmax(forward(m, tokens, inv_freq, m["window"])[-1]))
+        nxt = int(np.argmax(forward(m, tokens, inv_freq, m["window"], gemma)[-1]))
         out.append(nxt)
         tokens.append(nxt)
     return out
@@ -269,13 +309,17 @@ def main():
     out_dir = sys.argv[1]
     variants, refused = {}, {}
 
-    def run(name, m, inv_freq, plain_inv_freq):
+    def run(name, m, inv_freq, plain_inv_freq, gemma=None, ablations=None):
+        """`ablations`: {what: the gemma options without it}, each computed too; the test
+        checks that each changes the logits (so a forward ignoring it would fail)."""
         variants[name] = {
             "gguf": f"{out_dir}/{name}.gguf",
             "tokens": TOKENS,
-            "logits": forward(m, TOKENS, inv_freq, m["window"]).tolist(),
-            "unscaled_logits": forward(m, TOKENS, plain_inv_freq).tolist(),
-            "greedy": greedy(m, TOKENS, inv_freq, 8),
+            "logits": forward(m, TOKENS, inv_freq, m["window"], gemma).tolist(),
+            "unscaled_logits": forward(m, TOKENS, plain_inv_freq, None, gemma).tolist(),
+            "greedy": greedy(m, TOKENS, inv_freq, 8, gemma),
+            "ablations": {what: forward(m, TOKENS, inv_freq, window, g)[-1].tolist()
+                          for what, (window, g) in (ablations or {}).items()},
         }
 
     inv = lambda theta: 1.0 / theta ** (np.arange(0, HEAD, 2, dtype=np.float64) / HEAD)
@@ -331,6 +375,29 @@ def main():
     m = build(f"{out_dir}/phi3.gguf", np.random.default_rng(12), 10000.0, tied=False, arch="phi3",
               window=5)
     run("phi3", m, inv(10000.0), inv(10000.0))
+    # Gemma 2 style: GeGLU, scaled embeddings, post-norms, soft caps low enough to matter here
+    # (Gemma 2's are 50 and 30), a window of 5 on the first layer of each pair, tied output.
+    gemma2 = {"attn_cap": 1.5, "final_cap": 2.0, "pattern": 2}
+    m = build(f"{out_dir}/gemma2.gguf", np.random.default_rng(13), 10000.0, tied=True,
+              arch="gemma2", window=5, caps=(1.5, 2.0))
+    run("gemma2", m, inv(10000.0), inv(10000.0), gemma2, {
+        "the window": (None, gemma2),
+        "the attention cap": (5, gemma2 | {"attn_cap": None}),
+        "the final cap": (5, gemma2 | {"final_cap": None}),
+        "the global layers": (5, gemma2 | {"pattern": 1000}),
+    })
+    # Gemma 3 style: Q and K head norms, heads of 64 (wider than width / heads), five windowed
+    # layers rotating at base 10000 to a global one at 1e6 with linear scaling 8, no caps.
+    set_dims(64, 128, head=64, layers=6)
+    gemma3 = {"pattern": 6, "local_inv_freq": inv(10000.0)}
+    m = build(f"{out_dir}/gemma3.gguf", np.random.default_rng(14), 1000000.0, tied=True,
+              arch="gemma3", window=5, scaling=8.0)
+    run("gemma3", m, inv(1000000.0) / 8.0, inv(1000000.0) / 8.0, gemma3, {
+        "the window": (None, gemma3),
+        "the local rotary base": (5, {"pattern": 6}),
+        "the global layer": (5, gemma3 | {"pattern": 1000}),
+    })
+    set_dims(64, 128)
     # A tensor the llama forward does not compute (Qwen 2's bias).
     path = f"{out_dir}/bias.gguf"
     build(path, np.random.default_rng(4), 10000.0, tied=True, extra="blk.0.attn_q.bias")

@@ -2,8 +2,9 @@
 //! in GGUF as llama.cpp's converter lays them out (`llama_hf.py`, with the `gguf` package's
 //! quantizers; plain, Llama 3 and linear rope scaling, every legacy type mixed in one file, a
 //! `Q4_K_M`-like k-quant mix, `F16`, `BF16` and `F32` mixed, Qwen 2, Qwen 3, Phi-3 with a
-//! sliding window), their logits from a numpy forward after Hugging Face's `modeling_llama.py`,
-//! `modeling_qwen2.py`, `modeling_qwen3.py` and `modeling_phi3.py` (f64, HF's layout, rotary
+//! sliding window, Gemma 2 and Gemma 3), their logits from a numpy forward after Hugging Face's
+//! `modeling_llama.py`, `modeling_qwen2.py`, `modeling_qwen3.py`, `modeling_phi3.py`,
+//! `modeling_gemma2.py` and `modeling_gemma3.py` (f64, HF's layout, rotary
 //! scalings and sliding-window mask, the weights the package dequantizes); and every weight type's
 //! conversion against the package's (`formats.py`). Ferry loads each file and computes every
 //! position's logits with its reference forward, and its serving forward must give the same
@@ -110,6 +111,12 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
                 assert!(max_diff(&want, &unscaled) > 10.0 * TOLERANCE, "{name}: {i}: no effect");
             }
         }
+        // Each of the variant's features changes the last position's logits: a forward that
+        // left one out would fail.
+        for (what, without) in want["ablations"].as_object().unwrap() {
+            let diff = max_diff(&floats(without), computed.last().unwrap());
+            assert!(diff > 10.0 * TOLERANCE, "{name}: {what} changes nothing here ({diff})");
+        }
         eprintln!("{name}: logits within {worst:e} of the f64 reference");
         assert_serving_forward_equals(w, &tokens, &computed, name);
         // Greedy, from the reference's f64 argmax (which no near tie decides here).
@@ -118,8 +125,10 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
         checked.push(name.clone());
     }
     checked.sort();
-    let every =
-        ["floats", "k-quants", "linear", "llama", "llama3", "mixed", "phi3", "qwen2", "qwen3"];
+    let every = [
+        "floats", "gemma2", "gemma3", "k-quants", "linear", "llama", "llama3", "mixed", "phi3",
+        "qwen2", "qwen3",
+    ];
     assert_eq!(checked, every);
     for (name, refused) in expected["refused"].as_object().unwrap() {
         let err = load(Path::new(refused[0].as_str().unwrap())).unwrap_err();

@@ -59,6 +59,9 @@ pub struct Family {
     /// the file gives none (`attn_logit_softcapping`, `final_logit_softcapping`: Gemma 2's 50
     /// and 30); `None`: the family caps nothing and those keys are refused.
     pub softcap: Option<(f32, f32)>,
+    /// Whether the file may hold `LongRoPE`'s per-pair factor tables (`rope_factors_long`,
+    /// `rope_factors_short`: Phi-3 and 3.5 at 128k, Phi-4-mini).
+    pub longrope: bool,
     /// Layer counts whose models scale queries by `1/√(width / heads)` instead of
     /// `1/√head_dim` (Gemma's 27B models; llama.cpp tells them by their layer count, as no
     /// key states it).
@@ -80,6 +83,7 @@ impl Family {
         default_window: None,
         window_rope_base: None,
         softcap: None,
+        longrope: false,
         wide_query_scale_at: &[],
     };
     /// Qwen 2 and 2.5: Llama with biases on Q, K and V and the NEOX rotation.
@@ -89,10 +93,11 @@ impl Family {
     /// heads are usually not width / heads wide (`attention.key_length`).
     pub const QWEN3: Self =
         Self { name: "qwen3", rope: RopeStyle::Halves, qk_norm: true, ..Self::LLAMA };
-    /// Phi-3 and 3.5 (mini, medium): Llama with the NEOX rotation, Q, K and V in one matrix and
-    /// gate and up in another, usually a sliding window.
+    /// Phi-3, 3.5 (mini, medium) and Phi-4-mini: Llama with the NEOX rotation, Q, K and V in one
+    /// matrix and gate and up in another, usually a sliding window (none in Phi-4-mini), `LongRoPE`
+    /// factors at 128k, a part of each head rotated (Phi-4-mini).
     pub const PHI3: Self =
-        Self { name: "phi3", rope: RopeStyle::Halves, fused: true, ..Self::LLAMA };
+        Self { name: "phi3", rope: RopeStyle::Halves, fused: true, longrope: true, ..Self::LLAMA };
     /// Gemma 2: GeGLU, embeddings scaled by √width, every block's attention and feed-forward
     /// outputs RMS-normed before the residual add (norm weights hold Gemma's `1 + w`, as
     /// llama.cpp's converter writes them), the NEOX rotation, attention scores and logits

@@ -60,6 +60,16 @@ pub struct LlamaShape {
     /// Linear rotary scaling: every frequency times this (`1 / llama.rope.scaling.factor`;
     /// 1 without scaling).
     pub rope_scale: f32,
+    /// Dimensions of a head the rotary embedding turns, from its start (`rope.dimension_count`:
+    /// the whole head, or a part, as Phi-4-mini's three quarters); the rest pass unrotated.
+    pub rope_dims: usize,
+    /// The rotation's sines and cosines times this (`rope.scaling.attn_factor`: `LongRoPE`'s
+    /// attention scaling, ggml's `mscale`; 1 without).
+    pub rope_mscale: f32,
+    /// Which of a `LongRoPE` file's factor tables rotates (`rope_factors_long` or `_short`): the
+    /// long one when the context served passes `rope.scaling.original_context_length`, as
+    /// llama.cpp chooses with the model's whole context.
+    pub rope_long: bool,
     /// RMS norm epsilon.
     pub rms_eps: f32,
     /// Longest context the model was trained for.
@@ -103,7 +113,7 @@ const UNDERSTOOD: &[&str] = &[
     "attention.layer_norm_rms_epsilon",
     "vocab_size",
     "rope.freq_base",
-    // Checked below: equal to the head size, or no expert.
+    // Checked below: at most the head size (or equal to it), or no expert.
     "rope.dimension_count",
     "attention.key_length",
     "attention.value_length",
@@ -113,8 +123,11 @@ const UNDERSTOOD: &[&str] = &[
     "rope.scaling.type",
     "rope.scaling.factor",
     "rope.scale_linear",
-    // The length a scaled model was trained at before its extension: information only.
+    // The length a scaled model was trained at before its extension: chooses LongRoPE's
+    // factors, information otherwise.
     "rope.scaling.original_context_length",
+    // Read into `rope_mscale`.
+    "rope.scaling.attn_factor",
     "rope.scaling.finetuned",
     // Read into `sliding_window`.
     "attention.sliding_window",
@@ -144,13 +157,18 @@ fn check_understood(
     if let Some(key) = keys.into_iter().find(unknown) {
         return Err(unsupported(key, &header.metadata[key], "a key Ferry does not know"));
     }
-    for key in ["rope.dimension_count", "attention.value_length"] {
-        let key = format!("{prefix}{key}");
-        if let Some(v) = header.get(&key) {
-            if v.as_u32().map(|n| n as usize) != Some(head_dim) {
-                let reason = format!("Ferry rotates and attends whole heads of {head_dim}");
-                return Err(unsupported(&key, v, &reason));
-            }
+    let key = format!("{prefix}attention.value_length");
+    if let Some(v) = header.get(&key) {
+        if v.as_u32().map(|n| n as usize) != Some(head_dim) {
+            let reason = format!("Ferry attends values as wide as keys ({head_dim})");
+            return Err(unsupported(&key, v, &reason));
+        }
+    }
+    let key = format!("{prefix}rope.dimension_count");
+    if let Some(v) = header.get(&key) {
+        if !v.as_u32().is_some_and(|n| n > 0 && n % 2 == 0 && n as usize <= head_dim) {
+            let reason = format!("Ferry rotates an even part of a head of {head_dim}");
+            return Err(unsupported(&key, v, &reason));
         }
     }
     if family.softcap.is_none() {
@@ -225,6 +243,37 @@ fn query_scale(family: Family, num_layers: usize, width_per_head: usize, head_di
     1.0 / (size as f32).sqrt()
 }
 
+/// The rotary embedding's part of a head, its `mscale`, and whether `LongRoPE`'s long factors
+/// apply, for a model of `max_len` positions (`dims` already checked).
+fn rotary(
+    header: &GgufHeader,
+    arch: &str,
+    head_dim: usize,
+    max_len: usize,
+) -> Result<(usize, f32, bool), ShapeError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let dims = header.get(&key("rope.dimension_count")).and_then(Value::as_u32);
+    let mscale = match header.get(&key("rope.scaling.attn_factor")) {
+        None => 1.0,
+        Some(v) => match v.as_f32() {
+            Some(f) if f.is_finite() && f > 0.0 => f,
+            _ => {
+                return Err(unsupported(
+                    &key("rope.scaling.attn_factor"),
+                    v,
+                    "expected a positive number",
+                ))
+            }
+        },
+    };
+    let original = header.get(&key("rope.scaling.original_context_length")).and_then(Value::as_u32);
+    Ok((
+        dims.map_or(head_dim, |n| n as usize),
+        mscale,
+        original.is_some_and(|o| max_len > o as usize),
+    ))
+}
+
 impl LlamaShape {
     /// Reads the shape from `general.architecture` and that architecture's metadata.
     pub fn from_gguf(header: &GgufHeader) -> Result<Self, ShapeError> {
@@ -277,6 +326,8 @@ impl LlamaShape {
         check_understood(header, family, head_dim)?;
         let (attn_softcap, final_softcap) = soft_caps(header, family)?;
         let num_layers = u("block_count")?;
+        let max_model_len = u("context_length")?;
+        let (rope_dims, rope_mscale, rope_long) = rotary(header, arch, head_dim, max_model_len)?;
         let shape = Self {
             family,
             num_layers,
@@ -288,8 +339,11 @@ impl LlamaShape {
             vocab_size,
             rope_theta,
             rope_scale: rope_scale(header, arch)?,
+            rope_dims,
+            rope_mscale,
+            rope_long,
             rms_eps: float(required(header, &eps_key)?, &eps_key)?,
-            max_model_len: u("context_length")?,
+            max_model_len,
             // 0: no window, as llama.cpp reads it.
             sliding_window: optional_u("attention.sliding_window")?
                 .or(family.default_window)
@@ -457,6 +511,25 @@ mod tests {
         assert!(err.to_string().contains("llama.final_logit_softcapping"), "{err}");
     }
 
+    /// Phi-3.5 / Phi-4-mini: `LongRoPE`'s long factors where the context passes the original,
+    /// its attention factor, and a rotation of part of each head.
+    #[test]
+    fn longrope_and_a_partial_rotation_are_read_as_llama_cpp_reads_them() {
+        let phi = || {
+            smollm_as("phi3")
+                .u32("phi3.rope.dimension_count", 48)
+                .f32("phi3.rope.scaling.attn_factor", 1.25)
+        };
+        let s = shape(phi().u32("phi3.rope.scaling.original_context_length", 4096)).unwrap();
+        assert_eq!((s.rope_dims, s.head_dim, s.rope_mscale, s.rope_long), (48, 64, 1.25, true));
+        let s = shape(phi().u32("phi3.rope.scaling.original_context_length", 8192)).unwrap();
+        assert!(!s.rope_long, "a context of 8192 does not pass an original 8192");
+        let s = shape(smollm()).unwrap();
+        assert_eq!((s.rope_dims, s.rope_mscale, s.rope_long), (64, 1.0, false));
+        let err = shape(phi().f32("phi3.rope.scaling.attn_factor", 0.0)).unwrap_err();
+        assert!(err.to_string().contains("phi3.rope.scaling.attn_factor"), "{err}");
+    }
+
     #[test]
     fn linear_rope_scaling_divides_the_frequencies_by_its_factor() {
         let b = smollm().string("llama.rope.scaling.type", "linear");
@@ -481,7 +554,8 @@ mod tests {
             ),
             (smollm().u32("llama.expert_count", 8), "llama.expert_count"),
             (smollm().u32("llama.attention.value_length", 128), "llama.attention.value_length"),
-            (smollm().u32("llama.attention.key_length", 128), "llama.rope.dimension_count"),
+            (smollm().u32("llama.attention.key_length", 32), "llama.rope.dimension_count"),
+            (smollm().u32("llama.rope.dimension_count", 63), "llama.rope.dimension_count"),
             (smollm().f32("llama.rope.scaling.factor_x", 8.0), "llama.rope.scaling.factor_x"),
         ];
         for (b, key) in cases {

@@ -80,11 +80,14 @@ fn expected_tensors(shape: &LlamaShape) -> impl Fn(&str) -> bool {
         "ffn_up.weight",
         "ffn_down.weight",
     ];
+    const LONGROPE: [&str; 2] = ["rope_factors_long.weight", "rope_factors_short.weight"];
     let f = shape.family;
     let (layers, biases, norms, post) = (shape.num_layers, f.qkv_bias, f.qk_norm, f.post_norms);
+    let longrope = f.longrope;
     let per_layer: &[&str] = if f.fused { &FUSED } else { &PER_LAYER };
     move |name: &str| {
         GLOBAL.contains(&name)
+            || longrope && LONGROPE.contains(&name)
             || name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).is_some_and(
                 |(i, part)| {
                     i.parse::<usize>().is_ok_and(|i| i < layers)
@@ -124,6 +127,29 @@ fn stacked_parts(
             ],
         )
     })
+}
+
+/// The rotary frequencies of `shape`'s model, one per rotated pair: scaled by a factor per
+/// pair that divides its frequency where the file has one — Llama 3's (llama.cpp's
+/// `rope_freqs`, from `rope_scaling` "llama3") or `LongRoPE`'s long or short table (Phi-3), in
+/// llama.cpp's order of preference — read by `vector(name, len)`.
+fn rope_frequencies(
+    shape: &LlamaShape,
+    content: &gguf_file::Content,
+    vector: &mut impl FnMut(&str, usize) -> Result<Vec<f32>, LoadError>,
+) -> Result<Vec<f32>, LoadError> {
+    let mut freqs =
+        super::ops::rope_frequencies(shape.rope_dims, shape.rope_theta, shape.rope_scale);
+    let longrope =
+        if shape.rope_long { "rope_factors_long.weight" } else { "rope_factors_short.weight" };
+    let has = |name: &&str| content.tensor_infos.contains_key(*name);
+    if let Some(name) = ["rope_freqs.weight", longrope].into_iter().find(has) {
+        let factors = vector(name, freqs.len())?;
+        for (f, factor) in freqs.iter_mut().zip(factors) {
+            *f /= factor;
+        }
+    }
+    Ok(freqs)
 }
 
 /// One transformer block's weights. Matrices are `[out, in]` in their GGUF quantization.
@@ -277,16 +303,7 @@ impl LlamaWeights {
                 .map_err(wrap)
         };
         let norm = vector("output_norm.weight", h)?;
-        // Llama 3's long-context rotary scaling: a factor per pair that divides its frequency
-        // (llama.cpp's `rope_freqs`, from `rope_scaling` "llama3").
-        let mut rope_freqs =
-            super::ops::rope_frequencies(shape.head_dim, shape.rope_theta, shape.rope_scale);
-        if content.tensor_infos.contains_key("rope_freqs.weight") {
-            let factors = vector("rope_freqs.weight", rope_freqs.len())?;
-            for (f, factor) in rope_freqs.iter_mut().zip(factors) {
-                *f /= factor;
-            }
-        }
+        let rope_freqs = rope_frequencies(&shape, content, &mut vector)?;
         let layers = layers
             .into_iter()
             .zip(prefixes)
@@ -330,7 +347,7 @@ impl LlamaWeights {
         let local_rope_freqs = shape
             .family
             .window_rope_base
-            .map(|base| super::ops::rope_frequencies(shape.head_dim, base, 1.0));
+            .map(|base| super::ops::rope_frequencies(shape.rope_dims, base, 1.0));
         Ok(Self { shape, embed, layers, norm, lm_head, rope_freqs, local_rope_freqs })
     }
 }

@@ -77,11 +77,13 @@ pub fn rope_frequencies(head_dim: usize, theta: f32, scale: f32) -> Vec<f32> {
 }
 
 /// The rotary embedding's sines and cosines for position `pos`, one per frequency (pair `i`
-/// turns by `pos · freqs[i]`): the same for every head and layer, so a forward computes them
+/// turns by `pos · freqs[i]`), each times `mscale` (`LongRoPE`'s attention factor; 1: the
+/// plain rotation, exactly): the same for every head and layer, so a forward computes them
 /// once per token.
-pub fn rope_angles(pos: usize, freqs: &[f32], out: &mut [(f32, f32)]) {
+pub fn rope_angles(pos: usize, freqs: &[f32], mscale: f32, out: &mut [(f32, f32)]) {
     for (sc, freq) in out.iter_mut().zip(freqs) {
-        *sc = (pos as f32 * freq).sin_cos();
+        let (sin, cos) = (pos as f32 * freq).sin_cos();
+        *sc = (sin * mscale, cos * mscale);
     }
 }
 

@@ -466,7 +466,7 @@ fn forward_part(
         let Some(freqs) = freqs else { continue };
         angles.resize(n * half, (0.0, 0.0));
         for (r, &(_, pos)) in rows.iter().enumerate() {
-            rope_angles(pos, freqs, &mut angles[r * half..(r + 1) * half]);
+            rope_angles(pos, freqs, s.rope_mscale, &mut angles[r * half..(r + 1) * half]);
         }
     }
     tiled_out.resize(n * q_dim, 0.0);

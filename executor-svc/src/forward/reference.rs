@@ -58,7 +58,7 @@ pub fn forward(
         // Each token's rotary angles at this layer's frequencies.
         let mut angles = vec![(0.0, 0.0); n * half];
         for (i, a) in angles.chunks_exact_mut(half).enumerate() {
-            rope_angles(start + i, w.layer_rope_freqs(l), a);
+            rope_angles(start + i, w.layer_rope_freqs(l), s.rope_mscale, a);
         }
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);

@@ -202,7 +202,7 @@ pub fn forward(
             Some(local) if s.local_rope(l) => local,
             _ => &w.rope_freqs,
         };
-        k.rope(stream, &mut a.qkv, &positions, (freqs, s.family.rope), n, heads)?;
+        k.rope(stream, &mut a.qkv, &positions, (freqs, s.family.rope, s.rope_mscale), n, heads)?;
         let ctx = PagedContext {
             rows: n,
             heads,

@@ -104,14 +104,15 @@ extern "C" __global__ void head_norm(float* __restrict__ qkv, const float* __res
     norm_by_block(v, v, head < q_heads ? qw : kw, head_dim, eps, scratch);
 }
 
-// Rotary embedding, in place, on the Q and K heads of fused [q | k | v] rows: pair p of each
-// head turns by pos * freqs[p]; the pair is (x[2p], x[2p+1]) (GGUF Llama's adjacent pairs) or,
-// with `halves`, (x[p], x[p + head_dim/2]) (NEOX: Qwen). `qk_heads` = query heads + key
-// heads, which sit side by side at the start of each row.
+// Rotary embedding, in place, on the Q and K heads of fused [q | k | v] rows: pair p < `pairs`
+// of each head turns by pos * freqs[p], its sine and cosine times `mscale` (LongRoPE); the pair
+// is (x[2p], x[2p+1]) (GGUF Llama's adjacent pairs) or, with `halves`, (x[p], x[p + pairs])
+// (NEOX: Qwen); dimensions past 2 * pairs (a partial rotation) stay. `qk_heads` = query heads
+// + key heads, which sit side by side at the start of each row.
 extern "C" __global__ void rope(float* __restrict__ qkv, const unsigned long long* __restrict__ pos,
                                 const float* __restrict__ freqs, int rows, int qk_heads,
-                                int head_dim, int row_width, int halves) {
-    int pairs = head_dim / 2;
+                                int head_dim, int row_width, int halves, int pairs,
+                                float mscale) {
     int step = halves ? 1 : 2, offset = halves ? pairs : 1;
     size_t total = (size_t)rows * qk_heads * pairs;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -123,6 +124,8 @@ extern "C" __global__ void rope(float* __restrict__ qkv, const unsigned long lon
         float* v = qkv + (size_t)r * row_width + (size_t)head * head_dim + step * p;
         float s, c;
         sincosf((float)pos[r] * freqs[p], &s, &c);
+        s *= mscale;
+        c *= mscale;
         float a = v[0], b = v[offset];
         v[0] = a * c - b * s;
         v[offset] = a * s + b * c;

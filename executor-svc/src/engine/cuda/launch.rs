@@ -179,30 +179,32 @@ impl Kernels {
     }
 
     /// Rotates the query and key heads of `rows` fused rows in place, by the `rotary`
-    /// frequencies and pairing.
+    /// frequencies (one per pair: the first `2 · freqs.len()` dimensions of each head turn),
+    /// pairing and `mscale`.
     pub fn rope(
         &self,
         stream: &CudaStream,
         qkv: &mut CudaSlice<f32>,
         positions: &CudaSlice<u64>,
-        (freqs, style): (&CudaSlice<f32>, RopeStyle),
+        (freqs, style, mscale): (&CudaSlice<f32>, RopeStyle, f32),
         rows: usize,
         heads: Heads,
     ) -> Result<(), CudaError> {
         assert!(
             qkv.len() >= rows * heads.row_width()
                 && positions.len() >= rows
-                && freqs.len() >= heads.head_dim / 2,
+                && freqs.len() <= heads.head_dim / 2,
             "rope buffers too small"
         );
+        let pairs = int(freqs.len());
         let qk_heads = heads.num_heads + heads.num_kv_heads;
         let (rows_i, qk_i, hd_i, row_i) =
             (int(rows), int(qk_heads), int(heads.head_dim), int(heads.row_width()));
         let halves = i32::from(style == RopeStyle::Halves);
         let mut b = stream.launch_builder(&self.rope);
         b.arg(qkv).arg(positions).arg(freqs).arg(&rows_i).arg(&qk_i).arg(&hd_i).arg(&row_i);
-        b.arg(&halves);
-        let cfg = elementwise(rows * qk_heads * (heads.head_dim / 2));
+        b.arg(&halves).arg(&pairs).arg(&mscale);
+        let cfg = elementwise(rows * qk_heads * freqs.len());
         // SAFETY: arguments match the kernel's signature; sizes checked above.
         unsafe { b.launch(cfg) }.map_err(CudaError::driver("launching rope"))?;
         Ok(())

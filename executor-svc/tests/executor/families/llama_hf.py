@@ -132,11 +132,20 @@ def cap(x, c):
     return x if c is None else np.tanh(x / c) * c
 
 
-def rotary(inv_freq, n):
+def rotary(inv_freq, n, mscale=1.0):
+    """HF's cos and sin (times LongRoPE's `attention_scaling`, `mscale`)."""
     pos = np.arange(n, dtype=np.float64)
     freqs = np.outer(pos, inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+    return np.cos(emb)[:, None, :] * mscale, np.sin(emb)[:, None, :] * mscale
+
+
+def rope(x, cos, sin):
+    """HF's `apply_rotary_pos_emb` on the first `cos.shape[-1]` dimensions of each head (all of
+    them, or Phi-4-mini's `partial_rotary_factor`), the rest passed through."""
+    r = cos.shape[-1]
+    xr = x[..., :r]
+    return np.concatenate([xr * cos + rotate_half(xr) * sin, x[..., r:]], axis=-1)
 
 
 def forward(m, tokens, inv_freq, window=None, gemma=None):
@@ -146,11 +155,14 @@ def forward(m, tokens, inv_freq, window=None, gemma=None):
     the file holding `1 + w`), outputs post-normed before each residual add, GeGLU, scores
     scaled by `query_pre_attn_scalar ** -0.5` and soft-capped at `attn_cap`, logits at
     `final_cap`, the window on the layers of `pattern` (`layer_types`), those layers rotated by
-    `local_inv_freq` (Gemma 3's `rope_local_base_freq`)."""
+    `local_inv_freq` (Gemma 3's `rope_local_base_freq`). Without `gemma` but with options
+    (`{"mscale": ...}`): Phi-3's LongRoPE attention scaling; the rotated part of a head is
+    always `2 · len(inv_freq)` wide."""
     n = len(tokens)
     g = gemma or {}
+    gemma = g.get("gemma", False)
     x = m["embed"][tokens] * (np.sqrt(HIDDEN) if gemma else 1.0)
-    cos_sin = rotary(inv_freq, n)
+    cos_sin = rotary(inv_freq, n, g.get("mscale", 1.0))
     causal = np.triu(np.full((n, n), -np.inf), 1)
     windowed = causal.copy()
     if window is not None:
@@ -167,8 +179,7 @@ def forward(m, tokens, inv_freq, window=None, gemma=None):
         v = (h @ l["v"].T + bias("bv")).reshape(n, KV_HEADS, HEAD)
         if "q_norm" in l:  # Qwen 3: each head RMS-normed over its own dimensions
             q, k = rms_norm(q, l["q_norm"]), rms_norm(k, l["k_norm"])
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         group = HEADS // KV_HEADS
         out = np.zeros((n, HEADS, HEAD))
         for hd in range(HEADS):
@@ -187,13 +198,16 @@ def forward(m, tokens, inv_freq, window=None, gemma=None):
 
 
 def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, types=None,
-          arch="llama", biases=("q", "k", "v"), window=None, caps=None):
+          arch="llama", biases=("q", "k", "v"), window=None, caps=None, longrope=None,
+          rot=None):
     """Writes the GGUF file; returns the model the reference computes with. A `qwen2` file has
     the Q, K and V `biases` named, a `qwen3` file Q and K head norms, a `phi3` file Q, K and V
     in one `attn_qkv` and gate and up in one `ffn_up`; all three keep Q/K unpermuted, as
     llama.cpp's converter writes them; `gemma2` and `gemma3` files have post-norms (and Gemma 3
     Q and K head norms), their norm weights holding `1 + w`. `window`: a sliding window in the
-    metadata; `caps`: Gemma 2's (attention, final) soft caps."""
+    metadata; `caps`: Gemma 2's (attention, final) soft caps; `longrope`: Phi-3's LongRoPE
+    (`short` and `long` factors per pair, the `orig` context, the `attn_factor`), as its
+    converter writes it; `rot`: the rotated part of a head (Phi-4-mini's partial rotation)."""
     w = gguf.GGUFWriter(path, arch)
     gemma = arch in ("gemma2", "gemma3")
     qwen2, hf_layout = arch == "qwen2", arch in ("qwen2", "qwen3", "phi3") or gemma
@@ -206,12 +220,17 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(EPS)
     w.add_vocab_size(len(VOCAB))
-    w.add_rope_dimension_count(HEAD)
+    w.add_rope_dimension_count(rot or HEAD)
     if HEAD != HIDDEN // HEADS:
         w.add_key_length(HEAD)
         w.add_value_length(HEAD)
     if window is not None:
         w.add_sliding_window(window)
+    if longrope is not None:
+        w.add_rope_scaling_orig_ctx_len(longrope["orig"])
+        w.add_rope_scaling_attn_factors(longrope["attn_factor"])
+        w.add_tensor("rope_factors_long.weight", longrope["long"])
+        w.add_tensor("rope_factors_short.weight", longrope["short"])
     if caps is not None:
         w.add_attn_logit_softcapping(caps[0])
         w.add_final_logit_softcapping(caps[1])
@@ -282,7 +301,7 @@ def build(path, rng, theta, tied, scaling=None, rope_freqs=None, extra=None, typ
             }
         )
     m["norm"] = vector("output_norm.weight", HIDDEN)
-    m["window"] = window
+    m["window"] = window or None  # 0: none, as llama.cpp reads it
     m["output"] = m["embed"] if tied else matrix("output.weight", len(VOCAB), HIDDEN)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
@@ -318,8 +337,8 @@ def main():
             "logits": forward(m, TOKENS, inv_freq, m["window"], gemma).tolist(),
             "unscaled_logits": forward(m, TOKENS, plain_inv_freq, None, gemma).tolist(),
             "greedy": greedy(m, TOKENS, inv_freq, 8, gemma),
-            "ablations": {what: forward(m, TOKENS, inv_freq, window, g)[-1].tolist()
-                          for what, (window, g) in (ablations or {}).items()},
+            "ablations": {what: forward(m, TOKENS, f[0] if f else inv_freq, window, g)[-1].tolist()
+                          for what, (window, g, *f) in (ablations or {}).items()},
         }
 
     inv = lambda theta: 1.0 / theta ** (np.arange(0, HEAD, 2, dtype=np.float64) / HEAD)
@@ -377,7 +396,7 @@ def main():
     run("phi3", m, inv(10000.0), inv(10000.0))
     # Gemma 2 style: GeGLU, scaled embeddings, post-norms, soft caps low enough to matter here
     # (Gemma 2's are 50 and 30), a window of 5 on the first layer of each pair, tied output.
-    gemma2 = {"attn_cap": 1.5, "final_cap": 2.0, "pattern": 2}
+    gemma2 = {"gemma": True, "attn_cap": 1.5, "final_cap": 2.0, "pattern": 2}
     m = build(f"{out_dir}/gemma2.gguf", np.random.default_rng(13), 10000.0, tied=True,
               arch="gemma2", window=5, caps=(1.5, 2.0))
     run("gemma2", m, inv(10000.0), inv(10000.0), gemma2, {
@@ -389,15 +408,32 @@ def main():
     # Gemma 3 style: Q and K head norms, heads of 64 (wider than width / heads), five windowed
     # layers rotating at base 10000 to a global one at 1e6 with linear scaling 8, no caps.
     set_dims(64, 128, head=64, layers=6)
-    gemma3 = {"pattern": 6, "local_inv_freq": inv(10000.0)}
+    gemma3 = {"gemma": True, "pattern": 6, "local_inv_freq": inv(10000.0)}
     m = build(f"{out_dir}/gemma3.gguf", np.random.default_rng(14), 1000000.0, tied=True,
               arch="gemma3", window=5, scaling=8.0)
     run("gemma3", m, inv(1000000.0) / 8.0, inv(1000000.0) / 8.0, gemma3, {
         "the window": (None, gemma3),
-        "the local rotary base": (5, {"pattern": 6}),
+        "the local rotary base": (5, {"gemma": True, "pattern": 6}),
         "the global layer": (5, gemma3 | {"pattern": 1000}),
     })
     set_dims(64, 128)
+    # Phi-3.5 / Phi-4-mini style LongRoPE: a factor per pair dividing its frequency, the long
+    # ones because the file's context (256) passes the original (8), cos and sin times the
+    # attention factor; and, as Phi-4-mini, three quarters of each head rotated and a window
+    # of 0 (none).
+    rot, lr_rng = 12, np.random.default_rng(16)
+    short = (1 + lr_rng.uniform(0, 0.5, rot // 2)).astype(np.float32)
+    long = (1 + lr_rng.uniform(1, 8, rot // 2)).astype(np.float32)
+    attn_factor = float(np.float32(np.sqrt(1 + np.log(256 / 8) / np.log(8))))
+    m = build(f"{out_dir}/phi3-longrope.gguf", np.random.default_rng(15), 10000.0, tied=True,
+              arch="phi3", window=0, rot=rot,
+              longrope={"short": short, "long": long, "orig": 8, "attn_factor": attn_factor})
+    base = 1.0 / 10000.0 ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
+    longrope = {"mscale": attn_factor}
+    run("phi3-longrope", m, base / long, base / long, longrope, {
+        "the long factors": (None, longrope, base / short),
+        "the attention factor": (None, {}),
+    })
     # A tensor the llama forward does not compute (Qwen 2's bias).
     path = f"{out_dir}/bias.gguf"
     build(path, np.random.default_rng(4), 10000.0, tied=True, extra="blk.0.attn_q.bias")

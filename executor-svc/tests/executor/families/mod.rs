@@ -2,7 +2,8 @@
 //! in GGUF as llama.cpp's converter lays them out (`llama_hf.py`, with the `gguf` package's
 //! quantizers; plain, Llama 3 and linear rope scaling, every legacy type mixed in one file, a
 //! `Q4_K_M`-like k-quant mix, `F16`, `BF16` and `F32` mixed, Qwen 2, Qwen 3, Phi-3 with a
-//! sliding window, Gemma 2 and Gemma 3), their logits from a numpy forward after Hugging Face's
+//! sliding window, Phi-3.5 / Phi-4-mini's `LongRoPE` with a partial rotation, Gemma 2 and
+//! Gemma 3), their logits from a numpy forward after Hugging Face's
 //! `modeling_llama.py`, `modeling_qwen2.py`, `modeling_qwen3.py`, `modeling_phi3.py`,
 //! `modeling_gemma2.py` and `modeling_gemma3.py` (f64, HF's layout, rotary
 //! scalings and sliding-window mask, the weights the package dequantizes); and every weight type's
@@ -126,8 +127,18 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
     }
     checked.sort();
     let every = [
-        "floats", "gemma2", "gemma3", "k-quants", "linear", "llama", "llama3", "mixed", "phi3",
-        "qwen2", "qwen3",
+        "floats",
+        "gemma2",
+        "gemma3",
+        "k-quants",
+        "linear",
+        "llama",
+        "llama3",
+        "mixed",
+        "phi3",
+        "phi3-longrope",
+        "qwen2",
+        "qwen3",
     ];
     assert_eq!(checked, every);
     for (name, refused) in expected["refused"].as_object().unwrap() {

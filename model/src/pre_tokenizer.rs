@@ -19,6 +19,12 @@ const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])
 /// Qwen 2's: Llama 3's with digits one by one.
 const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// GPT-4o's (Phi-4-mini, Llama 4), as its tokenizer.json writes it: words with their case
+/// runs and contractions, digits three at a time. llama.cpp follows it with a rewrite of its
+/// letter classes (`[^a-z]`, `[^A-Z]`), which splits no piece of the original's further in
+/// the texts tested; Ferry takes the published expression.
+const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// A pre-tokenizer llama.cpp knows by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PreTokenizer {
@@ -69,6 +75,13 @@ pub const KNOWN: &[PreTokenizer] = &[
         name: "qwen2",
         names: &["qwen2", "stablelm2", "deepseek-r1-qwen"],
         regexes: &[QWEN2],
+        ignore_merges: false,
+        add_bos_default: false,
+    },
+    PreTokenizer {
+        name: "gpt-4o",
+        names: &["gpt-4o", "llama4"],
+        regexes: &[GPT4O],
         ignore_merges: false,
         add_bos_default: false,
     },
@@ -198,7 +211,8 @@ mod tests {
         }
         std::fs::remove_dir_all(&dir).ok();
         checked.sort_unstable();
-        assert_eq!(checked, ["gpt-2", "llama-bpe", "qwen2", "smollm", "smollm-real", "spm"]);
+        let every = ["gpt-2", "gpt-4o", "llama-bpe", "qwen2", "smollm", "smollm-real", "spm"];
+        assert_eq!(checked, every);
     }
 
     #[test]

@@ -48,6 +48,12 @@ QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def split_then_bytes(regex):
     return pre_tokenizers.Sequence(
@@ -74,6 +80,8 @@ FAMILIES = {
     # Llama 3's (with `ignore_merges`, as its tokenizer.json sets).
     "llama-bpe": (lambda: split_then_bytes(LLAMA3), True),
     "qwen2": (lambda: split_then_bytes(QWEN2), False),
+    # GPT-4o's (Phi-4-mini's tokenizer.json).
+    "gpt-4o": (lambda: split_then_bytes(GPT4O), False),
 }
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>"]

@@ -416,8 +416,8 @@ mod tests {
     /// token by token: for tiles of 1 to 17 tokens, contexts that are and are not multiples
     /// of 8, 16 and the 64-position chunks, over runs of uneven lengths, for groups of 1 to
     /// 4 heads of one KV head and groups of 1 and 3 of two KV heads at once, over f32 and f16
-    /// keys and values, for heads of 64 and 128, and for a head size without the specialised
-    /// path.
+    /// keys and values, for heads of 64, 128 and 256, and for a head size without the
+    /// specialised path.
     #[test]
     fn simd_attention_matches_the_portable_loop_bit_for_bit() {
         let mut seed = 17u64;
@@ -425,7 +425,7 @@ mod tests {
         assert!(
             isas.len() > 1 || !cfg!(target_arch = "x86_64") || !is_x86_feature_detected!("fma")
         );
-        for hd in [64, 128, 48] {
+        for hd in [64, 128, 256, 48] {
             let (stride, lane, positions) = (3 * hd, hd, 160);
             // Room for two KV heads from the lane (and a query for each).
             let keys = values(&mut seed, positions * stride);
@@ -471,7 +471,7 @@ mod tests {
     #[test]
     fn a_sliding_window_attends_to_the_last_positions_alone() {
         let mut seed = 23u64;
-        for hd in [64, 128, 48] {
+        for hd in [64, 128, 256, 48] {
             let (stride, positions) = (hd, 120);
             let keys = values(&mut seed, positions * stride);
             let vals = values(&mut seed, positions * stride);

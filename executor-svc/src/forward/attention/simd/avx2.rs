@@ -38,7 +38,8 @@ pub(super) unsafe fn avx2<'a, T: Elem>(
     unsafe {
         match heads.hd {
             64 => tiled::<T, Avx2, 64>(heads, q, n_ctx, run, scratch, out),
-            _ => tiled::<T, Avx2, 128>(heads, q, n_ctx, run, scratch, out),
+            128 => tiled::<T, Avx2, 128>(heads, q, n_ctx, run, scratch, out),
+            _ => tiled::<T, Avx2, 256>(heads, q, n_ctx, run, scratch, out),
         }
     }
 }

@@ -37,7 +37,8 @@ pub(super) unsafe fn avx512<'a, T: Elem>(
     unsafe {
         match heads.hd {
             64 => tiled::<T, Avx512, 64>(heads, q, n_ctx, run, scratch, out),
-            _ => tiled::<T, Avx512, 128>(heads, q, n_ctx, run, scratch, out),
+            128 => tiled::<T, Avx512, 128>(heads, q, n_ctx, run, scratch, out),
+            _ => tiled::<T, Avx512, 256>(heads, q, n_ctx, run, scratch, out),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! [`super::attend`] with AVX-512 or AVX2 + FMA, for heads of 64 or 128 ([`supports`]; other
+//! [`super::attend`] with AVX-512 or AVX2 + FMA, for heads of 64, 128 or 256 ([`supports`]; other
 //! sizes take the portable path): the same fused multiply-adds per lane as [`super::dot`], the
 //! same reduction trees, the same [`super::exp`] lane by lane, so the same bits.
 //!
@@ -28,16 +28,17 @@ mod avx512;
 pub use avx2::silu_mul8;
 
 /// Whether the SIMD paths take heads of `hd`: 64 (SmolLM2 and most small Llama-family
-/// models) and 128 (Llama 3, Mistral, Qwen 2.5 7B and Qwen 3).
+/// models), 128 (Llama 3, Mistral, Qwen 2.5 7B and Qwen 3) and 256 (Gemma 2 and 3).
 pub const fn supports(hd: usize) -> bool {
-    hd == 64 || hd == 128
+    hd == 64 || hd == 128 || hd == 256
 }
 
-/// Most chunks of 16 elements in a head the kernels hold (128 / 16).
-const MAX_CH: usize = 8;
+/// Most chunks of 16 elements in a head the kernels hold (256 / 16).
+const MAX_CH: usize = 16;
 
 /// Columns of a head that [`Arch::values`] keeps in registers per call (the rest of a head of
-/// 128 is a second call: each output element's chain of fused multiply-adds is its own).
+/// 128 or 256 is one or three more calls: each output element's chain of fused multiply-adds
+/// is its own).
 const VALUE_COLS: usize = 64;
 
 /// Most query heads sharing a KV head that the SIMD paths take (more: the portable path).

@@ -27,9 +27,10 @@ mod vocab;
 use std::path::{Path, PathBuf};
 
 pub use chat::{ChatOptions, ToolCallParser, ToolPiece};
+pub use family::{Activation, Family, RopeStyle};
 pub use fetch::{default_model_path, model_dir, FetchError, DEFAULT_MODEL_NAME};
 pub use gguf::{GgufError, GgufHeader};
-pub use shape::{Activation, Family, LlamaShape, RopeStyle, ShapeError};
+pub use shape::{LlamaShape, ShapeError};
 pub use structured::{GrammarError, Grammars};
 pub use tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer, TokenizerError};
 

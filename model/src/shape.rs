@@ -3,7 +3,7 @@
 //! length. The architectures served differ from Llama only in data ([`Family`]): one forward
 //! computes them all.
 
-pub use crate::family::{served, Activation, Family, RopeStyle};
+use crate::family::{served, Family};
 use crate::gguf::{GgufHeader, Value};
 
 /// Why a model's shape could not be read.
@@ -190,16 +190,18 @@ fn check_understood(
     Ok(())
 }
 
+/// `key`'s value where the file has it: a positive, finite number, or an error naming the key.
+fn positive(header: &GgufHeader, key: &str) -> Result<Option<f32>, ShapeError> {
+    let Some(v) = header.get(key) else { return Ok(None) };
+    match v.as_f32() {
+        Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
+        _ => Err(unsupported(key, v, "expected a positive number")),
+    }
+}
+
 /// The linear rotary scale the file asks for (1: none); other scalings are refused.
 fn rope_scale(header: &GgufHeader, arch: &str) -> Result<f32, ShapeError> {
-    let factor = |key: &str| -> Result<Option<f32>, ShapeError> {
-        let key = format!("{arch}.{key}");
-        let Some(v) = header.get(&key) else { return Ok(None) };
-        match v.as_f32() {
-            Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
-            _ => Err(unsupported(&key, v, "expected a positive number")),
-        }
-    };
+    let factor = |key: &str| positive(header, &format!("{arch}.{key}"));
     let key = format!("{arch}.rope.scaling.type");
     let factor = match header.get(&key) {
         None => factor("rope.scale_linear")?,
@@ -222,15 +224,8 @@ fn soft_caps(
     family: Family,
 ) -> Result<(Option<f32>, Option<f32>), ShapeError> {
     let Some((attn, last)) = family.softcap else { return Ok((None, None)) };
-    let cap = |k: &str, default: f32| -> Result<Option<f32>, ShapeError> {
-        let k = format!("{}.{k}", family.name);
-        match header.get(&k) {
-            None => Ok(Some(default)),
-            Some(v) => match v.as_f32() {
-                Some(c) if c.is_finite() && c > 0.0 => Ok(Some(c)),
-                _ => Err(unsupported(&k, v, "expected a positive number")),
-            },
-        }
+    let cap = |k: &str, default: f32| {
+        Ok(Some(positive(header, &format!("{}.{k}", family.name))?.unwrap_or(default)))
     };
     Ok((cap("attn_logit_softcapping", attn)?, cap("final_logit_softcapping", last)?))
 }
@@ -253,19 +248,7 @@ fn rotary(
 ) -> Result<(usize, f32, bool), ShapeError> {
     let key = |k: &str| format!("{arch}.{k}");
     let dims = header.get(&key("rope.dimension_count")).and_then(Value::as_u32);
-    let mscale = match header.get(&key("rope.scaling.attn_factor")) {
-        None => 1.0,
-        Some(v) => match v.as_f32() {
-            Some(f) if f.is_finite() && f > 0.0 => f,
-            _ => {
-                return Err(unsupported(
-                    &key("rope.scaling.attn_factor"),
-                    v,
-                    "expected a positive number",
-                ))
-            }
-        },
-    };
+    let mscale = positive(header, &key("rope.scaling.attn_factor"))?.unwrap_or(1.0);
     let original = header.get(&key("rope.scaling.original_context_length")).and_then(Value::as_u32);
     Ok((
         dims.map_or(head_dim, |n| n as usize),
@@ -401,6 +384,7 @@ impl LlamaShape {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::family::RopeStyle;
     use crate::gguf::tests::Builder;
 
     /// SmolLM2-135M's keys (a head of 64).

@@ -177,7 +177,28 @@ pub struct LayerWeights {
     pub w_down: QWeight,
 }
 
+/// One of a block's two outputs, before it joins the residual stream.
+#[derive(Clone, Copy, Debug)]
+pub enum BlockOutput {
+    /// The attention's output projection.
+    Attention,
+    /// The feed-forward's down projection.
+    FeedForward,
+}
+
 impl LayerWeights {
+    /// RMS-norms rows of `output` in place by the block's norm of that output, where the
+    /// family has one (Gemma's `post_attention_norm`, `post_ffw_norm`).
+    pub fn post_norm(&self, which: BlockOutput, output: &mut [f32], eps: f32) {
+        if let Some((attention, feed_forward)) = &self.post_norms {
+            let weight = match which {
+                BlockOutput::Attention => attention,
+                BlockOutput::FeedForward => feed_forward,
+            };
+            super::ops::rms_norm(output, weight, eps);
+        }
+    }
+
     /// One fused `[q | k | v]` row made ready for attention as the family says: its bias
     /// added, each query and key head RMS-normed, then rotated by the row's `angles`.
     pub fn prepare_qkv(&self, row: &mut [f32], shape: &LlamaShape, angles: &[(f32, f32)]) {
@@ -228,10 +249,15 @@ impl LlamaWeights {
         }
     }
 
+    /// Whether layer `l` rotates by [`Self::local_rope_freqs`] (Gemma 3's windowed layers).
+    pub fn local_rope(&self, l: usize) -> bool {
+        self.local_rope_freqs.is_some() && self.shape.local_rope(l)
+    }
+
     /// The rotary frequencies of layer `l`.
     pub fn layer_rope_freqs(&self, l: usize) -> &[f32] {
         match &self.local_rope_freqs {
-            Some(local) if self.shape.local_rope(l) => local,
+            Some(local) if self.local_rope(l) => local,
             _ => &self.rope_freqs,
         }
     }

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache, SharedKv};
-use super::llama::LlamaWeights;
+use super::llama::{BlockOutput, LlamaWeights};
 use super::ops::{add_rms_norm, gate_mul_into, linear, linear_into, rms_norm, rope_angles};
 
 /// One sequence's part of a batch.
@@ -195,8 +195,7 @@ fn attend_layer(
 ) {
     let s = &w.shape;
     let (q_dim, hd, group) = (s.q_dim(), s.head_dim, s.num_heads / s.num_kv_heads);
-    let qkv_width = q_dim + 2 * s.kv_dim();
-    let (scale, window, softcap) = (s.query_scale, s.layer_window(l), s.attn_softcap);
+    let (qkv_width, layer_heads) = (q_dim + 2 * s.kv_dim(), Heads::of_layer(s, l));
     let Layout { batch, rows, tiles } = layout;
     // A tile's tokens attend together, each with the KV heads' query heads, reading each
     // cached key and value once for all of them. Tasks take a tile's KV heads together when
@@ -233,7 +232,7 @@ fn attend_layer(
                 let at = r * qkv_width + k0 * gw;
                 q.extend_from_slice(&qkv[at..at + kvt * gw]);
             }
-            let heads = Heads { hd, group, lane: k0 * hd, kv: kvt, scale, window, softcap };
+            let heads = Heads { lane: k0 * hd, kv: kvt, ..layer_heads };
             match cache.dtype {
                 // SAFETY (both): this part's sequences' positions, which no thread writes
                 // while the layer's attention runs (this part wrote them before it; other
@@ -481,8 +480,7 @@ fn forward_part(
         matmul += t.elapsed();
         let t = Instant::now();
         // Bias, head norms and rotation, as the family has them, in place, rows in parallel.
-        let angles: &[(f32, f32)] =
-            if s.local_rope(l) && w.local_rope_freqs.is_some() { local_angles } else { angles };
+        let angles: &[(f32, f32)] = if w.local_rope(l) { local_angles } else { angles };
         qkv.par_chunks_mut(qkv_width).zip(angles.par_chunks(half)).for_each(|(row, angles)| {
             layer.prepare_qkv(row, s, angles);
         });
@@ -497,9 +495,7 @@ fn forward_part(
         let t = Instant::now();
         linear_into(attn, &layer.wo, proj);
         matmul += t.elapsed();
-        if let Some((post_attention, _)) = &layer.post_norms {
-            rms_norm(proj, post_attention, s.rms_eps);
-        }
+        layer.post_norm(BlockOutput::Attention, proj, s.rms_eps);
         add_rms_norm(&mut x, Some(proj), &layer.ffn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.w_gate_up, gate_up);
@@ -508,9 +504,7 @@ fn forward_part(
         let t = Instant::now();
         linear_into(act, &layer.w_down, proj);
         matmul += t.elapsed();
-        if let Some((_, post_ffw)) = &layer.post_norms {
-            rms_norm(proj, post_ffw, s.rms_eps);
-        }
+        layer.post_norm(BlockOutput::FeedForward, proj, s.rms_eps);
     }
     // The last layer's MLP output joins the residual stream only in the rows that need logits
     // (a prefill's other rows are done), then the final norm and the output head.

@@ -3,7 +3,7 @@
 //! favours being obviously right over being fast.
 
 use super::attention::{attend, AttnScratch, Heads, KvRun};
-use super::llama::LlamaWeights;
+use super::llama::{BlockOutput, LlamaWeights};
 use super::ops::{argmax, gate_mul, linear, rms_norm, rope_angles, split_qkv};
 
 /// Keys and values of every position so far, per layer: `positions × kv_dim`.
@@ -53,13 +53,22 @@ pub fn forward(
         w.embed_row(t as usize, &mut x[i * h..(i + 1) * h]);
     }
     let group = s.num_heads / s.num_kv_heads;
+    // Each token's rotary angles, for every head of every layer (and of the windowed layers,
+    // at their own frequencies).
     let half = w.rope_freqs.len();
-    for (l, layer) in w.layers.iter().enumerate() {
-        // Each token's rotary angles at this layer's frequencies.
+    let angles_at = |freqs: &[f32]| {
         let mut angles = vec![(0.0, 0.0); n * half];
         for (i, a) in angles.chunks_exact_mut(half).enumerate() {
-            rope_angles(start + i, w.layer_rope_freqs(l), s.rope_mscale, a);
+            rope_angles(start + i, freqs, s.rope_mscale, a);
         }
+        angles
+    };
+    let (global, local) = (angles_at(&w.rope_freqs), w.local_rope_freqs.as_deref().map(angles_at));
+    for (l, layer) in w.layers.iter().enumerate() {
+        let angles = match &local {
+            Some(local) if w.local_rope(l) => local,
+            _ => &global,
+        };
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.attn_norm, s.rms_eps);
         let mut qkv = linear(&hn, &layer.wqkv);
@@ -87,15 +96,7 @@ pub fn forward(
                 // KV head's query heads; the arithmetic per head is the same, which the
                 // comparison tests check).
                 attend(
-                    Heads {
-                        hd,
-                        group: 1,
-                        lane: kvh * hd,
-                        kv: 1,
-                        scale: s.query_scale,
-                        window: s.layer_window(l),
-                        softcap: s.attn_softcap,
-                    },
+                    Heads { group: 1, lane: kvh * hd, kv: 1, ..Heads::of_layer(s, l) },
                     &q[i * q_dim + head * hd..i * q_dim + (head + 1) * hd],
                     start + i + 1,
                     |p| KvRun {
@@ -110,17 +111,13 @@ pub fn forward(
             }
         }
         let mut o = linear(&attn, &layer.wo);
-        if let Some((post_attention, _)) = &layer.post_norms {
-            rms_norm(&mut o, post_attention, s.rms_eps);
-        }
+        layer.post_norm(BlockOutput::Attention, &mut o, s.rms_eps);
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         let mut hn = x.clone();
         rms_norm(&mut hn, &layer.ffn_norm, s.rms_eps);
         let gate = gate_mul(s.family.activation, &linear(&hn, &layer.w_gate_up), s.intermediate);
         let mut down = linear(&gate, &layer.w_down);
-        if let Some((_, post_ffw)) = &layer.post_norms {
-            rms_norm(&mut down, post_ffw, s.rms_eps);
-        }
+        layer.post_norm(BlockOutput::FeedForward, &mut down, s.rms_eps);
         x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
     }
     let mut last = x[(n - 1) * h..].to_vec();

@@ -187,7 +187,13 @@ pub fn forward(
 
     k.gather_rows(stream, &mut a.x, &w.embed.data, &tokens, n, s.hidden)?;
     if s.family.embed_scale {
-        k.map(stream, &k.scale, &mut a.x, (s.hidden as f32).sqrt(), n * s.hidden)?;
+        k.map(
+            stream,
+            (&k.scale, "launching scale"),
+            &mut a.x,
+            (s.hidden as f32).sqrt(),
+            n * s.hidden,
+        )?;
     }
     for (l, layer) in w.layers.iter().enumerate() {
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.attn_norm, n, s.rms_eps)?;
@@ -236,7 +242,7 @@ pub fn forward(
     k.rms_norm(stream, &mut head.last_norm, &head.last, &w.norm, m, s.rms_eps)?;
     linear(&gpu.blas, w.lm_head(), &head.last_norm, m, &mut head.logits, false, "the LM head")?;
     if let Some(c) = s.final_softcap {
-        k.map(stream, &k.softcap, &mut head.logits, c, m * s.vocab_size)?;
+        k.map(stream, (&k.softcap, "launching softcap"), &mut head.logits, c, m * s.vocab_size)?;
     }
     let logits = stream
         .clone_dtoh(&head.logits.slice(0..m * s.vocab_size))

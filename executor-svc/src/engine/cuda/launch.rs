@@ -320,17 +320,17 @@ impl Kernels {
     pub fn map(
         &self,
         stream: &CudaStream,
-        kernel: &CudaFunction,
+        (kernel, during): (&CudaFunction, &'static str),
         x: &mut CudaSlice<f32>,
         c: f32,
         n: usize,
     ) -> Result<(), CudaError> {
-        assert!(x.len() >= n, "scale buffers too small");
+        assert!(x.len() >= n, "{during}: buffer too small");
         let n_u = n as u64;
         let mut b = stream.launch_builder(kernel);
         b.arg(x).arg(&c).arg(&n_u);
         // SAFETY: `kernel` takes (float*, float, unsigned long long); `x` holds `n` values.
-        unsafe { b.launch(elementwise(n)) }.map_err(CudaError::driver("launching scale"))?;
+        unsafe { b.launch(elementwise(n)) }.map_err(CudaError::driver(during))?;
         Ok(())
     }
 }

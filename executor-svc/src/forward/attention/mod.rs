@@ -214,6 +214,20 @@ pub struct Heads {
 }
 
 impl Heads {
+    /// Every head of layer `l` of a model of `shape`, from the first KV head: its head size,
+    /// grouping, scale, window and soft cap.
+    pub fn of_layer(shape: &ferry_model::LlamaShape, l: usize) -> Self {
+        Self {
+            hd: shape.head_dim,
+            group: shape.num_heads / shape.num_kv_heads,
+            lane: 0,
+            kv: shape.num_kv_heads,
+            scale: shape.query_scale,
+            window: shape.layer_window(l),
+            softcap: shape.attn_softcap,
+        }
+    }
+
     /// Query head `i` of `q` (counted across tokens): its token, and its KV head's lane.
     fn of(&self, i: usize) -> (usize, usize) {
         (i / (self.kv * self.group), self.lane + (i / self.group) % self.kv * self.hd)

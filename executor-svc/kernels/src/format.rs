@@ -4,11 +4,13 @@
 
 use candle_core::quantized::GgmlDType;
 
+use crate::Param;
+
 /// How a weight matrix is stored: the packed forms the kernels read, each exactly the values
 /// of one or more GGUF types (see [`QWeight::from_gguf`]). Blocks are 32 inputs; a block's
-/// parameters are kept f16 where GGUF's are (the legacy types), f32 where the weights' scales
-/// are products of two GGUF numbers (the k-quants' super-block scale × sub-block scale, exact in
-/// f32, not in f16).
+/// parameters are kept as GGUF keeps them: an f16 each (the legacy types), or (the "wide"
+/// k-quants) a super-block's f16 scale times the block's integer factor, multiplied — exactly,
+/// in f32 — as the kernel reads them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
     /// 4-bit unsigned codes with an f16 scale and minimum per block: `w = d·q + m`
@@ -17,13 +19,14 @@ pub enum WeightFormat {
     /// 8-bit signed codes with an f16 scale per block: `w = d·q` (GGUF `Q8_0`; `Q5_0` with its
     /// codes less 16).
     Q8,
-    /// 4-bit unsigned codes with an f32 scale and minimum per block (GGUF `Q4_K`).
+    /// 4-bit unsigned codes with a factored scale and minimum per block (GGUF `Q4_K`).
     Q4K,
-    /// 5-bit unsigned codes in bytes with an f32 scale and minimum per block (GGUF `Q5_K`;
-    /// `Q5_1`, its f16 parameters widened).
+    /// 5-bit unsigned codes in bytes with a factored scale and minimum per block (GGUF `Q5_K`;
+    /// `Q5_1`, its f16 parameters times 1).
     Q5K,
-    /// 6-bit signed codes in bytes with an f32 scale per 16 inputs: `w = d·q` with the first
-    /// half's `d` in the scale's place and the second half's in the minimum's (GGUF `Q6_K`).
+    /// 6-bit signed codes in bytes with a factored scale per 16 inputs: `w = d·q` with the
+    /// first half's `d` in the scale's place and the second half's in the minimum's (GGUF
+    /// `Q6_K`).
     Q6K,
     /// The weights themselves as IEEE half floats, no scale (`d = 1`; GGUF `F16`).
     F16,
@@ -91,7 +94,7 @@ pub mod kind {
         matches!(f, Q4 | Q4K | Q5K)
     }
 
-    /// Whether the parameters are f32 (else f16).
+    /// Whether the parameters are factored: an f16 scale times an integer (else an f16).
     pub const fn wide(f: u8) -> bool {
         matches!(f, Q4K | Q5K | Q6K)
     }
@@ -132,7 +135,7 @@ impl WeightFormat {
         kind::has_min(self.kind())
     }
 
-    /// Whether its parameters are f32.
+    /// Whether its parameters are factored (an f16 scale times an integer).
     pub const fn wide(self) -> bool {
         kind::wide(self.kind())
     }
@@ -192,27 +195,33 @@ pub(crate) fn format_of(dtype: GgmlDType) -> WeightFormat {
 }
 
 /// A k-quant's 6-bit scale and minimum of sub-block `j` (llama.cpp's `get_scale_min_k4`).
-fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
+fn scale_min_k4(j: usize, s: &[u8]) -> (i8, i8) {
     let (sc, m) = if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
         ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
     };
-    (f32::from(sc), f32::from(m))
+    // Six bits: positive as i8.
+    (sc as i8, m as i8)
 }
 
 /// Decodes one GGUF block of `dtype` into blocks of 32 in the packed form's natural order:
-/// `push(d, m, codes)` for each, in order. Every scale and minimum is exact in f32 (a k-quant's
-/// is an f16 times a 6- or 8-bit integer), and so is every `d·q`.
-pub(crate) fn decode_block(dtype: GgmlDType, raw: &[u8], push: &mut impl FnMut(f32, f32, &[u8])) {
+/// `push(d, m, codes)` for each, in order. A k-quant's scale and minimum are an f16 times a 6-
+/// or 8-bit integer (exact in f32), and so is every `d·q`.
+pub(crate) fn decode_block(
+    dtype: GgmlDType,
+    raw: &[u8],
+    push: &mut impl FnMut(Param, Param, &[u8]),
+) {
     let half = |i: usize| f16(raw[i], raw[i + 1]);
+    let plain = Param::plain;
     let mut codes = [0u8; 32];
     match dtype {
-        GgmlDType::Q4_0 => push(half(0), -8.0 * half(0), &raw[2..18]),
-        GgmlDType::Q4_1 => push(half(0), half(2), &raw[4..20]),
-        GgmlDType::Q8_0 => push(half(0), 0.0, &raw[2..34]),
+        GgmlDType::Q4_0 => push(plain(half(0)), plain(-8.0 * half(0)), &raw[2..18]),
+        GgmlDType::Q4_1 => push(plain(half(0)), plain(half(2)), &raw[4..20]),
+        GgmlDType::Q8_0 => push(plain(half(0)), plain(0.0), &raw[2..34]),
         // The weights as they are, little-endian: a scale of 1.
-        GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => push(1.0, 0.0, raw),
+        GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => push(plain(1.0), plain(0.0), raw),
         GgmlDType::Q5_0 | GgmlDType::Q5_1 => {
             let (d, m, at) =
                 if dtype == GgmlDType::Q5_0 { (half(0), 0.0, 2) } else { (half(0), half(2), 4) };
@@ -229,10 +238,12 @@ pub(crate) fn decode_block(dtype: GgmlDType, raw: &[u8], push: &mut impl FnMut(f
                     *c = (*c as i8 - 16) as u8;
                 }
             }
-            push(d, m, &codes);
+            push(plain(d), plain(m), &codes);
         }
         GgmlDType::Q4K | GgmlDType::Q5K => {
+            // The minimum is subtracted: `-dmin` (exact) times the block's factor.
             let (d, dmin, scales) = (half(0), half(2), &raw[4..16]);
+            let param = |scale: f32, factor: i8| Param { scale, factor };
             let (qh, qs) = if dtype == GgmlDType::Q4K {
                 (None, &raw[16..144])
             } else {
@@ -248,13 +259,13 @@ pub(crate) fn decode_block(dtype: GgmlDType, raw: &[u8], push: &mut impl FnMut(f
                         for (i, c) in codes[..16].iter_mut().enumerate() {
                             *c = nib(i) | (nib(i + 16) << 4);
                         }
-                        push(d * sc, -(dmin * mn), &codes[..16]);
+                        push(param(d, sc), param(-dmin, mn), &codes[..16]);
                     }
                     Some(qh) => {
                         for (l, c) in codes.iter_mut().enumerate() {
                             *c = nib(l) | (((qh[l] >> sub) & 1) << 4);
                         }
-                        push(d * sc, -(dmin * mn), &codes);
+                        push(param(d, sc), param(-dmin, mn), &codes);
                     }
                 }
             }
@@ -276,7 +287,7 @@ pub(crate) fn decode_block(dtype: GgmlDType, raw: &[u8], push: &mut impl FnMut(f
                 }
             }
             for b in 0..8 {
-                let scale = |i: usize| d * f32::from(sc[i] as i8);
+                let scale = |i: usize| Param { scale: d, factor: sc[i] as i8 };
                 push(scale(2 * b), scale(2 * b + 1), &q[32 * b..32 * b + 32]);
             }
         }

@@ -49,14 +49,15 @@
 #![allow(clippy::inline_always, clippy::needless_pass_by_value)]
 
 pub mod format;
+mod pack;
 pub mod portable;
 mod stacked;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
-use candle_core::quantized::{GgmlDType, QTensor};
-use format::{decode_block, format_of, from_f16, gguf_block};
+use format::from_f16;
 pub use format::{kind, WeightFormat};
+pub use pack::{KernelError, NaturalBlock, Param};
 use rayon::prelude::*;
 pub use stacked::{matmul_stacked, Matrix, Stacked};
 
@@ -73,9 +74,13 @@ pub const GROUP: usize = 16;
 /// A weight matrix `[rows (outputs), cols (inputs)]` in blocks of 32 along the inputs, packed
 /// by groups of [`GROUP`] outputs (the last group padded with zero columns).
 ///
-/// For group `g` and block `b` (index `gb = g · blocks_per_row + b`):
-/// - `d[gb·16 + j]` and `m[gb·16 + j]` (f16 bits; `dw`, `mw` in f32 for the wide formats) are
-///   column `16g + j`'s scale and minimum (`Q6K`: its two halves' scales);
+/// For group `g` and block `b` (index `gb = g · blocks_per_row + b`), column `16g + j`:
+/// - its scale and minimum (`Q6K`: its two halves' scales) are `d[s·16 + j]` and `m[s·16 + j]`
+///   (f16 bits), times `dq[gb·16 + j]` and `mq[gb·16 + j]` (small integers) in the wide
+///   formats, with `s = gb >> shift`: a k-quant keeps its super-block's scales once per 8 blocks
+///   (`shift` 3) and each block's 6- or 8-bit factors, as GGUF does (4.6 bits a weight for `Q4K`,
+///   where the products in f32 took 6); `shift` is 0, a scale per block, where the blocks of a
+///   super-block do not share one (`Q5_1`, or inputs not a multiple of 256);
 /// - the code bytes at `gb · 16 · code_bytes`, four bytes of a column at a time: byte
 ///   `64t + 4j + e` is byte `4t + e` of column `j`'s block. So 64 bytes are 16 dwords, one
 ///   per column, and input `4t + e`'s codes for the whole group are one shift away: byte `e` of
@@ -91,14 +96,17 @@ pub struct QWeight {
     pub rows: usize,
     /// Input features (a multiple of 32).
     pub cols: usize,
-    /// Per group and block: the columns' scales, as f16 bits (the f16 formats).
+    /// Per group and block (wide formats: super-block): the columns' scales, as f16 bits.
     d: Vec<u16>,
-    /// Per group and block: the columns' minimums, as f16 bits (`Q4` only).
+    /// Per group and block (wide formats: super-block): the columns' minimums, as f16 bits
+    /// (`Q6K`: the scale of its second halves).
     m: Vec<u16>,
-    /// Per group and block: the columns' scales (the wide formats).
-    dw: Vec<f32>,
-    /// Per group and block: the columns' minimums (`Q4K`, `Q5K`) or second scales (`Q6K`).
-    mw: Vec<f32>,
+    /// Per group and block: the columns' scale factors (the wide formats).
+    dq: Vec<i8>,
+    /// Per group and block: the columns' minimum factors (`Q6K`: second halves' scale factors).
+    mq: Vec<i8>,
+    /// Blocks per scale of `d` and `m`, as a power of two (0 but for the wide formats).
+    shift: u32,
     /// Interleaved codes, as described above.
     q: Vec<u8>,
 }
@@ -115,143 +123,7 @@ fn code_at(format: WeightFormat, i: usize, j: usize) -> usize {
     }
 }
 
-/// Why a tensor cannot be used as a quantized weight.
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    /// A type with no kernel here.
-    #[error(
-        "weight type {0:?} is not supported (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, \
-         BF16 and F32 are)"
-    )]
-    Unsupported(GgmlDType),
-    /// Shape not a matrix with whole blocks of inputs.
-    #[error(
-        "weight shape {0:?} is not [rows, cols] with cols a multiple of {1} (its type's block)"
-    )]
-    Shape(Vec<usize>, usize),
-    /// candle failed to hand over the data.
-    #[error("reading weight data: {0}")]
-    Candle(#[from] candle_core::Error),
-}
-
-/// One column's block in the packed form's natural order: scale, minimum (`Q6K`: the second
-/// half's scale) and code bytes (nibble codes: 16 bytes, element `i` in the low nibble of byte
-/// `i` and element `i + 16` in its high nibble; byte codes: 32 bytes, signed for `Q8` and
-/// `Q6K`, unsigned for `Q5K`; float codes: the 32 weights, little-endian, scale 1).
-#[derive(Clone, Copy, Debug)]
-pub struct NaturalBlock<'a> {
-    /// Scale.
-    pub d: f32,
-    /// Minimum (`Q6K`: the second half's scale; ignored for `Q8`).
-    pub m: f32,
-    /// Code bytes.
-    pub codes: &'a [u8],
-}
-
 impl QWeight {
-    /// Packs a matrix from its blocks in natural order, given as `block(row, b)`. The f16
-    /// formats keep scales and minimums as f16, as GGUF stores them (`Q4_0`'s `-8d` is exact in
-    /// f16 too).
-    pub fn pack<'a>(
-        format: WeightFormat,
-        rows: usize,
-        cols: usize,
-        block: impl Fn(usize, usize) -> NaturalBlock<'a>,
-    ) -> Self {
-        assert_eq!(cols % BLOCK, 0, "inputs must be a multiple of the block size");
-        let bpr = cols / BLOCK;
-        let params = rows.div_ceil(GROUP) * bpr * GROUP;
-        let cb = format.code_bytes();
-        let (narrow, wide) = match (format.float(), format.wide()) {
-            (true, _) => (0, 0),
-            (false, true) => (0, params),
-            (false, false) => (params, 0),
-        };
-        let mut w = Self {
-            format,
-            rows,
-            cols,
-            d: vec![0; narrow],
-            m: vec![0; if format.has_min() { narrow } else { 0 }],
-            dw: vec![0.0; wide],
-            mw: vec![0.0; if format.two_params() { wide } else { 0 }],
-            // Padding columns: code 0 and scale 0, so weight 0.
-            q: vec![0; params * cb],
-        };
-        for r in 0..rows {
-            let (g, j) = (r / GROUP, r % GROUP);
-            for b in 0..bpr {
-                let gb = g * bpr + b;
-                let nb = block(r, b);
-                debug_assert_eq!(nb.codes.len(), cb);
-                let at = gb * GROUP + j;
-                if format.float() {
-                    debug_assert!(nb.d == 1.0 && nb.m == 0.0, "float codes have no parameters");
-                } else if format.wide() {
-                    w.dw[at] = nb.d;
-                    if format.two_params() {
-                        w.mw[at] = nb.m;
-                    }
-                } else {
-                    w.d[at] = half::f16::from_f32(nb.d).to_bits();
-                    if format.has_min() {
-                        w.m[at] = half::f16::from_f32(nb.m).to_bits();
-                    }
-                }
-                let base = gb * GROUP * cb;
-                for (i, &code) in nb.codes.iter().enumerate() {
-                    w.q[base + code_at(format, i, j)] = code;
-                }
-            }
-        }
-        w
-    }
-
-    /// Takes a GGUF tensor's blocks and packs them.
-    pub fn from_qtensor(t: &QTensor) -> Result<Self, KernelError> {
-        let dims = t.shape().dims().to_vec();
-        let [rows, cols] = dims[..] else { return Err(KernelError::Shape(dims, BLOCK)) };
-        Self::from_gguf(t.dtype(), rows, cols, &t.data()?)
-    }
-
-    /// Packs a `[rows, cols]` matrix from its GGUF data of type `dtype` (`Q4_0`, `Q4_1`,
-    /// `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`, `F16`, `BF16`, `F32`), every weight
-    /// exactly the value llama.cpp's dequantization gives.
-    pub fn from_gguf(
-        dtype: GgmlDType,
-        rows: usize,
-        cols: usize,
-        data: &[u8],
-    ) -> Result<Self, KernelError> {
-        let (elements, block_bytes) = gguf_block(dtype).ok_or(KernelError::Unsupported(dtype))?;
-        if !cols.is_multiple_of(elements) {
-            return Err(KernelError::Shape(vec![rows, cols], elements));
-        }
-        if data.len() != rows * cols / elements * block_bytes {
-            return Err(KernelError::Shape(vec![rows, cols], elements));
-        }
-        let format = format_of(dtype);
-        let cb = format.code_bytes();
-        let blocks = rows * cols / BLOCK;
-        let (mut d, mut m, mut codes) = (
-            Vec::with_capacity(blocks),
-            Vec::with_capacity(blocks),
-            Vec::with_capacity(blocks * cb),
-        );
-        for raw in data.chunks_exact(block_bytes) {
-            decode_block(dtype, raw, &mut |bd, bm, c| {
-                d.push(bd);
-                m.push(bm);
-                codes.extend_from_slice(c);
-            });
-        }
-        let bpr = cols / BLOCK;
-        Ok(Self::pack(format, rows, cols, |r, b| {
-            let i = r * bpr + b;
-            NaturalBlock { d: d[i], m: m[i], codes: &codes[i * cb..(i + 1) * cb] }
-        }))
-    }
-
     fn blocks_per_row(&self) -> usize {
         self.cols / BLOCK
     }
@@ -261,16 +133,24 @@ impl QWeight {
         self.rows.div_ceil(GROUP)
     }
 
-    /// The scale and minimum (`Q6K`: second scale) at parameter index `at`.
-    fn params(&self, at: usize) -> (f32, f32) {
+    /// Column `j`'s scale and minimum (`Q6K`: second scale) in group-block `gb`, as stored.
+    fn param_parts(&self, gb: usize, j: usize) -> (Param, Param) {
         if self.format.float() {
-            (1.0, 0.0)
-        } else if self.format.wide() {
-            (self.dw[at], if self.format.two_params() { self.mw[at] } else { 0.0 })
-        } else {
-            let m = if self.format.has_min() { from_f16(self.m[at]) } else { 0.0 };
-            (from_f16(self.d[at]), m)
+            return (Param::plain(1.0), Param::plain(0.0));
         }
+        let (at, s) = (gb * GROUP + j, (gb >> self.shift) * GROUP + j);
+        let part = |scales: &[u16], factors: &[i8]| Param {
+            scale: from_f16(scales[s]),
+            factor: if self.format.wide() { factors[at] } else { 1 },
+        };
+        let m = if self.format.two_params() { part(&self.m, &self.mq) } else { Param::plain(0.0) };
+        (part(&self.d, &self.dq), m)
+    }
+
+    /// Column `j`'s scale and minimum (`Q6K`: second scale) in group-block `gb`.
+    fn params(&self, gb: usize, j: usize) -> (f32, f32) {
+        let (d, m) = self.param_parts(gb, j);
+        (d.value(), m.value())
     }
 
     /// Row `r`'s block `b` in natural order: scale, minimum and code bytes (written to the
@@ -280,7 +160,7 @@ impl QWeight {
         r: usize,
         b: usize,
         codes: &mut [u8; MAX_CODE_BYTES],
-    ) -> (f32, f32) {
+    ) -> (Param, Param) {
         let (g, j) = (r / GROUP, r % GROUP);
         let gb = g * self.blocks_per_row() + b;
         let cb = self.format.code_bytes();
@@ -288,7 +168,7 @@ impl QWeight {
         for (i, code) in codes[..cb].iter_mut().enumerate() {
             *code = self.q[base + code_at(self.format, i, j)];
         }
-        self.params(gb * GROUP + j)
+        self.param_parts(gb, j)
     }
 
     /// Weight `(o, k)`: `d·q + m` rounded once (as llama.cpp's dequantization), or `d·q` (`Q8`;
@@ -297,7 +177,7 @@ impl QWeight {
     fn value(&self, o: usize, k: usize) -> f32 {
         let (g, j, b, e) = (o / GROUP, o % GROUP, k / BLOCK, k % BLOCK);
         let gb = g * self.blocks_per_row() + b;
-        let (d, m) = self.params(gb * GROUP + j);
+        let (d, m) = self.params(gb, j);
         let f = self.format.kind();
         let size = kind::float_bytes(f);
         if size > 0 {
@@ -326,40 +206,9 @@ impl QWeight {
         }
     }
 
-    /// Stacks matrices with the same format and inputs into one (their rows one after the
-    /// other), so one product computes them all: Q, K and V, or gate and up.
-    pub fn concat(parts: &[&QWeight]) -> Option<QWeight> {
-        let first = parts.first()?;
-        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
-            return None;
-        }
-        let bpr = first.blocks_per_row();
-        let cb = first.format.code_bytes();
-        // Row by row in natural order, then packed again.
-        let mut d = Vec::new();
-        let mut m = Vec::new();
-        let mut codes = Vec::new();
-        let mut block = [0u8; MAX_CODE_BYTES];
-        for p in parts {
-            for r in 0..p.rows {
-                for b in 0..bpr {
-                    let (bd, bm) = p.natural_block(r, b, &mut block);
-                    d.push(bd);
-                    m.push(bm);
-                    codes.extend_from_slice(&block[..cb]);
-                }
-            }
-        }
-        let rows = parts.iter().map(|p| p.rows).sum();
-        Some(Self::pack(first.format, rows, first.cols, |r, b| {
-            let i = r * bpr + b;
-            NaturalBlock { d: d[i], m: m[i], codes: &codes[i * cb..(i + 1) * cb] }
-        }))
-    }
-
     /// Bytes of weight data (for the memory report).
     pub fn bytes(&self) -> usize {
-        self.q.len() + 2 * (self.d.len() + self.m.len()) + 4 * (self.dw.len() + self.mw.len())
+        self.q.len() + 2 * (self.d.len() + self.m.len()) + self.dq.len() + self.mq.len()
     }
 }
 

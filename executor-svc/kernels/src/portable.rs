@@ -13,7 +13,7 @@ pub fn dot(x: &[f32], w: &QWeight, o: usize) -> f32 {
     let mut acc = 0f32;
     for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
         let gb = g * bpr + b;
-        let (d, m) = w.params(gb * GROUP + j);
+        let (d, m) = w.params(gb, j);
         let codes = &w.q[gb * GROUP * cb..(gb + 1) * GROUP * cb];
         let code = |k: usize| {
             let size = kind::float_bytes(f);

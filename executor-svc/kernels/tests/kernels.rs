@@ -48,38 +48,40 @@ fn float_value(format: WeightFormat, codes: &[u8], e: usize) -> f64 {
 
 /// A random block of `format` in natural order: scale, minimum (`Q6K`: second scale), codes.
 /// The wide formats' parameters are an f16 times a small integer, as in a k-quant.
-fn block(format: WeightFormat, seed: &mut u64) -> (f32, f32, Vec<u8>) {
-    let int = |seed: &mut u64, n: f32| (lcg(seed).abs() * n).floor();
+fn block(format: WeightFormat, seed: &mut u64) -> (Param, Param, Vec<u8>) {
+    let int = |seed: &mut u64, n: f32| (lcg(seed).abs() * n).floor() as i8;
+    let plain = Param::plain;
+    let k = |scale: f32, factor: i8| Param { scale, factor };
     match format {
         WeightFormat::Q4 => (
-            h(lcg(seed).abs() * 0.1),
-            h(lcg(seed) * 0.2),
+            plain(h(lcg(seed).abs() * 0.1)),
+            plain(h(lcg(seed) * 0.2)),
             (0..16).map(|_| (lcg(seed).abs() * 255.0) as u8).collect(),
         ),
         WeightFormat::Q8 => (
-            h(lcg(seed).abs() * 0.01),
-            0.0,
+            plain(h(lcg(seed).abs() * 0.01)),
+            plain(0.0),
             (0..32).map(|_| ((lcg(seed) * 127.0) as i8) as u8).collect(),
         ),
         WeightFormat::Q4K => (
-            h(lcg(seed).abs() * 0.01) * int(seed, 63.0),
-            -h(lcg(seed).abs() * 0.01) * int(seed, 63.0),
+            k(h(lcg(seed).abs() * 0.01), int(seed, 63.0)),
+            k(-h(lcg(seed).abs() * 0.01), int(seed, 63.0)),
             (0..16).map(|_| (lcg(seed).abs() * 255.0) as u8).collect(),
         ),
         WeightFormat::Q5K => (
-            h(lcg(seed).abs() * 0.005) * int(seed, 63.0),
-            -h(lcg(seed).abs() * 0.01) * int(seed, 63.0),
+            k(h(lcg(seed).abs() * 0.005), int(seed, 63.0)),
+            k(-h(lcg(seed).abs() * 0.01), int(seed, 63.0)),
             (0..32).map(|_| (lcg(seed).abs() * 31.9) as u8).collect(),
         ),
         WeightFormat::Q6K => (
-            h(lcg(seed).abs() * 0.001) * (lcg(seed) * 127.0).round(),
-            h(lcg(seed).abs() * 0.001) * (lcg(seed) * 127.0).round(),
+            k(h(lcg(seed).abs() * 0.001), (lcg(seed) * 127.0).round() as i8),
+            k(h(lcg(seed).abs() * 0.001), (lcg(seed) * 127.0).round() as i8),
             (0..32).map(|_| ((lcg(seed) * 32.0).floor() as i8) as u8).collect(),
         ),
         // Weights over several binades, some tiny (f16 subnormals), signs mixed.
         _ => (
-            1.0,
-            0.0,
+            plain(1.0),
+            plain(0.0),
             (0..32)
                 .flat_map(|i| {
                     let v = lcg(seed) * if i % 7 == 0 { 1e-6 } else { 0.3 };
@@ -88,6 +90,26 @@ fn block(format: WeightFormat, seed: &mut u64) -> (f32, f32, Vec<u8>) {
                 .collect(),
         ),
     }
+}
+
+/// Random blocks of a `rows × cols` matrix, row by row; where a row has whole super-blocks
+/// (256 inputs), a k-quant's blocks share their super-block's scales (their factors differ),
+/// as in a GGUF file, unless `per_block`.
+fn blocks(
+    format: WeightFormat,
+    (rows, cols): (usize, usize),
+    per_block: bool,
+    seed: &mut u64,
+) -> Vec<(Param, Param, Vec<u8>)> {
+    let bpr = cols / BLOCK;
+    let mut all: Vec<_> = (0..rows * bpr).map(|_| block(format, seed)).collect();
+    if format.wide() && !per_block && bpr.is_multiple_of(8) {
+        for i in 0..all.len() {
+            let first = i / 8 * 8;
+            (all[i].0.scale, all[i].1.scale) = (all[first].0.scale, all[first].1.scale);
+        }
+    }
+    all
 }
 
 /// Weight `e` of a block in natural order, in f64: `d·q + m`, `d·q` (`Q8`), or `Q6K`'s
@@ -110,25 +132,23 @@ fn source_value(format: WeightFormat, d: f32, m: f32, codes: &[u8], e: usize) ->
 
 /// A matrix from random natural-order blocks, packed as the loader does.
 fn weight(format: WeightFormat, rows: usize, cols: usize, seed: &mut u64) -> QWeight {
-    let nblocks = rows * cols / BLOCK;
-    let cb = format.code_bytes();
-    let mut d = vec![];
-    let mut m = vec![];
-    let mut q: Vec<u8> = vec![];
-    for _ in 0..nblocks {
-        let (bd, bm, codes) = block(format, seed);
-        d.push(bd);
-        m.push(bm);
-        q.extend(codes);
-    }
+    let mut all = blocks(format, (rows, cols), false, seed);
     if matches!(format, WeightFormat::Q8 | WeightFormat::Q6K) {
         // The extreme code -128 must work too (|w| = 128 does not fit an i8).
-        q[0] = (-128i8) as u8;
+        all[0].2[0] = (-128i8) as u8;
     }
+    pack(format, (rows, cols), &all)
+}
+
+fn pack(
+    format: WeightFormat,
+    (rows, cols): (usize, usize),
+    all: &[(Param, Param, Vec<u8>)],
+) -> QWeight {
     let bpr = cols / BLOCK;
     QWeight::pack(format, rows, cols, |r, b| {
-        let i = r * bpr + b;
-        NaturalBlock { d: d[i], m: m[i], codes: &q[i * cb..(i + 1) * cb] }
+        let (d, m, codes) = &all[r * bpr + b];
+        NaturalBlock { d: *d, m: *m, codes }
     })
 }
 
@@ -145,6 +165,7 @@ fn exact(x: &[f32], w: &QWeight, o: usize) -> (f64, f64) {
     let (mut sum, mut size) = (0f64, 0f64);
     for b in 0..w.cols / BLOCK {
         let (d, m) = w.natural_block(o, b, &mut codes);
+        let (d, m) = (d.value(), m.value());
         for k in 0..BLOCK {
             let xv = f64::from(x[b * BLOCK + k]);
             let wv = f64::from(row[b * BLOCK + k]);
@@ -183,6 +204,7 @@ fn products_of_every_format_match_f64_within_f32_rounding() {
     for rows in [1, 5, 23] {
         for format in FORMATS {
             check_against_f64(&weight(format, 70, 96, &mut seed), rows, &mut seed);
+            check_against_f64(&weight(format, 19, 256, &mut seed), rows, &mut seed);
         }
     }
 }
@@ -228,6 +250,8 @@ fn every_kernel_gives_the_same_bits() {
     for format in FORMATS[1..].iter().copied() {
         weights.push(weight(format, 61, 96, &mut seed));
         weights.push(weight(format, 20, 288, &mut seed));
+        // Whole super-blocks: a k-quant's scales kept once per 8 blocks.
+        weights.push(weight(format, 35, 512, &mut seed));
     }
     for w in weights {
         for rows in [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 25, 32, 33, 40, 120] {
@@ -279,36 +303,53 @@ fn packing_round_trips() {
 fn products_equal_the_exact_product_of_the_source_blocks() {
     let mut seed = 9;
     for format in FORMATS {
-        let (rows, cols, n) = (21, 96, 3);
-        let bpr = cols / BLOCK;
-        let cb = format.code_bytes();
-        let blocks: Vec<_> = (0..rows * bpr).map(|_| block(format, &mut seed)).collect();
-        let w = QWeight::pack(format, rows, cols, |r, b| {
-            let (d, m, codes) = &blocks[r * bpr + b];
-            NaturalBlock { d: *d, m: *m, codes: &codes[..cb] }
-        });
-        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut seed)).collect();
-        let mut out = vec![0f32; n * rows];
-        matmul(&x, n, &w, &mut out);
-        for r in 0..n {
-            for o in 0..rows {
-                let (mut exact, mut size) = (0f64, 0f64);
-                for b in 0..bpr {
-                    let (d, m, codes) = &blocks[o * bpr + b];
-                    for e in 0..BLOCK {
-                        let wv = source_value(format, *d, *m, codes, e);
-                        let xv = f64::from(x[r * cols + b * BLOCK + e]);
-                        exact += wv * xv;
-                        size += xv.abs() * (wv.abs() + 2.0 * f64::from(m.abs()));
-                    }
-                }
-                let got = f64::from(out[r * rows + o]);
-                assert!(
-                    (got - exact).abs() <= 1e-6 * size,
-                    "{format:?} r{r} o{o}: {got} vs {exact}"
-                );
-            }
+        for (cols, per_block) in [(96, true), (256, false), (256, true)] {
+            let rows = 21;
+            let all = blocks(format, (rows, cols), per_block, &mut seed);
+            let w = pack(format, (rows, cols), &all);
+            check_source_product(&w, &all, &mut seed);
         }
+    }
+}
+
+fn check_source_product(w: &QWeight, blocks: &[(Param, Param, Vec<u8>)], seed: &mut u64) {
+    let (format, rows, cols, n) = (w.format, w.rows, w.cols, 3);
+    let bpr = cols / BLOCK;
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(seed)).collect();
+    let mut out = vec![0f32; n * rows];
+    matmul(&x, n, w, &mut out);
+    for r in 0..n {
+        for o in 0..rows {
+            let (mut exact, mut size) = (0f64, 0f64);
+            for b in 0..bpr {
+                let (d, m, codes) = &blocks[o * bpr + b];
+                let (d, m) = (d.value(), m.value());
+                for e in 0..BLOCK {
+                    let wv = source_value(format, d, m, codes, e);
+                    let xv = f64::from(x[r * cols + b * BLOCK + e]);
+                    exact += wv * xv;
+                    size += xv.abs() * (wv.abs() + 2.0 * f64::from(m.abs()));
+                }
+            }
+            let got = f64::from(out[r * rows + o]);
+            assert!((got - exact).abs() <= 1e-6 * size, "{format:?} r{r} o{o}: {got} vs {exact}");
+        }
+    }
+}
+
+/// A k-quant keeps its super-block's scales once per 8 blocks, as GGUF does: `Q4K` in 4.625
+/// bits a weight (16 code bytes, two factor bytes per block, four scale bytes per 8 blocks),
+/// `Q6K` in 8.5625; blocks that do not share scales keep their own (and stay exact: above).
+#[test]
+fn k_quants_keep_shared_scales_once() {
+    let mut seed = 17;
+    let (rows, cols) = (32, 512);
+    let blocks_n = rows * cols / BLOCK;
+    for (format, codes) in [(WeightFormat::Q4K, 16), (WeightFormat::Q6K, 32)] {
+        let shared = weight(format, rows, cols, &mut seed);
+        assert_eq!(shared.bytes(), blocks_n * (codes + 2) + blocks_n / 8 * 4, "{format:?}");
+        let own = pack(format, (rows, cols), &blocks(format, (rows, cols), true, &mut seed));
+        assert_eq!(own.bytes(), blocks_n * (codes + 2 + 4), "{format:?}");
     }
 }
 
@@ -326,7 +367,7 @@ fn dequantized_rows_are_exact() {
             for b in 0..3 {
                 let (d, m) = w.natural_block(o, b, &mut codes);
                 for e in 0..BLOCK {
-                    let want = source_value(format, d, m, &codes, e);
+                    let want = source_value(format, d.value(), m.value(), &codes, e);
                     assert_eq!(row[b * BLOCK + e], want as f32, "{format:?} o{o} b{b} e{e}");
                 }
             }

@@ -3,7 +3,7 @@
 //! over HTTP equal the reference forward's of the same file (f32 on its exactly converted
 //! weights; that forward is held to an independent f64 one in the executor's tests). Two types
 //! run here, one of each kind of packed form the default model does not already use: `Q5_1`
-//! (bytes with f32 parameters, the k-quants' `Q5_K` form, which the model's 576-wide rows
+//! (bytes with factored parameters, the k-quants' `Q5_K` form, which the model's 576-wide rows
 //! cannot take) and `BF16` (the float forms: the weights themselves, no scale); `Q8_0` and
 //! `Q5_0` are the `Q8` form, which the default model's output head already runs, `F16` differs
 //! from `BF16` only in its conversion (held to the `gguf` package's in the executor's tests),

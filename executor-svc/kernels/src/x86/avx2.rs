@@ -9,10 +9,10 @@
 
 use std::arch::x86_64::{
     __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_cvtepi32_ps,
-    _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_load_ps, _mm256_loadu_ps,
-    _mm256_loadu_si256, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
-    _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srai_epi32, _mm256_srli_epi32, _mm256_store_ps,
-    _mm_loadu_si128, _mm_setr_epi32,
+    _mm256_cvtepi8_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_load_ps,
+    _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_set1_epi32, _mm256_set1_epi8,
+    _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srai_epi32,
+    _mm256_srli_epi32, _mm256_store_ps, _mm_loadl_epi64, _mm_loadu_si128, _mm_setr_epi32,
 };
 
 use super::{
@@ -31,6 +31,12 @@ fn zero() -> V {
 #[target_feature(enable = "avx2,fma")]
 fn fma(a: V, b: V, c: V) -> V {
     _mm256_fmadd_ps(a, b, c)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn mul(a: V, b: V) -> V {
+    _mm256_mul_ps(a, b)
 }
 
 /// Every lane `*p`.
@@ -71,6 +77,14 @@ unsafe fn bf16s(p: *const u16) -> V {
     // SAFETY: 8 values readable at `p`.
     let h = unsafe { _mm_loadu_si128(p.cast()) };
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+}
+
+/// 8 signed bytes, as floats.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn i8s(p: *const i8) -> V {
+    // SAFETY: 8 values readable at `p`.
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
 }
 
 /// 8 f32 values.

@@ -6,10 +6,11 @@
 //! behind `#[target_feature]`, run only after `detect` found the instruction set.
 
 use std::arch::x86_64::{
-    __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepi32_ps, _mm512_cvtepu16_epi32,
-    _mm512_cvtph_ps, _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-    _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_ps, _mm512_setzero_ps, _mm512_slli_epi32,
-    _mm512_srai_epi32, _mm512_srli_epi32, _mm512_store_ps,
+    __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepi32_ps, _mm512_cvtepi8_epi32,
+    _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps,
+    _mm512_loadu_si512, _mm512_mul_ps, _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_ps,
+    _mm512_setzero_ps, _mm512_slli_epi32, _mm512_srai_epi32, _mm512_srli_epi32, _mm512_store_ps,
+    _mm_loadu_si128,
 };
 
 use super::{
@@ -28,6 +29,12 @@ fn zero() -> V {
 #[target_feature(enable = "avx512f")]
 fn fma(a: V, b: V, c: V) -> V {
     _mm512_fmadd_ps(a, b, c)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn mul(a: V, b: V) -> V {
+    _mm512_mul_ps(a, b)
 }
 
 /// Every lane `*p`.
@@ -68,6 +75,14 @@ unsafe fn bf16s(p: *const u16) -> V {
     // SAFETY: 16 values readable at `p`.
     let h = unsafe { _mm256_loadu_si256(p.cast()) };
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// 16 signed bytes, as floats.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn i8s(p: *const i8) -> V {
+    // SAFETY: 16 values readable at `p`.
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(p.cast()) }))
 }
 
 /// 16 f32 values.

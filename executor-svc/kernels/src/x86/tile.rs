@@ -1,6 +1,6 @@
 //! The parts of a register tile that the fused and the panel kernels share, written once over
-//! an instruction set's primitives (`V`, `zero`, `fma`, `splat`, `f16s`, `bf16s`, `f32s`,
-//! `nibble`, `byte`, `load_line`, `store_line`, defined by the module that expands it): the tile's
+//! an instruction set's primitives (`V`, `zero`, `fma`, `mul`, `splat`, `f16s`, `bf16s`, `f32s`,
+//! `i8s`, `nibble`, `byte`, `load_line`, `store_line`, defined by the module that expands it): the tile's
 //! accumulators, its rows' pointers, a block's codes as floats and its scales and minimums,
 //! the end of a block (scales and minimums applied), and the store of a finished tile.
 
@@ -91,9 +91,12 @@ macro_rules! tile_parts {
                             // No parameters: a scale of 1 (`fma(p, 1, acc)` is `acc + p`).
                             d[c][h] = splat(&1.0);
                         } else if kind::wide(F) {
-                            d[c][h] = f32s(w.dw.as_ptr().add(at));
+                            // The super-block's f16 scales times the block's factors (exact).
+                            let s = (gb >> w.shift) * GROUP + h * LANES;
+                            d[c][h] = mul(f16s(w.d.as_ptr().add(s)), i8s(w.dq.as_ptr().add(at)));
                             if second {
-                                m[c][h] = f32s(w.mw.as_ptr().add(at));
+                                let f = i8s(w.mq.as_ptr().add(at));
+                                m[c][h] = mul(f16s(w.m.as_ptr().add(s)), f);
                             }
                         } else {
                             d[c][h] = f16s(w.d.as_ptr().add(at));

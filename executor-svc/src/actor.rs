@@ -42,7 +42,7 @@ fn stats_of(engine: &Engine, (busy_us, idle_us, simulated_us): (u64, u64, u64)) 
 
 enum Command {
     Execute(Box<v1::Step>, oneshot::Sender<Result<v1::StepResult, StepError>>),
-    Reset(oneshot::Sender<usize>),
+    Reset(oneshot::Sender<(usize, Vec<v1::CachedBlock>)>),
     Stats(oneshot::Sender<EngineStats>),
 }
 
@@ -107,7 +107,8 @@ impl EngineHandle {
                     }
                     Command::Reset(reply) => {
                         last_done = None;
-                        let _ = reply.send(engine.reset());
+                        let dropped = engine.reset();
+                        let _ = reply.send((dropped, engine.cached_blocks()));
                     }
                     Command::Stats(reply) => {
                         let _ = reply.send(stats_of(&engine, (busy_us, idle_us, simulated_us)));
@@ -130,8 +131,9 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())
     }
 
-    /// Forgets every request; returns how many there were.
-    pub async fn reset(&self) -> Result<usize, Status> {
+    /// Forgets every request; returns how many there were, and the blocks cached (see
+    /// `Engine::cached_blocks`).
+    pub async fn reset(&self) -> Result<(usize, Vec<v1::CachedBlock>), Status> {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Command::Reset(reply)).await.map_err(|_| gone())?;
         rx.await.map_err(|_| gone())

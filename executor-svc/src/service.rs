@@ -298,10 +298,21 @@ impl Executor for ExecutorService {
             tracing::info!(session = state.session_id, epoch = state.epoch, scheduler = %state.scheduler_id, "session opened");
             state.session_id
         };
-        // A new session starts from nothing: the scheduler sends its requests as new ones.
-        self.engine.reset().await?;
+        // A new session starts with no request (the scheduler sends its requests as new ones)
+        // and with the blocks cached so far, for the scheduler to adopt.
+        let (_, cached_blocks) = self.engine.reset().await?;
+        tracing::info!(
+            session = session_id,
+            cached_blocks = cached_blocks.len(),
+            "cached blocks offered"
+        );
         let info = Some((*self.info()?).clone());
-        Ok(Response::new(v1::HandshakeResponse { session_id, info, session_secret: secret }))
+        Ok(Response::new(v1::HandshakeResponse {
+            session_id,
+            info,
+            session_secret: secret,
+            cached_blocks,
+        }))
     }
 
     type SessionStream = ReceiverStream<Result<v1::StepResult, Status>>;
@@ -379,7 +390,7 @@ impl Executor for ExecutorService {
         let secret = presented_secret(request.metadata());
         let req = request.into_inner();
         self.check_current(req.session_id, req.epoch, &secret)?;
-        let dropped = self.engine.reset().await?;
+        let (dropped, _) = self.engine.reset().await?;
         Ok(Response::new(v1::ResetResponse { dropped_requests: dropped as u32 }))
     }
 

@@ -174,4 +174,11 @@ impl KvTransfer for KvAgentService {
     ) -> Result<Response<v1::KvAgentDescription>, Status> {
         Ok(Response::new(self.agent.describe()))
     }
+
+    async fn list_blocks(
+        &self,
+        request: Request<v1::ListBlocksRequest>,
+    ) -> Result<Response<v1::ListBlocksResponse>, Status> {
+        Ok(Response::new(self.agent.list_blocks(&request.into_inner())?))
+    }
 }

@@ -146,6 +146,19 @@ impl BlockStore {
         }
     }
 
+    /// The hashes of `layout`'s blocks, least recently used first: the `limit` most recent.
+    pub fn list(&self, layout: u64, limit: usize) -> Vec<u64> {
+        let mut blocks: Vec<(u64, u64)> = self
+            .entries
+            .iter()
+            .filter(|(k, _)| k.layout == layout)
+            .map(|(k, e)| (e.tick, k.hash))
+            .collect();
+        blocks.sort_unstable();
+        let skip = blocks.len().saturating_sub(limit);
+        blocks[skip..].iter().map(|&(_, hash)| hash).collect()
+    }
+
     /// Whether `key` is stored (not counted).
     pub fn contains(&self, key: BlockKey) -> bool {
         self.entries.contains_key(&key)
@@ -282,6 +295,20 @@ mod tests {
         assert_eq!(s.insert(key(4), block(100), false), Ok(Inserted::Existing));
         assert_eq!((s.used(), s.len()), (300, 3));
         s.check().unwrap();
+    }
+
+    #[test]
+    fn a_layouts_blocks_are_listed_least_recently_used_first() {
+        let mut s = BlockStore::new(1000);
+        for h in 1..=4 {
+            s.insert(key(h), block(100), false).unwrap();
+        }
+        s.insert(BlockKey { layout: 2, hash: 9 }, block(100), false).unwrap();
+        assert!(s.get(key(2)).is_some());
+        assert_eq!(s.list(1, 10), [1, 3, 4, 2]);
+        assert_eq!(s.list(1, 2), [4, 2], "the most recent");
+        assert_eq!(s.list(2, 10), [9]);
+        assert!(s.list(3, 10).is_empty());
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub struct SchedulerMetrics {
     pub requests_moved: Counter,
     /// Executor sessions opened (first connections and reconnections).
     pub sessions_opened: Counter,
+    /// KV blocks adopted into the prefix cache from executors' earlier sessions.
+    pub cached_blocks_adopted: Counter,
     /// Requests an executor refused (each failed alone).
     pub requests_refused: Counter,
     /// Time to first token, seconds.
@@ -115,6 +117,7 @@ impl SchedulerMetrics {
             success: Default::default(),
             requests_moved: Counter::default(),
             sessions_opened: Counter::default(),
+            cached_blocks_adopted: Counter::default(),
             requests_refused: Counter::default(),
             ttft: Histogram::new(prometheus::TTFT_BUCKETS),
             itl: Histogram::new(prometheus::ITL_BUCKETS),
@@ -405,9 +408,9 @@ impl CounterView {
         }
     }
 
-    /// Counters and histograms.
-    fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
-        let counters: [(&str, &str, &Counter); 8] = [
+    /// The counters `render_totals` exports: name, help, value.
+    fn counters(&self) -> [(&'static str, &'static str, &Counter); 9] {
+        [
             ("vllm:prompt_tokens_total", "Prefill tokens computed.", &self.metrics.prompt_tokens),
             ("vllm:generation_tokens_total", "Tokens generated.", &self.metrics.generation_tokens),
             (
@@ -432,12 +435,22 @@ impl CounterView {
                 &self.metrics.sessions_opened,
             ),
             (
+                "ferry_cached_blocks_adopted",
+                "KV blocks an executor still held from an earlier session, adopted into the \
+                 prefix cache when its session opened (a warm cache across a leader change).",
+                &self.metrics.cached_blocks_adopted,
+            ),
+            (
                 "ferry_requests_refused",
                 "Requests an executor refused (each failed alone, its session kept).",
                 &self.metrics.requests_refused,
             ),
-        ];
-        render_counters(t, m, &counters);
+        ]
+    }
+
+    /// Counters and histograms.
+    fn render_totals(&self, t: &mut Text, m: &[(&str, &str); 1]) {
+        render_counters(t, m, &self.counters());
         self.render_kv(t, m);
         self.render_spec(t, m);
         t.family("vllm:request_success_total", "counter", "Finished requests by finish reason.");

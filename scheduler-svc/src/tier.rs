@@ -10,7 +10,9 @@
 //! (`NOT_FOUND`) and the request computes its prompt as if it had never tried — and the
 //! failure drops the agent's entries for those blocks. Kept per agent, bounded (oldest
 //! forgotten first), and outliving the executors: an agent's blocks stay importable after its
-//! executor died.
+//! executor died. A scheduler that starts leading learns what the agents hold from them
+//! ([`recover`], when a session opens with an executor whose agent it knows nothing of), so
+//! the index outlives a leader too.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
@@ -154,6 +156,31 @@ impl TierIndex {
     pub fn len(&self, agent: &str, layout: u64) -> usize {
         self.agents().get(&(agent.to_string(), layout)).map_or(0, |a| a.held.len())
     }
+}
+
+/// Fills `index` with what `agent` holds in `layout`, asking the agent (`ListBlocks`): a new
+/// leader's index starts empty, but the agents' stores outlived the old leader. Returns how
+/// many blocks it learned of.
+///
+/// # Errors
+/// The agent unreachable or refusing, as text.
+pub async fn recover(
+    index: &TierIndex,
+    agent: &str,
+    layout: &v1::KvLayout,
+) -> Result<usize, String> {
+    let endpoint = ferry_runtime::tls::endpoint(agent).map_err(|e| e.to_string())?;
+    let channel = ferry_runtime::tls::connect(&endpoint, ferry_runtime::tls::Role::KvAgent)
+        .await
+        .map_err(|e| ferry_runtime::error_chain(&e))?;
+    let mut client =
+        v1::kv_transfer_client::KvTransferClient::new(channel).max_decoding_message_size(16 << 20);
+    let request =
+        v1::ListBlocksRequest { layout: Some(layout.clone()), limit: MAX_BLOCKS_PER_AGENT as u32 };
+    let listed = client.list_blocks(request).await.map_err(|s| s.message().to_string())?;
+    let hashes = listed.into_inner().block_hashes;
+    index.stored(agent, layout_key(Some(layout)), &hashes);
+    Ok(hashes.len())
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! The engine on the real model, driven by hand-built `Step`s the way the scheduler drives it:
 //! seeded sampling is reproducible whatever else is batched, across a preempt-and-recompute and
 //! across a restart on a fresh executor; a bad request is refused alone and the others run on
-//! exactly; a step bad as a whole is refused whole and changes nothing.
+//! exactly; a step bad as a whole is refused whole and changes nothing; the blocks cached by
+//! the steps' cache changes outlive a reset.
 
 use std::sync::{Arc, OnceLock};
 
@@ -391,6 +392,55 @@ fn a_malformed_or_constrained_verification_is_refused_alone() {
     let result = d.engine.execute(&step).unwrap();
     assert_eq!(result.refused.len(), 1);
     assert!(result.refused[0].reason.contains("a structured output cannot verify"), "{result:?}");
+}
+
+/// The executor keeps which block holds which content hash as the steps' cache changes say,
+/// across a reset (a new session, whose scheduler adopts them): evictions are forgotten before
+/// the step runs, registrations recorded once it ran — not when a request of it was refused —
+/// and a change naming a block past the pool refuses the step whole, changing nothing.
+#[test]
+fn cached_blocks_follow_the_steps_and_survive_a_reset() {
+    let mut d = Driver::new(engine(), 0);
+    let cached =
+        |e: &Engine| e.cached_blocks().iter().map(|c| (c.block_id, c.hash)).collect::<Vec<_>>();
+    let block = |block_id: u32, hash: u64| v1::CachedBlock { block_id, hash };
+    let changes = |step_id: u64, evicted_blocks: Vec<u32>, cached_blocks| v1::Step {
+        step_id,
+        evicted_blocks,
+        cached_blocks,
+        ..Default::default()
+    };
+    d.engine.execute(&changes(1, vec![], vec![block(0, 10), block(1, 11)])).unwrap();
+    assert_eq!(cached(&d.engine), [(0, 10), (1, 11)]);
+    assert_eq!(d.engine.reset(), 0);
+    assert_eq!(cached(&d.engine), [(0, 10), (1, 11)], "a new session keeps them");
+    // Evicted and cached again in one step (under another hash), evicted alone.
+    d.engine.execute(&changes(2, vec![1, 0], vec![block(1, 12)])).unwrap();
+    assert_eq!(cached(&d.engine), [(1, 12)]);
+    let err = d.engine.execute(&changes(3, vec![1], vec![block(BLOCKS, 1)])).unwrap_err();
+    assert!(err.to_string().contains("past the pool's 256 blocks"), "{err}");
+    assert_eq!(cached(&d.engine), [(1, 12)], "a refused step changes nothing");
+    // A step with a refused request records no registration (its blocks may not have been
+    // computed), but its evictions hold.
+    let mut bad = changes(4, vec![1], vec![block(7, 70)]);
+    let prompt = tokenizer().encode("Hello").unwrap();
+    bad.new_requests.push(v1::NewRequest {
+        id: 9,
+        prompt_token_ids: prompt.clone(),
+        sampling: Some(v1::SamplingParams { temperature: -1.0, ..Default::default() }),
+        block_ids: vec![7],
+        ..Default::default()
+    });
+    bad.work.push(v1::ScheduledWork {
+        id: 9,
+        key: v1::WorkKey::Prompt.into(),
+        num_tokens: prompt.len() as u32,
+        draft_token_ids: vec![],
+    });
+    bad.total_num_tokens = prompt.len() as u32;
+    let result = d.engine.execute(&bad).unwrap();
+    assert_eq!(result.refused.len(), 1, "{result:?}");
+    assert_eq!(cached(&d.engine), []);
 }
 
 #[test]

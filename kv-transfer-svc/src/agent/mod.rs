@@ -44,6 +44,9 @@ use tonic::Status;
 
 use crate::store::{BlockKey, BlockStore};
 
+/// Most block hashes one `ListBlocks` answers (2.4 MB of message at most).
+pub const MAX_LISTED_BLOCKS: usize = 1 << 18;
+
 /// A span for this agent's part in the transfer of `header`, under the sender's trace.
 fn hop_span(header: &Header, name: &'static str) -> Option<HopSpan> {
     use opentelemetry::KeyValue;
@@ -215,6 +218,23 @@ impl Agent {
             .collect();
         let prefix_blocks = present.iter().take_while(|p| **p).count() as u32;
         Ok(v1::LookupResponse { present, prefix_blocks })
+    }
+
+    /// The blocks held in a layout, least recently used first (`ListBlocks`).
+    ///
+    /// # Errors
+    /// `INVALID_ARGUMENT` for a missing or malformed layout.
+    pub fn list_blocks(
+        &self,
+        req: &v1::ListBlocksRequest,
+    ) -> Result<v1::ListBlocksResponse, Status> {
+        let layout = BlockLayout::from_proto(req.layout.as_ref())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let limit = match req.limit as usize {
+            0 => MAX_LISTED_BLOCKS,
+            n => n.min(MAX_LISTED_BLOCKS),
+        };
+        Ok(v1::ListBlocksResponse { block_hashes: self.state().store.list(layout.id, limit) })
     }
 
     /// The store and the counters, for `Describe` and `/metrics`.

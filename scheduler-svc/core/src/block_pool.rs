@@ -13,6 +13,11 @@
 //!
 //! Invariants kept (see [`BlockPool::check`]): free + held = total; a block is in the free list
 //! iff its count is zero; the hash map and the per-block hashes agree (one block per hash).
+//!
+//! The executor keeps a copy of which block caches which hash, so that a new leader can adopt
+//! its cached blocks ([`BlockPool::adopt`]): every registration and eviction is recorded
+//! ([`BlockPool::take_changes`]) and goes out with the step built next, before any write to the
+//! evicted block.
 
 use crate::block_hash::BlockHash;
 use crate::lists::Lists;
@@ -30,6 +35,19 @@ pub(crate) struct BlockPool {
     cached: PrefixIndex,
     cached_free: usize,
     caching: bool,
+    /// Hashes registered (`Some`) and dropped by reallocation (`None`) since the last
+    /// [`BlockPool::take_changes`], in order.
+    changes: Vec<(BlockId, Option<BlockHash>)>,
+}
+
+/// What changed in the prefix cache since the last step, in the form the executor applies: the
+/// evicted blocks before the step writes anything, the cached ones after it ran.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheChanges {
+    /// Blocks that lost their hash (reallocated); they may be written from this step on.
+    pub evicted: Vec<BlockId>,
+    /// Blocks that cache a hash at the end of the step (their content computed by then).
+    pub cached: Vec<(BlockId, BlockHash)>,
 }
 
 impl BlockPool {
@@ -48,6 +66,7 @@ impl BlockPool {
             cached: PrefixIndex::with_max_keys(if caching { num_blocks } else { 0 }),
             cached_free: 0,
             caching,
+            changes: Vec::new(),
         }
     }
 
@@ -102,6 +121,7 @@ impl BlockPool {
             if let Some(h) = self.hash[b as usize].take() {
                 self.cached.remove(h);
                 self.cached_free -= 1;
+                self.changes.push((BlockId(b), None));
             }
             self.ref_cnt[b as usize] = 1;
             out.push(BlockId(b));
@@ -148,7 +168,52 @@ impl BlockPool {
         debug_assert!(self.ref_cnt[block.index()] > 0, "registering a free block");
         if self.cached.insert_if_absent(hash, block) {
             self.hash[block.index()] = Some(hash);
+            self.changes.push((block, Some(hash)));
         }
+    }
+
+    /// Adopt free, unhashed `block` as caching `hash` (what an executor reported holding when
+    /// this pool's session opened): it becomes cached free, evicted after the blocks freed
+    /// before it. False, and no change, for a block out of range, held or hashed, for a hash
+    /// already cached, or with caching off.
+    pub(crate) fn adopt(&mut self, block: BlockId, hash: BlockHash) -> bool {
+        let i = block.index();
+        if !self.caching
+            || i >= self.num_blocks()
+            || self.ref_cnt[i] != 0
+            || self.hash[i].is_some()
+            || !self.cached.insert_if_absent(hash, block)
+        {
+            return false;
+        }
+        self.hash[i] = Some(hash);
+        self.free.remove(block.0);
+        self.free.push_back(FREE_LIST, block.0);
+        self.cached_free += 1;
+        true
+    }
+
+    /// The registrations and evictions since the last call, reduced to what the executor
+    /// applies: each evicted block once (in `evicted` even if cached again since), and each
+    /// block whose last change was a registration, with that hash.
+    pub(crate) fn take_changes(&mut self, out: &mut CacheChanges) {
+        out.evicted.clear();
+        out.cached.clear();
+        if self.changes.is_empty() {
+            return;
+        }
+        // Stable: a block's changes stay in order.
+        self.changes.sort_by_key(|&(b, _)| b);
+        for run in self.changes.chunk_by(|a, b| a.0 == b.0) {
+            let block = run[0].0;
+            if run.iter().any(|(_, h)| h.is_none()) {
+                out.evicted.push(block);
+            }
+            if let Some((_, Some(h))) = run.last() {
+                out.cached.push((block, *h));
+            }
+        }
+        self.changes.clear();
     }
 
     /// Ask for the memory registering `hash` will touch (a hint; see `prefix_index`).
@@ -233,5 +298,51 @@ mod tests {
         assert_eq!(p.lookup(BlockHash(11)), None, "evicted when its space was needed");
         assert_eq!(p.lookup(BlockHash(10)), Some(got[0]), "held blocks are never evicted");
         p.check().unwrap();
+    }
+
+    #[test]
+    fn changes_reach_the_executor_as_evictions_first_and_final_hashes() {
+        let mut p = BlockPool::new(2, true);
+        let mut got = Vec::new();
+        let mut changes = CacheChanges::default();
+        assert!(p.allocate(2, &mut got));
+        p.register(got[0], BlockHash(1));
+        p.register(got[1], BlockHash(1)); // stays private: not reported
+        p.take_changes(&mut changes);
+        assert_eq!(changes, CacheChanges { evicted: vec![], cached: vec![(got[0], BlockHash(1))] });
+        // Freed, reallocated (evicted) and cached again under another hash in one step; then
+        // registered and evicted in one step: the executor must end with no hash there.
+        p.release(got[0]);
+        p.release(got[1]);
+        let mut again = Vec::new();
+        assert!(p.allocate(2, &mut again));
+        p.register(got[0], BlockHash(2));
+        p.take_changes(&mut changes);
+        assert_eq!(changes.evicted, vec![got[0]]);
+        assert_eq!(changes.cached, vec![(got[0], BlockHash(2))]);
+        p.release(got[0]);
+        assert!(p.allocate(1, &mut again));
+        p.take_changes(&mut changes);
+        assert_eq!(changes, CacheChanges { evicted: vec![got[0]], cached: vec![] });
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn adoption_takes_free_unhashed_blocks_only() {
+        let mut p = BlockPool::new(3, true);
+        assert!(p.adopt(BlockId(1), BlockHash(7)));
+        assert!(!p.adopt(BlockId(1), BlockHash(8)), "already hashed");
+        assert!(!p.adopt(BlockId(2), BlockHash(7)), "hash cached elsewhere");
+        assert!(!p.adopt(BlockId(3), BlockHash(9)), "out of range");
+        assert_eq!((p.num_free(), p.num_cached_free()), (3, 1));
+        assert_eq!(p.lookup(BlockHash(7)), Some(BlockId(1)));
+        // Unhashed blocks go first; the adopted one is evicted last.
+        let mut got = Vec::new();
+        assert!(p.allocate(2, &mut got));
+        assert!(!got.contains(&BlockId(1)));
+        assert!(!p.adopt(got[0], BlockHash(9)), "held");
+        p.check().unwrap();
+        let mut off = BlockPool::new(3, false);
+        assert!(!off.adopt(BlockId(0), BlockHash(1)), "caching off");
     }
 }

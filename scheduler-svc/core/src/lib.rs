@@ -77,7 +77,9 @@ pub use error::{AbortError, AddError, ApplyError, ScheduleError};
 pub use outcome::{
     FinishStats, FinishedRequest, KvResult, RequestEvent, SampledToken, StepOutcome,
 };
-pub use plan::{BlockCopy, CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan};
+pub use plan::{
+    BlockCopy, CacheChanges, CachedRequestData, KvOp, NewRequestData, ScheduledWork, Span, StepPlan,
+};
 pub use request::{
     Decision, FinishReason, Fork, KvImport, NewRequest, RequestStatus, RequestTimes, StopCause,
 };

@@ -13,6 +13,7 @@
 use std::sync::Arc;
 
 use crate::block_hash::BlockHash;
+pub use crate::block_pool::CacheChanges;
 use crate::types::{BlockId, RequestId, StepId, TokenId, TransferId};
 use crate::work_queues::WorkKey;
 
@@ -159,6 +160,8 @@ pub struct StepPlan {
     pub tokens: Vec<TokenId>,
     /// Flat buffer of block hashes addressed by spans.
     pub block_hashes: Vec<BlockHash>,
+    /// The prefix cache's changes since the previous step, for the executor's copy of it.
+    pub cache: CacheChanges,
 }
 
 impl StepPlan {

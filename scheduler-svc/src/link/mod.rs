@@ -227,6 +227,24 @@ pub(crate) struct Shared {
     pub fence: Arc<crate::fence::Fence>,
 }
 
+/// When the executor's agent is one the KV tier's index knows nothing of (this scheduler just
+/// started leading, or the agent is new), asks the agent what it holds, in the background.
+fn recover_tier_index(shared: &Shared, info: &v1::ExecutorInfo) {
+    let (agent, Some(layout)) = (info.kv_agent_address.clone(), info.kv_layout.clone()) else {
+        return;
+    };
+    let tier = shared.tier.clone();
+    if agent.is_empty() || tier.len(&agent, crate::tier::layout_key(Some(&layout))) > 0 {
+        return;
+    }
+    tokio::spawn(async move {
+        match crate::tier::recover(&tier, &agent, &layout).await {
+            Ok(n) => tracing::info!(%agent, blocks = n, "KV tier index recovered from the agent"),
+            Err(e) => tracing::warn!(%agent, error = %e, "KV tier index not recovered"),
+        }
+    });
+}
+
 impl LinkHandle {
     /// Starts the step loop of a session with an executor described by `info`: `core` schedules
     /// for it, steps go out on `steps` and results come back on `results`.
@@ -248,6 +266,7 @@ impl LinkHandle {
         let (close_tx, close_rx) = watch::channel(None);
         let load = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(std::sync::Mutex::new(core.stats()));
+        recover_tier_index(&shared, &info);
         let published =
             step_loop::Published::new(load.clone(), stats.clone(), shared, &core.stats());
         let (name, epoch) = (session.name.clone(), session.epoch);

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use ferry_proto::v1::{self, executor_client::ExecutorClient};
 use ferry_runtime::{tls, Backoff};
-use ferry_sched_core::Scheduler;
+use ferry_sched_core::{BlockHash, BlockId, Scheduler};
 use ferry_sched_flags::{Geometry, SchedulerPolicy, STEPS_IN_FLIGHT};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -191,7 +191,18 @@ impl SessionOpener {
                 config.max_num_seqs, config.max_model_len, info.max_step_bytes
             )));
         }
-        let core = Scheduler::new(config).map_err(|e| refused(format!("scheduler: {e}")))?;
+        let mut core = Scheduler::new(config).map_err(|e| refused(format!("scheduler: {e}")))?;
+        // The executor's cached blocks from earlier sessions: the prefix cache stays warm
+        // across a leader change (the handshake checked the model's fingerprint).
+        let cached = hs.cached_blocks.iter().map(|c| (BlockId(c.block_id), BlockHash(c.hash)));
+        let adopted = core.adopt_cached_blocks(cached);
+        tracing::info!(
+            executor = name,
+            offered = hs.cached_blocks.len(),
+            adopted,
+            "cached blocks adopted"
+        );
+        self.metrics.cached_blocks_adopted.add(adopted as u64);
         let (step_tx, step_rx) = mpsc::channel(STEPS_IN_FLIGHT + 1);
         let mut stream = tonic::Request::new(ReceiverStream::new(step_rx));
         let secret = ferry_runtime::secret::to_hex(&hs.session_secret);

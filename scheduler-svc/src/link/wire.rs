@@ -62,6 +62,8 @@ pub fn is_empty(step: &v1::Step) -> bool {
         && step.preempted_ids.is_empty()
         && step.kv_ops.is_empty()
         && step.block_copies.is_empty()
+        && step.evicted_blocks.is_empty()
+        && step.cached_blocks.is_empty()
 }
 
 /// The wire form of `plan` in session `session_id` under `epoch`; `info_of` gives each
@@ -126,6 +128,13 @@ pub fn to_proto<'a>(
             .block_copies
             .iter()
             .map(|c| v1::BlockCopy { id: c.id.0, src: c.src.0, dst: c.dst.0 })
+            .collect(),
+        evicted_blocks: plan.cache.evicted.iter().map(|b| b.0).collect(),
+        cached_blocks: plan
+            .cache
+            .cached
+            .iter()
+            .map(|&(b, h)| v1::CachedBlock { block_id: b.0, hash: h.0 })
             .collect(),
     }
 }
@@ -206,7 +215,8 @@ fn kv_op<'a>(
 /// An upper bound on the encoded size of any step a core with these limits builds: every
 /// request slot carrying a new request with a full-length sequence (5 bytes per token id and
 /// block id, the most a varint takes), its work (with a full draft to verify), and a KV
-/// operation over all its blocks; plus
+/// operation over all its blocks, each of them evicted from the prefix cache and cached again
+/// (the cache changes, at most one of each per block a step allocates or fills); plus
 /// a fixed allowance per request for ids, sampling parameters and trace context, and the
 /// largest structured-output constraint.
 pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size: usize) -> u64 {
@@ -225,11 +235,14 @@ pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size:
         + 6;
     // A forked sample's block copy (request id, two block ids, tags and the entry's length).
     const BLOCK_COPY: u64 = 11 + 6 + 6 + 2;
+    // A cached block (block id, 64-bit hash, tags and the entry's length) and an evicted id.
+    const CACHE_CHANGE: u64 = 6 + 11 + 2 + 5;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
-    // Token ids, block ids, and the KV operation's block ids and 64-bit hashes.
+    // Token ids, block ids, the KV operation's block ids and 64-bit hashes, cache changes.
     let per_request = 5 * max_model_len as u64
         + 5 * blocks
         + 16 * blocks
+        + CACHE_CHANGE * blocks
         + PER_REQUEST
         + GRAMMAR
         + DRAFT
@@ -320,6 +333,11 @@ mod tests {
                 kv_ops: ids.map(export).collect(),
                 total_num_tokens: u32::MAX,
                 cached_requests: Vec::new(),
+                evicted_blocks: vec![u32::MAX; seqs * blocks],
+                cached_blocks: vec![
+                    v1::CachedBlock { block_id: u32::MAX, hash: u64::MAX };
+                    seqs * blocks
+                ],
             };
             let bound = largest_step_bytes(seqs, len, block_size);
             let size = step.encoded_len() as u64;

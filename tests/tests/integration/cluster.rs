@@ -24,7 +24,7 @@ fn start_executor_with_ttl(etcd: &Etcd, id: &str, ttl: &str) -> Service {
 }
 
 /// [`start_executor`] with a lease of `ttl` seconds and a KV cache of `kv_mib` MiB.
-fn start_executor_with(etcd: &Etcd, id: &str, ttl: &str, kv_mib: &str) -> Service {
+pub(crate) fn start_executor_with(etcd: &Etcd, id: &str, ttl: &str, kv_mib: &str) -> Service {
     start_executor_env(etcd, id, (ttl, kv_mib), &[])
 }
 
@@ -58,7 +58,7 @@ fn start_scheduler(etcd: &Etcd) -> Service {
 
 /// A scheduler with id `id` that campaigns for the default pool and, leading, discovers its
 /// executors through `etcd`; its leadership lease lasts 2 s.
-fn start_scheduler_as(etcd: &Etcd, id: &str) -> Service {
+pub(crate) fn start_scheduler_as(etcd: &Etcd, id: &str) -> Service {
     start_scheduler_with_ttl(etcd, id, "2")
 }
 
@@ -88,7 +88,7 @@ fn start_scheduler_with(etcd: &Etcd, id: &str, ttl: &str, extra: &[&str]) -> Ser
 
 /// Waits until `sched` drives every executor in `execs` (each has its session, and the
 /// scheduler has put them in rotation).
-async fn wait_ready(sched: &Service, execs: &[&Service]) {
+pub(crate) async fn wait_ready(sched: &Service, execs: &[&Service]) {
     for exec in execs {
         wait_for_session(exec).await;
     }
@@ -114,7 +114,7 @@ async fn wait_for_session(exec: &Service) {
     panic!("no scheduler opened a session to {}", exec.addr("grpc"));
 }
 
-fn health(sched: &Service) -> u16 {
+pub(crate) fn health(sched: &Service) -> u16 {
     http(sched.addr("http"), "GET", "/health", b"").map_or(0, |r| r.0)
 }
 
@@ -549,7 +549,7 @@ fn etcd_keys_via_member(etcd: &Etcd, i: usize) -> Vec<String> {
 }
 
 /// The executor's session owner and epoch.
-async fn session_owner(exec: &Service) -> (String, u64) {
+pub(crate) async fn session_owner(exec: &Service) -> (String, u64) {
     let mut client =
         ExecutorClient::connect(format!("http://{}", exec.addr("grpc"))).await.unwrap();
     let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
@@ -699,7 +699,7 @@ async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
 }
 
 /// A front in its own process that follows the pool's leader through `etcd`.
-fn start_front(etcd: &Etcd) -> Service {
+pub(crate) fn start_front(etcd: &Etcd) -> Service {
     let endpoints = etcd.endpoints();
     let args = [
         "front",

@@ -1,7 +1,7 @@
 //! The KV tier across nodes, as real processes (issue 14): executors write the blocks their
 //! finished requests computed to their node's KV agent; a later request placed on another node
 //! reads a long shared prefix from that agent instead of computing it, and answers exactly as
-//! without the read.
+//! without the read; a scheduler started over the same nodes learns the tier from the agents.
 
 use std::time::Duration;
 
@@ -65,14 +65,17 @@ fn second() -> Vec<v1::GenerateRequest> {
     ]
 }
 
+/// The second requests' streams on a `serve` of its own: what every tier read must give.
+async fn undisturbed_second() -> Vec<ferry_tests::streams::Outcome> {
+    let serve = start_serve("256");
+    let out = run_streams(serve.addr("grpc"), second(), 0, || {}).await;
+    assert_complete(&out, MAX_TOKENS as usize);
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_computed_on_one_node_is_read_from_its_agent_by_another() {
-    let expected = {
-        let serve = start_serve("256");
-        let out = run_streams(serve.addr("grpc"), second(), 0, || {}).await;
-        assert_complete(&out, MAX_TOKENS as usize);
-        out
-    };
+    let expected = undisturbed_second().await;
     let nodes = [Node::start("node-a"), Node::start("node-b")];
     let tier = ["--kv-tier-min-tokens", "32"];
     let scheduler = start_scheduler(&[&nodes[0].executor, &nodes[1].executor], &tier);
@@ -151,12 +154,7 @@ async fn wait_until(http: std::net::SocketAddr, executors: usize, metric_name: &
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_agent_is_not_read_from_and_its_blocks_are_forgotten() {
-    let expected = {
-        let serve = start_serve("256");
-        let out = run_streams(serve.addr("grpc"), second(), 0, || {}).await;
-        assert_complete(&out, MAX_TOKENS as usize);
-        out
-    };
+    let expected = undisturbed_second().await;
     // Two nodes and a scheduler, all registered in etcd (leases of 2 s).
     let etcd = Etcd::start().unwrap();
     let endpoints = etcd.endpoints();
@@ -200,4 +198,45 @@ async fn a_dead_agent_is_not_read_from_and_its_blocks_are_forgotten() {
     assert_eq!(metric(http, "ferry_kv_tier_import_failures{"), 0.0);
     let computed = metric(http, "vllm:prompt_tokens_total{") - before;
     assert!(computed > 300.0, "{computed}: the prefix came from somewhere");
+}
+
+/// A scheduler that starts over the same nodes (the old one killed) knows nothing of the KV
+/// tier until it asks the agents (`ListBlocks`) as it opens its sessions: then a prefix one
+/// node's agent holds is read from it by the other node, as before the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_scheduler_learns_the_tier_from_the_agents() {
+    let expected = undisturbed_second().await;
+    let mut nodes = [Node::start("node-a"), Node::start("node-b")];
+    let tier = ["--kv-tier-min-tokens", "32"];
+    let mut old = start_scheduler(&[&nodes[0].executor, &nodes[1].executor], &tier);
+    let http = old.addr("http");
+    wait_until(http, 2, "ferry_kv_tier_indexed_blocks{", 0.0).await;
+    let out = run_streams(old.addr("grpc"), vec![first()], 0, || {}).await;
+    assert_complete(&out, MAX_TOKENS as usize);
+    let stored =
+        wait_for(Duration::from_secs(20), || metric(http, "ferry_kv_tier_stored_blocks{") >= 20.0);
+    assert!(stored.await.is_some(), "the first request's blocks never reached its agent");
+    let a = usize::from(nodes[0].stored_bytes() == 0.0);
+    signal(old.pid(), "KILL").unwrap();
+    assert!(old.wait_exit().is_some());
+
+    // The new scheduler's index is filled from the agents as its sessions open.
+    let scheduler = start_scheduler(&[&nodes[0].executor, &nodes[1].executor], &tier);
+    let http = scheduler.addr("http");
+    let learned =
+        wait_for(Duration::from_mins(1), || metric(http, "ferry_kv_tier_indexed_blocks{") >= 20.0);
+    assert!(learned.await.is_some(), "the new scheduler never learned the agent's blocks");
+    assert_eq!(metric(http, "ferry_kv_tier_stored_blocks{"), 0.0, "it stored nothing itself");
+
+    // The node that computed the prefix loses its executor; the other reads the prefix from
+    // the agent, exactly.
+    signal(nodes[a].executor.pid(), "KILL").unwrap();
+    assert!(nodes[a].executor.wait_exit().is_some());
+    wait_until(http, 1, "ferry_kv_tier_import_failures{", 0.0).await;
+    let got = run_streams(scheduler.addr("grpc"), second(), 0, || {}).await;
+    assert_complete(&got, MAX_TOKENS as usize);
+    assert_same_streams(&got, &expected);
+    assert!(metric(http, "ferry_kv_tier_hits{") >= 1.0, "no request read the tier");
+    assert!(metric(http, "ferry_kv_tier_imported_blocks{") >= 20.0);
+    assert_eq!(metric(http, "ferry_kv_tier_import_failures{"), 0.0);
 }

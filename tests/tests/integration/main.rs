@@ -28,3 +28,4 @@ mod sim_cluster;
 mod speculative;
 mod structure;
 mod structured_outputs;
+mod warm_failover;

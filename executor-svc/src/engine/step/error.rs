@@ -56,6 +56,14 @@ pub enum StepError {
     /// A KV operation is refused.
     #[error(transparent)]
     Kv(#[from] KvOpError),
+    /// A prefix-cache change names a block past the pool.
+    #[error("the step's cache changes name block {block}, past the pool's {num_blocks} blocks")]
+    CacheBlock {
+        /// The block named.
+        block: u32,
+        /// Blocks in the pool.
+        num_blocks: usize,
+    },
 }
 
 impl StepError {
@@ -67,7 +75,9 @@ impl StepError {
             | Self::Duplicate { id, .. }
             | Self::Invalid { id, .. }
             | Self::Sampling { id, .. } => Some(*id),
-            Self::TokenCount { .. } | Self::Batch(_) | Self::Kv(_) => None,
+            Self::TokenCount { .. } | Self::Batch(_) | Self::Kv(_) | Self::CacheBlock { .. } => {
+                None
+            }
         }
     }
 }

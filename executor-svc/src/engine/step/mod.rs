@@ -114,6 +114,9 @@ pub struct Engine {
     refused: HashMap<u64, String>,
     /// Where structured-output grammars are compiled (the served model's vocabulary).
     grammars: GrammarSource,
+    /// Which block holds the KV of which content hash, as the schedulers cached them (kept
+    /// across sessions, so a new leader adopts them: see `cached_blocks`).
+    cached: HashMap<u32, u64>,
 }
 
 impl Engine {
@@ -129,6 +132,7 @@ impl Engine {
             kv: super::kv::KvOps::new(None),
             refused: HashMap::new(),
             grammars: None,
+            cached: HashMap::new(),
         }
     }
 
@@ -177,7 +181,22 @@ impl Engine {
         self.kv.paths()
     }
 
-    /// Forgets every request and ends every KV transfer in progress.
+    /// The blocks whose KV is that of a content hash a scheduler cached, with the hash, by
+    /// block id: what a new session's scheduler may adopt. A block is named only after the step
+    /// that computed it ran whole, and forgotten before any step that may write it runs (the
+    /// scheduler evicts a block from its cache before it reuses it, and says so in that step).
+    pub fn cached_blocks(&self) -> Vec<v1::CachedBlock> {
+        let mut blocks: Vec<_> = self
+            .cached
+            .iter()
+            .map(|(&block_id, &hash)| v1::CachedBlock { block_id, hash })
+            .collect();
+        blocks.sort_by_key(|c| c.block_id);
+        blocks
+    }
+
+    /// Forgets every request and ends every KV transfer in progress; the KV blocks and the
+    /// hashes they hold stay (see [`Engine::cached_blocks`]).
     pub fn reset(&mut self) -> usize {
         self.kv.reset();
         self.refused.clear();
@@ -201,6 +220,10 @@ impl Engine {
                 self.refused.remove(id);
             }
         }
+        // Evicted blocks first: this step may write them.
+        for b in &step.evicted_blocks {
+            self.cached.remove(b);
+        }
         self.apply_diff(step, prepared);
         let (mut refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
         for c in &step.block_copies {
@@ -220,6 +243,11 @@ impl Engine {
             refused.push(self.refuse(id, reason));
         }
         self.steps_executed += 1;
+        // The blocks this step completed hold their content now, unless a request was refused
+        // (its blocks may not have been computed; leaving the step's out is always safe).
+        if refused.is_empty() {
+            self.cached.extend(step.cached_blocks.iter().map(|c| (c.block_id, c.hash)));
+        }
         self.trace_step(step, &planned, step_started, forward_us);
         Ok(v1::StepResult {
             step_id: step.step_id,

@@ -100,6 +100,12 @@ impl StepDraft {
         &self.plan
     }
 
+    /// Where the closed step's prefix-cache changes go.
+    #[inline]
+    pub(crate) fn cache_changes(&mut self) -> &mut crate::plan::CacheChanges {
+        &mut self.plan.cache
+    }
+
     /// Tokens the step may still schedule.
     #[inline]
     pub(crate) fn budget(&self) -> usize {

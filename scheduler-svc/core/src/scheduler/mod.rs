@@ -49,6 +49,7 @@ mod tier;
 mod transfers;
 mod view;
 
+use crate::block_hash::BlockHash;
 use crate::block_pool::BlockPool;
 use crate::error::{AbortError, AddError};
 use crate::outcome::{FinishStats, FinishedRequest};
@@ -57,7 +58,7 @@ use crate::request::{
 };
 use crate::scheduler_config::{ConfigError, PreemptionPolicy, SchedulerConfig};
 use crate::slots::AdmissionSlots;
-use crate::types::{RequestId, Timestamp};
+use crate::types::{BlockId, RequestId, Timestamp};
 use crate::waiting::WaitingQueue;
 use crate::work_queues::WorkQueues;
 
@@ -152,6 +153,20 @@ impl Scheduler {
             admit_seq: 0,
             counters: Counters::default(),
         })
+    }
+
+    /// Adopt the cached blocks an executor reported when this core's session opened, as
+    /// cached free blocks (a warm prefix cache across a leader change). Only a core that holds
+    /// nothing and has built no step adopts; a block that is out of range, named twice, or whose
+    /// hash another block already caches is skipped. Returns how many were adopted.
+    pub fn adopt_cached_blocks(
+        &mut self,
+        blocks: impl IntoIterator<Item = (BlockId, BlockHash)>,
+    ) -> usize {
+        if !self.requests.is_empty() || self.counters.steps > 0 {
+            return 0;
+        }
+        blocks.into_iter().filter(|&(b, h)| self.pool.adopt(b, h)).count()
     }
 
     /// The configuration in force.

@@ -369,6 +369,7 @@ impl Scheduler {
         }
         self.steps.push(record);
         self.counters.steps += 1;
+        self.pool.take_changes(self.draft.cache_changes());
     }
 
     /// Prefetch what `finalize` will touch for `followups[k + AHEAD]` and beyond: most

@@ -134,6 +134,39 @@ fn cached_free_blocks_are_evicted_only_when_needed_least_recent_first() {
     assert_eq!(h.core.prefix_hit_tokens(&prompt, 0), 4);
 }
 
+/// The steps tell the executor which blocks cache which hash (evictions and registrations), so
+/// that a new leader's core, adopting what the executor reports, finds the same prefix hits
+/// (and refuses what it cannot take: held or out-of-range blocks, a hash twice).
+#[test]
+fn a_new_core_adopts_the_executors_cached_blocks() {
+    let mut h = Harness::new(small_cfg());
+    let prompt = tokens(500, 10);
+    h.add(req(1, prompt.clone(), 2));
+    let mut executor = std::collections::HashMap::new();
+    for _ in 0..10 {
+        let (plan, _) = h.step(7);
+        for b in &plan.cache.evicted {
+            executor.remove(b);
+        }
+        executor.extend(plan.cache.cached.iter().copied());
+    }
+    assert_eq!(executor.len(), 2, "the prompt's two full blocks: {executor:?}");
+    let mut reported: Vec<_> = executor.into_iter().collect();
+    reported.push((BlockId(999), BlockHash(1)));
+    reported.push((reported[0].0, BlockHash(2)));
+
+    let mut leader = Harness::new(small_cfg());
+    assert_eq!(leader.core.adopt_cached_blocks(reported.iter().copied()), 2);
+    leader.core.check_invariants().unwrap();
+    assert_eq!(leader.core.prefix_hit_tokens(&prompt, 0), 8);
+    assert_eq!(leader.core.stats().cached_free_blocks, 2);
+    leader.add(req(2, prompt.clone(), 2));
+    let (plan, _) = leader.step(7);
+    assert_eq!(plan.new_requests[0].num_computed_tokens, 8, "the adopted blocks are hits");
+    // Only a fresh core adopts.
+    assert_eq!(leader.core.adopt_cached_blocks([(BlockId(40), BlockHash(3))]), 0);
+}
+
 /// Run until the first step that preempts; returns that plan.
 fn step_until_preemption(h: &mut Harness, max: usize) -> StepPlan {
     for _ in 0..max {

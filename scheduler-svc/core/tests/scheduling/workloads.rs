@@ -3,8 +3,10 @@
 //! KV imports and exports, synchronous and asynchronous stepping. After every schedule and
 //! every apply `check_invariants()` must hold; the simulated executor checks the protocol and
 //! fence safety (no block written for one request while an in-flight step writes it for
-//! another; with prefix caching too); every workload must drain within a bound with nothing
-//! held at the end. The run asserts its own coverage: each of preemption, KV import, KV export,
+//! another; with prefix caching too) and keeps the executor's copy of the prefix cache from the
+//! steps' cache changes (a block it names cached is never written with other content, and
+//! holds the content its hash names: what a new leader adopts); every workload must drain
+//! within a bound with nothing held at the end. The run asserts its own coverage: each of preemption, KV import, KV export,
 //! abort, pipelined steps, an executor's refusal, a speculative verification that accepts
 //! some drafts and rejects others and a sample of several forking from its source's prompt KV
 //! (copying a partial block; the simulated executor checks the copy reads that KV) occurs in a
@@ -172,7 +174,7 @@ fn random_workloads_keep_invariants_and_drain() {
     }
     let base =
         std::env::var("FERRY_CORE_SEED_BASE").ok().and_then(|s| s.parse().ok()).unwrap_or(0u64);
-    let mut totals = [0u64; 9];
+    let mut totals = [0u64; 10];
     // Seeds in which each event occurred at least once: the coverage asserted below.
     let mut seeds_with = [0u64; 8];
     let mut slowest = (0u64, 0u64);
@@ -194,6 +196,7 @@ fn random_workloads_keep_invariants_and_drain() {
                     reasons.values().filter(|&&f| f == FinishReason::Transferred).count() as u64;
                 totals[7] += r.steps;
                 totals[8] += r.tier_stored;
+                totals[9] += r.cached_reported;
                 slowest = slowest.max((r.steps, seed));
             }
             Err(e) => {
@@ -206,7 +209,8 @@ fn random_workloads_keep_invariants_and_drain() {
     }
     eprintln!(
         "preemptions {} imports {} exports {} aborts {} pipelined-runs {} stops {} transferred {} \
-         steps {} tier-stored blocks {} slowest (steps, seed) {slowest:?}",
+         steps {} tier-stored blocks {} blocks reported cached {} slowest (steps, seed) \
+         {slowest:?}",
         totals[0],
         totals[1],
         totals[2],
@@ -215,9 +219,16 @@ fn random_workloads_keep_invariants_and_drain() {
         totals[5],
         totals[6],
         totals[7],
-        totals[8]
+        totals[8],
+        totals[9]
     );
     assert!(totals[8] > 0, "no seed wrote a block to the KV tier: the store path went untested");
+    assert!(
+        totals[9] > totals[7] / 100,
+        "{} blocks reported cached in {} steps: the executor's copy of the cache went untested",
+        totals[9],
+        totals[7]
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
     // Each event must occur in a minimum share of the seeds, so a change to the generator (or
     // to the core) that stops exercising one of them fails here instead of passing vacuously.

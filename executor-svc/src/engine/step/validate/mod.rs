@@ -127,6 +127,7 @@ impl Engine {
         work::token_sum(step, &planned)?;
         blocks::kv_operations(&prospect, step)?;
         blocks::block_copies(&prospect, step)?;
+        blocks::cache_changes(&prospect, step)?;
         blocks::batch_fits_pool(&prospect, &planned)?;
         Ok((planned, prospect.prepared))
     }

@@ -115,6 +115,8 @@ pub struct Report {
     /// Samples that forked from their source's prompt KV, and the partial blocks they copied.
     pub forks: u64,
     pub fork_copies: u64,
+    /// Blocks the executor's copy of the prefix cache took in (checked to hold their content).
+    pub cached_reported: u64,
 }
 
 /// The events whose coverage the property tests assert, in [`Report::events`]' order.
@@ -358,6 +360,9 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
                 plan.scheduled.iter().map(|w| w.id).filter(|id| refused.contains(id)).collect();
             named.dedup();
             outcome.refused = named;
+            report.cached_reported += exec
+                .on_ran(plan, !outcome.refused.is_empty(), &content)
+                .map_err(|e| format!("step {step}: executor's cache: {e}"))?;
             for w in plan.scheduled.iter().filter(|w| w.samples_token && !refused.contains(&w.id)) {
                 let pos =
                     outputs.get(&w.id).copied().unwrap_or(0) + pending_samples(&pending, w.id);
@@ -418,6 +423,11 @@ struct ExecutorModel {
     writes: VecDeque<Vec<(BlockId, RequestId)>>,
     /// What each block holds, as the executor would see it after the steps so far.
     content: HashMap<BlockId, Content>,
+    /// The executor's copy of the prefix cache, kept from the plans' cache changes as the real
+    /// executor keeps it (evictions before the step, registrations after it when nothing was
+    /// refused): what a new leader would adopt. It must never name a block whose content is
+    /// another's.
+    cached: HashMap<BlockId, BlockHash>,
 }
 
 /// A block's content in the simulated executor.
@@ -495,40 +505,7 @@ impl ExecutorModel {
         content_hash: &dyn Fn(RequestId, usize) -> Option<BlockHash>,
         forked_from: &dyn Fn(Content, RequestId, usize) -> bool,
     ) -> Result<(), String> {
-        // A block copied to the KV tier (at the start of the step, after every earlier step
-        // ran) holds the content its hash names.
-        for op in &plan.kv_ops {
-            if let KvOp::Store { block_ids, block_hashes } = *op {
-                let (blocks, hashes) = (plan.blocks(block_ids), plan.hashes(block_hashes));
-                if blocks.is_empty() || blocks.len() != hashes.len() {
-                    return Err(format!(
-                        "a tier store of {} blocks names {} hashes",
-                        blocks.len(),
-                        hashes.len()
-                    ));
-                }
-                for (&b, &h) in blocks.iter().zip(hashes) {
-                    let holds = match self.content.get(&b) {
-                        Some(&Content::Computed(owner, index)) => content_hash(owner, index),
-                        Some(&Content::Imported(hash)) => Some(hash),
-                        None => None,
-                    };
-                    if holds != Some(h) {
-                        return Err(format!(
-                            "block {b:?} stored to the KV tier as {h:?} holds {holds:?}"
-                        ));
-                    }
-                }
-            } else if let KvOp::Import { block_ids, block_hashes, .. } = *op {
-                let hashes = plan.hashes(block_hashes);
-                for (i, b) in plan.blocks(block_ids).iter().enumerate() {
-                    match hashes.get(i) {
-                        Some(&h) => self.content.insert(*b, Content::Imported(h)),
-                        None => self.content.remove(b),
-                    };
-                }
-            }
-        }
+        self.on_kv_ops(plan, content_hash)?;
         for id in &plan.finished {
             if self.tables.remove(id).is_none() {
                 return Err(format!("finished {id} unknown to the executor"));
@@ -580,9 +557,19 @@ impl ExecutorModel {
                 return Err(format!("{}: writes past its blocks", w.id));
             }
             for pos in *computed..end {
-                writes.push((table[pos / block_size], w.id));
-                self.content
-                    .insert(table[pos / block_size], Content::Computed(w.id, pos / block_size));
+                let (b, index) = (table[pos / block_size], pos / block_size);
+                // A block the executor names cached is written only with the same content (a
+                // prompt cached whole recomputes its last token).
+                if let Some(&h) = self.cached.get(&b) {
+                    if content_hash(w.id, index) != Some(h) {
+                        return Err(format!(
+                            "{}: writes block {b:?}, which the executor caches as {h:?}",
+                            w.id
+                        ));
+                    }
+                }
+                writes.push((b, w.id));
+                self.content.insert(b, Content::Computed(w.id, index));
             }
             *computed = end;
         }
@@ -598,6 +585,58 @@ impl ExecutorModel {
             }
         }
         self.writes.push_back(writes);
+        Ok(())
+    }
+
+    /// Evictions first (the step may write those blocks), then the KV operations, which run
+    /// at the start of the step: tier stores read, imports write.
+    fn on_kv_ops(
+        &mut self,
+        plan: &StepPlan,
+        content_hash: &dyn Fn(RequestId, usize) -> Option<BlockHash>,
+    ) -> Result<(), String> {
+        for b in &plan.cache.evicted {
+            self.cached.remove(b);
+        }
+        // A block copied to the KV tier (at the start of the step, after every earlier step
+        // ran) holds the content its hash names.
+        for op in &plan.kv_ops {
+            if let KvOp::Store { block_ids, block_hashes } = *op {
+                let (blocks, hashes) = (plan.blocks(block_ids), plan.hashes(block_hashes));
+                if blocks.is_empty() || blocks.len() != hashes.len() {
+                    return Err(format!(
+                        "a tier store of {} blocks names {} hashes",
+                        blocks.len(),
+                        hashes.len()
+                    ));
+                }
+                for (&b, &h) in blocks.iter().zip(hashes) {
+                    let holds = match self.content.get(&b) {
+                        Some(&Content::Computed(owner, index)) => content_hash(owner, index),
+                        Some(&Content::Imported(hash)) => Some(hash),
+                        None => None,
+                    };
+                    if holds != Some(h) {
+                        return Err(format!(
+                            "block {b:?} stored to the KV tier as {h:?} holds {holds:?}"
+                        ));
+                    }
+                }
+            } else if let KvOp::Import { block_ids, block_hashes, .. } = *op {
+                let hashes = plan.hashes(block_hashes);
+                for (i, b) in plan.blocks(block_ids).iter().enumerate() {
+                    if let Some(&h) = self.cached.get(b) {
+                        return Err(format!(
+                            "import into {b:?}, which the executor caches as {h:?}"
+                        ));
+                    }
+                    match hashes.get(i) {
+                        Some(&h) => self.content.insert(*b, Content::Imported(h)),
+                        None => self.content.remove(b),
+                    };
+                }
+            }
+        }
         Ok(())
     }
 
@@ -636,9 +675,40 @@ impl ExecutorModel {
                     }
                 ));
             }
+            if let Some(&h) = self.cached.get(&c.dst) {
+                return Err(format!(
+                    "block copy into {:?}, which the executor caches as {h:?}",
+                    c.dst
+                ));
+            }
             self.content.insert(c.dst, src);
         }
         Ok(())
+    }
+
+    /// The step ran: its registrations join the executor's copy of the cache unless a request
+    /// was refused, and each holds the content its hash names.
+    fn on_ran(
+        &mut self,
+        plan: &StepPlan,
+        refused: bool,
+        content_hash: &dyn Fn(RequestId, usize) -> Option<BlockHash>,
+    ) -> Result<u64, String> {
+        if refused {
+            return Ok(0);
+        }
+        for &(b, h) in &plan.cache.cached {
+            let holds = match self.content.get(&b) {
+                Some(&Content::Computed(owner, index)) => content_hash(owner, index),
+                Some(&Content::Imported(hash)) => Some(hash),
+                None => None,
+            };
+            if holds != Some(h) {
+                return Err(format!("block {b:?} reported cached as {h:?} holds {holds:?}"));
+            }
+            self.cached.insert(b, h);
+        }
+        Ok(plan.cache.cached.len() as u64)
     }
 
     fn on_apply(&mut self) {

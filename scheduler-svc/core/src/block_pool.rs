@@ -172,6 +172,22 @@ impl BlockPool {
         }
     }
 
+    /// Take `block` out of the prefix cache (its content is not what its hash names: the step
+    /// that was to compute it did not), held or free; the executor is told as of an eviction.
+    pub(crate) fn unregister(&mut self, block: BlockId) {
+        let i = block.index();
+        if let Some(h) = self.hash[i].take() {
+            self.cached.remove(h);
+            if self.ref_cnt[i] == 0 {
+                self.cached_free -= 1;
+                // No longer worth keeping: reused first.
+                self.free.remove(block.0);
+                self.free.push_front(FREE_LIST, block.0);
+            }
+            self.changes.push((block, None));
+        }
+    }
+
     /// Adopt free, unhashed `block` as caching `hash` (what an executor reported holding when
     /// this pool's session opened): it becomes cached free, evicted after the blocks freed
     /// before it. False, and no change, for a block out of range, held or hashed, for a hash

@@ -39,9 +39,17 @@ impl Scheduler {
         for kv in &outcome.kv_results {
             self.resolve_transfer(kv.transfer_id, kv.ok, now, events);
         }
-        // Refused requests end here, alone; their step slots drop below with everyone's.
+        // Refused requests end here, alone; their step slots drop below with everyone's. The
+        // blocks they registered themselves (past their prefix-cache hits) leave the cache: a
+        // block is registered when its step is built, and the refused step may not have
+        // computed it.
         for &id in &outcome.refused {
             if let Some(idx) = self.requests.index_of(id) {
+                let r = &self.requests[idx];
+                let own = (r.cold.prefix_hit_tokens / self.cfg.block_size).min(r.registered());
+                for b in own..r.registered().min(r.block_table.len()) {
+                    self.pool.unregister(r.block_table[b]);
+                }
                 if !self.requests[idx].status.is_finished() {
                     let done = self.finish(idx, FinishReason::Error, now);
                     events.push(RequestEvent::Finished(Box::new(done)));

@@ -167,6 +167,29 @@ fn a_new_core_adopts_the_executors_cached_blocks() {
     assert_eq!(leader.core.adopt_cached_blocks([(BlockId(40), BlockHash(3))]), 0);
 }
 
+/// A block is registered in the prefix cache when the step computing it is built; if the
+/// executor refuses the request in that step, the block was never computed, and it leaves the
+/// cache (the step after says so to the executor) — a later request with the same prompt
+/// computes it rather than read what is there.
+#[test]
+fn a_refused_requests_own_blocks_leave_the_prefix_cache() {
+    let mut h = Harness::new(small_cfg());
+    let prompt = tokens(500, 10);
+    h.add(req(1, prompt.clone(), 3));
+    let plan = h.schedule();
+    assert_eq!(h.core.prefix_hit_tokens(&prompt, 0), 8, "registered as the step was built");
+    let mut outcome = Harness::outcome(&plan, 7);
+    outcome.refused = vec![RequestId(1)];
+    outcome.sampled.clear();
+    h.apply(&outcome);
+    h.core.check_invariants().unwrap();
+    assert_eq!(h.core.prefix_hit_tokens(&prompt, 0), 0, "the refused step computed nothing");
+    h.add(req(2, prompt.clone(), 3));
+    let plan = h.schedule();
+    assert_eq!(plan.new_requests[0].num_computed_tokens, 0);
+    assert_eq!(plan.cache.evicted.len(), 2, "the executor forgets them too: {:?}", plan.cache);
+}
+
 /// Run until the first step that preempts; returns that plan.
 fn step_until_preemption(h: &mut Harness, max: usize) -> StepPlan {
     for _ in 0..max {

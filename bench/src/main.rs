@@ -21,6 +21,9 @@ enum Command {
     /// Speculative decoding on against off (in process, greedy), on a workload that repeats
     /// its input and one that does not.
     Spec(ferry_bench::speculation::SpecBenchArgs),
+    /// The control plane's own cost: the scheduler process's CPU per streamed token and per
+    /// request, over simulated executors (processes of their own).
+    ControlPlane(ferry_bench::control_plane::ControlPlaneArgs),
 }
 
 #[tokio::main]
@@ -28,6 +31,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Core(args) => ferry_bench::scheduler_core::run(&args),
         Command::Kv(args) => ferry_bench::kv_transfer::run(&args).await.map(|_| ()),
+        Command::ControlPlane(args) => ferry_bench::control_plane::run(&args).await,
         Command::Spec(args) => {
             tokio::task::spawn_blocking(move || ferry_bench::speculation::run(&args)).await?
         }

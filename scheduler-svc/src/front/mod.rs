@@ -24,7 +24,7 @@ pub(crate) mod router;
 mod settings;
 pub mod stream;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 pub mod text;
 pub mod trace;
 

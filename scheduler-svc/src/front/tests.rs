@@ -22,7 +22,7 @@ fn model() -> Arc<ModelFile> {
     MODEL.get_or_init(|| Arc::new(ModelFile::open(None).expect("the default model"))).clone()
 }
 
-fn front(set: &Arc<ExecutorSet>) -> GenerationService {
+pub(crate) fn front(set: &Arc<ExecutorSet>) -> GenerationService {
     let served = ServedModel { file: model(), max_model_len: 512 };
     let settings = FrontSettings {
         max_live: 16,

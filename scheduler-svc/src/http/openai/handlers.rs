@@ -73,6 +73,7 @@ async fn run(
         best_of,
         continuous_usage,
         echo_first,
+        chunk_head: String::new(),
     };
     if !common.stream {
         let mut events = Vec::new();

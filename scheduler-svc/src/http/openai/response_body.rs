@@ -30,7 +30,7 @@ fn usage_json(u: Option<v1::Usage>) -> Value {
 }
 
 /// Which endpoint a response is for.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     Completion,
     Chat,
@@ -57,6 +57,8 @@ pub(super) struct Shaper {
     /// Completions with `echo` and `logprobs`: the prompt's first token, whose log-probability
     /// (none) leads the echoed prompt's.
     pub(super) echo_first: Option<u32>,
+    /// The start of every plain chunk (`{"id":…,"choices":[{"index":`), made at the first.
+    pub(super) chunk_head: String,
 }
 
 impl Shaper {
@@ -173,6 +175,58 @@ impl Shaper {
             chunk["usage"] = usage_json(ev.usage);
         }
         chunk
+    }
+
+    /// [`Self::chunk`] as the text sent. A chunk of text alone (no log-probabilities, tool
+    /// calls or usage: the common case, once per streamed token) is written directly, the same
+    /// bytes as the `Value` would give, without building it.
+    pub(super) fn chunk_text(&mut self, ev: &v1::GenerateEvent, first: bool) -> String {
+        let plain = ev.logprobs.is_empty()
+            && ev.prompt_logprobs.is_empty()
+            && !self.continuous_usage
+            && (self.kind == Kind::Completion || self.tools.is_none());
+        if !plain {
+            return self.chunk(ev, first).to_string();
+        }
+        if self.chunk_head.is_empty() {
+            let object =
+                if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+            self.chunk_head = format!(
+                r#"{{"id":{},"object":"{object}","created":{},"model":{},"choices":[{{"index":"#,
+                Value::from(self.id.as_str()),
+                self.created,
+                Value::from(self.model.as_str())
+            );
+        }
+        let text = if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
+        let text = Value::from(text).to_string();
+        let finish = finish_reason(ev.finish_reason()).map_or("null", |f| match f {
+            "stop" => r#""stop""#,
+            "length" => r#""length""#,
+            "abort" => r#""abort""#,
+            _ => r#""error""#,
+        });
+        let mut out = String::with_capacity(self.chunk_head.len() + text.len() + 80);
+        out.push_str(&self.chunk_head);
+        out.push_str(&ev.index.to_string());
+        match self.kind {
+            Kind::Completion => {
+                out.push_str(r#","text":"#);
+                out.push_str(&text);
+            }
+            Kind::Chat => {
+                out.push_str(r#","delta":{"content":"#);
+                out.push_str(&text);
+                if first {
+                    out.push_str(r#","role":"assistant""#);
+                }
+                out.push('}');
+            }
+        }
+        out.push_str(r#","logprobs":null,"finish_reason":"#);
+        out.push_str(finish);
+        out.push_str("}]}");
+        out
     }
 
     /// The streamed answer's closing chunk with the whole request's usage.

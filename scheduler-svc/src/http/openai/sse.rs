@@ -48,8 +48,8 @@ pub(super) fn sse_events(
                             st.usage = ev.usage;
                         }
                         let first = st.started.insert(ev.index);
-                        let data = st.shaper.chunk(&ev, first);
-                        return Some((Ok(Event::default().data(data.to_string())), st));
+                        let data = st.shaper.chunk_text(&ev, first);
+                        return Some((Ok(Event::default().data(data)), st));
                     }
                     Some(Err(status)) => {
                         st.phase = Phase::Done;

@@ -1,5 +1,6 @@
 //! Unit tests of reading a request: wrong kinds of values, vLLM's value checks, structured
-//! outputs and tool choice, each through the path a request takes (parse, then translate).
+//! outputs and tool choice, each through the path a request takes (parse, then translate); a
+//! streamed chunk written directly is the bytes its JSON value gives.
 
 use axum::body::Bytes;
 use ferry_proto::v1::{self, structured_output::Kind};
@@ -191,5 +192,57 @@ fn tool_choice_is_read_and_checked_as_openai_and_vllm_do() {
     ] {
         let err = tools(&extra).expect_err(&extra.to_string());
         assert!(err.contains(needle), "{extra}: {err}");
+    }
+}
+
+/// The plain chunks written directly (`chunk_text`) are byte for byte the serialized `Value`
+/// (`chunk`), for both endpoints, the first chunk (role, echo) and the last (finish reason),
+/// text that needs escaping; chunks with log-probabilities or usage take the `Value`.
+#[test]
+fn a_chunk_written_directly_is_the_json_values_bytes() {
+    use super::response_body::{Kind as Endpoint, Shaper};
+    let set = crate::executors::ExecutorSet::new();
+    let front = crate::front::tests::front(&set);
+    for kind in [Endpoint::Completion, Endpoint::Chat] {
+        for continuous_usage in [false, true] {
+            let mut shaper = Shaper {
+                kind,
+                id: "cmpl-\"odd\"".into(),
+                created: 1_765_000_000,
+                model: "Smol\u{e9}".into(),
+                front: front.clone(),
+                echo: "Echo: ".into(),
+                tools: None,
+                readers: std::collections::HashMap::new(),
+                best_of: None,
+                continuous_usage,
+                echo_first: None,
+                chunk_head: String::new(),
+            };
+            let texts = ["Hello", " \"quoted\"\n\ttab \u{1f600} \\ end", ""];
+            for (i, text) in texts.iter().enumerate() {
+                for finish in [
+                    v1::FinishReason::Unspecified,
+                    v1::FinishReason::Stop,
+                    v1::FinishReason::Length,
+                ] {
+                    let mut ev = v1::GenerateEvent {
+                        index: i as u32,
+                        text: (*text).into(),
+                        ..Default::default()
+                    };
+                    ev.set_finish_reason(finish);
+                    ev.usage = Some(v1::Usage {
+                        prompt_tokens: 3,
+                        completion_tokens: 1,
+                        ..Default::default()
+                    });
+                    for first in [true, false] {
+                        let want = shaper.chunk(&ev, first).to_string();
+                        assert_eq!(shaper.chunk_text(&ev, first), want, "{kind:?} {text:?}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -158,28 +158,38 @@ impl TierIndex {
     }
 }
 
-/// Fills `index` with what `agent` holds in `layout`, asking the agent (`ListBlocks`): a new
-/// leader's index starts empty, but the agents' stores outlived the old leader. Returns how
-/// many blocks it learned of.
+/// A client of the KV agent at `agent` (`host:port` or a URL), connected, for the scheduler's
+/// calls: a transfer's cancel, the tier's recovery.
+///
+/// # Errors
+/// The address unusable or the agent unreachable, as text.
+pub(crate) async fn agent_client(
+    agent: &str,
+) -> Result<v1::kv_transfer_client::KvTransferClient<tonic::transport::Channel>, String> {
+    let endpoint = ferry_runtime::tls::endpoint(agent).map_err(|e| e.to_string())?;
+    let channel = ferry_runtime::tls::connect(&endpoint, ferry_runtime::tls::Role::KvAgent)
+        .await
+        .map_err(|e| ferry_runtime::error_chain(&e))?;
+    Ok(v1::kv_transfer_client::KvTransferClient::new(channel))
+}
+
+/// Fills `index` with what `agent` holds in `layout` (keyed `key`, its [`layout_key`]), asking
+/// the agent (`ListBlocks`): a new leader's index starts empty, but the agents' stores outlived
+/// the old leader. Returns how many blocks it learned of.
 ///
 /// # Errors
 /// The agent unreachable or refusing, as text.
 pub async fn recover(
     index: &TierIndex,
     agent: &str,
-    layout: &v1::KvLayout,
+    (layout, key): (&v1::KvLayout, u64),
 ) -> Result<usize, String> {
-    let endpoint = ferry_runtime::tls::endpoint(agent).map_err(|e| e.to_string())?;
-    let channel = ferry_runtime::tls::connect(&endpoint, ferry_runtime::tls::Role::KvAgent)
-        .await
-        .map_err(|e| ferry_runtime::error_chain(&e))?;
-    let mut client =
-        v1::kv_transfer_client::KvTransferClient::new(channel).max_decoding_message_size(16 << 20);
+    let mut client = agent_client(agent).await?.max_decoding_message_size(16 << 20);
     let request =
         v1::ListBlocksRequest { layout: Some(layout.clone()), limit: MAX_BLOCKS_PER_AGENT as u32 };
     let listed = client.list_blocks(request).await.map_err(|s| s.message().to_string())?;
     let hashes = listed.into_inner().block_hashes;
-    index.stored(agent, layout_key(Some(layout)), &hashes);
+    index.stored(agent, key, &hashes);
     Ok(hashes.len())
 }
 

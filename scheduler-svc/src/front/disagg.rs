@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_proto::v1;
-use ferry_runtime::tls;
 use ferry_sched_core::{routing, Fork, TransferId};
 
 use super::placement::{PlaceError, Placed};
@@ -162,10 +161,7 @@ pub(crate) fn cancel_transfer(agent: &str, transfer_id: TransferId, reason: &str
     tokio::spawn(async move {
         let request = v1::CancelTransferRequest { transfer_id: transfer_id.0.to_string(), reason };
         let call = async {
-            let endpoint = tls::endpoint(&agent).map_err(|e| e.to_string())?;
-            let channel =
-                tls::connect(&endpoint, tls::Role::KvAgent).await.map_err(|e| e.to_string())?;
-            let mut client = v1::kv_transfer_client::KvTransferClient::new(channel);
+            let mut client = crate::tier::agent_client(&agent).await?;
             client.cancel(request).await.map_err(|s| s.message().to_string())
         };
         match tokio::time::timeout(Duration::from_secs(5), call).await {

@@ -227,20 +227,30 @@ pub(crate) struct Shared {
     pub fence: Arc<crate::fence::Fence>,
 }
 
-/// When the executor's agent is one the KV tier's index knows nothing of (this scheduler just
-/// started leading, or the agent is new), asks the agent what it holds, in the background.
-fn recover_tier_index(shared: &Shared, info: &v1::ExecutorInfo) {
-    let (agent, Some(layout)) = (info.kv_agent_address.clone(), info.kv_layout.clone()) else {
-        return;
-    };
-    let tier = shared.tier.clone();
-    if agent.is_empty() || tier.len(&agent, crate::tier::layout_key(Some(&layout))) > 0 {
+/// When the executor's agent (`kv`) is one the KV tier's index knows nothing of (this
+/// scheduler just started leading, or the agent is new), asks the agent what it holds of the
+/// executor's `layout`, in the background (within 10 s: an agent that does not answer is left
+/// to the stores that come).
+fn recover_tier_index(
+    tier: &Arc<crate::tier::TierIndex>,
+    kv: &step_loop::KvFacts,
+    layout: Option<&v1::KvLayout>,
+) {
+    let Some(layout) = layout.cloned() else { return };
+    if kv.agent.is_empty() || tier.len(&kv.agent, kv.layout) > 0 {
         return;
     }
+    let (tier, agent, key) = (tier.clone(), kv.agent.clone(), kv.layout);
     tokio::spawn(async move {
-        match crate::tier::recover(&tier, &agent, &layout).await {
-            Ok(n) => tracing::info!(%agent, blocks = n, "KV tier index recovered from the agent"),
-            Err(e) => tracing::warn!(%agent, error = %e, "KV tier index not recovered"),
+        let recovered = crate::tier::recover(&tier, &agent, (&layout, key));
+        match tokio::time::timeout(std::time::Duration::from_secs(10), recovered).await {
+            Ok(Ok(n)) => {
+                tracing::info!(%agent, blocks = n, "KV tier index recovered from the agent");
+            }
+            Ok(Err(e)) => tracing::warn!(%agent, error = %e, "KV tier index not recovered"),
+            Err(_) => {
+                tracing::warn!(%agent, "KV tier index not recovered: the agent did not answer");
+            }
         }
     });
 }
@@ -266,15 +276,15 @@ impl LinkHandle {
         let (close_tx, close_rx) = watch::channel(None);
         let load = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(std::sync::Mutex::new(core.stats()));
-        recover_tier_index(&shared, &info);
-        let published =
-            step_loop::Published::new(load.clone(), stats.clone(), shared, &core.stats());
-        let (name, epoch) = (session.name.clone(), session.epoch);
         let kv = step_loop::KvFacts {
             block_bytes: info.kv_layout.as_ref().and_then(v1::KvLayout::block_bytes).unwrap_or(0),
             agent: info.kv_agent_address.clone(),
             layout: crate::tier::layout_key(info.kv_layout.as_ref()),
         };
+        recover_tier_index(&shared.tier, &kv, info.kv_layout.as_ref());
+        let published =
+            step_loop::Published::new(load.clone(), stats.clone(), shared, &core.stats());
+        let (name, epoch) = (session.name.clone(), session.epoch);
         let eos = info.eos_token_ids.clone();
         let max_live = match info.max_live_requests {
             0 => usize::MAX,

@@ -65,6 +65,18 @@ fn second() -> Vec<v1::GenerateRequest> {
     ]
 }
 
+/// Runs the first request through `scheduler` and waits until its blocks reach its node's
+/// agent; that node's index in `nodes`.
+async fn first_stored(scheduler: &Service, nodes: &[Node; 2]) -> usize {
+    let out = run_streams(scheduler.addr("grpc"), vec![first()], 0, || {}).await;
+    assert_complete(&out, MAX_TOKENS as usize);
+    let http = scheduler.addr("http");
+    let stored =
+        wait_for(Duration::from_secs(20), || metric(http, "ferry_kv_tier_stored_blocks{") >= 20.0);
+    assert!(stored.await.is_some(), "the first request's blocks never reached its agent");
+    usize::from(nodes[0].stored_bytes() == 0.0)
+}
+
 /// The second requests' streams on a `serve` of its own: what every tier read must give.
 async fn undisturbed_second() -> Vec<ferry_tests::streams::Outcome> {
     let serve = start_serve("256");
@@ -171,12 +183,7 @@ async fn a_dead_agent_is_not_read_from_and_its_blocks_are_forgotten() {
     wait_until(http, 2, "ferry_kv_agents_registered{", 2.0).await;
 
     // The first request's blocks reach its node's agent.
-    let out = run_streams(scheduler.addr("grpc"), vec![first()], 0, || {}).await;
-    assert_complete(&out, MAX_TOKENS as usize);
-    let stored =
-        wait_for(Duration::from_secs(20), || metric(http, "ferry_kv_tier_stored_blocks{") >= 20.0);
-    assert!(stored.await.is_some(), "the first request's blocks never reached its agent");
-    let a = usize::from(nodes[0].stored_bytes() == 0.0);
+    let a = first_stored(&scheduler, &nodes).await;
 
     // That node's agent dies (its lease lapses), then its executor.
     assert!(metric(http, "ferry_kv_tier_indexed_blocks{") >= 20.0);
@@ -211,12 +218,7 @@ async fn a_new_scheduler_learns_the_tier_from_the_agents() {
     let mut old = start_scheduler(&[&nodes[0].executor, &nodes[1].executor], &tier);
     let http = old.addr("http");
     wait_until(http, 2, "ferry_kv_tier_indexed_blocks{", 0.0).await;
-    let out = run_streams(old.addr("grpc"), vec![first()], 0, || {}).await;
-    assert_complete(&out, MAX_TOKENS as usize);
-    let stored =
-        wait_for(Duration::from_secs(20), || metric(http, "ferry_kv_tier_stored_blocks{") >= 20.0);
-    assert!(stored.await.is_some(), "the first request's blocks never reached its agent");
-    let a = usize::from(nodes[0].stored_bytes() == 0.0);
+    let a = first_stored(&old, &nodes).await;
     signal(old.pid(), "KILL").unwrap();
     assert!(old.wait_exit().is_some());
 

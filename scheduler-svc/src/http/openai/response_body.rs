@@ -3,6 +3,8 @@
 //! sample; `best_of` keeps the best `n`). Log-probabilities, prompt log-probabilities, `echo`
 //! and tool calls are put where each endpoint's clients look for them.
 
+use std::fmt::Write as _;
+
 use ferry_proto::v1;
 use serde_json::{json, Value};
 
@@ -198,17 +200,17 @@ impl Shaper {
                 Value::from(self.model.as_str())
             );
         }
-        let text = if first { format!("{}{}", self.echo, ev.text) } else { ev.text.clone() };
-        let text = Value::from(text).to_string();
-        let finish = finish_reason(ev.finish_reason()).map_or("null", |f| match f {
-            "stop" => r#""stop""#,
-            "length" => r#""length""#,
-            "abort" => r#""abort""#,
-            _ => r#""error""#,
-        });
+        // The text as a JSON string, escaped straight from the event (the echo only in front of
+        // a first chunk's).
+        let text = if first && !self.echo.is_empty() {
+            serde_json::to_string(&format!("{}{}", self.echo, ev.text))
+        } else {
+            serde_json::to_string(&ev.text)
+        }
+        .expect("a string serializes");
         let mut out = String::with_capacity(self.chunk_head.len() + text.len() + 80);
         out.push_str(&self.chunk_head);
-        out.push_str(&ev.index.to_string());
+        let _ = write!(out, "{}", ev.index);
         match self.kind {
             Kind::Completion => {
                 out.push_str(r#","text":"#);
@@ -224,7 +226,12 @@ impl Shaper {
             }
         }
         out.push_str(r#","logprobs":null,"finish_reason":"#);
-        out.push_str(finish);
+        match finish_reason(ev.finish_reason()) {
+            Some(reason) => {
+                let _ = write!(out, r#""{reason}""#);
+            }
+            None => out.push_str("null"),
+        }
         out.push_str("}]}");
         out
     }

@@ -67,7 +67,6 @@ pub(super) fn kv_operations(prospect: &Prospect, step: &v1::Step) -> Result<(), 
     })
 }
 
-/// Every block copy of the step can be made ([`copy_fault`]).
 /// Every block the step's prefix-cache changes name is in the pool (a fault of the step).
 pub(super) fn cache_changes(prospect: &Prospect, step: &v1::Step) -> Result<(), StepError> {
     let num_blocks = prospect.facts.num_blocks;
@@ -78,6 +77,7 @@ pub(super) fn cache_changes(prospect: &Prospect, step: &v1::Step) -> Result<(), 
     }
 }
 
+/// Every block copy of the step can be made ([`copy_fault`]).
 pub(super) fn block_copies(prospect: &Prospect, step: &v1::Step) -> Result<(), StepError> {
     let requests = &prospect.engine.requests;
     for c in &step.block_copies {

@@ -61,6 +61,11 @@ pub struct ExecutorConfig {
     /// Stable id of this executor in the cluster.
     #[arg(long, env = "FERRY_EXECUTOR_ID", default_value = "executor-0")]
     pub executor_id: String,
+    /// The scheduler pool (shard) that drives this executor: its sessions open only for that
+    /// pool's leader. Without it, the shards that are up share the unlabelled executors
+    /// (`ferry_sched_core::shards`).
+    #[arg(long, env = "FERRY_POOL")]
+    pub pool: Option<String>,
     /// Engine that runs the model.
     #[arg(long, env = "FERRY_BACKEND", value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
@@ -226,6 +231,12 @@ impl ExecutorConfig {
         if self.executor_id.trim().is_empty() {
             return Err(ConfigError::ExecutorId);
         }
+        if let Some(pool) = &self.pool {
+            let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+            if pool.is_empty() || !pool.chars().all(ok) {
+                return Err(ConfigError::Pool(pool.clone()));
+            }
+        }
         if let Some(a) = &self.kv_agent {
             ferry_runtime::address::dial_address("kv-agent", a)
                 .map_err(|_| ConfigError::KvAgent(a.clone()))?;
@@ -318,6 +329,9 @@ pub enum ConfigError {
     /// Empty id.
     #[error("--executor-id must not be empty")]
     ExecutorId,
+    /// A pool name that cannot be an etcd key segment.
+    #[error("--pool {0:?} must be non-empty and made of letters, digits, '-', '_' and '.'")]
+    Pool(String),
     /// No room for a request.
     #[error("--max-live-requests must be at least 1")]
     MaxLiveRequests,

@@ -37,6 +37,7 @@ pub async fn run(
     drain: std::time::Duration,
 ) -> anyhow::Result<()> {
     let id = config.executor_id.clone();
+    let pool = config.pool.clone();
     let token = config.leadership_token.clone();
     let step_bytes = usize::try_from(config.max_step_bytes).unwrap_or(usize::MAX);
     let built = tokio::task::spawn_blocking(move || match model {
@@ -51,7 +52,8 @@ pub async fn run(
         engine: built.engine.clone(),
     });
     let service = service::ExecutorService::new(built.info, built.engine, built.identity)
-        .with_leadership(cluster.clone(), token);
+        .with_leadership(cluster.clone(), token)
+        .in_pool(pool.clone());
     let host = GrpcHost::new()
         .callers(ferry_runtime::tls::EXECUTOR_CALLERS)
         .add_service(
@@ -60,7 +62,7 @@ pub async fn run(
         )
         .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::Executor;
-    let member = (cluster.as_ref(), kind, id.as_str());
+    let member = (cluster.as_ref(), kind, id.as_str(), pool.as_deref());
     ferry_runtime::cluster::serve_registered(host, ports, member, shutdown, drain).await?;
     Ok(())
 }

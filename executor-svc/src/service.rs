@@ -2,8 +2,10 @@
 //! and the step stream that feeds the engine.
 //!
 //! Invariants: at most one session is current; a handshake or reset from an epoch older than
-//! the newest seen is refused; a newer handshake supersedes the current session (its stream
-//! ends with `FAILED_PRECONDITION` at its next step) and starts from an empty request table.
+//! the newest seen in its scheduler pool is refused; a newer handshake supersedes the current
+//! session (its stream ends with `FAILED_PRECONDITION` at its next step) and starts from an
+//! empty request table — one of another pool (a shard the executor was reassigned to) only
+//! once the current session's stream has ended, and none of a pool other than `--pool`.
 //! With etcd, a handshake opens a session only with the leadership token its epoch's elected
 //! scheduler published. A session's stream and resets present its secret, which only the
 //! handshake's answer carries; a session has one stream at a time.
@@ -25,8 +27,11 @@ use crate::engine::simulated_gpu::SimIdentity;
 /// field updates and never across an `.await`.
 #[derive(Debug, Default)]
 struct SessionState {
-    /// Newest epoch any scheduler presented.
-    epoch: u64,
+    /// Newest epoch any scheduler of each pool presented (epochs are per pool: each pool's
+    /// leader is elected on its own).
+    epochs: std::collections::HashMap<String, u64>,
+    /// The pool whose scheduler holds the current session.
+    pool: String,
     /// Current session id; 0 when none.
     session_id: u64,
     /// Who holds the current session.
@@ -39,6 +44,13 @@ struct SessionState {
     streaming: bool,
     /// The newest epoch whose leadership token etcd confirmed, and the token.
     verified: Option<(u64, Vec<u8>)>,
+}
+
+impl SessionState {
+    /// The newest epoch a scheduler of `pool` presented (0: none).
+    fn newest(&self, pool: &str) -> u64 {
+        self.epochs.get(pool).copied().unwrap_or(0)
+    }
 }
 
 /// A session stream's claim on its session; released when the stream ends.
@@ -66,6 +78,8 @@ pub struct ExecutorService {
     identity: Option<Arc<SimIdentity>>,
     /// Whom a handshake must prove to be.
     leadership: Leadership,
+    /// The only pool whose schedulers may open a session (`--pool`); `None`: any.
+    pool: Option<Arc<str>>,
 }
 
 /// What a handshake's leadership token is checked against.
@@ -90,7 +104,14 @@ impl ExecutorService {
     ) -> Self {
         let info = Arc::new(Mutex::new(Arc::new(info)));
         let leadership = Leadership::Open;
-        Self { info, state: Arc::default(), engine, identity, leadership }
+        Self { info, state: Arc::default(), engine, identity, leadership, pool: None }
+    }
+
+    /// Sessions open only for schedulers of `pool` (`--pool`), when given.
+    #[must_use]
+    pub fn in_pool(mut self, pool: Option<String>) -> Self {
+        self.pool = pool.map(Arc::from);
+        self
     }
 
     /// Handshakes checked against `cluster`'s etcd when it has one (a session opens only for
@@ -211,8 +232,9 @@ impl ExecutorService {
 
     /// Checks that `(session_id, epoch)` is `state`'s current session.
     fn check_session(state: &SessionState, session_id: u64, epoch: u64) -> Result<(), Status> {
-        if epoch < state.epoch {
-            return Err(ferry_proto::fencing::stale_epoch(epoch, state.epoch));
+        let newest = state.newest(&state.pool);
+        if epoch < newest {
+            return Err(ferry_proto::fencing::stale_epoch(epoch, newest));
         }
         if session_id == 0 || session_id != state.session_id {
             return Err(Status::failed_precondition(format!(
@@ -273,8 +295,14 @@ impl Executor for ExecutorService {
                 info.model, info.model_fingerprint, req.expected_fingerprint
             )));
         }
+        if let Some(only) = self.pool.as_deref().filter(|p| *p != req.pool) {
+            return Err(Status::failed_precondition(format!(
+                "this executor serves scheduler pool {only:?} only (--pool), not {:?}",
+                req.pool
+            )));
+        }
         // Stale epochs are refused before etcd is asked (and again below, under the lock).
-        let newest = self.state()?.epoch;
+        let newest = self.state()?.newest(&req.pool);
         if req.epoch < newest {
             return Err(ferry_proto::fencing::stale_epoch(req.epoch, newest));
         }
@@ -285,17 +313,26 @@ impl Executor for ExecutorService {
         let secret = ferry_runtime::secret::random();
         let session_id = {
             let mut state = self.state()?;
-            if req.epoch < state.epoch {
-                return Err(ferry_proto::fencing::stale_epoch(req.epoch, state.epoch));
+            let newest = state.newest(&req.pool);
+            if req.epoch < newest {
+                return Err(ferry_proto::fencing::stale_epoch(req.epoch, newest));
             }
-            state.epoch = req.epoch;
+            if state.session_id != 0 && state.pool != req.pool && state.streaming {
+                return Err(Status::unavailable(format!(
+                    "a scheduler of pool {:?} ({}) drives this executor: it lets go when its \
+                     shard no longer owns it; try again",
+                    state.pool, state.scheduler_id
+                )));
+            }
+            state.epochs.insert(req.pool.clone(), req.epoch);
+            state.pool.clone_from(&req.pool);
             self.adopt(&req)?;
             state.last_session_id += 1;
             state.session_id = state.last_session_id;
             state.scheduler_id = req.scheduler_id;
             state.secret.clone_from(&secret);
             state.streaming = false;
-            tracing::info!(session = state.session_id, epoch = state.epoch, scheduler = %state.scheduler_id, "session opened");
+            tracing::info!(session = state.session_id, epoch = req.epoch, pool = %state.pool, scheduler = %state.scheduler_id, "session opened");
             state.session_id
         };
         // A new session starts with no request (the scheduler sends its requests as new ones)
@@ -403,7 +440,7 @@ impl Executor for ExecutorService {
         Ok(Response::new(v1::ExecutorDescription {
             info: Some((*self.info()?).clone()),
             session_id: state.session_id,
-            epoch: state.epoch,
+            epoch: state.newest(&state.pool),
             scheduler_id: state.scheduler_id.clone(),
             num_requests: stats.num_requests,
             steps_executed: stats.steps_executed,

@@ -56,7 +56,7 @@ pub async fn run(
         .add_service(server)
         .with_metrics(metrics);
     let kind = ferry_runtime::cluster::MemberKind::KvAgent;
-    let member = (cluster.as_ref(), kind, id.as_str());
+    let member = (cluster.as_ref(), kind, id.as_str(), None);
     let served =
         ferry_runtime::cluster::serve_registered(host, ports, member, shutdown, drain).await;
     reaper.abort();

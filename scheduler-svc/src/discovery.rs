@@ -8,12 +8,21 @@
 //! by itself), one draining (`NOT_SERVING`, which it reports before withdrawing) or silent is
 //! closed, and its requests move.
 //!
-//! The set of registered executors is the wanted state; a reconcile pass every second (and on
-//! every change) connects any wanted executor that has no live link, so a session that broke
-//! while the executor stays registered is re-opened. While etcd is unreachable the watcher is
-//! silent and the wanted state stays as last seen: serving goes on.
+//! The set of registered executors this scheduler's shard owns is the wanted state; a reconcile
+//! pass every second (and on every change) connects any wanted executor that has no live link,
+//! so a session that broke while the executor stays registered is re-opened. While etcd is
+//! unreachable the watcher is silent and the wanted state stays as last seen: serving goes on.
+//!
+//! Shards: several scheduler pools may share a cluster. The pools that are up are those with a
+//! candidate in their election (`scheduler/<pool>/`, watched too); which executors a pool owns
+//! is [`ferry_sched_core::shards::assign`] of the registered executors (each with its `--pool`
+//! label, if any) over the pools up — the same answer in every leader, with nothing written. An
+//! executor that another shard owns now (one joined, or its label says so) has its session
+//! closed here, its requests moved to this shard's other executors, and the owner's handshake,
+//! refused while this session streamed, then opens. Nothing is connected before the pools up
+//! are known.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,12 +47,12 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 pub async fn run(cluster: ClusterArgs, opener: SessionOpener, set: Arc<ExecutorSet>) {
     let client = cluster.client_patiently().await;
     let events = watch_members(client.clone(), cluster.prefix(MemberKind::Executor));
+    let pools = watch_members(client.clone(), cluster.schedulers_prefix());
     let agents = watch_members(client, cluster.prefix(MemberKind::KvAgent));
+    let own = opener.settings.pool.clone();
+    let wanted = Wanted::new(connector(opener), health_probe(), set.clone()).sharded(own);
     // One task: aborting it (leadership lost) stops both.
-    tokio::join!(
-        reconcile_loop(Wanted::new(connector(opener), health_probe(), set.clone()), events),
-        track_agents(agents, &set)
-    );
+    tokio::join!(reconcile_loop(wanted, events, Some(pools)), track_agents(agents, &set));
 }
 
 /// Keeps `set.agents` equal to the KV agents registered in etcd; an agent whose key goes away
@@ -117,20 +126,28 @@ fn health_probe() -> Probe {
     })
 }
 
-/// Applies membership `events` to `wanted` and reconciles on every change and every second,
-/// until the events end.
+/// Applies membership `events` (and the pools' candidates, `pools`, when sharded) to `wanted`
+/// and reconciles on every change and every second, until the events end.
 async fn reconcile_loop(
     mut wanted: Wanted,
     mut events: tokio::sync::mpsc::Receiver<MembershipEvent>,
+    mut pools: Option<tokio::sync::mpsc::Receiver<MembershipEvent>>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let answered = wanted.answered.clone();
     loop {
+        let pool_event = async {
+            match pools.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             ev = events.recv() => match ev {
                 Some(ev) => wanted.apply(ev),
                 None => return,
             },
+            Some(ev) = pool_event => wanted.apply_pools(ev),
             () = answered.notified() => {}
             _ = tick.tick() => {}
         }
@@ -149,7 +166,7 @@ pub async fn run_static(
     let mut wanted = Wanted::new(connector(opener), health_probe(), set);
     let listed = listed
         .into_iter()
-        .map(|(name, url)| (name, MemberInfo { address: url }.to_value()))
+        .map(|(name, url)| (name, MemberInfo { address: url, pool: None }.to_value()))
         .collect();
     wanted.apply(MembershipEvent::Snapshot(listed));
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -162,6 +179,8 @@ pub async fn run_static(
 /// A registered executor and the task connecting to it, if one runs.
 struct Member {
     address: String,
+    /// Its `--pool` label.
+    pool: Option<String>,
     /// The task opening a session, while one runs; it answers when the executor refused.
     connecting: Option<JoinHandle<Option<tokio::time::Instant>>>,
     /// When the executor last refused a session: not asked again for [`REFUSED_RETRY`].
@@ -180,8 +199,9 @@ enum Unlisted {
 }
 
 impl Member {
-    fn new(address: String) -> Self {
-        Self { address, connecting: None, refused_at: None, unlisted: None }
+    fn new(info: MemberInfo) -> Self {
+        let MemberInfo { address, pool } = info;
+        Self { address, pool, connecting: None, refused_at: None, unlisted: None }
     }
 
     /// Cancels what runs for this member.
@@ -208,6 +228,27 @@ struct Wanted {
     answered: Arc<tokio::sync::Notify>,
     set: Arc<ExecutorSet>,
     members: HashMap<String, Member>,
+    /// With etcd: this scheduler's pool and the pools up; `None` when listed by hand (every
+    /// member is wanted).
+    shards: Option<Shards>,
+}
+
+/// This scheduler's pool among the pools that are up.
+struct Shards {
+    own: String,
+    /// The election candidates' keys (`<pool>/<lease>`); `None` until etcd has listed them.
+    candidates: Option<BTreeSet<String>>,
+}
+
+impl Shards {
+    /// The pools up (this one always: it leads), sorted.
+    fn up(&self) -> Option<Vec<&str>> {
+        let candidates = self.candidates.as_ref()?;
+        let mut pools: BTreeSet<&str> =
+            candidates.iter().filter_map(|k| k.split('/').next()).collect();
+        pools.insert(&self.own);
+        Some(pools.into_iter().collect())
+    }
 }
 
 /// Dropped when discovery stops (this scheduler no longer leads): every connection under way
@@ -223,7 +264,49 @@ impl Drop for Wanted {
 impl Wanted {
     fn new(connect: Connect, probe: Probe, set: Arc<ExecutorSet>) -> Self {
         let answered = Arc::new(tokio::sync::Notify::new());
-        Self { connect, probe, answered, set, members: HashMap::new() }
+        Self { connect, probe, answered, set, members: HashMap::new(), shards: None }
+    }
+
+    /// Owning only what the shards' assignment gives pool `own`.
+    fn sharded(mut self, own: String) -> Self {
+        self.shards = Some(Shards { own, candidates: None });
+        self
+    }
+
+    /// Applies a change in the pools' election candidates.
+    fn apply_pools(&mut self, ev: MembershipEvent) {
+        let Some(shards) = self.shards.as_mut() else { return };
+        let candidates = shards.candidates.get_or_insert_with(BTreeSet::new);
+        match ev {
+            MembershipEvent::Snapshot(list) => {
+                *candidates = list.into_iter().map(|(k, _)| k).collect();
+            }
+            MembershipEvent::Put(k, _) => {
+                candidates.insert(k);
+            }
+            MembershipEvent::Delete(k) => {
+                candidates.remove(&k);
+            }
+        }
+    }
+
+    /// Each member's owning pool, when it is not this scheduler's: `Some(None)` for none
+    /// (its labelled pool is down), `None` for this one's; everything is this one's when
+    /// listed by hand, and nothing (every name → `Some(None)`) before the pools are known.
+    fn elsewhere(&self) -> HashMap<String, Option<String>> {
+        let Some(shards) = &self.shards else { return HashMap::new() };
+        let Some(up) = shards.up() else {
+            return self.members.keys().map(|n| (n.clone(), None)).collect();
+        };
+        let members: Vec<(&str, Option<&str>)> =
+            self.members.iter().map(|(n, m)| (n.as_str(), m.pool.as_deref())).collect();
+        let owners = ferry_sched_core::shards::assign(&members, &up);
+        members
+            .iter()
+            .zip(owners)
+            .filter(|(_, owner)| owner.map(|s| up[s]) != Some(shards.own.as_str()))
+            .map(|((n, _), owner)| (n.to_string(), owner.map(|s| up[s].to_string())))
+            .collect()
     }
 
     fn apply(&mut self, ev: MembershipEvent) {
@@ -255,16 +338,18 @@ impl Wanted {
                 return;
             }
         };
-        if let Some(m) = self.members.get_mut(&name).filter(|m| m.address == info.address) {
+        if let Some(m) =
+            self.members.get_mut(&name).filter(|m| m.address == info.address && m.pool == info.pool)
+        {
             m.listed(); // a re-registration (new lease) of what we already have
             return;
         }
         tracing::info!(executor = %name, address = %info.address, "executor registered");
         if let Some(mut old) = self.members.remove(&name) {
             old.cancel();
-            self.set.remove(&name, "it registered again at a new address");
+            self.set.remove(&name, "it registered again at a new address or in another pool");
         }
-        self.members.insert(name, Member::new(info.address));
+        self.members.insert(name, Member::new(info));
     }
 
     /// Its registration is gone: a member without a live session is dropped now; one with a
@@ -331,10 +416,26 @@ impl Wanted {
     /// way (an executor that refused waits [`REFUSED_RETRY`] before it is asked again).
     fn reconcile(&mut self) {
         self.settle_unlisted();
+        let elsewhere = self.elsewhere();
         let now = tokio::time::Instant::now();
         for (name, m) in &mut self.members {
             if m.unlisted.is_some() {
                 continue; // not registered: never (re)connected
+            }
+            if let Some(owner) = elsewhere.get(name) {
+                // Another shard's now (or nobody's): let go, so that its owner can open.
+                if let Some(task) = m.connecting.take() {
+                    task.abort();
+                }
+                if self.set.contains_alive(name) {
+                    let why = match owner {
+                        Some(pool) => format!("executor assigned to scheduler pool {pool:?}"),
+                        None => "executor's pool (--pool) has no scheduler up".to_string(),
+                    };
+                    tracing::info!(executor = %name, "{why}: its session closes here");
+                    self.set.remove(name, &why);
+                }
+                continue;
             }
             if let Some(task) = m.connecting.take_if(|t| t.is_finished()) {
                 if let Some(Ok(Some(at))) = task.now_or_never() {
@@ -416,7 +517,10 @@ mod tests {
     }
 
     fn member(name: &str) -> (String, String) {
-        (name.to_string(), MemberInfo { address: format!("http://{name}:1") }.to_value())
+        (
+            name.to_string(),
+            MemberInfo { address: format!("http://{name}:1"), pool: None }.to_value(),
+        )
     }
 
     /// Waits (in paused time) until `cond` holds, failing after a minute.
@@ -434,7 +538,8 @@ mod tests {
         let fakes = Arc::new(Fakes { attempts: Mutex::default(), executors: Mutex::default() });
         let (events, rx) = tokio::sync::mpsc::channel(8);
         let none = probe(&Arc::default());
-        tokio::spawn(reconcile_loop(Wanted::new(connector(&set, &fakes), none, set.clone()), rx));
+        let wanted = Wanted::new(connector(&set, &fakes), none, set.clone());
+        tokio::spawn(reconcile_loop(wanted, rx, None));
         let attempts = |name: &str| fakes.attempts.lock().unwrap().get(name).copied().unwrap_or(0);
         let names = || {
             let mut n = set.names();
@@ -492,7 +597,7 @@ mod tests {
         let set = ExecutorSet::new();
         let none = probe(&Arc::default());
         let (events, rx) = tokio::sync::mpsc::channel(8);
-        let discovery = tokio::spawn(reconcile_loop(Wanted::new(connect, none, set), rx));
+        let discovery = tokio::spawn(reconcile_loop(Wanted::new(connect, none, set), rx, None));
         events.send(MembershipEvent::Snapshot(vec![member("slow")])).await.unwrap();
         until("a connection is under way", || *started.lock().unwrap()).await;
         assert!(!*cancelled.lock().unwrap());
@@ -508,7 +613,7 @@ mod tests {
         let serving = Arc::new(Mutex::new(vec!["http://a:1".to_string()]));
         let wanted = Wanted::new(connector(&set, &fakes), probe(&serving), set.clone());
         let (events, rx) = tokio::sync::mpsc::channel(8);
-        tokio::spawn(reconcile_loop(wanted, rx));
+        tokio::spawn(reconcile_loop(wanted, rx, None));
         let attempts = |name: &str| fakes.attempts.lock().unwrap().get(name).copied().unwrap_or(0);
         events.send(MembershipEvent::Snapshot(vec![member("a")])).await.unwrap();
         until("a is connected", || set.names() == ["a"]).await;
@@ -541,5 +646,55 @@ mod tests {
         events.send(MembershipEvent::Delete("a".into())).await.unwrap();
         until("a is gone again", || set.names().is_empty()).await;
         assert!(!a.is_alive(), "the draining executor's session was not closed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shard_drives_only_the_executors_the_assignment_gives_it() {
+        let set = ExecutorSet::new();
+        let fakes = Arc::new(Fakes { attempts: Mutex::default(), executors: Mutex::default() });
+        let none = probe(&Arc::default());
+        let wanted =
+            Wanted::new(connector(&set, &fakes), none, set.clone()).sharded("s0".to_string());
+        let (events, rx) = tokio::sync::mpsc::channel(8);
+        let (pools, pools_rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(reconcile_loop(wanted, rx, Some(pools_rx)));
+        let names = || {
+            let mut n = set.names();
+            n.sort();
+            n
+        };
+        let labelled = |name: &str, pool: &str| {
+            let info = MemberInfo { address: format!("http://{name}:1"), pool: Some(pool.into()) };
+            (name.to_string(), info.to_value())
+        };
+        let execs = ["e0", "e1", "e2", "e3", "e4", "e5"];
+        let mut listed: Vec<(String, String)> = execs.iter().map(|n| member(n)).collect();
+        listed.push(labelled("mine", "s0"));
+        listed.push(labelled("theirs", "s1"));
+        events.send(MembershipEvent::Snapshot(listed)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(names().is_empty(), "connected before the pools up were known: {:?}", names());
+
+        // Alone, the shard drives every unlabelled executor and its own labelled one.
+        pools.send(MembershipEvent::Snapshot(vec![("s0/1".into(), String::new())])).await.unwrap();
+        let everything: Vec<&str> = ["e0", "e1", "e2", "e3", "e4", "e5", "mine"].into();
+        until("s0 drives all but s1's", || names() == everything).await;
+
+        // A second shard comes up: this one lets go of what the assignment now gives it.
+        pools.send(MembershipEvent::Put("s1/2".into(), String::new())).await.unwrap();
+        let up = ["s0", "s1"];
+        let members: Vec<(&str, Option<&str>)> = execs.iter().map(|n| (*n, None)).collect();
+        let owners = ferry_sched_core::shards::assign(&members, &up);
+        let mut kept: Vec<&str> =
+            execs.iter().zip(&owners).filter(|(_, o)| **o == Some(0)).map(|(n, _)| *n).collect();
+        kept.push("mine");
+        assert_eq!(kept.len(), 4, "three of six, and its labelled one");
+        until("s0 keeps its share", || names() == kept).await;
+        let released = fakes.executors.lock().unwrap().len();
+        assert_eq!(released, 7, "each connected once");
+
+        // The second shard goes away: its executors come back.
+        pools.send(MembershipEvent::Delete("s1/2".into())).await.unwrap();
+        until("s0 drives all again", || names() == everything).await;
     }
 }

@@ -88,7 +88,7 @@ pub async fn run(
 ) {
     let etcd = LeaseClient::new(cluster.clone()).await;
     let election = EtcdElection { etcd, keep_alive: None };
-    let name = format!("/ferry/{}/scheduler/{}", cluster.cluster, candidate.pool);
+    let name = cluster.election_name(&candidate.pool);
     let ttl = cluster.ttl();
     let drive = {
         let set = set.clone();

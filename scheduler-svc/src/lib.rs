@@ -163,10 +163,11 @@ pub async fn run(
 }
 
 /// A front in its own process for `model`: the OpenAI HTTP and `Generation` gRPC APIs, sending
-/// every request to the leader scheduler of `pool` (found through etcd) and moving streams to
-/// the next leader when one fails.
+/// every request to the leader scheduler of one of `pools` (every pool up when empty; found
+/// through etcd; [`front::shards`] chooses) and moving streams to the next leader when one
+/// fails.
 pub async fn run_front(
-    (settings, pool, cluster): (FrontSettings, String, ClusterArgs),
+    (settings, pools, cluster): (FrontSettings, Vec<String>, ClusterArgs),
     model: Arc<ModelFile>,
     listeners: Listeners,
     shutdown: ferry_runtime::Shutdown,
@@ -174,8 +175,8 @@ pub async fn run_front(
 ) -> anyhow::Result<()> {
     let max_model_len = model.shape.max_model_len;
     let served = ServedModel { file: model, max_model_len };
-    let leader = front::remote::Leader::follow(cluster, pool);
-    let front = front::GenerationService::new(served, front::Route::Remote(leader), settings);
+    let shards = front::shards::Shards::follow(cluster, pools);
+    let front = front::GenerationService::new(served, front::Route::Remote(shards), settings);
     let metrics = Arc::new(front.metrics_view(None));
     let stop = Stop { signal: shutdown, hand_over: async {}, drain };
     serve_api(front, metrics, None, listeners, stop).await

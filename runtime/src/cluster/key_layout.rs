@@ -1,6 +1,7 @@
 //! Where things live in etcd: every key is under `/ferry/<cluster>/`; a member of a kind under
 //! its kind's prefix (`executors/<id>`, `kv/<node>`), with a JSON [`MemberInfo`] as its value;
-//! the elected scheduler's token under `leadership/<epoch>`.
+//! the elected scheduler's token under `leadership/<epoch>`; a scheduler pool's election (its
+//! candidates' keys) under `scheduler/<pool>/`.
 
 use super::ClusterArgs;
 
@@ -9,6 +10,10 @@ use super::ClusterArgs;
 pub struct MemberInfo {
     /// Where to reach it (`http://host:port`).
     pub address: String,
+    /// The scheduler pool (shard) it belongs to (`ferry-executor --pool`); none: any, as the
+    /// shards' assignment decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
 }
 
 impl MemberInfo {
@@ -45,6 +50,17 @@ impl ClusterArgs {
     /// The key prefix of a kind, ending in `/`.
     pub fn prefix(&self, kind: MemberKind) -> String {
         format!("/ferry/{}/{}/", self.cluster, kind.segment())
+    }
+
+    /// The prefix of every scheduler pool's election, ending in `/`: a candidate's key is
+    /// `<prefix><pool>/<lease>`, so the pools that are up are the first segments below it.
+    pub fn schedulers_prefix(&self) -> String {
+        format!("/ferry/{}/scheduler/", self.cluster)
+    }
+
+    /// The election of scheduler pool `pool` (its leader's key is below it).
+    pub fn election_name(&self, pool: &str) -> String {
+        format!("{}{pool}", self.schedulers_prefix())
     }
 
     /// Where the scheduler elected at `epoch` publishes its leadership token (under its

@@ -36,22 +36,22 @@ pub enum RegisteredServeError {
     Etcd(#[from] etcd_client::Error),
 }
 
-/// Serves `host` on `ports` until `shutdown`, registered in etcd as `kind`/`id` while it
-/// serves when `cluster` configures etcd. On shutdown it drains ([`crate::shutdown`]): health
+/// Serves `host` on `ports` until `shutdown`, registered in etcd as `kind`/`id` (in scheduler
+/// pool `pool`, if given) while it serves when `cluster` configures etcd. On shutdown it drains ([`crate::shutdown`]): health
 /// says `NOT_SERVING`, the registration is withdrawn (others stop sending work here and move
 /// what they had), then the host stops and waits for its calls in flight — all within
 /// `drain`.
 pub async fn serve_registered(
     host: crate::GrpcHost,
     ports: impl Into<crate::grpc::Ports>,
-    (cluster, kind, id): (Option<&ClusterArgs>, MemberKind, &str),
+    (cluster, kind, id, pool): (Option<&ClusterArgs>, MemberKind, &str, Option<&str>),
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain: Duration,
 ) -> Result<(), RegisteredServeError> {
     let ports = ports.into();
     let bound = ports.grpc.local_addr().map_err(crate::HostError::Io)?;
     let registration = match cluster {
-        Some(c) => c.register(kind, id, bound).await?,
+        Some(c) => c.register(kind, (id, pool), bound).await?,
         None => None,
     };
     let host = match &registration {

@@ -15,11 +15,11 @@ use crate::backoff::Backoff;
 
 impl ClusterArgs {
     /// Registers `id` of `kind` at this service's advertised address (for a service bound to
-    /// `bound`); `None` without etcd.
+    /// `bound`), in scheduler pool `pool` if given; `None` without etcd.
     pub async fn register(
         &self,
         kind: MemberKind,
-        id: &str,
+        (id, pool): (&str, Option<&str>),
         bound: std::net::SocketAddr,
     ) -> Result<Option<Registration>, etcd_client::Error> {
         if !self.enabled() {
@@ -27,7 +27,8 @@ impl ClusterArgs {
         }
         self.client().await?; // the flags make a client (certificates read, endpoints parsed)
         let key = format!("{}{id}", self.prefix(kind));
-        let value = MemberInfo { address: self.advertised(bound) }.to_value();
+        let value = MemberInfo { address: self.advertised(bound), pool: pool.map(str::to_string) };
+        let value = value.to_value();
         Ok(Some(Registration::spawn(self.clone(), key, value)))
     }
 }

@@ -61,6 +61,7 @@ pub mod routing;
 mod scheduler;
 #[forbid(unsafe_code)]
 mod scheduler_config;
+pub mod shards;
 #[forbid(unsafe_code)]
 mod slots;
 #[forbid(unsafe_code)]

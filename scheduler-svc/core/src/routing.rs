@@ -28,6 +28,15 @@ pub fn pick(candidates: impl IntoIterator<Item = Candidate>) -> Option<usize> {
         .map(|(k, _)| k)
 }
 
+/// The candidate [`pick`] picks, itself: what a group of executors (a scheduler shard) answers
+/// for the group, so that a front choosing among groups by [`pick`] makes the choice [`pick`]
+/// would make among all their executors (the order is lexicographic: the best of the bests is
+/// the best; among equals, the first group's first).
+pub fn best(candidates: impl IntoIterator<Item = Candidate>) -> Option<Candidate> {
+    let candidates: Vec<Candidate> = candidates.into_iter().collect();
+    pick(candidates.iter().copied()).map(|k| candidates[k])
+}
+
 /// How many of a `prompt_len`-token prompt's tokens an import covers on an executor with
 /// `block_size`-token blocks: its whole blocks, short of the last token (the decode executor
 /// computes at least that one, with the first output token, to go on sampling). 0: none.
@@ -73,6 +82,25 @@ mod tests {
         assert_eq!(pick([c(0, 5), c(32, 9), c(16, 0)]), Some(1));
         assert_eq!(pick([c(16, 5), c(16, 2), c(16, 2)]), Some(1));
         assert_eq!(pick([c(0, 0), c(0, 0)]), Some(0));
+    }
+
+    proptest::proptest! {
+        /// Choosing a shard by its best executor, then the executor within it, is choosing
+        /// among all executors at once.
+        #[test]
+        fn the_best_of_each_group_then_the_best_group_is_the_best_of_all(
+            groups in proptest::collection::vec(
+                proptest::collection::vec((0usize..4, 0usize..4), 1..5), 1..5)
+        ) {
+            let cand = |&(p, l): &(usize, usize)| c(p * 16, l);
+            let all: Vec<Candidate> = groups.iter().flatten().map(cand).collect();
+            let bests: Vec<Candidate> =
+                groups.iter().map(|g| best(g.iter().map(cand)).unwrap()).collect();
+            let g = pick(bests.iter().copied()).unwrap();
+            let within = pick(groups[g].iter().map(cand)).unwrap();
+            let flat = groups[..g].iter().map(Vec::len).sum::<usize>() + within;
+            proptest::prop_assert_eq!(Some(flat), pick(all));
+        }
     }
 
     #[test]

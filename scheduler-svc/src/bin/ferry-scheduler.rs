@@ -53,16 +53,19 @@ struct Common {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// A front alone: the OpenAI and gRPC APIs, sending requests to the pool's leader
-    /// scheduler found through etcd, and moving streams to the next leader when one fails.
+    /// A front alone: the OpenAI and gRPC APIs, sending requests to the leader scheduler of a
+    /// pool found through etcd (with several pools, the shard whose executors cache the
+    /// longest prefix, then the least loaded), and moving streams to the next leader when one
+    /// fails.
     Front {
         #[command(flatten)]
         common: Common,
         #[command(flatten)]
         front: FrontArgs,
-        /// The pool whose leader serves this front's requests.
-        #[arg(long, env = "FERRY_POOL", default_value = "default")]
-        pool: String,
+        /// The scheduler pools (shards) whose leaders serve this front's requests, comma
+        /// separated; default: every pool up in the cluster, as they come and go.
+        #[arg(long, env = "FERRY_FRONT_POOLS", value_delimiter = ',')]
+        pool: Vec<String>,
         #[command(flatten)]
         cluster: ClusterArgs,
     },
@@ -136,7 +139,9 @@ async fn main() -> anyhow::Result<()> {
         }
         Some(Command::Front { common, front, pool, cluster }) => {
             let settings = front.resolve()?;
-            ferry_scheduler_svc::config::check_pool(&pool)?;
+            for p in &pool {
+                ferry_scheduler_svc::config::check_pool(p)?;
+            }
             cluster.validate()?;
             anyhow::ensure!(
                 cluster.enabled(),

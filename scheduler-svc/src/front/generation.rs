@@ -199,6 +199,14 @@ impl Generation for GenerationService {
         Ok(Response::new(v1::AbortResponse { found: !placements.is_empty() }))
     }
 
+    async fn locate(
+        &self,
+        request: Request<v1::LocateRequest>,
+    ) -> Result<Response<v1::LocateResponse>, Status> {
+        self.front.caller(request.metadata())?;
+        self.front.locate(&request.into_inner()).await.map(Response::new)
+    }
+
     async fn list_models(
         &self,
         request: Request<v1::ListModelsRequest>,

@@ -22,6 +22,7 @@ pub mod prepare;
 pub mod remote;
 pub(crate) mod router;
 mod settings;
+pub mod shards;
 pub mod stream;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -44,8 +45,8 @@ pub use settings::FrontSettings;
 pub enum Route {
     /// Executors this process drives (the scheduler role, and `serve`).
     Local(Arc<ExecutorSet>),
-    /// The pool's leader scheduler, followed through etcd (a front in its own process).
-    Remote(Arc<remote::Leader>),
+    /// The scheduler shards' leaders, followed through etcd (a front in its own process).
+    Remote(Arc<shards::Shards>),
 }
 
 /// Shared front state.
@@ -155,7 +156,7 @@ impl GenerationService {
     pub fn has_executors(&self) -> bool {
         match &self.front.route {
             Route::Local(set) => !set.alive().is_empty(),
-            Route::Remote(leader) => leader.current().is_some(),
+            Route::Remote(shards) => shards.any_led(),
         }
     }
 }

@@ -6,12 +6,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_proto::v1;
 use ferry_runtime::Backoff;
 use ferry_sched_core::{Fork, RequestId, TransferId};
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use super::{remote, router};
+use super::{remote, router, shards};
 use super::{Front, Route};
 use crate::link::{AddRefused, LinkError, LinkEvent, LinkHandle, Submission, TransferPlan};
 use crate::request::RequestSpec;
@@ -103,9 +104,9 @@ impl Front {
     ) -> Result<Placed, PlaceError> {
         let executors = match &self.route {
             Route::Local(set) => set,
-            Route::Remote(leader) => {
+            Route::Remote(shards) => {
                 let fingerprint = &self.model.file.fingerprint;
-                return place_remote(leader, spec, delivered, fingerprint, patience).await;
+                return place_remote(shards, spec, delivered, fingerprint, patience).await;
             }
         };
         let deadline = tokio::time::Instant::now() + patience;
@@ -134,6 +135,44 @@ impl Front {
                 placed => return placed,
             }
         }
+    }
+
+    /// Where a prompt would run on this process's executors (`Generation/Locate`): the
+    /// router's pick among those with room, its cached prefix and load. A front in its own
+    /// process runs nothing and says so.
+    pub(crate) async fn locate(
+        &self,
+        ask: &v1::LocateRequest,
+    ) -> Result<v1::LocateResponse, Status> {
+        let Route::Local(set) = &self.route else {
+            return Err(Status::unimplemented(
+                "a front in its own process locates nothing: ask a scheduler that leads a pool",
+            ));
+        };
+        let fingerprint = &self.model.file.fingerprint;
+        if !ask.model_fingerprint.is_empty() && ask.model_fingerprint != *fingerprint {
+            return Err(Status::failed_precondition(format!(
+                "the prompt was tokenized for the model with fingerprint {}, but this scheduler \
+                 serves fingerprint {fingerprint}",
+                ask.model_fingerprint
+            )));
+        }
+        let limit = self.model.max_model_len;
+        if ask.token_ids.len() > limit {
+            return Err(Status::invalid_argument(format!(
+                "{} token ids to locate: past the model's length of {limit}",
+                ask.token_ids.len()
+            )));
+        }
+        let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(LinkHandle::has_room).collect();
+        let (executors, best) = router::locate(&roomy, &ask.token_ids).await;
+        let best =
+            best.unwrap_or(ferry_sched_core::routing::Candidate { prefix_hit_tokens: 0, load: 0 });
+        Ok(v1::LocateResponse {
+            executors: u32::try_from(executors).unwrap_or(u32::MAX),
+            prefix_hit_tokens: u32::try_from(best.prefix_hit_tokens).unwrap_or(u32::MAX),
+            load: u32::try_from(best.load).unwrap_or(u32::MAX),
+        })
     }
 
     /// A KV-tier read for `spec` on `link`: when a KV agent's store (any node's, by the tier's
@@ -261,10 +300,10 @@ impl Front {
 }
 
 /// Sends `spec` (with `delivered` tokens, tokenized for the model with `fingerprint`) to the
-/// leader scheduler, retrying (no leader, leader unreachable or without executors) until
-/// `patience` runs out.
+/// leader scheduler of the shard [`shards::Shards::choose`] picks, retrying (no leader, leader
+/// unreachable or without executors) until `patience` runs out.
 async fn place_remote(
-    leader: &remote::Leader,
+    shards: &shards::Shards,
     spec: &RequestSpec,
     delivered: &[u32],
     fingerprint: &str,
@@ -272,10 +311,20 @@ async fn place_remote(
 ) -> Result<Placed, PlaceError> {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(500))
         .with_patience(Some(patience));
+    let mut sequence = spec.prompt.to_vec();
+    sequence.extend_from_slice(delivered);
     loop {
-        match remote::submit(leader, spec.to_remote(delivered, fingerprint), &spec.traceparent)
-            .await
-        {
+        let Some(placing) = shards.choose(&sequence, fingerprint).await else {
+            if !backoff.wait().await {
+                let none = Status::unavailable("no scheduler leads any pool");
+                return Err(PlaceError::Remote(none));
+            }
+            continue;
+        };
+        let request = spec.to_remote(delivered, fingerprint);
+        let submitted = remote::submit(placing.leader(), request, &spec.traceparent).await;
+        drop(placing);
+        match submitted {
             Ok((call, rx)) => return Ok((Placement::Remote(call), rx)),
             Err(remote::SubmitError::Refused(status)) => return Err(PlaceError::Remote(status)),
             Err(remote::SubmitError::Retry(status)) => {

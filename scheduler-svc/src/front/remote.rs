@@ -1,6 +1,6 @@
-//! A front in its own process (`ferry-scheduler front`): it sends each request to the pool's
-//! leader scheduler, found through etcd's election, and turns the leader's token stream into
-//! the same events an in-process executor link gives.
+//! A front in its own process (`ferry-scheduler front`): it sends each request to a pool's
+//! leader scheduler (the shard [`super::shards`] chooses), found through etcd's election, and
+//! turns the leader's token stream into the same events an in-process executor link gives.
 //!
 //! Why this is what makes a scheduler failure invisible: the front journals each stream (the
 //! prompt and every token delivered), so when the leader dies, the stream breaks here, and the
@@ -42,7 +42,7 @@ impl Leader {
     }
 
     /// A channel to the leader at `address` (one, shared, per leader).
-    fn channel(&self, address: &str) -> Result<Channel, tonic::Status> {
+    pub(crate) fn channel(&self, address: &str) -> Result<Channel, tonic::Status> {
         let mut cached = self.channel.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((a, ch)) = cached.as_ref() {
             if a == address {
@@ -61,7 +61,7 @@ impl Leader {
 }
 
 async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Option<String>>) {
-    let name = format!("/ferry/{}/scheduler/{pool}", cluster.cluster);
+    let name = cluster.election_name(&pool);
     let mut client = cluster.client_patiently().await;
     // Candidates' keys live under `<name>/`; any change there may change the leader.
     let mut changes = ferry_runtime::cluster::watch_members(client.clone(), format!("{name}/"));
@@ -72,7 +72,7 @@ async fn follow_loop(cluster: ClusterArgs, pool: String, tx: watch::Sender<Optio
                 tx.send_if_modified(|cur| {
                     let changed = *cur != addr;
                     if changed {
-                        tracing::info!(leader = ?addr, "pool leader");
+                        tracing::info!(%pool, leader = ?addr, "pool leader");
                         cur.clone_from(&addr);
                     }
                     changed

@@ -26,14 +26,29 @@ pub(crate) async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHan
     if alive.len() <= 1 {
         return alive.first().cloned();
     }
+    routing::pick(weigh(alive, tokens).await).map(|k| alive[k].clone())
+}
+
+/// What [`pick`] weighs, and the candidate it picks: the number of executors it chooses among
+/// and the chosen one's prefix hit and load (`None` when there is none). A front over several
+/// shards asks each shard this (`Generation/Locate`) and picks among the answers, which is
+/// [`pick`] over all their executors ([`routing::best`]).
+pub(crate) async fn locate(alive: &[LinkHandle], tokens: &[u32]) -> (usize, Option<Candidate>) {
+    let decoders: Vec<LinkHandle> = alive.iter().filter(|l| !prefill_only(l)).cloned().collect();
+    let alive = if decoders.is_empty() { alive } else { &decoders };
+    (alive.len(), routing::best(weigh(alive, tokens).await))
+}
+
+/// Each link's prefix hit for `tokens` and its load.
+async fn weigh(alive: &[LinkHandle], tokens: &[u32]) -> Vec<Candidate> {
     let tokens: Arc<[u32]> = tokens.into();
     let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
     let hits = futures_util::future::join_all(asks).await;
-    let candidates = alive
+    alive
         .iter()
         .zip(hits)
-        .map(|(l, hit)| Candidate { prefix_hit_tokens: hit, load: l.load.load(Ordering::Relaxed) });
-    routing::pick(candidates).map(|k| alive[k].clone())
+        .map(|(l, hit)| Candidate { prefix_hit_tokens: hit, load: l.load.load(Ordering::Relaxed) })
+        .collect()
 }
 
 /// Whether `link`'s executor only prefills (it never gets a request to decode).

@@ -160,6 +160,7 @@ impl SessionOpener {
                 vocab_size: self.vocab.0,
                 eos_token_ids: self.vocab.1.to_vec(),
                 leadership_token: self.token.to_vec(),
+                pool: self.settings.pool.clone(),
             })
             .await
             .map_err(|s| {

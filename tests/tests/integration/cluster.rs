@@ -68,7 +68,7 @@ fn start_scheduler_with_ttl(etcd: &Etcd, id: &str, ttl: &str) -> Service {
 }
 
 /// [`start_scheduler_with_ttl`] with `extra` flags.
-fn start_scheduler_with(etcd: &Etcd, id: &str, ttl: &str, extra: &[&str]) -> Service {
+pub(crate) fn start_scheduler_with(etcd: &Etcd, id: &str, ttl: &str, extra: &[&str]) -> Service {
     let endpoints = etcd.endpoints();
     let mut args = vec![
         "--scheduler-id",

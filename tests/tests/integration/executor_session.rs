@@ -357,3 +357,70 @@ async fn a_refused_request_fails_alone_and_the_session_runs_on_exactly() {
     assert!(model.tokenizer.decode(&tokens).starts_with(" Paris"));
     drop(svc);
 }
+
+/// Scheduler shards: epochs are fenced per pool (each pool elects its leader on its own), an
+/// executor whose session of one pool still streams tells another pool's scheduler to come
+/// back (`UNAVAILABLE`) and takes it once that stream ends, and an executor labelled with a
+/// pool (`--pool`) opens sessions for that pool only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_fenced_per_pool_and_a_labelled_executor_serves_its_pool_only() {
+    let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "64"];
+    let svc = Service::start("ferry-executor", &args, 1).unwrap();
+    let mut client = ExecutorClient::connect(format!("http://{}", svc.addr("grpc"))).await.unwrap();
+    let hello = |pool: &str, epoch| v1::HandshakeRequest {
+        scheduler_id: format!("sched-{pool}"),
+        epoch,
+        pool: pool.into(),
+        ..Default::default()
+    };
+    let a = client.handshake(hello("a", 10)).await.unwrap().into_inner();
+    let (tx, rx) = mpsc::channel(4);
+    let stream = with_secret(ReceiverStream::new(rx), &a.session_secret);
+    let mut results = client.session(stream).await.unwrap().into_inner();
+    let step = v1::Step { session_id: a.session_id, epoch: 10, step_id: 1, ..Default::default() };
+    tx.send(step).await.unwrap();
+    results.message().await.unwrap().expect("pool a's first step ran");
+
+    // Pool b (an older epoch: another pool's count) waits while a's stream lives.
+    let busy = client.handshake(hello("b", 5)).await.unwrap_err();
+    assert_eq!(busy.code(), tonic::Code::Unavailable, "{busy}");
+    assert!(busy.message().contains("\"a\""), "names the pool holding it: {busy}");
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!((described.session_id, described.epoch), (a.session_id, 10), "a's session runs on");
+
+    // Pool a lets go (its shard no longer owns the executor): b's handshake opens.
+    drop((tx, results));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let b = loop {
+        match client.handshake(hello("b", 5)).await {
+            Ok(hs) => break hs.into_inner(),
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                assert!(tokio::time::Instant::now() < deadline, "b never got the executor: {s}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(s) => panic!("pool b refused: {s}"),
+        }
+    };
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!((described.session_id, described.epoch), (b.session_id, 5));
+
+    // Pool a's fence still stands: its older epoch is refused, naming the newest.
+    let stale = client.handshake(hello("a", 9)).await.unwrap_err();
+    assert_eq!(stale.code(), tonic::Code::FailedPrecondition, "{stale}");
+    assert_eq!(ferry_proto::fencing::newest_epoch(&stale), Some(10));
+    let again = client.handshake(hello("a", 10)).await.unwrap().into_inner();
+    assert!(again.session_id > b.session_id);
+    drop(svc);
+
+    // Labelled: pool a only.
+    let labelled =
+        Service::start("ferry-executor", &[&args[..], &["--pool", "a"]].concat(), 1).unwrap();
+    let mut client =
+        ExecutorClient::connect(format!("http://{}", labelled.addr("grpc"))).await.unwrap();
+    let other = client.handshake(hello("b", 1)).await.unwrap_err();
+    assert_eq!(other.code(), tonic::Code::FailedPrecondition, "{other}");
+    assert!(other.message().contains("--pool"), "{other}");
+    let described = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(described.session_id, 0, "the refusal opened nothing");
+    client.handshake(hello("a", 1)).await.expect("its own pool's scheduler opens");
+}

@@ -24,6 +24,7 @@ mod model_formats;
 mod observability;
 mod parallel_sampling;
 mod serve_generation;
+mod shards;
 mod sim_cluster;
 mod speculative;
 mod structure;

@@ -333,6 +333,26 @@ class Checker:
                                   f"--shm-dir {ashm} are not one shared volume")
                     self.count("executors wired to their own agent")
 
+    def check_shards(self):
+        """The fronts follow exactly the scheduler pools the release runs."""
+        fronts, pools = set(), set()
+        for p in self.m.pods:
+            for c in p.containers:
+                if not self.is_ferry(c):
+                    continue
+                argv = p.argv(c)
+                if argv[:2] == ["ferry-scheduler", "front"]:
+                    fronts.add(self.flag(argv, "pool"))
+                elif argv[0] == "ferry-scheduler":
+                    pools.add(self.flag(argv, "pool"))
+        for f in fronts:
+            followed = set((f or "").split(","))
+            if followed != pools:
+                self.fail(f"a front follows pools {sorted(followed)}, the schedulers lead "
+                          f"{sorted(pools)}")
+            else:
+                self.count("fronts following every scheduler pool")
+
     ROLES = {"ferry-executor": "ferry-executor", "ferry-kv": "ferry-kv",
              "ferry-scheduler": "ferry-scheduler"}
 
@@ -409,6 +429,7 @@ class Checker:
         self.check_probes()
         self.check_etcd()
         self.check_ferry_wiring()
+        self.check_shards()
         self.check_tls()
         self.check_targets()
         return self.failures

@@ -47,7 +47,15 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Object names of the parts. */}}
 {{- define "ferry.front.name" -}}{{ include "ferry.fullname" . }}-front{{- end -}}
-{{- define "ferry.scheduler.name" -}}{{ include "ferry.fullname" . }}-scheduler-{{ .Values.scheduler.pool }}{{- end -}}
+{{- /* The pools of the scheduler shards, comma separated (what a front follows). */ -}}
+{{- define "ferry.scheduler.pools" -}}
+{{- $s := .Values.scheduler -}}
+{{- if eq (int $s.shards) 1 -}}{{ $s.pool }}{{- else -}}
+{{- $pools := list -}}
+{{- range $i := until (int $s.shards) -}}{{- $pools = append $pools (printf "%s-%d" $s.pool $i) -}}{{- end -}}
+{{- join "," $pools -}}
+{{- end -}}
+{{- end -}}
 {{- define "ferry.etcd.name" -}}{{ include "ferry.fullname" . }}-etcd{{- end -}}
 {{- define "ferry.jaeger.name" -}}{{ include "ferry.fullname" . }}-jaeger{{- end -}}
 

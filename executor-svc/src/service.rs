@@ -53,6 +53,9 @@ impl SessionState {
     }
 }
 
+/// The pool of a handshake that names none (the schedulers' default `--pool`).
+const DEFAULT_POOL: &str = "default";
+
 /// A session stream's claim on its session; released when the stream ends.
 struct StreamClaim {
     state: Arc<Mutex<SessionState>>,
@@ -277,7 +280,10 @@ impl Executor for ExecutorService {
         &self,
         request: Request<v1::HandshakeRequest>,
     ) -> Result<Response<v1::HandshakeResponse>, Status> {
-        let req = request.into_inner();
+        let mut req = request.into_inner();
+        if req.pool.is_empty() {
+            req.pool = DEFAULT_POOL.to_string();
+        }
         let info = self.info()?;
         if !req.expected_model.is_empty() && req.expected_model != info.model {
             return Err(Status::failed_precondition(format!(

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use ferry_roofline::{activation_bytes, kv_capacity_blocks, Profiles};
 use ferry_sched_flags::{Geometry, SchedulingArgs};
-use ferry_sim::des::{self, ClusterSpec, KvTier, Report, Router, Slo};
+use ferry_sim::des::{self, ClusterSpec, ControlPlane, KvTier, Report, Router, Slo};
 use ferry_sim::workload::{Arrivals, Conversations, Generated, Lengths, PrefixGroups, Source};
 
 /// Simulate N GPUs serving a workload with Ferry's scheduler and router, in virtual time.
@@ -84,6 +84,18 @@ struct Args {
     /// How new requests are placed.
     #[arg(long, value_enum, default_value_t = Router::KvAware)]
     router: Router,
+    /// Scheduler shards sharing the executors (Ferry's assignment); a request goes to the
+    /// shard whose best executor the router would pick, then to that executor.
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
+    /// Each shard scheduler's CPU per streamed token, microseconds (`ferry-bench
+    /// control-plane` measures it; 0: the control plane costs nothing). A shard streams its
+    /// executors' step results one after another.
+    #[arg(long, default_value_t = 0.0)]
+    scheduler_cpu_token_us: f64,
+    /// Each shard scheduler's CPU per request, microseconds.
+    #[arg(long, default_value_t = 0.0)]
+    scheduler_cpu_request_us: f64,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -187,6 +199,12 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
         "--speculative-config: ferry-sim's executors sample one token per step; speculative \
          decoding is not simulated"
     );
+    for (flag, us) in [
+        ("--scheduler-cpu-token-us", args.scheduler_cpu_token_us),
+        ("--scheduler-cpu-request-us", args.scheduler_cpu_request_us),
+    ] {
+        anyhow::ensure!(us.is_finite() && us >= 0.0, "{flag} {us} must be microseconds >= 0");
+    }
     let policy = args.scheduling.policy()?;
     let (bs, seqs, tokens) =
         (args.block_size, policy.max_num_seqs(), policy.core().max_num_batched_tokens);
@@ -226,6 +244,12 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
             min_tokens: args.kv_tier_min_tokens,
             host_gbps: args.host_gbps,
         }),
+        shards: args.shards,
+        control_plane: (args.scheduler_cpu_token_us > 0.0 || args.scheduler_cpu_request_us > 0.0)
+            .then_some(ControlPlane {
+                token_secs: args.scheduler_cpu_token_us / 1e6,
+                request_secs: args.scheduler_cpu_request_us / 1e6,
+            }),
     };
     Ok((spec, tp))
 }
@@ -273,6 +297,13 @@ fn print_table(args: &Args, tp: u32, r: &Report) {
         r.blocks_per_executor,
         r.router
     );
+    if r.shards > 1 || r.scheduler_cpu_busy > 0.0 {
+        println!(
+            "{} scheduler shards; the busiest shard's CPU busy {:.0} % of the run",
+            r.shards,
+            r.scheduler_cpu_busy * 100.0
+        );
+    }
     println!(
         "{} requests: {} finished, {} refused; {:.1} s simulated in {:.1} s ({:.0}x)",
         r.requests, r.finished, r.rejected, r.makespan, r.wall_seconds, r.speedup

@@ -54,6 +54,25 @@ pub struct ClusterSpec {
     /// The KV tier, if any: each executor's node agent keeps the blocks its finished requests
     /// computed, and a new request reads its prefix from any agent instead of computing it.
     pub kv_tier: Option<KvTier>,
+    /// Scheduler shards (pools): the executors are shared among them by Ferry's assignment
+    /// ([`ferry_sched_core::shards::assign`]) and a request goes to the shard whose best
+    /// executor the router would pick, then to that executor (the fronts' cross-shard
+    /// router). 1: one scheduler drives every executor.
+    pub shards: usize,
+    /// What each shard's scheduler process spends per streamed token and per request; `None`:
+    /// nothing (the control plane is never the bottleneck).
+    pub control_plane: Option<ControlPlane>,
+}
+
+/// A scheduler process's CPU cost, as `ferry-bench control-plane` measures it: a shard's
+/// scheduler handles its executors' step results one after another, so a step's tokens reach
+/// their clients (and its executor steps again) only once the shard's CPU has streamed them.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ControlPlane {
+    /// CPU seconds per streamed token.
+    pub token_secs: f64,
+    /// CPU seconds per request (tokenizing, placing, its first and last events).
+    pub request_secs: f64,
 }
 
 /// The KV tier as the simulation models it (Ferry's `--kv-tier-*`).

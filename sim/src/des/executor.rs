@@ -112,7 +112,23 @@ impl Sim<'_> {
         Ok(())
     }
 
+    /// Executor `e`'s step ended: with a control-plane cost, its shard's scheduler streams the
+    /// result when its CPU is free ([`Self::streamed`] then); at once otherwise.
     pub(super) fn step_done(&mut self, e: usize) -> Result<(), String> {
+        if let Some(cp) = self.spec.control_plane {
+            let tokens = self.execs[e].outcome.sampled.len();
+            let done = self.charge(e, cp.token_secs * tokens as f64);
+            if done > self.now {
+                self.post(done, Event::Streamed(e));
+                return Ok(());
+            }
+        }
+        self.streamed(e)
+    }
+
+    /// Executor `e`'s step result, streamed: applied, its tokens delivered now, and the
+    /// executor steps again.
+    pub(super) fn streamed(&mut self, e: usize) -> Result<(), String> {
         let now = Timestamp(self.now);
         self.due_kv_results(e);
         let x = &mut self.execs[e];

@@ -50,7 +50,7 @@ use crate::workload::{SimRequest, Source};
 use agent_store::AgentStore;
 use transfers::Transfer;
 
-pub use cluster_spec::{ClusterSpec, KvTier, Router, Slo};
+pub use cluster_spec::{ClusterSpec, ControlPlane, KvTier, Router, Slo};
 pub use report::{Detail, Latency, Report, Timeline};
 
 /// Progress, for a progress bar.
@@ -108,6 +108,9 @@ enum Event {
     /// A conversation's next turn (the key of [`Sim::turns`]).
     NextTurn(u64),
     StepDone(usize),
+    /// The shard's scheduler has streamed executor `e`'s step result (with a control-plane
+    /// cost): its tokens reach their clients and the executor steps again.
+    Streamed(usize),
     /// A transfer's bytes have arrived.
     TransferDone(u64),
 }
@@ -162,6 +165,11 @@ struct Sim<'a> {
     tier_read_tokens: u64,
     tier_read_failures: u64,
     tier_writes: u64,
+    /// Each executor's shard.
+    shard_of: Vec<usize>,
+    /// When each shard's scheduler CPU is next free (ns), and how long it was busy (s).
+    cpu_free: Vec<u64>,
+    cpu_busy: Vec<f64>,
 }
 
 /// Ids of conversations' later turns start here (above the workload's, below continuations').
@@ -171,6 +179,18 @@ const TURN_IDS: u64 = 1 << 40;
 /// workload's.
 const CONTINUATION_IDS: u64 = 1 << 48;
 
+/// Each executor's shard: Ferry's assignment of executors `exec-<i>` over pools `shard-<j>`.
+fn shard_of(spec: &ClusterSpec) -> Vec<usize> {
+    let names: Vec<String> = (0..spec.executors).map(|i| format!("exec-{i}")).collect();
+    let pools: Vec<String> = (0..spec.shards).map(|j| format!("shard-{j}")).collect();
+    let executors: Vec<(&str, Option<&str>)> = names.iter().map(|n| (n.as_str(), None)).collect();
+    let pools: Vec<&str> = pools.iter().map(String::as_str).collect();
+    ferry_sched_core::shards::assign(&executors, &pools)
+        .into_iter()
+        .map(|s| s.unwrap_or(0))
+        .collect()
+}
+
 /// Runs `spec` over the requests of `source`; `progress` is called now and then.
 pub fn run(
     spec: &ClusterSpec,
@@ -179,6 +199,12 @@ pub fn run(
 ) -> Result<Report, String> {
     if spec.executors == 0 {
         return Err("a cluster needs at least one executor".into());
+    }
+    if spec.shards == 0 || spec.shards > spec.executors {
+        return Err(format!("{} shards of {} executors", spec.shards, spec.executors));
+    }
+    if spec.shards > 1 && spec.prefill_executors > 0 {
+        return Err("shards with prefill executors are not simulated".into());
     }
     if spec.prefill_executors >= spec.executors {
         return Err(format!(
@@ -208,6 +234,7 @@ pub fn run(
                 }
             }
             Event::StepDone(e) => sim.step_done(e)?,
+            Event::Streamed(e) => sim.streamed(e)?,
             Event::TransferDone(tid) => sim.transfer_done(tid)?,
             Event::NextTurn(key) => {
                 let request = sim.turns.remove(&key).expect("a turn is posted with its request");
@@ -285,6 +312,9 @@ impl<'a> Sim<'a> {
             tier_read_tokens: 0,
             tier_read_failures: 0,
             tier_writes: 0,
+            shard_of: shard_of(spec),
+            cpu_free: vec![0; spec.shards],
+            cpu_busy: vec![0.0; spec.shards],
         })
     }
 
@@ -304,6 +334,16 @@ impl<'a> Sim<'a> {
             self.tracks.len(),
             held.unwrap_or_else(|| "is on no executor".into())
         )
+    }
+
+    /// Charges `secs` of CPU to the scheduler of executor `e`'s shard, after what it has to do
+    /// already; when it will be done (ns).
+    fn charge(&mut self, e: usize, secs: f64) -> u64 {
+        let s = self.shard_of[e];
+        let done = self.cpu_free[s].max(self.now) + ns(secs);
+        self.cpu_free[s] = done;
+        self.cpu_busy[s] += secs;
+        done
     }
 
     fn post(&mut self, at: u64, event: Event) {

@@ -60,6 +60,8 @@ impl Sim<'_> {
         };
         let decode = match spec.router {
             Router::RoundRobin => decoders.start + rr % decoders.len(),
+            Router::LeastLoad if spec.shards > 1 => self.pick_across_shards(false),
+            Router::KvAware if spec.shards > 1 => self.pick_across_shards(true),
             Router::LeastLoad => pick(decoders.clone(), false),
             Router::KvAware => pick(decoders.clone(), true),
         };
@@ -83,6 +85,25 @@ impl Sim<'_> {
         let prefill = pick(0..spec.prefill_executors, false); // the least loaded
         let import_tokens = routing::import_tokens(prompt.len(), bs);
         Placement::Split { prefill, decode, import_tokens }
+    }
+
+    /// The fronts' cross-shard router: each shard answers with the candidate its router would
+    /// pick ([`routing::best`], `Generation/Locate`), the request goes to the shard with the
+    /// best answer ([`routing::pick`], shards in order), then to that executor.
+    fn pick_across_shards(&self, by_prefix: bool) -> usize {
+        let bs = self.spec.scheduler.block_size;
+        let weigh = |e: usize| {
+            let x = &self.execs[e];
+            let hit = if by_prefix { x.core.cached_prefix_blocks(&self.hashes) * bs } else { 0 };
+            Candidate { prefix_hit_tokens: hit, load: x.live }
+        };
+        let members = |s: usize| (0..self.execs.len()).filter(move |&e| self.shard_of[e] == s);
+        let answers: Vec<(usize, Candidate)> = (0..self.spec.shards)
+            .filter_map(|s| Some((s, routing::best(members(s).map(weigh))?)))
+            .collect();
+        let shard = routing::pick(answers.iter().map(|(_, c)| *c)).map_or(0, |k| answers[k].0);
+        let within: Vec<usize> = members(shard).collect();
+        within[routing::pick(within.iter().map(|&e| weigh(e))).unwrap_or(0)]
     }
 
     /// A request placed whole on executor `e`: with a KV tier, a read of its prompt's prefix
@@ -141,6 +162,9 @@ impl Sim<'_> {
                 (prefill, Some(h))
             }
         };
+        if let Some(cp) = self.spec.control_plane {
+            self.charge(e, cp.request_secs);
+        }
         if self.execs[e].core.add_request(req).is_err() {
             self.rejected += 1;
             return Ok(());

@@ -42,6 +42,11 @@ impl Latency {
 pub struct Report {
     /// Executors simulated.
     pub executors: usize,
+    /// Scheduler shards they were shared among.
+    pub shards: usize,
+    /// The busiest shard scheduler's CPU, as a fraction of the run (0 without a control-plane
+    /// cost).
+    pub scheduler_cpu_busy: f64,
     /// KV blocks per executor.
     pub blocks_per_executor: usize,
     /// The router.
@@ -192,6 +197,12 @@ impl Sim<'_> {
         let execs = self.execs.len() as f64;
         Report {
             executors: self.execs.len(),
+            shards: self.spec.shards,
+            scheduler_cpu_busy: if makespan > 0.0 {
+                self.cpu_busy.iter().fold(0.0, |a: f64, &b| a.max(b)) / makespan
+            } else {
+                0.0
+            },
             blocks_per_executor: self.spec.scheduler.num_blocks,
             router: self.spec.router,
             requests: self.arrived,

@@ -31,6 +31,8 @@ pub(crate) fn spec(executors: usize, num_blocks: usize, router: Router) -> Clust
         disaggregation_min_tokens: 256,
         transfer_latency: 0.0005,
         kv_tier: None,
+        shards: 1,
+        control_plane: None,
     }
 }
 
@@ -263,4 +265,54 @@ fn the_roofline_is_within_a_stated_band_of_a_published_h100_figure() {
             r.output_tokens_per_s
         );
     }
+}
+
+#[test]
+fn shards_keep_the_prefix_hits_of_one_router_and_scale_a_control_plane_bound_cluster() {
+    // The cross-shard router is the one router over every executor, up to ties: the shared
+    // prefixes are found as often with four shards as with one.
+    let groups = Some(PrefixGroups { groups: 8, prefix_len: 512 });
+    let w = workload(800, 40.0, groups);
+    let one = run_seed(&spec(8, 8192, Router::KvAware), &w, 5);
+    let mut sharded = spec(8, 8192, Router::KvAware);
+    sharded.shards = 4;
+    let four = run_seed(&sharded, &w, 5);
+    assert_eq!((four.shards, four.finished), (4, 800));
+    assert!(
+        (four.prefix_hit_rate - one.prefix_hit_rate).abs() < 0.02,
+        "{} vs {}",
+        four.prefix_hit_rate,
+        one.prefix_hit_rate
+    );
+
+    // A scheduler that spends 100 µs of CPU per streamed token streams at most 10,000
+    // tokens/s: eight executors fed faster than that are held back by one shard, less by two.
+    let w = workload(1200, 400.0, None);
+    let cost = ControlPlane { token_secs: 100e-6, request_secs: 200e-6 };
+    let free = run_seed(&spec(8, 8192, Router::KvAware), &w, 9);
+    let throughput = |shards: usize| {
+        let mut s = spec(8, 8192, Router::KvAware);
+        (s.shards, s.control_plane) = (shards, Some(cost));
+        run_seed(&s, &w, 9)
+    };
+    let (one, two) = (throughput(1), throughput(2));
+    eprintln!(
+        "free {:.0}, one shard {:.0} (CPU {:.2}), two {:.0} (CPU {:.2}) tokens/s",
+        free.output_tokens_per_s,
+        one.output_tokens_per_s,
+        one.scheduler_cpu_busy,
+        two.output_tokens_per_s,
+        two.scheduler_cpu_busy
+    );
+    assert!(one.output_tokens_per_s < 10_000.0, "{}", one.output_tokens_per_s);
+    // Busy most of the run (not all: the first arrivals and the last requests' drain).
+    assert!(one.scheduler_cpu_busy > 0.75, "one shard's CPU: {}", one.scheduler_cpu_busy);
+    assert!(free.output_tokens_per_s > 2.0 * one.output_tokens_per_s, "{free:?}");
+    assert!(
+        two.output_tokens_per_s > 1.6 * one.output_tokens_per_s,
+        "{} vs {}",
+        two.output_tokens_per_s,
+        one.output_tokens_per_s
+    );
+    assert_eq!(free.scheduler_cpu_busy, 0.0, "no control-plane cost modelled");
 }

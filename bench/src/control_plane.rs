@@ -244,8 +244,9 @@ fn start(args: &ControlPlaneArgs, bin_dir: &Path) -> anyhow::Result<(Vec<Proc>, 
     let mut flags = vec!["--listen=127.0.0.1:0".to_string(), "--http-listen=127.0.0.1:0".into()];
     match &endpoints {
         Some(e) => flags.push(e.clone()),
-        None => flags
-            .extend(executors.iter().map(|e| format!("--executor=http://{}", e.addr("grpc")))),
+        None => {
+            flags.extend(executors.iter().map(|e| format!("--executor=http://{}", e.addr("grpc"))))
+        }
     }
     flags.extend(args.scheduler_flags.split_whitespace().map(String::from));
     let scheduler = Proc::start(&bin_dir.join("ferry-scheduler"), &flags, 2)?;
@@ -283,7 +284,9 @@ fn start_etcd() -> anyhow::Result<(Proc, tempdir::Dir)> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| anyhow::anyhow!("starting etcd (from the PATH; scripts/setup installs it): {e}"))?;
+        .map_err(|e| {
+            anyhow::anyhow!("starting etcd (from the PATH; scripts/setup installs it): {e}")
+        })?;
     let addr: SocketAddr = format!("127.0.0.1:{client}").parse()?;
     let proc = Proc { child, addrs: vec![("etcd".into(), addr)] };
     let deadline = Instant::now() + Duration::from_secs(30);

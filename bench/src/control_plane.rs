@@ -242,11 +242,11 @@ fn start(args: &ControlPlaneArgs, bin_dir: &Path) -> anyhow::Result<(Vec<Proc>, 
         executors.push(Proc::start(&bin_dir.join("ferry-executor"), &flags, 1)?);
     }
     let mut flags = vec!["--listen=127.0.0.1:0".to_string(), "--http-listen=127.0.0.1:0".into()];
-    match &endpoints {
-        Some(e) => flags.push(e.clone()),
-        None => {
-            flags.extend(executors.iter().map(|e| format!("--executor=http://{}", e.addr("grpc"))))
-        }
+    if let Some(e) = &endpoints {
+        flags.push(e.clone());
+    } else {
+        let listed = executors.iter().map(|e| format!("--executor=http://{}", e.addr("grpc")));
+        flags.extend(listed);
     }
     flags.extend(args.scheduler_flags.split_whitespace().map(String::from));
     let scheduler = Proc::start(&bin_dir.join("ferry-scheduler"), &flags, 2)?;

@@ -53,9 +53,6 @@ impl SessionState {
     }
 }
 
-/// The pool of a handshake that names none (the schedulers' default `--pool`).
-const DEFAULT_POOL: &str = "default";
-
 /// A session stream's claim on its session; released when the stream ends.
 struct StreamClaim {
     state: Arc<Mutex<SessionState>>,
@@ -282,7 +279,7 @@ impl Executor for ExecutorService {
     ) -> Result<Response<v1::HandshakeResponse>, Status> {
         let mut req = request.into_inner();
         if req.pool.is_empty() {
-            req.pool = DEFAULT_POOL.to_string();
+            req.pool = ferry_runtime::cluster::DEFAULT_POOL.to_string();
         }
         let info = self.info()?;
         if !req.expected_model.is_empty() && req.expected_model != info.model {

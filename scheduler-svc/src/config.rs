@@ -35,7 +35,7 @@ pub struct SchedulerArgs {
     #[arg(long, env = "FERRY_EXECUTOR_CONNECT_TIMEOUT", default_value_t = 60)]
     pub executor_connect_timeout: u64,
     /// The pool this scheduler leads (with etcd: one leader per pool, the others stand by).
-    #[arg(long, env = "FERRY_POOL", default_value = "default")]
+    #[arg(long, env = "FERRY_POOL", default_value = ferry_runtime::cluster::DEFAULT_POOL)]
     pub pool: String,
     /// Without etcd: a file holding the token (hex, at least 16 bytes) this scheduler presents
     /// to the executors it lists; executors given the same file open sessions only for it.

@@ -245,7 +245,7 @@ impl Shards {
     fn up(&self) -> Option<Vec<&str>> {
         let candidates = self.candidates.as_ref()?;
         let mut pools: BTreeSet<&str> =
-            candidates.iter().filter_map(|k| k.split('/').next()).collect();
+            candidates.iter().filter_map(|k| ferry_runtime::cluster::candidate_pool(k)).collect();
         pools.insert(&self.own);
         Some(pools.into_iter().collect())
     }

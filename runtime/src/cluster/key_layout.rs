@@ -28,6 +28,15 @@ impl MemberInfo {
     }
 }
 
+/// The pool of schedulers that name none (`--pool`'s default).
+pub const DEFAULT_POOL: &str = "default";
+
+/// The pool an election candidate's key names, given without [`ClusterArgs::schedulers_prefix`]
+/// (`<pool>/<lease>`).
+pub fn candidate_pool(key: &str) -> Option<&str> {
+    key.split('/').next().filter(|p| !p.is_empty())
+}
+
 /// The kinds of registration, each a key prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MemberKind {

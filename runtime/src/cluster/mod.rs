@@ -22,7 +22,7 @@ mod registered_serve;
 mod registration;
 
 pub use etcd_connection::{etcd_backoff, lease_gone, LeaseClient};
-pub use key_layout::{MemberInfo, MemberKind};
+pub use key_layout::{candidate_pool, MemberInfo, MemberKind, DEFAULT_POOL};
 pub use membership_watch::{watch_members, MembershipEvent};
 pub use registered_serve::{serve_registered, RegisteredServeError};
 pub use registration::{LeaseState, Registration};

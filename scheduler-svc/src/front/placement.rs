@@ -311,10 +311,8 @@ async fn place_remote(
 ) -> Result<Placed, PlaceError> {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(500))
         .with_patience(Some(patience));
-    let mut sequence = spec.prompt.to_vec();
-    sequence.extend_from_slice(delivered);
     loop {
-        let Some(placing) = shards.choose(&sequence, fingerprint).await else {
+        let Some(placing) = shards.choose((&spec.prompt, delivered), fingerprint).await else {
             if !backoff.wait().await {
                 let none = Status::unavailable("no scheduler leads any pool");
                 return Err(PlaceError::Remote(none));

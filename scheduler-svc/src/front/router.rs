@@ -21,8 +21,7 @@ pub(crate) use routing::import_tokens;
 /// The executor for a sequence: the longest cached prefix first, then the lightest load, then
 /// the first listed. Prefill-only executors are used only when no other is up.
 pub(crate) async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
-    let decoders: Vec<LinkHandle> = alive.iter().filter(|l| !prefill_only(l)).cloned().collect();
-    let alive = if decoders.is_empty() { alive } else { &decoders };
+    let alive = &decoders(alive);
     if alive.len() <= 1 {
         return alive.first().cloned();
     }
@@ -34,9 +33,18 @@ pub(crate) async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHan
 /// shards asks each shard this (`Generation/Locate`) and picks among the answers, which is
 /// [`pick`] over all their executors ([`routing::best`]).
 pub(crate) async fn locate(alive: &[LinkHandle], tokens: &[u32]) -> (usize, Option<Candidate>) {
-    let decoders: Vec<LinkHandle> = alive.iter().filter(|l| !prefill_only(l)).cloned().collect();
-    let alive = if decoders.is_empty() { alive } else { &decoders };
+    let alive = &decoders(alive);
     (alive.len(), routing::best(weigh(alive, tokens).await))
+}
+
+/// The links a request may run on: those that decode, or every one when none does.
+fn decoders(alive: &[LinkHandle]) -> Vec<LinkHandle> {
+    let decoders: Vec<LinkHandle> = alive.iter().filter(|l| !prefill_only(l)).cloned().collect();
+    if decoders.is_empty() {
+        alive.to_vec()
+    } else {
+        decoders
+    }
 }
 
 /// Each link's prefix hit for `tokens` and its load.

@@ -99,10 +99,14 @@ impl Shards {
         !self.led().is_empty()
     }
 
-    /// The shard a request of `tokens` (for the model with `fingerprint`) goes to: the only
-    /// one, or the best answer to `Locate` counting the requests this front is sending each
-    /// (the first led pool when none answers).
-    pub async fn choose(&self, tokens: &[u32], fingerprint: &str) -> Option<Placing> {
+    /// The shard a request of `prompt` and `delivered` tokens (for the model with
+    /// `fingerprint`) goes to: the only one, or the best answer to `Locate` counting the
+    /// requests this front is sending each (the first led pool when none answers).
+    pub async fn choose(
+        &self,
+        (prompt, delivered): (&[u32], &[u32]),
+        fingerprint: &str,
+    ) -> Option<Placing> {
         let led = self.led();
         let placing = |shard: &Arc<Shard>| {
             shard.placing.fetch_add(1, Ordering::Relaxed);
@@ -112,7 +116,7 @@ impl Shards {
             return led.first().map(placing);
         }
         let ask = v1::LocateRequest {
-            token_ids: tokens.to_vec(),
+            token_ids: [prompt, delivered].concat(),
             model_fingerprint: fingerprint.to_string(),
         };
         let asks = led.iter().map(|s| locate(&s.leader, ask.clone()));
@@ -162,7 +166,7 @@ async fn discover(shards: std::sync::Weak<Shards>) {
             MembershipEvent::Delete(_) => Vec::new(),
         };
         for key in keys {
-            if let Some(pool) = key.split('/').next().filter(|p| !p.is_empty()) {
+            if let Some(pool) = ferry_runtime::cluster::candidate_pool(&key) {
                 shards.add(pool.to_string());
             }
         }

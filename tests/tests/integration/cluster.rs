@@ -174,16 +174,23 @@ async fn streams_survive(
     moved
 }
 
-/// A fault that first reads how many requests `exec` holds (every stream has tokens when it
-/// runs, so each is on an executor), then signals it.
-fn signal_counting<'a>(
-    exec: &'a Service,
+/// A fault that signals the executor of `execs` holding the most requests when it runs (every
+/// stream has tokens then, so each is on an executor), recording how many it held and which
+/// one it was. The router sends a request where its prefix is cached, so which executor holds
+/// the streams of a repeated run is not known in advance: the one holding most is always one
+/// that holds some.
+fn signal_busiest<'a>(
+    execs: &'a [Service],
     sig: &'a str,
-    held: &'a std::cell::Cell<u64>,
+    (held, which): (&'a std::cell::Cell<u64>, &'a std::cell::Cell<usize>),
 ) -> impl FnOnce() + 'a {
     move || {
-        held.set(metric(exec.addr("grpc"), "ferry_executor_requests") as u64);
-        signal(exec.pid(), sig).unwrap();
+        let holds = |e: &Service| metric(e.addr("grpc"), "ferry_executor_requests") as u64;
+        let (k, n) = execs.iter().map(holds).enumerate().max_by_key(|&(_, n)| n).unwrap();
+        eprintln!("signal {sig} to {} executor of {}: it holds {n}", k + 1, execs.len());
+        held.set(n);
+        which.set(k);
+        signal(execs[k].pid(), sig).unwrap();
     }
 }
 
@@ -262,24 +269,25 @@ async fn a_killed_executor_loses_no_request_and_changes_no_token() {
 
     // Same requests; once every stream has tokens, one executor dies (kill -9): exactly the
     // requests it held move.
-    let held = std::cell::Cell::new(0);
-    let kill = signal_counting(&a, "KILL", &held);
+    let (held, which) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
+    let mut execs = vec![a, b];
+    let kill = signal_busiest(&execs, "KILL", (&held, &which));
     let moved = streams_survive(&sched, &undisturbed, "with a kill -9 mid-way", kill).await;
     assert!(held.get() > 0, "the killed executor held no stream: nothing was tested");
     assert_eq!(moved, held.get(), "requests moved vs requests the dead executor held");
-    drop(a);
+    drop(execs.swap_remove(which.get()));
     assert_eq!(health(&sched), 200, "the survivor still serves");
 
     // Drain: SIGTERM on an executor under load hands its requests to another one.
-    let mut b = b;
-    let c = start_executor(&etcd, "exec-c");
-    wait_ready(&sched, &[&b, &c]).await;
-    let term = signal_counting(&b, "TERM", &held);
+    execs.push(start_executor(&etcd, "exec-c"));
+    wait_ready(&sched, &[&execs[0], &execs[1]]).await;
+    let term = signal_busiest(&execs, "TERM", (&held, &which));
     let moved =
         streams_survive(&sched, &undisturbed, "with an executor drained mid-way", term).await;
     assert!(held.get() > 0, "the drained executor held no stream: nothing was tested");
     assert_eq!(moved, held.get(), "requests moved vs requests the drained executor held");
-    assert!(b.terminate(Duration::from_secs(30)).unwrap().success(), "drained executor exit");
+    let drained = &mut execs[which.get()];
+    assert!(drained.terminate(Duration::from_secs(30)).unwrap().success(), "drained executor exit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -298,25 +306,31 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
         let args = [&args[..], &["--drain-timeout", "1"]].concat();
         Service::start("ferry-executor", &args, 1).unwrap()
     };
-    let (mut a, b) = (exec("exec-a"), exec("exec-b"));
-    let sched = ferry_tests::start_scheduler(&[&a, &b], &[]);
-    wait_ready(&sched, &[&a, &b]).await;
+    let mut execs = [exec("exec-a"), exec("exec-b")];
+    let sched = ferry_tests::start_scheduler(&[&execs[0], &execs[1]], &[]);
+    wait_ready(&sched, &[&execs[0], &execs[1]]).await;
     // Streams long enough that none can end within the 1 s drain window (see `TOKENS`), so
     // every request the executor held is still there to move.
     let reqs = || requests(8, TOKENS);
     let undisturbed = run_streams(sched.addr("grpc"), reqs(), 0, || {}).await;
     assert_complete(&undisturbed, TOKENS as usize);
-    let url = format!("http://{}", a.addr("grpc"));
-    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
-    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-    let all = tonic_health::pb::HealthCheckRequest { service: String::new() };
-    let mut watch = health.watch(all).await.unwrap().into_inner();
+    // Each executor's health, watched from before the drain.
     let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
-    assert_eq!(watch.message().await.unwrap().unwrap().status, serving);
+    let mut watches = Vec::new();
+    for exec in &execs {
+        let url = format!("http://{}", exec.addr("grpc"));
+        let channel =
+            tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+        let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+        let all = tonic_health::pb::HealthCheckRequest { service: String::new() };
+        let mut watch = health.watch(all).await.unwrap().into_inner();
+        assert_eq!(watch.message().await.unwrap().unwrap().status, serving);
+        watches.push(watch);
+    }
 
-    let held = std::cell::Cell::new(0);
+    let (held, which) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
     let moved_before = metric(sched.addr("http"), "ferry_requests_moved");
-    let term = signal_counting(&a, "TERM", &held);
+    let term = signal_busiest(&execs, "TERM", (&held, &which));
     let outcomes = run_streams(sched.addr("grpc"), reqs(), 4, term).await;
     let moved = (metric(sched.addr("http"), "ferry_requests_moved") - moved_before) as u64;
     assert_complete(&outcomes, TOKENS as usize);
@@ -325,9 +339,11 @@ async fn an_executor_past_its_drain_timeout_exits_and_its_requests_move() {
     assert_eq!(moved, held.get(), "requests moved vs requests the drained executor held");
     // Its first word on SIGTERM was NOT_SERVING; it then exited by itself, cleanly.
     let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    let watch = &mut watches[which.get()];
     let next = watch.message().await.unwrap().expect("a health update after SIGTERM");
     assert_eq!(next.status, not_serving);
-    assert!(a.wait_exit().is_some_and(|s| s.success()), "the drained executor did not exit");
+    let drained = &mut execs[which.get()];
+    assert!(drained.wait_exit().is_some_and(|s| s.success()), "the drained executor did not exit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

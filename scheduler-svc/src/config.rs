@@ -99,6 +99,12 @@ pub struct FrontArgs {
     /// instead of computing it. 0 turns KV-tier reads off.
     #[arg(long, env = "FERRY_KV_TIER_MIN_TOKENS", default_value_t = 64)]
     pub kv_tier_min_tokens: u32,
+    /// Routing: tokens of a request's prefix cached on an executor that one more live request
+    /// there outweighs. A new request goes to the executor with the greatest cached prefix
+    /// less this much per request it holds, so a popular prompt spreads once its executor is
+    /// busier by the prefix's worth; 0: the longest cached prefix wins however busy.
+    #[arg(long, env = "FERRY_ROUTE_LOAD_TOKENS", default_value_t = ferry_sched_core::routing::LOAD_TOKENS as u32)]
+    pub route_load_tokens: u32,
     /// An API key clients must present (`Authorization: Bearer <key>`, HTTP header or gRPC
     /// metadata) on the client APIs (vLLM's flag); its id is `default`, without limits.
     #[arg(long, env = "FERRY_API_KEY", hide_env_values = true)]
@@ -282,6 +288,7 @@ impl FrontArgs {
             kv_transfer_timeout: check_timeout("kv-transfer-timeout", self.kv_transfer_timeout)?,
             kv_tier_min_tokens: (self.kv_tier_min_tokens > 0)
                 .then_some(self.kv_tier_min_tokens as usize),
+            route_load_tokens: self.route_load_tokens as usize,
             keys: ApiKeys::load(
                 self.api_key.as_deref(),
                 self.api_keys_file.as_deref(),

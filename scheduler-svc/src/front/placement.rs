@@ -106,7 +106,8 @@ impl Front {
             Route::Local(set) => set,
             Route::Remote(shards) => {
                 let fingerprint = &self.model.file.fingerprint;
-                return place_remote(shards, spec, delivered, fingerprint, patience).await;
+                let routing = (fingerprint.as_str(), self.settings.route_load_tokens);
+                return place_remote(shards, spec, delivered, routing, patience).await;
             }
         };
         let deadline = tokio::time::Instant::now() + patience;
@@ -121,7 +122,8 @@ impl Front {
                     return Err(PlaceError::Full(full.info.max_live_requests as usize));
                 }
             }
-            let Some(link) = router::pick(&roomy, &sequence).await else {
+            let Some(link) = router::pick(&roomy, &sequence, self.settings.route_load_tokens).await
+            else {
                 return Err(PlaceError::NoExecutor);
             };
             let tier_read = self.tier_read(&link, spec, request_id).await;
@@ -165,7 +167,8 @@ impl Front {
             )));
         }
         let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(LinkHandle::has_room).collect();
-        let (executors, best) = router::locate(&roomy, &ask.token_ids).await;
+        let (executors, best) =
+            router::locate(&roomy, &ask.token_ids, self.settings.route_load_tokens).await;
         let best =
             best.unwrap_or(ferry_sched_core::routing::Candidate { prefix_hit_tokens: 0, load: 0 });
         Ok(v1::LocateResponse {
@@ -267,7 +270,9 @@ impl Front {
         if let (Route::Local(set), true) = (&self.route, shares) {
             let roomy: Vec<LinkHandle> =
                 set.alive().iter().filter(|l| l.has_room()).cloned().collect();
-            if let Some(link) = router::pick(&roomy, &specs[0].prompt).await {
+            if let Some(link) =
+                router::pick(&roomy, &specs[0].prompt, self.settings.route_load_tokens).await
+            {
                 if let Ok(first) = self.submit(&link, &specs[0], &[], None, Fork::Source).await {
                     let Placement::Link { id: source, .. } = &first.0 else {
                         unreachable!("submit places on a link")
@@ -300,19 +305,22 @@ impl Front {
 }
 
 /// Sends `spec` (with `delivered` tokens, tokenized for the model with `fingerprint`) to the
-/// leader scheduler of the shard [`shards::Shards::choose`] picks, retrying (no leader, leader
-/// unreachable or without executors) until `patience` runs out.
+/// leader scheduler of the shard [`shards::Shards::choose`] picks (weighing load by
+/// `load_tokens`), retrying (no leader, leader unreachable or without executors) until
+/// `patience` runs out.
 async fn place_remote(
     shards: &shards::Shards,
     spec: &RequestSpec,
     delivered: &[u32],
-    fingerprint: &str,
+    (fingerprint, load_tokens): (&str, usize),
     patience: Duration,
 ) -> Result<Placed, PlaceError> {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(500))
         .with_patience(Some(patience));
     loop {
-        let Some(placing) = shards.choose((&spec.prompt, delivered), fingerprint).await else {
+        let Some(placing) =
+            shards.choose((&spec.prompt, delivered), fingerprint, load_tokens).await
+        else {
             if !backoff.wait().await {
                 let none = Status::unavailable("no scheduler leads any pool");
                 return Err(PlaceError::Remote(none));

@@ -18,23 +18,32 @@ use crate::tier::LiveAgents;
 
 pub(crate) use routing::import_tokens;
 
-/// The executor for a sequence: the longest cached prefix first, then the lightest load, then
-/// the first listed. Prefill-only executors are used only when no other is up.
-pub(crate) async fn pick(alive: &[LinkHandle], tokens: &[u32]) -> Option<LinkHandle> {
+/// The executor for a sequence: the longest cached prefix less `load_tokens` per live request,
+/// then the lightest load, then the first listed ([`routing::pick`]). Prefill-only executors
+/// are used only when no other is up.
+pub(crate) async fn pick(
+    alive: &[LinkHandle],
+    tokens: &[u32],
+    load_tokens: usize,
+) -> Option<LinkHandle> {
     let alive = &decoders(alive);
     if alive.len() <= 1 {
         return alive.first().cloned();
     }
-    routing::pick(weigh(alive, tokens).await).map(|k| alive[k].clone())
+    routing::pick(weigh(alive, tokens).await, load_tokens).map(|k| alive[k].clone())
 }
 
 /// What [`pick`] weighs, and the candidate it picks: the number of executors it chooses among
 /// and the chosen one's prefix hit and load (`None` when there is none). A front over several
 /// shards asks each shard this (`Generation/Locate`) and picks among the answers, which is
 /// [`pick`] over all their executors ([`routing::best`]).
-pub(crate) async fn locate(alive: &[LinkHandle], tokens: &[u32]) -> (usize, Option<Candidate>) {
+pub(crate) async fn locate(
+    alive: &[LinkHandle],
+    tokens: &[u32],
+    load_tokens: usize,
+) -> (usize, Option<Candidate>) {
     let alive = &decoders(alive);
-    (alive.len(), routing::best(weigh(alive, tokens).await))
+    (alive.len(), routing::best(weigh(alive, tokens).await, load_tokens))
 }
 
 /// The links a request may run on: those that decode, or every one when none does.

@@ -1,5 +1,5 @@
 //! The front's settings, checked: how many requests it holds, how long a lost request waits
-//! for another executor, when it disaggregates or reads the KV tier, the API keys, and what
+//! for another executor, when it disaggregates or reads the KV tier, how it weighs load in routing, the API keys, and what
 //! one request may ask for. `config` builds them from the flags; the front only reads them.
 
 use std::sync::Arc;
@@ -21,6 +21,9 @@ pub struct FrontSettings {
     pub kv_transfer_timeout: Duration,
     /// Least prompt tokens a KV-tier read must save; `None`: no KV-tier reads.
     pub kv_tier_min_tokens: Option<usize>,
+    /// Tokens of cached prefix one more live request outweighs in routing
+    /// ([`ferry_sched_core::routing::pick`]).
+    pub route_load_tokens: usize,
     /// The API keys callers must present; `None`: the client APIs are open.
     pub keys: Option<Arc<ApiKeys>>,
     /// What one request may ask for.

@@ -101,11 +101,13 @@ impl Shards {
 
     /// The shard a request of `prompt` and `delivered` tokens (for the model with
     /// `fingerprint`) goes to: the only one, or the best answer to `Locate` counting the
-    /// requests this front is sending each (the first led pool when none answers).
+    /// requests this front is sending each, weighed with `load_tokens` as the leaders weigh
+    /// their executors ([`routing::pick`]; the first led pool when none answers).
     pub async fn choose(
         &self,
         (prompt, delivered): (&[u32], &[u32]),
         fingerprint: &str,
+        load_tokens: usize,
     ) -> Option<Placing> {
         let led = self.led();
         let placing = |shard: &Arc<Shard>| {
@@ -133,7 +135,8 @@ impl Shards {
                 (k, c)
             })
             .collect();
-        let k = routing::pick(candidates.iter().map(|(_, c)| *c)).map_or(0, |i| candidates[i].0);
+        let k = routing::pick(candidates.iter().map(|(_, c)| *c), load_tokens)
+            .map_or(0, |i| candidates[i].0);
         Some(placing(&led[k]))
     }
 }

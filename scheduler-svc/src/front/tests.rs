@@ -30,6 +30,7 @@ pub(crate) fn front(set: &Arc<ExecutorSet>) -> GenerationService {
         disaggregation_min_tokens: None,
         kv_transfer_timeout: Duration::from_secs(5),
         kv_tier_min_tokens: None,
+        route_load_tokens: ferry_sched_core::routing::LOAD_TOKENS,
         keys: None,
         limits: super::RequestLimits::default(),
         max_model_len: None,

@@ -84,6 +84,10 @@ struct Args {
     /// How new requests are placed.
     #[arg(long, value_enum, default_value_t = Router::KvAware)]
     router: Router,
+    /// With `--router kv-aware`: tokens of cached prefix that one more live request on an
+    /// executor outweighs (0: the longest prefix wins however busy its executor).
+    #[arg(long, default_value_t = ferry_sched_core::routing::LOAD_TOKENS)]
+    route_load_tokens: usize,
     /// Scheduler shards sharing the executors (Ferry's assignment); a request goes to the
     /// shard whose best executor the router would pick, then to that executor.
     #[arg(long, default_value_t = 1)]
@@ -234,6 +238,7 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
         model,
         scheduler,
         router: args.router,
+        route_load_tokens: args.route_load_tokens,
         slo: Slo { ttft: args.slo_ttft, tpot: args.slo_tpot },
         check_invariants: args.check_invariants,
         prefill_executors: args.prefill_executors,

@@ -9,8 +9,8 @@ use ferry_sched_core::SchedulerConfig;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Router {
-    /// Ferry's: the longest cached prefix (exact), then the lightest load
-    /// ([`ferry_sched_core::routing::pick`]).
+    /// Ferry's: the longest cached prefix (exact) less `route_load_tokens` per live request,
+    /// then the lightest load ([`ferry_sched_core::routing::pick`]).
     KvAware,
     /// The fewest live requests.
     LeastLoad,
@@ -40,6 +40,9 @@ pub struct ClusterSpec {
     pub scheduler: SchedulerConfig,
     /// The placement rule.
     pub router: Router,
+    /// Tokens of cached prefix one more live request outweighs (the front's
+    /// `--route-load-tokens`; [`ferry_sched_core::routing::LOAD_TOKENS`] by default).
+    pub route_load_tokens: usize,
     /// The latency objective of the goodput figure.
     pub slo: Slo,
     /// Check every core's invariants after every step (slow; for tests).

@@ -56,7 +56,7 @@ impl Sim<'_> {
                 prefix_hit_tokens: if by_prefix { hit(x, &self.hashes) } else { 0 },
                 load: x.live,
             });
-            range.start + routing::pick(candidates).unwrap_or(0)
+            range.start + routing::pick(candidates, spec.route_load_tokens).unwrap_or(0)
         };
         let decode = match spec.router {
             Router::RoundRobin => decoders.start + rr % decoders.len(),
@@ -91,7 +91,7 @@ impl Sim<'_> {
     /// pick ([`routing::best`], `Generation/Locate`), the request goes to the shard with the
     /// best answer ([`routing::pick`], shards in order), then to that executor.
     fn pick_across_shards(&self, by_prefix: bool) -> usize {
-        let bs = self.spec.scheduler.block_size;
+        let (bs, load_tokens) = (self.spec.scheduler.block_size, self.spec.route_load_tokens);
         let weigh = |e: usize| {
             let x = &self.execs[e];
             let hit = if by_prefix { x.core.cached_prefix_blocks(&self.hashes) * bs } else { 0 };
@@ -99,11 +99,12 @@ impl Sim<'_> {
         };
         let members = |s: usize| (0..self.execs.len()).filter(move |&e| self.shard_of[e] == s);
         let answers: Vec<(usize, Candidate)> = (0..self.spec.shards)
-            .filter_map(|s| Some((s, routing::best(members(s).map(weigh))?)))
+            .filter_map(|s| Some((s, routing::best(members(s).map(weigh), load_tokens)?)))
             .collect();
-        let shard = routing::pick(answers.iter().map(|(_, c)| *c)).map_or(0, |k| answers[k].0);
+        let shard =
+            routing::pick(answers.iter().map(|(_, c)| *c), load_tokens).map_or(0, |k| answers[k].0);
         let within: Vec<usize> = members(shard).collect();
-        within[routing::pick(within.iter().map(|&e| weigh(e))).unwrap_or(0)]
+        within[routing::pick(within.iter().map(|&e| weigh(e)), load_tokens).unwrap_or(0)]
     }
 
     /// A request placed whole on executor `e`: with a KV tier, a read of its prompt's prefix

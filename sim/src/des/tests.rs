@@ -25,6 +25,7 @@ pub(crate) fn spec(executors: usize, num_blocks: usize, router: Router) -> Clust
             ..SchedulerConfig::default()
         },
         router,
+        route_load_tokens: ferry_sched_core::routing::LOAD_TOKENS,
         slo: Slo { ttft: 1.0, tpot: 0.05 },
         check_invariants: false,
         prefill_executors: 0,
@@ -98,6 +99,37 @@ fn requests_too_long_are_refused_and_counted() {
     let r = run_seed(&s, &w, 1);
     assert!(r.rejected > 0 && r.finished > 0, "{r:?}");
     assert_eq!(r.rejected + r.finished, 40);
+}
+
+/// One system prompt in every request: routed by the cached prefix alone, every request goes
+/// to the executor that computed it first while the others idle; the load term spreads them,
+/// at the same hit rate, with least-load's latency.
+#[test]
+fn one_shared_system_prompt_spreads_over_every_executor() {
+    let w = Generated {
+        prompt: Lengths::Uniform(1200, 1400),
+        output: Lengths::Uniform(200, 300),
+        ..workload(1000, 40.0, Some(PrefixGroups { groups: 1, prefix_len: 1000 }))
+    };
+    let kv = run_seed(&spec(4, 8192, Router::KvAware), &w, 3);
+    let ll = run_seed(&spec(4, 8192, Router::LeastLoad), &w, 3);
+    let prefix_only =
+        run_seed(&ClusterSpec { route_load_tokens: 0, ..spec(4, 8192, Router::KvAware) }, &w, 3);
+    assert!(prefix_only.busy_fraction < 0.3, "one of four busy: {}", prefix_only.busy_fraction);
+    assert!(kv.busy_fraction > 3.0 * prefix_only.busy_fraction, "{}", kv.busy_fraction);
+    assert!(
+        kv.tpot.mean < 0.8 * prefix_only.tpot.mean,
+        "{} vs {}",
+        kv.tpot.mean,
+        prefix_only.tpot.mean
+    );
+    assert!(kv.tpot.mean < 1.05 * ll.tpot.mean, "{} vs {}", kv.tpot.mean, ll.tpot.mean);
+    assert!(
+        kv.prefix_hit_rate > ll.prefix_hit_rate - 0.01,
+        "{} vs {}",
+        kv.prefix_hit_rate,
+        ll.prefix_hit_rate
+    );
 }
 
 #[test]

@@ -161,8 +161,9 @@ impl Tokenizer {
         }
         match &self.inner {
             Encoder::Bpe(inner) => {
+                // Ids only: no offsets to track.
                 let enc = inner
-                    .encode(text, false)
+                    .encode_fast(text, false)
                     .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
                 ids.extend_from_slice(enc.get_ids());
             }
@@ -313,14 +314,28 @@ pub struct IncrementalDecoder {
 impl IncrementalDecoder {
     /// Appends one token and returns the text it completes (possibly empty).
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
-        self.pending.extend_from_slice(tokenizer.token_bytes(id));
         let mut out = String::new();
+        self.push_into(tokenizer, id, &mut out);
+        out
+    }
+
+    /// [`Self::push`], the text appended to `out`.
+    pub fn push_into(&mut self, tokenizer: &Tokenizer, id: u32, out: &mut String) {
+        let bytes = tokenizer.token_bytes(id);
+        if self.pending.is_empty() {
+            // The common case: a token of whole characters, nothing held before it.
+            if let Ok(s) = std::str::from_utf8(bytes) {
+                out.push_str(s);
+                return;
+            }
+        }
+        self.pending.extend_from_slice(bytes);
         loop {
             match std::str::from_utf8(&self.pending) {
                 Ok(s) => {
                     out.push_str(s);
                     self.pending.clear();
-                    return out;
+                    return;
                 }
                 Err(e) => {
                     let valid = e.valid_up_to();
@@ -331,7 +346,7 @@ impl IncrementalDecoder {
                         // An incomplete character at the end: keep it for the next token.
                         None => {
                             self.pending.drain(..valid);
-                            return out;
+                            return;
                         }
                         // Bytes that can never form a character: replace them and go on.
                         Some(len) => {

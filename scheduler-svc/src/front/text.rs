@@ -51,7 +51,7 @@ impl TextAssembler {
             self.pending.push_str(&held);
         }
         if !tokenizer.is_special(token) {
-            self.pending.push_str(&self.decoder.push(tokenizer, token));
+            self.decoder.push_into(tokenizer, token, &mut self.pending);
         } else if self.keep_special {
             // A control token is whole bytes: what the decoder holds goes first.
             self.pending.push_str(&self.decoder.finish());
@@ -75,7 +75,13 @@ impl TextAssembler {
         while !self.pending.is_char_boundary(cut) {
             cut -= 1;
         }
-        let text: String = self.pending.drain(..cut).collect();
+        let text = if cut == self.pending.len() {
+            std::mem::take(&mut self.pending)
+        } else {
+            let text = self.pending[..cut].to_owned();
+            self.pending.drain(..cut);
+            text
+        };
         Pushed { text, stopped: None }
     }
 

@@ -7,7 +7,6 @@
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use ferry_proto::v1::{self, generation_server::Generation};
 use futures_util::stream::StreamExt;
@@ -16,7 +15,7 @@ use serde_json::{json, Value};
 use super::ids::{rand_id, unix_now};
 use super::request_body::{ChatBody, Common, CompletionBody, Content, PromptInput};
 use super::response_body::{Kind, Shaper};
-use super::sse::sse_events;
+use super::sse::sse_response;
 use super::tool_calls::{tool_use, ToolReader, ToolUse};
 use super::translate::generate_request;
 use super::validate::parse;
@@ -88,7 +87,7 @@ async fn run(
             .into_response());
     }
     let include_usage = common.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    Ok(Sse::new(sse_events(shaper, stream, include_usage)).into_response())
+    Ok(sse_response(shaper, stream, include_usage))
 }
 
 /// OpenAI's `best_of` (completions only): generate `best_of` samples and return the `n` of the

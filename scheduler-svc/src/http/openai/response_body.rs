@@ -179,16 +179,17 @@ impl Shaper {
         chunk
     }
 
-    /// [`Self::chunk`] as the text sent. A chunk of text alone (no log-probabilities, tool
+    /// [`Self::chunk`] as the text sent, appended to `out`. A chunk of text alone (no log-probabilities, tool
     /// calls or usage: the common case, once per streamed token) is written directly, the same
     /// bytes as the `Value` would give, without building it.
-    pub(super) fn chunk_text(&mut self, ev: &v1::GenerateEvent, first: bool) -> String {
+    pub(super) fn chunk_into(&mut self, ev: &v1::GenerateEvent, first: bool, out: &mut String) {
         let plain = ev.logprobs.is_empty()
             && ev.prompt_logprobs.is_empty()
             && !self.continuous_usage
             && (self.kind == Kind::Completion || self.tools.is_none());
         if !plain {
-            return self.chunk(ev, first).to_string();
+            let _ = write!(out, "{}", self.chunk(ev, first));
+            return;
         }
         if self.chunk_head.is_empty() {
             let object =
@@ -208,7 +209,7 @@ impl Shaper {
             serde_json::to_string(&ev.text)
         }
         .expect("a string serializes");
-        let mut out = String::with_capacity(self.chunk_head.len() + text.len() + 80);
+        out.reserve(self.chunk_head.len() + text.len() + 80);
         out.push_str(&self.chunk_head);
         let _ = write!(out, "{}", ev.index);
         match self.kind {
@@ -233,7 +234,6 @@ impl Shaper {
             None => out.push_str("null"),
         }
         out.push_str("}]}");
-        out
     }
 
     /// The streamed answer's closing chunk with the whole request's usage.

@@ -1,11 +1,13 @@
 //! Streaming (`"stream": true`): the answer as Server-Sent Events, each chunk sent as the
 //! front's event arrives. The body runs through its phases in order (events, the usage chunk
 //! if asked, `[DONE]`, end); an error from the front becomes an error event in OpenAI's shape
-//! (the status mapped by [`http_status`]) and ends it.
+//! (the status mapped by [`http_status`]) and ends it. Each event is one `data:` line written
+//! straight into its frame: JSON text never holds a raw line break, so none needs splitting.
 
 use std::convert::Infallible;
 
-use axum::response::sse::Event;
+use axum::body::Bytes;
+use axum::response::{IntoResponse, Response};
 use ferry_proto::v1;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::json;
@@ -21,14 +23,34 @@ enum Phase {
     End,
 }
 
-/// The SSE body: one chunk per event, then (if asked) a usage chunk, then `[DONE]`. Chunks are
-/// sent as events arrive; dropping the body (client gone) drops the front's stream, which
-/// aborts the request.
-pub(super) fn sse_events(
+/// The streamed answer: `text/event-stream`, not cached, with [`sse_events`] as its body.
+pub(super) fn sse_response(
     shaper: Shaper,
     events: impl Stream<Item = Result<v1::GenerateEvent, tonic::Status>> + Send + Unpin + 'static,
     include_usage: bool,
-) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+) -> Response {
+    let body = axum::body::Body::from_stream(sse_events(shaper, events, include_usage));
+    let headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")];
+    (headers, body).into_response()
+}
+
+/// One event's frame: `data: <data>` and the blank line that ends it.
+fn frame(write: impl FnOnce(&mut String)) -> Bytes {
+    let mut out = String::with_capacity(256);
+    out.push_str("data: ");
+    write(&mut out);
+    out.push_str("\n\n");
+    Bytes::from(out)
+}
+
+/// The SSE body: one chunk per event, then (if asked) a usage chunk, then `[DONE]`. Chunks are
+/// sent as events arrive; dropping the body (client gone) drops the front's stream, which
+/// aborts the request.
+fn sse_events(
+    shaper: Shaper,
+    events: impl Stream<Item = Result<v1::GenerateEvent, tonic::Status>> + Send + Unpin + 'static,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
     struct State<S> {
         shaper: Shaper,
         events: S,
@@ -48,24 +70,24 @@ pub(super) fn sse_events(
                             st.usage = ev.usage;
                         }
                         let first = st.started.insert(ev.index);
-                        let data = st.shaper.chunk_text(&ev, first);
-                        return Some((Ok(Event::default().data(data)), st));
+                        let data = frame(|out| st.shaper.chunk_into(&ev, first, out));
+                        return Some((Ok(data), st));
                     }
                     Some(Err(status)) => {
                         st.phase = Phase::Done;
                         let data = json!({ "error": { "message": status.message(), "code": http_status(status.code()).as_u16() } });
-                        return Some((Ok(Event::default().data(data.to_string())), st));
+                        return Some((Ok(frame(|out| out.push_str(&data.to_string()))), st));
                     }
                     None => st.phase = if include_usage { Phase::Usage } else { Phase::Done },
                 },
                 Phase::Usage => {
                     st.phase = Phase::Done;
                     let data = st.shaper.usage_chunk(st.usage);
-                    return Some((Ok(Event::default().data(data.to_string())), st));
+                    return Some((Ok(frame(|out| out.push_str(&data.to_string()))), st));
                 }
                 Phase::Done => {
                     st.phase = Phase::End;
-                    return Some((Ok(Event::default().data("[DONE]")), st));
+                    return Some((Ok(frame(|out| out.push_str("[DONE]"))), st));
                 }
                 Phase::End => return None,
             }

@@ -239,7 +239,9 @@ fn a_chunk_written_directly_is_the_json_values_bytes() {
                     });
                     for first in [true, false] {
                         let want = shaper.chunk(&ev, first).to_string();
-                        assert_eq!(shaper.chunk_text(&ev, first), want, "{kind:?} {text:?}");
+                        let mut got = String::new();
+                        shaper.chunk_into(&ev, first, &mut got);
+                        assert_eq!(got, want, "{kind:?} {text:?}");
                     }
                 }
             }

@@ -26,7 +26,7 @@ pub struct Candidate {
 /// (`--route-load-tokens`): chosen in the simulator (README, "Benchmarks", `ferry-sim`), where
 /// it keeps the hit rate of prefix-first routing in multi-turn chat and the latency of
 /// least-load under one shared system prompt.
-pub const LOAD_TOKENS: usize = 32;
+pub const LOAD_TOKENS: usize = 128;
 
 impl Candidate {
     /// The router's order: greater is better (see the module's rule).

@@ -54,9 +54,9 @@ struct Common {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// A front alone: the OpenAI and gRPC APIs, sending requests to the leader scheduler of a
-    /// pool found through etcd (with several pools, the shard whose executors cache the
-    /// longest prefix, then the least loaded), and moving streams to the next leader when one
-    /// fails.
+    /// pool found through etcd (with several pools, the shard whose executor the router would
+    /// pick among them all: cached prefix less a load term, then load), and moving streams to
+    /// the next leader when one fails.
     Front {
         #[command(flatten)]
         common: Common,

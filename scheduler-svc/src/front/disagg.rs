@@ -101,8 +101,8 @@ impl Front {
     }
 
     /// The prefill executor and the handoff for `spec`, if it is worth disaggregating: a
-    /// decode executor first (the longest cached prefix, then the lightest load), then the
-    /// least-loaded prefill executor whose KV blocks it accepts.
+    /// decode executor first (the router's pick: cached prefix less a load term, then load),
+    /// then the least-loaded prefill executor whose KV blocks it accepts.
     async fn plan_handoff(
         &self,
         spec: &RequestSpec,

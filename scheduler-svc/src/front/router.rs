@@ -1,5 +1,6 @@
-//! The router: which executor a request goes to (DESIGN.md §2). The longest cached prefix
-//! first, then the lightest load, then the first listed — the policy itself is
+//! The router: which executor a request goes to (DESIGN.md §2). The longest cached prefix less
+//! `--route-load-tokens` per live request, then the lightest load, then the first listed — the
+//! policy itself is
 //! [`ferry_sched_core::routing`], one pure function that the simulator runs too; this module
 //! asks the live links for what it weighs (each core's prefix hit, each executor's load, role,
 //! agent and room) and answers with a link.

@@ -1,6 +1,7 @@
 //! The front's settings, checked: how many requests it holds, how long a lost request waits
-//! for another executor, when it disaggregates or reads the KV tier, how it weighs load in routing, the API keys, and what
-//! one request may ask for. `config` builds them from the flags; the front only reads them.
+//! for another executor, when it disaggregates or reads the KV tier, how it weighs load in
+//! routing, the API keys, and what one request may ask for. `config` builds them from the
+//! flags; the front only reads them.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,8 +7,9 @@
 //! to one shard: with one leader known, that one; with several, each leader is asked where the
 //! prompt would run there (`Generation/Locate`: its router's pick, with the pick's cached
 //! prefix and load) and the request goes to the best answer by the router's own rule — the
-//! longest cached prefix, then the lightest load (counting the requests this front is sending
-//! there and the shard has not answered for yet), then the first pool by name — which is the
+//! longest cached prefix less a load term, then the lightest load (counting the requests this
+//! front is sending there and the shard has not answered for yet), then the first pool by
+//! name — which is the
 //! choice one router over every shard's executors would make ([`routing::best`]). A leader that
 //! does not answer in [`LOCATE_TIMEOUT`] is passed over. A stream whose shard fails is placed
 //! again the same way (its shard's standby usually leads by then), so a shard's failure moves

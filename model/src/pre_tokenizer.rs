@@ -113,6 +113,11 @@ impl PreTokenizer {
             .ok_or_else(|| UnknownPreTokenizer(pre.to_string()))
     }
 
+    /// The expressions, applied in order.
+    pub(crate) fn regexes(&self) -> &'static [&'static str] {
+        self.regexes
+    }
+
     /// As a `tokenizers` pre-tokenizer: each expression's split (matches and the text between
     /// them kept, as llama.cpp's `unicode_regex_split`), then the byte-level alphabet.
     pub fn build(&self) -> Result<PreTokenizerWrapper, tokenizers::Error> {

@@ -160,12 +160,9 @@ impl Tokenizer {
             ids.extend(self.bos_token_id);
         }
         match &self.inner {
-            Encoder::Bpe(inner) => {
-                // Ids only: no offsets to track.
-                let enc = inner
-                    .encode_fast(text, false)
+            Encoder::Bpe(bpe) => {
+                bpe.encode(text, &mut ids)
                     .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-                ids.extend_from_slice(enc.get_ids());
             }
             Encoder::Spm { spm, add_space_prefix, specials } => {
                 // A space before the text and after each special token, as llama.cpp does.

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use tokenizers::models::bpe::BPE;
 use tokenizers::AddedToken;
 
+use crate::byte_bpe::{byte_level_alphabet, ByteBpe};
 use crate::gguf::{GgufHeader, Value};
 use crate::pre_tokenizer::{PreTokenizer, UnknownPreTokenizer};
 use crate::spm::{self, Spm};
@@ -150,11 +151,11 @@ pub(crate) fn strings(
         .collect()
 }
 
-/// How text becomes ids: byte-level BPE through `tokenizers`, or SentencePiece as llama.cpp
+/// How text becomes ids: byte-level BPE (`tokenizers`' model and added tokens), or SentencePiece as llama.cpp
 /// encodes it.
 pub(crate) enum Encoder {
     /// `tokenizer.ggml.model = gpt2`.
-    Bpe(Box<tokenizers::Tokenizer>),
+    Bpe(Box<ByteBpe>),
     /// `tokenizer.ggml.model = llama`.
     Spm {
         /// The vocabulary and its scores.
@@ -180,7 +181,15 @@ pub(crate) fn bpe(
         Some(v) => Some(v.as_str().ok_or_else(|| bad(key, "a string", v))?),
         None => None,
     };
-    let pre = PreTokenizer::named(pre)?;
+    bpe_for(header, (tokens, types), PreTokenizer::named(pre)?)
+}
+
+/// [`bpe`] with the pre-tokenizer `pre`, whatever the file names.
+fn bpe_for(
+    header: &GgufHeader,
+    (tokens, types): (&[String], &[i32]),
+    pre: PreTokenizer,
+) -> Result<(Encoder, bool), TokenizerError> {
     let merges: Vec<(String, String)> = strings(header, "tokenizer.ggml.merges")?
         .into_iter()
         .map(|m| {
@@ -200,16 +209,14 @@ pub(crate) fn bpe(
         .ignore_merges(pre.ignore_merges)
         .build()
         .map_err(tokenizers_err)?;
-    let mut inner = tokenizers::Tokenizer::new(model);
-    inner.with_pre_tokenizer(Some(pre.build().map_err(tokenizers_err)?));
     let specials: Vec<AddedToken> = tokens
         .iter()
         .zip(types)
         .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
         .map(|(tok, t)| AddedToken::from(tok.clone(), *t == TOKEN_TYPE_CONTROL))
         .collect();
-    inner.add_special_tokens(specials).map_err(tokenizers_err)?;
-    Ok((Encoder::Bpe(Box::new(inner)), pre.add_bos_default))
+    let bpe = ByteBpe::new(model, &pre, specials).map_err(tokenizers_err)?;
+    Ok((Encoder::Bpe(Box::new(bpe)), pre.add_bos_default))
 }
 
 /// The SentencePiece encoder of `tokens` (`tokenizer.ggml.scores` their merge order); BOS is
@@ -318,18 +325,108 @@ pub(crate) fn partition<'a>(
 
 /// GPT-2's byte-level alphabet, reversed: the printable stand-in char of each byte → the byte.
 pub(crate) fn byte_level_decoder_table() -> HashMap<char, u8> {
-    let mut table = HashMap::with_capacity(256);
-    let mut extra = 0u32;
-    for b in 0u32..=255 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        let c = if printable {
-            b
-        } else {
-            extra += 1;
-            255 + extra
+    (0..=255u8).zip(byte_level_alphabet()).map(|(b, c)| (c, b)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{bpe_for, strings, token_types, Encoder};
+    use crate::pre_tokenizer::KNOWN;
+
+    /// Random texts from fragments that reach every branch of the expressions (letters in
+    /// both cases, contractions, digit runs, punctuation, spaces, tabs and line breaks in runs,
+    /// other scripts, emoji, the added tokens whole and cut): encoded by Ferry's path and by
+    /// `tokenizers`' whole pipeline, over the default model's vocabulary with every family's
+    /// pre-tokenizer, the ids are the same.
+    #[test]
+    fn byte_level_bpe_equals_the_tokenizers_pipeline_on_random_texts() {
+        const FRAGMENTS: &[&str] = &[
+            "Hello",
+            "world",
+            "WORLD",
+            "the",
+            " ",
+            "  ",
+            "   ",
+            "\t",
+            "\n",
+            "\n\n",
+            "\r\n",
+            "'s",
+            "'T",
+            "'re",
+            "'ll",
+            "'d",
+            "don't",
+            "1",
+            "42",
+            "2026",
+            "1234567",
+            "3.14",
+            "!",
+            "?!",
+            "...",
+            "$",
+            "+",
+            "<=>",
+            "^~|",
+            "(",
+            ")",
+            "{\"a\": 1}",
+            "_",
+            "-",
+            "/",
+            "é",
+            "naïve",
+            "中文",
+            "日本語",
+            "Ελληνικά",
+            "مرحبا",
+            "🦀",
+            "👍🏽",
+            "\u{a0}",
+            "\u{2028}",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|im_",
+            "start|>",
+            "<",
+            "|",
+        ];
+        let path = crate::default_model_path().unwrap();
+        let header = crate::GgufHeader::open(&path).unwrap();
+        let tokens = strings(&header, "tokenizer.ggml.tokens").unwrap();
+        let types = token_types(&header, tokens.len()).unwrap();
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |n: usize| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as usize % n
         };
-        table.insert(char::from_u32(c).expect("byte-level alphabet is valid chars"), b as u8);
+        let mut used = vec![false; FRAGMENTS.len()];
+        let (mut texts, mut added_hits) = (0, 0);
+        for pre in KNOWN {
+            let (Encoder::Bpe(bpe), _) = bpe_for(&header, (&tokens, &types), *pre).unwrap() else {
+                panic!("byte-level BPE expected");
+            };
+            for _ in 0..400 {
+                let mut text = String::new();
+                for _ in 0..=next(24) {
+                    let k = next(FRAGMENTS.len());
+                    used[k] = true;
+                    text.push_str(FRAGMENTS[k]);
+                }
+                let mut ids = Vec::new();
+                bpe.encode(&text, &mut ids).unwrap();
+                assert_eq!(ids, bpe.encode_reference(&text), "{}: {text:?}", pre.name);
+                added_hits += usize::from(text.contains("<|im_start|>"));
+                texts += 1;
+            }
+        }
+        assert!(used.iter().all(|&u| u), "every fragment drawn");
+        assert!(added_hits > 100, "added tokens in {added_hits} texts");
+        assert_eq!(texts, 400 * KNOWN.len());
     }
-    table
 }

@@ -53,7 +53,7 @@ impl ByteBpe {
             }
             pieces.clear();
             pieces.push(run);
-            for re in self.regexes.iter().rev() {
+            for re in &self.regexes {
                 next.clear();
                 for piece in &pieces {
                     split_isolated(re, piece, &mut next);

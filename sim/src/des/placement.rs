@@ -7,14 +7,12 @@
 //! simulated router places requests as the real one does.
 
 use ferry_sched_core::routing::{self, Candidate};
-use ferry_sched_core::{
-    extend_block_hashes, BlockHash, KvImport, NewRequest, RequestId, Timestamp,
-};
+use ferry_sched_core::{extend_block_hashes, KvImport, NewRequest, RequestId, Timestamp};
 
 use crate::workload::SimRequest;
 
 use super::cluster_spec::Router;
-use super::{Exec, Handoff, Sim, Track};
+use super::{Handoff, Sim, Track};
 
 /// Where a new request goes.
 enum Placement {
@@ -49,13 +47,9 @@ impl Sim<'_> {
         if spec.router == Router::RoundRobin {
             self.next_rr += 1;
         }
-        let hit = |x: &Exec, hashes: &[BlockHash]| x.core.cached_prefix_blocks(hashes) * bs;
         // `routing::pick` over `range` of the executors, by cached prefix when `by_prefix`.
         let pick = |range: std::ops::Range<usize>, by_prefix: bool| {
-            let candidates = self.execs[range.clone()].iter().map(|x| Candidate {
-                prefix_hit_tokens: if by_prefix { hit(x, &self.hashes) } else { 0 },
-                load: x.live,
-            });
+            let candidates = range.clone().map(|e| self.candidate(e, by_prefix));
             range.start + routing::pick(candidates, spec.route_load_tokens).unwrap_or(0)
         };
         let decode = match spec.router {
@@ -71,7 +65,7 @@ impl Sim<'_> {
         let d = &self.execs[decode];
         let room =
             routing::has_room(spec.scheduler.num_blocks, d.core.stats().kv_usage, bs, prompt.len());
-        let cached = hit(d, &self.hashes);
+        let cached = self.candidate(decode, true).prefix_hit_tokens;
         if !room
             || !routing::worth_disaggregating(
                 prompt.len(),
@@ -87,16 +81,21 @@ impl Sim<'_> {
         Placement::Split { prefill, decode, import_tokens }
     }
 
+    /// What the router knows of executor `e` for the prompt hashed in `self.hashes`: its cached
+    /// prefix of it (none counted unless `by_prefix`) and its live requests.
+    fn candidate(&self, e: usize, by_prefix: bool) -> Candidate {
+        let x = &self.execs[e];
+        let bs = self.spec.scheduler.block_size;
+        let hit = if by_prefix { x.core.cached_prefix_blocks(&self.hashes) * bs } else { 0 };
+        Candidate { prefix_hit_tokens: hit, load: x.live }
+    }
+
     /// The fronts' cross-shard router: each shard answers with the candidate its router would
     /// pick ([`routing::best`], `Generation/Locate`), the request goes to the shard with the
     /// best answer ([`routing::pick`], shards in order), then to that executor.
     fn pick_across_shards(&self, by_prefix: bool) -> usize {
-        let (bs, load_tokens) = (self.spec.scheduler.block_size, self.spec.route_load_tokens);
-        let weigh = |e: usize| {
-            let x = &self.execs[e];
-            let hit = if by_prefix { x.core.cached_prefix_blocks(&self.hashes) * bs } else { 0 };
-            Candidate { prefix_hit_tokens: hit, load: x.live }
-        };
+        let load_tokens = self.spec.route_load_tokens;
+        let weigh = |e: usize| self.candidate(e, by_prefix);
         let members = |s: usize| (0..self.execs.len()).filter(move |&e| self.shard_of[e] == s);
         let answers: Vec<(usize, Candidate)> = (0..self.spec.shards)
             .filter_map(|s| Some((s, routing::best(members(s).map(weigh), load_tokens)?)))

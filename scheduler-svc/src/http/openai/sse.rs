@@ -5,6 +5,7 @@
 //! straight into its frame: JSON text never holds a raw line break, so none needs splitting.
 
 use std::convert::Infallible;
+use std::fmt::Write as _;
 
 use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};
@@ -32,6 +33,13 @@ pub(super) fn sse_response(
     let body = axum::body::Body::from_stream(sse_events(shaper, events, include_usage));
     let headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")];
     (headers, body).into_response()
+}
+
+/// An event's frame holding `data` as it displays.
+fn frame_of(data: &impl std::fmt::Display) -> Bytes {
+    frame(|out| {
+        let _ = write!(out, "{data}");
+    })
 }
 
 /// One event's frame: `data: <data>` and the blank line that ends it.
@@ -76,18 +84,18 @@ fn sse_events(
                     Some(Err(status)) => {
                         st.phase = Phase::Done;
                         let data = json!({ "error": { "message": status.message(), "code": http_status(status.code()).as_u16() } });
-                        return Some((Ok(frame(|out| out.push_str(&data.to_string()))), st));
+                        return Some((Ok(frame_of(&data)), st));
                     }
                     None => st.phase = if include_usage { Phase::Usage } else { Phase::Done },
                 },
                 Phase::Usage => {
                     st.phase = Phase::Done;
                     let data = st.shaper.usage_chunk(st.usage);
-                    return Some((Ok(frame(|out| out.push_str(&data.to_string()))), st));
+                    return Some((Ok(frame_of(&data)), st));
                 }
                 Phase::Done => {
                     st.phase = Phase::End;
-                    return Some((Ok(frame(|out| out.push_str("[DONE]"))), st));
+                    return Some((Ok(frame_of(&"[DONE]")), st));
                 }
                 Phase::End => return None,
             }

@@ -332,6 +332,13 @@ class Checker:
                         self.fail(f"{p.workload}: executor's --kv-shm-dir {shm} and agent's "
                                   f"--shm-dir {ashm} are not one shared volume")
                     self.count("executors wired to their own agent")
+        # Fronts and schedulers' own HTTP APIs route alike (`--route-load-tokens`).
+        weights = {self.flag(p.argv(c), "route-load-tokens") for p in self.m.pods
+                   for c in p.containers if self.is_ferry(c) and p.argv(c)[0] == "ferry-scheduler"}
+        if len(weights) > 1 or None in weights:
+            self.fail(f"routers weigh load differently: --route-load-tokens {sorted(map(str, weights))}")
+        elif weights:
+            self.count("routers weighing load alike")
 
     def check_shards(self):
         """The fronts follow exactly the scheduler pools the release runs."""

@@ -716,8 +716,13 @@ async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
 
 /// A front in its own process that follows the pool's leader through `etcd`.
 pub(crate) fn start_front(etcd: &Etcd) -> Service {
+    start_front_with(etcd, &[])
+}
+
+/// [`start_front`] with `extra` flags.
+pub(crate) fn start_front_with(etcd: &Etcd, extra: &[&str]) -> Service {
     let endpoints = etcd.endpoints();
-    let args = [
+    let mut args = vec![
         "front",
         "--listen",
         "127.0.0.1:0",
@@ -728,6 +733,7 @@ pub(crate) fn start_front(etcd: &Etcd) -> Service {
         "--lease-ttl",
         "2",
     ];
+    args.extend_from_slice(extra);
     Service::start("ferry-scheduler", &args, 2).unwrap()
 }
 

@@ -215,7 +215,7 @@ fn bpe_for(
         .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
         .map(|(tok, t)| AddedToken::from(tok.clone(), *t == TOKEN_TYPE_CONTROL))
         .collect();
-    let bpe = ByteBpe::new(model, &pre, specials).map_err(tokenizers_err)?;
+    let bpe = ByteBpe::new(model, &pre, &specials).map_err(tokenizers_err)?;
     Ok((Encoder::Bpe(Box::new(bpe)), pre.add_bos_default))
 }
 

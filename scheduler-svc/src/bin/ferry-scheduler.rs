@@ -10,6 +10,9 @@ use ferry_runtime::cluster::ClusterArgs;
 use ferry_scheduler_svc::config::{ExecutorListArgs, FrontArgs, SchedulerArgs};
 use ferry_scheduler_svc::{Listeners, SchedulerRole};
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Ferry's scheduler and OpenAI-compatible front.
 #[derive(Debug, Parser)]
 #[command(name = "ferry-scheduler", version, about, args_conflicts_with_subcommands = true)]

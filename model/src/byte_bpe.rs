@@ -18,7 +18,7 @@
 //! DFA's leftmost-first priority among patterns is that of alternation), so a match says which
 //! alternative it is.
 
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Mutex, PoisonError, RwLock};
 
 use rustc_hash::FxHashMap;
 use tokenizers::models::bpe::BPE;
@@ -44,6 +44,9 @@ pub(crate) struct ByteBpe {
     /// Pieces met before and their ids: the model's answer is a function of the piece alone,
     /// and asking it builds a `String` per token.
     cache: RwLock<FxHashMap<Box<str>, Box<[u32]>>>,
+    /// The expressions' search caches, a set per encoding at once: taken once per text (the
+    /// regex's own pool is asked once per match otherwise).
+    scratch: Mutex<Vec<Vec<regex_automata::meta::Cache>>>,
 }
 
 impl ByteBpe {
@@ -66,6 +69,7 @@ impl ByteBpe {
             splitters,
             alphabet: byte_level_alphabet(),
             cache: RwLock::default(),
+            scratch: Mutex::default(),
         })
     }
 
@@ -77,6 +81,9 @@ impl ByteBpe {
         let mut next = Vec::new();
         let mut mapped = String::new();
         let mut fresh = Vec::new();
+        let pooled = self.scratch.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let mut scratch =
+            pooled.unwrap_or_else(|| self.splitters.iter().map(|s| s.re.create_cache()).collect());
         let cache = self.cache.read().unwrap_or_else(PoisonError::into_inner);
         for run in cut {
             let run = match run {
@@ -88,10 +95,10 @@ impl ByteBpe {
             };
             pieces.clear();
             pieces.push(run);
-            for splitter in &self.splitters {
+            for (splitter, cache) in self.splitters.iter().zip(&mut scratch) {
                 next.clear();
                 for piece in &pieces {
-                    splitter.split_isolated(piece, &mut next);
+                    splitter.split_isolated(cache, piece, &mut next);
                 }
                 std::mem::swap(&mut pieces, &mut next);
             }
@@ -110,6 +117,7 @@ impl ByteBpe {
             }
         }
         drop(cache);
+        self.scratch.lock().unwrap_or_else(PoisonError::into_inner).push(scratch);
         if !fresh.is_empty() {
             let mut cache = self.cache.write().unwrap_or_else(PoisonError::into_inner);
             for (piece, known) in fresh {
@@ -224,11 +232,22 @@ impl Splitter {
     }
 
     /// `text` split: each match and each stretch between matches a piece, empty ones dropped.
-    fn split_isolated<'a>(&self, text: &'a str, out: &mut Vec<&'a str>) {
+    fn split_isolated<'a>(
+        &self,
+        cache: &mut regex_automata::meta::Cache,
+        text: &'a str,
+        out: &mut Vec<&'a str>,
+    ) {
         let mut prev = 0;
         let mut at = 0;
         while at <= text.len() {
-            let Some(m) = self.re.find(regex_automata::Input::new(text).range(at..)) else {
+            // Most of a text is matches end to end: a match starting where the last ended is
+            // found by a forward scan alone (the leftmost-first match, as it starts leftmost);
+            // only a gap asks the unanchored search, which also scans back for the start.
+            let input = regex_automata::Input::new(text).range(at..);
+            let anchored = input.clone().anchored(regex_automata::Anchored::Yes);
+            let found = self.re.search_with(cache, &anchored);
+            let Some(m) = found.or_else(|| self.re.search_with(cache, &input)) else {
                 break;
             };
             let mut end = m.end();

@@ -336,7 +336,8 @@ class Checker:
         weights = {self.flag(p.argv(c), "route-load-tokens") for p in self.m.pods
                    for c in p.containers if self.is_ferry(c) and p.argv(c)[0] == "ferry-scheduler"}
         if len(weights) > 1 or None in weights:
-            self.fail(f"routers weigh load differently: --route-load-tokens {sorted(map(str, weights))}")
+            self.fail("routers weigh load differently: --route-load-tokens "
+                      f"{sorted(map(str, weights))}")
         elif weights:
             self.count("routers weighing load alike")
 

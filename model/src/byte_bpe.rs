@@ -3,20 +3,20 @@
 //! `Encoding`), which Ferry never reads and which cost more than the merges themselves: over
 //! half of a request's CPU in the front went to tokenizing its prompt. Here the steps are the
 //! same, without the alignments: the text is cut at the added tokens (as `tokenizers`' added
-//! vocabulary cuts them), each run of text between them is
-//! split by the family's expressions in order (a match and the text between two matches each a
-//! piece, empty pieces dropped: `Split` with `Isolated`), each piece's bytes are mapped to the
-//! byte-level alphabet, and the BPE model (with its cache of words) gives the piece's ids.
-//! The tests check the ids against `tokenizers`' own pipeline on random texts for every family.
+//! vocabulary cuts them), each run of text between them is split by the family's expressions in
+//! order (a match and the text between two matches each a piece, empty pieces dropped: `Split`
+//! with `Isolated`), and each piece's ids are taken from the encoder's cache of pieces, or
+//! else its bytes are mapped to the byte-level alphabet and the BPE model gives them. The tests
+//! check the ids against `tokenizers`' own pipeline on random texts for every family.
 //!
 //! The expressions run on a DFA (`regex-automata`), not on fancy-regex's backtracking machine
-//! (which `tokenizers` uses, and which took two fifths of the time of encoding): their one look-around,
-//! `\s+(?!\S)`, is rewritten. Greedy, it matches a run of whitespace whole at the end of the text
-//! and, before anything else, the run less its last character (which must be whitespace, so the
-//! run has two or more) — exactly what `\s+\s` matches, less its last character unless it ends
-//! the text. The expression is compiled as several patterns in its order of alternatives (the
-//! DFA's leftmost-first priority among patterns is that of alternation), so a match says which
-//! alternative it is.
+//! (which `tokenizers` uses, and which took two fifths of the time of encoding): their one
+//! look-around, `\s+(?!\S)`, is rewritten. Greedy, it matches a run of whitespace whole at the
+//! end of the text and, before anything else, the run less its last character (which must be
+//! whitespace, so the run has two or more) — exactly what `\s+\s` matches, less its last
+//! character unless it ends the text. The expression is compiled as several patterns in its
+//! order of alternatives (the DFA's leftmost-first priority among patterns is that of
+//! alternation), so a match says which alternative it is.
 
 use std::sync::{Mutex, PoisonError, RwLock};
 
@@ -57,7 +57,7 @@ impl ByteBpe {
         specials: &[AddedToken],
     ) -> Result<Self, tokenizers::Error> {
         let mut inner = tokenizers::Tokenizer::new(model);
-        // The whole pipeline only as the tests' reference: encoding splits by `regexes`.
+        // The whole pipeline only as the tests' reference: encoding splits by `splitters`.
         #[cfg(test)]
         inner.with_pre_tokenizer(Some(pre.build()?));
         inner.add_special_tokens(specials.to_vec())?;
@@ -95,10 +95,10 @@ impl ByteBpe {
             };
             pieces.clear();
             pieces.push(run);
-            for (splitter, cache) in self.splitters.iter().zip(&mut scratch) {
+            for (splitter, search) in self.splitters.iter().zip(&mut scratch) {
                 next.clear();
                 for piece in &pieces {
-                    splitter.split_isolated(cache, piece, &mut next);
+                    splitter.split_isolated(search, piece, &mut next);
                 }
                 std::mem::swap(&mut pieces, &mut next);
             }
@@ -111,7 +111,7 @@ impl ByteBpe {
                 mapped.extend(piece.bytes().map(|b| self.alphabet[usize::from(b)]));
                 let from = ids.len();
                 ids.extend(self.inner.get_model().tokenize(&mapped)?.iter().map(|t| t.id));
-                if piece.len() <= CACHE_PIECE_BYTES {
+                if piece.len() <= CACHE_PIECE_BYTES && cache.len() + fresh.len() < CACHE_PIECES {
                     fresh.push((Box::<str>::from(piece), Box::<[u32]>::from(&ids[from..])));
                 }
             }
@@ -120,12 +120,8 @@ impl ByteBpe {
         self.scratch.lock().unwrap_or_else(PoisonError::into_inner).push(scratch);
         if !fresh.is_empty() {
             let mut cache = self.cache.write().unwrap_or_else(PoisonError::into_inner);
-            for (piece, known) in fresh {
-                if cache.len() >= CACHE_PIECES {
-                    break;
-                }
-                cache.insert(piece, known);
-            }
+            let room = CACHE_PIECES.saturating_sub(cache.len());
+            cache.extend(fresh.into_iter().take(room));
         }
         Ok(())
     }
@@ -234,7 +230,7 @@ impl Splitter {
     /// `text` split: each match and each stretch between matches a piece, empty ones dropped.
     fn split_isolated<'a>(
         &self,
-        cache: &mut regex_automata::meta::Cache,
+        search: &mut regex_automata::meta::Cache,
         text: &'a str,
         out: &mut Vec<&'a str>,
     ) {
@@ -246,8 +242,8 @@ impl Splitter {
             // only a gap asks the unanchored search, which also scans back for the start.
             let input = regex_automata::Input::new(text).range(at..);
             let anchored = input.clone().anchored(regex_automata::Anchored::Yes);
-            let found = self.re.search_with(cache, &anchored);
-            let Some(m) = found.or_else(|| self.re.search_with(cache, &input)) else {
+            let found = self.re.search_with(search, &anchored);
+            let Some(m) = found.or_else(|| self.re.search_with(search, &input)) else {
                 break;
             };
             let mut end = m.end();

@@ -11,6 +11,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::admission::{sample_id, Admitted, Sample, MAX_SAMPLES};
+use super::client_stream::ClientStream;
 use super::keys::ApiKey;
 use super::placement::Placement;
 use super::stream::RequestStream;
@@ -19,9 +20,9 @@ use super::GenerationService;
 
 impl GenerationService {
     /// `generate` for a request with several samples (`n` > 1): each sample streams on its
-    /// own (its own placement, journal and moves) into a channel of its own, and one task
-    /// forwards their events to the client with their `index`, `usage` counting the prompt
-    /// once and the samples' tokens together. The client gone, or one sample's error, ends
+    /// own (its own placement, journal and moves) into a channel of its own, and their merge
+    /// (run as the client reads) forwards their events to the client with their `index`,
+    /// `usage` counting the prompt once and the samples' tokens together. The client gone, or one sample's error, ends
     /// every sample.
     async fn generate_samples(
         &self,
@@ -30,7 +31,7 @@ impl GenerationService {
         caller: Option<Arc<ApiKey>>,
         trace: RequestTrace,
         arrived: Instant,
-    ) -> Result<Response<ReceiverStream<Result<v1::GenerateEvent, Status>>>, Status> {
+    ) -> Result<Response<ClientStream>, Status> {
         let front = &self.front;
         let n = req.n;
         let refuse = |trace: RequestTrace, status: Status| {
@@ -67,11 +68,11 @@ impl GenerationService {
                 RequestStream::new(front.clone(), id, spec, placed, sample_tx, arrived, trace);
             tokio::spawn(tracing::Instrument::instrument(stream.run(), span));
         }
-        tokio::spawn(async move {
+        let merge = async move {
             merge_samples(streams, &tx, request_id).await;
             drop(permit); // the key's request ends with its last sample
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        };
+        Ok(Response::new(ClientStream::new(rx, merge)))
     }
 }
 
@@ -119,7 +120,7 @@ async fn merge_samples(
 
 #[tonic::async_trait]
 impl Generation for GenerationService {
-    type GenerateStream = ReceiverStream<Result<v1::GenerateEvent, Status>>;
+    type GenerateStream = ClientStream;
 
     async fn generate(
         &self,
@@ -165,8 +166,8 @@ impl Generation for GenerationService {
             stream.run().await;
             drop(permit); // the key's request ends here
         };
-        tokio::spawn(tracing::Instrument::instrument(run, span));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        // Run as the client reads (`ClientStream`): one task per token to wake, not two.
+        Ok(Response::new(ClientStream::new(rx, tracing::Instrument::instrument(run, span))))
     }
 
     async fn abort(

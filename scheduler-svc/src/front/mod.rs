@@ -14,6 +14,7 @@
 //! stream with no repeated and no missing token.
 
 mod admission;
+pub mod client_stream;
 mod disagg;
 mod generation;
 pub mod keys;

@@ -51,6 +51,15 @@ fn frame(write: impl FnOnce(&mut String)) -> Bytes {
     Bytes::from(out)
 }
 
+/// Whether choice `index` has its first chunk now, marking it in `started`.
+fn first_of_choice(started: &mut Vec<bool>, index: u32) -> bool {
+    let i = index as usize;
+    if started.len() <= i {
+        started.resize(i + 1, false);
+    }
+    !std::mem::replace(&mut started[i], true)
+}
+
 /// The SSE body: one chunk per event, then (if asked) a usage chunk, then `[DONE]`. Chunks are
 /// sent as events arrive; dropping the body (client gone) drops the front's stream, which
 /// aborts the request.
@@ -62,12 +71,12 @@ fn sse_events(
     struct State<S> {
         shaper: Shaper,
         events: S,
-        /// Choices that have had their first chunk.
-        started: std::collections::HashSet<u32>,
+        /// Choices that have had their first chunk, by index (at most `n`, a few).
+        started: Vec<bool>,
         usage: Option<v1::Usage>,
         phase: Phase,
     }
-    let started = std::collections::HashSet::new();
+    let started = Vec::new();
     let init = State { shaper, events, started, usage: None, phase: Phase::Events };
     stream::unfold(init, move |mut st| async move {
         loop {
@@ -77,7 +86,7 @@ fn sse_events(
                         if ev.usage.is_some() {
                             st.usage = ev.usage;
                         }
-                        let first = st.started.insert(ev.index);
+                        let first = first_of_choice(&mut st.started, ev.index);
                         let data = frame(|out| st.shaper.chunk_into(&ev, first, out));
                         return Some((Ok(data), st));
                     }

@@ -50,7 +50,8 @@ for b in "${bins[@]}"; do
   grep -q "^Usage: $b" <<<"$out" || { echo "image: $b --help printed: $out"; exit 1; }
   echo "image: $b --help answers inside the image"
 done
-out=$(run ferry-executor --check-config --listen 0.0.0.0:50061 --plaintext --model /models/m.gguf)
+out=$(run ferry-executor --check-config --listen 0.0.0.0:50061 --plaintext --etcd-endpoints etcd:2379 \
+  --model /models/m.gguf)
 grep -q "configuration ok" <<<"$out" || { echo "image: --check-config printed: $out"; exit 1; }
 kv_out=$(run ferry-kv --check-config)
 echo "image: ok ($kv_out)"

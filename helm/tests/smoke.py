@@ -354,9 +354,12 @@ class Run:
                           (False, f"{where} took a {stranger} certificate",
                            self.grpc_flags(server, stranger), target)]
 
+        # Reflection is under the API keys where the front wants one; other ports ignore it.
+        auth = ["-H", f"authorization: Bearer {self.args.api_key}"] if self.args.api_key else []
+
         def lists(call):
             _, _, flags, target = call
-            return sh(self.args.grpcurl, "-connect-timeout", "3", *flags, target, "list",
+            return sh(self.args.grpcurl, "-connect-timeout", "3", *flags, *auth, target, "list",
                       check=False).returncode == 0
 
         with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:

@@ -52,6 +52,8 @@ pub struct GrpcHost {
     side: Option<crate::side_channel::SideChannel>,
     /// Under mutual TLS, the roles whose certificates may connect.
     callers: &'static [crate::tls::Role],
+    /// What every call on the API port must pass (API keys), but its open paths.
+    gate: crate::call_gate::CallGate,
 }
 
 /// HTTP/2 flow-control windows for services that move bulk data (KV blocks): a stream may have
@@ -87,6 +89,7 @@ impl GrpcHost {
             bulk: false,
             side: None,
             callers: &crate::tls::Role::ALL,
+            gate: crate::call_gate::CallGate::default(),
         }
     }
 
@@ -133,6 +136,14 @@ impl GrpcHost {
         self
     }
 
+    /// Puts every call on the API port (reflection and `/metrics` included) behind `gate`;
+    /// the probe port is not gated.
+    #[must_use]
+    pub fn gate(mut self, gate: crate::call_gate::CallGate) -> Self {
+        self.gate = gate;
+        self
+    }
+
     /// Serves `GET /metrics` (Prometheus text) on the same port, over HTTP/1.1 beside gRPC;
     /// several calls add families in order.
     #[must_use]
@@ -163,8 +174,17 @@ impl GrpcHost {
         ports: impl Into<Ports>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), HostError> {
-        let Self { mut routes, probe_routes, service_names, health, metrics, bulk, side, callers } =
-            self;
+        let Self {
+            mut routes,
+            probe_routes,
+            service_names,
+            health,
+            metrics,
+            bulk,
+            side,
+            callers,
+            gate,
+        } = self;
         let Ports { grpc: listener, probe } = ports.into();
         let mut metrics = metrics;
         if !metrics.is_empty() && crate::tls::current().is_some() {
@@ -235,7 +255,7 @@ impl GrpcHost {
                 .max_frame_size(BULK_FRAME_SIZE)
                 .tcp_nodelay(true);
         }
-        let server = server.accept_http1(http1).add_routes(routes);
+        let server = server.accept_http1(http1).layer(gate).add_routes(routes);
         // Each way of serving is boxed: three servers' state inline would make every caller's
         // future large.
         if let Some(tls) = crate::tls::current() {

@@ -7,6 +7,7 @@
 
 pub mod address;
 pub mod backoff;
+pub mod call_gate;
 pub mod check;
 pub mod clock;
 pub mod cluster;

@@ -13,17 +13,87 @@ use tonic::{Request, Response, Status};
 
 use crate::executors::ExecutorSet;
 use crate::link::transfers::{Phase, TransferSide};
+use crate::standby::Standing;
 
 /// The admin service over the executors this process drives.
 #[derive(Clone)]
 pub struct AdminService {
     executors: Arc<ExecutorSet>,
+    /// With etcd: a standby says so (and where the leader is) rather than list nothing.
+    standing: Option<Arc<Standing>>,
 }
 
 impl AdminService {
-    /// An admin view of `executors`.
-    pub fn new(executors: Arc<ExecutorSet>) -> Self {
-        Self { executors }
+    /// An admin view of `executors`, driven while `standing` (if any) says this leads.
+    pub fn new(executors: Arc<ExecutorSet>, standing: Option<Arc<Standing>>) -> Self {
+        Self { executors, standing }
+    }
+
+    /// Refuses a call on a standby, naming the leader.
+    fn leading(&self) -> Result<(), Status> {
+        match self.standing.as_ref().and_then(|s| s.standby_notice()) {
+            Some(notice) => Err(Status::unavailable(notice)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `ferry.v1.Admin` on a front in its own process, which drives no executor: every call is
+/// refused naming where the Admin API is served (each pool's leader).
+#[derive(Clone)]
+pub struct FrontAdmin {
+    shards: Arc<crate::front::shards::Shards>,
+}
+
+impl FrontAdmin {
+    /// The refusals of a front following `shards`.
+    pub fn new(shards: Arc<crate::front::shards::Shards>) -> Self {
+        Self { shards }
+    }
+
+    fn refusal(&self) -> Status {
+        let leaders: Vec<String> = self
+            .shards
+            .leaders()
+            .into_iter()
+            .map(|(pool, leader)| match leader {
+                Some(at) => format!("pool {pool:?} at {at}"),
+                None => format!("pool {pool:?} (no leader elected now)"),
+            })
+            .collect();
+        let where_ = if leaders.is_empty() {
+            "no scheduler pool is up now".to_string()
+        } else {
+            leaders.join(", ")
+        };
+        Status::unimplemented(format!(
+            "this is a front, which drives no executor: ferry.v1.Admin is served by each \
+             scheduler pool's leader ({where_})"
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for FrontAdmin {
+    async fn list_requests(
+        &self,
+        _request: Request<v1::ListRequestsRequest>,
+    ) -> Result<Response<v1::ListRequestsResponse>, Status> {
+        Err(self.refusal())
+    }
+
+    async fn list_executors(
+        &self,
+        _request: Request<v1::ListExecutorsRequest>,
+    ) -> Result<Response<v1::ListExecutorsResponse>, Status> {
+        Err(self.refusal())
+    }
+
+    async fn list_transfers(
+        &self,
+        _request: Request<v1::ListTransfersRequest>,
+    ) -> Result<Response<v1::ListTransfersResponse>, Status> {
+        Err(self.refusal())
     }
 }
 
@@ -162,6 +232,7 @@ impl Admin for AdminService {
         &self,
         request: Request<v1::ListRequestsRequest>,
     ) -> Result<Response<v1::ListRequestsResponse>, Status> {
+        self.leading()?;
         let only = request.into_inner().executor;
         let mut requests = Vec::new();
         for link in self.executors.alive() {
@@ -178,6 +249,7 @@ impl Admin for AdminService {
         &self,
         _request: Request<v1::ListTransfersRequest>,
     ) -> Result<Response<v1::ListTransfersResponse>, Status> {
+        self.leading()?;
         let mut sides = Vec::new();
         for link in self.executors.alive() {
             sides.extend(link.transfers().await.into_iter().map(|t| (link.name.clone(), t)));
@@ -189,6 +261,7 @@ impl Admin for AdminService {
         &self,
         _request: Request<v1::ListExecutorsRequest>,
     ) -> Result<Response<v1::ListExecutorsResponse>, Status> {
+        self.leading()?;
         let executors = self
             .executors
             .alive()
@@ -205,6 +278,11 @@ impl Admin for AdminService {
                     prefix_cache_queries: s.prefix_cache_queries,
                     prefix_cache_hits: s.prefix_cache_hits,
                     preemptions: s.num_preemptions,
+                    role: match l.info.role() {
+                        v1::ExecutorRole::Unspecified => v1::ExecutorRole::Both,
+                        role => role,
+                    }
+                    .into(),
                 }
             })
             .collect();

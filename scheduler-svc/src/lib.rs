@@ -21,6 +21,7 @@ pub mod leader;
 pub mod link;
 pub mod metrics;
 pub mod request;
+pub mod standby;
 pub mod tier;
 
 use std::sync::Arc;
@@ -122,6 +123,10 @@ pub async fn run(
     });
     // With etcd, executors are driven only while this scheduler leads its pool.
     let (leading_tx, leading) = tokio::sync::watch::channel(None);
+    let standing = role.cluster.as_ref().map(|c| {
+        let pool = role.scheduler.pool.clone();
+        Arc::new(standby::Standing::follow(c.clone(), pool, leading.clone()))
+    });
     let leading = role.cluster.is_some().then_some(leading);
     let (resign_tx, resign_rx) = tokio::sync::watch::channel(false);
     let mut leader_task = match role.cluster {
@@ -141,6 +146,9 @@ pub async fn run(
         front::Route::Local(executors.clone()),
         front_settings,
     );
+    if let Some(standing) = &standing {
+        front.stand_by(standing.clone());
+    }
     // The drain's hand-over: a leader resigns, handing its requests over (the fronts move
     // their streams to the next leader).
     let hand_over = async {
@@ -150,9 +158,9 @@ pub async fn run(
         }
     };
     let metrics = Arc::new(front.metrics_view(leading));
-    let admin = admin::AdminService::new(executors);
+    let admin = admin::AdminService::new(executors, standing);
     let stop = Stop { signal: shutdown, hand_over, drain: role.drain };
-    serve_api(front, metrics, Some(admin), listeners, stop).await?;
+    serve_api(front, metrics, admin, listeners, stop).await?;
     if let Some(task) = leader_task {
         task.abort();
     }
@@ -176,10 +184,29 @@ pub async fn run_front(
     let max_model_len = model.shape.max_model_len;
     let served = ServedModel { file: model, max_model_len };
     let shards = front::shards::Shards::follow(cluster, pools);
+    let admin = admin::FrontAdmin::new(shards.clone());
     let front = front::GenerationService::new(served, front::Route::Remote(shards), settings);
     let metrics = Arc::new(front.metrics_view(None));
     let stop = Stop { signal: shutdown, hand_over: async {}, drain };
-    serve_api(front, metrics, None, listeners, stop).await
+    serve_api(front, metrics, admin, listeners, stop).await
+}
+
+/// With API keys, every call on the client gRPC port needs one — the Admin API and reflection
+/// too — but `Generation` (which identifies its caller itself, and charges the key) and health
+/// (for probes); `/metrics` needs one only with `--api-key-guards-health-and-metrics`, as on the
+/// HTTP port.
+fn key_gate(front: &front::GenerationService) -> ferry_runtime::call_gate::CallGate {
+    use ferry_runtime::call_gate::{CallGate, Check};
+    let Some(keys) = front.keys().cloned() else { return CallGate::default() };
+    let mut open = vec!["/ferry.v1.Generation/", "/grpc.health.v1.Health/"];
+    if !keys.guard_health_and_metrics {
+        open.push("/metrics");
+    }
+    let check: Check = Arc::new(move |headers| {
+        let presented = headers.get("authorization").and_then(|v| v.to_str().ok());
+        keys.identify(presented).map(drop)
+    });
+    CallGate::new(check, open)
 }
 
 /// How the APIs stop: on `signal` they drain (runtime's `shutdown` module): health says
@@ -195,7 +222,7 @@ struct Stop<S, H> {
 async fn serve_api(
     front: front::GenerationService,
     metrics: Arc<dyn ferry_runtime::prometheus::Render>,
-    admin: Option<admin::AdminService>,
+    admin: impl ferry_proto::v1::admin_server::Admin,
     listeners: Listeners,
     stop: Stop<impl std::future::Future<Output = ()> + Send, impl std::future::Future<Output = ()>>,
 ) -> anyhow::Result<()> {
@@ -204,16 +231,15 @@ async fn serve_api(
     let stopped = move || ferry_runtime::when_set(stop_rx.clone());
     let mut http_task =
         http.map(|l| tokio::spawn(http::serve(front.clone(), metrics.clone(), l, stopped())));
-    let mut host = GrpcHost::new()
+    let host = GrpcHost::new()
         .callers(ferry_runtime::tls::API_CALLERS)
         .add_service(
             ferry_proto::v1::generation_server::GenerationServer::new(front.clone())
                 .max_decoding_message_size(front.limits().max_request_bytes),
         )
-        .with_metrics(metrics);
-    if let Some(admin) = admin {
-        host = host.add_service(ferry_proto::v1::admin_server::AdminServer::new(admin));
-    }
+        .with_metrics(metrics)
+        .add_service(ferry_proto::v1::admin_server::AdminServer::new(admin))
+        .gate(key_gate(&front));
     let health = host.health_switch();
     let grpc = host.serve(ferry_runtime::grpc::Ports { grpc, probe }, stopped());
     tokio::pin!(grpc);

@@ -156,6 +156,11 @@ pub enum TlsError {
 }
 
 impl TlsArgs {
+    /// Whether mutual TLS is asked for (every peer then shows a certificate naming its role).
+    pub fn mutual(&self) -> bool {
+        self.cert.is_some() && self.key.is_some() && self.ca.is_some()
+    }
+
     /// Checks the flags against the listen addresses (`(flag, address)`), reading nothing.
     pub fn validate(&self, listens: &[(&'static str, &str)]) -> Result<(), TlsError> {
         let given = [&self.cert, &self.key, &self.ca].iter().filter(|p| p.is_some()).count();
@@ -175,7 +180,7 @@ impl TlsArgs {
 }
 
 /// Whether a listen address (`host:port`) is reachable only from this machine.
-fn is_loopback(addr: &str) -> bool {
+pub fn is_loopback(addr: &str) -> bool {
     if let Ok(sa) = addr.parse::<std::net::SocketAddr>() {
         return sa.ip().is_loopback();
     }

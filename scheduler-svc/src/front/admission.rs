@@ -60,6 +60,11 @@ impl Front {
         self.settings.keys.as_ref().map(|k| k.identify_call(metadata)).transpose()
     }
 
+    /// What a caller is told while this process stands by for its pool's leader.
+    pub(super) fn standby_notice(&self) -> Option<String> {
+        self.standing.get().and_then(|s| s.standby_notice())
+    }
+
     /// Refuses a new request when its id is live or the front is full.
     pub(super) fn check_room(&self, request_id: &str) -> Result<(), Status> {
         let live = self.live()?;
@@ -87,6 +92,9 @@ impl Front {
         trace: &mut RequestTrace,
         samples: usize,
     ) -> Result<(RequestSpec, Option<Permit>), Status> {
+        if let Some(notice) = self.standby_notice() {
+            return Err(Status::unavailable(notice));
+        }
         if req.priority != 0 && !self.settings.accepts_priority {
             return Err(Status::invalid_argument(format!(
                 "priority {} given, but this scheduler serves first come, first served: start \

@@ -64,6 +64,9 @@ pub struct Front {
     live: Mutex<HashMap<String, Live>>,
     /// Set when the process begins to drain: `/health` says so from then on.
     draining: std::sync::atomic::AtomicBool,
+    /// A scheduler's standing in its pool (with etcd): a standby refuses requests naming the
+    /// leader.
+    standing: std::sync::OnceLock<Arc<crate::standby::Standing>>,
 }
 
 /// A live request: where it runs now, and whose it is.
@@ -98,6 +101,7 @@ impl GenerationService {
             next_transfer: disagg::transfer_ids(),
             live: Mutex::default(),
             draining: std::sync::atomic::AtomicBool::new(false),
+            standing: std::sync::OnceLock::new(),
         };
         Self { front: Arc::new(front) }
     }
@@ -130,6 +134,17 @@ impl GenerationService {
             parts.push(Arc::new(keys::KeyMetrics { model_name, keys: keys.clone() }));
         }
         ferry_runtime::prometheus::All(parts)
+    }
+
+    /// Makes this front a scheduler's, which stands by while `standing` says so: requests
+    /// and `/health` are then answered with where the leader is.
+    pub fn stand_by(&self, standing: Arc<crate::standby::Standing>) {
+        let _ = self.front.standing.set(standing);
+    }
+
+    /// What a caller is told while this process stands by for its pool's leader.
+    pub fn standby_notice(&self) -> Option<String> {
+        self.front.standby_notice()
     }
 
     /// From now on `/health` answers 503 "draining" (the drain's first step).

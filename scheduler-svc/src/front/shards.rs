@@ -95,6 +95,12 @@ impl Shards {
         leaders.values().filter(|s| s.leader.current().is_some()).cloned().collect()
     }
 
+    /// Each pool followed and its leader's address, if one is known.
+    pub fn leaders(&self) -> Vec<(String, Option<String>)> {
+        let leaders = self.leaders.lock().unwrap_or_else(PoisonError::into_inner);
+        leaders.iter().map(|(pool, s)| (pool.clone(), s.leader.current())).collect()
+    }
+
     /// Whether some pool's leader is known now.
     pub fn any_led(&self) -> bool {
         !self.led().is_empty()

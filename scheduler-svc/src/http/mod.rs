@@ -168,6 +168,8 @@ async fn require_key(
 async fn health(State(front): State<GenerationService>) -> Response {
     if front.is_draining() {
         (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response()
+    } else if let Some(notice) = front.standby_notice() {
+        (StatusCode::SERVICE_UNAVAILABLE, notice).into_response()
     } else if front.has_executors() {
         (StatusCode::OK, "ok").into_response()
     } else {

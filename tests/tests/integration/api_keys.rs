@@ -185,3 +185,55 @@ fn a_bad_keys_file_stops_start_up_naming_the_flag() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--api-keys-file") && err.contains("rpm"), "{err}");
 }
+
+/// With a key set, the client gRPC port's Admin API and reflection need it as `Generation`
+/// does (issue 49); health stays open for probes, and the Admin API answers with the key
+/// (each executor with its role).
+#[test]
+fn the_admin_api_and_reflection_need_the_key_and_health_does_not() {
+    let mut args = ferry_tests::serve_args("64").to_vec();
+    args.extend(["--api-key", KEY_A]);
+    let serve = Service::start("ferry", &args, 4).unwrap();
+    let target = serve.addr("grpc").to_string();
+    let auth = format!("authorization: Bearer {KEY_A}");
+    let refused = |flags: &[&str], call: &[&str]| {
+        let mut argv = vec!["-plaintext"];
+        argv.extend(flags);
+        argv.push(&target);
+        argv.extend(call);
+        let out = ferry_tests::grpcurl(&argv).unwrap();
+        assert!(!out.status.success(), "{call:?} answered without a key");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(err.contains("Unauthenticated") && err.contains("API key"), "{call:?}: {err}");
+    };
+    refused(&[], &["list"]);
+    refused(&[], &["describe", "ferry.v1.Admin"]);
+    refused(&[], &["ferry.v1.Admin/ListExecutors"]);
+    refused(&["-H", "authorization: Bearer sk-guess"], &["ferry.v1.Admin/ListRequests"]);
+
+    let listed = ferry_tests::grpcurl_ok(&["-plaintext", "-H", &auth, &target, "list"]).unwrap();
+    assert!(listed.contains("ferry.v1.Admin"), "{listed}");
+    let executors = ferry_tests::grpcurl_ok(&[
+        "-plaintext",
+        "-H",
+        &auth,
+        &target,
+        "ferry.v1.Admin/ListExecutors",
+    ])
+    .unwrap();
+    assert!(executors.contains("\"role\": \"EXECUTOR_ROLE_BOTH\""), "{executors}");
+    // Health needs no key (a probe calls it without reflection; grpcurl, which looks the
+    // service up by reflection first, needs the key for that).
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let status = runtime.block_on(async {
+        let channel = Channel::from_shared(format!("http://{target}")).unwrap();
+        let mut health =
+            tonic_health::pb::health_client::HealthClient::new(channel.connect().await.unwrap());
+        let ask = tonic_health::pb::HealthCheckRequest { service: String::new() };
+        health.check(ask).await.map(|r| r.into_inner().status)
+    });
+    assert_eq!(
+        status.unwrap(),
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+}

@@ -9,7 +9,7 @@ use ferry_proto::v1::{self, executor_client::ExecutorClient};
 use ferry_tests::streams::{
     assert_complete, assert_same_streams, metric, run_streams, wait_for, Outcome,
 };
-use ferry_tests::{http, signal, Etcd, Service};
+use ferry_tests::{grpcurl, http, signal, Etcd, Service};
 
 const PREFIX: &str = "/ferry/default/executors/";
 
@@ -639,6 +639,25 @@ async fn a_standby_scheduler_takes_over_and_a_deposed_leader_is_fenced() {
     let candidates = || etcd.keys("/ferry/default/scheduler/").unwrap().len() == 2;
     assert!(wait_for(Duration::from_secs(10), candidates).await.is_some(), "s1 never campaigned");
     assert_eq!(health(scheds[1].as_ref().unwrap()), 503, "a standby drives no executor");
+    // It says it stands by and where the leader is: on HTTP, Generation and Admin alike.
+    let leader_at = scheds[0].as_ref().unwrap().addr("grpc").to_string();
+    let standby = scheds[1].as_ref().unwrap();
+    let says = |body: &str| body.contains("standby of pool") && body.contains(&leader_at);
+    let body =
+        || http(standby.addr("http"), "GET", "/health", b"").map(|r| r.1).unwrap_or_default();
+    assert!(
+        wait_for(Duration::from_secs(10), || says(&body())).await.is_some(),
+        "the standby's /health never named the leader: {}",
+        body()
+    );
+    let (status, completion) =
+        http(standby.addr("http"), "POST", "/v1/completions", br#"{"prompt":"Hi","max_tokens":2}"#)
+            .unwrap();
+    assert!(status == 503 && says(&completion), "{status} {completion}");
+    let target = standby.addr("grpc").to_string();
+    let out = grpcurl(&["-plaintext", &target, "ferry.v1.Admin/ListExecutors"]).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("Unavailable") && says(&err), "{err}");
     let (owner, first_epoch) = session_owner(&exec).await;
     assert_eq!(owner, "s0");
 
@@ -746,6 +765,16 @@ async fn a_killed_leader_scheduler_breaks_no_stream() {
     let s1 = start_scheduler_as(&etcd, "s1");
     let front = start_front(&etcd);
     assert!(wait_for(Duration::from_secs(10), || health(&front) == 200).await.is_some());
+    // A front serves no Admin API of its own: the call says where it is served.
+    let out =
+        grpcurl(&["-plaintext", &front.addr("grpc").to_string(), "ferry.v1.Admin/ListRequests"])
+            .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let leader_at = s0.addr("grpc").to_string();
+    assert!(
+        !out.status.success() && err.contains("Unimplemented") && err.contains(&leader_at),
+        "{err}"
+    );
 
     let undisturbed = undisturbed_streams(&front).await;
 

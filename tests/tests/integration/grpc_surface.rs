@@ -254,3 +254,42 @@ fn bench_core_prints_json_rows() {
     }
     assert!(text.trim_start().starts_with('['), "{text}");
 }
+
+/// An executor that nothing authenticates its scheduler to (no etcd, no token file, no mutual
+/// TLS) refuses an address other machines reach, naming the three ways; on loopback it starts
+/// and says once, in its log, that any scheduler on the machine may drive it (issue 49).
+#[test]
+fn an_executor_trusting_anyone_refuses_other_machines_and_says_so_on_loopback() {
+    let sim = ["--backend", "sim", "--model-profile", "llama-3-8b"];
+    let out = Command::new(binary("ferry-executor").unwrap())
+        .args(["--listen", "0.0.0.0:0", "--plaintext"])
+        .args(sim)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "started reachable by anyone");
+    let err = String::from_utf8_lossy(&out.stderr);
+    for way in ["--etcd-endpoints", "--leadership-token-file", "--tls-cert"] {
+        assert!(err.contains(way), "{way} not named in:\n{err}");
+    }
+
+    let mut child = Command::new(binary("ferry-executor").unwrap())
+        .args(["--listen", "127.0.0.1:0"])
+        .args(sim)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let said = std::iter::from_fn(|| rx.recv_timeout(Duration::from_mins(1)).ok())
+        .any(|l| l.contains("any scheduler on this machine may drive this executor"));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(said, "no warning that any local scheduler may drive it");
+}

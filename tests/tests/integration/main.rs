@@ -23,6 +23,7 @@ mod model_fetch;
 mod model_formats;
 mod observability;
 mod parallel_sampling;
+mod readme_cluster;
 mod serve_generation;
 mod shards;
 mod sim_cluster;

@@ -125,6 +125,21 @@ async fn main() -> anyhow::Result<()> {
     }
     cli.cluster.validate()?;
     let drain = cli.service.validate(&[("listen", &cli.listen)])?;
+    // Who may drive this executor: with etcd, its pool's elected leader; with a token file,
+    // a scheduler that has the token; under mutual TLS, a `scheduler` certificate. With none
+    // of them any scheduler that reaches it opens a session.
+    let trusts_anyone = !cli.cluster.enabled()
+        && cli.executor.leadership_token.is_none()
+        && !cli.service.tls.mutual();
+    if trusts_anyone && !ferry_runtime::tls::is_loopback(&cli.listen) {
+        anyhow::bail!(
+            "--listen {} is reachable from other machines, and nothing would check the \
+             scheduler that drives this executor: give --etcd-endpoints (only its pool's elected \
+             leader), --leadership-token-file (only a scheduler with the token) or --tls-cert, \
+             --tls-key and --tls-ca (only a `scheduler` certificate)",
+            cli.listen
+        );
+    }
     // A dry run checks the configuration, not this build: a CUDA pool's flags are checked by
     // any build (the CUDA image's executor runs them).
     let build = cli.executor.check_build();
@@ -136,6 +151,13 @@ async fn main() -> anyhow::Result<()> {
     }
     build?;
     let _telemetry = cli.service.start("ferry-executor")?;
+    if trusts_anyone {
+        tracing::warn!(
+            listen = %cli.listen,
+            "no etcd, no --leadership-token-file and no mutual TLS: any scheduler on this \
+             machine may drive this executor"
+        );
+    }
     let (listener, addr) = ferry_runtime::grpc::bind(&cli.listen).await?;
     ferry_runtime::grpc::announce("ferry-executor", "grpc", addr);
     let probe = cli.service.probe.bind("ferry-executor").await?;

@@ -344,7 +344,8 @@ impl Wanted {
             m.listed(); // a re-registration (new lease) of what we already have
             return;
         }
-        tracing::info!(executor = %name, address = %info.address, "executor registered");
+        let address = ferry_runtime::tls::dialled_url(&info.address);
+        tracing::info!(executor = %name, %address, "executor registered");
         if let Some(mut old) = self.members.remove(&name) {
             old.cancel();
             self.set.remove(&name, "it registered again at a new address or in another pool");
@@ -453,7 +454,8 @@ impl Wanted {
             m.connecting = Some(tokio::spawn(async move {
                 match opening.await {
                     Ok(link) => {
-                        tracing::info!(executor = %name, address = %url, "executor session open");
+                        let address = ferry_runtime::tls::dialled_url(&url);
+                        tracing::info!(executor = %name, %address, "executor session open");
                         set.insert(link);
                         None
                     }

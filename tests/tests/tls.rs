@@ -88,6 +88,23 @@ fn grpcurl_lists(addr: SocketAddr, flags: &[String]) -> bool {
     grpcurl(&args).unwrap().status.success()
 }
 
+/// A `client` certificate against an executor: the call fails `UNAUTHENTICATED` naming the roles
+/// the port takes (issue 49), not with a broken pipe.
+fn a_client_is_told_why_an_executor_refuses_it(certs: &Path, executor: SocketAddr) {
+    let flags = grpcurl_tls(certs, certs, Some("client"));
+    let mut args: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let executor = executor.to_string();
+    args.extend([executor.as_str(), "ferry.v1.Executor/Describe"]);
+    let out = grpcurl(&args).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("Unauthenticated")
+            && err.contains("names none of the roles this port takes (ferry-scheduler)"),
+        "{err}"
+    );
+}
+
 /// grpcurl's flags to present `stem` from `cert_dir`, trusting `ca_dir`'s CA.
 fn grpcurl_tls(ca_dir: &Path, cert_dir: &Path, stem: Option<&str>) -> Vec<String> {
     let mut flags = vec!["-cacert".to_string(), ca_dir.join("ca.pem").display().to_string()];
@@ -144,6 +161,7 @@ fn node(certs: &Path, role: &str) -> (Service, Service) {
     (agent, executor)
 }
 
+#[allow(clippy::too_many_lines)] // one cluster, every port's refusals
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_strangers() {
     let dir = TempDir::new("tls").unwrap();
@@ -241,6 +259,7 @@ async fn mutual_tls_cluster_streams_exactly_and_every_internal_port_refuses_stra
     for ((failure, _, _, must), did) in calls.iter().zip(answered) {
         assert_eq!(did, *must, "{failure}");
     }
+    a_client_is_told_why_an_executor_refuses_it(&ours, prefill.addr("grpc"));
     // Probe ports: plaintext health and /metrics (for kubelets and Prometheus), nothing else.
     let probes = [
         ("prefill executor", prefill.addr("probe"), "ferry.v1.Executor/Describe"),
@@ -358,7 +377,10 @@ fn plaintext_beyond_loopback_only_when_asked() {
             !ok && err.contains("--listen 0.0.0.0:0") && err.contains("--plaintext"),
             "{name}: {err}"
         );
-        let (ok, err) = check(name, &["--listen", "0.0.0.0:0", "--plaintext"]);
+        // (An executor also needs a way to check its scheduler there: etcd, here.)
+        let etcd = ["--etcd-endpoints", "127.0.0.1:2379"];
+        let (ok, err) =
+            check(name, &[&["--listen", "0.0.0.0:0", "--plaintext"][..], &etcd].concat());
         assert!(ok, "{name} --plaintext: {err}");
         let (ok, err) = check(name, &["--listen", "127.0.0.1:0"]);
         assert!(ok, "{name} on loopback: {err}");

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 use tokio_rustls::rustls::ServerConfig;
 
 use super::certificates::{Configs, Tls};
+use super::role_verifier::role_refusal;
 use super::{Role, DATA_ALPN, HANDSHAKE_TIMEOUT};
 
 /// At most one log line per this long about refused handshakes (a scanner or a client with a
@@ -57,9 +58,9 @@ pub fn accept(
             let configs = tls.configs();
             let config = match callers {
                 Callers::Anyone => configs.public.clone(),
-                Callers::Roles(allowed) => match &built {
+                Callers::Roles(_) => match &built {
                     Some((from, config)) if Arc::ptr_eq(from, &configs) => config.clone(),
-                    _ => match configs.mutual(allowed) {
+                    _ => match configs.mutual() {
                         Ok(config) => {
                             built = Some((configs, config.clone()));
                             config
@@ -81,11 +82,42 @@ pub fn accept(
                     Ok(Err(e)) => return refused(remote, &e, false),
                     Err(_) => return refused(remote, &"no handshake within 10 s", true),
                 };
+                if let Callers::Roles(allowed) = callers {
+                    let cert = conn.get_ref().1.peer_certificates().and_then(<[_]>::first);
+                    if let Some(why) = role_refusal(cert, allowed) {
+                        refused(remote, &why, false);
+                        return explain_refusal(conn, why).await;
+                    }
+                }
                 let _ = tx.send((conn, remote)).await;
             });
         }
     });
     rx
+}
+
+/// Answers a gRPC caller whose certificate holds no role the port takes: every call it makes
+/// on the connection (for as long as a handshake may take) fails `UNAUTHENTICATED` with `why`,
+/// and nothing else is served to it; any other protocol is closed at once.
+async fn explain_refusal(conn: ServerStream, why: String) {
+    use tokio::io::AsyncWriteExt;
+    if conn.get_ref().1.alpn_protocol() != Some(b"h2".as_slice()) {
+        let mut conn = conn;
+        let _ = conn.shutdown().await;
+        return;
+    }
+    let status = tonic::Status::unauthenticated(why);
+    let answer =
+        tower::service_fn(move |_: tonic::codegen::http::Request<hyper::body::Incoming>| {
+            let response = status.clone().into_http::<tonic::body::Body>();
+            async move { Ok::<_, std::convert::Infallible>(response) }
+        });
+    let server = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    let serving = server.serve_connection(
+        hyper_util::rt::TokioIo::new(conn),
+        hyper_util::service::TowerToHyperService::new(answer),
+    );
+    let _ = tokio::time::timeout(HANDSHAKE_TIMEOUT, serving).await;
 }
 
 /// Handshakes this process's ports refused, by why: the peer failed the handshake (no

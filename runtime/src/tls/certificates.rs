@@ -12,7 +12,7 @@ use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
 
 use super::role_verifier::RoleVerifier;
-use super::{file_error, provider, Protocol, Role, TlsArgs, TlsError, RELOAD_EVERY};
+use super::{file_error, provider, Protocol, TlsArgs, TlsError, RELOAD_EVERY};
 
 impl TlsArgs {
     /// Reads the files: `None` when TLS is off.
@@ -115,11 +115,11 @@ impl Configs {
 }
 
 impl Configs {
-    /// A port's configuration: client certificates from the CA holding one of `allowed`
-    /// (checked during the handshake, so a refused client is told why at once); ALPN h2, the
-    /// data channel, and HTTP/1.1 for `/metrics`.
-    pub(super) fn mutual(&self, allowed: &'static [Role]) -> Result<Arc<ServerConfig>, TlsError> {
-        let verifier = Arc::new(RoleVerifier { chain: self.chain.clone(), allowed });
+    /// A port's configuration: client certificates from the CA (the role each holds is
+    /// checked after the handshake, [`super::role_verifier::role_refusal`]); ALPN h2, the data
+    /// channel, and HTTP/1.1 for `/metrics`.
+    pub(super) fn mutual(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let verifier = Arc::new(RoleVerifier { chain: self.chain.clone() });
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()?
             .with_client_cert_verifier(verifier)

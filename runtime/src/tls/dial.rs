@@ -40,6 +40,15 @@ pub fn endpoint(address: &str) -> Result<Endpoint, tonic::transport::Error> {
     Endpoint::from_shared(format!("http://{hostport}"))
 }
 
+/// `address` (`host:port` or a URL) as this process dials it, for logs: `https://` under TLS
+/// (whatever scheme an advertised address carries), `http://` otherwise.
+pub fn dialled_url(address: &str) -> String {
+    let hostport =
+        address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/');
+    let scheme = if super::current().is_some() { "https" } else { "http" };
+    format!("{scheme}://{hostport}")
+}
+
 /// Connects to `endpoint`, a service holding `peer`'s role: over mutual TLS when the process
 /// has TLS, plaintext otherwise.
 pub async fn connect(endpoint: &Endpoint, peer: Role) -> Result<Channel, tonic::transport::Error> {

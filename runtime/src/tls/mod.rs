@@ -43,7 +43,7 @@ mod tests;
 
 pub use accept::{accept, is_data_channel, Callers, HandshakeMetrics, Listener, ServerStream};
 pub use certificates::Tls;
-pub use dial::{connect, connect_lazy, endpoint, public_client};
+pub use dial::{connect, connect_lazy, dialled_url, endpoint, public_client};
 
 /// How often the certificate files are checked for a change.
 pub const RELOAD_EVERY: Duration = Duration::from_secs(2);

@@ -1,6 +1,8 @@
-//! The check that a caller may use a port: its certificate chains to the CA and holds one of
-//! the port's roles (a DNS name, see [`Role`]). It runs inside the handshake, so a refused
-//! client is told why at once rather than seeing its first call fail.
+//! The check that a caller may use a port: its certificate chains to the CA (inside the
+//! handshake: another CA or none is refused there) and holds one of the port's roles (a DNS
+//! name, see [`Role`]; checked right after the handshake by the accept loop, which answers a
+//! gRPC caller of another role `UNAUTHENTICATED` saying which roles the port takes — refused
+//! inside the handshake, a client saw only "broken pipe").
 
 use std::sync::Arc;
 
@@ -9,23 +11,24 @@ use tokio_rustls::rustls::pki_types::CertificateDer;
 
 use super::Role;
 
-/// Checks a client's chain, then that it holds a role allowed on the port.
+/// Checks a client's chain (its role is checked after the handshake: [`role_refusal`]).
 #[derive(Debug)]
 pub(super) struct RoleVerifier {
     pub(super) chain: Arc<dyn rustls::server::danger::ClientCertVerifier>,
-    pub(super) allowed: &'static [Role],
 }
 
-/// A client certificate that chains to the CA but names no role allowed on the port.
-#[derive(thiserror::Error)]
-#[error("the client certificate names none of the roles allowed on this port ({0})")]
-struct RoleRefused(String);
-
-impl std::fmt::Debug for RoleRefused {
-    // rustls shows its `Other` errors with `Debug`: say it in words.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{self}")
+/// Why a caller whose certificate is `cert` may not use a port that takes `allowed`, if it
+/// may not.
+pub(super) fn role_refusal(cert: Option<&CertificateDer<'_>>, allowed: &[Role]) -> Option<String> {
+    if cert.is_some_and(|c| holds_role(c, allowed).is_some()) {
+        return None;
     }
+    let names: Vec<_> = allowed.iter().map(|r| r.dns_name()).collect();
+    Some(format!(
+        "the client certificate names none of the roles this port takes ({}): present a \
+         certificate that names one",
+        names.join(", ")
+    ))
 }
 
 impl rustls::server::danger::ClientCertVerifier for RoleVerifier {
@@ -39,15 +42,7 @@ impl rustls::server::danger::ClientCertVerifier for RoleVerifier {
         intermediates: &[CertificateDer<'_>],
         now: rustls::pki_types::UnixTime,
     ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
-        let verified = self.chain.verify_client_cert(end_entity, intermediates, now)?;
-        if holds_role(end_entity, self.allowed).is_some() {
-            return Ok(verified);
-        }
-        let names: Vec<_> = self.allowed.iter().map(|r| r.dns_name()).collect();
-        let refused = RoleRefused(names.join(", "));
-        Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
-            Arc::new(refused),
-        ))))
+        self.chain.verify_client_cert(end_entity, intermediates, now)
     }
 
     fn verify_tls12_signature(

@@ -43,10 +43,14 @@ pub fn endpoint(address: &str) -> Result<Endpoint, tonic::transport::Error> {
 /// `address` (`host:port` or a URL) as this process dials it, for logs: `https://` under TLS
 /// (whatever scheme an advertised address carries), `http://` otherwise.
 pub fn dialled_url(address: &str) -> String {
+    url_as_dialled(address, super::current().is_some())
+}
+
+/// `address` with the scheme it is dialled with, `https` when `tls`.
+fn url_as_dialled(address: &str, tls: bool) -> String {
     let hostport =
         address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/');
-    let scheme = if super::current().is_some() { "https" } else { "http" };
-    format!("{scheme}://{hostport}")
+    format!("{}://{hostport}", if tls { "https" } else { "http" })
 }
 
 /// Connects to `endpoint`, a service holding `peer`'s role: over mutual TLS when the process
@@ -98,4 +102,14 @@ pub fn public_client(ca: &Path) -> Result<Arc<ClientConfig>, TlsError> {
         .with_no_client_auth();
     c.alpn_protocols = vec![Protocol::Http1.alpn().to_vec()];
     Ok(Arc::new(c))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_logged_url_has_the_scheme_it_is_dialled_with() {
+        assert_eq!(super::url_as_dialled("http://node-a:50061", true), "https://node-a:50061");
+        assert_eq!(super::url_as_dialled("node-a:50061/", true), "https://node-a:50061");
+        assert_eq!(super::url_as_dialled("http://node-a:50061", false), "http://node-a:50061");
+    }
 }

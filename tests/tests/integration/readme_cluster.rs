@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use ferry_tests::streams::wait_for;
-use ferry_tests::{binary, Etcd, Service};
+use ferry_tests::{binary, Etcd, Service, TempDir};
 
 /// The README's `sh` blocks in the section under `heading`.
 fn blocks(readme: &str, heading: &str) -> Vec<String> {
@@ -49,35 +49,63 @@ fn words(line: &str) -> Vec<String> {
 struct Places {
     ports: HashMap<String, String>,
     vars: HashMap<String, String>,
+    /// Where relative paths (`certs/…`) are made.
+    dir: TempDir,
 }
+
+/// The README's host names.
+const HOSTS: [&str; 6] = ["node-a", "node-b", "node-c", "node-p", "node-d", "10.0.0.5"];
 
 impl Places {
     fn new(etcd: &Etcd) -> Self {
         let endpoints = etcd.endpoints();
         let etcd_port = endpoints.split(',').next().unwrap().rsplit(':').next().unwrap();
         let ports = HashMap::from([("2379".to_string(), etcd_port.to_string())]);
-        Self { ports, vars: HashMap::new() }
+        let dir = TempDir::new("readme-cluster").unwrap();
+        Self { ports, vars: HashMap::new(), dir }
     }
 
     /// `line` with its variables, hosts and ports replaced; `None` for an assignment.
     fn command(&mut self, line: &str) -> Option<Vec<String>> {
-        let mut words = words(line);
+        let words = words(line);
         if let [only] = words.as_slice() {
             if let Some((name, value)) = only.split_once('=') {
                 self.vars.insert(format!("${name}"), value.to_string());
                 return None;
             }
         }
-        for w in &mut words {
-            for (name, value) in &self.vars {
-                *w = w.replace(name, value);
+        let words: Vec<String> = words
+            .iter()
+            .flat_map(|w| {
+                let mut w = w.clone();
+                let expands = self.vars.keys().any(|name| w.contains(name.as_str()));
+                for (name, value) in &self.vars {
+                    w = w.replace(name, value);
+                }
+                if expands {
+                    w.split(' ').map(String::from).collect::<Vec<_>>() // unquoted: split
+                } else {
+                    vec![w]
+                }
+            })
+            .collect();
+        let certs = format!("{}/certs/", self.dir.0.display());
+        let mut out = Vec::new();
+        for (i, w) in words.iter().enumerate() {
+            let mut w = w.replace("certs/", &certs);
+            if w == "certs" && i > 0 && words[i - 1] == "--out" {
+                w = certs.trim_end_matches('/').to_string();
             }
-            for host in ["node-a", "node-b", "node-c", "node-p", "node-d", "10.0.0.5"] {
-                *w = w.replace(&format!("{host}:"), "127.0.0.1:");
+            for host in HOSTS {
+                w = w.replace(&format!("{host}:"), "127.0.0.1:");
+                // The names a certificate carries (`ferry certs --hosts`).
+                if i > 0 && words[i - 1] == "--hosts" {
+                    w = w.replace(host, "127.0.0.1");
+                }
             }
-            *w = self.ports_of(w);
+            out.push(self.ports_of(&w));
         }
-        Some(words)
+        Some(out)
     }
 
     /// `word` with each `:PORT` (four or five digits) made this run's.
@@ -124,32 +152,42 @@ fn start(words: &[String]) -> Service {
     Service::start(name, &args, announced).unwrap_or_else(|e| panic!("{words:?}: {e}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_readmes_cluster_and_disaggregation_commands_run_as_pasted() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
-    let cluster = blocks(&readme, "### A cluster on several machines");
-    let disagg = blocks(&readme, "### Prefill and decode on different executors");
-    assert!(cluster.len() >= 2 && disagg.len() == 1, "the README's blocks moved");
-    let etcd = Etcd::start().unwrap();
-    let mut places = Places::new(&etcd);
+/// Starts the processes of `block` in order (a one-shot command, `ferry certs`, runs to its
+/// end), waiting for `sched-1` to lead before the next; then sends `requests`' lines and checks
+/// the answers: a completion from the front, the leader's executors (`gpu-a`, `gpu-b`) with
+/// their roles, and the standby naming the leader.
+async fn run_cluster(places: &mut Places, block: &str, requests: &str) -> Vec<Service> {
     let mut running = Vec::new();
-    for line in cluster[0].lines() {
+    for line in block.lines() {
         let Some(words) = places.command(line) else { continue };
+        if words[0] == "ferry" {
+            let out = Command::new(binary("ferry").unwrap()).args(&words[1..]).output().unwrap();
+            assert!(out.status.success(), "{words:?}: {}", String::from_utf8_lossy(&out.stderr));
+            continue;
+        }
         let service = start(&words);
         // The first scheduler leads (the README says so): wait until it drives the executors.
         if words.iter().any(|w| w == "sched-1") {
+            // (It listens on 0.0.0.0; its certificate names 127.0.0.1.)
+            let http = format!("127.0.0.1:{}", service.addr("http").port());
             let healthy = || {
-                ferry_tests::http(service.addr("http"), "GET", "/health", b"").map_or(0, |r| r.0)
-                    == 200
+                let ca = places.dir.0.join("certs/ca.pem");
+                let (ok, text) = if ca.exists() {
+                    let url = format!("https://{http}/health");
+                    request(
+                        &["curl", "-s", "--cacert", ca.to_str().unwrap(), &url].map(String::from),
+                    )
+                } else {
+                    request(&["curl", "-s", &format!("http://{http}/health")].map(String::from))
+                };
+                ok && text == "ok"
             };
             assert!(wait_for(Duration::from_mins(2), healthy).await.is_some(), "sched-1 idle");
         }
         running.push(service);
     }
-
     let mut answers = Vec::new();
-    for line in cluster[1].lines() {
+    for line in requests.lines() {
         let words = places.command(line).expect("a request");
         answers.push(request(&words));
     }
@@ -161,6 +199,22 @@ async fn the_readmes_cluster_and_disaggregation_commands_run_as_pasted() {
     assert!(executors.contains("EXECUTOR_ROLE_BOTH"), "{executors}");
     let leader = format!("127.0.0.1:{}", places.ports["50051"]);
     assert!(*ok3 && standby.contains("standby") && standby.contains(&leader), "{standby}");
+    running
+}
+
+fn readme() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).expect("README")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readmes_cluster_and_disaggregation_commands_run_as_pasted() {
+    let readme = readme();
+    let cluster = blocks(&readme, "### A cluster on several machines");
+    let disagg = blocks(&readme, "### Prefill and decode on different executors");
+    assert!(cluster.len() >= 2 && disagg.len() == 1, "the README's blocks moved");
+    let etcd = Etcd::start().unwrap();
+    let mut places = Places::new(&etcd);
+    let mut running = run_cluster(&mut places, &cluster[0], &cluster[1]).await;
 
     // The disaggregation block joins the same cluster; the leader drives its executors too.
     for line in disagg[0].lines() {
@@ -177,4 +231,17 @@ async fn the_readmes_cluster_and_disaggregation_commands_run_as_pasted() {
         "the prefill and decode executors never joined: {}",
         request(&list).1
     );
+}
+
+/// The same cluster under mutual TLS, as the README's Mutual TLS section writes it (the
+/// certificates made by `ferry certs` as written, the requests over HTTPS and with the
+/// `client` certificate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readmes_mutual_tls_cluster_commands_run_as_pasted() {
+    let readme = readme();
+    let tls = blocks(&readme, "### Mutual TLS");
+    assert!(tls.len() >= 2, "the README's blocks moved");
+    let etcd = Etcd::start().unwrap();
+    let mut places = Places::new(&etcd);
+    let _running = run_cluster(&mut places, &tls[0], &tls[1]).await;
 }

@@ -202,10 +202,7 @@ fn key_gate(front: &front::GenerationService) -> ferry_runtime::call_gate::CallG
     if !keys.guard_health_and_metrics {
         open.push("/metrics");
     }
-    let check: Check = Arc::new(move |headers| {
-        let presented = headers.get("authorization").and_then(|v| v.to_str().ok());
-        keys.identify(presented).map(drop)
-    });
+    let check: Check = Arc::new(move |headers| keys.identify_headers(headers).map(drop));
     CallGate::new(check, open)
 }
 

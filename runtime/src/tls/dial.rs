@@ -35,9 +35,12 @@ impl Tls {
 /// A gRPC endpoint for `address` (`host:port`, or a URL whose scheme is ignored: the process's
 /// TLS decides), to add settings to before [`connect`] or [`connect_lazy`].
 pub fn endpoint(address: &str) -> Result<Endpoint, tonic::transport::Error> {
-    let hostport =
-        address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/');
-    Endpoint::from_shared(format!("http://{hostport}"))
+    Endpoint::from_shared(format!("http://{}", host_port(address)))
+}
+
+/// `address`'s `host:port`, without a scheme or a trailing `/`.
+fn host_port(address: &str) -> &str {
+    address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/')
 }
 
 /// `address` (`host:port` or a URL) as this process dials it, for logs: `https://` under TLS
@@ -48,9 +51,7 @@ pub fn dialled_url(address: &str) -> String {
 
 /// `address` with the scheme it is dialled with, `https` when `tls`.
 fn url_as_dialled(address: &str, tls: bool) -> String {
-    let hostport =
-        address.split_once("://").map_or(address, |(_, rest)| rest).trim_end_matches('/');
-    format!("{}://{hostport}", if tls { "https" } else { "http" })
+    format!("{}://{}", if tls { "https" } else { "http" }, host_port(address))
 }
 
 /// Connects to `endpoint`, a service holding `peer`'s role: over mutual TLS when the process

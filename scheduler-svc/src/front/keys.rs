@@ -345,6 +345,11 @@ impl ApiKeys {
     pub fn identify_call(&self, metadata: &MetadataMap) -> Result<Arc<ApiKey>, Status> {
         self.identify(metadata.get(AUTHORIZATION).and_then(|v| v.to_str().ok()))
     }
+
+    /// [`Self::identify`] from HTTP headers (the OpenAI API, and any call on the gRPC port).
+    pub fn identify_headers(&self, headers: &axum::http::HeaderMap) -> Result<Arc<ApiKey>, Status> {
+        self.identify(headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok()))
+    }
 }
 
 fn check_key(key: &str) -> Result<(), &'static str> {

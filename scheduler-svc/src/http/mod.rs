@@ -157,8 +157,7 @@ async fn require_key(
     next: Next,
 ) -> Response {
     if let Some(keys) = front.keys() {
-        let presented = request.headers().get("authorization").and_then(|v| v.to_str().ok());
-        if let Err(status) = keys.identify(presented) {
+        if let Err(status) = keys.identify_headers(request.headers()) {
             return ApiError::from(status).into_response();
         }
     }

@@ -35,7 +35,10 @@ fn words(line: &str) -> Vec<String> {
                 }
                 any = false;
             }
-            c => (word, any) = (word + &c.to_string(), true),
+            c => {
+                word.push(c);
+                any = true;
+            }
         }
     }
     if any {
@@ -170,18 +173,15 @@ async fn run_cluster(places: &mut Places, block: &str, requests: &str) -> Vec<Se
         if words.iter().any(|w| w == "sched-1") {
             // (It listens on 0.0.0.0; its certificate names 127.0.0.1.)
             let http = format!("127.0.0.1:{}", service.addr("http").port());
-            let healthy = || {
-                let ca = places.dir.0.join("certs/ca.pem");
-                let (ok, text) = if ca.exists() {
-                    let url = format!("https://{http}/health");
-                    request(
-                        &["curl", "-s", "--cacert", ca.to_str().unwrap(), &url].map(String::from),
-                    )
-                } else {
-                    request(&["curl", "-s", &format!("http://{http}/health")].map(String::from))
-                };
-                ok && text == "ok"
-            };
+            let ca = places.dir.0.join("certs/ca.pem");
+            let mut curl: Vec<String> = vec!["curl".into(), "-s".into()];
+            if ca.exists() {
+                curl.extend(["--cacert".into(), ca.display().to_string()]);
+                curl.push(format!("https://{http}/health"));
+            } else {
+                curl.push(format!("http://{http}/health"));
+            }
+            let healthy = || request(&curl) == (true, "ok".to_string());
             assert!(wait_for(Duration::from_mins(2), healthy).await.is_some(), "sched-1 idle");
         }
         running.push(service);

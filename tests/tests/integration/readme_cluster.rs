@@ -189,6 +189,14 @@ async fn run_cluster(places: &mut Places, block: &str, requests: &str) -> Vec<Se
     let mut answers = Vec::new();
     for line in requests.lines() {
         let words = places.command(line).expect("a request");
+        // The leader is healthy with one executor; the other may still be connecting.
+        if line.contains("ListExecutors") {
+            let both = || {
+                let (ok, text) = request(&words);
+                ok && text.contains("gpu-a") && text.contains("gpu-b")
+            };
+            wait_for(Duration::from_mins(2), both).await;
+        }
         answers.push(request(&words));
     }
     let [(ok, completion), (ok2, executors), (ok3, standby)] = &answers[..] else {

@@ -10,6 +10,11 @@
 //! etcd the bench starts), each loaded with its share of the requests at once; each process's
 //! cost is solved the same way, and the sum of them. User and system time are given apart.
 //!
+//! Last, the same run measures its baseline ([`write_floor`]): what the least an async server
+//! can do per streamed token (wake a connection's task, write the chunk) costs at the second
+//! run's pace over as many loopback connections; the per-token figure is also given as a
+//! multiple of it.
+//!
 //! Run nothing else meanwhile: on two cores the load generator and the simulated executors
 //! share the machine with the process measured, and its CPU time is what counts (not the
 //! throughput).
@@ -21,6 +26,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+
+pub mod write_floor;
 
 use crate::loadgen::{LoadArgs, Report, Span};
 
@@ -59,6 +66,10 @@ pub struct ControlPlaneArgs {
     /// any, an etcd (from the `PATH`) is started for them to find the scheduler.
     #[arg(long, default_value_t = 0)]
     pub fronts: usize,
+    /// The load's clients keep their connections open between requests (HTTP/1.1
+    /// keep-alive); without it each request opens and closes its own.
+    #[arg(long)]
+    pub keep_alive: bool,
     /// Extra flags for the scheduler (e.g. `--max-num-seqs=512`), space-separated.
     #[arg(long, default_value = "")]
     pub scheduler_flags: String,
@@ -195,6 +206,7 @@ async fn load(
         format!("--prompt-len={}:{}", args.prompt_len.0, args.prompt_len.1),
         format!("--output-len={output}"),
     ];
+    let flags = flags.into_iter().chain(args.keep_alive.then(|| "--keep-alive".to_string()));
     let report = crate::loadgen::run(Wrap::try_parse_from(flags)?.load).await?;
     anyhow::ensure!(report.failed == 0, "{} requests failed: {:?}", report.failed, report.errors);
     Ok(report)
@@ -323,7 +335,7 @@ async fn measure(
     args: &ControlPlaneArgs,
     ferry: &Ferry,
     output: u64,
-) -> anyhow::Result<(f64, f64, Vec<Cpu>)> {
+) -> anyhow::Result<(f64, f64, Vec<Cpu>, f64)> {
     let targets = ferry.targets();
     let share = args.requests / targets.len();
     let before = ferry.cpu()?;
@@ -342,7 +354,7 @@ async fn measure(
         total.system,
         1e6 * (total.user + total.system) / tokens as f64
     );
-    Ok((tokens as f64, completed as f64, cpu))
+    Ok((tokens as f64, completed as f64, cpu, per_s))
 }
 
 /// Runs the benchmark and prints its figures.
@@ -361,7 +373,7 @@ pub async fn run(args: &ControlPlaneArgs) -> anyhow::Result<()> {
         runs.push(measure(args, &ferry, output).await?);
     }
     // cpu = a·tokens + b·requests, from the two runs, for each process and for all of them.
-    let [(t1, r1, c1), (t2, r2, c2)] = [&runs[0], &runs[1]];
+    let [(t1, r1, c1, _), (t2, r2, c2, per_s)] = [&runs[0], &runs[1]];
     let det = t1 * r2 - t2 * r1;
     anyhow::ensure!(det.abs() > f64::EPSILON, "the two runs do not separate tokens from requests");
     let solve = |c1: f64, c2: f64| ((c1 * r2 - c2 * r1) / det, (t1 * c2 - t2 * c1) / det);
@@ -380,6 +392,7 @@ pub async fn run(args: &ControlPlaneArgs) -> anyhow::Result<()> {
         rows.push(("all Ferry processes".into(), sum(c1), sum(c2)));
     }
     println!("over {} simulated executors:", args.executors);
+    let mut first = None;
     for (name, a, b) in rows {
         let (tu, ru) = solve(a.user, b.user);
         let (ts, rs) = solve(a.system, b.system);
@@ -393,6 +406,21 @@ pub async fn run(args: &ControlPlaneArgs) -> anyhow::Result<()> {
             ru * 1e6,
             rs * 1e6
         );
+        first.get_or_insert(tu + ts);
     }
+    // The baseline: a bare write per token at the second run's pace, measured now.
+    let this = std::env::current_exe()?;
+    let floor = write_floor::measure(&this, args.concurrency, *per_s, 2.0).await?;
+    let per_write = floor.user + floor.system;
+    println!(
+        "  the floor: a tokio task per connection writing each token as it comes ({} \
+         connections, {per_s:.0} writes/s, `ferry-bench write-floor`): {:.2} µs of CPU per token \
+         ({:.2} user, {:.2} system); the first row is {:.1}× that",
+        args.concurrency,
+        per_write * 1e6,
+        floor.user * 1e6,
+        floor.system * 1e6,
+        first.unwrap_or_default() / per_write
+    );
     Ok(())
 }

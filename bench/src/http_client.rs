@@ -43,24 +43,27 @@ pub struct HttpClient {
 
 impl Default for HttpClient {
     fn default() -> Self {
-        Self::build(None)
+        Self::new(None, false)
     }
 }
 
 impl HttpClient {
     /// A client speaking HTTPS with `tls` (see `ferry_runtime::tls::public_client`).
     pub fn with_tls(tls: Arc<ClientConfig>) -> Self {
-        Self::build(Some(tls))
+        Self::new(Some(tls), false)
     }
 
-    fn build(tls: Option<Arc<ClientConfig>>) -> Self {
+    /// A client, with HTTPS when given `tls`. Without `keep_alive` no connection is pooled:
+    /// each request gets its own, as a client fleet's would, and a connection the server closed
+    /// (after a 413, say) is never reused; with it, connections stay open between requests
+    /// (HTTP/1.1 keep-alive), as one application's pooled client (the OpenAI SDKs') does.
+    pub fn new(tls: Option<Arc<ClientConfig>>, keep_alive: bool) -> Self {
         let scheme = if tls.is_some() { "https" } else { "http" };
-        // No pooled connections: each request gets its own, as a client fleet's would, and a
-        // connection the server closed (after a 413, say) is never reused.
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .build(Connector { tls });
-        Self { inner, scheme }
+        let mut builder = Client::builder(TokioExecutor::new());
+        if !keep_alive {
+            builder.pool_max_idle_per_host(0);
+        }
+        Self { inner: builder.build(Connector { tls }), scheme }
     }
 }
 

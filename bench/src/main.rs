@@ -24,6 +24,10 @@ enum Command {
     /// The control plane's own cost: the scheduler process's CPU per streamed token and per
     /// request, over simulated executors (processes of their own).
     ControlPlane(ferry_bench::control_plane::ControlPlaneArgs),
+    /// The control-plane bench's baseline server: a task per connection writing a chunk per
+    /// token, nothing else (started by `control-plane`).
+    #[command(hide = true)]
+    WriteFloor(ferry_bench::control_plane::write_floor::WriteFloorArgs),
 }
 
 #[tokio::main]
@@ -32,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Core(args) => ferry_bench::scheduler_core::run(&args),
         Command::Kv(args) => ferry_bench::kv_transfer::run(&args).await.map(|_| ()),
         Command::ControlPlane(args) => ferry_bench::control_plane::run(&args).await,
+        Command::WriteFloor(args) => ferry_bench::control_plane::write_floor::serve(&args).await,
         Command::Spec(args) => {
             tokio::task::spawn_blocking(move || ferry_bench::speculation::run(&args)).await?
         }

@@ -44,6 +44,10 @@ pub struct LoadArgs {
     /// HTTPS: the CA (PEM) the server's certificate chains to (`ferry certs`' `ca.pem`).
     #[arg(long)]
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Keep connections open between requests (HTTP/1.1 keep-alive, as one application's
+    /// pooled client does); without it, each request opens its own connection.
+    #[arg(long)]
+    pub keep_alive: bool,
     /// Model name to send (empty: the server's default).
     #[arg(long, default_value = "")]
     pub model: String,
@@ -295,12 +299,8 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Report> {
     let start = Instant::now();
     let mut rng = Rng(args.seed ^ 0xA5A5);
     let target = Arc::new(args.target.clone());
-    let client = match &args.tls_ca {
-        Some(ca) => {
-            crate::http_client::HttpClient::with_tls(ferry_runtime::tls::public_client(ca)?)
-        }
-        None => crate::http_client::HttpClient::default(),
-    };
+    let tls = args.tls_ca.as_deref().map(ferry_runtime::tls::public_client).transpose()?;
+    let client = crate::http_client::HttpClient::new(tls, args.keep_alive);
     let model = args.model.clone();
     let rate = args.rate;
     tokio::spawn(async move {

@@ -194,6 +194,38 @@ pub async fn serve(
             )?;
             axum::serve(listener, router).with_graceful_shutdown(shutdown).await
         }
-        None => axum::serve(listener, router).with_graceful_shutdown(shutdown).await,
+        None => axum::serve(no_delay(listener), router).with_graceful_shutdown(shutdown).await,
+    }
+}
+
+/// `listener` with `TCP_NODELAY` on every connection it accepts, so each streamed token goes out
+/// when written: with Nagle's algorithm a token would wait for the client's
+/// acknowledgement of the one before, up to its delayed-ACK timer (40 ms on Linux). (The TLS
+/// listener sets it too.)
+fn no_delay(
+    listener: TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an HTTP connection");
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::serve::Listener;
+
+    #[tokio::test]
+    async fn the_plaintext_api_listener_turns_nagle_off_on_every_connection() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut listener = super::no_delay(listener);
+        for _ in 0..2 {
+            let client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (accepted, _) = listener.accept().await;
+            assert!(accepted.nodelay().unwrap(), "an accepted connection kept Nagle on");
+            drop(client);
+        }
     }
 }

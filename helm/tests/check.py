@@ -272,6 +272,39 @@ class Checker:
         if len(seen) > 1:
             self.fail(f"containers disagree on etcd or cluster name: {seen}")
 
+    # -- disruption budgets and GPUs ------------------------------------------------------
+    def check_disruption_budgets(self):
+        """Every PodDisruptionBudget lets at least one of its pods go while all are up: one no
+        eviction can meet blocks every node drain."""
+        for pdb in self.m.by_kind.get("PodDisruptionBudget", []):
+            name, spec = pdb["metadata"]["name"], pdb["spec"]
+            pods = self.m.selected(spec["selector"].get("matchLabels", {}))
+            if not pods:
+                self.fail(f"PodDisruptionBudget {name} selects no pod")
+                continue
+            low = spec.get("minAvailable")
+            high = spec.get("maxUnavailable")
+            if isinstance(low, int) and low >= len(pods):
+                self.fail(f"PodDisruptionBudget {name}: minAvailable {low} of {len(pods)} pods "
+                          "blocks every drain")
+            elif high in (0, "0", "0%"):
+                self.fail(f"PodDisruptionBudget {name}: maxUnavailable 0 blocks every drain")
+            else:
+                self.count("disruption budgets a drain can meet")
+
+    def check_gpus(self):
+        """A CUDA executor's pod asks the device plugin for its GPU (and so is given only it)."""
+        for p in self.first_pods():
+            for c in p.containers:
+                argv = p.argv(c) if self.is_ferry(c) else []
+                if argv[:1] == ["ferry-executor"] and self.flag(argv, "backend") == "cuda":
+                    limits = c.spec.get("resources", {}).get("limits", {})
+                    if not limits.get("nvidia.com/gpu"):
+                        self.fail(f"{p.workload}/{c.name}: backend cuda with no "
+                                  "nvidia.com/gpu limit")
+                    else:
+                        self.count("CUDA executors given GPUs")
+
     def flag(self, argv, name):
         for a in argv:
             if a.startswith(f"--{name}="):
@@ -436,6 +469,8 @@ class Checker:
         self.check_references()
         self.check_probes()
         self.check_etcd()
+        self.check_disruption_budgets()
+        self.check_gpus()
         self.check_ferry_wiring()
         self.check_shards()
         self.check_tls()

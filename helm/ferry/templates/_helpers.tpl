@@ -319,10 +319,16 @@ affinity:
 {{- end }}
 {{- end -}}
 
-{{/* A PodDisruptionBudget named `name` for the pods of `ctx`, when `budget` (a part's
-`podDisruptionBudget`: `enabled` and `minAvailable` or `maxUnavailable`) is enabled. */}}
+{{/* A PodDisruptionBudget named `name` for the `replicas` pods of `ctx`, when `budget` (a
+part's `podDisruptionBudget`, at values path `what`: `enabled` and `minAvailable` or
+`maxUnavailable`) is enabled. A `minAvailable` that is not below the replicas is refused: no
+eviction could meet it, so it would block every node drain. */}}
 {{- define "ferry.pdb" -}}
 {{- if .budget.enabled }}
+{{- $min := .budget.minAvailable }}
+{{- if and (hasKey .budget "minAvailable") (or (kindIs "int" $min) (kindIs "float64" $min) (kindIs "int64" $min)) (ge (int $min) (int .replicas)) }}
+{{- fail (printf "%s.minAvailable is %d with %d replicas: no pod could ever be evicted, so it would block every node drain (give maxUnavailable, or more replicas)" .what (int $min) (int .replicas)) }}
+{{- end }}
 ---
 apiVersion: policy/v1
 kind: PodDisruptionBudget

@@ -290,10 +290,21 @@ livenessProbe:
   failureThreshold: 6
 {{- end -}}
 
-{{/* A pod's placement from a part's values (`nodeSelector`, `tolerations`, `affinity`);
-with `spread`, the pods of `ctx` prefer different nodes when no affinity is given. Call with
+{{/* A pod's placement and scheduling from a part's values (`nodeSelector`, `tolerations`,
+`affinity`, `runtimeClassName`, `priorityClassName`, `topologySpreadConstraints`); with
+`spread`, the pods of `ctx` prefer different nodes when no affinity is given. Call with
 (dict "values" $part "ctx" $ctx "spread" true). */}}
 {{- define "ferry.placement" -}}
+{{- with .values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- with .values.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}

@@ -292,6 +292,27 @@ class Checker:
             else:
                 self.count("disruption budgets a drain can meet")
 
+    def check_spread(self):
+        """The pods of every workload of more than one replica prefer (or are required to be
+        on) different nodes or zones: anti-affinity on their own labels, or a spread
+        constraint."""
+        for kind in ("Deployment", "StatefulSet"):
+            for w in self.m.by_kind.get(kind, []):
+                spec, name = w["spec"]["template"]["spec"], w["metadata"]["name"]
+                labels = w["spec"]["selector"]["matchLabels"]
+                if w["spec"].get("replicas", 2) < 2:
+                    continue
+                anti = spec.get("affinity", {}).get("podAntiAffinity", {})
+                terms = [t.get("podAffinityTerm", t) for t in
+                         anti.get("preferredDuringSchedulingIgnoredDuringExecution", []) +
+                         anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])]
+                own = any(t.get("labelSelector", {}).get("matchLabels", {}).items() <= labels.items()
+                          and t.get("labelSelector", {}).get("matchLabels") for t in terms)
+                if own or spec.get("topologySpreadConstraints"):
+                    self.count("replicated workloads spread")
+                else:
+                    self.fail(f"{kind} {name}: its replicas may all land on one node")
+
     def check_gpus(self):
         """A CUDA executor's pod asks the device plugin for its GPU (and so is given only it)."""
         for p in self.first_pods():
@@ -470,6 +491,7 @@ class Checker:
         self.check_probes()
         self.check_etcd()
         self.check_disruption_budgets()
+        self.check_spread()
         self.check_gpus()
         self.check_ferry_wiring()
         self.check_shards()

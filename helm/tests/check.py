@@ -205,6 +205,16 @@ class Checker:
                         self.fail(f"Ingress {ing['metadata']['name']}: backend {b} missing")
                     self.count("Ingress backends")
 
+        for route in self.m.by_kind.get("HTTPRoute", []):
+            for rule in route["spec"].get("rules", []):
+                for b in rule.get("backendRefs", []):
+                    svc = self.m.services.get(b["name"])
+                    ports = [x["port"] for x in svc["spec"]["ports"]] if svc else []
+                    if b.get("port") not in ports:
+                        self.fail(f"HTTPRoute {route['metadata']['name']}: backend {b} names no "
+                                  "Service port")
+                    self.count("HTTPRoute backends")
+
     # -- probes -----------------------------------------------------------------------------
     def check_probes(self):
         for p in self.m.pods:

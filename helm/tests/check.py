@@ -282,7 +282,7 @@ class Checker:
         if len(seen) > 1:
             self.fail(f"containers disagree on etcd or cluster name: {seen}")
 
-    # -- disruption budgets and GPUs ------------------------------------------------------
+    # -- disruption budgets and spread -----------------------------------------------------
     def check_disruption_budgets(self):
         """Every PodDisruptionBudget lets at least one of its pods go while all are up: one no
         eviction can meet blocks every node drain."""
@@ -316,25 +316,13 @@ class Checker:
                 terms = [t.get("podAffinityTerm", t) for t in
                          anti.get("preferredDuringSchedulingIgnoredDuringExecution", []) +
                          anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])]
-                own = any(t.get("labelSelector", {}).get("matchLabels", {}).items() <= labels.items()
-                          and t.get("labelSelector", {}).get("matchLabels") for t in terms)
+                # A term away from the workload's own pods: its labels select them.
+                selectors = [t.get("labelSelector", {}).get("matchLabels") or {} for t in terms]
+                own = any(sel and sel.items() <= labels.items() for sel in selectors)
                 if own or spec.get("topologySpreadConstraints"):
                     self.count("replicated workloads spread")
                 else:
                     self.fail(f"{kind} {name}: its replicas may all land on one node")
-
-    def check_gpus(self):
-        """A CUDA executor's pod asks the device plugin for its GPU (and so is given only it)."""
-        for p in self.first_pods():
-            for c in p.containers:
-                argv = p.argv(c) if self.is_ferry(c) else []
-                if argv[:1] == ["ferry-executor"] and self.flag(argv, "backend") == "cuda":
-                    limits = c.spec.get("resources", {}).get("limits", {})
-                    if not limits.get("nvidia.com/gpu"):
-                        self.fail(f"{p.workload}/{c.name}: backend cuda with no "
-                                  "nvidia.com/gpu limit")
-                    else:
-                        self.count("CUDA executors given GPUs")
 
     def flag(self, argv, name):
         for a in argv:
@@ -378,6 +366,13 @@ class Checker:
                         self.fail(f"{p.workload}: backend {self.flag(argv, 'backend')} in image "
                                   f"{c.image}")
                     self.count("executors in the image of their backend")
+                    # A CUDA executor asks the device plugin for its GPU (and is given only it).
+                    limits = c.spec.get("resources", {}).get("limits", {})
+                    if cuda and not limits.get("nvidia.com/gpu"):
+                        self.fail(f"{p.workload}/{c.name}: backend cuda with no nvidia.com/gpu "
+                                  "limit")
+                    elif cuda:
+                        self.count("CUDA executors given GPUs")
                     agent = next((x for x in p.containers if self.is_ferry(x) and
                                   p.argv(x)[0] == "ferry-kv"), None)
                     kv = self.flag(argv, "kv-agent")
@@ -502,7 +497,6 @@ class Checker:
         self.check_etcd()
         self.check_disruption_budgets()
         self.check_spread()
-        self.check_gpus()
         self.check_ferry_wiring()
         self.check_shards()
         self.check_tls()

@@ -341,9 +341,9 @@ impl ApiKeys {
         })
     }
 
-    /// [`Self::identify`] from gRPC metadata.
+    /// [`Self::identify`] from gRPC metadata (its HTTP headers).
     pub fn identify_call(&self, metadata: &MetadataMap) -> Result<Arc<ApiKey>, Status> {
-        self.identify(metadata.get(AUTHORIZATION).and_then(|v| v.to_str().ok()))
+        self.identify_headers(metadata.as_ref())
     }
 
     /// [`Self::identify`] from HTTP headers (the OpenAI API, and any call on the gRPC port).

@@ -75,6 +75,12 @@ pub struct ExecutorConfig {
     /// The KV cache's size: block size, memory, element type.
     #[command(flatten)]
     pub kv_cache: KvCacheArgs,
+    /// With `--backend cuda`: the fraction of the GPU's memory this executor may use (vLLM's
+    /// flag), from 0 to 1; the KV cache takes what is left of it once the weights are on the
+    /// device (as the driver counts memory in use, other processes' included), less room for
+    /// the activations of a step of 8,192 tokens. In place of `--kv-cache-mib`.
+    #[arg(long, env = "FERRY_GPU_MEMORY_UTILIZATION", conflicts_with = "kv_cache_mib")]
+    pub gpu_memory_utilization: Option<f64>,
     /// GPU to run on with `--backend cuda`, as the driver numbers them (0 first).
     #[arg(long, env = "FERRY_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
@@ -219,6 +225,14 @@ impl ExecutorConfig {
         if self.kv_cache.kv_cache_mib == 0 {
             return Err(ConfigError::KvCache);
         }
+        if let Some(u) = self.gpu_memory_utilization {
+            if !(u > 0.0 && u <= 1.0) {
+                return Err(ConfigError::GpuMemoryUtilization(u));
+            }
+            if self.backend != BackendKind::Cuda {
+                return Err(ConfigError::GpuMemoryUtilizationOffGpu);
+            }
+        }
         if self.backend == BackendKind::Cuda && self.kv_dtype() != crate::forward::KvDtype::F32 {
             return Err(ConfigError::CudaKvDtype);
         }
@@ -326,6 +340,32 @@ pub enum ConfigError {
         /// What a token's keys and values take in the cache.
         bytes_per_token: usize,
     },
+    /// A fraction of GPU memory outside (0, 1].
+    #[error("--gpu-memory-utilization {0} is invalid: it must be above 0 and at most 1")]
+    GpuMemoryUtilization(f64),
+    /// A fraction of GPU memory for a backend without a GPU.
+    #[error(
+        "--gpu-memory-utilization sizes a GPU's KV cache: it needs --backend cuda (on the CPU, \
+         give --kv-cache-mib)"
+    )]
+    GpuMemoryUtilizationOffGpu,
+    /// The fraction of GPU memory leaves no room for a KV block.
+    #[error(
+        "--gpu-memory-utilization {utilization} of the GPU's {total_mib} MiB leaves no room for \
+         a KV block: {used_mib} MiB are in use once the weights are loaded (this executor's and \
+         any other process's) and {activations_mib} MiB are kept for a step's activations; raise \
+         the fraction, free the GPU or use one with more memory"
+    )]
+    GpuMemory {
+        /// `--gpu-memory-utilization`.
+        utilization: f64,
+        /// The device's memory.
+        total_mib: u64,
+        /// Memory in use after the weights' upload.
+        used_mib: u64,
+        /// Memory kept for activations.
+        activations_mib: u64,
+    },
     /// Empty id.
     #[error("--executor-id must not be empty")]
     ExecutorId,
@@ -406,6 +446,28 @@ mod tests {
         let argv = ["ferry-executor", "--kv-cache-dtype", "int8"];
         let err = Cli::try_parse_from(argv).err().expect("no such dtype").to_string();
         assert!(err.contains("not f16 or f32"), "{err}");
+    }
+
+    /// `--gpu-memory-utilization` is CUDA's, a fraction in (0, 1], and replaces
+    /// `--kv-cache-mib` (given both, clap refuses naming them).
+    #[test]
+    fn the_gpu_memory_fraction_is_a_fraction_on_cuda_in_place_of_kv_cache_mib() {
+        let ok = parse(&["--backend", "cuda", "--gpu-memory-utilization", "0.9"]);
+        assert_eq!(ok.gpu_memory_utilization, Some(0.9));
+        ok.validate_flags().unwrap();
+        let cases: [(&[&str], &str); 3] = [
+            (&["--backend", "cuda", "--gpu-memory-utilization", "0"], "must be above 0"),
+            (&["--backend", "cuda", "--gpu-memory-utilization", "1.5"], "at most 1"),
+            (&["--gpu-memory-utilization", "0.9"], "it needs --backend cuda"),
+        ];
+        for (args, want) in cases {
+            let err = parse(args).validate_flags().unwrap_err().to_string();
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
+        let argv =
+            ["x", "--backend", "cuda", "--gpu-memory-utilization", "0.9", "--kv-cache-mib", "9"];
+        let err = Cli::try_parse_from(argv).err().expect("one or the other").to_string();
+        assert!(err.contains("--kv-cache-mib"), "{err}");
     }
 
     #[test]

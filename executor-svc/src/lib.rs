@@ -11,6 +11,7 @@ pub mod engine;
 pub mod engine_metrics;
 pub mod executor_config;
 pub mod forward;
+pub mod gpu_sizing;
 /// The matrix products against quantized weights (crate `ferry-kernels`).
 pub use ferry_kernels as kernels;
 pub mod service;
@@ -88,7 +89,11 @@ pub fn build(
     let shape = model.weights.shape;
     let block_size = config.kv_cache.block_size as usize;
     let dtype = config.kv_dtype();
-    let num_blocks = config.kv_cache.num_blocks(&shape, dtype)?;
+    // A GPU fraction is turned into blocks on the device, once the weights are there.
+    let num_blocks = match config.gpu_memory_utilization {
+        Some(_) => 0,
+        None => config.kv_cache.num_blocks(&shape, dtype)?,
+    };
     let eos = model.file.tokenizer.eog_token_ids.clone();
     let kv_layout = v1::KvLayout {
         num_layers: shape.num_layers as u32,
@@ -144,6 +149,7 @@ pub fn build(
         }
         BackendKind::Cuda => cuda_backend(&model.weights, block_size, num_blocks, config)?,
     };
+    let num_blocks = backend.facts().num_blocks;
     let serves = Serves {
         model: model.file.name.clone(),
         fingerprint: model.file.fingerprint.clone(),
@@ -308,7 +314,11 @@ fn cuda_backend(
     num_blocks: usize,
     config: &ExecutorConfig,
 ) -> anyhow::Result<Box<dyn engine::ModelBackend>> {
-    Ok(Box::new(engine::CudaBackend::new(weights, block_size, num_blocks, config.cuda_device)?))
+    let blocks = match config.gpu_memory_utilization {
+        Some(fraction) => gpu_sizing::KvBlocks::GpuFraction(fraction),
+        None => gpu_sizing::KvBlocks::Count(num_blocks),
+    };
+    Ok(Box::new(engine::CudaBackend::new(weights, block_size, blocks, config.cuda_device)?))
 }
 
 /// Without the `cuda` feature there is no CUDA backend to build (`ExecutorConfig::validate`

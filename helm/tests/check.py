@@ -16,6 +16,8 @@
   external endpoints), the same in every container;
 - each executor's `--kv-agent` is its own pod's agent's advertised address, sharing the
   agent's shared-memory folder; advertised addresses name the pod itself and its listen port;
+- a CUDA executor's f32 weights and KV cache fit in its share of the GPU memory its node
+  affinity requires;
 - HPA, PodDisruptionBudget, Ingress, NetworkPolicy and ServiceMonitor targets exist.
 
 Usage: check.py MANIFEST --bin DIR [--image-repo REPO] [--external-secret NAME]...
@@ -54,6 +56,39 @@ class Checker:
 
     def is_ferry(self, c):
         return c.image.split(":")[0] == self.args.image_repo
+
+    def check_gpu_fit(self, p, c, argv):
+        """A CUDA executor's weights (f32 on the device: 4 bytes a parameter) and KV cache fit
+        in its share of the GPU its pod is bound to: the GPU's memory from the pod's required
+        node affinity on GPU feature discovery's `nvidia.com/gpu.memory` label, the parameter
+        count from its workload's `ferry.dev/model-parameters`, the KV cache from
+        `--kv-cache-mib` (of the whole GPU) or what `--gpu-memory-utilization` leaves."""
+        where = f"{p.workload}/{c.name}"
+        terms = (p.spec.get("affinity", {}).get("nodeAffinity", {})
+                 .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+                 .get("nodeSelectorTerms", []))
+        floors = [int(e["values"][0]) + 1 for t in terms for e in t.get("matchExpressions", [])
+                  if e.get("key") == "nvidia.com/gpu.memory" and e.get("operator") == "Gt"]
+        if not terms or len(floors) < len(terms):
+            self.fail(f"{where}: a CUDA executor whose GPU's memory no node affinity states "
+                      "(nvidia.com/gpu.memory): its sizing cannot be checked")
+            return
+        gpu_mib = min(floors)  # the smallest GPU any of its terms admits
+        params = p.workload_annotations.get("ferry.dev/model-parameters")
+        if params is None:
+            self.fail(f"{where}: no ferry.dev/model-parameters: its weights cannot be sized")
+            return
+        weights_mib = int(params) * 4 / 2**20
+        fraction = self.flag(argv, "gpu-memory-utilization")
+        if fraction is not None:
+            room, kv_mib = float(fraction) * gpu_mib, 0
+        else:
+            room, kv_mib = gpu_mib, int(self.flag(argv, "kv-cache-mib") or 512)
+        if weights_mib + kv_mib >= room:
+            self.fail(f"{where}: {weights_mib:.0f} MiB of f32 weights + {kv_mib} MiB of KV "
+                      f"cache do not fit in {room:.0f} MiB of its {gpu_mib} MiB GPU")
+        else:
+            self.count("CUDA executors whose weights and KV fit their GPU")
 
     # -- flags ------------------------------------------------------------------------------
     def check_config(self):
@@ -373,6 +408,8 @@ class Checker:
                                   "limit")
                     elif cuda:
                         self.count("CUDA executors given GPUs")
+                    if cuda:
+                        self.check_gpu_fit(p, c, argv)
                     agent = next((x for x in p.containers if self.is_ferry(x) and
                                   p.argv(x)[0] == "ferry-kv"), None)
                     kv = self.flag(argv, "kv-agent")

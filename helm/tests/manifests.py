@@ -46,6 +46,7 @@ class Pod:
     service_name: str = ""  # a StatefulSet's governing Service
     claims: tuple = ()  # a StatefulSet's volumeClaimTemplates' names
     containers: list = field(default_factory=list)
+    workload_annotations: dict = field(default_factory=dict)
 
     def container(self, name):
         return next(c for c in self.containers if c.name == name)
@@ -118,6 +119,7 @@ class Manifest:
                 workload=name,
                 kind=kind,
                 labels=tmpl["metadata"].get("labels", {}),
+                workload_annotations=w["metadata"].get("annotations") or {},
                 spec=tmpl["spec"],
                 namespace=self.namespace,
                 ordinal=i,

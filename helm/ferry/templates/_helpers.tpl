@@ -292,8 +292,9 @@ livenessProbe:
 
 {{/* A pod's placement and scheduling from a part's values (`nodeSelector`, `tolerations`,
 `affinity`, `runtimeClassName`, `priorityClassName`, `topologySpreadConstraints`); with
-`spread`, the pods of `ctx` prefer different nodes when no affinity is given. Call with
-(dict "values" $part "ctx" $ctx "spread" true). */}}
+`spread`, the pods of `ctx` prefer different nodes when no affinity is given; with
+`gpuMemoryMiB`, they need nodes whose GPUs have that much memory. Call with
+(dict "values" $part "ctx" $ctx "spread" true ["gpuMemoryMiB" N]). */}}
 {{- define "ferry.placement" -}}
 {{- with .values.runtimeClassName }}
 runtimeClassName: {{ . }}
@@ -313,20 +314,31 @@ nodeSelector:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- if .values.affinity }}
+{{- $affinity := deepCopy (.values.affinity | default dict) -}}
+{{- if and (not .values.affinity) .spread -}}
+{{- /* On different nodes when the cluster has them. */ -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (fromYaml (include "ferry.selectorLabels" .ctx))) -}}
+{{- $_ := set $affinity "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) -}}
+{{- end -}}
+{{- with .gpuMemoryMiB -}}
+{{- /* Only on nodes whose GPUs have at least this memory, as GPU feature discovery labels
+them (MiB): added to every term of the pool's own required node affinity. */ -}}
+{{- $gpu := dict "key" "nvidia.com/gpu.memory" "operator" "Gt" "values" (list (toString (sub (int .) 1))) -}}
+{{- $node := $affinity.nodeAffinity | default dict -}}
+{{- $required := $node.requiredDuringSchedulingIgnoredDuringExecution | default (dict "nodeSelectorTerms" (list dict)) -}}
+{{- $terms := list -}}
+{{- range $required.nodeSelectorTerms -}}
+{{- $t := deepCopy . -}}
+{{- $_ := set $t "matchExpressions" (append ($t.matchExpressions | default list) $gpu) -}}
+{{- $terms = append $terms $t -}}
+{{- end -}}
+{{- $_ := set $required "nodeSelectorTerms" $terms -}}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $required -}}
+{{- $_ := set $affinity "nodeAffinity" $node -}}
+{{- end }}
+{{- with $affinity }}
 affinity:
-  {{- toYaml .values.affinity | nindent 2 }}
-{{- else if .spread }}
-affinity:
-  # On different nodes when the cluster has them.
-  podAntiAffinity:
-    preferredDuringSchedulingIgnoredDuringExecution:
-      - weight: 100
-        podAffinityTerm:
-          topologyKey: kubernetes.io/hostname
-          labelSelector:
-            matchLabels:
-              {{- include "ferry.selectorLabels" .ctx | nindent 14 }}
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 

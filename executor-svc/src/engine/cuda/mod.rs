@@ -39,6 +39,7 @@ use self::weights::DeviceWeights;
 use super::backend::{BackendFacts, BatchOutput, ModelBackend};
 use crate::forward::paged::{self, BatchError, SeqSlice};
 use crate::forward::{LlamaShape, LlamaWeights};
+use crate::gpu_sizing::{gpu_kv_blocks, GpuMemory, KvBlocks};
 
 /// Why the CUDA backend could not start (or, in [`CudaBackend::run`], why the device failed).
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +104,9 @@ pub enum CudaError {
         /// The panic's message.
         message: String,
     },
+    /// The fraction of the device's memory given holds no KV block.
+    #[error(transparent)]
+    Sizing(#[from] crate::executor_config::ConfigError),
     /// The model or pool is outside what this backend handles.
     #[error("the CUDA backend cannot run this model: {0}")]
     Unsupported(String),
@@ -178,19 +182,34 @@ pub struct CudaBackend {
 
 impl CudaBackend {
     /// Opens GPU `ordinal`, uploads `weights` (dequantized to f32) and allocates a KV pool of
-    /// `num_blocks` blocks of `block_size` tokens on it. Fails with [`CudaError::NoDriver`] on
-    /// a machine without the NVIDIA driver, before any CUDA call.
+    /// `blocks` blocks of `block_size` tokens on it (a count, or as many as fit in a fraction
+    /// of the device's memory once the weights are there). Fails with [`CudaError::NoDriver`]
+    /// on a machine without the NVIDIA driver, before any CUDA call.
     pub fn new(
         weights: &LlamaWeights,
         block_size: usize,
-        num_blocks: usize,
+        blocks: impl Into<KvBlocks>,
         ordinal: usize,
     ) -> Result<Self, CudaError> {
         let shape = weights.shape;
-        check_shape(&shape, block_size, num_blocks)?;
+        let blocks = blocks.into();
+        check_shape(&shape, block_size, if let KvBlocks::Count(n) = blocks { n } else { 1 })?;
         let gpu = Gpu::open(ordinal)?;
         let (device_weights, cache) = guarded("uploading the model", || {
             let w = DeviceWeights::upload(&gpu.stream, weights)?;
+            let num_blocks = match blocks {
+                KvBlocks::Count(n) => n,
+                KvBlocks::GpuFraction(fraction) => {
+                    gpu.finish()?;
+                    let (free, total) = gpu
+                        .ctx
+                        .mem_get_info()
+                        .map_err(CudaError::driver("reading the device's free memory"))?;
+                    let memory = GpuMemory { total: total as u64, free: free as u64 };
+                    let kv_dtype = crate::forward::KvDtype::F32;
+                    gpu_kv_blocks(&shape, kv_dtype, block_size, fraction, memory)?
+                }
+            };
             let cache = DeviceKvCache::new(&gpu.stream, &shape, block_size, num_blocks)?;
             gpu.finish()?;
             Ok((w, cache))

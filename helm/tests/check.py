@@ -57,6 +57,10 @@ class Checker:
     def is_ferry(self, c):
         return c.image.split(":")[0] == self.args.image_repo
 
+    def is_service(self, p, c):
+        """A Ferry service (not the etcd members' start-up helper, which serves nothing)."""
+        return self.is_ferry(c) and p.argv(c)[1:2] != ["etcd-member"]
+
     def check_gpu_fit(self, p, c, argv):
         """A CUDA executor's weights (f32 on the device: 4 bytes a parameter) and KV cache fit
         in its share of the GPU its pod is bound to: the GPU's memory from the pod's required
@@ -114,8 +118,11 @@ class Checker:
                 env = {k: local(v) for k, v in p.env(c).items() if v is not None}
                 env["PATH"] = os.environ.get("PATH", "")
                 env["RUST_BACKTRACE"] = "0"
+                cut = argv.index("--") if "--" in argv else len(argv)
                 r = subprocess.run(
-                    [binary, *argv[1:], "--check-config"], env=env, capture_output=True, text=True
+                    # Before a `--`: what follows it is another program's (etcd's) flags.
+                    [binary, *argv[1:cut], "--check-config", *argv[cut:]], env=env,
+                    capture_output=True, text=True
                 )
                 if r.returncode != 0 or "configuration ok" not in r.stdout:
                     self.fail(f"{p.workload}/{c.name}: `{' '.join(argv)}` refused: "
@@ -295,10 +302,14 @@ class Checker:
             svc = sts["spec"]["serviceName"]
             client = next(sp["port"] for sp in self.m.services[svc]["spec"]["ports"]
                           if sp["name"] == "client")
-            want = {f"{sts['metadata']['name']}-{i}.{svc}:{client}"
-                    for i in range(sts["spec"]["replicas"])}
+            members = [f"{sts['metadata']['name']}-{i}.{svc}:{client}"
+                       for i in range(sts["spec"]["replicas"])]
+            # Services dial the first three members (a scale to 5 changes none of them); each
+            # member's start-up helper asks all of them.
+            want, everyone = set(members[:3]), set(members)
         else:
             want = {"{}:{}".format(*ADDRESS.match(e).group(2, 3)) for e in self.args.external_etcd}
+            everyone = want
             if not want:
                 self.fail("no bundled etcd and no --external-etcd given")
         seen = set()
@@ -307,6 +318,15 @@ class Checker:
                 if not self.is_ferry(c):
                     continue
                 env = p.env(c)
+                argv = p.argv(c)
+                if argv[1:2] == ["etcd-member"]:
+                    eps = self.flag(argv, "etcd-endpoints") or ""
+                    got = {"{}:{}".format(*ADDRESS.match(e).group(2, 3)) for e in eps.split(",")}
+                    if got != everyone:
+                        self.fail(f"{p.workload}/{c.name}: asks {sorted(got)} for the running "
+                                  f"cluster, not every member {sorted(everyone)}")
+                    self.count("etcd members asking every member how to start")
+                    continue
                 eps = env.get("FERRY_ETCD_ENDPOINTS") or ""
                 got = {"{}:{}".format(*ADDRESS.match(e).group(2, 3)) for e in eps.split(",") if e}
                 if got != want:
@@ -387,7 +407,8 @@ class Checker:
                 env = p.env(c)
                 files = [(k, env.get(k)) for k in
                          ("FERRY_ETCD_CACERT", "FERRY_ETCD_CERT", "FERRY_ETCD_KEY",
-                          "FERRY_TLS_CERT", "FERRY_TLS_KEY", "FERRY_TLS_CA")]
+                          "FERRY_TLS_CERT", "FERRY_TLS_KEY", "FERRY_TLS_CA",
+                          "FERRY_LOG_FILTER_FILE")]
                 files.append(("--model", self.flag(argv, "model")))
                 files.append(("--api-keys-file", self.flag(argv, "api-keys-file")))
                 for what, path in files:
@@ -430,7 +451,7 @@ class Checker:
                     self.count("executors wired to their own agent")
         # Fronts and schedulers' own HTTP APIs route alike (`--route-load-tokens`).
         weights = {self.flag(p.argv(c), "route-load-tokens") for p in self.m.pods
-                   for c in p.containers if self.is_ferry(c) and p.argv(c)[0] == "ferry-scheduler"}
+                   for c in p.containers if self.is_service(p, c) and p.argv(c)[0] == "ferry-scheduler"}
         if len(weights) > 1 or None in weights:
             self.fail("routers weigh load differently: --route-load-tokens "
                       f"{sorted(map(str, weights))}")
@@ -442,7 +463,7 @@ class Checker:
         fronts, pools = set(), set()
         for p in self.m.pods:
             for c in p.containers:
-                if not self.is_ferry(c):
+                if not self.is_service(p, c):
                     continue
                 argv = p.argv(c)
                 if argv[:2] == ["ferry-scheduler", "front"]:
@@ -468,7 +489,7 @@ class Checker:
         modes = set()
         for p in self.m.pods:
             for c in p.containers:
-                if not self.is_ferry(c):
+                if not self.is_service(p, c):
                     continue
                 env, argv = p.env(c), p.argv(c)
                 cert = env.get("FERRY_TLS_CERT")

@@ -2,7 +2,8 @@
 
 Usage: passthrough.py VALUES RENDERED. For the front, the schedulers (every shard), each executor
 pool (its entry over `executorPoolDefaults`) and etcd: `runtimeClassName`, `priorityClassName`
-and `topologySpreadConstraints` on the pod; `extraEnv` and `extraVolumeMounts` on the part's
+and `topologySpreadConstraints` on the pod; an executor pool's `updateStrategy` on its
+StatefulSet; `extraEnv` and `extraVolumeMounts` on the part's
 main container, `extraVolumes` on the pod. Fails when the value set gives none of them (a set
 that exercises nothing) or when a given field is missing or changed in a rendered pod.
 """
@@ -11,6 +12,7 @@ import sys
 import yaml
 
 POD = ("runtimeClassName", "priorityClassName", "topologySpreadConstraints")
+WORKLOAD = ("updateStrategy",)  # on the StatefulSet itself
 EXTRA = (("extraEnv", "env"), ("extraVolumeMounts", "volumeMounts"))
 
 
@@ -30,8 +32,8 @@ def main():
     workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
     failures, checked = [], 0
     for prefix, main_name, part in parts(values):
-        given = {k: part[k] for k in POD + ("extraVolumes",) + tuple(k for k, _ in EXTRA)
-                 if part.get(k)}
+        given = {k: part[k] for k in POD + WORKLOAD + ("extraVolumes",) +
+                 tuple(k for k, _ in EXTRA) if part.get(k)}
         if not given:
             continue
         label = "app.kubernetes.io/component"
@@ -42,6 +44,10 @@ def main():
         for w in pods:
             name, spec = w["metadata"]["name"], w["spec"]["template"]["spec"]
             main = next((c for c in spec["containers"] if c["name"] == main_name), None)
+            for k in WORKLOAD:
+                if k in given and w["spec"].get(k) != given[k]:
+                    failures.append(f"{name}: {k} is {w['spec'].get(k)!r}, given {given[k]!r}")
+                checked += k in given
             for k in POD:
                 if k in given and spec.get(k) != given[k]:
                     failures.append(f"{name}: {k} is {spec.get(k)!r}, given {given[k]!r}")

@@ -26,13 +26,17 @@ leader's, then the front's) counts the moves, the standby leads, and each stream
 an undisturbed run's (greedy decoding). With `--disaggregated`, every stream must have been
 prefilled on a prefill pod and its KV moved to a decode pod, none recomputed.
 
+With `--operations SCALED_MANIFEST` (the release rendered with `etcd.replicas=5`), then the
+day-two operations of operations.py: an etcd member replaced with an empty volume, etcd scaled
+from 3 to 5 members, the log level changed without a restart, the executors rolled one at a
+time under streams.
+
 Needs root (network namespaces) and grpcurl (FERRY_GRPCURL). Usage:
   smoke.py MANIFEST --bin DIR [--wheel-dir DIR] [--image-repo REPO] [--secret NAME=DIR]...
-           [--client-certs DIR]
+           [--client-certs DIR] [--operations SCALED_MANIFEST]
 """
 
 import argparse
-import concurrent.futures
 import http.client
 import json
 import os
@@ -48,22 +52,15 @@ import threading
 import time
 import urllib.request
 
+import operations
+import tls_checks
 from manifests import Manifest, load
+from smokelog import log, sh
+from streams import Streams
 
 TAG = os.getpid() % 10000
 SUBNET = f"10.{200 + TAG % 50}.{TAG % 200}"
 BRIDGE = f"fsb{TAG}"
-
-
-T0 = time.time()
-
-
-def log(msg):
-    print(f"smoke: {time.time() - T0:5.1f} s: {msg}", flush=True)
-
-
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
 class RoleHTTPS(http.client.HTTPSConnection):
@@ -89,6 +86,7 @@ class Run:
         self.netns = {}
         self.lock = threading.Lock()
         self.errors = []
+        self.scaled = None  # with --etcd-scaled: the release rendered with 5 etcd members
         self.tls = any(p.env(c).get("FERRY_TLS_CERT") for p in self.m.pods for c in p.containers)
         if self.tls and not args.client_certs:
             raise SystemExit("smoke: the chart has tls.enabled: give --client-certs")
@@ -98,7 +96,7 @@ class Run:
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
         sh("ip", "link", "set", BRIDGE, "up")
-        for i, p in enumerate(self.m.pods):
+        for i, p in enumerate(self.m.pods + self.spare_pods()):
             ns, ip = f"fsn{TAG}-{i}", f"{SUBNET}.{i + 2}"
             host, peer = f"fsh{TAG}x{i}", f"fsp{TAG}x{i}"
             sh("ip", "netns", "add", ns)
@@ -111,19 +109,25 @@ class Run:
             sh("ip", "netns", "exec", ns, "ip", "link", "set", peer, "up")
             self.ips[p.name], self.netns[p.name] = ip, ns
         hosts = ["127.0.0.1 localhost"]
-        for name, (kind, obj) in sorted(self.m.names().items()):
+        for name, (kind, obj) in sorted((self.scaled or self.m).names().items()):
             if kind == "pod":
                 hosts.append(f"{self.ips[obj.name]} {name}")
             else:
                 pods = self.m.selected(obj["spec"].get("selector"))
                 if pods:  # a ClusterIP stands in for its first pod (no kube-proxy here)
                     hosts.append(f"{self.ips[pods[0].name]} {name}")
-        for p in self.m.pods:
+        for p in self.m.pods + self.spare_pods():
             d = f"/etc/netns/{self.netns[p.name]}"
             os.makedirs(d, exist_ok=True)
             with open(f"{d}/hosts", "w") as f:
                 f.write("\n".join(hosts + [f"{self.ips[p.name]} {p.name}"]) + "\n")
         log(f"{len(self.m.pods)} pods on {SUBNET}.0/24, {len(hosts)} names")
+
+    def spare_pods(self):
+        """Pods of the scaled render that the release does not run yet (on the network, not
+        started)."""
+        ours = {p.name for p in self.m.pods}
+        return [p for p in (self.scaled.pods if self.scaled else []) if p.name not in ours]
 
     def teardown(self):
         """Ferry's processes stop as the kubelet stops them (SIGTERM); then etcd's members are
@@ -279,15 +283,20 @@ class Run:
             with self.lock:
                 self.errors.append(str(e))
 
-    def start_all(self):
-        t0 = time.time()
-        threads = [threading.Thread(target=self.run_pod, args=(p,)) for p in self.m.pods]
+    def start_pods(self, pods):
+        """Starts `pods` together, as a controller with parallel pod management does; returns
+        once all are ready."""
+        threads = [threading.Thread(target=self.run_pod, args=(p,)) for p in pods]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if self.errors:
             raise RuntimeError("; ".join(self.errors))
+
+    def start_all(self):
+        t0 = time.time()
+        self.start_pods(self.m.pods)
         log(f"all {len(self.m.pods)} pods ready in {time.time() - t0:.1f} s")
 
     # -- the checks -----------------------------------------------------------------------
@@ -328,47 +337,6 @@ class Run:
             raise OSError(f"{path}: HTTP {r.status}: {r.read()[:300]!r}")
         return r
 
-    def check_service_tls(self):
-        """Under TLS, each internal port refuses plaintext and a caller whose role may not
-        call it, and answers the role that may (so the refusals mean something). The calls
-        run at once: a refused one takes grpcurl seconds to give up."""
-        if not self.tls:
-            return
-        calls = []  # (whether it must answer, what a failure means, flags, target)
-        for p in self.m.pods:
-            for c in p.containers:
-                if (c.init and not c.sidecar) or c.image.split(":")[0] != self.args.image_repo:
-                    continue
-                argv = p.argv(c)
-                server, caller, stranger = {
-                    "ferry-executor": ("ferry-executor", "scheduler", "executor"),
-                    "ferry-kv": ("ferry-kv", "executor", "client"),
-                    "ferry-scheduler": ("ferry-scheduler", "client", "executor"),
-                }[argv[0]]
-                if argv[:2] == ["ferry-scheduler", "front"]:
-                    server = "ferry-front"
-                port = int(next(a for a in argv if a.startswith("--listen=")).rsplit(":", 1)[1])
-                target, where = f"{self.ips[p.name]}:{port}", f"{p.name}/{c.name}"
-                calls += [(True, f"{where} refused {caller}", self.grpc_flags(server, caller), target),
-                          (False, f"{where} answered plaintext", ["-plaintext"], target),
-                          (False, f"{where} took a {stranger} certificate",
-                           self.grpc_flags(server, stranger), target)]
-
-        # Reflection is under the API keys where the front wants one; other ports ignore it.
-        auth = ["-H", f"authorization: Bearer {self.args.api_key}"] if self.args.api_key else []
-
-        def lists(call):
-            _, _, flags, target = call
-            return sh(self.args.grpcurl, "-connect-timeout", "3", *flags, *auth, target, "list",
-                      check=False).returncode == 0
-
-        with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-            answered = list(pool.map(lists, calls))
-        for (must, failure, _, _), did in zip(calls, answered):
-            assert did == must, failure
-        log(f"mutual TLS: {len(calls) // 3} service ports answer their callers' roles and refuse "
-            "plaintext and other roles")
-
     def executors(self):
         return self.pods_of("executor-")
 
@@ -385,41 +353,6 @@ class Run:
         ports = {x["name"]: x["port"] for x in svc["spec"]["ports"]}
         ip = self.ips[self.m.selected(svc["spec"]["selector"])[0].name]
         return svc["metadata"]["name"], ip, ports
-
-    def check_etcd_tls(self):
-        """With TLS to etcd, the members refuse plaintext clients (so the services that work
-        spoke TLS)."""
-        etcd = self.pods_of("etcd")
-        tls = any(p.env(c).get("FERRY_ETCD_CACERT") for p in self.m.pods for c in p.containers)
-        if not (etcd and tls):
-            return
-        port = etcd[0].container("etcd").ports()["client"]
-        try:
-            urllib.request.urlopen(f"http://{self.ips[etcd[0].name]}:{port}/version", timeout=5)
-            raise AssertionError("etcd answered a plaintext request")
-        except (OSError, http.client.HTTPException) as e:
-            plain = type(e).__name__
-        # Over TLS, a client without a certificate is refused; with the Secret's, it answers.
-        tls = os.path.join(self.root, etcd[0].name, "etcd-tls")
-        host = f"{etcd[0].name}.{etcd[0].service_name}"  # a name the certificate holds
-        ctx = ssl.create_default_context(cafile=os.path.join(tls, "ca.crt"))
-        target = (self.ips[etcd[0].name], port)
-        def get(context):
-            with socket.create_connection(target, timeout=5) as raw:
-                with context.wrap_socket(raw, server_hostname=host) as conn:
-                    conn.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-                    return conn.recv(4096).decode(errors="replace")
-        try:
-            answer = get(ctx)
-            refused = "HTTP/1.1 200" not in answer
-        except (OSError, ssl.SSLError):
-            refused = True
-        assert refused, "etcd answered a TLS client without a certificate"
-        ctx.load_cert_chain(os.path.join(tls, "tls.crt"), os.path.join(tls, "tls.key"))
-        answer = get(ctx)
-        assert "HTTP/1.1 200" in answer and "etcdserver" in answer, answer
-        log(f"etcd refuses plaintext ({plain}) and TLS without a client certificate, answers "
-            "with one: the services reach it over mutual TLS")
 
     def wait_serving(self):
         deadline = time.time() + self.args.timeout
@@ -532,7 +465,7 @@ class Run:
             for i in range(calm.n):
                 assert faulted.texts[i] == calm.texts[i], \
                     f"stream {i}: {faulted.texts[i]!r}, undisturbed: {calm.texts[i]!r}"
-        log(f"the streams' texts through both faults equal an undisturbed run's")
+        log("the streams' texts through both faults equal an undisturbed run's")
         with self.post({"model": "", "messages": msg, "max_tokens": 8}) as r:
             assert r.status == 200 and json.load(r)["choices"][0]["message"]["content"]
         log("a new request after the faults answers")
@@ -558,56 +491,6 @@ class Run:
         log(f"killed pod {name} ({len(procs)} processes, SIGKILL): {why}")
 
 
-class Streams:
-    """`--streams` streaming chat completions through the front, started at once; the
-    constructor returns once each has delivered two tokens."""
-
-    def __init__(self, run):
-        self.run, self.n, self.max_tokens = run, run.args.streams, run.args.max_tokens
-        self.results, self.progress, self.texts = [None] * self.n, [0] * self.n, [""] * self.n
-        self.threads = [threading.Thread(target=self.stream, args=(i,)) for i in range(self.n)]
-        for t in self.threads:
-            t.start()
-        deadline = time.time() + run.args.timeout
-        while min(self.progress) < 2 and time.time() < deadline and any(
-                t.is_alive() for t in self.threads):
-            time.sleep(0.1)
-        assert min(self.progress) >= 2, f"streams did not start: {self.progress} {self.results}"
-
-    def stream(self, i):
-        body = {"model": "", "messages": [{"role": "user", "content": f"Count to {i + 50}."}],
-                "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        finish, usage, err = None, None, None
-        try:
-            with self.run.post(body) as r:
-                for raw in r:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        err = ev["error"]
-                    for ch in ev.get("choices", []):
-                        if ch.get("delta", {}).get("content"):
-                            self.progress[i] += 1
-                            self.texts[i] += ch["delta"]["content"]
-                        finish = ch.get("finish_reason") or finish
-                    usage = ev.get("usage") or usage
-        except Exception as e:  # noqa: BLE001 - recorded as the stream's failure
-            err = repr(e)
-        self.results[i] = (finish, usage, err)
-
-    def finish(self):
-        """Waits for every stream; each must end normally with all its tokens."""
-        for t in self.threads:
-            t.join(timeout=self.run.args.timeout)
-        for i, (finish, usage, err) in enumerate(self.results):
-            assert err is None, f"stream {i} failed: {err}"
-            assert finish == "length", f"stream {i} ended with {finish}"
-            assert usage and usage["completion_tokens"] == self.max_tokens, f"stream {i}: {usage}"
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("manifest")
@@ -628,6 +511,10 @@ def main():
                     "signed the Secrets (the test calls as its roles' certificates)")
     ap.add_argument("--api-key", help="the API key the front wants (front.apiKeys)")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder and logs")
+    ap.add_argument("--operations", metavar="SCALED_MANIFEST",
+                    help="then the day-two operations (operations.py): an etcd member replaced "
+                    "with an empty volume, etcd scaled to this render's members, the executors "
+                    "rolled")
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
     args.secrets = dict(x.split("=", 1) for x in args.secret)
@@ -636,14 +523,22 @@ def main():
     if os.geteuid() != 0:
         sys.exit("smoke: needs root (network namespaces)")
     run = Run(Manifest(load(args.manifest)), args)
+    if args.operations:
+        run.scaled = Manifest(load(args.operations))
     ok = False
     try:
         run.network()
         run.start_all()
         run.wait_serving()
-        run.check_etcd_tls()
-        run.check_service_tls()
+        tls_checks.check_etcd_tls(run)
+        tls_checks.check_service_tls(run)
         run.exercise()
+        if run.scaled:
+            operations.restart_killed(run)
+            operations.replace_member(run, Streams)
+            operations.scale_etcd(run, run.scaled, Streams)
+            operations.change_log_filter(run)
+            operations.roll_executors(run, Streams)
         ok = True
     finally:
         if not ok:

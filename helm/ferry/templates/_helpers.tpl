@@ -59,13 +59,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "ferry.etcd.name" -}}{{ include "ferry.fullname" . }}-etcd{{- end -}}
 {{- define "ferry.jaeger.name" -}}{{ include "ferry.fullname" . }}-jaeger{{- end -}}
 
-{{/* The etcd endpoints every service is given: each bundled member through its headless
-Service, or the external ones. */}}
+{{/* The etcd endpoints every service is given: the first three bundled members (at most)
+through their headless Service, or the external ones. Three, not all: scaling etcd from 3 to 5
+members then changes no service's environment (so restarts no GPU executor), and whenever a
+5-member cluster has a quorum, one of its first three members is up to reach it through. */}}
 {{- define "ferry.etcd.endpoints" -}}
 {{- if .Values.etcd.enabled -}}
 {{- $name := include "ferry.etcd.name" . -}}
 {{- $eps := list -}}
-{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- range $i := until (min 3 (int .Values.etcd.replicas) | int) -}}
 {{- $eps = append $eps (printf "%s://%s-%d.%s:%d" (include "ferry.etcd.scheme" $) $name $i $name (int $.Values.etcd.clientPort)) -}}
 {{- end -}}
 {{- join "," $eps -}}
@@ -95,6 +97,19 @@ that points the binaries at it. */}}
   mountPath: /etc/ferry/etcd-tls
   readOnly: true
 {{- end }}
+{{- end -}}
+
+{{/* The log ConfigMap's volume and where Ferry's containers mount it (a folder, not a subPath:
+the kubelet updates a folder's files in place). */}}
+{{- define "ferry.log.volume" -}}
+- name: log
+  configMap:
+    name: {{ include "ferry.fullname" . }}-log
+{{- end -}}
+{{- define "ferry.log.mount" -}}
+- name: log
+  mountPath: /etc/ferry/log
+  readOnly: true
 {{- end -}}
 
 {{/* Mutual TLS between Ferry's services (`tls`). These helpers take
@@ -160,8 +175,10 @@ between services comes from ferry.tls.env). */}}
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
-- name: FERRY_LOG
-  value: {{ .Values.log.level | quote }}
+# The log filter is read from the log ConfigMap's file, and followed: changing `log.level`
+# changes it in every running container, restarting none.
+- name: FERRY_LOG_FILTER_FILE
+  value: /etc/ferry/log/filter
 - name: FERRY_LOG_FORMAT
   value: {{ .Values.log.format | quote }}
 - name: FERRY_CLUSTER

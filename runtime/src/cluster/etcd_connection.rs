@@ -25,7 +25,10 @@ impl ClusterArgs {
         self.client_of(&self.etcd_endpoints[i % n..=i % n]).await
     }
 
-    async fn client_of(&self, endpoints: &[String]) -> Result<Client, etcd_client::Error> {
+    pub(super) async fn client_of(
+        &self,
+        endpoints: &[String],
+    ) -> Result<Client, etcd_client::Error> {
         let tls = self.etcd_tls()?;
         let scheme = if tls.is_some() { "https" } else { "http" };
         let endpoints: Vec<String> = endpoints

@@ -16,6 +16,7 @@
 use std::time::Duration;
 
 mod etcd_connection;
+pub mod etcd_member;
 mod key_layout;
 mod membership_watch;
 mod registered_serve;

@@ -62,7 +62,7 @@ enum Command {
     /// the next leader when one fails.
     Front {
         #[command(flatten)]
-        common: Common,
+        common: Box<Common>,
         #[command(flatten)]
         front: FrontArgs,
         /// The scheduler pools (shards) whose leaders serve this front's requests, comma
@@ -71,6 +71,20 @@ enum Command {
         pool: Vec<String>,
         #[command(flatten)]
         cluster: ClusterArgs,
+    },
+    /// Decides how a bundled etcd member starts (the chart's etcd pods run it first): forms the
+    /// cluster, restarts with its data, or joins a running cluster (adding itself through the
+    /// membership API, replacing the member it was if its volume was lost), and writes etcd's
+    /// configuration file. The member's etcd flags follow `--`.
+    EtcdMember {
+        #[command(flatten)]
+        member: ferry_runtime::cluster::etcd_member::EtcdMemberArgs,
+        #[command(flatten)]
+        cluster: ClusterArgs,
+        #[command(flatten)]
+        log: ferry_runtime::logging::LogArgs,
+        #[command(flatten)]
+        check: ferry_runtime::check::CheckArgs,
     },
 }
 
@@ -139,6 +153,18 @@ async fn main() -> anyhow::Result<()> {
             let (listeners, _telemetry) = cli.common.start("ferry-scheduler").await?;
             let model = cli.common.model().await?;
             ferry_scheduler_svc::run(role, model, listeners, stop).await
+        }
+        Some(Command::EtcdMember { member, cluster, log, check }) => {
+            cluster.validate()?;
+            log.validate().map_err(anyhow::Error::msg)?;
+            anyhow::ensure!(cluster.enabled(), "etcd-member needs --etcd-endpoints: the members");
+            member.validate()?;
+            if check.dry_run_done("ferry-scheduler etcd-member") {
+                return Ok(());
+            }
+            log.init().map_err(anyhow::Error::msg)?;
+            ferry_runtime::cluster::etcd_member::run(&member, &cluster).await?;
+            Ok(())
         }
         Some(Command::Front { common, front, pool, cluster }) => {
             let settings = front.resolve()?;

@@ -1,6 +1,7 @@
 """Reading a rendered chart the way Kubernetes would: Services, workloads and the pods they make,
 each container's command line with `$(VAR)` expanded from its environment (literal values and
-the downward API), and the names the cluster's DNS gives Services and StatefulSet pods.
+the downward API), and the names the cluster's DNS gives Services and StatefulSet pods. A Job
+makes one pod (`kind` "Job"), run to completion before the others when it is a Helm hook.
 
 Shared by check.py (static checks of the wiring) and smoke.py (running the pods as processes).
 """
@@ -100,7 +101,7 @@ class Manifest:
             self.by_kind.setdefault(o["kind"], []).append(o)
         self.services = {s["metadata"]["name"]: s for s in self.by_kind.get("Service", [])}
         self.pods = []
-        for kind in ("Deployment", "StatefulSet", "DaemonSet"):
+        for kind in ("Job", "Deployment", "StatefulSet", "DaemonSet"):
             for w in self.by_kind.get(kind, []):
                 self.pods.extend(self._pods(kind, w))
 
@@ -108,7 +109,7 @@ class Manifest:
         spec = w["spec"]
         tmpl = spec["template"]
         name = w["metadata"]["name"]
-        replicas = spec.get("replicas", 1) if kind != "DaemonSet" else 1
+        replicas = spec.get("replicas", 1) if kind not in ("DaemonSet", "Job") else 1
         if kind == "Deployment" and "replicas" not in spec:
             replicas = 1  # autoscaled: the HPA sets it; one is enough to check and run
         pods = []

@@ -70,7 +70,7 @@ def etcd_pods(run):
 
 def restart_killed(run):
     """Starts again the pods the faults killed, as their controllers would."""
-    dead = [p for p in run.m.pods if not any(
+    dead = [p for p in run.m.pods if p.kind != "Job" and not any(
         pod.name == p.name and not c.init and proc.poll() is None for pod, c, proc in run.procs)]
     run.start_pods(dead)
     run.wait_serving()

@@ -174,6 +174,8 @@ class Run:
         for vm in c.spec.get("volumeMounts", []):
             v = vols.get(vm["name"], {"emptyDir": {}})  # volumeClaimTemplates: a folder too
             d = os.path.join(self.root, p.name, vm["name"])
+            if "persistentVolumeClaim" in v:  # a claim of its own: shared by its pods
+                d = os.path.join(self.root, "claims", v["persistentVolumeClaim"]["claimName"])
             os.makedirs(d, exist_ok=True)
             os.chmod(d, 0o777)
             if "configMap" in v:
@@ -206,6 +208,12 @@ class Run:
 
         argv = [remap(a) for a in p.argv(c, ip)]
         env = {k: remap(v) for k, v in p.env(c, ip).items() if v is not None}
+        for ref in c.spec.get("envFrom", []):  # a Secret's keys as variables
+            if "secretRef" in ref:
+                src = self.args.secrets[ref["secretRef"]["name"]]
+                for key in os.listdir(src):
+                    with open(os.path.join(src, key)) as f:
+                        env.setdefault(key, f.read())
         env["PATH"] = os.environ["PATH"]
         env.setdefault("RUST_BACKTRACE", "0")
         if self.args.wheel_dir and "python" in c.image:
@@ -295,9 +303,24 @@ class Run:
             raise RuntimeError("; ".join(self.errors))
 
     def start_all(self):
+        """Helm's order: the hook Jobs to completion first, then every other pod."""
         t0 = time.time()
-        self.start_pods(self.m.pods)
-        log(f"all {len(self.m.pods)} pods ready in {time.time() - t0:.1f} s")
+        jobs = [p for p in self.m.pods if p.kind == "Job"]
+        for job in jobs:
+            for c in job.containers:
+                proc = self.start(job, c)
+                if proc.wait(timeout=self.args.timeout) != 0:
+                    raise RuntimeError(f"Job {job.workload}/{c.name} exited with "
+                                       f"{proc.returncode}")
+            with open(os.path.join(self.root, f"{job.name}.{job.containers[-1].name}.log")) as f:
+                said = f.read().strip().splitlines()
+            if any("secretRef" in r for c in job.containers for r in c.spec.get("envFrom", [])):
+                assert any(line.startswith("credentials from the environment")
+                           for line in said), f"the Job's credentials did not reach it: {said}"
+            log(f"Job {job.workload} completed ({time.time() - t0:.1f} s): {said[-3:]}")
+        pods = [p for p in self.m.pods if p.kind != "Job"]
+        self.start_pods(pods)
+        log(f"all {len(pods)} pods ready in {time.time() - t0:.1f} s")
 
     # -- the checks -----------------------------------------------------------------------
     def pods_of(self, component_prefix):

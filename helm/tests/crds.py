@@ -2,8 +2,8 @@
 
 kubernetes-validate knows only Kubernetes' own kinds (it skips the others with a warning). The
 schemas in `schemas/` are the `openAPIV3Schema` of the projects' CRDs as published (each file
-names the repository, commit and path), descriptions removed: Gateway API's `HTTPRoute` and
-KEDA's `ScaledObject`.
+names the repository, commit and path), descriptions removed: Gateway API's `HTTPRoute`, the
+Gateway API inference extension's `InferencePool` and KEDA's `ScaledObject`.
 
 Usage: crds.py RENDERED [--expect KIND ...]. Fails on an object of a schema's group whose
 version or kind has no schema here, on an object the schema refuses, and on an expected kind

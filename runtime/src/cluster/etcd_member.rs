@@ -249,6 +249,9 @@ pub async fn run(args: &EtcdMemberArgs, cluster: &ClusterArgs) -> Result<Plan, E
 const JOIN_LOCK: &str = "/ferry-etcd-member/join";
 /// How long a join waits for another member that was added to start.
 const WAIT_FOR_OTHERS: Duration = Duration::from_mins(2);
+/// The lock's lease, in seconds: longer than [`WAIT_FOR_OTHERS`] (nothing keeps it alive
+/// meanwhile); revoked when the join ends, it frees the lock by itself if the helper dies.
+const LOCK_TTL_SECONDS: i64 = 180;
 
 /// Joins the running cluster under [`JOIN_LOCK`]: waits until no other member is added and
 /// unstarted, removes the member this one was if it had started, adds it; returns the plan and
@@ -258,7 +261,8 @@ async fn join(
     peer_url: &str,
 ) -> Result<(Plan, Vec<Member>), EtcdMemberError> {
     let etcd = |what| move |e| EtcdMemberError::Etcd(what, e);
-    let lease = client.lease_grant(30, None).await.map_err(etcd("taking a lease"))?.id();
+    let lease = client.lease_grant(LOCK_TTL_SECONDS, None).await.map_err(etcd("taking a lease"))?;
+    let lease = lease.id();
     let locked = client
         .lock(JOIN_LOCK, Some(etcd_client::LockOptions::new().with_lease(lease)))
         .await

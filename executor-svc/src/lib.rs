@@ -89,10 +89,15 @@ pub fn build(
     let shape = model.weights.shape;
     let block_size = config.kv_cache.block_size as usize;
     let dtype = config.kv_dtype();
-    // A GPU fraction is turned into blocks on the device, once the weights are there.
-    let num_blocks = match config.gpu_memory_utilization {
-        Some(_) => 0,
-        None => config.kv_cache.num_blocks(&shape, dtype)?,
+    // A GPU fraction is turned into blocks on the device, once the weights are there (only a
+    // CUDA executor takes one: `ExecutorConfig::validate_flags`).
+    let blocks = match config.gpu_memory_utilization {
+        Some(fraction) => gpu_sizing::KvBlocks::GpuFraction(fraction),
+        None => gpu_sizing::KvBlocks::Count(config.kv_cache.num_blocks(&shape, dtype)?),
+    };
+    let num_blocks = match blocks {
+        gpu_sizing::KvBlocks::Count(n) => n,
+        gpu_sizing::KvBlocks::GpuFraction(_) => 0,
     };
     let eos = model.file.tokenizer.eog_token_ids.clone();
     let kv_layout = v1::KvLayout {
@@ -147,7 +152,7 @@ pub fn build(
             );
             Box::new(backend.with_time_scale(config.time_scale))
         }
-        BackendKind::Cuda => cuda_backend(&model.weights, block_size, num_blocks, config)?,
+        BackendKind::Cuda => cuda_backend(&model.weights, block_size, blocks, config)?,
     };
     let num_blocks = backend.facts().num_blocks;
     let serves = Serves {
@@ -311,13 +316,9 @@ const SIMULATED_MAX_MODEL_LEN: usize = 32_768;
 fn cuda_backend(
     weights: &forward::LlamaWeights,
     block_size: usize,
-    num_blocks: usize,
+    blocks: gpu_sizing::KvBlocks,
     config: &ExecutorConfig,
 ) -> anyhow::Result<Box<dyn engine::ModelBackend>> {
-    let blocks = match config.gpu_memory_utilization {
-        Some(fraction) => gpu_sizing::KvBlocks::GpuFraction(fraction),
-        None => gpu_sizing::KvBlocks::Count(num_blocks),
-    };
     Ok(Box::new(engine::CudaBackend::new(weights, block_size, blocks, config.cuda_device)?))
 }
 
@@ -327,7 +328,7 @@ fn cuda_backend(
 fn cuda_backend(
     _weights: &forward::LlamaWeights,
     _block_size: usize,
-    _num_blocks: usize,
+    _blocks: gpu_sizing::KvBlocks,
     _config: &ExecutorConfig,
 ) -> anyhow::Result<Box<dyn engine::ModelBackend>> {
     Err(executor_config::ConfigError::NoCuda.into())

@@ -63,11 +63,6 @@ def wait_for(what, check, timeout=120):
     raise AssertionError(f"{what}: not after {timeout} s (last: {last})")
 
 
-def etcd_pods(run):
-    return sorted((p for p in run.m.pods if p.labels.get("app.kubernetes.io/component") == "etcd"),
-                  key=lambda p: p.name)
-
-
 def restart_killed(run):
     """Starts again the pods the faults killed, as their controllers would."""
     dead = [p for p in run.m.pods if p.kind != "Job" and not any(
@@ -78,7 +73,7 @@ def restart_killed(run):
 
 
 def replace_member(run, streams_cls):
-    pods = etcd_pods(run)
+    pods = sorted(run.pods_of("etcd"), key=lambda p: p.name)
     victim, witness = pods[1], pods[0]
     before = {m["name"]: m["ID"] for m in members(run, witness.name)}
     keys = ferry_keys(run, witness.name)
@@ -112,12 +107,11 @@ def scale_etcd(run, scaled, streams_cls):
     assert ferry_templates(run.m) == ferry_templates(scaled), \
         "a Ferry pod template changes with etcd.replicas: scaling etcd would restart it"
     log("no Ferry pod template changes between etcd.replicas 3 and 5: nothing restarts")
-    new = [p for p in scaled.pods if p.labels.get("app.kubernetes.io/component") == "etcd"
-           and p.name not in {q.name for q in run.m.pods}]
+    new = run.spare_pods()
     assert len(new) == 2, [p.name for p in new]
     streams = streams_cls(run)
     run.start_pods(new)
-    witness = etcd_pods(run)[0].name
+    witness = min(p.name for p in run.pods_of("etcd"))
     def five():
         m = [x.get("name", "") for x in members(run, witness)]
         return m if len(m) == 5 and all(m) else None

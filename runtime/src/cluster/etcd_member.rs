@@ -89,10 +89,17 @@ pub fn plan(has_data: bool, cluster: Option<&[Member]>, peer_url: &str) -> Plan 
         return Plan::Restart;
     }
     let Some(members) = cluster else { return Plan::Form };
+    let (remove, add) = join_steps(members, peer_url);
+    Plan::Join { remove, add }
+}
+
+/// What joining `members` takes: the id of a member of this peer URL to remove (it started
+/// before, and its data is gone), and whether to add this one (not if listed, never started).
+fn join_steps(members: &[Member], peer_url: &str) -> (Option<u64>, bool) {
     match members.iter().find(|m| m.peer_urls.iter().any(|u| u == peer_url)) {
-        Some(m) if m.name.is_empty() => Plan::Join { remove: None, add: false },
-        Some(m) => Plan::Join { remove: Some(m.id), add: true },
-        None => Plan::Join { remove: None, add: true },
+        Some(m) if m.name.is_empty() => (None, false),
+        Some(m) => (Some(m.id), true),
+        None => (None, true),
     }
 }
 
@@ -296,8 +303,7 @@ async fn join_locked(
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    let decided = plan(false, Some(&members), peer_url);
-    let Plan::Join { remove, add } = decided else { unreachable!("a running cluster: a join") };
+    let (remove, add) = join_steps(&members, peer_url);
     if let Some(id) = remove {
         client.member_remove(id).await.map_err(etcd("removing the lost member"))?;
         tracing::info!(
@@ -309,7 +315,7 @@ async fn join_locked(
         client.member_add([peer_url], None).await.map_err(etcd("adding the member"))?;
         tracing::info!(peer_url, "added this member to the running cluster");
     }
-    Ok((decided, list_members(client).await?))
+    Ok((Plan::Join { remove, add }, list_members(client).await?))
 }
 
 async fn list_members(client: &mut etcd_client::Client) -> Result<Vec<Member>, EtcdMemberError> {

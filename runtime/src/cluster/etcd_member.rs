@@ -121,6 +121,12 @@ pub enum EtcdMemberError {
     /// etcd refused a membership change.
     #[error("etcd-member: {0}: {1}")]
     Etcd(&'static str, etcd_client::Error),
+    /// The cluster has members that started before and no leader.
+    #[error(
+        "etcd-member: the other members have no leader but have run before (quorum lost): not \
+         forming a new cluster; this member joins once a quorum is back"
+    )]
+    NoQuorum,
     /// Writing the file failed.
     #[error("etcd-member: writing {0}: {1}")]
     Write(PathBuf, std::io::Error),
@@ -227,12 +233,17 @@ pub async fn run(args: &EtcdMemberArgs, cluster: &ClusterArgs) -> Result<Plan, E
     let has_data = std::path::Path::new(data_dir).join("member").is_dir();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.join_seconds);
     let (decided, state, initial_cluster) = loop {
-        let running = if has_data { None } else { running_cluster(args, cluster, name).await };
-        let Some(mut client) = running else {
-            let decided = plan(has_data, None, peer_url);
-            break (decided, "new", initial.to_string());
+        let probe =
+            if has_data { Probe::Nothing } else { running_cluster(args, cluster, name).await };
+        let result = match probe {
+            Probe::Nothing => {
+                let decided = plan(has_data, None, peer_url);
+                break (decided, "new", initial.to_string());
+            }
+            Probe::NoQuorum => Err(EtcdMemberError::NoQuorum),
+            Probe::Running(mut client) => join(&mut client, peer_url).await,
         };
-        match join(&mut client, peer_url).await {
+        match result {
             Ok((decided, members)) => {
                 break (decided, "existing", joining_cluster(&members, name, peer_url));
             }
@@ -332,30 +343,46 @@ async fn list_members(client: &mut etcd_client::Client) -> Result<Vec<Member>, E
         .collect())
 }
 
-/// A client of a running cluster (a member that reports a leader), asking every endpoint but
-/// this member's own for up to `--probe-seconds`; `None` if none answers so.
-async fn running_cluster(
-    args: &EtcdMemberArgs,
-    cluster: &ClusterArgs,
-    name: &str,
-) -> Option<etcd_client::Client> {
+/// What the other members answer.
+enum Probe {
+    /// A member that reports a leader: a client of it.
+    Running(Box<etcd_client::Client>),
+    /// No leader, but members that have started before (they have names, which a member gets
+    /// only once a quorum has accepted it): a cluster that lost its quorum, not one being
+    /// formed. Forming a new one here would be refused by its peers at best.
+    NoQuorum,
+    /// Nobody, or members that never started: the cluster is being formed.
+    Nothing,
+}
+
+/// Asks every endpoint but this member's own, for up to `--probe-seconds`, whether a cluster
+/// runs (see [`Probe`]).
+async fn running_cluster(args: &EtcdMemberArgs, cluster: &ClusterArgs, name: &str) -> Probe {
     let others: Vec<String> =
         cluster.etcd_endpoints.iter().filter(|e| !endpoint_names(e, name)).cloned().collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.probe_seconds);
+    let mut formed_before = false;
     while !others.is_empty() && tokio::time::Instant::now() < deadline {
         for endpoint in &others {
             let Ok(mut client) = cluster.client_of(std::slice::from_ref(endpoint)).await else {
                 continue;
             };
             let Ok(status) = client.status().await else { continue };
-            if status.leader() == 0 {
-                continue; // a member still forming the cluster
+            if status.leader() != 0 {
+                return Probe::Running(Box::new(client));
             }
-            return Some(client);
+            // Without a leader a member still lists the members it knows, from its own state.
+            if let Ok(members) = list_members(&mut client).await {
+                formed_before |= members.iter().any(|m| !m.name.is_empty() && m.name != name);
+            }
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    None
+    if formed_before {
+        Probe::NoQuorum
+    } else {
+        Probe::Nothing
+    }
 }
 
 /// Whether `endpoint` is member `name`'s own (its host is the pod name, or starts with it and

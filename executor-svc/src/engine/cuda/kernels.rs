@@ -4,8 +4,8 @@
 //!
 //! Each kernel mirrors one step of the CPU forward (`forward::ops`, `forward::paged`): the same
 //! formulas with the same association of operations, compiled without fused multiply-add
-//! contraction (`--fmad=false`), so the two paths differ only where summation order differs
-//! (and in the CPU's 8-bit activation quantization). Layouts are the CPU path's: activations
+//! contraction (`--fmad=false`), so the two paths differ only where summation order differs and
+//! in the device's `expf`, `tanhf` and `sincosf`. Layouts are the CPU path's: activations
 //! are row-major `rows × width`; the KV cache is block-major,
 //! `block × layer × {K, V} × slot × kv_dim`; a fused QKV row is `[q | k | v]`.
 //!
@@ -14,9 +14,9 @@
 //! token ids are in range; `head_dim` is even and at most [`MAX_HEAD_DIM`]; `blockDim.x` is a
 //! multiple of 32 wherever a kernel reduces.
 //!
-//! Checked without a GPU: NVRTC compiles the source (`tests.rs`, where the library is
-//! installed), and the kernels, run once in a CPU emulation of CUDA's thread model, matched a
-//! plain f32 forward to 1e-6. Not yet run on a GPU.
+//! Run in CI under the CPU emulation of CUDA ([`super::emulation`]: the same source, compiled
+//! for the host, each block's threads meeting at real barriers), where the forward matches the
+//! CPU backend's logits to a few parts in a million (`tests.rs`). Not yet run on a GPU.
 
 use std::sync::Arc;
 

@@ -7,8 +7,12 @@
 //! and block-major layout, the same forward semantics (variable-length batch mixing prefill
 //! chunks and decodes, positions from each sequence's `start`, block tables, logits only for
 //! sequences that sample, in batch order). Logits are close to the CPU's, not bit-identical:
-//! the GPU multiplies f32 activations by dequantized f32 weights, where the CPU quantizes
-//! activations to 8 bits and sums in another order.
+//! both multiply f32 activations by the same dequantized weights, but the GPU sums in cuBLAS's
+//! and its kernels' order, not the CPU's fixed FMA order (within a few parts in a million of
+//! the largest logit under the emulation, `tests.rs`).
+//!
+//! [`emulation`] is test infrastructure, not part of the backend: a CPU emulation of the CUDA
+//! libraries, under which CI runs this backend.
 //!
 //! Pieces: [`probe`] finds the libraries, [`device`] opens the GPU, [`kernels`] holds the CUDA C
 //! and [`launch`] its typed launches, [`weights`] and [`cache`] own device memory, [`plan`]
@@ -16,6 +20,7 @@
 
 pub mod cache;
 pub mod device;
+pub mod emulation;
 pub mod forward;
 pub mod kernels;
 pub mod launch;
@@ -23,6 +28,8 @@ pub mod plan;
 pub mod probe;
 pub mod weights;
 
+#[cfg(test)]
+mod emulation_tests;
 #[cfg(test)]
 mod tests;
 

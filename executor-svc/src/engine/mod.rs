@@ -12,6 +12,11 @@ pub mod backend;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod cuda;
+// Test infrastructure: the CPU emulation of CUDA the `cuda` backend's tests run under. Building
+// it needs no feature (a test starting `ferry serve --backend cuda` builds it); loading it into
+// a process (`unsafe`: dynamic loading) comes with `cuda`.
+#[cfg_attr(feature = "cuda", allow(unsafe_code))]
+pub mod cuda_emulation;
 pub mod grammar;
 pub mod kv;
 pub mod sampling;

@@ -1,13 +1,14 @@
 //! KV operations on the real model, through two real KV agents: a prompt computed on one
 //! engine is exported, imported into another engine's blocks, and the second engine decodes
 //! from it exactly as the first would have; a failed import writes nothing and says why; steps
-//! with bad KV operations are refused whole.
+//! with bad KV operations are refused whole. The moved-KV test runs on CPU engines and on CUDA
+//! engines (under the CPU emulation of CUDA in CI: `engine::cuda::emulation`).
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ferry_executor_svc::engine::kv::KvPort;
-use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
+use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig, ModelBackend};
 use ferry_executor_svc::forward::LoadedModel;
 use ferry_model::ModelFile;
 use ferry_proto::v1::{self, kv_operation::Op};
@@ -33,7 +34,15 @@ fn layout() -> v1::KvLayout {
     }
 }
 
-fn engine(agent: Option<&str>) -> Engine {
+/// Which backend an engine under test runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+fn engine(agent: Option<&str>, backend: Backend) -> Engine {
     let weights = LoadedModel::load(model().clone()).unwrap().weights;
     let port = agent.map(|a| KvPort {
         agent: a.to_string(),
@@ -41,11 +50,16 @@ fn engine(agent: Option<&str>) -> Engine {
         layout: layout(),
         staging: None,
     });
-    Engine::new(
-        Box::new(CpuBackend::new(weights, BS as usize, BLOCKS as usize)),
-        EngineConfig::new(model().tokenizer.eos_token_id),
-    )
-    .with_kv(port)
+    let (bs, blocks) = (BS as usize, BLOCKS as usize);
+    let backend: Box<dyn ModelBackend> = match backend {
+        Backend::Cpu => Box::new(CpuBackend::new(weights, bs, blocks)),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => Box::new(
+            ferry_executor_svc::engine::CudaBackend::new(&weights, bs, blocks, 0)
+                .expect("the CUDA backend"),
+        ),
+    };
+    Engine::new(backend, EngineConfig::new(model().tokenizer.eos_token_id)).with_kv(port)
 }
 
 async fn agent(node: &str) -> String {
@@ -75,7 +89,11 @@ struct Exec {
 
 impl Exec {
     fn new(agent: Option<&str>) -> Self {
-        Self { engine: engine(agent), last_step: 0, reported: Vec::new() }
+        Self::on(agent, Backend::Cpu)
+    }
+
+    fn on(agent: Option<&str>, backend: Backend) -> Self {
+        Self { engine: engine(agent, backend), last_step: 0, reported: Vec::new() }
     }
 
     /// Runs `step` (numbered here), telling the runtime this thread blocks while it runs.
@@ -164,9 +182,30 @@ fn hashes(n: usize) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_computed_on_one_engine_decodes_on_another_from_its_moved_kv() {
+    moved_kv_decodes_as_computed(Backend::Cpu).await;
+}
+
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_cuda_a_prompt_computed_on_one_engine_decodes_on_another_from_its_moved_kv() {
+    use ferry_executor_svc::engine::cuda_emulation::{device_for_tests, Emulation};
+    if !device_for_tests() {
+        return;
+    }
+    let before = Emulation::stats();
+    moved_kv_decodes_as_computed(Backend::Cuda).await;
+    // Under the emulation: both engines computed on the (emulated) device.
+    if let (Some(before), Some(after)) = (before, Emulation::stats()) {
+        assert!(after.gemms > before.gemms && after.launches > before.launches);
+    }
+}
+
+/// P computes a prompt and exports its full blocks through its agent to D's, which imports them
+/// into blocks of its own; D then computes the rest and decodes the same tokens as P.
+async fn moved_kv_decodes_as_computed(backend: Backend) {
     let (a, b) = (agent("node-p").await, agent("node-d").await);
-    let mut p = Exec::new(Some(&a));
-    let mut d = Exec::new(Some(&b));
+    let mut p = Exec::on(Some(&a), backend);
+    let mut d = Exec::on(Some(&b), backend);
     let prompt = model()
         .tokenizer
         .encode("The capital of France is Paris, and the capital of Italy is")

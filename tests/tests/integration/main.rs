@@ -11,6 +11,7 @@
 mod api_keys;
 mod chaos;
 mod cluster;
+mod cuda_serve;
 mod disaggregation;
 mod executor_session;
 mod fuzz;

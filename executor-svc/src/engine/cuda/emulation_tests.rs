@@ -1,4 +1,4 @@
-//! Tests of the CUDA emulation itself ([`super::emulation`]), through cudarc as the backend
+//! Tests of the CUDA emulation itself ([`crate::engine::cuda_emulation`]), through cudarc as the backend
 //! calls it. Each is built to fail if the emulator were wrong in the way that would make a
 //! wrong backend look right: threads of a block run one after another instead of meeting at a
 //! barrier, warp shuffles reading lanes that have not written yet, cuBLAS's column-major,
@@ -11,7 +11,7 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 
-use super::emulation::{Emulation, TestMode};
+use crate::engine::cuda_emulation::{Emulation, TestMode};
 
 /// The emulated device's stream, or `None` (with a note) where the emulation is not wanted.
 fn emulated_stream() -> Option<Arc<CudaStream>> {

@@ -14,7 +14,7 @@
 //! token ids are in range; `head_dim` is even and at most [`MAX_HEAD_DIM`]; `blockDim.x` is a
 //! multiple of 32 wherever a kernel reduces.
 //!
-//! Run in CI under the CPU emulation of CUDA ([`super::emulation`]: the same source, compiled
+//! Run in CI under the CPU emulation of CUDA ([`crate::engine::cuda_emulation`]: the same source, compiled
 //! for the host, each block's threads meeting at real barriers), where the forward matches the
 //! CPU backend's logits to a few parts in a million (`tests.rs`). Not yet run on a GPU.
 

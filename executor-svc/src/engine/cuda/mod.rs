@@ -11,8 +11,8 @@
 //! and its kernels' order, not the CPU's fixed FMA order (within a few parts in a million of
 //! the largest logit under the emulation, `tests.rs`).
 //!
-//! [`emulation`] is test infrastructure, not part of the backend: a CPU emulation of the CUDA
-//! libraries, under which CI runs this backend.
+//! [`super::cuda_emulation`] is test infrastructure, not part of the backend: a CPU emulation of
+//! the CUDA libraries, under which CI runs this backend.
 //!
 //! Pieces: [`probe`] finds the libraries, [`device`] opens the GPU, [`kernels`] holds the CUDA C
 //! and [`launch`] its typed launches, [`weights`] and [`cache`] own device memory, [`plan`]
@@ -20,7 +20,6 @@
 
 pub mod cache;
 pub mod device;
-pub mod emulation;
 pub mod forward;
 pub mod kernels;
 pub mod launch;

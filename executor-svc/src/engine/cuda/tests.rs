@@ -1,5 +1,5 @@
 //! Tests of the CUDA backend: the GPU forward against the CPU backend on the same batches, under
-//! the CPU emulation of CUDA ([`super::emulation`]; CI sets `FERRY_CUDA_TESTS=emulated`, so they
+//! the CPU emulation of CUDA ([`crate::engine::cuda_emulation`]; CI sets `FERRY_CUDA_TESTS=emulated`, so they
 //! cannot skip there) or on a real GPU (`FERRY_CUDA_TESTS=gpu`, `scripts/gpu-check`); and, in a
 //! process without either, the clear refusal of a machine with no driver.
 
@@ -7,10 +7,10 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use ferry_model::Family;
 
-use super::emulation::{Emulation, Stats, TestMode};
 use super::probe::{try_load, CudaLibrary};
 use super::{kernels, CudaBackend, CudaError};
 use crate::engine::backend::{BatchOutput, CpuBackend, ModelBackend};
+use crate::engine::cuda_emulation::{device_for_tests, Emulation, Stats};
 use crate::forward::llama::LayerWeights;
 use crate::forward::paged::SeqSlice;
 use crate::forward::{ops, LlamaShape, LlamaWeights};
@@ -130,20 +130,9 @@ fn the_kernels_compile_with_nvrtc() {
     }
 }
 
-/// Whether a CUDA device can be used here: the emulation, installed in this process (the
-/// default, and what CI demands with `FERRY_CUDA_TESTS=emulated`), or the real GPU
-/// (`FERRY_CUDA_TESTS=gpu`). `false` (with a note) only when nothing demands either and the
-/// emulation cannot be built (no C++ compiler).
+/// Whether a CUDA device can be used here (see [`device_for_tests`]).
 fn device_available() -> bool {
-    let installed = || Emulation::build().and_then(|e| e.install());
-    match TestMode::from_env() {
-        TestMode::Gpu => true,
-        TestMode::Emulated => {
-            installed().unwrap_or_else(|e| panic!("FERRY_CUDA_TESTS=emulated, but {e}"));
-            true
-        }
-        TestMode::Auto => installed().map_err(|e| eprintln!("skipped: {e}")).is_ok(),
-    }
+    device_for_tests()
 }
 
 /// The CUDA backend on device 0, or `None` where [`device_available`] says so.
@@ -284,4 +273,123 @@ fn on_a_gpu_the_real_model_greedy_decodes_like_the_cpu() {
         start = toks.len();
         toks.push(tc.expect("non-empty vocabulary") as u32);
     }
+}
+
+/// Bytes of one KV block of `w` in the transfer layout (f32).
+fn block_bytes(w: &LlamaWeights, block_size: usize) -> usize {
+    w.shape.num_layers * 2 * block_size * w.shape.kv_dim() * 4
+}
+
+#[test]
+fn on_a_gpu_a_verification_with_drafts_matches_the_cpu_backend() {
+    // Speculative decoding's verification: a sequence's last sampled token and its drafts in
+    // one step, logits for every one of them (the drafts' checks and the bonus token).
+    let w = tiny_model();
+    let Some(mut gpu) = gpu_backend(&w, 4, 16) else { return };
+    let mut cpu = CpuBackend::new(tiny_model(), 4, 16);
+    let table = [5u32, 2, 11];
+    let steps = [
+        vec![SeqSlice { tokens: &[3, 1, 4, 1, 5], start: 0, block_table: &table, logits: 1 }],
+        // The sampled token and three drafts: four logit rows.
+        vec![SeqSlice { tokens: &[9, 2, 6, 5], start: 5, block_table: &table, logits: 4 }],
+        // Two drafts accepted: the next step rewrites positions 8 and on.
+        vec![SeqSlice { tokens: &[3, 5], start: 8, block_table: &table, logits: 2 }],
+    ];
+    for (i, batch) in steps.iter().enumerate() {
+        let g = logits(gpu.run(batch).expect("gpu step"));
+        let c = logits(cpu.run(batch).expect("cpu step"));
+        assert_eq!(g.len(), batch[0].logits, "one row per verified token");
+        assert_close(&g, &c, TINY_TOLERANCE, &format!("verification step {i}"));
+    }
+}
+
+#[test]
+fn on_a_gpu_a_copied_block_continues_like_the_original() {
+    // Parallel sampling: each sample continues in its own copy of the prompt's partial block.
+    let w = tiny_model();
+    let bs = 4;
+    let Some(mut gpu) = gpu_backend(&w, bs, 16) else { return };
+    let mut cpu = CpuBackend::new(tiny_model(), bs, 16);
+    let prompt = [7u32, 3, 9, 1, 4, 4];
+    let shared = [SeqSlice { tokens: &prompt, start: 0, block_table: &[2, 6], logits: 1 }];
+    logits(gpu.run(&shared).expect("prompt"));
+    logits(cpu.run(&shared).expect("prompt"));
+    gpu.copy_block(6, 9);
+    cpu.copy_block(6, 9);
+    let (mut original, mut copy) = (vec![0u8; block_bytes(&w, bs)], vec![0u8; block_bytes(&w, bs)]);
+    gpu.read_block(6, &mut original).unwrap();
+    gpu.read_block(9, &mut copy).unwrap();
+    assert!(original == copy, "the copy holds every byte of the block");
+    // Two samples decode on: one in the original block, one in the copy.
+    let batch = [
+        SeqSlice { tokens: &[12], start: 6, block_table: &[2, 6], logits: 1 },
+        SeqSlice { tokens: &[12], start: 6, block_table: &[2, 9], logits: 1 },
+    ];
+    let g = logits(gpu.run(&batch).expect("samples"));
+    let c = logits(cpu.run(&batch).expect("samples"));
+    assert_close(&g, &c, TINY_TOLERANCE, "samples after the copy");
+    assert_eq!(g[0], g[1], "the same token after the same context, on either block");
+}
+
+#[test]
+fn on_a_gpu_a_preempted_sequence_resumes_by_recomputing() {
+    // Preemption by recomputation: the sequence's blocks go to another request, which
+    // overwrites them; on resumption its prompt and output so far are computed again in the
+    // blocks it gets then, and it continues as if it had never left.
+    let w = tiny_model();
+    let Some(mut gpu) = gpu_backend(&w, 4, 16) else { return };
+    let mut cpu = CpuBackend::new(tiny_model(), 4, 16);
+    let mut run = |batch: &[SeqSlice]| {
+        let g = logits(gpu.run(batch).expect("gpu step"));
+        let c = logits(cpu.run(batch).expect("cpu step"));
+        assert_close(&g, &c, TINY_TOLERANCE, "preemption");
+        g
+    };
+    let tokens = [11u32, 5, 8, 2, 9, 30, 6];
+    run(&[SeqSlice { tokens: &tokens[..5], start: 0, block_table: &[1, 2], logits: 1 }]);
+    run(&[SeqSlice { tokens: &tokens[5..6], start: 5, block_table: &[1, 2], logits: 1 }]);
+    let before =
+        run(&[SeqSlice { tokens: &tokens[6..], start: 6, block_table: &[1, 2], logits: 1 }]);
+    // Preempted: another request takes (and overwrites) blocks 1 and 2.
+    run(&[SeqSlice {
+        tokens: &[40, 41, 42, 43, 44, 45],
+        start: 0,
+        block_table: &[2, 1],
+        logits: 1,
+    }]);
+    // Resumed elsewhere: everything recomputed in one chunk.
+    let after = run(&[SeqSlice { tokens: &tokens, start: 0, block_table: &[7, 3], logits: 1 }]);
+    assert_close(&after, &before, TINY_TOLERANCE, "resumed against never preempted");
+}
+
+#[test]
+fn on_a_gpu_blocks_moved_to_another_gpu_decode_exactly_as_computed_there() {
+    // The KV transfer path's two ends: an export reads blocks from one executor's device, an
+    // import writes them into another's. Every byte survives, and the importer decodes from
+    // them exactly (bit for bit) as the exporter decodes from the blocks it computed.
+    let w = tiny_model();
+    let bs = 4;
+    let Some(mut exporter) = gpu_backend(&w, bs, 16) else { return };
+    let mut importer = CudaBackend::new(&w, bs, 16, 0).expect("a second backend");
+    let prompt = [4u32, 8, 15, 16, 23, 42, 7, 1];
+    exporter
+        .run(&[SeqSlice { tokens: &prompt, start: 0, block_table: &[3, 5], logits: 1 }])
+        .expect("prompt");
+    let mut moved = Vec::new();
+    for (from, to) in [(3, 10), (5, 0)] {
+        let mut bytes = vec![0u8; block_bytes(&w, bs)];
+        exporter.read_block(from, &mut bytes).unwrap();
+        importer.write_block(to, &bytes).unwrap();
+        let mut back = vec![0u8; bytes.len()];
+        importer.read_block(to, &mut back).unwrap();
+        assert!(back == bytes, "block {from} -> {to}: every byte kept");
+        moved.push(bytes);
+    }
+    assert!(moved.iter().all(|b| b.iter().any(|&x| x != 0)), "the blocks hold computed KV");
+    let next = |table: &'static [u32]| {
+        [SeqSlice { tokens: &[9], start: 8, block_table: table, logits: 1 }]
+    };
+    let there = logits(exporter.run(&next(&[3, 5, 7])).expect("exporter decodes"));
+    let here = logits(importer.run(&next(&[10, 0, 2])).expect("importer decodes"));
+    assert_eq!(here, there, "decoding from moved blocks is decoding from computed ones");
 }

@@ -6,7 +6,7 @@
 //! libraries whose SONAMEs are `libcuda.so`, `libnvrtc.so` and `libcublas.so`, and points the
 //! dynamic loader at them:
 //!
-//! - in this process, [`Emulation::install`] loads them by path; cudarc's later
+//! - in this process (with the `cuda` feature), `Emulation::install` loads them by path; cudarc's later
 //!   `dlopen("libcuda.so")` then matches the loaded library's SONAME and gets it. cudarc loads
 //!   its libraries once per process, so a process that installed the emulation never sees a
 //!   real driver (nextest runs each test in a process of its own);
@@ -18,16 +18,17 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+#[cfg(feature = "cuda")]
 use std::sync::OnceLock;
 
 /// The emulation's sources, compiled into the test binaries so a build needs nothing else.
 const SOURCES: [(&str, &str); 6] = [
-    ("abi.h", include_str!("../../../cuda-emu/abi.h")),
-    ("half.h", include_str!("../../../cuda-emu/half.h")),
-    ("kernel.h", include_str!("../../../cuda-emu/kernel.h")),
-    ("driver.cpp", include_str!("../../../cuda-emu/driver.cpp")),
-    ("nvrtc.cpp", include_str!("../../../cuda-emu/nvrtc.cpp")),
-    ("cublas.cpp", include_str!("../../../cuda-emu/cublas.cpp")),
+    ("abi.h", include_str!("../../cuda-emu/abi.h")),
+    ("half.h", include_str!("../../cuda-emu/half.h")),
+    ("kernel.h", include_str!("../../cuda-emu/kernel.h")),
+    ("driver.cpp", include_str!("../../cuda-emu/driver.cpp")),
+    ("nvrtc.cpp", include_str!("../../cuda-emu/nvrtc.cpp")),
+    ("cublas.cpp", include_str!("../../cuda-emu/cublas.cpp")),
 ];
 
 /// The three libraries: (source, library file).
@@ -58,6 +59,22 @@ impl TestMode {
     }
 }
 
+#[cfg(feature = "cuda")]
+/// Whether the CUDA backend's tests can use a device in this process: the emulation, built and
+/// installed here (`Emulated`, `Auto`), or the real GPU (`Gpu`). `false` (with a note on stderr)
+/// only in `Auto` mode when the emulation cannot be built; in `Emulated` mode that panics.
+pub fn device_for_tests() -> bool {
+    let installed = || Emulation::build().and_then(|e| e.install());
+    match TestMode::from_env() {
+        TestMode::Gpu => true,
+        TestMode::Emulated => {
+            installed().unwrap_or_else(|e| panic!("FERRY_CUDA_TESTS=emulated, but {e}"));
+            true
+        }
+        TestMode::Auto => installed().map_err(|e| eprintln!("skipped: {e}")).is_ok(),
+    }
+}
+
 /// Counters of the emulated driver (its `FerryEmuStats`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -83,6 +100,7 @@ pub struct Emulation {
 }
 
 /// The libraries this process loaded, kept loaded for its life.
+#[cfg(feature = "cuda")]
 static INSTALLED: OnceLock<Result<Vec<libloading::Library>, String>> = OnceLock::new();
 
 fn fnv1a(bytes: &[u8], mut h: u64) -> u64 {
@@ -178,7 +196,12 @@ impl Emulation {
     pub fn library_dir(&self) -> &Path {
         &self.dir
     }
+}
 
+/// Loading the emulation into this process (the `cuda` feature: the tests that run the backend
+/// in-process).
+#[cfg(feature = "cuda")]
+impl Emulation {
     /// Loads the libraries into this process, driver first, so cudarc gets them. Idempotent;
     /// fails if another set was installed before.
     pub fn install(&self) -> Result<(), String> {

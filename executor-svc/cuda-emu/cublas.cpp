@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <vector>
+
 #include "half.h"
 
 #define EXPORT extern "C" __attribute__((visibility("default")))
@@ -100,23 +102,24 @@ cublasStatus_t gemm(int ta, int tb, int m, int n, int k, float alpha, const void
     if (k > 0 && !in_device(a, at, a_rows, a_cols, lda)) return invalid("A past its allocation", a_rows, a_cols);
     if (k > 0 && !in_device(b, bt, b_rows, b_cols, ldb)) return invalid("B past its allocation", b_rows, b_cols);
     if (!in_device(c, ct, m, n, ldc)) return invalid("C past its allocation", m, n);
-    // op(A)[i, l] and op(B)[l, j] as strides along l.
+    // op(B)'s columns widened to f32 and laid out contiguously once, then op(A)'s rows one at a
+    // time: every dot product runs over two contiguous f32 vectors.
     size_t a_step = ta == OP_N ? lda : 1, a_row = ta == OP_N ? 1 : lda;
     size_t b_step = tb == OP_N ? 1 : ldb, b_col = tb == OP_N ? ldb : 1;
-    for (int j = 0; j < n; ++j) {
-        for (int i = 0; i < m; ++i) {
+    std::vector<float> bs(static_cast<size_t>(n) * k), as(k);
+    for (int j = 0; j < n; ++j)
+        for (int l = 0; l < k; ++l) bs[static_cast<size_t>(j) * k + l] = load(b, bt, j * b_col + l * b_step);
+    for (int i = 0; i < m; ++i) {
+        for (int l = 0; l < k; ++l) as[l] = load(a, at, i * a_row + l * a_step);
+        for (int j = 0; j < n; ++j) {
             // Eight partial sums in a fixed order: deterministic, and fast enough for the tests.
+            const float* x = as.data();
+            const float* y = bs.data() + static_cast<size_t>(j) * k;
             float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            size_t ai = i * a_row, bj = j * b_col;
             int l = 0;
-            if (at == R_32F && bt == R_32F && a_step == 1 && b_step == 1) {
-                const float* x = static_cast<const float*>(a) + ai;
-                const float* y = static_cast<const float*>(b) + bj;
-                for (; l + 8 <= k; l += 8)
-                    for (int u = 0; u < 8; ++u) part[u] += x[l + u] * y[l + u];
-            }
-            for (; l < k; ++l)
-                part[l % 8] += load(a, at, ai + l * a_step) * load(b, bt, bj + l * b_step);
+            for (; l + 8 <= k; l += 8)
+                for (int u = 0; u < 8; ++u) part[u] += x[l + u] * y[l + u];
+            for (; l < k; ++l) part[l % 8] += x[l] * y[l];
             float dot = ((part[0] + part[1]) + (part[2] + part[3])) +
                         ((part[4] + part[5]) + (part[6] + part[7]));
             size_t ci = i + static_cast<size_t>(j) * ldc;

@@ -73,7 +73,10 @@ namespace {
 std::mutex mu;
 std::map<uintptr_t, size_t> allocations;  // start -> bytes
 FerryEmuStats stats;
-std::map<std::string, unsigned long long> launches_by_kernel;
+struct KernelCount {
+    unsigned long long launches = 0, blocks = 0;
+};
+std::map<std::string, KernelCount> launches_by_kernel;
 CUresult sticky = CUDA_SUCCESS;  // a failed launch spoils the context, as on a GPU
 CUctx_st primary[16];
 thread_local CUcontext current = nullptr;
@@ -144,7 +147,13 @@ EXPORT void ferry_emu_stats(FerryEmuStats* out) {
 EXPORT unsigned long long ferry_emu_kernel_launches(const char* name) {
     std::lock_guard<std::mutex> g(mu);
     auto it = launches_by_kernel.find(name);
-    return it == launches_by_kernel.end() ? 0 : it->second;
+    return it == launches_by_kernel.end() ? 0 : it->second.launches;
+}
+
+EXPORT unsigned long long ferry_emu_kernel_blocks(const char* name) {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = launches_by_kernel.find(name);
+    return it == launches_by_kernel.end() ? 0 : it->second.blocks;
 }
 
 // Called by the emulated cuBLAS for each product.
@@ -430,7 +439,9 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, u
     std::lock_guard<std::mutex> g(mu);
     stats.launches++;
     stats.fiber_switches += l.fiber_switches;
-    launches_by_kernel[f->name]++;
+    KernelCount& count = launches_by_kernel[f->name];
+    count.launches++;
+    count.blocks += static_cast<unsigned long long>(gx) * gy * gz;
     return CUDA_SUCCESS;
 }
 

@@ -11,6 +11,9 @@
 // current GPUs. Threads waiting at different barriers (a divergent `__syncthreads`, a shuffle in
 // divergent code) is a deadlock here and fails the launch with a message instead of hanging.
 //
+// Kernels are found by their text, `extern "C" __global__ void name(`: one defined through a
+// macro is not found (the unit then fails to compile, naming the macro's parameter).
+//
 // What is not emulated (a kernel that needs it fails to compile or fails its launch, loudly):
 // dynamic shared memory, warp operations on a partial mask, clusters, textures, cooperative
 // groups, device-side printf formatting differences. Math functions are the host's (glibc),

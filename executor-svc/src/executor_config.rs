@@ -5,6 +5,21 @@ use clap::{Args, ValueEnum};
 
 use ferry_proto::v1;
 
+/// The GPU weights' element type (`--dtype`, vLLM's values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WeightDtype {
+    /// bfloat16 for Gemma, float16 otherwise.
+    Auto,
+    /// IEEE half precision.
+    #[value(alias = "half")]
+    Float16,
+    /// bfloat16: float32's range, 8 bits of precision.
+    Bfloat16,
+    /// 32-bit floats: the dequantized values exactly.
+    #[value(alias = "float")]
+    Float32,
+}
+
 /// Which engine runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
@@ -84,6 +99,12 @@ pub struct ExecutorConfig {
     /// GPU to run on with `--backend cuda`, as the driver numbers them (0 first).
     #[arg(long, env = "FERRY_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
+    /// With `--backend cuda`: the weights' type on the GPU (vLLM's flag). `auto` is bfloat16
+    /// for Gemma (whose activations can pass f16's range) and float16 otherwise: half the
+    /// memory and bandwidth of float32, products on tensor cores with f32 accumulation.
+    /// `float32` keeps the dequantized weights exactly (the exactness tests' setting).
+    #[arg(long, env = "FERRY_DTYPE", value_enum, default_value_t = WeightDtype::Auto)]
+    pub dtype: WeightDtype,
     /// This node's KV agent (`host:port`): KV exports and imports go through it. Without one,
     /// the executor refuses steps with KV operations.
     #[arg(long = "kv-agent", env = "FERRY_KV_AGENT")]
@@ -153,21 +174,20 @@ pub struct KvCacheArgs {
     #[arg(long, env = "FERRY_KV_CACHE_MIB", default_value_t = 512)]
     pub kv_cache_mib: u64,
     /// Element type of the KV cache: `f16` (half the memory per token, so twice the tokens in
-    /// `--kv-cache-mib`; the CPU backend's default, as llama.cpp's) or `f32`. The CUDA
-    /// backend keeps f32.
+    /// `--kv-cache-mib`; the default of the CPU and CUDA backends, as llama.cpp's) or `f32`.
     #[arg(long, env = "FERRY_KV_CACHE_DTYPE")]
     pub kv_cache_dtype: Option<crate::forward::KvDtype>,
 }
 
 impl KvCacheArgs {
-    /// The KV cache's element type on `backend`: as asked, else f16 on the CPU and f32
-    /// elsewhere.
+    /// The KV cache's element type on `backend`: as asked, else f16 on the CPU and the GPU
+    /// and f32 in the simulator.
     pub fn dtype(&self, backend: BackendKind) -> crate::forward::KvDtype {
         use crate::forward::KvDtype;
-        self.kv_cache_dtype.unwrap_or(if backend == BackendKind::Cpu {
-            KvDtype::F16
-        } else {
+        self.kv_cache_dtype.unwrap_or(if backend == BackendKind::Sim {
             KvDtype::F32
+        } else {
+            KvDtype::F16
         })
     }
 
@@ -193,7 +213,8 @@ impl KvCacheArgs {
 }
 
 impl ExecutorConfig {
-    /// The KV cache's element type: as asked, else f16 on the CPU and f32 elsewhere.
+    /// The KV cache's element type: as asked, else f16 on the CPU and the GPU, f32 in the
+    /// simulator.
     pub fn kv_dtype(&self) -> crate::forward::KvDtype {
         self.kv_cache.dtype(self.backend)
     }
@@ -233,8 +254,8 @@ impl ExecutorConfig {
                 return Err(ConfigError::GpuMemoryUtilizationOffGpu);
             }
         }
-        if self.backend == BackendKind::Cuda && self.kv_dtype() != crate::forward::KvDtype::F32 {
-            return Err(ConfigError::CudaKvDtype);
+        if self.dtype != WeightDtype::Auto && self.backend != BackendKind::Cuda {
+            return Err(ConfigError::DtypeOffGpu);
         }
         if self.max_live_requests == 0 {
             return Err(ConfigError::MaxLiveRequests);
@@ -319,11 +340,12 @@ pub enum ConfigError {
     /// Block size not a power of two in 1..=256.
     #[error("--block-size {0} is invalid: it must be a power of two from 1 to {MAX_BLOCK_SIZE}")]
     BlockSize(u32),
-    /// An f16 KV cache asked of the CUDA backend.
+    /// `--dtype` off the GPU.
     #[error(
-        "--kv-cache-dtype f16: the CUDA backend keeps an f32 KV cache (pass f32 or leave it out)"
+        "--dtype sets the weights' type on a GPU: it needs --backend cuda (the CPU backend \
+         multiplies the quantized weights in f32)"
     )]
-    CudaKvDtype,
+    DtypeOffGpu,
     /// No KV memory.
     #[error("--kv-cache-mib must be at least 1")]
     KvCache,
@@ -435,14 +457,18 @@ mod tests {
     /// The KV cache is f16 on the CPU unless asked otherwise, f32 on CUDA, which refuses f16
     /// naming the flag; an unknown dtype is a parse error naming the choices.
     #[test]
-    fn the_kv_cache_dtype_defaults_per_backend_and_cuda_refuses_f16() {
+    fn the_kv_cache_dtype_defaults_per_backend_and_the_weights_dtype_is_the_gpus() {
         use crate::forward::KvDtype;
         assert_eq!(parse(&[]).kv_dtype(), KvDtype::F16);
         assert_eq!(parse(&["--kv-cache-dtype", "f32"]).kv_dtype(), KvDtype::F32);
-        assert_eq!(parse(&["--backend", "cuda"]).kv_dtype(), KvDtype::F32);
-        let f16 = parse(&["--backend", "cuda", "--kv-cache-dtype", "f16"]);
-        let err = f16.validate_flags().expect_err("CUDA keeps f32").to_string();
-        assert!(err.contains("--kv-cache-dtype f16"), "{err}");
+        assert_eq!(parse(&["--backend", "cuda"]).kv_dtype(), KvDtype::F16);
+        assert_eq!(parse(&["--backend", "sim"]).kv_dtype(), KvDtype::F32);
+        let cuda = parse(&["--backend", "cuda", "--kv-cache-dtype", "f32", "--dtype", "half"]);
+        assert_eq!((cuda.kv_dtype(), cuda.dtype), (KvDtype::F32, WeightDtype::Float16));
+        cuda.validate_flags().unwrap();
+        assert_eq!(parse(&["--backend", "cuda", "--dtype", "float"]).dtype, WeightDtype::Float32);
+        let err = parse(&["--dtype", "bfloat16"]).validate_flags().unwrap_err().to_string();
+        assert!(err.contains("it needs --backend cuda"), "{err}");
         let argv = ["ferry-executor", "--kv-cache-dtype", "int8"];
         let err = Cli::try_parse_from(argv).err().expect("no such dtype").to_string();
         assert!(err.contains("not f16 or f32"), "{err}");

@@ -319,7 +319,18 @@ fn cuda_backend(
     blocks: gpu_sizing::KvBlocks,
     config: &ExecutorConfig,
 ) -> anyhow::Result<Box<dyn engine::ModelBackend>> {
-    Ok(Box::new(engine::CudaBackend::new(weights, block_size, blocks, config.cuda_device)?))
+    let precision = engine::cuda::Precision {
+        weights: engine::cuda::Storage::of(config.dtype, &weights.shape.family),
+        kv: config.kv_dtype(),
+    };
+    let backend = engine::CudaBackend::with_precision(
+        weights,
+        block_size,
+        blocks,
+        config.cuda_device,
+        precision,
+    )?;
+    Ok(Box::new(backend))
 }
 
 /// Without the `cuda` feature there is no CUDA backend to build (`ExecutorConfig::validate`

@@ -235,15 +235,23 @@ impl Emulation {
     /// How many times kernel `name` has been launched in this process, if the emulation is
     /// installed.
     pub fn kernel_launches(name: &str) -> Option<u64> {
+        Self::kernel_count(b"ferry_emu_kernel_launches", name)
+    }
+
+    /// How many blocks kernel `name` has run over all its launches in this process, if the
+    /// emulation is installed.
+    pub fn kernel_blocks(name: &str) -> Option<u64> {
+        Self::kernel_count(b"ferry_emu_kernel_blocks", name)
+    }
+
+    /// The driver's per-kernel counter `symbol` for kernel `name`.
+    fn kernel_count(symbol: &[u8], name: &str) -> Option<u64> {
         let libs = INSTALLED.get()?.as_ref().ok()?;
         let name = std::ffi::CString::new(name).ok()?;
-        // SAFETY: `ferry_emu_kernel_launches(const char*)` reads a C string.
+        // SAFETY: the driver's counters take a C string and return a count.
         unsafe {
-            let f = libs[0]
-                .get::<unsafe extern "C" fn(*const std::ffi::c_char) -> u64>(
-                    b"ferry_emu_kernel_launches",
-                )
-                .ok()?;
+            let f =
+                libs[0].get::<unsafe extern "C" fn(*const std::ffi::c_char) -> u64>(symbol).ok()?;
             Some(f(name.as_ptr()))
         }
     }

@@ -10,15 +10,17 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{CudaSlice, CudaStream};
+use std::ffi::c_void;
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublas::{Gemm, GemmConfig};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::cache::DeviceKvCache;
 use super::device::Gpu;
 use super::launch::{int, Heads, PagedContext};
 use super::plan::BatchPlan;
-use super::weights::{DeviceMatrix, DeviceWeights};
+use super::weights::{DeviceMatrix, DeviceWeights, MatrixData};
 use super::CudaError;
 use crate::forward::LlamaShape;
 
@@ -41,6 +43,8 @@ struct Activations {
     gate_up: CudaSlice<f32>,
     /// `act(gate) · up`, `rows × intermediate`.
     ffn: CudaSlice<f32>,
+    /// A product's input rounded to the weights' half precision (unused with f32 weights).
+    half: CudaSlice<u16>,
 }
 
 /// Buffers of the output head, for the rows that want logits.
@@ -89,6 +93,10 @@ impl Scratch {
                 proj: zeros(stream, rows * h)?,
                 gate_up: zeros(stream, rows * 2 * ff)?,
                 ffn: zeros(stream, rows * ff)?,
+                // The widest input of a product: the hidden state, attention output or FFN's.
+                half: stream
+                    .alloc_zeros::<u16>((rows * h.max(q_dim).max(ff)).max(1))
+                    .map_err(CudaError::driver("allocating activations"))?,
             });
         }
         let wanted = logit_rows.max(1);
@@ -108,13 +116,16 @@ impl Scratch {
     }
 }
 
-/// `y[rows, w.rows] = x[rows, w.cols] · wᵀ`, plus the old `y` when `accumulate`.
+/// `y[rows, w.rows] = x[rows, w.cols] · wᵀ`, plus the old `y` when `accumulate`. With
+/// half-precision weights, `x` is first rounded to their type in `half` and the product runs
+/// on tensor cores (`cublasGemmEx`), accumulating in f32 into the f32 `y`.
+#[allow(clippy::too_many_arguments)]
 fn linear(
-    blas: &CudaBlas,
+    gpu: &Gpu,
     w: &DeviceMatrix,
     x: &CudaSlice<f32>,
     rows: usize,
-    y: &mut CudaSlice<f32>,
+    (y, half): (&mut CudaSlice<f32>, &mut CudaSlice<u16>),
     accumulate: bool,
     during: &'static str,
 ) -> Result<(), CudaError> {
@@ -122,9 +133,61 @@ fn linear(
         x.len() >= rows * w.cols && y.len() >= rows * w.rows && w.data.len() >= w.rows * w.cols,
         "linear buffers too small"
     );
+    let blas = &gpu.blas;
+    let bits = match &w.data {
+        MatrixData::F32(data) => {
+            let cfg = sgemm_config(w, rows, accumulate);
+            // SAFETY: the three buffers hold the matrices the configuration describes
+            // (checked above) and `y` is distinct from `w` and `x`.
+            return unsafe { blas.gemm(cfg, data, x, y) }.map_err(CudaError::cublas(during));
+        }
+        MatrixData::Half { bits, bf16 } => {
+            gpu.kernels.to_half(&gpu.stream, half, x, rows * w.cols, *bf16)?;
+            (bits, *bf16)
+        }
+    };
+    let (weights, bf16) = bits;
+    let kind = if bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_16F };
+    let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+    let stream = &gpu.stream;
+    let (a, _a) = weights.device_ptr(stream);
+    let (b, _b) = half.device_ptr(stream);
+    let (c, _c) = y.device_ptr_mut(stream);
+    // SAFETY: as `sgemm_config` describes: W is `w.rows × w.cols` (stored transposed for
+    // cuBLAS), the rounded input `rows × w.cols`, Y `rows × w.rows` (checked above; `half`
+    // holds the widest input); alpha and beta are f32, as the f32 compute type wants; `y` is
+    // distinct from both inputs.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            int(w.rows),
+            int(rows),
+            int(w.cols),
+            (&raw const alpha).cast(),
+            a as *const c_void,
+            kind,
+            int(w.cols),
+            b as *const c_void,
+            kind,
+            int(w.cols),
+            (&raw const beta).cast(),
+            c as *mut c_void,
+            cudaDataType::CUDA_R_32F,
+            int(w.rows),
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(CudaError::cublas(during))
+}
+
+/// cuBLAS's view of `Y = X·Wᵀ` for f32 weights.
+fn sgemm_config(w: &DeviceMatrix, rows: usize, accumulate: bool) -> GemmConfig<f32> {
     // Row-major Y = X·Wᵀ is column-major Yᵀ = W·Xᵀ: cuBLAS sees W (stored `cols × rows`,
     // column-major) transposed, X as is.
-    let cfg = GemmConfig {
+    GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_T,
         transb: cublasOperation_t::CUBLAS_OP_N,
         m: int(w.rows),
@@ -135,11 +198,17 @@ fn linear(
         ldb: int(w.cols),
         beta: if accumulate { 1.0 } else { 0.0 },
         ldc: int(w.rows),
-    };
-    // SAFETY: the three buffers hold the matrices the configuration describes (checked above)
-    // and `y` is distinct from `w` and `x`.
-    unsafe { blas.gemm(cfg, &w.data, x, y) }.map_err(CudaError::cublas(during))
+    }
 }
+
+/// The buffers [`residual`] works in: the residual stream, a product's output, its normed
+/// copy, and the product's rounded input.
+type Residual<'a> = (
+    &'a mut CudaSlice<f32>,
+    &'a mut CudaSlice<f32>,
+    &'a mut CudaSlice<f32>,
+    &'a mut CudaSlice<u16>,
+);
 
 /// `x += a·Wᵀ`, RMS-normed by `post_norm` first where the family norms a block's outputs
 /// (the product alone into `proj`, normed into `normed`, then added; both `x`'s size).
@@ -149,16 +218,16 @@ fn residual(
     w: &DeviceMatrix,
     a: &CudaSlice<f32>,
     post_norm: Option<&CudaSlice<f32>>,
-    (x, proj, normed): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+    (x, proj, normed, half): Residual<'_>,
     rows: usize,
     s: &LlamaShape,
     during: &'static str,
 ) -> Result<(), CudaError> {
     let Some(norm) = post_norm else {
-        return linear(&gpu.blas, w, a, rows, x, true, during);
+        return linear(gpu, w, a, rows, (x, half), true, during);
     };
     let (stream, k) = (&gpu.stream, &gpu.kernels);
-    linear(&gpu.blas, w, a, rows, proj, false, during)?;
+    linear(gpu, w, a, rows, (proj, half), false, during)?;
     k.rms_norm(stream, normed, proj, norm, rows, s.rms_eps)?;
     k.add_rows(stream, x, normed, (rows, s.hidden))
 }
@@ -185,7 +254,12 @@ pub fn forward(
     let tables = stream.clone_htod(&plan.tables).map_err(upload)?;
     let (a, head) = scratch.buffers(stream, s, n, m)?;
 
-    k.gather_rows(stream, &mut a.x, &w.embed.data, &tokens, n, s.hidden)?;
+    match &w.embed.data {
+        MatrixData::F32(embed) => k.gather_rows(stream, &mut a.x, embed, &tokens, n, s.hidden)?,
+        MatrixData::Half { bits, bf16 } => {
+            k.gather_rows_half(stream, &mut a.x, (bits, *bf16), &tokens, n, s.hidden)?;
+        }
+    }
     if s.family.embed_scale {
         k.map(
             stream,
@@ -197,7 +271,8 @@ pub fn forward(
     }
     for (l, layer) in w.layers.iter().enumerate() {
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.attn_norm, n, s.rms_eps)?;
-        linear(&gpu.blas, &layer.wqkv, &a.hn, n, &mut a.qkv, false, "the QKV projection")?;
+        let qkv = (&mut a.qkv, &mut a.half);
+        linear(gpu, &layer.wqkv, &a.hn, n, qkv, false, "the QKV projection")?;
         if let Some(bias) = &layer.qkv_bias {
             k.add_bias(stream, &mut a.qkv, bias, n)?;
         }
@@ -224,13 +299,14 @@ pub fn forward(
         k.paged_attention(stream, &mut a.attn, &a.qkv, &cache.data, &ctx, attention)?;
         let post = layer.post_norms.as_ref();
         let (wo, down) = ("the output projection", "the down projection");
-        let buffers = (&mut a.x, &mut a.proj, &mut a.hn);
+        let buffers = (&mut a.x, &mut a.proj, &mut a.hn, &mut a.half);
         residual(gpu, &layer.wo, &a.attn, post.map(|p| &p.0), buffers, n, s, wo)?;
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.ffn_norm, n, s.rms_eps)?;
-        linear(&gpu.blas, &layer.w_gate_up, &a.hn, n, &mut a.gate_up, false, "the gate/up")?;
+        let gate_up = (&mut a.gate_up, &mut a.half);
+        linear(gpu, &layer.w_gate_up, &a.hn, n, gate_up, false, "the gate/up")?;
         let (act, width) = (s.family.activation, s.intermediate);
         k.gate_mul(stream, act, &mut a.ffn, &a.gate_up, (n, width))?;
-        let buffers = (&mut a.x, &mut a.proj, &mut a.hn);
+        let buffers = (&mut a.x, &mut a.proj, &mut a.hn, &mut a.half);
         residual(gpu, &layer.w_down, &a.ffn, post.map(|p| &p.1), buffers, n, s, down)?;
     }
     if m == 0 {
@@ -240,7 +316,8 @@ pub fn forward(
     let logit_rows = stream.clone_htod(&plan.logit_rows).map_err(upload)?;
     k.gather_rows(stream, &mut head.last, &a.x, &logit_rows, m, s.hidden)?;
     k.rms_norm(stream, &mut head.last_norm, &head.last, &w.norm, m, s.rms_eps)?;
-    linear(&gpu.blas, w.lm_head(), &head.last_norm, m, &mut head.logits, false, "the LM head")?;
+    let logits = (&mut head.logits, &mut a.half);
+    linear(gpu, w.lm_head(), &head.last_norm, m, logits, false, "the LM head")?;
     if let Some(c) = s.final_softcap {
         k.map(stream, (&k.softcap, "launching softcap"), &mut head.logits, c, m * s.vocab_size)?;
     }

@@ -6,7 +6,8 @@
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use ferry_model::{Activation, RopeStyle};
 
-use super::kernels::{Kernels, ATTN_WARPS, ROW_THREADS};
+use super::cache::KvData;
+use super::kernels::{Kernels, ATTN_GROUP, ATTN_WARPS, ROW_THREADS};
 use super::CudaError;
 
 /// Most blocks a grid-stride kernel is launched with; each thread then loops.
@@ -214,7 +215,7 @@ impl Kernels {
     pub fn kv_write(
         &self,
         stream: &CudaStream,
-        cache: &mut CudaSlice<f32>,
+        cache: &mut KvData,
         qkv: &CudaSlice<f32>,
         ctx: &PagedContext<'_>,
     ) -> Result<(), CudaError> {
@@ -227,8 +228,15 @@ impl Kernels {
             (int(rows), int(ctx.layer), int(ctx.num_layers), int(ctx.block_size));
         let (kv_i, q_i, row_i) =
             (int(heads.kv_dim()), int(heads.q_width()), int(heads.row_width()));
-        let mut b = stream.launch_builder(&self.kv_write);
-        b.arg(cache).arg(qkv).arg(ctx.positions).arg(ctx.row_table).arg(ctx.tables);
+        let mut b = match cache {
+            KvData::F32(_) => stream.launch_builder(&self.kv_write[0]),
+            KvData::F16(_) => stream.launch_builder(&self.kv_write[1]),
+        };
+        match cache {
+            KvData::F32(c) => b.arg(c),
+            KvData::F16(c) => b.arg(c),
+        };
+        b.arg(qkv).arg(ctx.positions).arg(ctx.row_table).arg(ctx.tables);
         b.arg(&rows_i).arg(&layer_i).arg(&layers_i).arg(&bs_i).arg(&kv_i).arg(&q_i).arg(&row_i);
         // SAFETY: arguments match the kernel's signature; per-row buffers checked above; the
         // batch's block tables cover every position and name blocks inside the cache.
@@ -240,14 +248,15 @@ impl Kernels {
     /// Causal attention of every query head of `ctx.rows` fused rows over their sequences'
     /// context in `cache` (the last `window` positions of it; `usize::MAX`: all), scores
     /// scaled by `scale` and soft-capped where `softcap` says; writes `rows × q_width` into
-    /// `out`.
+    /// `out`. One block per row and KV head (and per [`ATTN_GROUP`] of its query heads), so
+    /// each cached key and value is read once for the query heads that share it.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
         stream: &CudaStream,
         out: &mut CudaSlice<f32>,
         qkv: &CudaSlice<f32>,
-        cache: &CudaSlice<f32>,
+        cache: &KvData,
         ctx: &PagedContext<'_>,
         (scale, window, softcap): (f32, usize, Option<f32>),
     ) -> Result<(), CudaError> {
@@ -262,14 +271,24 @@ impl Kernels {
             (int(rows), int(heads.num_heads), int(heads.num_kv_heads), int(heads.head_dim));
         let (layer_i, layers_i, bs_i, row_i) =
             (int(ctx.layer), int(ctx.num_layers), int(ctx.block_size), int(heads.row_width()));
-        let mut b = stream.launch_builder(&self.paged_attention);
-        b.arg(out).arg(qkv).arg(cache).arg(ctx.positions).arg(ctx.row_table).arg(ctx.tables);
+        let mut b = match cache {
+            KvData::F32(_) => stream.launch_builder(&self.attention[0]),
+            KvData::F16(_) => stream.launch_builder(&self.attention[1]),
+        };
+        b.arg(out).arg(qkv);
+        match cache {
+            KvData::F32(c) => b.arg(c),
+            KvData::F16(c) => b.arg(c),
+        };
+        b.arg(ctx.positions).arg(ctx.row_table).arg(ctx.tables);
         b.arg(&rows_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&layer_i).arg(&layers_i);
         let (window, softcap) = (window as u64, softcap.unwrap_or(0.0));
         b.arg(&bs_i).arg(&row_i).arg(&scale).arg(&window).arg(&softcap);
+        let group = heads.num_heads / heads.num_kv_heads;
         let cfg = LaunchConfig {
-            // Rows on x (up to 2^31 - 1 blocks), heads on y (up to 65 535).
-            grid_dim: (rows_i as u32, nh_i as u32, 1),
+            // Rows on x (up to 2^31 - 1 blocks), KV heads on y (up to 65 535), groups of
+            // query heads on z (1 unless a KV head serves more than ATTN_GROUP).
+            grid_dim: (rows_i as u32, nkv_i as u32, group.div_ceil(ATTN_GROUP as usize) as u32),
             block_dim: (32 * ATTN_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -277,6 +296,48 @@ impl Kernels {
         // head_dim <= MAX_HEAD_DIM (checked at load); the tables cover positions 0..=pos of
         // every row, whose keys and values this or an earlier step wrote.
         unsafe { b.launch(cfg) }.map_err(CudaError::driver("launching paged_attention"))?;
+        Ok(())
+    }
+
+    /// `out[i]` = `x[i]` rounded to f16 (`bf16`: bfloat16) for the first `n` values.
+    pub fn to_half(
+        &self,
+        stream: &CudaStream,
+        out: &mut CudaSlice<u16>,
+        x: &CudaSlice<f32>,
+        n: usize,
+        bf16: bool,
+    ) -> Result<(), CudaError> {
+        assert!(out.len() >= n && x.len() >= n, "to_half buffers too small");
+        let (n_u, bf16_i) = (n as u64, i32::from(bf16));
+        let mut b = stream.launch_builder(&self.to_half);
+        b.arg(out).arg(x).arg(&n_u).arg(&bf16_i);
+        // SAFETY: `to_half(unsigned short*, const float*, unsigned long long, int)`; both
+        // buffers hold `n` values.
+        unsafe { b.launch(elementwise(n)) }.map_err(CudaError::driver("launching to_half"))?;
+        Ok(())
+    }
+
+    /// `out[r] = src[idx[r]]` widened to f32, for `rows` rows of `width` half-precision
+    /// values (`bf16`: bfloat16).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows_half(
+        &self,
+        stream: &CudaStream,
+        out: &mut CudaSlice<f32>,
+        (src, bf16): (&CudaSlice<u16>, bool),
+        idx: &CudaSlice<u32>,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        assert!(out.len() >= rows * width && idx.len() >= rows, "gather_rows buffers too small");
+        let (rows_i, width_i, bf16_i) = (int(rows), int(width), i32::from(bf16));
+        let mut b = stream.launch_builder(&self.gather_rows_half);
+        b.arg(out).arg(src).arg(idx).arg(&rows_i).arg(&width_i).arg(&bf16_i);
+        // SAFETY: arguments match the kernel's signature; `out` and `idx` hold `rows` rows
+        // (checked above) and every index is a valid row of `src` (validated batch).
+        unsafe { b.launch(per_row(rows)) }
+            .map_err(CudaError::driver("launching gather_rows_half"))?;
         Ok(())
     }
 

@@ -35,16 +35,17 @@ mod tests;
 use cudarc::cublas::result::CublasError;
 use cudarc::driver::DriverError;
 
-use self::cache::DeviceKvCache;
+use self::cache::{DeviceKvCache, KvData};
 use self::device::{guarded, Gpu};
 use self::forward::Scratch;
 use self::kernels::MAX_HEAD_DIM;
 use self::plan::BatchPlan;
 use self::probe::CudaLibrary;
 use self::weights::DeviceWeights;
+pub use self::weights::Storage;
 use super::backend::{BackendFacts, BatchOutput, ModelBackend};
 use crate::forward::paged::{self, BatchError, SeqSlice};
-use crate::forward::{LlamaShape, LlamaWeights};
+use crate::forward::{KvDtype, LlamaShape, LlamaWeights};
 use crate::gpu_sizing::{gpu_kv_blocks, GpuMemory, KvBlocks};
 
 /// Why the CUDA backend could not start (or, in [`CudaBackend::run`], why the device failed).
@@ -186,23 +187,49 @@ pub struct CudaBackend {
     gpu: Gpu,
 }
 
+/// The element types the backend computes with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Precision {
+    /// The weights on the device (and the rounding of the products' inputs).
+    pub weights: Storage,
+    /// The KV cache's values.
+    pub kv: KvDtype,
+}
+
+impl Precision {
+    /// f32 weights and KV: the file's values exactly, as the CPU backend multiplies them.
+    pub const F32: Self = Self { weights: Storage::F32, kv: KvDtype::F32 };
+}
+
 impl CudaBackend {
-    /// Opens GPU `ordinal`, uploads `weights` (dequantized to f32) and allocates a KV pool of
-    /// `blocks` blocks of `block_size` tokens on it (a count, or as many as fit in a fraction
-    /// of the device's memory once the weights are there). Fails with [`CudaError::NoDriver`]
-    /// on a machine without the NVIDIA driver, before any CUDA call.
+    /// [`Self::with_precision`] in f32 throughout ([`Precision::F32`]).
     pub fn new(
         weights: &LlamaWeights,
         block_size: usize,
         blocks: impl Into<KvBlocks>,
         ordinal: usize,
     ) -> Result<Self, CudaError> {
+        Self::with_precision(weights, block_size, blocks, ordinal, Precision::F32)
+    }
+
+    /// Opens GPU `ordinal`, uploads `weights` (dequantized, then stored as `precision`
+    /// says) and allocates a KV pool of `blocks` blocks of `block_size` tokens on it (a count,
+    /// or as many as fit in a fraction of the device's memory once the weights are there).
+    /// Fails with [`CudaError::NoDriver`] on a machine without the NVIDIA driver, before any
+    /// CUDA call.
+    pub fn with_precision(
+        weights: &LlamaWeights,
+        block_size: usize,
+        blocks: impl Into<KvBlocks>,
+        ordinal: usize,
+        precision: Precision,
+    ) -> Result<Self, CudaError> {
         let shape = weights.shape;
         let blocks = blocks.into();
         check_shape(&shape, block_size, if let KvBlocks::Count(n) = blocks { n } else { 1 })?;
         let gpu = Gpu::open(ordinal)?;
         let (device_weights, cache) = guarded("uploading the model", || {
-            let w = DeviceWeights::upload(&gpu.stream, weights)?;
+            let w = DeviceWeights::upload(&gpu.stream, weights, precision.weights)?;
             let num_blocks = match blocks {
                 KvBlocks::Count(n) => n,
                 KvBlocks::GpuFraction(fraction) => {
@@ -212,11 +239,11 @@ impl CudaBackend {
                         .mem_get_info()
                         .map_err(CudaError::driver("reading the device's free memory"))?;
                     let memory = GpuMemory { total: total as u64, free: free as u64 };
-                    let kv_dtype = crate::forward::KvDtype::F32;
-                    gpu_kv_blocks(&shape, kv_dtype, block_size, fraction, memory)?
+                    gpu_kv_blocks(&shape, precision.kv, block_size, fraction, memory)?
                 }
             };
-            let cache = DeviceKvCache::new(&gpu.stream, &shape, block_size, num_blocks)?;
+            let cache =
+                DeviceKvCache::new(&gpu.stream, &shape, precision.kv, block_size, num_blocks)?;
             gpu.finish()?;
             Ok((w, cache))
         })?;
@@ -224,7 +251,10 @@ impl CudaBackend {
             device = %gpu.name(),
             ordinal,
             weight_mib = device_weights.bytes() >> 20,
+            weights = device_weights.storage.name(),
+            weight_rounding = device_weights.rounding,
             kv_cache_mib = cache.data.num_bytes() >> 20,
+            kv_dtype = ?cache.data.dtype(),
             "CUDA backend ready"
         );
         Ok(Self { shape, scratch: Scratch::default(), cache, weights: device_weights, gpu })
@@ -284,52 +314,73 @@ impl ModelBackend for CudaBackend {
         }
     }
 
-    /// Device to host: the block's floats, then as bytes.
+    /// Device to host: the block's values, then as little-endian bytes.
     fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String> {
         let range = self.block_range(block)?;
         self.gpu.bind().map_err(|e| e.to_string())?;
-        let floats = self
-            .gpu
-            .stream
-            .clone_dtoh(&self.cache.data.slice(range))
-            .map_err(|e| format!("copying block {block} from the GPU: {e}"))?;
-        crate::engine::backend::floats_to_bytes(&floats, out)
+        let failed =
+            |e: cudarc::driver::DriverError| format!("copying block {block} from the GPU: {e}");
+        match &self.cache.data {
+            KvData::F32(d) => {
+                let floats = self.gpu.stream.clone_dtoh(&d.slice(range)).map_err(failed)?;
+                crate::engine::backend::floats_to_bytes(&floats, out)
+            }
+            KvData::F16(d) => {
+                let halves = self.gpu.stream.clone_dtoh(&d.slice(range)).map_err(failed)?;
+                if out.len() != 2 * halves.len() {
+                    return Err(format!(
+                        "a block is {} bytes, not {}",
+                        2 * halves.len(),
+                        out.len()
+                    ));
+                }
+                for (o, h) in out.chunks_exact_mut(2).zip(&halves) {
+                    o.copy_from_slice(&h.to_le_bytes());
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Through the host (one block per forked sample, so rare; a device-to-device copy is
     /// the better way and has not been written).
     fn copy_block(&mut self, src: usize, dst: usize) {
-        let (from, to) = (self.block_range(src), self.block_range(dst));
-        let (from, to) = (from.expect("checked in range"), to.expect("checked in range"));
-        self.gpu.bind().expect("binding the CUDA context");
-        let floats = self
-            .gpu
-            .stream
-            .clone_dtoh(&self.cache.data.slice(from))
-            .unwrap_or_else(|e| panic!("copying block {src} from the GPU: {e}"));
-        let mut dst_view = self.cache.data.slice_mut(to);
-        self.gpu
-            .stream
-            .memcpy_htod(&floats, &mut dst_view)
-            .unwrap_or_else(|e| panic!("copying into block {dst} on the GPU: {e}"));
+        let len = self.cache.data.len() / self.cache.num_blocks;
+        let mut bytes = vec![0u8; len * self.cache.data.dtype().bytes()];
+        self.read_block(src, &mut bytes).unwrap_or_else(|e| panic!("{e}"));
+        self.write_block(dst, &bytes).unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// Host to device: the bytes as floats, into the block.
+    /// Host to device: the little-endian bytes as values, into the block.
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String> {
         let range = self.block_range(block)?;
-        let mut floats = vec![0f32; range.len()];
-        crate::engine::backend::bytes_to_floats(data, &mut floats)?;
+        let failed =
+            |e: cudarc::driver::DriverError| format!("copying block {block} to the GPU: {e}");
         self.gpu.bind().map_err(|e| e.to_string())?;
-        let mut dst = self.cache.data.slice_mut(range);
-        self.gpu
-            .stream
-            .memcpy_htod(&floats, &mut dst)
-            .map_err(|e| format!("copying block {block} to the GPU: {e}"))
+        match &mut self.cache.data {
+            KvData::F32(d) => {
+                let mut floats = vec![0f32; range.len()];
+                crate::engine::backend::bytes_to_floats(data, &mut floats)?;
+                self.gpu.stream.memcpy_htod(&floats, &mut d.slice_mut(range)).map_err(failed)
+            }
+            KvData::F16(d) => {
+                if data.len() != 2 * range.len() {
+                    return Err(format!(
+                        "a block is {} bytes, not {}",
+                        2 * range.len(),
+                        data.len()
+                    ));
+                }
+                let halves: Vec<u16> =
+                    data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+                self.gpu.stream.memcpy_htod(&halves, &mut d.slice_mut(range)).map_err(failed)
+            }
+        }
     }
 }
 
 impl CudaBackend {
-    /// The floats of block `block` in the device cache.
+    /// The values of block `block` in the device cache.
     fn block_range(&self, block: usize) -> Result<std::ops::Range<usize>, String> {
         if block >= self.cache.num_blocks {
             return Err(format!("block {block} is out of range"));

@@ -8,12 +8,12 @@ use candle_core::{Device, Tensor};
 use ferry_model::Family;
 
 use super::probe::{try_load, CudaLibrary};
-use super::{kernels, CudaBackend, CudaError};
+use super::{kernels, CudaBackend, CudaError, Precision, Storage};
 use crate::engine::backend::{BatchOutput, CpuBackend, ModelBackend};
 use crate::engine::cuda_emulation::{device_for_tests, Emulation, Stats};
 use crate::forward::llama::LayerWeights;
 use crate::forward::paged::SeqSlice;
-use crate::forward::{ops, LlamaShape, LlamaWeights};
+use crate::forward::{ops, KvDtype, LlamaShape, LlamaWeights};
 use crate::kernels::{QWeight, Stacked};
 
 /// A deterministic stream of values in [-1, 1).
@@ -218,7 +218,9 @@ fn mixed_batches_match_the_cpu_backend(family: Family) {
             SeqSlice { tokens: &[41], start: 9, block_table: &table_b, logits: 1 },
         ],
     ];
-    let before = (emulation_stats(), Emulation::kernel_launches("paged_attention"));
+    let attention =
+        || (Emulation::kernel_launches("attention_f32"), Emulation::kernel_blocks("attention_f32"));
+    let before = (emulation_stats(), attention());
     for (i, batch) in steps.iter().enumerate() {
         gpu.check(batch).expect("valid batch");
         let g = logits(gpu.run(batch).expect("gpu step"));
@@ -226,13 +228,25 @@ fn mixed_batches_match_the_cpu_backend(family: Family) {
         assert_close(&g, &c, TINY_TOLERANCE, &format!("{}: step {i}", family.name));
     }
     // Under the emulation, its own counts show the device did the work: per step, four
-    // products per layer and the LM head (every step here samples), one attention per layer.
-    if let ((Some(before), Some(attn_before)), Some(after)) = (before, emulation_stats()) {
-        let (steps, layers) = (steps.len() as u64, w.shape.num_layers as u64);
-        assert_eq!(after.gemms - before.gemms, steps * (4 * layers + 1), "{}", family.name);
-        let attn = Emulation::kernel_launches("paged_attention").unwrap() - attn_before;
-        assert_eq!(attn, steps * layers, "{}: attention launches", family.name);
-        assert!(after.launches - before.launches > steps * layers * 6, "{}", family.name);
+    // products per layer and the LM head (every step here samples), one attention per layer
+    // of one block per row and KV head (each KV head's keys and values read once for the
+    // query heads that share them).
+    if let ((Some(before), (Some(launches), Some(blocks))), Some(after)) =
+        (before, emulation_stats())
+    {
+        let (steps_n, layers) = (steps.len() as u64, w.shape.num_layers as u64);
+        assert_eq!(after.gemms - before.gemms, steps_n * (4 * layers + 1), "{}", family.name);
+        let (now_launches, now_blocks) = attention();
+        assert_eq!(
+            now_launches.unwrap() - launches,
+            steps_n * layers,
+            "{}: attention launches",
+            family.name
+        );
+        let rows: usize = steps.iter().flatten().map(|s| s.tokens.len()).sum();
+        let expected = rows as u64 * layers * w.shape.num_kv_heads as u64;
+        assert_eq!(now_blocks.unwrap() - blocks, expected, "{}: attention blocks", family.name);
+        assert!(after.launches - before.launches > steps_n * layers * 6, "{}", family.name);
         assert!(after.fiber_switches > before.fiber_switches, "barriers were met");
     }
 }
@@ -392,4 +406,151 @@ fn on_a_gpu_blocks_moved_to_another_gpu_decode_exactly_as_computed_there() {
     let there = logits(exporter.run(&next(&[3, 5, 7])).expect("exporter decodes"));
     let here = logits(importer.run(&next(&[10, 0, 2])).expect("importer decodes"));
     assert_eq!(here, there, "decoding from moved blocks is decoding from computed ones");
+}
+
+/// How far half-precision weights and activations (products' inputs rounded to float16 or
+/// bfloat16, f32 accumulation) and an f16 KV cache take the tiny models' logits from the CPU
+/// backend's (f32 products, the same f16 KV cache), relative to the largest logit: float16
+/// (11 bits) and bfloat16 (8 bits). Measured under the emulation: within 1.7e-3 with float16,
+/// 2.4e-2 with bfloat16 (Gemma 2, whose capped logits make the scale small).
+fn half_tolerance(storage: Storage) -> f32 {
+    if storage == Storage::Bf16 {
+        6e-2
+    } else {
+        5e-3
+    }
+}
+
+#[test]
+fn on_a_gpu_half_precision_weights_and_kv_stay_close_to_the_cpu_backend() {
+    for (family, storage) in [
+        (Family::LLAMA, Storage::F16),
+        (Family::LLAMA, Storage::Bf16),
+        (Family::GEMMA2, Storage::Bf16),
+        (Family::GEMMA3, Storage::F16),
+    ] {
+        let w = tiny_model_of(family);
+        let precision = Precision { weights: storage, kv: KvDtype::F16 };
+        if !device_available() {
+            return;
+        }
+        let mut gpu = CudaBackend::with_precision(&w, 4, 32, 0, precision).expect("backend");
+        // Q8_0 and Q4_1 values are a 16-bit scale times small integers: not all fit 16 bits.
+        assert!(
+            gpu.weights.rounding > 0.0 && gpu.weights.rounding < 1e-2,
+            "{}",
+            gpu.weights.rounding
+        );
+        let mut cpu = CpuBackend::with_dtype(tiny_model_of(family), KvDtype::F16, 4, 32);
+        let to_half = Emulation::kernel_launches("to_half");
+        let (a, b) = ([9u32, 3, 17], [4u32, 30, 1]);
+        let steps = [
+            vec![
+                SeqSlice { tokens: &[1, 5, 9, 13, 17], start: 0, block_table: &a, logits: 1 },
+                SeqSlice { tokens: &[2, 4, 6], start: 0, block_table: &b, logits: 1 },
+            ],
+            vec![
+                SeqSlice { tokens: &[21], start: 5, block_table: &a, logits: 1 },
+                SeqSlice { tokens: &[8, 10], start: 3, block_table: &b, logits: 2 },
+            ],
+        ];
+        for (i, batch) in steps.iter().enumerate() {
+            let g = logits(gpu.run(batch).expect("gpu step"));
+            let c = logits(cpu.run(batch).expect("cpu step"));
+            let what = format!("{} in {}: step {i}", family.name, storage.name());
+            assert_close(&g, &c, half_tolerance(storage), &what);
+        }
+        if let (Some(before), Some(now)) = (to_half, Emulation::kernel_launches("to_half")) {
+            // Each product's input is rounded first: four per layer and the head, per step.
+            let layers = w.shape.num_layers as u64;
+            assert_eq!(now - before, 2 * (4 * layers + 1), "the products ran in half precision");
+        }
+    }
+}
+
+#[test]
+fn on_a_gpu_the_real_model_in_half_precision_greedy_decodes_like_the_cpu() {
+    if !device_available() {
+        return;
+    }
+    let model = crate::forward::LoadedModel::open(None).expect("the default model");
+    let prompt = model.file.tokenizer.encode("The capital of France is").expect("encode");
+    let (bs, blocks) = (16, 64);
+    let precision = Precision { weights: Storage::F16, kv: KvDtype::F16 };
+    let mut gpu =
+        CudaBackend::with_precision(&model.weights, bs, blocks, 0, precision).expect("backend");
+    eprintln!("float16 weights: largest rounding {:e} of a matrix's largest", gpu.weights.rounding);
+    let mut cpu = CpuBackend::with_dtype(model.weights, KvDtype::F16, bs, blocks);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let (mut toks, mut start) = (prompt.clone(), 0);
+    for step in 0..6 {
+        let batch = [SeqSlice { tokens: &toks[start..], start, block_table: &table, logits: 1 }];
+        let g = logits(gpu.run(&batch).expect("gpu step"));
+        let c = logits(cpu.run(&batch).expect("cpu step"));
+        assert_close(&g, &c, half_tolerance(Storage::F16), &format!("float16, step {step}"));
+        let (tg, tc) = (ops::argmax(&g[0]), ops::argmax(&c[0]));
+        assert_eq!(tg, tc, "step {step}: greedy tokens differ");
+        start = toks.len();
+        toks.push(tc.expect("non-empty vocabulary") as u32);
+    }
+}
+
+#[test]
+fn on_a_gpu_the_kernels_round_to_half_precision_exactly_as_the_host_does() {
+    if !device_available() {
+        return;
+    }
+    let gpu = super::device::Gpu::open(0).expect("device");
+    let st = &gpu.stream;
+    // Ties, subnormals, the largest finite values and past them, zeros, infinities, NaN, and a
+    // sweep of ordinary values.
+    let mut values = vec![
+        0.0,
+        -0.0,
+        1.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        -65520.0,
+        6.0e-8,
+        2.98e-8,
+        5.96e-8,
+        1.0e-40,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        3.0e38,
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+    ];
+    values.extend((0..4000).map(|i| (i as f32 - 2000.0).powi(3) * 1.37e-6));
+    let x = st.clone_htod(&values).unwrap();
+    let mut out = st.alloc_zeros::<u16>(values.len()).unwrap();
+    for bf16 in [false, true] {
+        gpu.kernels.to_half(st, &mut out, &x, values.len(), bf16).unwrap();
+        let got = st.clone_dtoh(&out).unwrap();
+        let (want, _) = super::weights::narrow(&values, bf16);
+        for ((g, w), v) in got.iter().zip(&want).zip(&values) {
+            assert_eq!(g, w, "{v:e} to {}", if bf16 { "bfloat16" } else { "float16" });
+        }
+    }
+    // And back: every float16 and bfloat16 bit pattern widens as the host widens it.
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    let bits = st.clone_htod(&all).unwrap();
+    let idx = st.clone_htod(&[0u32]).unwrap();
+    let mut wide = st.alloc_zeros::<f32>(all.len()).unwrap();
+    for bf16 in [false, true] {
+        gpu.kernels.gather_rows_half(st, &mut wide, (&bits, bf16), &idx, 1, all.len()).unwrap();
+        let got = st.clone_dtoh(&wide).unwrap();
+        for (g, h) in got.iter().zip(&all) {
+            let want = if bf16 {
+                half::bf16::from_bits(*h).to_f32()
+            } else {
+                half::f16::from_bits(*h).to_f32()
+            };
+            assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "{h:#06x}");
+        }
+    }
 }

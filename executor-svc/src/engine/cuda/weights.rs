@@ -1,12 +1,13 @@
-//! The model's weights on the GPU, dequantized once at load to f32.
+//! The model's weights on the GPU, dequantized once at load and stored as float16 or bfloat16
+//! (half the memory and bandwidth of f32; products with `cublasGemmEx` on tensor cores,
+//! accumulating in f32) or as f32 (`--dtype float32`: exactly the file's values, with `sgemm`).
 //!
-//! Why f32 and not the GGUF blocks: cuBLAS multiplies dense matrices, and f32 with `sgemm` is
-//! the simplest exact-enough choice (SmolLM2-135M takes ~0.55 GB). The price is memory and
-//! bandwidth, four to eight times the quantized size; quantized GPU kernels or f16 with
-//! `cublasGemmEx` can replace this without changing the forward around it.
-//!
-//! Dequantization is [`Matrix::row`] (`QWeight::dequantize_row`), the same code the CPU path uses for its
-//! embeddings, so the GPU multiplies exactly the values the GGUF file stores.
+//! Dequantization is [`Matrix::row`] (`QWeight::dequantize_row`), the same code the CPU path
+//! uses for its embeddings. The narrowing to 16 bits is exact where the format allows (an F16
+//! file to float16, a BF16 file to bfloat16); otherwise each value is rounded to the nearest
+//! (ties to even) and the largest rounding, relative to its matrix's largest value, is kept
+//! and logged ([`DeviceWeights::rounding`]): a `Q8_0` or `Q4_K` value is a 16-bit scale times
+//! a small integer, which float16's 11 bits hold only sometimes.
 
 use std::sync::Arc;
 
@@ -14,14 +15,85 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use rayon::prelude::*;
 
 use super::CudaError;
+use crate::executor_config::WeightDtype;
 use crate::forward::LlamaWeights;
 use crate::kernels::Matrix;
 
-/// A dense row-major `[rows (outputs), cols (inputs)]` f32 matrix in device memory.
+/// How the weights are stored on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// 32-bit floats.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Storage {
+    /// The storage `--dtype` asks for, for a model of `family` (`auto`: bfloat16 for Gemma,
+    /// whose activations can pass float16's range, else float16).
+    pub fn of(dtype: WeightDtype, family: &ferry_model::Family) -> Self {
+        match dtype {
+            WeightDtype::Float32 => Self::F32,
+            WeightDtype::Bfloat16 => Self::Bf16,
+            WeightDtype::Auto if family.post_norms => Self::Bf16,
+            WeightDtype::Float16 | WeightDtype::Auto => Self::F16,
+        }
+    }
+
+    /// Its name in the log.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::F16 => "float16",
+            Self::Bf16 => "bfloat16",
+        }
+    }
+}
+
+/// A matrix's values on the device.
+#[derive(Debug)]
+pub enum MatrixData {
+    /// f32.
+    F32(CudaSlice<f32>),
+    /// float16 or bfloat16, as `u16` bits.
+    Half {
+        /// The values' bits.
+        bits: CudaSlice<u16>,
+        /// bfloat16 rather than float16.
+        bf16: bool,
+    },
+}
+
+impl MatrixData {
+    /// Bytes of device memory.
+    pub fn num_bytes(&self) -> usize {
+        match self {
+            Self::F32(d) => d.num_bytes(),
+            Self::Half { bits, .. } => bits.num_bytes(),
+        }
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(d) => d.len(),
+            Self::Half { bits, .. } => bits.len(),
+        }
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A dense row-major `[rows (outputs), cols (inputs)]` matrix in device memory.
 #[derive(Debug)]
 pub struct DeviceMatrix {
     /// The values.
-    pub data: CudaSlice<f32>,
+    pub data: MatrixData,
     /// Output features.
     pub rows: usize,
     /// Input features.
@@ -67,6 +139,11 @@ pub struct DeviceWeights {
     pub rope_freqs: CudaSlice<f32>,
     /// The windowed layers' own rotary frequencies, where the family has them (Gemma 3).
     pub local_rope_freqs: Option<CudaSlice<f32>>,
+    /// How the matrices are stored.
+    pub storage: Storage,
+    /// The largest rounding of a value to `storage`, relative to the largest value of its
+    /// matrix (0: every value exact).
+    pub rounding: f32,
 }
 
 impl DeviceWeights {
@@ -75,11 +152,20 @@ impl DeviceWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Dequantizes `w` matrix by matrix and copies it to the device; host memory holds one
-    /// dequantized matrix at a time.
-    pub fn upload(stream: &Arc<CudaStream>, w: &LlamaWeights) -> Result<Self, CudaError> {
+    /// Dequantizes `w` matrix by matrix, narrows it to `storage` and copies it to the device;
+    /// host memory holds one dequantized matrix at a time.
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        w: &LlamaWeights,
+        storage: Storage,
+    ) -> Result<Self, CudaError> {
         let vector = |v: &[f32]| stream.clone_htod(v).map_err(CudaError::driver("copying weights"));
-        let matrix = |q: &dyn Matrix| upload_matrix(stream, q, &dequantize(q));
+        let rounding = std::cell::Cell::new(0f32);
+        let matrix = |q: &dyn Matrix| {
+            let (m, r) = upload_matrix(stream, q, &dequantize(q), storage)?;
+            rounding.set(rounding.get().max(r));
+            Ok::<_, CudaError>(m)
+        };
         let layers = w
             .layers
             .iter()
@@ -108,15 +194,23 @@ impl DeviceWeights {
         // A model with tied embeddings loads the same tensor twice; keep one copy on the GPU.
         let tied = embed_host.len() == head_host.len()
             && embed_host.iter().zip(&head_host).all(|(a, b)| a.to_bits() == b.to_bits());
-        let lm_head =
-            if tied { None } else { Some(upload_matrix(stream, &w.lm_head, &head_host)?) };
+        let lm_head = if tied {
+            None
+        } else {
+            let (m, r) = upload_matrix(stream, &w.lm_head, &head_host, storage)?;
+            rounding.set(rounding.get().max(r));
+            Some(m)
+        };
+        let (embed, r) = upload_matrix(stream, &w.embed, &embed_host, storage)?;
         Ok(Self {
-            embed: upload_matrix(stream, &w.embed, &embed_host)?,
+            embed,
             lm_head,
             norm: vector(&w.norm)?,
             layers,
             rope_freqs: vector(&w.rope_freqs)?,
             local_rope_freqs: w.local_rope_freqs.as_deref().map(vector).transpose()?,
+            storage,
+            rounding: rounding.get().max(r),
         })
     }
 
@@ -155,11 +249,48 @@ pub fn dequantize(w: &dyn Matrix) -> Vec<f32> {
     out
 }
 
+/// `host` (the dequantized `q`) on the device as `storage`, and the largest rounding that took
+/// relative to the matrix's largest magnitude.
 fn upload_matrix(
     stream: &Arc<CudaStream>,
     q: &dyn Matrix,
     host: &[f32],
-) -> Result<DeviceMatrix, CudaError> {
-    let data = stream.clone_htod(host).map_err(CudaError::driver("copying weights"))?;
-    Ok(DeviceMatrix { data, rows: q.out_features(), cols: q.in_features() })
+    storage: Storage,
+) -> Result<(DeviceMatrix, f32), CudaError> {
+    let copy = CudaError::driver("copying weights");
+    let (rows, cols) = (q.out_features(), q.in_features());
+    let (data, rounding) = match storage {
+        Storage::F32 => (MatrixData::F32(stream.clone_htod(host).map_err(copy)?), 0.0),
+        Storage::F16 | Storage::Bf16 => {
+            let bf16 = storage == Storage::Bf16;
+            let (bits, rounding) = narrow(host, bf16);
+            (MatrixData::Half { bits: stream.clone_htod(&bits).map_err(copy)?, bf16 }, rounding)
+        }
+    };
+    Ok((DeviceMatrix { data, rows, cols }, rounding))
+}
+
+/// `values` rounded to float16 (`bf16`: bfloat16) bits, to the nearest with ties to even, and
+/// the largest rounding relative to the largest magnitude (infinite where a value overflows).
+pub fn narrow(values: &[f32], bf16: bool) -> (Vec<u16>, f32) {
+    let round = |v: f32| {
+        if bf16 {
+            let b = half::bf16::from_f32(v);
+            (b.to_bits(), b.to_f32())
+        } else {
+            let h = half::f16::from_f32(v);
+            (h.to_bits(), h.to_f32())
+        }
+    };
+    let scale = values.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let mut worst = 0f32;
+    let bits = values
+        .iter()
+        .map(|&v| {
+            let (b, back) = round(v);
+            worst = worst.max((back - v).abs());
+            b
+        })
+        .collect();
+    (bits, if scale > 0.0 { worst / scale } else { 0.0 })
 }

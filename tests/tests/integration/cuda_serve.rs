@@ -100,3 +100,36 @@ fn serve_with_the_cuda_backend_answers_like_the_cpu_and_holds_constraints() {
     cuda.terminate(Duration::from_secs(10)).unwrap();
     cpu.terminate(Duration::from_secs(10)).unwrap();
 }
+
+#[test]
+fn the_gpu_bench_measures_a_synthetic_model_against_the_roofline() {
+    // What scripts/gpu-check runs on a GPU, here on SmolLM2's shape under the emulation.
+    let mode = TestMode::from_env();
+    if mode == TestMode::Gpu {
+        return eprintln!("skipped: scripts/gpu-check runs the bench on the GPU");
+    }
+    let emulation = match Emulation::build() {
+        Ok(e) => e,
+        Err(e) if mode == TestMode::Auto => return eprintln!("skipped: {e}"),
+        Err(e) => panic!("FERRY_CUDA_TESTS=emulated, but {e}"),
+    };
+    let bin = ferry_tests::binary("ferry-executor").expect("the executor binary");
+    let out = std::process::Command::new(bin)
+        .args(["gpu-bench", "--shape", "smollm2", "--formats", "q8_0", "--batches", "1,2"])
+        .args(["--steps", "1", "--context", "4", "--prefill-len", "8", "--prefill-reps", "1"])
+        .args(["--gpu-memory-utilization", "0.5"])
+        .env("LD_LIBRARY_PATH", emulation.library_dir())
+        .env("FERRY_CUDA_EMU_MEMORY_MIB", "2048")
+        .output()
+        .expect("ferry-executor gpu-bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("q8_0 weights as float16") && stdout.contains("on Ferry CUDA emulation")
+    );
+    assert!(stdout.contains("prefill     8 tokens:"), "{stdout}");
+    for batch in ["decode batch    1:", "decode batch    2:"] {
+        let line = stdout.lines().find(|l| l.contains(batch)).unwrap_or_else(|| panic!("{stdout}"));
+        assert!(line.contains("tokens/s (roofline"), "{line}");
+    }
+}

@@ -8,6 +8,7 @@ use ferry_executor_svc::ExecutorConfig;
 use forward_bench::BenchOptions;
 
 mod forward_bench;
+mod gpu_bench;
 mod kernel_bench;
 mod structured_bench;
 
@@ -35,6 +36,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Benchmark the CUDA backend (a build with `--features cuda`) on a model of a real shape
+    /// with random weights made on the spot: decode tokens/s per batch size and prefill
+    /// tokens/s, beside the GPU's memory-bandwidth roofline (`scripts/gpu-check`).
+    GpuBench(gpu_bench::GpuBenchOptions),
     /// Benchmark the CPU forward: decode tokens/s per batch size, prefill tokens/s, KV bytes.
     Bench {
         /// GGUF model; the default model when absent.
@@ -77,6 +82,9 @@ enum Command {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut cli = Cli::parse();
+    if let Some(Command::GpuBench(options)) = cli.command {
+        return tokio::task::spawn_blocking(move || gpu_bench::report(&options)).await?;
+    }
     if let Some(Command::Bench {
         model,
         batches,

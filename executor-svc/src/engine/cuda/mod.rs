@@ -380,6 +380,26 @@ impl ModelBackend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Bytes of device memory the weights take.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.bytes()
+    }
+
+    /// The device's name and its peak memory bandwidth in bytes per second, from the driver's
+    /// memory clock and bus width (double data rate): a decode step's roofline.
+    pub fn device_bandwidth(&self) -> Result<(String, f64), CudaError> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let read = CudaError::driver("reading the device's attributes");
+        let clock_khz =
+            self.gpu.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).map_err(read)?;
+        let bus_bits =
+            self.gpu.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH).map_err(read)?;
+        let bytes_per_s = f64::from(clock_khz) * 1e3 * 2.0 * f64::from(bus_bits) / 8.0;
+        Ok((self.gpu.name(), bytes_per_s))
+    }
+}
+
+impl CudaBackend {
     /// The values of block `block` in the device cache.
     fn block_range(&self, block: usize) -> Result<std::ops::Range<usize>, String> {
         if block >= self.cache.num_blocks {

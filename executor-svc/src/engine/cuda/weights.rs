@@ -282,15 +282,14 @@ pub fn narrow(values: &[f32], bf16: bool) -> (Vec<u16>, f32) {
             (h.to_bits(), h.to_f32())
         }
     };
-    let scale = values.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let mut worst = 0f32;
-    let bits = values
-        .iter()
+    let scale = values.par_iter().map(|v| v.abs()).reduce(|| 0f32, f32::max);
+    let (bits, errors): (Vec<u16>, Vec<f32>) = values
+        .par_iter()
         .map(|&v| {
             let (b, back) = round(v);
-            worst = worst.max((back - v).abs());
-            b
+            (b, (back - v).abs())
         })
-        .collect();
+        .unzip();
+    let worst = errors.into_par_iter().reduce(|| 0f32, f32::max);
     (bits, if scale > 0.0 { worst / scale } else { 0.0 })
 }

@@ -215,3 +215,24 @@ fn emulated_strided_gemm_matches_a_naive_product() {
     // SAFETY: refused before any memory is read.
     assert!(unsafe { blas.gemm_strided_batched(bad, &d_a, &d_b, &mut d_c) }.is_err());
 }
+
+#[test]
+fn an_entry_point_the_emulation_lacks_fails_loudly_naming_it() {
+    // Managed memory is not emulated: a backend that began to call it would fail here, in
+    // cudarc's loader, with the entry point's name, not quietly get something else.
+    if emulated_stream().is_none() {
+        return;
+    }
+    let failed = std::panic::catch_unwind(|| {
+        let mut ptr = 0u64;
+        // SAFETY: the call never reaches a driver: its symbol is missing.
+        unsafe { cudarc::driver::sys::cuMemAllocManaged(&raw mut ptr, 16, 1) }
+    })
+    .expect_err("cuMemAllocManaged is not emulated");
+    let message = failed
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| failed.downcast_ref::<&str>().map(|s| (*s).to_string()))
+        .unwrap_or_default();
+    assert!(message.contains("cuMemAllocManaged"), "{message}");
+}

@@ -16,7 +16,7 @@
   external endpoints), the same in every container;
 - each executor's `--kv-agent` is its own pod's agent's advertised address, sharing the
   agent's shared-memory folder; advertised addresses name the pod itself and its listen port;
-- a CUDA executor's f32 weights and KV cache fit in its share of the GPU memory its node
+- a CUDA executor's weights (16 or 32 bits) and KV cache fit in its share of the GPU memory its node
   affinity requires;
 - an HTTPRoute's InferencePool backend selects pods and targets ports they listen on;
 - HPA, PodDisruptionBudget, Ingress, NetworkPolicy and ServiceMonitor targets exist.
@@ -81,7 +81,8 @@ class Checker:
             self.count("InferencePool backends on their pods' ports")
 
     def check_gpu_fit(self, p, c, argv):
-        """A CUDA executor's weights (f32 on the device: 4 bytes a parameter) and KV cache fit
+        """A CUDA executor's weights (2 bytes a parameter on the device, 4 with `--dtype
+        float32`) and KV cache fit
         in its share of the GPU its pod is bound to: the GPU's memory from the pod's required
         node affinity on GPU feature discovery's `nvidia.com/gpu.memory` label, the parameter
         count from its workload's `ferry.dev/model-parameters`, the KV cache from
@@ -101,14 +102,15 @@ class Checker:
         if params is None:
             self.fail(f"{where}: no ferry.dev/model-parameters: its weights cannot be sized")
             return
-        weights_mib = int(params) * 4 / 2**20
+        dtype = self.flag(argv, "dtype") or "auto"
+        weights_mib = int(params) * (4 if dtype in ("float32", "float") else 2) / 2**20
         fraction = self.flag(argv, "gpu-memory-utilization")
         if fraction is not None:
             room, kv_mib = float(fraction) * gpu_mib, 0
         else:
             room, kv_mib = gpu_mib, int(self.flag(argv, "kv-cache-mib") or 512)
         if weights_mib + kv_mib >= room:
-            self.fail(f"{where}: {weights_mib:.0f} MiB of f32 weights + {kv_mib} MiB of KV "
+            self.fail(f"{where}: {weights_mib:.0f} MiB of {dtype} weights + {kv_mib} MiB of KV "
                       f"cache do not fit in {room:.0f} MiB of its {gpu_mib} MiB GPU")
         else:
             self.count("CUDA executors whose weights and KV fit their GPU")

@@ -447,35 +447,42 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, u
 
 // ---- errors ----
 
+namespace {
+
+struct ErrorText {
+    CUresult code;
+    const char* name;
+    const char* text;
+};
+
+const ErrorText ERRORS[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+};
+
+const ErrorText& error_text(CUresult code) {
+    static const ErrorText unknown{-1, "CUDA_ERROR_UNKNOWN", "unknown error"};
+    for (const ErrorText& e : ERRORS)
+        if (e.code == code) return e;
+    return unknown;
+}
+
+}  // namespace
+
 EXPORT CUresult cuGetErrorString(CUresult code, const char** s) {
-    switch (code) {
-        case CUDA_SUCCESS: *s = "no error"; break;
-        case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
-        case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
-        case CUDA_ERROR_INVALID_DEVICE: *s = "invalid device ordinal"; break;
-        case CUDA_ERROR_INVALID_IMAGE: *s = "device kernel image is invalid"; break;
-        case CUDA_ERROR_INVALID_CONTEXT: *s = "invalid device context"; break;
-        case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found"; break;
-        case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure"; break;
-        case CUDA_ERROR_NOT_SUPPORTED: *s = "operation not supported"; break;
-        default: *s = "unknown error"; break;
-    }
+    *s = error_text(code).text;
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuGetErrorName(CUresult code, const char** s) {
-    switch (code) {
-        case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
-        case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
-        case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-        case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
-        case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
-        case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
-        case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
-        case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
-        case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
-        default: *s = "CUDA_ERROR_UNKNOWN"; break;
-    }
+    *s = error_text(code).name;
     return CUDA_SUCCESS;
 }
 

@@ -182,8 +182,8 @@ inline T exchange(unsigned int mask, T v, Src src) {
     return out;
 }
 
-// A vote: every live lane's predicate as a mask.
-inline unsigned int ballot(unsigned int mask, int predicate) {
+// A vote: every live lane's predicate as a mask; the lanes that voted into `*voters`.
+inline unsigned int ballot(unsigned int mask, int predicate, unsigned int* voters = nullptr) {
     BlockRun* r = run;
     Fiber* f = r->current;
     Warp& w = r->warps[f->warp];
@@ -192,6 +192,7 @@ inline unsigned int ballot(unsigned int mask, int predicate) {
     exchange(mask, predicate ? 1u : 0u, [](int l) { return l; });
     for (unsigned int l = 0; l < WARP; ++l)
         if ((w.members[phase] >> l & 1u) && w.slots[phase][l]) bits |= 1u << l;
+    if (voters) *voters = w.members[phase];
     return bits;
 }
 
@@ -396,7 +397,8 @@ inline T __shfl_up_sync(unsigned int mask, T v, unsigned int d, int width = 32) 
 }
 inline unsigned int __ballot_sync(unsigned int mask, int p) { return ::ferry_emu::ballot(mask, p); }
 inline int __all_sync(unsigned int mask, int p) {
-    return ::ferry_emu::ballot(mask, p) == ::ferry_emu::ballot(mask, 1);
+    unsigned int voters;
+    return ::ferry_emu::ballot(mask, p, &voters) == voters;
 }
 inline int __any_sync(unsigned int mask, int p) { return ::ferry_emu::ballot(mask, p) != 0; }
 

@@ -42,8 +42,8 @@ pub trait ModelBackend: Send {
     /// backend whose device fails mid-batch (the CUDA backend) panics, which ends the engine
     /// thread and turns the executor's RPCs UNAVAILABLE.
     fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError>;
-    /// Copies KV block `block` (checked in range) into `out`, in the transfer layout (f32,
-    /// little-endian, `layers × {K,V} × block_size × kv_dim`).
+    /// Copies KV block `block` (checked in range) into `out`, in the transfer layout (the
+    /// cache's element type, little-endian, `layers × {K,V} × block_size × kv_dim`).
     fn read_block(&mut self, block: usize, out: &mut [u8]) -> Result<(), String>;
     /// Writes `data` (the transfer layout) into KV block `block`.
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), String>;
@@ -68,24 +68,34 @@ pub trait ModelBackend: Send {
     }
 }
 
-/// `floats` as little-endian bytes into `out` (its length is checked).
-pub fn floats_to_bytes(floats: &[f32], out: &mut [u8]) -> Result<(), String> {
-    if out.len() != floats.len() * 4 {
-        return Err(format!("a block is {} bytes, not {}", floats.len() * 4, out.len()));
+/// `values` as little-endian bytes into `out` (the transfer layout; lengths checked), each by
+/// `bytes` (`f32::to_le_bytes`, `u16::to_le_bytes`).
+pub fn to_le_bytes<T: Copy, const N: usize>(
+    values: &[T],
+    out: &mut [u8],
+    bytes: impl Fn(T) -> [u8; N],
+) -> Result<(), String> {
+    if out.len() != values.len() * N {
+        return Err(format!("a block is {} bytes, not {}", values.len() * N, out.len()));
     }
-    for (f, b) in floats.iter().zip(out.chunks_exact_mut(4)) {
-        b.copy_from_slice(&f.to_le_bytes());
+    for (v, b) in values.iter().zip(out.chunks_exact_mut(N)) {
+        b.copy_from_slice(&bytes(*v));
     }
     Ok(())
 }
 
-/// Little-endian `bytes` into `floats` (lengths checked).
-pub fn bytes_to_floats(bytes: &[u8], floats: &mut [f32]) -> Result<(), String> {
-    if bytes.len() != floats.len() * 4 {
-        return Err(format!("a block is {} bytes, not {}", floats.len() * 4, bytes.len()));
+/// Little-endian `data` into `values` (lengths checked), each by `value` (`f32::from_le_bytes`,
+/// `u16::from_le_bytes`).
+pub fn from_le_bytes<T, const N: usize>(
+    data: &[u8],
+    values: &mut [T],
+    value: impl Fn([u8; N]) -> T,
+) -> Result<(), String> {
+    if data.len() != values.len() * N {
+        return Err(format!("a block is {} bytes, not {}", values.len() * N, data.len()));
     }
-    for (f, b) in floats.iter_mut().zip(bytes.chunks_exact(4)) {
-        *f = f32::from_le_bytes(b.try_into().expect("chunks of 4"));
+    for (v, b) in values.iter_mut().zip(data.chunks_exact(N)) {
+        *v = value(b.try_into().expect("chunks of N"));
     }
     Ok(())
 }

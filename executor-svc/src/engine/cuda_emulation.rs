@@ -59,20 +59,51 @@ impl TestMode {
     }
 }
 
-#[cfg(feature = "cuda")]
-/// Whether the CUDA backend's tests can use a device in this process: the emulation, built and
-/// installed here (`Emulated`, `Auto`), or the real GPU (`Gpu`). `false` (with a note on stderr)
-/// only in `Auto` mode when the emulation cannot be built; in `Emulated` mode that panics.
-pub fn device_for_tests() -> bool {
-    let installed = || Emulation::build().and_then(|e| e.install());
-    match TestMode::from_env() {
-        TestMode::Gpu => true,
-        TestMode::Emulated => {
-            installed().unwrap_or_else(|e| panic!("FERRY_CUDA_TESTS=emulated, but {e}"));
-            true
-        }
-        TestMode::Auto => installed().map_err(|e| eprintln!("skipped: {e}")).is_ok(),
+/// What the CUDA tests of this process run on, as [`TestMode`] says.
+#[derive(Debug)]
+pub enum TestDevice {
+    /// The real GPU (`FERRY_CUDA_TESTS=gpu`).
+    Gpu,
+    /// The emulation, built (and, by [`TestDevice::installed`], loaded into this process).
+    Emulated(Emulation),
+    /// Neither: nothing demands a device and the emulation cannot be built (a note says why).
+    Skip,
+}
+
+impl TestDevice {
+    /// The device, with the emulation built for a child process's `LD_LIBRARY_PATH`. In
+    /// `Emulated` mode a failure panics; in `Auto` mode it is a [`TestDevice::Skip`].
+    pub fn from_env() -> Self {
+        Self::resolve(|_| Ok(()))
     }
+
+    /// The same, with the emulation loaded into this process.
+    #[cfg(feature = "cuda")]
+    pub fn installed() -> Self {
+        Self::resolve(Emulation::install)
+    }
+
+    fn resolve(prepare: impl FnOnce(&Emulation) -> Result<(), String>) -> Self {
+        let mode = TestMode::from_env();
+        if mode == TestMode::Gpu {
+            return Self::Gpu;
+        }
+        match Emulation::build().and_then(|e| prepare(&e).map(|()| e)) {
+            Ok(e) => Self::Emulated(e),
+            Err(e) if mode == TestMode::Auto => {
+                eprintln!("skipped: {e}");
+                Self::Skip
+            }
+            Err(e) => panic!("FERRY_CUDA_TESTS=emulated, but {e}"),
+        }
+    }
+}
+
+/// Whether the CUDA backend's tests can use a device in this process: the emulation, loaded
+/// here, or the real GPU ([`TestDevice::installed`]).
+#[cfg(feature = "cuda")]
+pub fn device_for_tests() -> bool {
+    !matches!(TestDevice::installed(), TestDevice::Skip)
 }
 
 /// Counters of the emulated driver (its `FerryEmuStats`).

@@ -8,7 +8,7 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use ferry_executor_svc::engine::cuda_emulation::{Emulation, TestMode};
+use ferry_executor_svc::engine::cuda_emulation::TestDevice;
 use ferry_tests::{http, Service, TempDir};
 use serde_json::{json, Value};
 
@@ -40,16 +40,14 @@ fn counters(path: &std::path::Path) -> Vec<(String, u64)> {
 
 #[test]
 fn serve_with_the_cuda_backend_answers_like_the_cpu_and_holds_constraints() {
-    let mode = TestMode::from_env();
+    let device = TestDevice::from_env();
     let stats_dir = TempDir::new("cuda-serve").unwrap();
     let stats = stats_dir.0.join("emulation-stats");
     let mut env: Vec<(&str, OsString)> = Vec::new();
-    if mode != TestMode::Gpu {
-        let emulation = match Emulation::build() {
-            Ok(e) => e,
-            Err(e) if mode == TestMode::Auto => return eprintln!("skipped: {e}"),
-            Err(e) => panic!("FERRY_CUDA_TESTS=emulated, but {e}"),
-        };
+    if let TestDevice::Skip = device {
+        return;
+    }
+    if let TestDevice::Emulated(emulation) = &device {
         let mut path = emulation.library_dir().as_os_str().to_owned();
         if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
             path.push(":");
@@ -90,7 +88,7 @@ fn serve_with_the_cuda_backend_answers_like_the_cpu_and_holds_constraints() {
     let capital = parsed["capital"].as_str().unwrap_or_else(|| panic!("{parsed}"));
     assert!(["Paris", "Rome", "Berlin"].contains(&capital), "{parsed}");
 
-    if mode != TestMode::Gpu {
+    if let TestDevice::Emulated(_) = device {
         let counts = counters(&stats);
         let count = |k: &str| counts.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
         // Every step runs 30 layers of four products and attention on the device.
@@ -104,14 +102,12 @@ fn serve_with_the_cuda_backend_answers_like_the_cpu_and_holds_constraints() {
 #[test]
 fn the_gpu_bench_measures_a_synthetic_model_against_the_roofline() {
     // What scripts/gpu-check runs on a GPU, here on SmolLM2's shape under the emulation.
-    let mode = TestMode::from_env();
-    if mode == TestMode::Gpu {
-        return eprintln!("skipped: scripts/gpu-check runs the bench on the GPU");
-    }
-    let emulation = match Emulation::build() {
-        Ok(e) => e,
-        Err(e) if mode == TestMode::Auto => return eprintln!("skipped: {e}"),
-        Err(e) => panic!("FERRY_CUDA_TESTS=emulated, but {e}"),
+    let emulation = match TestDevice::from_env() {
+        TestDevice::Emulated(e) => e,
+        TestDevice::Gpu => {
+            return eprintln!("skipped: scripts/gpu-check runs the bench on the GPU")
+        }
+        TestDevice::Skip => return,
     };
     let bin = ferry_tests::binary("ferry-executor").expect("the executor binary");
     let out = std::process::Command::new(bin)

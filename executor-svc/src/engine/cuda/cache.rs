@@ -42,6 +42,14 @@ impl KvData {
         }
     }
 
+    /// Which of a kernel pair (`_f32`, `_f16`) takes this cache: 0 or 1.
+    pub fn kind(&self) -> usize {
+        match self {
+            Self::F32(_) => 0,
+            Self::F16(_) => 1,
+        }
+    }
+
     /// The element type.
     pub fn dtype(&self) -> KvDtype {
         match self {

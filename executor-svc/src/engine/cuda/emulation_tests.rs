@@ -11,22 +11,20 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 
-use crate::engine::cuda_emulation::{Emulation, TestMode};
+use crate::engine::cuda_emulation::{Emulation, TestDevice};
 
 /// The emulated device's stream, or `None` (with a note) where the emulation is not wanted.
 fn emulated_stream() -> Option<Arc<CudaStream>> {
-    let mode = TestMode::from_env();
-    if mode == TestMode::Gpu {
-        eprintln!("skipped: FERRY_CUDA_TESTS=gpu tests the GPU, not the emulation");
-        return None;
+    match TestDevice::installed() {
+        TestDevice::Emulated(_) => {
+            Some(CudaContext::new(0).expect("the emulated device").default_stream())
+        }
+        TestDevice::Gpu => {
+            eprintln!("skipped: FERRY_CUDA_TESTS=gpu tests the GPU, not the emulation");
+            None
+        }
+        TestDevice::Skip => None,
     }
-    if let Err(e) = Emulation::build().and_then(|e| e.install()) {
-        assert!(mode != TestMode::Emulated, "FERRY_CUDA_TESTS=emulated, but {e}");
-        eprintln!("skipped: {e}");
-        return None;
-    }
-    let ctx = CudaContext::new(0).expect("the emulated device");
-    Some(ctx.default_stream())
 }
 
 /// `blocks` blocks of `threads` threads.

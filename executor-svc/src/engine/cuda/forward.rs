@@ -134,7 +134,7 @@ fn linear(
         "linear buffers too small"
     );
     let blas = &gpu.blas;
-    let bits = match &w.data {
+    let (weights, bf16) = match &w.data {
         MatrixData::F32(data) => {
             let cfg = sgemm_config(w, rows, accumulate);
             // SAFETY: the three buffers hold the matrices the configuration describes
@@ -146,7 +146,6 @@ fn linear(
             (bits, *bf16)
         }
     };
-    let (weights, bf16) = bits;
     let kind = if bf16 { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_16F };
     let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
     let stream = &gpu.stream;

@@ -228,10 +228,7 @@ impl Kernels {
             (int(rows), int(ctx.layer), int(ctx.num_layers), int(ctx.block_size));
         let (kv_i, q_i, row_i) =
             (int(heads.kv_dim()), int(heads.q_width()), int(heads.row_width()));
-        let mut b = match cache {
-            KvData::F32(_) => stream.launch_builder(&self.kv_write[0]),
-            KvData::F16(_) => stream.launch_builder(&self.kv_write[1]),
-        };
+        let mut b = stream.launch_builder(&self.kv_write[cache.kind()]);
         match cache {
             KvData::F32(c) => b.arg(c),
             KvData::F16(c) => b.arg(c),
@@ -271,10 +268,7 @@ impl Kernels {
             (int(rows), int(heads.num_heads), int(heads.num_kv_heads), int(heads.head_dim));
         let (layer_i, layers_i, bs_i, row_i) =
             (int(ctx.layer), int(ctx.num_layers), int(ctx.block_size), int(heads.row_width()));
-        let mut b = match cache {
-            KvData::F32(_) => stream.launch_builder(&self.attention[0]),
-            KvData::F16(_) => stream.launch_builder(&self.attention[1]),
-        };
+        let mut b = stream.launch_builder(&self.attention[cache.kind()]);
         b.arg(out).arg(qkv);
         match cache {
             KvData::F32(c) => b.arg(c),

@@ -43,7 +43,7 @@ use self::plan::BatchPlan;
 use self::probe::CudaLibrary;
 use self::weights::DeviceWeights;
 pub use self::weights::Storage;
-use super::backend::{BackendFacts, BatchOutput, ModelBackend};
+use super::backend::{from_le_bytes, to_le_bytes, BackendFacts, BatchOutput, ModelBackend};
 use crate::forward::paged::{self, BatchError, SeqSlice};
 use crate::forward::{KvDtype, LlamaShape, LlamaWeights};
 use crate::gpu_sizing::{gpu_kv_blocks, GpuMemory, KvBlocks};
@@ -320,35 +320,31 @@ impl ModelBackend for CudaBackend {
         self.gpu.bind().map_err(|e| e.to_string())?;
         let failed =
             |e: cudarc::driver::DriverError| format!("copying block {block} from the GPU: {e}");
+        let stream = &self.gpu.stream;
         match &self.cache.data {
             KvData::F32(d) => {
-                let floats = self.gpu.stream.clone_dtoh(&d.slice(range)).map_err(failed)?;
-                crate::engine::backend::floats_to_bytes(&floats, out)
+                let values = stream.clone_dtoh(&d.slice(range)).map_err(failed)?;
+                to_le_bytes(&values, out, f32::to_le_bytes)
             }
             KvData::F16(d) => {
-                let halves = self.gpu.stream.clone_dtoh(&d.slice(range)).map_err(failed)?;
-                if out.len() != 2 * halves.len() {
-                    return Err(format!(
-                        "a block is {} bytes, not {}",
-                        2 * halves.len(),
-                        out.len()
-                    ));
-                }
-                for (o, h) in out.chunks_exact_mut(2).zip(&halves) {
-                    o.copy_from_slice(&h.to_le_bytes());
-                }
-                Ok(())
+                let values = stream.clone_dtoh(&d.slice(range)).map_err(failed)?;
+                to_le_bytes(&values, out, u16::to_le_bytes)
             }
         }
     }
 
-    /// Through the host (one block per forked sample, so rare; a device-to-device copy is
-    /// the better way and has not been written).
+    /// On the device, block to block (a sample of several starting its own copy of the
+    /// partial block its prompt ends in).
     fn copy_block(&mut self, src: usize, dst: usize) {
-        let len = self.cache.data.len() / self.cache.num_blocks;
-        let mut bytes = vec![0u8; len * self.cache.data.dtype().bytes()];
-        self.read_block(src, &mut bytes).unwrap_or_else(|e| panic!("{e}"));
-        self.write_block(dst, &bytes).unwrap_or_else(|e| panic!("{e}"));
+        let (from, to) = (self.block_range(src), self.block_range(dst));
+        let (from, to) = (from.expect("checked in range"), to.expect("checked in range"));
+        self.gpu.bind().expect("binding the CUDA context");
+        let stream = &self.gpu.stream;
+        match &mut self.cache.data {
+            KvData::F32(d) => copy_within(stream, d, from, to),
+            KvData::F16(d) => copy_within(stream, d, from, to),
+        }
+        .unwrap_or_else(|e| panic!("copying block {src} into block {dst} on the GPU: {e}"));
     }
 
     /// Host to device: the little-endian bytes as values, into the block.
@@ -357,25 +353,36 @@ impl ModelBackend for CudaBackend {
         let failed =
             |e: cudarc::driver::DriverError| format!("copying block {block} to the GPU: {e}");
         self.gpu.bind().map_err(|e| e.to_string())?;
+        let stream = &self.gpu.stream;
         match &mut self.cache.data {
             KvData::F32(d) => {
-                let mut floats = vec![0f32; range.len()];
-                crate::engine::backend::bytes_to_floats(data, &mut floats)?;
-                self.gpu.stream.memcpy_htod(&floats, &mut d.slice_mut(range)).map_err(failed)
+                let mut values = vec![0f32; range.len()];
+                from_le_bytes(data, &mut values, f32::from_le_bytes)?;
+                stream.memcpy_htod(&values, &mut d.slice_mut(range)).map_err(failed)
             }
             KvData::F16(d) => {
-                if data.len() != 2 * range.len() {
-                    return Err(format!(
-                        "a block is {} bytes, not {}",
-                        2 * range.len(),
-                        data.len()
-                    ));
-                }
-                let halves: Vec<u16> =
-                    data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-                self.gpu.stream.memcpy_htod(&halves, &mut d.slice_mut(range)).map_err(failed)
+                let mut values = vec![0u16; range.len()];
+                from_le_bytes(data, &mut values, u16::from_le_bytes)?;
+                stream.memcpy_htod(&values, &mut d.slice_mut(range)).map_err(failed)
             }
         }
+    }
+}
+
+/// Copies `data[from]` to `data[to]` on the device (two distinct, equally long ranges).
+fn copy_within<T: cudarc::driver::DeviceRepr>(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    data: &mut cudarc::driver::CudaSlice<T>,
+    from: std::ops::Range<usize>,
+    to: std::ops::Range<usize>,
+) -> Result<(), cudarc::driver::DriverError> {
+    let len = from.len();
+    if from.start < to.start {
+        let (low, mut high) = data.split_at_mut(to.start);
+        stream.memcpy_dtod(&low.slice(from), &mut high.slice_mut(0..len))
+    } else {
+        let (mut low, high) = data.split_at_mut(from.start);
+        stream.memcpy_dtod(&high.slice(0..len), &mut low.slice_mut(to))
     }
 }
 

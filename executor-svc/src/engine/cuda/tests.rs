@@ -10,7 +10,7 @@ use ferry_model::Family;
 use super::probe::{try_load, CudaLibrary};
 use super::{kernels, CudaBackend, CudaError, Precision, Storage};
 use crate::engine::backend::{BatchOutput, CpuBackend, ModelBackend};
-use crate::engine::cuda_emulation::{device_for_tests, Emulation, Stats};
+use crate::engine::cuda_emulation::{device_for_tests, Emulation};
 use crate::forward::llama::LayerWeights;
 use crate::forward::paged::SeqSlice;
 use crate::forward::{ops, KvDtype, LlamaShape, LlamaWeights};
@@ -122,7 +122,7 @@ fn a_shape_the_kernels_cannot_hold_is_refused_before_the_gpu_is_touched() {
 
 #[test]
 fn the_kernels_compile_with_nvrtc() {
-    if !device_available() {
+    if !device_for_tests() {
         return;
     }
     if let Err(e) = kernels::compile() {
@@ -130,25 +130,15 @@ fn the_kernels_compile_with_nvrtc() {
     }
 }
 
-/// Whether a CUDA device can be used here (see [`device_for_tests`]).
-fn device_available() -> bool {
-    device_for_tests()
-}
-
-/// The CUDA backend on device 0, or `None` where [`device_available`] says so.
+/// The CUDA backend on device 0, or `None` where [`device_for_tests`] says so.
 fn gpu_backend(w: &LlamaWeights, block_size: usize, num_blocks: usize) -> Option<CudaBackend> {
-    if !device_available() {
+    if !device_for_tests() {
         return None;
     }
     match CudaBackend::new(w, block_size, num_blocks, 0) {
         Ok(b) => Some(b),
         Err(e) => panic!("the CUDA backend failed to start: {e}"),
     }
-}
-
-/// The emulation's counters now, or `None` on a real GPU.
-fn emulation_stats() -> Option<Stats> {
-    Emulation::stats()
 }
 
 fn logits(out: BatchOutput) -> Vec<Vec<f32>> {
@@ -220,7 +210,7 @@ fn mixed_batches_match_the_cpu_backend(family: Family) {
     ];
     let attention =
         || (Emulation::kernel_launches("attention_f32"), Emulation::kernel_blocks("attention_f32"));
-    let before = (emulation_stats(), attention());
+    let before = (Emulation::stats(), attention());
     for (i, batch) in steps.iter().enumerate() {
         gpu.check(batch).expect("valid batch");
         let g = logits(gpu.run(batch).expect("gpu step"));
@@ -232,7 +222,7 @@ fn mixed_batches_match_the_cpu_backend(family: Family) {
     // of one block per row and KV head (each KV head's keys and values read once for the
     // query heads that share them).
     if let ((Some(before), (Some(launches), Some(blocks))), Some(after)) =
-        (before, emulation_stats())
+        (before, Emulation::stats())
     {
         let (steps_n, layers) = (steps.len() as u64, w.shape.num_layers as u64);
         assert_eq!(after.gemms - before.gemms, steps_n * (4 * layers + 1), "{}", family.name);
@@ -431,7 +421,7 @@ fn on_a_gpu_half_precision_weights_and_kv_stay_close_to_the_cpu_backend() {
     ] {
         let w = tiny_model_of(family);
         let precision = Precision { weights: storage, kv: KvDtype::F16 };
-        if !device_available() {
+        if !device_for_tests() {
             return;
         }
         let mut gpu = CudaBackend::with_precision(&w, 4, 32, 0, precision).expect("backend");
@@ -470,7 +460,7 @@ fn on_a_gpu_half_precision_weights_and_kv_stay_close_to_the_cpu_backend() {
 
 #[test]
 fn on_a_gpu_the_real_model_in_half_precision_greedy_decodes_like_the_cpu() {
-    if !device_available() {
+    if !device_for_tests() {
         return;
     }
     let model = crate::forward::LoadedModel::open(None).expect("the default model");
@@ -497,7 +487,7 @@ fn on_a_gpu_the_real_model_in_half_precision_greedy_decodes_like_the_cpu() {
 
 #[test]
 fn on_a_gpu_the_kernels_round_to_half_precision_exactly_as_the_host_does() {
-    if !device_available() {
+    if !device_for_tests() {
         return;
     }
     let gpu = super::device::Gpu::open(0).expect("device");

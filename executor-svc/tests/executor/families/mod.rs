@@ -9,7 +9,10 @@
 //! scalings and sliding-window mask, the weights the package dequantizes); and every weight type's
 //! conversion against the package's (`formats.py`). Ferry loads each file and computes every
 //! position's logits with its reference forward, and its serving forward must give the same
-//! logits bit for bit.
+//! logits bit for bit. candle-transformers' quantized models are a second reference where they
+//! model the family (`candle`).
+
+mod candle;
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +24,10 @@ use ferry_executor_svc::forward::{LoadedModel, ModelFile, PagedKvCache};
 /// file's exact weights (logits here are of size 1-8; measured: within 4e-6, 3e-5 for the
 /// k-quant mix, whose 256- and 512-wide sums round more).
 const TOLERANCE: f32 = 1e-4;
+
+/// Largest difference of a logit from candle's (f32 on the same dequantized weights, its own
+/// order of sums). Measured: within 4.5e-6, 1.1e-5 for the k-quant mix.
+const CANDLE_TOLERANCE: f32 = 1e-4;
 
 fn references() -> (PathBuf, serde_json::Value) {
     let dir = std::env::temp_dir().join(format!("ferry-families-{}", std::process::id()));
@@ -85,7 +92,7 @@ fn assert_serving_forward_equals(
 fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scaling_and_extras_are_refused(
 ) {
     let (dir, expected) = references();
-    let mut checked = Vec::new();
+    let (mut checked, mut by_candle) = (Vec::new(), Vec::new());
     for (name, want) in expected["variants"].as_object().unwrap() {
         let model = load(Path::new(want["gguf"].as_str().unwrap())).unwrap();
         let w = &model.weights;
@@ -119,6 +126,19 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
             assert!(diff > 10.0 * TOLERANCE, "{name}: {what} changes nothing here ({diff})");
         }
         eprintln!("{name}: logits within {worst:e} of the f64 reference");
+        if let Some(theirs) =
+            candle::logits(name, Path::new(want["gguf"].as_str().unwrap()), &tokens)
+        {
+            let diff =
+                theirs.iter().zip(&computed).map(|(a, b)| max_diff(a, b)).fold(0.0, f32::max);
+            assert!(diff < CANDLE_TOLERANCE, "{name}: logits differ from candle's by {diff}");
+            eprintln!("{name}: {} positions within {diff:e} of candle's", theirs.len());
+            let n = theirs.len();
+            by_candle.push(format!(
+                "{name}: {}",
+                if n == tokens.len() { "all".into() } else { n.to_string() }
+            ));
+        }
         assert_serving_forward_equals(w, &tokens, &computed, name);
         // Greedy, from the reference's f64 argmax (which no near tie decides here).
         let want = ids(&want["greedy"]);
@@ -141,6 +161,10 @@ fn llama_files_compute_the_published_forward_in_every_weight_type_and_rope_scali
         "qwen3",
     ];
     assert_eq!(checked, every);
+    by_candle.sort();
+    // The variants candle models, and the positions compared (see `candle`).
+    let candle = ["floats: all", "k-quants: all", "llama: all", "mixed: all"];
+    assert_eq!(by_candle, [&candle[..], &["phi3: 5", "qwen2: all", "qwen3: all"]].concat());
     for (name, refused) in expected["refused"].as_object().unwrap() {
         let err = load(Path::new(refused[0].as_str().unwrap())).unwrap_err();
         let what = refused[1].as_str().unwrap();

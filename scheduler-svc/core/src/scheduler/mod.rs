@@ -45,6 +45,7 @@ mod inflight;
 mod invariants;
 mod preempt;
 mod step;
+mod throttle;
 mod tier;
 mod transfers;
 mod view;
@@ -66,6 +67,7 @@ use arena::RequestArena;
 use draft::StepDraft;
 use fences::BlockFences;
 use inflight::InflightSteps;
+use throttle::PrefillThrottle;
 use tier::TierStores;
 use transfers::KvTransfers;
 
@@ -78,6 +80,7 @@ struct Counters {
     prefix_queries: u64,
     prefix_hits: u64,
     preemptions: u64,
+    prefills_deferred: u64,
     prompt_tokens: u64,
     generation_tokens: u64,
     steps: u64,
@@ -124,6 +127,8 @@ pub struct Scheduler {
     arrival_seq: u64,
     admit_seq: u64,
     counters: Counters,
+    /// The data-parallel prefill throttle's state (`throttle`).
+    throttle: PrefillThrottle,
 }
 
 impl Scheduler {
@@ -152,6 +157,7 @@ impl Scheduler {
             arrival_seq: 0,
             admit_seq: 0,
             counters: Counters::default(),
+            throttle: PrefillThrottle::default(),
         })
     }
 

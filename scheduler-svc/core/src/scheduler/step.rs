@@ -34,21 +34,45 @@ impl Scheduler {
     /// [`ScheduleError::TooManyStepsInFlight`] if `max_steps_in_flight` steps await their
     /// results; nothing changes then.
     pub fn schedule(&mut self, now: Timestamp) -> Result<&StepPlan, ScheduleError> {
+        self.schedule_throttled(now, false)
+    }
+
+    /// [`Scheduler::schedule`] for a step of a data-parallel group that the group marks as
+    /// throttled (`throttle`: not one of its aligned prefill rounds): unless requests were
+    /// left waiting by the last step that did not defer, or no running request decodes, the
+    /// step runs decodes only — no prompt chunk, no admission (vLLM's `defer_prefills`; see
+    /// `throttle`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scheduler::schedule`].
+    pub fn schedule_throttled(
+        &mut self,
+        now: Timestamp,
+        throttle: bool,
+    ) -> Result<&StepPlan, ScheduleError> {
         if self.steps.len() >= self.cfg.max_steps_in_flight {
             return Err(ScheduleError::TooManyStepsInFlight(self.steps.len()));
         }
+        let defer = self.defers_prefills(throttle);
         let record = self.steps.open();
         self.draft.open(record, self.cfg.max_num_batched_tokens);
 
         self.report_finished();
         self.schedule_running(WorkKey::Decode, now);
         self.schedule_running(WorkKey::Verify, now);
-        self.schedule_running(WorkKey::Prompt, now);
-        self.schedule_running(WorkKey::PromptChunk, now);
+        if !defer {
+            self.schedule_running(WorkKey::Prompt, now);
+            self.schedule_running(WorkKey::PromptChunk, now);
+        }
         if self.draft.admits() {
-            self.admit_waiting(now);
+            if !defer {
+                self.admit_waiting(now);
+            }
             self.start_imports();
         }
+        self.note_prefill_capacity(defer);
+        self.counters.prefills_deferred += u64::from(defer);
         self.start_exports();
         self.store_tier_blocks();
         self.finalize();

@@ -37,6 +37,8 @@ pub struct SchedulerStats {
     pub prefix_cache_hits: u64,
     /// Preemptions so far (vLLM `vllm:num_preemptions_total`).
     pub num_preemptions: u64,
+    /// Steps that held prefills back for a data-parallel group's throttle.
+    pub prefills_deferred: u64,
     /// Prefill tokens computed (hits excluded) (vLLM `vllm:prompt_tokens_total`).
     pub prompt_tokens: u64,
     /// Output tokens appended (vLLM `vllm:generation_tokens_total`).
@@ -110,6 +112,7 @@ impl Scheduler {
             prefix_cache_queries: c.prefix_queries,
             prefix_cache_hits: c.prefix_hits,
             num_preemptions: c.preemptions,
+            prefills_deferred: c.prefills_deferred,
             prompt_tokens: c.prompt_tokens,
             generation_tokens: c.generation_tokens,
             steps: c.steps,

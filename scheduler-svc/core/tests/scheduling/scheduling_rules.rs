@@ -390,3 +390,67 @@ fn preemption_counts_and_times_are_recorded() {
     assert_eq!(two.stats.num_preemptions, 1);
     assert_eq!(two.stats.output_tokens, 8);
 }
+
+/// A synchronous step of a data-parallel group, throttled or not.
+fn group_step(h: &mut Harness, throttle: bool) -> StepPlan {
+    h.now += 1_000_000_000;
+    let plan = h.core.schedule_throttled(Timestamp(h.now), throttle).unwrap().clone();
+    h.core.check_invariants().unwrap();
+    h.apply(&Harness::outcome(&plan, 7));
+    plan
+}
+
+#[test]
+fn a_throttled_step_runs_decodes_and_holds_prefills_back() {
+    let cfg = SchedulerConfig { long_prefill_token_threshold: Some(8), ..small_cfg() };
+    let mut h = Harness::new(cfg);
+    h.add(req(1, tokens(100, 4), 20));
+    h.add(req(2, tokens(200, 20), 20));
+    group_step(&mut h, false); // 1's prompt, 2's first chunk; nothing left waiting
+    assert!(!h.core.prefill_capacity_bound());
+    h.add(req(3, tokens(300, 4), 20));
+    let plan = group_step(&mut h, true);
+    assert_eq!(scheduled_ids(&plan), [1], "2's chunk and 3's admission wait for an aligned step");
+    assert_eq!(plan.scheduled[0].work, WorkKey::Decode);
+    assert_eq!(h.core.stats().prefills_deferred, 1);
+    assert_eq!(h.view(3).status, RequestStatus::Waiting);
+    // The aligned step takes them; nothing was lost.
+    let plan = group_step(&mut h, false);
+    assert_eq!(scheduled_ids(&plan), [1, 2, 3]);
+    assert_eq!(h.core.stats().prefills_deferred, 1);
+}
+
+#[test]
+fn a_backlog_or_no_decode_to_protect_lifts_the_throttle() {
+    // Only prompt work running: there is no decode to protect, so nothing is deferred.
+    let cfg =
+        SchedulerConfig { max_num_seqs: 2, long_prefill_token_threshold: Some(8), ..small_cfg() };
+    let mut h = Harness::new(cfg);
+    h.add(req(1, tokens(100, 30), 20));
+    group_step(&mut h, false);
+    let plan = group_step(&mut h, true);
+    assert_eq!(plan.scheduled[0].work, WorkKey::PromptChunk);
+    assert_eq!(h.core.stats().prefills_deferred, 0);
+    // A request decoding, one prefilling, one waiting for a slot: the step that did not
+    // defer left a backlog, so prefill capacity is the bottleneck and the throttle yields.
+    let mut h = Harness::new(SchedulerConfig {
+        max_num_seqs: 2,
+        long_prefill_token_threshold: Some(8),
+        ..small_cfg()
+    });
+    h.add(req(1, tokens(100, 4), 20));
+    h.add(req(2, tokens(200, 30), 20));
+    h.add(req(3, tokens(300, 4), 20));
+    group_step(&mut h, false);
+    assert!(h.core.prefill_capacity_bound(), "3 waits for a slot");
+    let plan = group_step(&mut h, true);
+    assert_eq!(scheduled_ids(&plan), [1, 2], "2's chunk runs although the step is throttled");
+    assert_eq!(h.core.stats().prefills_deferred, 0);
+    // Once nothing waits the throttle holds again.
+    h.core.abort(RequestId(3), Timestamp(h.now)).unwrap();
+    group_step(&mut h, false);
+    assert!(!h.core.prefill_capacity_bound());
+    let plan = group_step(&mut h, true);
+    assert_eq!(scheduled_ids(&plan), [1]);
+    assert_eq!(h.core.stats().prefills_deferred, 1);
+}

@@ -248,6 +248,7 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         reuse_pct,
         refuse_pct: [0, 2, 5][(seed % 3) as usize],
         echo_pct: s.spec.1,
+        throttle_pct: [0, 50, 90][(seed / 3 % 3) as usize],
         max_steps: 20_000,
         seed,
     };
@@ -273,11 +274,11 @@ fn cases() -> u32 {
 /// The least share of cases (percent) in which each event occurs: preemption, KV import,
 /// KV export, abort, pipelined steps. About half of what the strategy gives (see the test's
 /// output), so a change that stops exercising one of them fails here.
-const MIN_SHARE_PCT: [u64; 8] = [20, 35, 45, 20, 15, 15, 12, 18];
+const MIN_SHARE_PCT: [u64; 9] = [20, 35, 45, 20, 15, 15, 12, 18, 29];
 
 #[test]
 fn generated_workloads_keep_invariants_and_drain_and_shrink_any_failure() {
-    let seen: [AtomicU64; 8] = Default::default();
+    let seen: [AtomicU64; 9] = Default::default();
     let mut runner = runner(cases());
     let result = runner.run(&shape(), |s| {
         let (cfg, arrivals, opts) = build(&s);

@@ -71,6 +71,9 @@ pub struct SimOpts {
     /// modulo the prompt's length), so outputs quote their prompts and n-gram drafts are
     /// sometimes right.
     pub echo_pct: u64,
+    /// Percent chance a step is one a data-parallel group throttles (not an aligned prefill
+    /// round): [`Scheduler::schedule_throttled`].
+    pub throttle_pct: u64,
     /// Give up (livelock) after this many steps.
     pub max_steps: u64,
     pub seed: u64,
@@ -87,6 +90,7 @@ impl Default for SimOpts {
             reuse_pct: 0,
             refuse_pct: 0,
             echo_pct: 0,
+            throttle_pct: 0,
             max_steps: 20_000,
             seed: 0,
         }
@@ -117,10 +121,12 @@ pub struct Report {
     pub fork_copies: u64,
     /// Blocks the executor's copy of the prefix cache took in (checked to hold their content).
     pub cached_reported: u64,
+    /// Steps that held prefills back for the throttle (checked to carry no prompt work).
+    pub prefills_deferred: u64,
 }
 
 /// The events whose coverage the property tests assert, in [`Report::events`]' order.
-pub const EVENTS: [&str; 8] = [
+pub const EVENTS: [&str; 9] = [
     "preemption",
     "KV import",
     "KV export",
@@ -129,11 +135,12 @@ pub const EVENTS: [&str; 8] = [
     "refusal",
     "verification accepting some drafts and rejecting others",
     "sample forking from its source, copying a partial block",
+    "prefills deferred by a data-parallel group's throttle",
 ];
 
 impl Report {
     /// Which of [`EVENTS`] happened in this run.
-    pub fn events(&self) -> [bool; 8] {
+    pub fn events(&self) -> [bool; 9] {
         [
             self.preemptions > 0,
             self.imports > 0,
@@ -143,6 +150,7 @@ impl Report {
             self.refused > 0,
             self.spec_accepted > 0 && self.spec_accepted < self.spec_draft_tokens,
             self.fork_copies > 0,
+            self.prefills_deferred > 0,
         ]
     }
 }
@@ -150,7 +158,7 @@ impl Report {
 /// Asserts that each of [`EVENTS`] happened in at least `min_pct` percent of `runs` runs
 /// (`seen`: in how many it did), so a generator that stops exercising one fails instead of
 /// passing vacuously.
-pub fn assert_coverage(seen: [u64; 8], runs: u64, min_pct: [u64; 8], unit: &str) {
+pub fn assert_coverage(seen: [u64; 9], runs: u64, min_pct: [u64; 9], unit: &str) {
     for ((name, n), min_pct) in EVENTS.iter().zip(seen).zip(min_pct) {
         eprintln!("{name}: {n} of {runs} {unit}");
         assert!(
@@ -337,8 +345,17 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
         // Build a step unless the pipeline is full or there is nothing left to tell the executor.
         let idle = next == order.len() && core.request_views().next().is_none();
         if pending.len() < cfg.max_steps_in_flight && !idle {
-            core.schedule(now).map_err(|e| format!("step {step}: {e}"))?;
+            let deferred = core.stats().prefills_deferred;
+            let throttle = rng.pct(opts.throttle_pct);
+            core.schedule_throttled(now, throttle).map_err(|e| format!("step {step}: {e}"))?;
             let plan = core.last_plan();
+            if core.stats().prefills_deferred > deferred {
+                report.prefills_deferred += 1;
+                let prompt = plan.scheduled.iter().find(|w| w.work.is_prompt());
+                if !throttle || prompt.is_some() || !plan.new_requests.is_empty() {
+                    return Err(format!("step {step}: a deferred step ran prompt work {prompt:?}"));
+                }
+            }
             let content = |owner: RequestId, index: usize| {
                 block_content_hash(&sequences, owner, index, cfg.block_size, opts)
             };

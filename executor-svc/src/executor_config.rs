@@ -150,6 +150,9 @@ pub struct ExecutorConfig {
     /// session with the figures.
     #[arg(long, env = "FERRY_MAX_STEP_BYTES", default_value_t = DEFAULT_MAX_STEP_BYTES)]
     pub max_step_bytes: u64,
+    /// Its data-parallel group, if any, and the step trace.
+    #[command(flatten)]
+    pub data_parallel: crate::data_parallel::DataParallelArgs,
 }
 
 /// Default `--max-live-requests`.
@@ -266,6 +269,7 @@ impl ExecutorConfig {
         if self.executor_id.trim().is_empty() {
             return Err(ConfigError::ExecutorId);
         }
+        self.data_parallel.rank().map_err(ConfigError::DataParallel)?;
         if let Some(pool) = &self.pool {
             let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
             if pool.is_empty() || !pool.chars().all(ok) {
@@ -391,6 +395,9 @@ pub enum ConfigError {
     /// Empty id.
     #[error("--executor-id must not be empty")]
     ExecutorId,
+    /// A data-parallel group's flags that do not fit together.
+    #[error("{0}")]
+    DataParallel(String),
     /// A pool name that cannot be an etcd key segment.
     #[error("--pool {0:?} must be non-empty and made of letters, digits, '-', '_' and '.'")]
     Pool(String),

@@ -7,6 +7,7 @@
 //! choosing. Its `bench` command, which drives the forward directly, lives in the binary.
 
 pub mod actor;
+pub mod data_parallel;
 pub mod engine;
 pub mod engine_metrics;
 pub mod executor_config;
@@ -41,6 +42,13 @@ pub async fn run(
     let pool = config.pool.clone();
     let token = config.leadership_token.clone();
     let step_bytes = usize::try_from(config.max_step_bytes).unwrap_or(usize::MAX);
+    let trace = match &config.data_parallel.step_trace {
+        Some(path) => Some(std::sync::Arc::new(
+            data_parallel::StepTrace::open(path)
+                .map_err(|e| anyhow::anyhow!("--step-trace {}: {e}", path.display()))?,
+        )),
+        None => None,
+    };
     let built = tokio::task::spawn_blocking(move || match model {
         Some(model) => build(&config, model),
         None => build_simulated(&config),
@@ -54,7 +62,8 @@ pub async fn run(
     });
     let service = service::ExecutorService::new(built.info, built.engine, built.identity)
         .with_leadership(cluster.clone(), token)
-        .in_pool(pool.clone());
+        .in_pool(pool.clone())
+        .with_step_trace(trace);
     let host = GrpcHost::new()
         .callers(ferry_runtime::tls::EXECUTOR_CALLERS)
         .add_service(
@@ -209,6 +218,7 @@ fn assemble(
         kv_agent_address: config.kv_agent.clone().unwrap_or_default(),
         max_live_requests: config.max_live_requests,
         max_step_bytes: config.max_step_bytes,
+        data_parallel: config.data_parallel.rank().map_err(anyhow::Error::msg)?,
     };
     Ok(BuiltExecutor { engine, identity, info })
 }

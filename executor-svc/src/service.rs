@@ -80,6 +80,8 @@ pub struct ExecutorService {
     leadership: Leadership,
     /// The only pool whose schedulers may open a session (`--pool`); `None`: any.
     pool: Option<Arc<str>>,
+    /// Where each step executed is recorded (`--step-trace`).
+    trace: Option<Arc<crate::data_parallel::StepTrace>>,
 }
 
 /// What a handshake's leadership token is checked against.
@@ -104,7 +106,14 @@ impl ExecutorService {
     ) -> Self {
         let info = Arc::new(Mutex::new(Arc::new(info)));
         let leadership = Leadership::Open;
-        Self { info, state: Arc::default(), engine, identity, leadership, pool: None }
+        Self { info, state: Arc::default(), engine, identity, leadership, pool: None, trace: None }
+    }
+
+    /// Records each step executed in `trace` (`--step-trace`), when given.
+    #[must_use]
+    pub fn with_step_trace(mut self, trace: Option<Arc<crate::data_parallel::StepTrace>>) -> Self {
+        self.trace = trace;
+        self
     }
 
     /// Sessions open only for schedulers of `pool` (`--pool`), when given.
@@ -409,11 +418,16 @@ impl Executor for ExecutorService {
                     return;
                 }
                 last_step = Some(step.step_id);
+                let received = crate::data_parallel::now_unix_us();
+                let traced = this.trace.as_ref().map(|_| step.clone());
                 let reply = match this.engine.execute(step).await {
                     Ok(Ok(result)) => Ok(result),
                     Ok(Err(refused)) => Err(Status::invalid_argument(refused.to_string())),
                     Err(unavailable) => Err(unavailable),
                 };
+                if let (Some(trace), Some(step)) = (&this.trace, &traced) {
+                    trace.record(step, received, crate::data_parallel::now_unix_us());
+                }
                 let failed = reply.is_err();
                 if tx.send(reply).await.is_err() || failed {
                     return;

@@ -264,12 +264,14 @@ impl SchedulerArgs {
                 .into(),
             None => std::sync::Arc::from([]),
         };
+        let prefill_throttle = self.scheduling.prefill_throttle().map_err(ConfigError::Flags)?;
         Ok(SchedulerSettings {
             scheduler_id,
             pool: self.pool.clone(),
             connect_timeout,
             static_token,
             policy,
+            prefill_throttle,
         })
     }
 }

@@ -84,6 +84,7 @@ pub async fn run(
         metrics: executors.metrics.clone(),
         tier: executors.tier.clone(),
         fence: executors.fence.clone(),
+        dp_groups: Arc::new(link::dp_group::DpGroups::new(role.scheduler.prefill_throttle)),
     };
     for (name, url) in &role.listed {
         match opener.open_patiently(name, url).await {

@@ -45,6 +45,8 @@ pub struct SchedulerMetrics {
     pub fork_copied_blocks: Counter,
     /// Preemptions.
     pub preemptions: Counter,
+    /// Steps of a data-parallel group's ranks that held prefills back (`--throttle-prefills`).
+    pub prefills_deferred: Counter,
     success: [Counter; 4],
     /// Requests moved to another executor or scheduler after a failure.
     pub requests_moved: Counter,
@@ -114,6 +116,7 @@ impl SchedulerMetrics {
             fork_shared_blocks: Counter::default(),
             fork_copied_blocks: Counter::default(),
             preemptions: Counter::default(),
+            prefills_deferred: Counter::default(),
             success: Default::default(),
             requests_moved: Counter::default(),
             sessions_opened: Counter::default(),
@@ -162,6 +165,7 @@ impl SchedulerMetrics {
         self.prefix_queries.add(d(before.prefix_cache_queries, after.prefix_cache_queries));
         self.prefix_hits.add(d(before.prefix_cache_hits, after.prefix_cache_hits));
         self.preemptions.add(d(before.num_preemptions, after.num_preemptions));
+        self.prefills_deferred.add(d(before.prefills_deferred, after.prefills_deferred));
         self.forks.add(d(before.forks, after.forks));
         self.fork_shared_blocks.add(d(before.fork_shared_blocks, after.fork_shared_blocks));
         self.fork_copied_blocks.add(d(before.fork_copied_blocks, after.fork_copied_blocks));
@@ -409,7 +413,7 @@ impl CounterView {
     }
 
     /// The counters `render_totals` exports: name, help, value.
-    fn counters(&self) -> [(&'static str, &'static str, &Counter); 9] {
+    fn counters(&self) -> [(&'static str, &'static str, &Counter); 10] {
         [
             ("vllm:prompt_tokens_total", "Prefill tokens computed.", &self.metrics.prompt_tokens),
             ("vllm:generation_tokens_total", "Tokens generated.", &self.metrics.generation_tokens),
@@ -424,6 +428,12 @@ impl CounterView {
                 &self.metrics.prefix_hits,
             ),
             ("vllm:num_preemptions_total", "Requests preempted.", &self.metrics.preemptions),
+            (
+                "ferry_prefills_deferred_steps",
+                "Steps of data-parallel ranks that ran decodes only, their prefills held back \
+                 for an aligned round (--throttle-prefills).",
+                &self.metrics.prefills_deferred,
+            ),
             (
                 "ferry_requests_moved",
                 "Requests moved after their executor or scheduler failed.",

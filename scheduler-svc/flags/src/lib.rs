@@ -42,6 +42,18 @@ pub struct SchedulingArgs {
     /// off. Executors without an agent write nothing.
     #[arg(long, env = "FERRY_KV_TIER_STORE_BLOCKS_PER_STEP", default_value_t = 16)]
     pub kv_tier_store_blocks_per_step: u32,
+    /// Data-parallel groups (executors started with `--dp-group`, stepped together one round
+    /// at a time): on rounds that are not aligned prefill rounds, a rank that has a decode to
+    /// run holds its prefills back (no prompt chunk, no admission) unless requests were left
+    /// waiting by its last round that did not — vLLM's prefill throttle, so ranks that decode
+    /// do not wait each round for one that prefills.
+    #[arg(long, env = "FERRY_THROTTLE_PREFILLS", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub throttle_prefills: bool,
+    /// With --throttle-prefills: every Nth round of a group's wave is an aligned prefill round
+    /// (vLLM's `--prefill-schedule-interval`, whose step counter restarts with each wave); a
+    /// wave starts when a group that had no work gets some, so a lone request is not held.
+    #[arg(long, env = "FERRY_PREFILL_SCHEDULE_INTERVAL", default_value_t = 4)]
+    pub prefill_schedule_interval: u32,
     /// Which waiting request is admitted first and which running one gives way when blocks
     /// run out (vLLM's flag): `fcfs`, by arrival; `priority`, by each request's `priority`
     /// (lower first, then arrival); `least-work-done` (Ferry's own), arrival order, and the
@@ -145,6 +157,18 @@ pub struct Geometry {
 pub struct SchedulerPolicy(core::SchedulerConfig);
 
 impl SchedulingArgs {
+    /// The data-parallel prefill throttle's interval of aligned rounds, when on.
+    ///
+    /// # Errors
+    ///
+    /// An interval of 0.
+    pub fn prefill_throttle(&self) -> Result<Option<u64>, FlagError> {
+        if self.prefill_schedule_interval == 0 {
+            return Err(FlagError::Zero { flag: "prefill-schedule-interval" });
+        }
+        Ok(self.throttle_prefills.then_some(u64::from(self.prefill_schedule_interval)))
+    }
+
     /// Checks every rule, the core's own included, and returns the policy.
     pub fn policy(&self) -> Result<SchedulerPolicy, FlagError> {
         let speculative =

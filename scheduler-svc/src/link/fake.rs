@@ -140,7 +140,7 @@ pub(crate) fn raw_session(
     let core = Scheduler::new(config).expect("a valid test configuration");
     let (step_tx, step_rx) = mpsc::channel(ferry_sched_flags::STEPS_IN_FLIGHT + 1);
     let (result_tx, result_rx) = mpsc::channel(8);
-    let session = Session { name: name.into(), epoch, id: 1 };
+    let session = Session { name: name.into(), epoch, id: 1, group: None };
     let results = ReceiverStream::new(result_rx);
     let link = LinkHandle::start(core, session, info, shared, step_tx, results);
     (link, step_rx, result_tx)

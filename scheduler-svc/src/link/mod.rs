@@ -6,6 +6,7 @@
 //! [`LinkHandle`], whose commands travel over a channel. A link whose loop stopped is dead for
 //! good: its requests heard [`LinkEvent::Failed`], and a new session is a new link.
 
+pub mod dp_group;
 #[cfg(test)]
 pub(crate) mod fake;
 mod open;

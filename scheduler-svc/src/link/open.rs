@@ -35,6 +35,9 @@ pub struct SchedulerSettings {
     pub static_token: Arc<[u8]>,
     /// The core's policy, with placeholder executor geometry (see [`Self::core_config`]).
     pub policy: SchedulerPolicy,
+    /// Data-parallel groups' aligned prefill rounds, one in this many, when prefills are
+    /// throttled (`--throttle-prefills`).
+    pub prefill_throttle: Option<u64>,
 }
 
 /// An executor stated a geometry the core cannot run with.
@@ -105,6 +108,8 @@ pub struct SessionOpener {
     pub tier: Arc<crate::tier::TierIndex>,
     /// Where the links report an executor's newer leadership epoch.
     pub fence: Arc<Fence>,
+    /// The data-parallel groups whose ranks the links step in rounds.
+    pub dp_groups: Arc<super::dp_group::DpGroups>,
 }
 
 impl SessionOpener {
@@ -193,6 +198,10 @@ impl SessionOpener {
             )));
         }
         let mut core = Scheduler::new(config).map_err(|e| refused(format!("scheduler: {e}")))?;
+        let group = match &info.data_parallel {
+            Some(rank) => Some(self.dp_groups.join(rank).map_err(refused)?),
+            None => None,
+        };
         // The executor's cached blocks from earlier sessions: the prefix cache stays warm
         // across a leader change (the handshake checked the model's fingerprint).
         let cached = hs.cached_blocks.iter().map(|c| (BlockId(c.block_id), BlockHash(c.hash)));
@@ -216,7 +225,7 @@ impl SessionOpener {
             .map_err(|s| unreachable(format!("session: {}", s.message())))?
             .into_inner();
         self.metrics.sessions_opened.add(1);
-        let session = Session { name: name.into(), epoch: self.epoch, id: hs.session_id };
+        let session = Session { name: name.into(), epoch: self.epoch, id: hs.session_id, group };
         Ok(LinkHandle::start(core, session, info, self.shared(), step_tx, results))
     }
 }

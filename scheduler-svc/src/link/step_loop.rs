@@ -48,6 +48,8 @@ struct InFlight {
     sent_at: Instant,
     /// It carried nothing (an empty step only keeps the pipeline's order).
     empty: bool,
+    /// Its data-parallel group's round (0: not in a group).
+    round: u64,
 }
 
 /// Which session the steps belong to.
@@ -58,6 +60,8 @@ pub(super) struct Session {
     pub epoch: u64,
     /// The executor's id for the session.
     pub id: u64,
+    /// Its data-parallel group, stepped in rounds (`dp_group`).
+    pub group: Option<super::dp_group::Member>,
 }
 
 /// Where the loop publishes what others read: the router's load, the admin view's stats and
@@ -178,30 +182,39 @@ impl StepLoop {
     ) where
         R: Stream<Item = Result<v1::StepResult, tonic::Status>> + Unpin,
     {
+        let mut group = self.session.group.as_ref().map(super::dp_group::Member::subscribe);
         loop {
             if let Some(reason) = close.borrow_and_update().clone() {
                 return self.fail_all(&reason);
             }
             // A drained core may still have KV-tier writes to send, or results of them to hear.
             let work = !self.core.is_drained() || self.awaiting_kv();
-            while !self.idle
+            if let Some(changed) = &mut group {
+                // A rank of a data-parallel group: one step a round, when the group says.
+                changed.borrow_and_update();
+                if let Err(why) = self.step_in_round(&steps, work).await {
+                    return self.fail_all(&why);
+                }
+            }
+            while group.is_none()
+                && !self.idle
                 && work
                 && self.in_flight.len() < self.core.config().max_steps_in_flight
             {
-                let step = match self.build_step() {
-                    Ok(step) => step,
-                    Err(why) => return self.fail_all(&why),
-                };
-                let empty = wire::is_empty(&step);
-                if steps.send(step).await.is_err() {
-                    return self.fail_all("the executor closed the session");
+                if let Err(why) = self.send_step(&steps, None).await {
+                    return self.fail_all(&why);
                 }
-                self.in_flight.push_back(InFlight { sent_at: Instant::now(), empty });
-                self.idle = empty;
             }
             let transfers = self.awaiting_kv();
+            let round_changed = async {
+                match &mut group {
+                    Some(changed) => changed.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 Ok(()) = close.changed() => {} // handled at the top of the loop
+                true = round_changed => {} // the group's round moved: asked at the top
                 () = tokio::time::sleep(TRANSFER_POLL), if self.idle && transfers => {
                     self.idle = false;
                 }
@@ -235,10 +248,49 @@ impl StepLoop {
         }
     }
 
-    /// Schedules the next step and tells preempted requests' streams.
-    fn build_step(&mut self) -> Result<v1::Step, String> {
+    /// Builds and sends the next step (of `round`, throttled or not, in a data-parallel group).
+    async fn send_step(
+        &mut self,
+        steps: &mpsc::Sender<v1::Step>,
+        round: Option<super::dp_group::RoundStep>,
+    ) -> Result<(), String> {
+        let mut step = self.build_step(round.is_some_and(|r| r.throttle))?;
+        step.dp_round = round.map_or(0, |r| r.round);
+        let empty = wire::is_empty(&step);
+        if steps.send(step).await.is_err() {
+            return Err("the executor closed the session".into());
+        }
+        let round = round.map_or(0, |r| r.round);
+        self.in_flight.push_back(InFlight { sent_at: Instant::now(), empty, round });
+        self.idle = empty;
+        Ok(())
+    }
+
+    /// In a data-parallel group: sends this rank's step of the round when the group lets it
+    /// (one at a time: the next round waits for every rank's result of this one).
+    async fn step_in_round(
+        &mut self,
+        steps: &mpsc::Sender<v1::Step>,
+        work: bool,
+    ) -> Result<(), String> {
+        if !self.in_flight.is_empty() {
+            return Ok(());
+        }
+        let has_work = work && !self.idle;
+        match self.session.group.as_ref().and_then(|g| g.may_step(has_work)) {
+            Some(round) => self.send_step(steps, Some(round)).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Schedules the next step (holding prefills back if `throttle` and the core's rule
+    /// agrees) and tells preempted requests' streams.
+    fn build_step(&mut self, throttle: bool) -> Result<v1::Step, String> {
         let now = self.now();
-        let plan = self.core.schedule(now).map_err(|e| format!("scheduling failed: {e}"))?;
+        let plan = self
+            .core
+            .schedule_throttled(now, throttle)
+            .map_err(|e| format!("scheduling failed: {e}"))?;
         let entries = &self.entries;
         for id in &plan.preempted {
             if let Some(e) = entries.get(id) {
@@ -382,6 +434,9 @@ impl StepLoop {
         // forgotten, an import's request computes), even when it answers an empty step.
         if !sent.empty || !result.kv_results.is_empty() {
             self.idle = false;
+        }
+        if let Some(group) = &self.session.group {
+            group.answered(sent.round, !self.core.is_drained() || self.awaiting_kv());
         }
         Ok(())
     }

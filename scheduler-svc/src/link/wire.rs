@@ -136,6 +136,7 @@ pub fn to_proto<'a>(
             .iter()
             .map(|&(b, h)| v1::CachedBlock { block_id: b.0, hash: h.0 })
             .collect(),
+        dp_round: 0,
     }
 }
 
@@ -333,6 +334,7 @@ mod tests {
                 kv_ops: ids.map(export).collect(),
                 total_num_tokens: u32::MAX,
                 cached_requests: Vec::new(),
+                dp_round: u64::MAX,
                 evicted_blocks: vec![u32::MAX; seqs * blocks],
                 cached_blocks: vec![
                     v1::CachedBlock { block_id: u32::MAX, hash: u64::MAX };

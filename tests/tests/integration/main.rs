@@ -13,6 +13,7 @@ mod chaos;
 mod cluster;
 mod cuda_serve;
 mod disaggregation;
+mod dp_groups;
 mod executor_session;
 mod fuzz;
 mod grpc_surface;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use ferry_roofline::{activation_bytes, kv_capacity_blocks, Profiles};
 use ferry_sched_flags::{Geometry, SchedulingArgs};
-use ferry_sim::des::{self, ClusterSpec, ControlPlane, KvTier, Report, Router, Slo};
+use ferry_sim::des::{self, ClusterSpec, ControlPlane, DataParallel, KvTier, Report, Router, Slo};
 use ferry_sim::workload::{Arrivals, Conversations, Generated, Lengths, PrefixGroups, Source};
 
 /// Simulate N GPUs serving a workload with Ferry's scheduler and router, in virtual time.
@@ -92,6 +92,12 @@ struct Args {
     /// shard whose best executor the router would pick, then to that executor.
     #[arg(long, default_value_t = 1)]
     shards: usize,
+    /// Data-parallel groups of this many consecutive executors, stepped together in rounds (a
+    /// round lasts as long as its slowest rank's step plus the experts' all-to-all); 0 or 1:
+    /// none. With --throttle-prefills, vLLM's prefill throttle on the rounds between aligned
+    /// ones (--prefill-schedule-interval).
+    #[arg(long, default_value_t = 0)]
+    dp_size: usize,
     /// Each shard scheduler's CPU per streamed token, microseconds (`ferry-bench
     /// control-plane` measures it; 0: the control plane costs nothing). A shard streams its
     /// executors' step results one after another.
@@ -250,6 +256,10 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
             host_gbps: args.host_gbps,
         }),
         shards: args.shards,
+        data_parallel: (args.dp_size > 1).then_some(DataParallel {
+            size: args.dp_size,
+            throttle: args.scheduling.prefill_throttle()?,
+        }),
         control_plane: (args.scheduler_cpu_token_us > 0.0 || args.scheduler_cpu_request_us > 0.0)
             .then_some(ControlPlane {
                 token_secs: args.scheduler_cpu_token_us / 1e6,
@@ -338,6 +348,12 @@ fn print_table(args: &Args, tp: u32, r: &Report) {
         r.kv_usage_mean * 100.0,
         r.kv_usage_max * 100.0
     );
+    if r.dp_rounds > 0 {
+        println!(
+            "data-parallel rounds {}, steps that deferred prefills {}",
+            r.dp_rounds, r.prefills_deferred
+        );
+    }
     if r.tier_writes > 0 {
         println!(
             "KV tier: {} blocks written, {} reads ({} tokens), {} failed",

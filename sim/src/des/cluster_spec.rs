@@ -65,6 +65,8 @@ pub struct ClusterSpec {
     /// What each shard's scheduler process spends per streamed token and per request; `None`:
     /// nothing (the control plane is never the bottleneck).
     pub control_plane: Option<ControlPlane>,
+    /// Data-parallel groups stepped in rounds (`--dp-size`); `None`: executors step alone.
+    pub data_parallel: Option<super::DataParallel>,
 }
 
 /// A scheduler process's CPU cost, as `ferry-bench control-plane` measures it: a shard's

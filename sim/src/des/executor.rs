@@ -11,26 +11,94 @@ use ferry_sched_core::{FinishReason, KvOp, RequestEvent, SampledToken, Timestamp
 
 use crate::workload::{mix, shared_token};
 
+use super::data_parallel::DataParallel;
 use super::{ns, Event, Sim};
 
+/// What planning an executor's step gave.
+enum Planned {
+    /// A step of `secs` computing `tokens` tokens.
+    Step { secs: f64, tokens: u32 },
+    /// Nothing to run; its empty result was applied (`resolved`: it reported transfers that
+    /// ended, which may have made work).
+    Idle { resolved: bool },
+}
+
 impl Sim<'_> {
-    /// Executor `e` builds a step now unless one is running (it then steps when that ends).
+    /// Executor `e` builds a step now unless one is running (it then steps when that ends);
+    /// in a data-parallel group, the group's next round starts unless one runs.
     pub(super) fn wake(&mut self, e: usize) -> Result<(), String> {
+        if let Some(dp) = self.spec.data_parallel {
+            return self.wake_group(dp, dp.group_of(e));
+        }
         if self.execs[e].busy {
             return Ok(());
         }
-        self.start_step(e)
+        match self.plan_step(e, false)? {
+            Planned::Step { secs, .. } => self.post_step(e, secs),
+            Planned::Idle { resolved: true } => return self.wake(e),
+            Planned::Idle { resolved: false } => {}
+        }
+        Ok(())
     }
 
-    /// Builds executor `e`'s next step and posts its end; leaves it idle if it has no work.
-    fn start_step(&mut self, e: usize) -> Result<(), String> {
+    /// Starts group `g`'s next round unless one runs or no rank has work: every rank plans its
+    /// step, and the round ends for all when the slowest step and the all-to-all are done.
+    fn wake_group(&mut self, dp: DataParallel, g: usize) -> Result<(), String> {
+        let members = dp.members(g, self.execs.len());
+        if members.clone().any(|m| self.execs[m].busy) {
+            return Ok(());
+        }
+        if members.clone().all(|m| self.execs[m].core.is_drained()) {
+            self.groups[g].idle = true;
+            return Ok(());
+        }
+        let throttle = dp.start_round(&mut self.groups[g]);
+        let (mut longest, mut tokens, mut resolved) = (0.0f64, 0u32, false);
+        let mut stepping = Vec::new();
+        for m in members {
+            match self.plan_step(m, throttle)? {
+                Planned::Step { secs, tokens: t } => {
+                    longest = longest.max(secs);
+                    tokens = tokens.max(t);
+                    stepping.push(m);
+                }
+                Planned::Idle { resolved: r } => resolved |= r,
+            }
+        }
+        if stepping.is_empty() {
+            // Nothing could run (waiting on transfers or fences): a transfer that ended may
+            // have made work; otherwise the next event wakes the group.
+            return if resolved { self.wake_group(dp, g) } else { Ok(()) };
+        }
+        self.dp_rounds += 1;
+        let secs = longest + dp.all_to_all_secs(&self.spec.hardware, &self.spec.model, tokens);
+        for m in stepping {
+            self.post_step(m, secs);
+        }
+        Ok(())
+    }
+
+    /// Marks executor `e` busy for `secs` and posts its step's end.
+    fn post_step(&mut self, e: usize, secs: f64) {
+        let x = &mut self.execs[e];
+        x.busy = true;
+        x.step_secs = secs;
+        self.post(self.now + ns(secs).max(1), Event::StepDone(e));
+    }
+
+    /// Builds executor `e`'s next step (`throttle`: a data-parallel group's throttled round)
+    /// and says how long it takes, or, with nothing to run, applies its empty result now.
+    fn plan_step(&mut self, e: usize, throttle: bool) -> Result<Planned, String> {
         let now = Timestamp(self.now);
         let (spec, items, work, kv_ops, tracks) =
             (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops, &self.tracks);
         let (agent, tier_writes) = (&mut self.agents[e], &mut self.tier_writes);
         let x = &mut self.execs[e];
         let idle = {
-            let plan = x.core.schedule(now).map_err(|err| format!("executor {e}: {err}"))?;
+            let plan = x
+                .core
+                .schedule_throttled(now, throttle)
+                .map_err(|err| format!("executor {e}: {err}"))?;
             x.outcome.step_id = plan.step_id;
             work.clear();
             work.extend_from_slice(&plan.scheduled);
@@ -88,17 +156,15 @@ impl Sim<'_> {
             x.busy = false;
             self.check(e)?;
             self.handle_events(e)?;
-            return if resolved { self.wake(e) } else { Ok(()) };
+            return Ok(Planned::Idle { resolved });
         }
         let x = &mut self.execs[e];
         let secs = step_duration(&spec.hardware, &spec.model, &self.items).as_secs_f64();
-        x.busy = true;
-        x.step_secs = secs;
+        let tokens = self.items.iter().map(|i| i.new_tokens).sum();
         x.kv_usage = x.core.stats().kv_usage;
         self.kv_max = self.kv_max.max(x.kv_usage);
         self.check(e)?;
-        self.post(self.now + ns(secs).max(1), Event::StepDone(e));
-        Ok(())
+        Ok(Planned::Step { secs, tokens })
     }
 
     /// With `check_invariants`, checks executor `e`'s core, naming it in the error.

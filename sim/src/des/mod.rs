@@ -28,6 +28,7 @@
 
 mod agent_store;
 mod cluster_spec;
+mod data_parallel;
 mod executor;
 mod placement;
 mod report;
@@ -51,6 +52,7 @@ use agent_store::AgentStore;
 use transfers::Transfer;
 
 pub use cluster_spec::{ClusterSpec, ControlPlane, KvTier, Router, Slo};
+pub use data_parallel::DataParallel;
 pub use report::{Detail, Latency, Report, Timeline};
 
 /// Progress, for a progress bar.
@@ -170,6 +172,9 @@ struct Sim<'a> {
     /// When each shard's scheduler CPU is next free (ns), and how long it was busy (s).
     cpu_free: Vec<u64>,
     cpu_busy: Vec<f64>,
+    /// Data-parallel groups' rounds (none without `spec.data_parallel`), and rounds run.
+    groups: Vec<data_parallel::Group>,
+    dp_rounds: u64,
 }
 
 /// Ids of conversations' later turns start here (above the workload's, below continuations').
@@ -315,6 +320,12 @@ impl<'a> Sim<'a> {
             shard_of: shard_of(spec),
             cpu_free: vec![0; spec.shards],
             cpu_busy: vec![0.0; spec.shards],
+            groups: spec.data_parallel.map_or_else(Vec::new, |dp| {
+                (0..spec.executors.div_ceil(dp.size))
+                    .map(|_| data_parallel::Group::default())
+                    .collect()
+            }),
+            dp_rounds: 0,
         })
     }
 

@@ -59,6 +59,10 @@ pub struct Report {
     pub rejected: u64,
     /// Virtual seconds from the first arrival to the last finish.
     pub makespan: f64,
+    /// Data-parallel groups' rounds run (0 without groups).
+    pub dp_rounds: u64,
+    /// Steps whose prefills a data-parallel group's throttle held back.
+    pub prefills_deferred: u64,
     /// Prompt tokens of finished requests.
     pub prompt_tokens: u64,
     /// Output tokens of finished requests.
@@ -186,8 +190,10 @@ impl Sim<'_> {
             self.last_finish.saturating_sub(self.first_arrival.unwrap_or(0)) as f64 / 1e9;
         let per_s = |n: u64| if makespan > 0.0 { n as f64 / makespan } else { 0.0 };
         let (mut queries, mut hits, mut preemptions, mut steps, mut computed) = (0, 0, 0, 0, 0);
+        let mut deferred = 0;
         for x in &self.execs {
             let s = x.core.stats();
+            deferred += s.prefills_deferred;
             computed += s.prompt_tokens;
             queries += s.prefix_cache_queries;
             hits += s.prefix_cache_hits;
@@ -209,6 +215,8 @@ impl Sim<'_> {
             finished: self.finished,
             rejected: self.rejected,
             makespan,
+            dp_rounds: self.dp_rounds,
+            prefills_deferred: deferred,
             prompt_tokens: self.prompt_tokens,
             output_tokens: self.output_tokens,
             output_tokens_per_s: per_s(self.output_tokens),

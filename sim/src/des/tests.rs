@@ -34,6 +34,7 @@ pub(crate) fn spec(executors: usize, num_blocks: usize, router: Router) -> Clust
         kv_tier: None,
         shards: 1,
         control_plane: None,
+        data_parallel: None,
     }
 }
 
@@ -351,4 +352,38 @@ fn shards_keep_the_prefix_hits_of_one_router_and_scale_a_control_plane_bound_clu
         one.output_tokens_per_s
     );
     assert_eq!(free.scheduler_cpu_busy, 0.0, "no control-plane cost modelled");
+}
+
+/// Data-parallel groups (`--dp-size`): ranks step in rounds — each rank builds one step a
+/// round, and a round lasts as long as its slowest rank plus the all-to-all, so a group is
+/// slower than its ranks alone; invariants hold and everything drains; the throttle defers
+/// prefills, and only with it.
+#[test]
+fn data_parallel_groups_step_in_rounds_and_the_throttle_defers_prefills() {
+    let p = Profiles::built_in();
+    let mut s = spec(4, 4096, Router::LeastLoad);
+    s.model = p.model("qwen3-30b-a3b").unwrap().to_sim().unwrap();
+    s.check_invariants = true;
+    let w = workload(300, 40.0, None);
+    let alone = run_seed(&s, &w, 5);
+    assert_eq!((alone.dp_rounds, alone.prefills_deferred), (0, 0));
+    let mut reports = Vec::new();
+    for throttle in [None, Some(4)] {
+        s.data_parallel = Some(DataParallel { size: 2, throttle });
+        let r = run_seed(&s, &w, 5);
+        assert_eq!(r.finished, 300, "{throttle:?}");
+        assert!(r.dp_rounds > 0);
+        // Every rank of a group builds a step in every round (an idle one, an empty step).
+        assert!(r.steps >= 2 * r.dp_rounds, "{} steps, {} rounds", r.steps, r.dp_rounds);
+        assert_eq!(r.prefills_deferred > 0, throttle.is_some(), "{throttle:?}");
+        assert!(r.itl.mean > alone.itl.mean, "rounds wait for the slowest rank: {r:?}");
+        reports.push(r);
+    }
+    eprintln!(
+        "ITL mean alone {:.2} ms, groups {:.2} ms, throttled {:.2} ms; deferred {}",
+        alone.itl.mean * 1e3,
+        reports[0].itl.mean * 1e3,
+        reports[1].itl.mean * 1e3,
+        reports[1].prefills_deferred
+    );
 }

@@ -19,6 +19,7 @@
 - a CUDA executor's weights (16 or 32 bits) and KV cache fit in its share of the GPU memory its node
   affinity requires;
 - an HTTPRoute's InferencePool backend selects pods and targets ports they listen on;
+- a data-parallel group's executors are its ranks 0 to size - 1, under one scheduler pool;
 - HPA, PodDisruptionBudget, Ingress, NetworkPolicy and ServiceMonitor targets exist.
 
 Usage: check.py MANIFEST --bin DIR [--image-repo REPO] [--external-secret NAME]...
@@ -502,6 +503,31 @@ class Checker:
             else:
                 self.count("fronts following every scheduler pool")
 
+    def check_data_parallel(self):
+        """Each data-parallel group's executors are ranks 0 to size - 1 of one size, one each,
+        driven by one scheduler pool."""
+        groups = {}
+        for p in self.m.pods:
+            for c in p.containers:
+                argv = p.argv(c)
+                if self.is_ferry(c) and argv[0] == "ferry-executor" and self.flag(argv, "dp-group"):
+                    group = groups.setdefault(self.flag(argv, "dp-group"), [])
+                    group.append((self.flag(argv, "dp-rank"), self.flag(argv, "dp-size"), p.name))
+        pools = {self.flag(p.argv(c), "pool") for p in self.m.pods for c in p.containers
+                 if self.is_service(p, c) and p.argv(c)[:1] == ["ferry-scheduler"]
+                 and p.argv(c)[1:2] != ["front"]}
+        for name, ranks in groups.items():
+            sizes = {size for _, size, _ in ranks}
+            got = sorted(rank for rank, _, _ in ranks)
+            want = [str(i) for i in range(len(ranks))]
+            if len(sizes) != 1 or sizes != {str(len(ranks))} or sorted(got, key=int) != want:
+                self.fail(f"data-parallel group {name}: ranks {got} of sizes {sorted(sizes)} "
+                          f"over {len(ranks)} pods")
+            elif len(pools) > 1:
+                self.fail(f"data-parallel group {name} under {len(pools)} scheduler pools")
+            else:
+                self.count("data-parallel groups whose pods are their ranks")
+
     ROLES = {"ferry-executor": "ferry-executor", "ferry-kv": "ferry-kv",
              "ferry-scheduler": "ferry-scheduler"}
 
@@ -581,6 +607,7 @@ class Checker:
         self.check_spread()
         self.check_ferry_wiring()
         self.check_shards()
+        self.check_data_parallel()
         self.check_tls()
         self.check_targets()
         return self.failures

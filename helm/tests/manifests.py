@@ -65,6 +65,8 @@ class Pod:
                     "metadata.name": self.name,
                     "metadata.namespace": self.namespace,
                     "status.podIP": ip,
+                    # A StatefulSet pod's index (its name's last part).
+                    "metadata.labels['apps.kubernetes.io/pod-index']": str(self.ordinal),
                 }[path]
             else:
                 env[e["name"]] = None  # from a Secret or ConfigMap: checked elsewhere

@@ -29,6 +29,9 @@ pub(super) struct Group {
     pub wave_start: u64,
     /// The last round left every rank idle: the next one starts a wave.
     pub idle: bool,
+    /// Its ranks' steps of a round are being planned; a rank was woken meanwhile.
+    pub planning: bool,
+    pub rewake: bool,
 }
 
 impl DataParallel {

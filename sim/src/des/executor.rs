@@ -45,6 +45,12 @@ impl Sim<'_> {
     /// step, and the round ends for all when the slowest step and the all-to-all are done.
     fn wake_group(&mut self, dp: DataParallel, g: usize) -> Result<(), String> {
         let members = dp.members(g, self.execs.len());
+        // A rank woken while the round is being planned (a continuation handed to it by a
+        // rank's empty result) waits for the next round.
+        if self.groups[g].planning {
+            self.groups[g].rewake = true;
+            return Ok(());
+        }
         if members.clone().any(|m| self.execs[m].busy) {
             return Ok(());
         }
@@ -55,6 +61,7 @@ impl Sim<'_> {
         let throttle = dp.start_round(&mut self.groups[g]);
         let (mut longest, mut tokens, mut resolved) = (0.0f64, 0u32, false);
         let mut stepping = Vec::new();
+        (self.groups[g].planning, self.groups[g].rewake) = (true, false);
         for m in members {
             match self.plan_step(m, throttle)? {
                 Planned::Step { secs, tokens: t } => {
@@ -65,10 +72,13 @@ impl Sim<'_> {
                 Planned::Idle { resolved: r } => resolved |= r,
             }
         }
+        self.groups[g].planning = false;
         if stepping.is_empty() {
-            // Nothing could run (waiting on transfers or fences): a transfer that ended may
-            // have made work; otherwise the next event wakes the group.
-            return if resolved { self.wake_group(dp, g) } else { Ok(()) };
+            // Nothing could run (waiting on transfers or fences): a transfer that ended, or
+            // work handed to a rank meanwhile, may have made some; otherwise the next event
+            // wakes the group.
+            let again = resolved || self.groups[g].rewake;
+            return if again { self.wake_group(dp, g) } else { Ok(()) };
         }
         self.dp_rounds += 1;
         let secs = longest + dp.all_to_all_secs(&self.spec.hardware, &self.spec.model, tokens);

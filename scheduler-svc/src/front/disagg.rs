@@ -130,7 +130,9 @@ impl Front {
             .filter(|d| has_room(d, spec.prompt.len()))
             .cloned()
             .collect();
-        let decode = router::pick(&decoders, &spec.prompt, self.settings.route_load_tokens).await?;
+        // Not reserved past the choice: the continuation is added after the prefill.
+        let (decode, _) =
+            router::pick(&decoders, &spec.prompt, self.settings.route_load_tokens).await?;
         let cached = decode.prefix_hit(spec.prompt.clone()).await;
         let bs = decode.info.block_size as usize;
         if !routing::worth_disaggregating(spec.prompt.len(), cached, min_tokens, bs) {

@@ -122,8 +122,8 @@ impl Front {
                     return Err(PlaceError::Full(full.info.max_live_requests as usize));
                 }
             }
-            let Some(link) = router::pick(&roomy, &sequence, self.settings.route_load_tokens).await
-            else {
+            let picked = router::pick(&roomy, &sequence, self.settings.route_load_tokens).await;
+            let Some((link, _reserved)) = picked else {
                 return Err(PlaceError::NoExecutor);
             };
             let tier_read = self.tier_read(&link, spec, request_id).await;
@@ -270,7 +270,7 @@ impl Front {
         if let (Route::Local(set), true) = (&self.route, shares) {
             let roomy: Vec<LinkHandle> =
                 set.alive().iter().filter(|l| l.has_room()).cloned().collect();
-            if let Some(link) =
+            if let Some((link, _reserved)) =
                 router::pick(&roomy, &specs[0].prompt, self.settings.route_load_tokens).await
             {
                 if let Ok(first) = self.submit(&link, &specs[0], &[], None, Fork::Source).await {

@@ -8,13 +8,12 @@
 //! Prefill-only executors take a request only when no other is up; disaggregation
 //! ([`super::disagg`]) asks here which executors can take part in a transfer.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ferry_proto::v1;
 use ferry_sched_core::routing::{self, Candidate};
 
-use crate::link::LinkHandle;
+use crate::link::{LinkHandle, Reservation};
 use crate::tier::LiveAgents;
 
 pub(crate) use routing::import_tokens;
@@ -22,16 +21,16 @@ pub(crate) use routing::import_tokens;
 /// The executor for a sequence: the longest cached prefix less `load_tokens` per live request,
 /// then the lightest load, then the first listed ([`routing::pick`]). Prefill-only executors
 /// are used only when no other is up.
+/// The pick comes with its [`Reservation`]: keep it until the request is added.
 pub(crate) async fn pick(
     alive: &[LinkHandle],
     tokens: &[u32],
     load_tokens: usize,
-) -> Option<LinkHandle> {
+) -> Option<(LinkHandle, Reservation)> {
     let alive = &decoders(alive);
-    if alive.len() <= 1 {
-        return alive.first().cloned();
-    }
-    routing::pick(weigh(alive, tokens).await, load_tokens).map(|k| alive[k].clone())
+    let k =
+        if alive.len() <= 1 { 0 } else { routing::pick(weigh(alive, tokens).await, load_tokens)? };
+    alive.get(k).map(|l| (l.clone(), l.reserve()))
 }
 
 /// What [`pick`] weighs, and the candidate it picks: the number of executors it chooses among
@@ -65,7 +64,7 @@ async fn weigh(alive: &[LinkHandle], tokens: &[u32]) -> Vec<Candidate> {
     alive
         .iter()
         .zip(hits)
-        .map(|(l, hit)| Candidate { prefix_hit_tokens: hit, load: l.load.load(Ordering::Relaxed) })
+        .map(|(l, hit)| Candidate { prefix_hit_tokens: hit, load: l.routing_load() })
         .collect()
 }
 
@@ -89,8 +88,29 @@ pub(crate) fn has_room(link: &LinkHandle, prompt_len: usize) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::has_room;
+    use super::{has_room, pick};
     use crate::link::fake::{fake_link, test_config};
+
+    /// A burst: placements chosen before any of them is added see each other's choices, so
+    /// they spread over the executors (without reservations all eight chose the first).
+    #[tokio::test]
+    async fn picks_not_yet_added_count_in_the_executors_load() {
+        let metrics = crate::metrics::SchedulerMetrics::new();
+        let links: Vec<_> = (0..4)
+            .map(|i| fake_link(&format!("e{i}"), std::sync::Arc::new(|_, _| 5), metrics.clone()))
+            .collect();
+        let alive: Vec<_> = links.iter().map(|(l, _)| l.clone()).collect();
+        let mut held = Vec::new();
+        for i in 0..8u32 {
+            held.push(pick(&alive, &[i, i + 1, i + 2], 128).await.unwrap());
+        }
+        let mut chosen: Vec<&str> = held.iter().map(|(l, _)| l.name.as_ref()).collect();
+        chosen.sort_unstable();
+        assert_eq!(chosen, ["e0", "e0", "e1", "e1", "e2", "e2", "e3", "e3"]);
+        assert!(alive.iter().all(|l| l.routing_load() == 2));
+        drop(held);
+        assert!(alive.iter().all(|l| l.routing_load() == 0), "a dropped pick is forgotten");
+    }
 
     #[tokio::test]
     async fn a_decode_executor_needs_room_for_the_prompt_now() {

@@ -189,8 +189,21 @@ pub struct LinkHandle {
     pub info: Arc<v1::ExecutorInfo>,
     /// Requests on this executor now (for the router).
     pub load: Arc<AtomicUsize>,
+    /// Requests the router chose it for and not yet added (see [`Reservation`]).
+    reserved: Arc<AtomicUsize>,
     /// The core's stats as of its last step or command (for metrics).
     stats: Arc<std::sync::Mutex<ferry_sched_core::SchedulerStats>>,
+}
+
+/// A request counted in its chosen executor's routing load until dropped
+/// ([`LinkHandle::reserve`]).
+#[derive(Debug)]
+pub struct Reservation(Arc<AtomicUsize>);
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Why a link could not be set up or a command not delivered.
@@ -294,7 +307,23 @@ impl LinkHandle {
         let step_loop = step_loop::StepLoop::new(core, session, (eos, max_live), kv, published);
         tokio::spawn(step_loop.run(rx, steps, results, close_rx));
         let close = Arc::new(close_tx);
-        LinkHandle { name, epoch, tx, close, info: Arc::new(info), load, stats }
+        let reserved = Arc::default();
+        LinkHandle { name, epoch, tx, close, info: Arc::new(info), load, reserved, stats }
+    }
+
+    /// Counts a request the router just chose this executor for until the returned guard is
+    /// dropped (once the request is added, or not): concurrent placements weigh it at once,
+    /// where [`Self::load`] counts it only when the link's loop has taken it in — a burst of
+    /// requests would otherwise all see the same loads and go to the same executor.
+    pub fn reserve(&self) -> Reservation {
+        self.reserved.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Reservation(self.reserved.clone())
+    }
+
+    /// The load the router weighs: requests held and requests on their way.
+    pub fn routing_load(&self) -> usize {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.load.load(Relaxed) + self.reserved.load(Relaxed)
     }
 
     /// Whether the executor takes another request now (below its `--max-live-requests`; an

@@ -283,6 +283,8 @@ impl Admin for AdminService {
                         role => role,
                     }
                     .into(),
+                    data_parallel: l.info.data_parallel.clone(),
+                    prefills_deferred: s.prefills_deferred,
                 }
             })
             .collect();

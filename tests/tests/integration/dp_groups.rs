@@ -125,6 +125,20 @@ async fn run_group(throttle: bool, kill: bool) -> (f64, f64) {
     let up = wait_for(Duration::from_secs(30), || metric(http, "ferry_executors_connected") == 3.0);
     assert!(up.await.is_some(), "the scheduler drives the three ranks");
     // Once every stream has 4 tokens, the rank holding the most requests is killed.
+    let grpc = sched.addr("grpc");
+    let outcomes = run_streams(grpc, requests(), 0, || {}).await;
+    for (i, o) in outcomes.iter().enumerate() {
+        assert_eq!(o.error, "", "stream {i} failed");
+        assert_eq!(o.tokens.len(), max_tokens(i), "stream {i}: missing or repeated tokens");
+    }
+    // Then long outputs, one a rank, and prompts arriving one after another while they decode:
+    // what the throttle holds back between aligned rounds (the burst above ran mostly with
+    // requests waiting, which lifts it). Once the long ones have 4 tokens, with `kill`, the
+    // rank holding the most requests is killed.
+    let request = ferry_tests::streams::request;
+    let long: Vec<_> = (0..3).map(|i| request(format!("Decode {i}."), 48, Some(200 + i))).collect();
+    let body = "More about the harbour. ".repeat(30);
+    let (decoding, arrive) = tokio::sync::oneshot::channel();
     let (mut killed, mut held) = (None, 0.0);
     let fault = || {
         if kill {
@@ -134,15 +148,24 @@ async fn run_group(throttle: bool, kill: bool) -> (f64, f64) {
             ferry_tests::signal(ranks[victim].pid(), "KILL").unwrap();
             killed = Some(victim);
         }
+        let _ = decoding.send(());
     };
-    let outcomes = run_streams(sched.addr("grpc"), requests(), 4, fault).await;
-    for (i, o) in outcomes.iter().enumerate() {
-        assert_eq!(o.error, "", "stream {i} failed");
-        assert_eq!(o.tokens.len(), max_tokens(i), "stream {i}: missing or repeated tokens");
+    let prompted = async {
+        let _ = arrive.await;
+        let mut outcomes = Vec::new();
+        for i in 0..6 {
+            let prompt = request(format!("Prompt {i}: {body}"), 4, Some(300 + i));
+            outcomes.extend(run_streams(grpc, vec![prompt], 0, || {}).await);
+        }
+        outcomes
+    };
+    let (decoded, prompted) = tokio::join!(run_streams(grpc, long, 4, fault), prompted);
+    for (o, n) in decoded.iter().map(|o| (o, 48)).chain(prompted.iter().map(|o| (o, 4))) {
+        assert_eq!((o.error.as_str(), o.tokens.len()), ("", n));
     }
     // Then a request alone: one rank computes it while the others step empty, every round.
     let lone = ferry_tests::streams::request("A lone request.".into(), 8, Some(99));
-    let alone = run_streams(sched.addr("grpc"), vec![lone], 0, || {}).await;
+    let alone = run_streams(grpc, vec![lone], 0, || {}).await;
     assert_eq!((alone[0].error.as_str(), alone[0].tokens.len()), ("", 8));
     let deferred = metric(http, "ferry_prefills_deferred_steps");
     let moved = metric(http, "ferry_requests_moved");

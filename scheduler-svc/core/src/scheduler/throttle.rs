@@ -10,6 +10,7 @@
 //! decode to protect there is nothing to hold them back for.
 
 use super::Scheduler;
+use crate::work_queues::WorkKey;
 
 /// What the throttle remembers between steps.
 #[derive(Debug, Default, Clone, Copy)]
@@ -30,6 +31,11 @@ impl Scheduler {
         if !deferred {
             self.throttle.capacity_bound = self.waiting.len() > 0;
         }
+    }
+
+    /// Some running request has prompt work queued.
+    pub(super) fn prompt_work_pending(&self) -> bool {
+        self.work.len(WorkKey::Prompt) + self.work.len(WorkKey::PromptChunk) > 0
     }
 
     /// Some running request is past its prompt (every known token but the last computed).

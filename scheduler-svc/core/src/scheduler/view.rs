@@ -37,7 +37,8 @@ pub struct SchedulerStats {
     pub prefix_cache_hits: u64,
     /// Preemptions so far (vLLM `vllm:num_preemptions_total`).
     pub num_preemptions: u64,
-    /// Steps that held prefills back for a data-parallel group's throttle.
+    /// Steps that held prefills back for a data-parallel group's throttle (prompt work was
+    /// queued or requests waited, and the step ran decodes only).
     pub prefills_deferred: u64,
     /// Prefill tokens computed (hits excluded) (vLLM `vllm:prompt_tokens_total`).
     pub prompt_tokens: u64,

@@ -454,3 +454,13 @@ fn a_backlog_or_no_decode_to_protect_lifts_the_throttle() {
     assert_eq!(scheduled_ids(&plan), [1]);
     assert_eq!(h.core.stats().prefills_deferred, 1);
 }
+
+#[test]
+fn a_throttled_step_with_no_prefill_to_hold_is_not_counted_as_deferred() {
+    let mut h = Harness::new(small_cfg());
+    h.add(req(1, tokens(100, 4), 20));
+    group_step(&mut h, false);
+    let plan = group_step(&mut h, true);
+    assert_eq!(plan.scheduled[0].work, WorkKey::Decode);
+    assert_eq!(h.core.stats().prefills_deferred, 0, "only a decode ran, nothing was held");
+}

@@ -274,7 +274,7 @@ fn cases() -> u32 {
 /// The least share of cases (percent) in which each event occurs: preemption, KV import,
 /// KV export, abort, pipelined steps. About half of what the strategy gives (see the test's
 /// output), so a change that stops exercising one of them fails here.
-const MIN_SHARE_PCT: [u64; 9] = [20, 35, 45, 20, 15, 15, 12, 18, 29];
+const MIN_SHARE_PCT: [u64; 9] = [20, 35, 45, 20, 15, 15, 12, 18, 22];
 
 #[test]
 fn generated_workloads_keep_invariants_and_drain_and_shrink_any_failure() {

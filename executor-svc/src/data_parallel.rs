@@ -75,18 +75,13 @@ impl StepTrace {
         Ok(Self { file: Mutex::new(file) })
     }
 
-    /// Records `step`, received and answered at those Unix times (microseconds). A write that
-    /// fails is logged, not fatal: the trace is for following the executor, not serving.
-    pub fn record(&self, step: &v1::Step, received_us: u64, answered_us: u64) {
-        let prompt: u32 = step
-            .work
-            .iter()
-            .filter(|w| w.key() == v1::WorkKey::Prompt || w.key() == v1::WorkKey::PromptChunk)
-            .map(|w| w.num_tokens)
-            .sum();
+    /// Records the step `traced` noted, answered now. A write that fails is logged, not
+    /// fatal: the trace is for following the executor, not serving.
+    pub fn record(&self, traced: TracedStep) {
         let line = serde_json::json!({
-            "step": step.step_id, "round": step.dp_round, "received_us": received_us,
-            "answered_us": answered_us, "tokens": step.total_num_tokens, "prompt_tokens": prompt,
+            "step": traced.step_id, "round": traced.round, "received_us": traced.received_us,
+            "answered_us": ferry_runtime::clock::now_unix_us(), "tokens": traced.tokens,
+            "prompt_tokens": traced.prompt_tokens,
         });
         let mut file = self.file.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Err(e) = writeln!(file, "{line}") {
@@ -95,9 +90,29 @@ impl StepTrace {
     }
 }
 
-/// Microseconds since the Unix epoch.
-pub fn now_unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+/// What the trace says of a step, noted when it is received (the step itself goes on to the
+/// engine).
+#[derive(Debug, Clone, Copy)]
+pub struct TracedStep {
+    step_id: u64,
+    round: u64,
+    received_us: u64,
+    tokens: u32,
+    prompt_tokens: u32,
+}
+
+impl TracedStep {
+    /// `step`, received now.
+    pub fn of(step: &v1::Step) -> Self {
+        let prompt = |w: &&v1::ScheduledWork| {
+            matches!(w.key(), v1::WorkKey::Prompt | v1::WorkKey::PromptChunk)
+        };
+        Self {
+            step_id: step.step_id,
+            round: step.dp_round,
+            received_us: ferry_runtime::clock::now_unix_us(),
+            tokens: step.total_num_tokens,
+            prompt_tokens: step.work.iter().filter(prompt).map(|w| w.num_tokens).sum(),
+        }
+    }
 }

@@ -21,6 +21,7 @@ use tonic::{Request, Response, Status, Streaming};
 use ferry_runtime::cluster::ClusterArgs;
 
 use crate::actor::EngineHandle;
+use crate::data_parallel::{StepTrace, TracedStep};
 use crate::engine::simulated_gpu::SimIdentity;
 
 /// Session state shared by the RPC handlers. A std mutex is right here: it is held for a few
@@ -81,7 +82,7 @@ pub struct ExecutorService {
     /// The only pool whose schedulers may open a session (`--pool`); `None`: any.
     pool: Option<Arc<str>>,
     /// Where each step executed is recorded (`--step-trace`).
-    trace: Option<Arc<crate::data_parallel::StepTrace>>,
+    trace: Option<Arc<StepTrace>>,
 }
 
 /// What a handshake's leadership token is checked against.
@@ -111,7 +112,7 @@ impl ExecutorService {
 
     /// Records each step executed in `trace` (`--step-trace`), when given.
     #[must_use]
-    pub fn with_step_trace(mut self, trace: Option<Arc<crate::data_parallel::StepTrace>>) -> Self {
+    pub fn with_step_trace(mut self, trace: Option<Arc<StepTrace>>) -> Self {
         self.trace = trace;
         self
     }
@@ -418,15 +419,14 @@ impl Executor for ExecutorService {
                     return;
                 }
                 last_step = Some(step.step_id);
-                let received = crate::data_parallel::now_unix_us();
-                let traced = this.trace.as_ref().map(|_| step.clone());
+                let traced = this.trace.as_ref().map(|_| TracedStep::of(&step));
                 let reply = match this.engine.execute(step).await {
                     Ok(Ok(result)) => Ok(result),
                     Ok(Err(refused)) => Err(Status::invalid_argument(refused.to_string())),
                     Err(unavailable) => Err(unavailable),
                 };
-                if let (Some(trace), Some(step)) = (&this.trace, &traced) {
-                    trace.record(step, received, crate::data_parallel::now_unix_us());
+                if let (Some(trace), Some(traced)) = (&this.trace, traced) {
+                    trace.record(traced);
                 }
                 let failed = reply.is_err();
                 if tx.send(reply).await.is_err() || failed {

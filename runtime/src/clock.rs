@@ -11,6 +11,14 @@ pub fn now_unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// Now, in Unix microseconds (for traces that line up events of several processes).
+#[must_use]
+pub fn now_unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
 /// The wall-clock deadline `after` from now, in Unix milliseconds.
 #[must_use]
 pub fn unix_deadline(after: Duration) -> u64 {

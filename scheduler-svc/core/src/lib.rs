@@ -42,6 +42,8 @@ mod block_hash;
 #[forbid(unsafe_code)]
 mod block_pool;
 #[forbid(unsafe_code)]
+pub mod dp_rounds;
+#[forbid(unsafe_code)]
 mod error;
 #[forbid(unsafe_code)]
 mod lists;

@@ -7,16 +7,15 @@
 //!
 //! Invariants: a rank sends at most one step per round; a round completes only once every
 //! member answered it (a member that leaves — its link ended — no longer counts); a round
-//! starts only when a member has work, so an idle group sends nothing. A wave is a run of
-//! rounds from a start after an idle round (no rank answered with work left) on; with
-//! `--throttle-prefills`, round `wave_start + k` is an aligned prefill round when `k` is a
-//! multiple of the interval (vLLM restarts its step counter with each wave), and the others
-//! are throttled (`Scheduler::schedule_throttled`).
+//! starts only when a member has work, so an idle group sends nothing. Round ids, waves and
+//! which rounds are throttled (`--throttle-prefills`) are the core's
+//! [`ferry_sched_core::dp_rounds`], which the simulator runs too.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ferry_proto::v1;
+use ferry_sched_core::dp_rounds::{Round, RoundClock};
 use tokio::sync::watch;
 
 /// The groups of one scheduler, by name.
@@ -34,23 +33,22 @@ impl DpGroups {
         Self { groups: Mutex::default(), throttle }
     }
 
-    /// Makes the executor stating `rank` a member of its group (formed by its first member).
+    /// Makes the executor stating `rank` a member of its group (formed by its first member,
+    /// and again by the first after every rank left).
     ///
     /// # Errors
     ///
     /// Its size differs from the group's, or its rank already has a live session.
     pub fn join(&self, rank: &v1::DataParallelRank) -> Result<Member, String> {
         let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
-        let group = groups
-            .entry(rank.group.clone())
-            .and_modify(|g| {
-                if g.lock().members.is_empty() {
-                    // Every rank left: the group forms again, its size from the next member.
-                    *g = Arc::new(DpGroup::new(rank.size, self.throttle));
-                }
-            })
-            .or_insert_with(|| Arc::new(DpGroup::new(rank.size, self.throttle)))
-            .clone();
+        let group = match groups.get(&rank.group) {
+            Some(g) if !g.lock().members.is_empty() => g.clone(),
+            _ => {
+                let g = Arc::new(DpGroup::new(rank.size, self.throttle));
+                groups.insert(rank.group.clone(), g.clone());
+                g
+            }
+        };
         drop(groups);
         if group.size != rank.size {
             return Err(format!(
@@ -64,9 +62,8 @@ impl DpGroups {
                 rank.rank, rank.group
             ));
         }
-        let changed = group.changed.subscribe();
         group.changed.send_modify(|v| *v += 1);
-        Ok(Member { group, rank: rank.rank, changed })
+        Ok(Member { group, rank: rank.rank })
     }
 }
 
@@ -74,7 +71,6 @@ impl DpGroups {
 #[derive(Debug)]
 struct DpGroup {
     size: u32,
-    throttle: Option<u64>,
     state: Mutex<Rounds>,
     /// Bumped on every change a member may wait for (a round started or completed, a member
     /// left or joined).
@@ -85,49 +81,38 @@ struct DpGroup {
 struct Rounds {
     /// Ranks with a live session.
     members: BTreeSet<u32>,
-    /// The round running (`started`) or the next one.
-    round: u64,
-    started: bool,
-    /// Members that sent their step of `round`, and those whose result came back.
+    clock: RoundClock,
+    /// Members that sent their step of the running round, and those whose result came back.
     stepped: BTreeSet<u32>,
     answered: BTreeSet<u32>,
-    /// Some member answered `round` with work left.
+    /// Some member answered the running round with work left.
     busy: bool,
-    /// The first round of the current wave, and whether the last round left the group idle
-    /// (the next round to start begins a wave).
-    wave_start: u64,
-    idle: bool,
 }
 
 impl DpGroup {
     fn new(size: u32, throttle: Option<u64>) -> Self {
         let state = Rounds {
             members: BTreeSet::new(),
-            round: 1,
-            started: false,
+            clock: RoundClock::new(throttle),
             stepped: BTreeSet::new(),
             answered: BTreeSet::new(),
             busy: false,
-            wave_start: 1,
-            idle: true,
         };
-        Self { size, throttle, state: Mutex::new(state), changed: watch::channel(0).0 }
+        Self { size, state: Mutex::new(state), changed: watch::channel(0).0 }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Rounds> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Ends the round if every member answered it; true if it did.
+    /// Ends the running round if every member answered it; true if it did.
     fn complete(s: &mut Rounds) -> bool {
-        if !s.started || s.members.iter().any(|m| !s.answered.contains(m)) {
+        if s.clock.running().is_none() || s.members.iter().any(|m| !s.answered.contains(m)) {
             return false;
         }
-        s.round += 1;
-        s.started = false;
+        s.clock.end(s.busy);
         s.stepped.clear();
         s.answered.clear();
-        s.idle = !s.busy;
         s.busy = false;
         true
     }
@@ -138,58 +123,37 @@ impl DpGroup {
 pub struct Member {
     group: Arc<DpGroup>,
     rank: u32,
-    changed: watch::Receiver<u64>,
-}
-
-/// What a member may send now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RoundStep {
-    /// The round it belongs to.
-    pub round: u64,
-    /// Not an aligned prefill round of a throttled group.
-    pub throttle: bool,
 }
 
 impl Member {
-    /// The executor's rank.
-    pub fn rank(&self) -> u32 {
-        self.rank
-    }
-
     /// A receiver that wakes when the group changes (a round started or ended, a member came
     /// or went): a member told to wait asks again then.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.changed.clone()
+        self.group.changed.subscribe()
     }
 
     /// Whether this rank sends a step now, and for which round: the running round if it has
     /// not stepped in it (a rank without work sends an empty one), or a new round that this
     /// call starts when the rank `has_work` and none runs. `None`: wait for a change.
-    pub fn may_step(&self, has_work: bool) -> Option<RoundStep> {
+    pub fn may_step(&self, has_work: bool) -> Option<Round> {
         let mut s = self.group.lock();
-        if !s.started {
+        if s.clock.running().is_none() {
             if !has_work {
                 return None;
             }
-            s.started = true;
-            if s.idle {
-                s.wave_start = s.round;
-                s.idle = false;
-            }
+            s.clock.start();
             self.group.changed.send_modify(|v| *v += 1);
         }
         if !s.stepped.insert(self.rank) {
             return None;
         }
-        let throttle =
-            self.group.throttle.is_some_and(|n| !(s.round - s.wave_start).is_multiple_of(n));
-        Some(RoundStep { round: s.round, throttle })
+        s.clock.running()
     }
 
     /// This rank's result of `round` arrived; `busy`: it has work left.
     pub fn answered(&self, round: u64, busy: bool) {
         let mut s = self.group.lock();
-        if s.started && s.round == round && s.stepped.contains(&self.rank) {
+        if s.clock.running().is_some_and(|r| r.id == round) && s.stepped.contains(&self.rank) {
             s.answered.insert(self.rank);
             s.busy |= busy;
             if DpGroup::complete(&mut s) {
@@ -205,11 +169,8 @@ impl Drop for Member {
         s.members.remove(&self.rank);
         s.stepped.remove(&self.rank);
         s.answered.remove(&self.rank);
-        if s.members.is_empty() {
-            s.started = false;
-        } else {
-            DpGroup::complete(&mut s);
-        }
+        // The others finish the round without it (a group left empty forms again on a join).
+        DpGroup::complete(&mut s);
         self.group.changed.send_modify(|v| *v += 1);
     }
 }
@@ -228,34 +189,31 @@ mod tests {
         let (a, b) = (groups.join(&rank(0, 2)).unwrap(), groups.join(&rank(1, 2)).unwrap());
         assert_eq!(b.may_step(false), None, "nobody has work: no round");
         let first = a.may_step(true).unwrap();
-        assert_eq!(first, RoundStep { round: 1, throttle: false });
+        assert_eq!(first, Round { id: 1, throttle: false });
         assert_eq!(a.may_step(true), None, "one step a round");
-        assert_eq!(b.may_step(false).unwrap().round, 1, "the idle rank steps (empty) too");
+        assert_eq!(b.may_step(false).unwrap().id, 1, "the idle rank steps (empty) too");
         a.answered(1, true);
         assert_eq!(a.may_step(true), None, "round 2 waits for rank 1's answer");
         b.answered(1, false);
-        assert_eq!(a.may_step(true).unwrap().round, 2);
+        assert_eq!(a.may_step(true).unwrap().id, 2);
         // A rank that leaves mid-round no longer holds it.
         drop(b);
         a.answered(2, false);
-        assert_eq!(a.may_step(true).unwrap().round, 3);
+        assert_eq!(a.may_step(true).unwrap().id, 3);
         assert!(groups.join(&rank(0, 2)).is_err(), "rank 0 is live");
         assert!(groups.join(&rank(1, 3)).is_err(), "the group has 2 ranks");
     }
 
     #[test]
-    fn throttled_rounds_leave_one_aligned_round_in_n_counted_from_each_wave() {
-        let groups = DpGroups::new(Some(3));
+    fn rounds_carry_the_clocks_throttle() {
+        let groups = DpGroups::new(Some(2));
         let a = groups.join(&rank(0, 1)).unwrap();
         let mut throttled = Vec::new();
-        for busy in [true, true, true, true, false] {
-            let s = a.may_step(true).unwrap();
-            throttled.push(s.throttle);
-            a.answered(s.round, busy);
+        for _ in 0..3 {
+            let round = a.may_step(true).unwrap();
+            throttled.push(round.throttle);
+            a.answered(round.id, true);
         }
-        assert_eq!(throttled, [false, true, true, false, true]);
-        // The last round left the group idle: the next starts a wave, aligned.
-        let s = a.may_step(true).unwrap();
-        assert_eq!((s.round, s.throttle), (6, false));
+        assert_eq!(throttled, [false, true, false]);
     }
 }

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferry_proto::v1;
+use ferry_sched_core::dp_rounds::Round;
 use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Timestamp};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::{Stream, StreamExt};
@@ -201,7 +202,7 @@ impl StepLoop {
                 && work
                 && self.in_flight.len() < self.core.config().max_steps_in_flight
             {
-                if let Err(why) = self.send_step(&steps, None).await {
+                if let Err(why) = self.send_step(&steps, Round::default()).await {
                     return self.fail_all(&why);
                 }
             }
@@ -248,20 +249,20 @@ impl StepLoop {
         }
     }
 
-    /// Builds and sends the next step (of `round`, throttled or not, in a data-parallel group).
+    /// Builds and sends the next step (of `round`, throttled or not, in a data-parallel group;
+    /// round 0 outside one).
     async fn send_step(
         &mut self,
         steps: &mpsc::Sender<v1::Step>,
-        round: Option<super::dp_group::RoundStep>,
+        round: Round,
     ) -> Result<(), String> {
-        let mut step = self.build_step(round.is_some_and(|r| r.throttle))?;
-        step.dp_round = round.map_or(0, |r| r.round);
+        let mut step = self.build_step(round.throttle)?;
+        step.dp_round = round.id;
         let empty = wire::is_empty(&step);
         if steps.send(step).await.is_err() {
             return Err("the executor closed the session".into());
         }
-        let round = round.map_or(0, |r| r.round);
-        self.in_flight.push_back(InFlight { sent_at: Instant::now(), empty, round });
+        self.in_flight.push_back(InFlight { sent_at: Instant::now(), empty, round: round.id });
         self.idle = empty;
         Ok(())
     }
@@ -278,7 +279,7 @@ impl StepLoop {
         }
         let has_work = work && !self.idle;
         match self.session.group.as_ref().and_then(|g| g.may_step(has_work)) {
-            Some(round) => self.send_step(steps, Some(round)).await,
+            Some(round) => self.send_step(steps, round).await,
             None => Ok(()),
         }
     }

@@ -5,11 +5,11 @@
 //! ends, plus the expert-parallel all-to-all that every rank joins: per layer a dispatch and a
 //! combine that move each of the busiest rank's tokens' hidden state (2 bytes an element) to
 //! its `experts_per_token` experts, of which `(size - 1) / size` live on other ranks, over the
-//! GPUs' interconnect, each with the hardware's collective latency. With the throttle, rounds
-//! of a wave (from a start after a round that left every rank idle) that are not a multiple of
-//! the interval from its start are throttled (`Scheduler::schedule_throttled`).
+//! GPUs' interconnect, each with the hardware's collective latency. Round ids, waves and which
+//! rounds are throttled are the core's [`ferry_sched_core::dp_rounds`], as in the scheduler.
 
 use ferry_roofline::{SimHardware, SimModel};
+use ferry_sched_core::dp_rounds::RoundClock;
 
 /// Data-parallel groups of the cluster.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
@@ -21,14 +21,9 @@ pub struct DataParallel {
 }
 
 /// One group's rounds.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Group {
-    /// The round running or next.
-    pub round: u64,
-    /// The first round of the current wave.
-    pub wave_start: u64,
-    /// The last round left every rank idle: the next one starts a wave.
-    pub idle: bool,
+    pub clock: RoundClock,
     /// Its ranks' steps of a round are being planned; a rank was woken meanwhile.
     pub planning: bool,
     pub rewake: bool,
@@ -45,15 +40,9 @@ impl DataParallel {
         g * self.size..((g + 1) * self.size).min(executors)
     }
 
-    /// Whether `group`'s next round is throttled, starting it (a new wave if it was idle).
-    pub(super) fn start_round(&self, group: &mut Group) -> bool {
-        if group.idle || group.round == 0 {
-            group.wave_start = group.round;
-            group.idle = false;
-        }
-        let k = group.round - group.wave_start;
-        group.round += 1;
-        self.throttle.is_some_and(|n| !k.is_multiple_of(n))
+    /// A group before its first round.
+    pub(super) fn group(&self) -> Group {
+        Group { clock: RoundClock::new(self.throttle), planning: false, rewake: false }
     }
 
     /// The all-to-all of a round whose busiest rank computes `tokens` tokens, seconds.
@@ -74,13 +63,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn waves_restart_the_aligned_rounds() {
+    fn groups_are_runs_of_consecutive_executors() {
         let dp = DataParallel { size: 2, throttle: Some(3) };
-        let mut g = Group::default();
-        let throttled: Vec<bool> = (0..5).map(|_| dp.start_round(&mut g)).collect();
-        assert_eq!(throttled, [false, true, true, false, true]);
-        g.idle = true;
-        assert!(!dp.start_round(&mut g), "a wave's first round is aligned");
         assert_eq!((dp.group_of(3), dp.members(1, 3)), (1, 2..3));
     }
 }

@@ -54,11 +54,13 @@ impl Sim<'_> {
         if members.clone().any(|m| self.execs[m].busy) {
             return Ok(());
         }
-        if members.clone().all(|m| self.execs[m].core.is_drained()) {
-            self.groups[g].idle = true;
+        // The round before, if one ran, has ended (every rank's step is done).
+        let has_work = members.clone().any(|m| !self.execs[m].core.is_drained());
+        self.groups[g].clock.end(has_work);
+        if !has_work {
             return Ok(());
         }
-        let throttle = dp.start_round(&mut self.groups[g]);
+        let throttle = self.groups[g].clock.start().throttle;
         let (mut longest, mut tokens, mut resolved) = (0.0f64, 0u32, false);
         let mut stepping = Vec::new();
         (self.groups[g].planning, self.groups[g].rewake) = (true, false);

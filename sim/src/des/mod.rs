@@ -321,9 +321,7 @@ impl<'a> Sim<'a> {
             cpu_free: vec![0; spec.shards],
             cpu_busy: vec![0.0; spec.shards],
             groups: spec.data_parallel.map_or_else(Vec::new, |dp| {
-                (0..spec.executors.div_ceil(dp.size))
-                    .map(|_| data_parallel::Group::default())
-                    .collect()
+                (0..spec.executors.div_ceil(dp.size)).map(|_| dp.group()).collect()
             }),
             dp_rounds: 0,
         })

@@ -55,8 +55,6 @@ impl Scheduler {
             return Err(ScheduleError::TooManyStepsInFlight(self.steps.len()));
         }
         let defer = self.defers_prefills(throttle);
-        // Counted when it holds something back: prompt work queued, or requests waiting.
-        let holds = defer && (self.prompt_work_pending() || self.waiting.len() > 0);
         let record = self.steps.open();
         self.draft.open(record, self.cfg.max_num_batched_tokens);
 
@@ -74,7 +72,6 @@ impl Scheduler {
             self.start_imports();
         }
         self.note_prefill_capacity(defer);
-        self.counters.prefills_deferred += u64::from(holds);
         self.start_exports();
         self.store_tier_blocks();
         self.finalize();

@@ -21,9 +21,14 @@ pub(super) struct PrefillThrottle {
 }
 
 impl Scheduler {
-    /// Whether this step defers prefills, given the group's `throttle` for it.
-    pub(super) fn defers_prefills(&self, throttle: bool) -> bool {
-        throttle && !self.throttle.capacity_bound && self.any_decoding()
+    /// Whether this step defers prefills, given the group's `throttle` for it; counted as
+    /// deferred when it holds something back (prompt work queued, or requests waiting).
+    pub(super) fn defers_prefills(&mut self, throttle: bool) -> bool {
+        let defer = throttle && !self.throttle.capacity_bound && self.any_decoding();
+        if defer && (self.prompt_work_pending() || self.waiting.len() > 0) {
+            self.counters.prefills_deferred += 1;
+        }
+        defer
     }
 
     /// After a step that did not defer: whether requests are still waiting.
@@ -34,7 +39,7 @@ impl Scheduler {
     }
 
     /// Some running request has prompt work queued.
-    pub(super) fn prompt_work_pending(&self) -> bool {
+    fn prompt_work_pending(&self) -> bool {
         self.work.len(WorkKey::Prompt) + self.work.len(WorkKey::PromptChunk) > 0
     }
 

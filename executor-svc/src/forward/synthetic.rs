@@ -95,12 +95,10 @@ pub fn synthesize(shape: LlamaShape, dtype: GgmlDType, seed: u64) -> Result<Llam
 /// `F16` values, or `Q8_0` / `Q4_0` codes under one scale.
 fn random_matrix(rows: usize, cols: usize, dtype: GgmlDType, seed: u64) -> Result<QWeight, String> {
     let bound = (3.0 / cols as f32).sqrt();
-    let (block_values, block_bytes) = match dtype {
-        GgmlDType::F16 => (1, 2),
-        GgmlDType::Q8_0 => (32, 34),
-        GgmlDType::Q4_0 => (32, 18),
-        other => return Err(format!("synthetic weights in {other:?} are not written")),
-    };
+    if !matches!(dtype, GgmlDType::F16 | GgmlDType::Q8_0 | GgmlDType::Q4_0) {
+        return Err(format!("synthetic weights in {dtype:?} are not written"));
+    }
+    let (block_values, block_bytes) = (dtype.block_size(), dtype.type_size());
     if !cols.is_multiple_of(block_values) {
         return Err(format!("{cols} columns are not whole blocks of {block_values}"));
     }
@@ -124,7 +122,7 @@ fn random_matrix(rows: usize, cols: usize, dtype: GgmlDType, seed: u64) -> Resul
             }
             GgmlDType::Q8_0 => {
                 let d = half::f16::from_f32(bound / 127.0).to_le_bytes();
-                for block in row.chunks_exact_mut(34) {
+                for block in row.chunks_exact_mut(block_bytes) {
                     block[..2].copy_from_slice(&d);
                     block[2..]
                         .iter_mut()
@@ -133,7 +131,7 @@ fn random_matrix(rows: usize, cols: usize, dtype: GgmlDType, seed: u64) -> Resul
             }
             _ => {
                 let d = half::f16::from_f32(bound / 8.0).to_le_bytes();
-                for block in row.chunks_exact_mut(18) {
+                for block in row.chunks_exact_mut(block_bytes) {
                     block[..2].copy_from_slice(&d);
                     block[2..].iter_mut().for_each(|q| *q = next() as u8);
                 }

@@ -83,8 +83,11 @@ impl StepTrace {
             "answered_us": ferry_runtime::clock::now_unix_us(), "tokens": traced.tokens,
             "prompt_tokens": traced.prompt_tokens,
         });
+        // One write per line: `writeln!` writes the JSON in pieces, so a process killed
+        // mid-line left half a line for whoever reads the trace.
+        let line = format!("{line}\n");
         let mut file = self.file.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Err(e) = writeln!(file, "{line}") {
+        if let Err(e) = file.write_all(line.as_bytes()) {
             tracing::warn!(error = %e, "the step trace could not be written");
         }
     }

@@ -219,6 +219,7 @@ fn assemble(
         max_live_requests: config.max_live_requests,
         max_step_bytes: config.max_step_bytes,
         data_parallel: config.data_parallel.rank().map_err(anyhow::Error::msg)?,
+        looped: None,
     };
     Ok(BuiltExecutor { engine, identity, info })
 }

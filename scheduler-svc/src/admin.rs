@@ -114,6 +114,12 @@ fn work_key(k: Option<WorkKey>) -> &'static str {
         Some(WorkKey::PromptChunk) => "PROMPT_CHUNK",
         Some(WorkKey::Decode) => "DECODE",
         Some(WorkKey::Verify) => "VERIFY",
+        Some(WorkKey::PromptPrelude) => "PROMPT_PRELUDE",
+        Some(WorkKey::PromptRecurrent) => "PROMPT_RECURRENT",
+        Some(WorkKey::PromptCoda) => "PROMPT_CODA",
+        Some(WorkKey::DecodePrelude) => "DECODE_PRELUDE",
+        Some(WorkKey::DecodeRecurrent) => "DECODE_RECURRENT",
+        Some(WorkKey::DecodeCoda) => "DECODE_CODA",
     }
 }
 

@@ -110,7 +110,7 @@ impl Driver {
                         sampling: Some(r.sampling.clone()),
                         block_ids: r.table.clone(),
                         num_computed_tokens: r.computed as u32,
-                        traceparent: String::new(),
+                        ..Default::default()
                     });
                     r.sent = true;
                 } else if !new_blocks.is_empty() {
@@ -133,6 +133,7 @@ impl Driver {
                     key: key.into(),
                     num_tokens: n as u32,
                     draft_token_ids: draft,
+                    ..Default::default()
                 });
                 step.total_num_tokens += n as u32;
                 r.computed += n;
@@ -267,6 +268,7 @@ fn seeded_sampling_is_the_same_alone_batched_preempted_and_restarted() {
             key: v1::WorkKey::PromptChunk.into(),
             num_tokens: len - 1,
             draft_token_ids: vec![],
+            loop_index: 0,
         }],
         total_num_tokens: len - 1,
         ..Default::default()
@@ -344,6 +346,7 @@ fn a_malformed_or_constrained_verification_is_refused_alone() {
         key: v1::WorkKey::Verify.into(),
         num_tokens,
         draft_token_ids: draft,
+        loop_index: 0,
     };
     let cases = [
         (verify(1, 3, vec![5]), "computes 2 tokens (its last token and each draft token), not 3"),
@@ -436,6 +439,7 @@ fn cached_blocks_follow_the_steps_and_survive_a_reset() {
         key: v1::WorkKey::Prompt.into(),
         num_tokens: prompt.len() as u32,
         draft_token_ids: vec![],
+        loop_index: 0,
     });
     bad.total_num_tokens = prompt.len() as u32;
     let result = d.engine.execute(&bad).unwrap();
@@ -453,6 +457,7 @@ fn bad_steps_are_refused_and_change_nothing() {
         key: v1::WorkKey::Decode.into(),
         num_tokens: 1,
         draft_token_ids: vec![],
+        loop_index: 0,
     };
     // Faults of the step as a whole: nothing runs, nothing changes.
     let export = v1::KvOperation {
@@ -505,6 +510,7 @@ fn a_refused_request_fails_alone_and_the_others_run_on_exactly() {
         key: v1::WorkKey::Prompt.into(),
         num_tokens: n,
         draft_token_ids: vec![],
+        loop_index: 0,
     };
     let new = |id: u64, prompt: Vec<u32>, blocks: Vec<u32>| v1::NewRequest {
         id,
@@ -684,6 +690,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
             key: v1::WorkKey::Decode.into(),
             num_tokens: 1,
             draft_token_ids: vec![],
+            loop_index: 0,
         }],
         total_num_tokens: 1,
         ..Default::default()
@@ -708,6 +715,7 @@ fn the_simulator_runs_the_same_protocol_with_deterministic_tokens_and_virtual_ti
             key: v1::WorkKey::Prompt.into(),
             num_tokens: 40,
             draft_token_ids: vec![],
+            loop_index: 0,
         }],
         total_num_tokens: 40,
         ..Default::default()
@@ -825,12 +833,14 @@ fn a_grammar_that_cannot_hold_is_refused_alone_with_why() {
         block_ids: vec![id as u32],
         num_computed_tokens: 0,
         traceparent: String::new(),
+        max_loops: 0,
     };
     let work = |id: u64| v1::ScheduledWork {
         id,
         key: v1::WorkKey::PromptChunk.into(),
         num_tokens: prompt.len() as u32,
         draft_token_ids: vec![],
+        loop_index: 0,
     };
     let step = v1::Step {
         new_requests: vec![
@@ -921,6 +931,7 @@ fn a_forked_sample_continues_exactly_from_a_copied_block_and_a_bad_copy_is_refus
             key: v1::WorkKey::PromptChunk.into(),
             num_tokens: point as u32,
             draft_token_ids: Vec::new(),
+            loop_index: 0,
         }],
         total_num_tokens: point as u32,
         ..Default::default()
@@ -945,6 +956,7 @@ fn a_forked_sample_continues_exactly_from_a_copied_block_and_a_bad_copy_is_refus
             key: v1::WorkKey::PromptChunk.into(),
             num_tokens: 1,
             draft_token_ids: Vec::new(),
+            loop_index: 0,
         }],
         total_num_tokens: 1,
         block_copies: copies,

@@ -149,6 +149,7 @@ fn prompt_step(
             key: v1::WorkKey::PromptChunk.into(),
             num_tokens: n as u32,
             draft_token_ids: vec![],
+            loop_index: 0,
         }],
         total_num_tokens: n as u32,
         ..Default::default()
@@ -166,6 +167,7 @@ fn decode_step(id: u64, new_block: Option<u32>) -> v1::Step {
             key: v1::WorkKey::Decode.into(),
             num_tokens: 1,
             draft_token_ids: vec![],
+            loop_index: 0,
         }],
         total_num_tokens: 1,
         ..Default::default()

@@ -98,6 +98,15 @@ pub enum AddError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// A looped model's request that asks for what a looped request cannot do (a KV
+    /// transfer, a fork), or for more loops than the model runs, or loops on a plain model.
+    #[error("request {id}: {reason}")]
+    Looped {
+        /// Request.
+        id: RequestId,
+        /// What is wrong.
+        reason: String,
+    },
     /// The import's transfer id is already in use.
     #[error("request {id}: transfer {transfer_id} already in use")]
     DuplicateTransfer {
@@ -179,6 +188,14 @@ pub enum ApplyError {
         step: StepId,
         /// How many.
         missing: usize,
+    },
+    /// An exit reported for a request whose work in that step was not a recurrent loop.
+    #[error("{step}: request {id} reported an exit but ran no recurrent loop in this step")]
+    UnexpectedExit {
+        /// Step.
+        step: StepId,
+        /// Request.
+        id: RequestId,
     },
     /// A KV result for a transfer the core does not have in progress.
     #[error("{0}: unknown or not in progress")]

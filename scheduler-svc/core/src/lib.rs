@@ -16,8 +16,7 @@
 //!     // ... send the plan to the executor, get its sampled tokens back ...
 //!     let sampled = plan.scheduled.iter().filter(|w| w.samples_token)
 //!         .map(|w| SampledToken { id: w.id, token: 7 }).collect();
-//!     let outcome =
-//!         StepOutcome { step_id: plan.step_id, sampled, kv_results: vec![], refused: vec![] };
+//!     let outcome = StepOutcome { step_id: plan.step_id, sampled, ..StepOutcome::default() };
 //!     core.apply_result(&outcome, Timestamp(0), &mut events).unwrap();
 //! }
 //! assert!(matches!(events.last(), Some(RequestEvent::Finished(_))));
@@ -48,6 +47,8 @@ mod error;
 #[forbid(unsafe_code)]
 mod lists;
 #[forbid(unsafe_code)]
+mod looped;
+#[forbid(unsafe_code)]
 mod outcome;
 #[forbid(unsafe_code)]
 mod plan;
@@ -77,6 +78,7 @@ mod work_queues;
 
 pub use block_hash::{extend_block_hashes, hash_block, BlockHash};
 pub use error::{AbortError, AddError, ApplyError, ScheduleError};
+pub use looped::{LoopedModel, StagePolicy, StageSelection, MAX_LOOPS};
 pub use outcome::{
     FinishStats, FinishedRequest, KvResult, RequestEvent, SampledToken, StepOutcome,
 };
@@ -92,4 +94,4 @@ pub use scheduler_config::{
     MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, MAX_STEPS_IN_FLIGHT,
 };
 pub use types::{BlockId, RequestId, StepId, Timestamp, TokenId, TransferId};
-pub use work_queues::WorkKey;
+pub use work_queues::{Operation, WorkKey};

@@ -41,6 +41,9 @@ pub struct StepOutcome {
     /// already finished, or unknown, is ignored (the executor names a refused request again in
     /// every step sent before the scheduler heard).
     pub refused: Vec<RequestId>,
+    /// A looped model's requests whose recurrent loop in this step passed the exit criterion
+    /// for every token of their chain: their chains go to the coda next.
+    pub exited: Vec<RequestId>,
 }
 
 /// Latency and size figures of a finished request (vLLM's per-request histograms).
@@ -88,6 +91,9 @@ pub enum RequestEvent {
         token: TokenId,
         /// Its index in the output.
         index: usize,
+        /// A looped model's request: the recurrent loops the token's chain ran (fewer than
+        /// its `max_loops` if it exited early); 0 for a plain model's.
+        loops: u8,
     },
     /// The request finished.
     Finished(Box<FinishedRequest>),

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::block_hash::BlockHash;
 pub use crate::block_pool::CacheChanges;
 use crate::types::{BlockId, RequestId, StepId, TokenId, TransferId};
-use crate::work_queues::WorkKey;
+use crate::work_queues::{Operation, WorkKey};
 
 /// A range in one of the plan's flat buffers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -45,6 +45,9 @@ pub struct NewRequestData {
     pub block_ids: Span,
     /// Tokens whose KV is already there (prefix-cache hit or import).
     pub num_computed_tokens: usize,
+    /// A looped model's request: the most recurrent loops each of its tokens runs, which sets
+    /// its KV planes (its table holds `planes` blocks per row); 0 for a plain model's.
+    pub max_loops: u8,
 }
 
 /// An update for a request the executor already knows.
@@ -78,6 +81,8 @@ pub struct ScheduledWork {
     /// `Verify` only: the draft tokens (in [`StepPlan::tokens`]), `num_tokens - 1` of them,
     /// which follow the request's last token. Empty for other work.
     pub draft: Span,
+    /// A looped model's recurrent work: the loop it runs (from 1); 0 for other work.
+    pub loop_index: u8,
 }
 
 /// A KV transfer operation the executor performs with its local KV agent.
@@ -142,6 +147,9 @@ pub struct StepPlan {
     pub new_requests: Vec<NewRequestData>,
     /// Updates for known requests (new blocks, or resume after preemption).
     pub cached_requests: Vec<CachedRequestData>,
+    /// The model call: a looped model's steps run one stage over the whole batch; a plain
+    /// model's steps are `Whole`.
+    pub operation: Operation,
     /// The batch: work per request.
     pub scheduled: Vec<ScheduledWork>,
     /// Requests the executor must forget (finished or aborted since the previous step).
@@ -197,6 +205,7 @@ impl StepPlan {
 
     pub(crate) fn clear(&mut self, step_id: StepId) {
         self.step_id = step_id;
+        self.operation = Operation::Whole;
         self.new_requests.clear();
         self.cached_requests.clear();
         self.scheduled.clear();

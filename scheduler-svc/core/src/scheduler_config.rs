@@ -74,6 +74,10 @@ pub struct SchedulerConfig {
     pub kv_tier_store_blocks_per_step: usize,
     /// Speculative decoding: `None` (the default) decodes one token per step.
     pub speculative: Option<SpeculativeConfig>,
+    /// The executor's model is looped: its requests' work runs stage by stage
+    /// ([`crate::LoopedModel`]). Such requests never speculate and use no prefix cache (their
+    /// KV depends on their loops), and neither move KV between nodes nor fork.
+    pub looped: Option<crate::LoopedModel>,
 }
 
 /// Speculative decoding by prompt lookup (vLLM's `ngram` method): a request whose last tokens
@@ -171,6 +175,7 @@ impl Default for SchedulerConfig {
             max_steps_in_flight: 1,
             kv_tier_store_blocks_per_step: 0,
             speculative: None,
+            looped: None,
         }
     }
 }
@@ -206,6 +211,12 @@ pub enum ConfigError {
     /// The speculative decoding settings are out of range.
     #[error("speculative config: {0}")]
     Speculative(String),
+    /// A looped model's loops out of range.
+    #[error("a looped model's max_loops must be 1..={max}, got {got}", max = crate::MAX_LOOPS)]
+    Loops {
+        /// What was configured.
+        got: u8,
+    },
     /// A block count or block size so large that block ids would not fit in 32 bits.
     #[error("num_blocks ({0}) does not fit in a 32-bit block id")]
     TooManyBlocks(usize),
@@ -253,6 +264,11 @@ impl SchedulerConfig {
         }
         if let Some(spec) = &self.speculative {
             spec.validate()?;
+        }
+        if let Some(looped) = &self.looped {
+            if !(1..=crate::MAX_LOOPS).contains(&looped.max_loops) {
+                return Err(ConfigError::Loops { got: looped.max_loops });
+            }
         }
         if self.num_blocks >= u32::MAX as usize {
             return Err(ConfigError::TooManyBlocks(self.num_blocks));

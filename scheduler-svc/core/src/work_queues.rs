@@ -11,6 +11,12 @@
 use crate::lists::Lists;
 
 /// The kind of work a step can do for an admitted request.
+///
+/// A plain model's work is one model call over every layer (`Prompt`, `PromptChunk`, `Decode`,
+/// `Verify`). A looped model's (see [`crate::LoopedModel`]) is split at its stages: a chain of
+/// tokens (a prompt chunk, or the one token a decode computes) runs its prelude once, its
+/// recurrent block one loop per step, and its coda, each a separate step whose [`Operation`] is
+/// the stage's; the keys say which stage and whether the chain is prompt or decode work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum WorkKey {
     /// The whole remaining prompt in one step (chunked prefill off).
@@ -23,21 +29,54 @@ pub enum WorkKey {
     /// draft token, and the executor returns the tokens it accepted plus the one it sampled
     /// after them.
     Verify,
+    /// Looped model: a prompt chunk (or a preempted request's recompute) through the prelude;
+    /// it starts a chain and allocates the chain's KV in every plane.
+    PromptPrelude,
+    /// Looped model: a prompt chain's next loop of the recurrent block.
+    PromptRecurrent,
+    /// Looped model: a prompt chain through the coda (the last chunk's samples a token).
+    PromptCoda,
+    /// Looped model: the newest token through the prelude.
+    DecodePrelude,
+    /// Looped model: a decode chain's next loop of the recurrent block.
+    DecodeRecurrent,
+    /// Looped model: a decode chain through the coda, which samples the next token.
+    DecodeCoda,
+}
+
+/// The model call a step makes: a looped model's steps each run one stage over the whole
+/// batch; a plain model's run every layer (`Whole`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Operation {
+    /// Every layer (a plain model).
+    #[default]
+    Whole,
+    /// A looped model's prelude layers.
+    Prelude,
+    /// One loop of a looped model's recurrent block.
+    Recurrent,
+    /// A looped model's coda layers and output head.
+    Coda,
 }
 
 impl WorkKey {
     /// All keys, in queue-index order.
-    pub const ALL: [WorkKey; 4] =
-        [WorkKey::Prompt, WorkKey::PromptChunk, WorkKey::Decode, WorkKey::Verify];
+    pub const ALL: [WorkKey; 10] = [
+        WorkKey::Prompt,
+        WorkKey::PromptChunk,
+        WorkKey::Decode,
+        WorkKey::Verify,
+        WorkKey::PromptPrelude,
+        WorkKey::PromptRecurrent,
+        WorkKey::PromptCoda,
+        WorkKey::DecodePrelude,
+        WorkKey::DecodeRecurrent,
+        WorkKey::DecodeCoda,
+    ];
 
     #[inline]
     fn index(self) -> u32 {
-        match self {
-            WorkKey::Prompt => 0,
-            WorkKey::PromptChunk => 1,
-            WorkKey::Decode => 2,
-            WorkKey::Verify => 3,
-        }
+        self as u32
     }
 
     #[inline]
@@ -45,10 +84,44 @@ impl WorkKey {
         WorkKey::ALL[i as usize]
     }
 
-    /// True for the prompt kinds.
+    /// True for the prompt kinds (a looped model's prompt stages too).
     #[must_use]
     pub fn is_prompt(self) -> bool {
-        matches!(self, WorkKey::Prompt | WorkKey::PromptChunk)
+        matches!(
+            self,
+            WorkKey::Prompt
+                | WorkKey::PromptChunk
+                | WorkKey::PromptPrelude
+                | WorkKey::PromptRecurrent
+                | WorkKey::PromptCoda
+        )
+    }
+
+    /// The model call this work is part of.
+    #[must_use]
+    pub fn operation(self) -> Operation {
+        match self {
+            WorkKey::Prompt | WorkKey::PromptChunk | WorkKey::Decode | WorkKey::Verify => {
+                Operation::Whole
+            }
+            WorkKey::PromptPrelude | WorkKey::DecodePrelude => Operation::Prelude,
+            WorkKey::PromptRecurrent | WorkKey::DecodeRecurrent => Operation::Recurrent,
+            WorkKey::PromptCoda | WorkKey::DecodeCoda => Operation::Coda,
+        }
+    }
+
+    /// The stage key of `op` for prompt or decode work (`Whole` has none: `None`).
+    #[must_use]
+    pub fn stage(op: Operation, prompt: bool) -> Option<WorkKey> {
+        Some(match (op, prompt) {
+            (Operation::Whole, _) => return None,
+            (Operation::Prelude, true) => WorkKey::PromptPrelude,
+            (Operation::Prelude, false) => WorkKey::DecodePrelude,
+            (Operation::Recurrent, true) => WorkKey::PromptRecurrent,
+            (Operation::Recurrent, false) => WorkKey::DecodeRecurrent,
+            (Operation::Coda, true) => WorkKey::PromptCoda,
+            (Operation::Coda, false) => WorkKey::DecodeCoda,
+        })
     }
 }
 
@@ -119,5 +192,17 @@ mod tests {
         q.enqueue(WorkKey::Verify, 3);
         assert_eq!(q.iter(WorkKey::Verify).collect::<Vec<_>>(), vec![3]);
         q.check().unwrap();
+    }
+
+    #[test]
+    fn keys_index_their_queues_and_name_their_operation() {
+        for (i, key) in WorkKey::ALL.into_iter().enumerate() {
+            assert_eq!(WorkKey::from_index(key.index()), key);
+            assert_eq!(key.index() as usize, i);
+            let op = key.operation();
+            if op != Operation::Whole {
+                assert_eq!(WorkKey::stage(op, key.is_prompt()), Some(key));
+            }
+        }
     }
 }

@@ -35,7 +35,8 @@ pub fn outcome_of(result: &v1::StepResult) -> StepOutcome {
         })
         .collect();
     let refused = result.refused.iter().map(|r| RequestId(r.id)).collect();
-    StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results, refused }
+    let exited = result.exited_ids.iter().map(|&id| RequestId(id)).collect();
+    StepOutcome { step_id: core::StepId(result.step_id), sampled, kv_results, refused, exited }
 }
 
 fn work_key(k: WorkKey) -> v1::WorkKey {
@@ -44,6 +45,12 @@ fn work_key(k: WorkKey) -> v1::WorkKey {
         WorkKey::PromptChunk => v1::WorkKey::PromptChunk,
         WorkKey::Decode => v1::WorkKey::Decode,
         WorkKey::Verify => v1::WorkKey::Verify,
+        WorkKey::PromptPrelude => v1::WorkKey::PromptPrelude,
+        WorkKey::PromptRecurrent => v1::WorkKey::PromptRecurrent,
+        WorkKey::PromptCoda => v1::WorkKey::PromptCoda,
+        WorkKey::DecodePrelude => v1::WorkKey::DecodePrelude,
+        WorkKey::DecodeRecurrent => v1::WorkKey::DecodeRecurrent,
+        WorkKey::DecodeCoda => v1::WorkKey::DecodeCoda,
     }
 }
 
@@ -93,6 +100,7 @@ pub fn to_proto<'a>(
                     block_ids: plan.blocks(n.block_ids).iter().map(|b| b.0).collect(),
                     num_computed_tokens: wire_u32(n.num_computed_tokens),
                     traceparent: spec.map(|s| s.traceparent.clone()).unwrap_or_default(),
+                    max_loops: u32::from(n.max_loops),
                 }
             })
             .collect(),
@@ -114,6 +122,7 @@ pub fn to_proto<'a>(
                 key: work_key(w.work).into(),
                 num_tokens: wire_u32(w.num_tokens),
                 draft_token_ids: plan.draft_of(w).to_vec(),
+                loop_index: u32::from(w.loop_index),
             })
             .collect(),
         finished_ids: plan.finished.iter().map(|id| id.0).collect(),
@@ -294,10 +303,13 @@ mod tests {
                         ferry_model::sampling::MAX_BAD_WORD_TOKENS
                     ],
                     prompt_logprobs: Some(u32::MAX),
+                    exit_threshold: None,
+                    max_loops: None,
                 }),
                 block_ids: vec![u32::MAX; blocks],
                 num_computed_tokens: u32::MAX,
                 traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+                max_loops: 0,
             };
             let export = |id: u64| v1::KvOperation {
                 transfer_id: u64::MAX.to_string(),
@@ -323,6 +335,7 @@ mod tests {
                         key: v1::WorkKey::Verify.into(),
                         num_tokens: u32::MAX,
                         draft_token_ids: vec![u32::MAX; ferry_sched_core::MAX_SPECULATIVE_TOKENS],
+                        loop_index: 0,
                     })
                     .collect(),
                 finished_ids: ids.clone().map(|id| u64::MAX - id).collect(),

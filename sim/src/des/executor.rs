@@ -233,7 +233,7 @@ impl Sim<'_> {
         let mut tokens = 0;
         for event in &events {
             match event {
-                RequestEvent::Token { id, index, token } => {
+                RequestEvent::Token { id, index, token, .. } => {
                     tokens += 1;
                     let Some(t) = self.tracks.get_mut(&id.0) else { continue };
                     if *index == 0 {

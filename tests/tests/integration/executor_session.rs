@@ -40,6 +40,7 @@ fn prefill_then_decode(session_id: u64, epoch: u64, prompt: &[u32], step_id: u64
             key: v1::WorkKey::Prompt.into(),
             num_tokens: prompt.len() as u32,
             draft_token_ids: vec![],
+            loop_index: 0,
         }],
         total_num_tokens: prompt.len() as u32,
         ..Default::default()
@@ -126,6 +127,7 @@ async fn a_session_runs_the_model_and_refuses_bad_steps() {
             key: v1::WorkKey::Decode.into(),
             num_tokens: 1,
             draft_token_ids: vec![],
+            loop_index: 0,
         });
         step.total_num_tokens = 1;
         tx.send(step).await.unwrap();
@@ -241,6 +243,7 @@ fn decode(id: u64) -> v1::ScheduledWork {
         key: v1::WorkKey::Decode.into(),
         num_tokens: 1,
         draft_token_ids: vec![],
+        loop_index: 0,
     }
 }
 /// A new request of `prompt` in `block`.
@@ -315,6 +318,7 @@ async fn a_refused_request_fails_alone_and_the_session_runs_on_exactly() {
                 key: v1::WorkKey::Prompt.into(),
                 num_tokens: 3,
                 draft_token_ids: vec![],
+                loop_index: 0,
             });
             step.total_num_tokens += 3;
         }

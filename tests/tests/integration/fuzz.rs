@@ -147,6 +147,8 @@ fn sampling() -> impl Strategy<Value = Option<v1::SamplingParams>> {
                     allowed_token_ids: allowed,
                     bad_words: bad.into_iter().map(|ids| v1::TokenSequence { ids }).collect(),
                     prompt_logprobs: prompt_lp,
+                    exit_threshold: None,
+                    max_loops: None,
                 }
             },
         );
@@ -182,6 +184,7 @@ fn new_request() -> impl Strategy<Value = v1::NewRequest> {
             block_ids: blocks,
             num_computed_tokens: computed,
             traceparent: String::new(),
+            max_loops: 0,
         })
 }
 
@@ -199,6 +202,7 @@ fn step() -> impl Strategy<Value = v1::Step> {
         key,
         num_tokens,
         draft_token_ids: vec![],
+        loop_index: 0,
     });
     // Block copies (a sample forking from another's prompt) between colliding blocks.
     let copy = (id(), block(), block()).prop_map(|(id, src, dst)| v1::BlockCopy { id, src, dst });
@@ -248,6 +252,7 @@ fn running_session() -> impl Strategy<Value = Vec<v1::Step>> {
                     key: v1::WorkKey::Prompt.into(),
                     num_tokens: prompt.len() as u32,
                     draft_token_ids: vec![],
+                    loop_index: 0,
                 });
                 first.total_num_tokens += prompt.len() as u32;
             }
@@ -258,6 +263,7 @@ fn running_session() -> impl Strategy<Value = Vec<v1::Step>> {
                         key: v1::WorkKey::Decode.into(),
                         num_tokens: 1,
                         draft_token_ids: vec![],
+                        loop_index: 0,
                     });
                     step.total_num_tokens += 1;
                 }

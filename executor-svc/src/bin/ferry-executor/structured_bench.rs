@@ -69,6 +69,7 @@ fn run_structured(
                 key: key.into(),
                 num_tokens: n as u32,
                 draft_token_ids: vec![],
+                loop_index: 0,
             };
             let ids = 0..b as u64;
             let prefill = v1::Step {

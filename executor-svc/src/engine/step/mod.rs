@@ -254,6 +254,7 @@ impl Engine {
             outputs,
             kv_results,
             refused,
+            exited_ids: Vec::new(),
             timing: Some(v1::StepTiming {
                 forward_us,
                 sample_us: t1.elapsed().as_micros() as u64,

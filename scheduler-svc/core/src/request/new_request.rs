@@ -84,6 +84,9 @@ pub struct NewRequest {
     pub speculate: bool,
     /// Parallel sampling: whether it shares its prompt's KV with sibling samples ([`Fork`]).
     pub fork: Fork,
+    /// A looped model's request: the most recurrent loops each of its tokens runs (`None`: the
+    /// model's [`crate::LoopedModel::max_loops`]). Refused on a plain model.
+    pub max_loops: Option<u8>,
 }
 
 impl NewRequest {
@@ -112,6 +115,7 @@ impl NewRequest {
             output: Vec::new(),
             speculate: false,
             fork: Fork::None,
+            max_loops: None,
         }
     }
 }

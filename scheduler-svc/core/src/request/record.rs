@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use crate::block_hash::{hash_block, hash_block_iter, BlockHash};
+use crate::looped::Chain;
 use crate::types::{BlockId, RequestId, StepId, TokenId, TransferId};
 
 use super::new_request::{Fork, NewRequest};
@@ -91,7 +92,9 @@ pub(crate) struct Request {
     pub(crate) output: Vec<TokenId>,
     pub(crate) prompt: Arc<[TokenId]>,
     pub(crate) num_computed: usize,
-    pub(crate) placeholders: usize,
+    /// Samples a built step will return whose value has not come back (`u32`: a handful at
+    /// most; keeps line 0 room for the KV layout below).
+    pub(crate) placeholders: u32,
     /// Built steps not yet applied that reference this request (at most two per step in
     /// flight, and at most [`crate::MAX_STEPS_IN_FLIGHT`] steps are).
     pub(crate) inflight_refs: u16,
@@ -102,6 +105,11 @@ pub(crate) struct Request {
     pub(crate) finish_reported: bool,
     /// May propose draft tokens ([`NewRequest::speculate`]).
     pub(crate) speculate: bool,
+    /// KV planes per row of its block table: 1 for a plain model's request, a looped model's
+    /// stages with layers for a looped one's (see `looped`); blocks come in whole rows.
+    pub(crate) planes: u8,
+    /// A looped model's request: its work runs stage by stage (its chain is in the cold part).
+    pub(crate) looped: bool,
     // --- line 1: lifecycle and stop rules (apply); block table and executor diff (schedule) ---
     pub(crate) block_table: Vec<BlockId>,
     pub(crate) status: RequestStatus,
@@ -170,6 +178,8 @@ pub(crate) struct RequestCold {
     pub(crate) fork_source: bool,
     /// Parallel sampling: the source it forks from ([`Fork::Of`]); cleared once it forked.
     pub(crate) fork_of: Option<RequestId>,
+    /// A looped model's request: its chain through the stages (default for a plain one).
+    pub(crate) chain: Chain,
 }
 
 /// A request whose drafts keep failing proposes again after 1, 3, 7, … decodes, at most
@@ -210,9 +220,17 @@ impl RequestCold {
 impl Request {
     /// A record for a validated request (`max_tokens` within `max_model_len`, which the config
     /// keeps within 32 bits).
-    pub(crate) fn new(req: NewRequest, arrival_seq: u64, block_size: usize) -> Self {
+    /// `looped`: the request's loops and KV planes on a looped model.
+    pub(crate) fn new(
+        req: NewRequest,
+        arrival_seq: u64,
+        block_size: usize,
+        looped: Option<(u8, u8)>,
+    ) -> Self {
+        let (max_loops, planes) = looped.unwrap_or((0, 1));
         // Sized for the whole request up front so growing never reallocates inside a step.
-        let max_blocks = (req.prompt.len() + req.max_tokens).div_ceil(block_size);
+        let max_blocks =
+            (req.prompt.len() + req.max_tokens).div_ceil(block_size) * usize::from(planes);
         let stop_filter =
             req.eos_token_ids.iter().chain(&req.stop_token_ids).fold(0, |f, &t| f | filter_bit(t));
         let to_u32 = |n: usize| u32::try_from(n).expect("validated: within max_model_len");
@@ -227,6 +245,8 @@ impl Request {
             prefill_only: req.kv_export.is_some(),
             speculate: req.speculate && req.kv_export.is_none(),
             status: RequestStatus::Waiting,
+            planes,
+            looped: looped.is_some(),
             num_computed: 0,
             placeholders: 0,
             block_table: Vec::with_capacity(max_blocks),
@@ -266,6 +286,7 @@ impl Request {
                     Fork::Of(source) => Some(source),
                     Fork::None | Fork::Source => None,
                 },
+                chain: Chain { max_loops, ..Chain::default() },
             }),
         }
     }
@@ -293,6 +314,12 @@ impl Request {
         self.num_registered = u32::try_from(blocks).expect("a table holds at most num_blocks");
     }
 
+    /// Rows of positions its block table covers (blocks per row: `planes`).
+    #[inline]
+    pub(crate) fn table_rows(&self) -> usize {
+        self.block_table.len() / usize::from(self.planes)
+    }
+
     /// Prompt plus output tokens whose values are known.
     #[inline]
     pub(crate) fn num_tokens(&self) -> usize {
@@ -303,7 +330,7 @@ impl Request {
     /// returned samples).
     #[inline]
     pub(crate) fn remaining(&self) -> usize {
-        (self.num_tokens() + self.placeholders).saturating_sub(self.num_computed)
+        (self.num_tokens() + self.placeholders as usize).saturating_sub(self.num_computed)
     }
 
     /// Token `i` of `prompt ++ output`.
@@ -332,9 +359,9 @@ impl Request {
     /// The request may not schedule more tokens yet: its pending samples already reach
     /// `max_tokens`, the model length, or (prefill-only) the first token.
     pub(crate) fn output_capped(&self, max_model_len: usize) -> bool {
-        let produced = self.output.len() + self.placeholders;
+        let produced = self.output.len() + self.placeholders as usize;
         produced >= self.max_tokens as usize
-            || self.num_tokens() + self.placeholders >= max_model_len
+            || self.num_tokens() + self.placeholders as usize >= max_model_len
             || (self.prefill_only && produced >= 1)
     }
 
@@ -392,7 +419,7 @@ mod tests {
         let mut n = NewRequest::new(RequestId(1), vec![1, 2, 3], max_tokens, Timestamp(0));
         n.eos_token_ids = vec![9];
         n.stop_token_ids = vec![7, 1, 2, 4, 5];
-        Request::new(n, 0, 4)
+        Request::new(n, 0, 4, None)
     }
 
     #[test]
@@ -440,7 +467,8 @@ mod tests {
             r.output.push(token);
             assert_eq!(r.check_stop(100), want, "token {token}");
         }
-        let plain = Request::new(NewRequest::new(RequestId(2), vec![1], 4, Timestamp(0)), 0, 4);
+        let plain =
+            Request::new(NewRequest::new(RequestId(2), vec![1], 4, Timestamp(0)), 0, 4, None);
         assert_eq!(plain.stop_filter, 0, "no stop ids: every token skips the id sets");
     }
 

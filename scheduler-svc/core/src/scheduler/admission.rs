@@ -54,7 +54,9 @@ impl Scheduler {
         // Prefix-cache lookup for a request that holds no KV: full blocks only, and never the
         // whole sequence (the last token must be computed to sample from it).
         let fork = if holds { None } else { self.fork_point(idx) };
-        let (hit_blocks, evictable_hits) = if holds || fork.is_some() {
+        // A looped request's KV depends on its loops: it neither hits nor fills the cache.
+        let looped = self.requests[idx].looped;
+        let (hit_blocks, evictable_hits) = if holds || fork.is_some() || looped {
             (0, 0)
         } else {
             let max_hit = (self.requests[idx].num_tokens() - 1) / bs;
@@ -73,7 +75,16 @@ impl Scheduler {
         let chunked = self.cfg.enable_chunked_prefill
             || remaining > self.cfg.max_num_batched_tokens
             || cap < remaining;
-        let (key, n) = if remaining == 1 && computed >= r.prompt.len() {
+        let (key, n) = if looped && remaining == 1 && computed >= r.prompt.len() {
+            (WorkKey::DecodePrelude, 1)
+        } else if looped {
+            let n = if self.cfg.enable_chunked_prefill {
+                remaining.min(self.cfg.chunk_cap()).min(self.draft.budget())
+            } else {
+                remaining
+            };
+            (WorkKey::PromptPrelude, n)
+        } else if remaining == 1 && computed >= r.prompt.len() {
             (WorkKey::Decode, 1)
         } else if chunked {
             let n = remaining.min(self.cfg.chunk_cap()).min(self.draft.budget()).min(cap);
@@ -86,7 +97,7 @@ impl Scheduler {
             Some(f) => f.shared,
             None => hit_blocks,
         };
-        let need = self.cfg.blocks_for(computed + n).saturating_sub(have);
+        let need = (self.cfg.blocks_for(computed + n) * usize::from(r.planes)).saturating_sub(have);
         AdmissionPlan {
             holds,
             hit_blocks,

@@ -13,6 +13,7 @@ use crate::outcome::{RequestEvent, SampledToken, StepOutcome};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, FinishReason, RequestStatus, TransferState};
 use crate::types::{RequestId, Timestamp, TransferId};
+use crate::work_queues::Operation;
 
 use super::inflight::{RecordEntry, StepRecord};
 use super::Scheduler;
@@ -53,6 +54,19 @@ impl Scheduler {
                 if !self.requests[idx].status.is_finished() {
                     let done = self.finish(idx, FinishReason::Error, now);
                     events.push(RequestEvent::Finished(Box::new(done)));
+                }
+            }
+        }
+        if self.cfg.looped.is_some() {
+            // Chains first: a coda's result completes its chain, whose loops its token reports.
+            for e in &record.entries {
+                let exited = outcome.exited.contains(&e.id);
+                let chain = &mut self.requests[e.idx].cold.chain;
+                if chain.applied(record.step_id.0, exited) {
+                    let c = &mut self.counters;
+                    c.chains_completed += 1;
+                    c.chain_loops += u64::from(chain.last_loops);
+                    c.chains_exited_early += u64::from(chain.last_loops < chain.max_loops);
                 }
             }
         }
@@ -155,6 +169,21 @@ impl Scheduler {
             }
         }
         let record = self.steps.oldest().expect("checked above");
+        for &id in &outcome.exited {
+            // Only a request whose loop is this step's stage in flight may exit (one that was
+            // preempted since has no stage in flight: its report is stale and ignored).
+            let entry = record.entries.iter().find(|e| e.id == id);
+            let Some(e) = entry else { return Err(ApplyError::UnexpectedExit { step, id }) };
+            match self.requests[e.idx].cold.chain.in_flight {
+                Some((s, op)) if s == step.0 && op != Operation::Recurrent => {
+                    return Err(ApplyError::UnexpectedExit { step, id });
+                }
+                _ if !self.requests[e.idx].looped => {
+                    return Err(ApplyError::UnexpectedExit { step, id });
+                }
+                _ => {}
+            }
+        }
         if outcome.refused.is_empty() {
             if record.verifies == 0 && outcome.sampled.len() == record.samples {
                 let sampling = record.entries.iter().filter(|e| e.samples);
@@ -267,7 +296,8 @@ impl Scheduler {
         let prefill_only = r.prefill_only;
         let stop = r.check_stop(max_model_len);
         self.counters.generation_tokens += 1;
-        events.push(RequestEvent::Token { id, token, index });
+        let loops = if r.looped { r.cold.chain.last_loops } else { 0 };
+        events.push(RequestEvent::Token { id, token, index, loops });
         if let Some(reason) = stop {
             // Done with its first token (EOS, a stop token, max_tokens 1): nothing to hand on,
             // a prefill-only request included (its export id is released).

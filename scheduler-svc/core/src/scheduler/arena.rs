@@ -164,7 +164,7 @@ mod tests {
     use crate::types::Timestamp;
 
     fn record(id: u64) -> Request {
-        Request::new(NewRequest::new(RequestId(id), vec![1, 2], 4, Timestamp(0)), id, 16)
+        Request::new(NewRequest::new(RequestId(id), vec![1, 2], 4, Timestamp(0)), id, 16, None)
     }
 
     #[test]

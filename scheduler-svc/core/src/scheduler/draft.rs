@@ -206,6 +206,7 @@ impl StepDraft {
         output: &[TokenId],
         blocks: &[BlockId],
         num_computed_tokens: usize,
+        max_loops: u8,
     ) {
         // Only a request that arrived with output has any before the executor knew it.
         let output = if output.is_empty() { self.empty_tokens.clone() } else { output.into() };
@@ -216,7 +217,13 @@ impl StepDraft {
             output,
             block_ids,
             num_computed_tokens,
+            max_loops,
         });
+    }
+
+    /// The step runs `op` (a looped model's stage).
+    pub(crate) fn set_operation(&mut self, op: crate::work_queues::Operation) {
+        self.plan.operation = op;
     }
 
     /// A preempted request the executor knows, resumed: its whole table and all its tokens.

@@ -25,7 +25,8 @@ use super::Scheduler;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("invariant {rule} violated: {detail}")]
 pub struct InvariantViolation {
-    /// Which rule (1–7 as in DESIGN §3; 0 for internal bookkeeping).
+    /// Which rule (1–7 as in DESIGN §3, 8 for looped models' chains; 0 for internal
+    /// bookkeeping).
     pub rule: u8,
     /// What was found.
     pub detail: String,
@@ -135,7 +136,10 @@ impl Scheduler {
             for b in &r.block_table {
                 holds[b.index()] += 1;
             }
-            if r.num_computed > r.block_table.len() * bs {
+            if r.block_table.len() % usize::from(r.planes) != 0 {
+                return fail(6, format!("{} holds part of a row of KV planes", r.id));
+            }
+            if r.num_computed > r.table_rows() * bs {
                 return fail(
                     6,
                     format!(
@@ -147,7 +151,7 @@ impl Scheduler {
                 );
             }
             let in_flight = drafts.get(&idx).copied().unwrap_or(0);
-            if r.num_computed > r.num_tokens() + r.placeholders + in_flight {
+            if r.num_computed > r.num_tokens() + r.placeholders as usize + in_flight {
                 return fail(
                     6,
                     format!(
@@ -162,6 +166,7 @@ impl Scheduler {
                 );
             }
         }
+        self.check_chains()?;
         for (step, b) in self.fences.iter() {
             if !self.steps.in_flight(Some(step)) {
                 return fail(4, format!("block {} fenced by {step}, which is applied", b.0));
@@ -178,6 +183,65 @@ impl Scheduler {
         }
         if held + self.pool.num_free() != n {
             return fail(4, format!("{held} held + {} free != {n}", self.pool.num_free()));
+        }
+        Ok(())
+    }
+
+    /// 8. A looped request: its chain's tokens are computed and were scheduled as one prelude;
+    ///    it ran at most its loops; no stage of it is pending while one is in flight (a stage
+    ///    runs only after the previous one's result), and a stage in flight is in a step in
+    ///    flight; every step in flight ran one operation. Nothing of this for a plain request.
+    fn check_chains(&self) -> Result<(), InvariantViolation> {
+        for (idx, r) in self.requests.iter() {
+            let c = &r.cold.chain;
+            if !r.looped {
+                if c.tokens > 0 || c.in_flight.is_some() {
+                    return fail(8, format!("{} is not looped but has a chain", r.id));
+                }
+                continue;
+            }
+            if c.tokens as usize > r.num_computed {
+                return fail(
+                    8,
+                    format!("{} chain of {} tokens, {} computed", r.id, c.tokens, r.num_computed),
+                );
+            }
+            if c.loops > c.max_loops || (c.tokens == 0 && (c.loops > 0 || c.coda)) {
+                return fail(8, format!("{} chain {c:?} out of its bounds", r.id));
+            }
+            let pending = self.work.pending(idx);
+            if let Some((step, op)) = c.in_flight {
+                if pending.is_some() {
+                    return fail(8, format!("{} has {pending:?} pending while {op:?} runs", r.id));
+                }
+                if !self.steps.in_flight(Some(crate::types::StepId(step))) {
+                    return fail(
+                        8,
+                        format!("{} has {op:?} in flight in step {step}, applied", r.id),
+                    );
+                }
+            }
+            if let Some(key) = pending {
+                if key.operation() == crate::work_queues::Operation::Whole {
+                    return fail(8, format!("{} is looped but pending {key:?}", r.id));
+                }
+            }
+        }
+        let plan = self.draft.plan();
+        if let Some(w) = plan.scheduled.iter().find(|w| w.work.operation() != plan.operation) {
+            return fail(8, format!("{} runs {:?} with {w:?} in it", plan.step_id, plan.operation));
+        }
+        for rec in self.steps.iter() {
+            let ops: std::collections::BTreeSet<_> = rec
+                .entries
+                .iter()
+                .filter_map(|e| self.requests.get(e.idx))
+                .filter_map(|r| r.cold.chain.in_flight.filter(|&(s, _)| s == rec.step_id.0))
+                .map(|(_, op)| op)
+                .collect();
+            if ops.len() > 1 {
+                return fail(8, format!("{} runs several operations: {ops:?}", rec.step_id));
+            }
         }
         Ok(())
     }

@@ -92,6 +92,10 @@ struct Counters {
     forks: u64,
     fork_shared_blocks: u64,
     fork_copied_blocks: u64,
+    chains_completed: u64,
+    chain_loops: u64,
+    chains_exited_early: u64,
+    chains_dropped: u64,
 }
 
 /// The scheduling core of one executor. Synchronous, owns all its state, takes time as input.
@@ -204,7 +208,11 @@ impl Scheduler {
             let s = self.requests.index_of(source).expect("validate_fork checked it is live");
             req.prompt = self.requests[s].prompt.clone();
         }
-        let mut r = Request::new(req, self.arrival_seq, self.cfg.block_size);
+        let looped = self.cfg.looped.map(|m| {
+            let loops = req.max_loops.unwrap_or(m.max_loops);
+            (loops, m.planes(loops))
+        });
+        let mut r = Request::new(req, self.arrival_seq, self.cfg.block_size, looped);
         if let Some(imp) = import {
             r.status = RequestStatus::Receiving;
             r.cold.transfer = Some((imp.transfer_id, TransferState::ImportQueued));
@@ -264,8 +272,9 @@ impl Scheduler {
         if self.requests.contains(id) {
             return Err(AddError::DuplicateId(id));
         }
+        let planes = self.validate_looped(req)?;
         // KV is computed for every token but the last sampled one.
-        let blocks_needed = self.cfg.blocks_for(prompt_len + req.max_tokens - 1);
+        let blocks_needed = self.cfg.blocks_for(prompt_len + req.max_tokens - 1) * planes;
         if blocks_needed > self.cfg.num_blocks {
             return Err(AddError::NeverFits { id, blocks_needed, num_blocks: self.cfg.num_blocks });
         }
@@ -296,6 +305,29 @@ impl Scheduler {
             }
         }
         Ok(())
+    }
+
+    /// A looped model's request asks for 1..=the model's loops and neither moves KV between
+    /// nodes nor forks; a plain model's asks for no loops. Its KV planes per row.
+    fn validate_looped(&self, req: &NewRequest) -> Result<usize, AddError> {
+        let looped = |reason: String| Err(AddError::Looped { id: req.id, reason });
+        let Some(model) = self.cfg.looped else {
+            if let Some(loops) = req.max_loops {
+                return looped(format!("max_loops {loops} asked of a model that does not loop"));
+            }
+            return Ok(1);
+        };
+        let loops = req.max_loops.unwrap_or(model.max_loops);
+        if !(1..=model.max_loops).contains(&loops) {
+            return looped(format!("max_loops must be 1..={}, got {loops}", model.max_loops));
+        }
+        if req.kv_import.is_some() || req.kv_export.is_some() {
+            return looped("a looped model's request cannot move its KV between nodes".into());
+        }
+        if req.fork != Fork::None {
+            return looped("a looped model's request cannot share a prompt's KV (n > 1)".into());
+        }
+        Ok(usize::from(model.planes(loops)))
     }
 
     /// A sample's fork must name a live source with its prompt and salt; neither side may move
@@ -391,10 +423,17 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         debug_assert!(!self.scheduled_in_build(idx), "release of a request scheduled in this step");
         let r = &mut self.requests[idx];
+        // Whole rows: a looped request's table holds one block per plane for each row.
+        let planes = usize::from(r.planes);
+        let keep = keep / planes * planes;
         if r.block_table.len() <= keep {
             return 0;
         }
-        r.num_computed = r.num_computed.min(keep * bs);
+        r.num_computed = r.num_computed.min(keep / planes * bs);
+        if r.looped && r.cold.chain.tokens > 0 {
+            // Its rows are gone (it finished, or lost its tail waiting): so is its chain.
+            r.cold.chain.drop_chain();
+        }
         r.set_registered(r.registered().min(keep));
         r.exec.sent_blocks = r.exec.sent_blocks.min(keep as u32);
         let step = r.last_step.get();

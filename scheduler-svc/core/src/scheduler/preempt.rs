@@ -27,6 +27,7 @@
 use crate::request::{Decision, Request};
 use crate::scheduler_config::{PreemptionMode, PreemptionPolicy};
 use crate::types::Timestamp;
+use crate::work_queues::Operation;
 
 use super::Scheduler;
 
@@ -116,6 +117,17 @@ impl Scheduler {
     /// its blocks; it goes to the front of the waiting queue.
     pub(super) fn preempt(&mut self, idx: u32, now: Timestamp) {
         self.rollback_scheduled(idx);
+        let r = &mut self.requests[idx];
+        if r.looped {
+            // The executor forgets a preempted request, and with it the hidden state of the
+            // chain in progress: the chain's tokens are recomputed from their prelude (their
+            // rows stay allocated while the request holds its blocks).
+            if r.cold.chain.tokens > 0 {
+                r.num_computed -= r.cold.chain.tokens as usize;
+                self.counters.chains_dropped += 1;
+            }
+            r.cold.chain.drop_chain();
+        }
         let recompute = self.cfg.preemption_mode == PreemptionMode::Recompute;
         self.deactivate_to_waiting(idx);
         if recompute {
@@ -141,7 +153,14 @@ impl Scheduler {
         let r = &mut self.requests[idx];
         r.last_step = r.prev_last_step;
         r.inflight_refs -= 1;
-        r.num_computed -= work.num_tokens;
+        let op = work.work.operation();
+        if op != Operation::Whole {
+            r.cold.chain.unschedule(op);
+        }
+        // Only a chain's prelude counts its tokens as computed.
+        if matches!(op, Operation::Whole | Operation::Prelude) {
+            r.num_computed -= work.num_tokens;
+        }
         if work.samples_token {
             r.placeholders -= 1;
         }
@@ -181,6 +200,7 @@ mod tests {
             sampled: plan.scheduled.iter().map(|w| SampledToken { id: w.id, token: 9 }).collect(),
             kv_results: vec![],
             refused: vec![],
+            exited: Vec::new(),
         };
         core.apply_result(&outcome, Timestamp(0), &mut Vec::new()).unwrap();
         core

@@ -18,8 +18,9 @@ use crate::plan::{ScheduledWork, Span, StepPlan};
 use crate::prefetch::prefetch;
 use crate::request::{Decision, RequestStatus, StepMark, TransferState};
 
+use crate::looped::{LoopedModel, StagePolicy, StageSelection};
 use crate::types::Timestamp;
-use crate::work_queues::WorkKey;
+use crate::work_queues::{Operation, WorkKey};
 
 use super::preempt::Room;
 use super::Scheduler;
@@ -59,23 +60,67 @@ impl Scheduler {
         self.draft.open(record, self.cfg.max_num_batched_tokens);
 
         self.report_finished();
-        self.schedule_running(WorkKey::Decode, now);
-        self.schedule_running(WorkKey::Verify, now);
-        if !defer {
-            self.schedule_running(WorkKey::Prompt, now);
-            self.schedule_running(WorkKey::PromptChunk, now);
-        }
-        if self.draft.admits() {
+        if let Some(model) = self.cfg.looped {
+            self.schedule_stages(model, defer, now);
+        } else {
+            self.schedule_running(WorkKey::Decode, now);
+            self.schedule_running(WorkKey::Verify, now);
             if !defer {
-                self.admit_waiting(now);
+                self.schedule_running(WorkKey::Prompt, now);
+                self.schedule_running(WorkKey::PromptChunk, now);
             }
-            self.start_imports();
+            if self.draft.admits() {
+                if !defer {
+                    self.admit_waiting(now);
+                }
+                self.start_imports();
+            }
         }
         self.note_prefill_capacity(defer);
         self.start_exports();
         self.store_tier_blocks();
         self.finalize();
         Ok(self.draft.plan())
+    }
+
+    /// A looped model's step: the first operation in the selection's order that schedules
+    /// something runs, over the whole batch (see `looped`). Under [`StagePolicy::Separate`] its
+    /// prompt work runs only in a step without its decode work; admission starts chains, so it
+    /// belongs to the prelude.
+    fn schedule_stages(&mut self, model: LoopedModel, defer: bool, now: Timestamp) {
+        let full = self.cfg.max_num_batched_tokens;
+        let (mut order, mut tries) = (model.selection.order(), 3);
+        if model.selection == StageSelection::PreludeFirst {
+            // Chosen by candidates, no fall-through (see `StageSelection::PreludeFirst`).
+            let prelude =
+                self.work.len(WorkKey::PromptPrelude) + self.work.len(WorkKey::DecodePrelude);
+            let deep =
+                self.work.len(WorkKey::PromptRecurrent) + self.work.len(WorkKey::DecodeRecurrent);
+            let op = if prelude > 0 || self.waiting.len() > 0 {
+                Operation::Prelude
+            } else if deep > 0 {
+                Operation::Recurrent
+            } else {
+                Operation::Coda
+            };
+            (order[0], tries) = (op, 1);
+        }
+        for op in order.into_iter().take(tries) {
+            for key in LoopedModel::keys(op, defer).into_iter().flatten() {
+                if model.policy == StagePolicy::Separate && self.draft.budget() < full {
+                    break;
+                }
+                self.schedule_running(key, now);
+            }
+            let separate_done = model.policy == StagePolicy::Separate && self.draft.budget() < full;
+            if op == Operation::Prelude && !defer && self.draft.admits() && !separate_done {
+                self.admit_waiting(now);
+            }
+            if self.draft.budget() < full {
+                self.draft.set_operation(op);
+                return;
+            }
+        }
     }
 
     /// The plan built by the last [`Scheduler::schedule`] call.
@@ -103,6 +148,9 @@ impl Scheduler {
         if r.output_capped(self.cfg.max_model_len) {
             return None;
         }
+        if r.looped {
+            return self.next_stage(idx);
+        }
         let remaining = r.remaining();
         if remaining == 0 {
             None
@@ -118,6 +166,23 @@ impl Scheduler {
             Some(WorkKey::Prompt)
         } else {
             Some(WorkKey::PromptChunk)
+        }
+    }
+
+    /// A looped request's next work: its chain's next stage, nothing while a stage of it is in
+    /// flight, else the prelude of its next chain (a decode's, or a prompt chunk's).
+    fn next_stage(&self, idx: u32) -> Option<WorkKey> {
+        let r = &self.requests[idx];
+        let chain = &r.cold.chain;
+        if chain.tokens > 0 {
+            let start = r.num_computed - chain.tokens as usize;
+            let prompt = chain.tokens > 1 || start < r.prompt.len();
+            return chain.next_op().and_then(|op| WorkKey::stage(op, prompt));
+        }
+        match r.remaining() {
+            0 => None,
+            1 if r.num_computed >= r.prompt.len() => Some(WorkKey::DecodePrelude),
+            _ => Some(WorkKey::PromptPrelude),
         }
     }
 
@@ -177,7 +242,7 @@ impl Scheduler {
         let remaining = self.requests[idx].remaining();
         let budget = self.draft.budget();
         match key {
-            WorkKey::Decode => remaining.min(1).min(budget),
+            WorkKey::Decode | WorkKey::DecodePrelude => remaining.min(1).min(budget),
             // The last token and each draft token, as far as the budget goes.
             WorkKey::Verify => (remaining + self.requests[idx].cold.draft.len()).min(budget),
             WorkKey::Prompt if remaining > budget => 0,
@@ -185,6 +250,18 @@ impl Scheduler {
             WorkKey::PromptChunk => {
                 let r = &self.requests[idx];
                 remaining.min(self.cfg.chunk_cap()).min(budget).min(r.fork_cap(r.num_computed))
+            }
+            WorkKey::PromptPrelude if !self.cfg.enable_chunked_prefill && remaining > budget => 0,
+            WorkKey::PromptPrelude if !self.cfg.enable_chunked_prefill => remaining,
+            WorkKey::PromptPrelude => remaining.min(self.cfg.chunk_cap()).min(budget),
+            // A chain's later stages take all its tokens in one step, or wait.
+            _ => {
+                let chain = self.requests[idx].cold.chain.tokens as usize;
+                if chain > budget {
+                    0
+                } else {
+                    chain
+                }
             }
         }
     }
@@ -217,10 +294,7 @@ impl Scheduler {
             } else {
                 key
             };
-            let need = {
-                let r = &self.requests[idx];
-                self.cfg.blocks_for(r.num_computed + n).saturating_sub(r.block_table.len())
-            };
+            let need = self.blocks_needed(idx, key, n);
             if need > 0 {
                 match self.make_room(idx, need, now) {
                     Room::Ready => {}
@@ -235,6 +309,17 @@ impl Scheduler {
             }
             self.commit_work(idx, key, n, need);
         }
+    }
+
+    /// New blocks `idx` needs for `n` tokens of `key` work: the rows its computed tokens reach,
+    /// in every KV plane (one for a plain request); a looped chain's later stages need none.
+    pub(super) fn blocks_needed(&self, idx: u32, key: WorkKey, n: usize) -> usize {
+        if !matches!(key.operation(), Operation::Whole | Operation::Prelude) {
+            return 0;
+        }
+        let r = &self.requests[idx];
+        let blocks = self.cfg.blocks_for(r.num_computed + n) * usize::from(r.planes);
+        blocks.saturating_sub(r.block_table.len())
     }
 
     /// Allocate `new_blocks`, count `n` tokens as computed, add the entry to the plan and queue
@@ -255,10 +340,26 @@ impl Scheduler {
         debug_assert!(ok, "commit_work called without the blocks being free");
         r.new_blocks_this_step =
             u32::try_from(r.block_table.len() - table_before).expect("at most num_blocks");
-        r.num_computed += n;
+        let op = key.operation();
+        // A looped chain's tokens count as computed at its prelude (their rows are allocated
+        // then); only its coda samples.
+        if matches!(op, Operation::Whole | Operation::Prelude) {
+            r.num_computed += n;
+        }
         // A verification computes past the known tokens (its draft) and always samples.
         let drafts = if key == WorkKey::Verify { n - 1 } else { 0 };
-        let samples = r.num_computed == r.num_tokens() + r.placeholders + drafts;
+        let samples = matches!(op, Operation::Whole | Operation::Coda)
+            && r.num_computed == r.num_tokens() + r.placeholders as usize + drafts;
+        let loop_index = if r.looped {
+            r.cold.chain.schedule(op, step.get().map_or(0, |s| s.0), n as u32);
+            if op == Operation::Recurrent {
+                r.cold.chain.loops
+            } else {
+                0
+            }
+        } else {
+            0
+        };
         debug_assert!(samples || key != WorkKey::Verify, "a verify continues the last token");
         if samples {
             r.placeholders += 1;
@@ -271,17 +372,23 @@ impl Scheduler {
         let followup = !r.exec.known
             || r.exec.needs_resume
             || r.block_table.len() > r.exec.sent_blocks as usize
-            || (caching && r.num_computed.min(r.num_tokens()) / bs > r.registered());
+            || (caching && !r.looped && r.num_computed.min(r.num_tokens()) / bs > r.registered());
         let draft = if drafts > 0 {
             debug_assert_eq!(r.cold.draft.len(), drafts, "schedule_running cut the draft to n - 1");
             self.draft.push_draft(&r.cold.draft)
         } else {
             Span::default()
         };
-        let work =
-            ScheduledWork { id: r.id, work: key, num_tokens: n, samples_token: samples, draft };
+        let work = ScheduledWork {
+            id: r.id,
+            work: key,
+            num_tokens: n,
+            samples_token: samples,
+            draft,
+            loop_index,
+        };
         self.draft.add_work(idx, work, followup);
-        if key.is_prompt() {
+        if key.is_prompt() && matches!(op, Operation::Whole | Operation::Prelude) {
             self.counters.prompt_tokens += n as u64;
         }
         self.requeue(idx);
@@ -355,7 +462,7 @@ impl Scheduler {
             self.diff_for_executor(idx, tokens);
             let r = &mut self.requests[idx];
             let full = r.num_computed.min(r.num_tokens()) / bs;
-            if self.cfg.enable_prefix_caching && full > r.registered() {
+            if self.cfg.enable_prefix_caching && !r.looped && full > r.registered() {
                 r.update_block_hashes(bs);
                 let upto = full.min(r.block_table.len()).min(r.cold.block_hashes.len());
                 for &h in &r.cold.block_hashes[r.registered().min(upto)..upto] {
@@ -428,7 +535,9 @@ impl Scheduler {
         let computed_before = r.num_computed - scheduled_tokens;
         let table_len = r.block_table.len();
         if !r.exec.known {
-            self.draft.new_request(r.id, &r.prompt, &r.output, &r.block_table, computed_before);
+            let loops = r.cold.chain.max_loops;
+            let (prompt, output, table) = (&r.prompt, &r.output, &r.block_table);
+            self.draft.new_request(r.id, prompt, output, table, computed_before, loops);
         } else if r.exec.needs_resume {
             let tokens: [&[_]; 2] = [&r.prompt, &r.output];
             self.draft.resumed_request(r.id, &r.block_table, &tokens, computed_before);

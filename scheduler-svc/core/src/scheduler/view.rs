@@ -65,6 +65,15 @@ pub struct SchedulerStats {
     pub fork_shared_blocks: u64,
     /// Partial blocks those forks copied.
     pub fork_copied_blocks: u64,
+    /// A looped model's chains (a prompt chunk or a decoded token through every stage) that
+    /// completed their coda.
+    pub chains_completed: u64,
+    /// Recurrent loops those chains ran.
+    pub chain_loops: u64,
+    /// Those of them that exited before their `max_loops`.
+    pub chains_exited_early: u64,
+    /// Chains dropped mid-way by a preemption (recomputed from their prelude).
+    pub chains_dropped: u64,
 }
 
 /// One request, as the admin listing shows it.
@@ -126,6 +135,10 @@ impl Scheduler {
             forks: c.forks,
             fork_shared_blocks: c.fork_shared_blocks,
             fork_copied_blocks: c.fork_copied_blocks,
+            chains_completed: c.chains_completed,
+            chain_loops: c.chain_loops,
+            chains_exited_early: c.chains_exited_early,
+            chains_dropped: c.chains_dropped,
         }
     }
 

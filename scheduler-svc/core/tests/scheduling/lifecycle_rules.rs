@@ -459,7 +459,12 @@ fn a_moved_request_continues_from_its_prior_output() {
     assert_eq!(new.num_computed_tokens, 0);
     assert_eq!(plan.scheduled[0].num_tokens, 8, "prompt and prior output are recomputed");
     assert!(plan.scheduled[0].samples_token);
-    assert!(events.contains(&RequestEvent::Token { id: RequestId(1), token: 7, index: 2 }));
+    assert!(events.contains(&RequestEvent::Token {
+        id: RequestId(1),
+        token: 7,
+        index: 2,
+        loops: 0
+    }));
     let done = h.drain(7, 10);
     assert_eq!(done[0].reason, FinishReason::Length);
     assert_eq!(done[0].stats.output_tokens, 5, "max_tokens counts the prior output");

@@ -237,6 +237,7 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
             prompt_lookup_max: min + longer,
             disable_by_batch_size: None,
         }),
+        looped: None,
     };
     let (eos_pct, abort_pct, kv_fail_pct, kv_delay, pipeline_pct, reuse_pct, seed) = s.opts;
     let opts = SimOpts {
@@ -249,6 +250,7 @@ fn build(s: &Shape) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         refuse_pct: [0, 2, 5][(seed % 3) as usize],
         echo_pct: s.spec.1,
         throttle_pct: [0, 50, 90][(seed / 3 % 3) as usize],
+        exit_pct: 0,
         max_steps: 20_000,
         seed,
     };

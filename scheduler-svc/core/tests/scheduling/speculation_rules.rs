@@ -61,7 +61,7 @@ fn run(
         let plan = h.schedule();
         let outcome = answer(&h, &plan, model);
         for e in h.apply(&outcome) {
-            if let RequestEvent::Token { id, token, index } = e {
+            if let RequestEvent::Token { id, token, index, .. } = e {
                 let v = out.entry(id).or_default();
                 assert_eq!(index, v.len());
                 v.push(token);

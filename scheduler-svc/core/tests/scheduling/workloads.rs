@@ -40,6 +40,8 @@ fn num_seeds() -> u64 {
 }
 
 /// A random configuration and workload for `seed`.
+/// One draw per line, in the order the regression seeds replay: splitting it would hide that.
+#[allow(clippy::too_many_lines)]
 fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
     let mut rng = Rng::new(seed);
     let block_size = rng.pick(&[1, 2, 4, 16]);
@@ -128,6 +130,7 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         // From a stream of its own, so the other draws (and the regression seeds) stay.
         kv_tier_store_blocks_per_step: Rng::new(seed ^ 0x5449_4552).pick(&[0, 1, 4]),
         speculative,
+        ..SchedulerConfig::default()
     };
     let opts = SimOpts {
         eos_pct: rng.pick(&[0, 5, 20]),
@@ -141,8 +144,8 @@ fn random_case(seed: u64) -> (SchedulerConfig, Vec<Arrival>, SimOpts) {
         echo_pct: spec_rng.pick(&[0, 50, 90]),
         // From a stream of its own, so the other draws (and the regression seeds) stay.
         throttle_pct: Rng::new(seed ^ 0x5448_524f).pick(&[0, 0, 50, 90]),
-        max_steps: 20_000,
         seed,
+        ..SimOpts::default()
     };
     (cfg, arrivals, opts)
 }
@@ -268,6 +271,7 @@ fn priority_chunked_preemption_livelock_regression_drains() {
                         max_steps_in_flight: in_flight,
                         kv_tier_store_blocks_per_step: 0,
                         speculative: None,
+                        looped: None,
                     };
                     let mut step = 0;
                     let arrivals: Vec<Arrival> = (0..10)

@@ -100,6 +100,10 @@ pub(super) struct Common {
     pub(super) truncate_prompt_tokens: Option<i64>,
     pub(super) bad_words: Option<Vec<String>>,
     pub(super) prompt_logprobs: Option<u32>,
+    /// A looped model's most recurrent loops per token (a Ferry extension, as vLLM's).
+    pub(super) max_loops: Option<u32>,
+    /// A looped model's exit threshold, in (0, 1] (a Ferry extension, as vLLM's).
+    pub(super) exit_threshold: Option<f32>,
 }
 
 /// A `/v1/completions` body.

@@ -58,6 +58,8 @@ pub(super) fn generate_request(
             // Tokenized by `run`, which has the tokenizer.
             bad_words: Vec::new(),
             prompt_logprobs: c.prompt_logprobs,
+            max_loops: c.max_loops,
+            exit_threshold: c.exit_threshold,
         }),
         stopping: Some(v1::StoppingCriteria {
             max_tokens: c.max_completion_tokens.or(c.max_tokens).or(default_max).unwrap_or(0),

@@ -108,6 +108,12 @@ pub(super) fn check_values(c: &Common) -> Result<(), ApiError> {
     if empty_stop {
         return bad("stop cannot contain an empty string".into());
     }
+    if c.max_loops == Some(0) {
+        return bad("max_loops must be at least 1".into());
+    }
+    if let Some(t) = c.exit_threshold.filter(|t| !(*t > 0.0 && *t <= 1.0)) {
+        return bad(format!("exit_threshold must be in (0, 1], got {t}"));
+    }
     if let Some(t) = c.truncate_prompt_tokens.filter(|t| *t == 0 || *t < -1) {
         return bad(format!("truncate_prompt_tokens must be an integer >= 1 or -1, got {t}"));
     }

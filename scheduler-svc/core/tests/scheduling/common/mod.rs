@@ -74,6 +74,8 @@ pub struct SimOpts {
     /// Percent chance a step is one a data-parallel group throttles (not an aligned prefill
     /// round): [`Scheduler::schedule_throttled`].
     pub throttle_pct: u64,
+    /// A looped model's recurrent loop reports its chain's exit with this probability.
+    pub exit_pct: u64,
     /// Give up (livelock) after this many steps.
     pub max_steps: u64,
     pub seed: u64,
@@ -91,6 +93,7 @@ impl Default for SimOpts {
             refuse_pct: 0,
             echo_pct: 0,
             throttle_pct: 0,
+            exit_pct: 0,
             max_steps: 20_000,
             seed: 0,
         }
@@ -123,6 +126,12 @@ pub struct Report {
     pub cached_reported: u64,
     /// Steps that held prefills back for the throttle (checked to carry no prompt work).
     pub prefills_deferred: u64,
+    /// A looped model's chains completed, those that exited early, those a preemption
+    /// dropped, and steps that ran prompt and decode work of one stage together.
+    pub chains: u64,
+    pub chains_exited_early: u64,
+    pub chains_dropped: u64,
+    pub mixed_stage_steps: u64,
 }
 
 /// The events whose coverage the property tests assert, in [`Report::events`]' order.
@@ -339,6 +348,9 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             report.preemptions = core.stats().num_preemptions;
             report.forks = core.stats().forks;
             report.fork_copies = core.stats().fork_copied_blocks;
+            report.chains = core.stats().chains_completed;
+            report.chains_exited_early = core.stats().chains_exited_early;
+            report.chains_dropped = core.stats().chains_dropped;
             if !live.is_empty() {
                 return Err(format!("drained with {} requests never finished", live.len()));
             }
@@ -404,6 +416,27 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
                     exec.rejected(w.id, draft.len() - accepted);
                 }
             }
+            for w in plan.scheduled.iter().filter(|w| w.work.operation() == Operation::Recurrent) {
+                let start = exec.tables.get(&w.id).map_or(0, |t| t.1);
+                let mut r = Rng::new(
+                    opts.seed
+                        ^ w.id.0.wrapping_mul(0x9e37)
+                        ^ (u64::from(w.loop_index) << 32)
+                        ^ ((start as u64) << 40),
+                );
+                if !refused.contains(&w.id) && r.pct(opts.exit_pct) {
+                    outcome.exited.push(w.id);
+                }
+            }
+            let ops: HashSet<_> = plan.scheduled.iter().map(|w| w.work.operation()).collect();
+            if ops.len() > 1 || ops.iter().any(|&op| op != plan.operation) {
+                return Err(format!("step {step}: {:?} step runs {ops:?}", plan.operation));
+            }
+            let prompt = plan.scheduled.iter().any(|w| w.work.is_prompt());
+            let decode = plan.scheduled.iter().any(|w| !w.work.is_prompt());
+            if plan.operation != Operation::Whole && prompt && decode {
+                report.mixed_stage_steps += 1;
+            }
             for op in &plan.kv_ops {
                 let tid = match *op {
                     KvOp::Import { transfer_id, .. } | KvOp::Export { transfer_id, .. } => {
@@ -439,6 +472,8 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
 #[derive(Default)]
 struct ExecutorModel {
     tables: HashMap<RequestId, (Vec<BlockId>, usize)>,
+    /// A looped model's requests' loops (their KV planes).
+    loops: HashMap<RequestId, u8>,
     writes: VecDeque<Vec<(BlockId, RequestId)>>,
     /// What each block holds, as the executor would see it after the steps so far.
     content: HashMap<BlockId, Content>,
@@ -540,6 +575,7 @@ impl ExecutorModel {
                 return Err(format!("new {} already known", n.id));
             }
             self.tables.insert(n.id, (plan.blocks(n.block_ids).to_vec(), n.num_computed_tokens));
+            self.loops.insert(n.id, n.max_loops);
         }
         for c in &plan.cached_requests {
             let Some((table, computed)) = self.tables.get_mut(&c.id) else {
@@ -572,11 +608,21 @@ impl ExecutorModel {
                 ));
             }
             let end = *computed + w.num_tokens;
-            if end > table.len() * block_size {
+            // A looped request's table holds a row of planes per block of positions; a stage
+            // writes its own plane, and its chain's tokens count as computed at its coda.
+            let (planes, plane) = match core.config().looped {
+                Some(m) if w.work.operation() != Operation::Whole => {
+                    let loops = self.loops[&w.id];
+                    (usize::from(m.planes(loops)), m.plane(w.work.operation(), w.loop_index, loops))
+                }
+                _ => (1, Some(0)),
+            };
+            if end > table.len() / planes * block_size {
                 return Err(format!("{}: writes past its blocks", w.id));
             }
-            for pos in *computed..end {
-                let (b, index) = (table[pos / block_size], pos / block_size);
+            for pos in (*computed..end).filter(|_| plane.is_some()) {
+                let index = pos / block_size;
+                let b = table[index * planes + usize::from(plane.unwrap_or(0))];
                 // A block the executor names cached is written only with the same content (a
                 // prompt cached whole recomputes its last token).
                 if let Some(&h) = self.cached.get(&b) {
@@ -590,7 +636,9 @@ impl ExecutorModel {
                 writes.push((b, w.id));
                 self.content.insert(b, Content::Computed(w.id, index));
             }
-            *computed = end;
+            if matches!(w.work.operation(), Operation::Whole | Operation::Coda) {
+                *computed = end;
+            }
         }
         // Fence safety, with or without prefix caching: no block is written for one request
         // while a step still in flight writes it for another.
@@ -804,6 +852,7 @@ pub fn small_cfg() -> SchedulerConfig {
         max_steps_in_flight: 1,
         kv_tier_store_blocks_per_step: 0,
         speculative: None,
+        looped: None,
     }
 }
 
@@ -856,6 +905,7 @@ impl Harness {
                 .collect(),
             kv_results: Vec::new(),
             refused: Vec::new(),
+            exited: Vec::new(),
         }
     }
 

@@ -153,6 +153,9 @@ pub struct ExecutorConfig {
     /// Its data-parallel group, if any, and the step trace.
     #[command(flatten)]
     pub data_parallel: crate::data_parallel::DataParallelArgs,
+    /// Whether it serves its model looped.
+    #[command(flatten)]
+    pub looped: crate::engine::looped::LoopedArgs,
 }
 
 /// Default `--max-live-requests`.
@@ -270,6 +273,13 @@ impl ExecutorConfig {
             return Err(ConfigError::ExecutorId);
         }
         self.data_parallel.rank().map_err(ConfigError::DataParallel)?;
+        if self.looped.looped_layers.is_some() && self.backend == BackendKind::Cuda {
+            return Err(ConfigError::Looped(
+                "--looped-layers runs on the cpu and sim backends; the cuda backend runs no \
+                 looped model's stages"
+                    .into(),
+            ));
+        }
         if let Some(pool) = &self.pool {
             let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
             if pool.is_empty() || !pool.chars().all(ok) {
@@ -398,6 +408,9 @@ pub enum ConfigError {
     /// A data-parallel group's flags that do not fit together.
     #[error("{0}")]
     DataParallel(String),
+    /// A looped model's flags that do not fit the backend or the model.
+    #[error("{0}")]
+    Looped(String),
     /// A pool name that cannot be an etcd key segment.
     #[error("--pool {0:?} must be non-empty and made of letters, digits, '-', '_' and '.'")]
     Pool(String),

@@ -166,6 +166,7 @@ pub fn build(
     let num_blocks = backend.facts().num_blocks;
     let serves = Serves {
         model: model.file.name.clone(),
+        num_layers: shape.num_layers,
         fingerprint: model.file.fingerprint.clone(),
         max_model_len: shape.max_model_len as u32,
         vocab_size: shape.vocab_size as u32,
@@ -178,6 +179,8 @@ pub fn build(
 /// What an executor tells its scheduler of the model it serves.
 struct Serves {
     model: String,
+    /// The model's layers (a looped model's split names them).
+    num_layers: usize,
     fingerprint: String,
     max_model_len: u32,
     vocab_size: u32,
@@ -199,8 +202,12 @@ fn assemble(
     let kv_port = kv_port(config, &kv_layout, staging)?;
     // An executor without an end token (a simulated one before its handshake) never avoids one.
     let eos_token_id = serves.eos.first().copied().unwrap_or(u32::MAX);
-    let engine_config =
-        engine::EngineConfig { eos_token_id, max_live_requests: config.max_live_requests as usize };
+    let looped = config.looped.shape(serves.num_layers).map_err(anyhow::Error::msg)?;
+    let engine_config = engine::EngineConfig {
+        eos_token_id,
+        max_live_requests: config.max_live_requests as usize,
+        looped,
+    };
     let engine = engine::Engine::new(backend, engine_config).with_grammars(serves.grammars);
     let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
@@ -219,7 +226,7 @@ fn assemble(
         max_live_requests: config.max_live_requests,
         max_step_bytes: config.max_step_bytes,
         data_parallel: config.data_parallel.rank().map_err(anyhow::Error::msg)?,
-        looped: None,
+        looped: looped.map(|l| l.proto()),
     };
     Ok(BuiltExecutor { engine, identity, info })
 }
@@ -292,6 +299,7 @@ pub fn build_simulated(config: &ExecutorConfig) -> anyhow::Result<BuiltExecutor>
     };
     let serves = Serves {
         model: profile.name.clone(),
+        num_layers: profile.num_layers as usize,
         fingerprint,
         max_model_len: SIMULATED_MAX_MODEL_LEN as u32,
         vocab_size: profile.vocab_size,

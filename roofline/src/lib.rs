@@ -22,5 +22,5 @@ pub use hardware::SimHardware;
 pub use kv_capacity::{activation_bytes, kv_capacity_blocks};
 pub use model_shape::SimModel;
 pub use profile::{dtype_bytes, HardwareProfile, ModelProfile, ProfileError, Profiles};
-pub use step_cost::{step_cost, step_duration, SimBatchItem, StepCost};
+pub use step_cost::{stage_cost, step_cost, step_duration, SimBatchItem, StageSpan, StepCost};
 pub use validation::SimConfigError;

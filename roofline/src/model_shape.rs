@@ -149,7 +149,7 @@ impl SimModel {
     }
 
     /// Every parameter, embeddings (and LM head, as `weight_bytes` counted them) included.
-    fn total_params(&self) -> f64 {
+    pub(crate) fn total_params(&self) -> f64 {
         self.layer_params() * f64::from(self.num_layers)
             + 2.0 * f64::from(self.vocab_size) * f64::from(self.hidden)
     }

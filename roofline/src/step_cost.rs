@@ -125,6 +125,37 @@ pub fn step_cost(hw: &SimHardware, model: &SimModel, items: &[SimBatchItem]) -> 
     }
 }
 
+/// What a looped model's stage runs of its model: some of its layers, and the output head or
+/// not (only the coda has it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageSpan {
+    /// Layers the stage runs.
+    pub layers: u32,
+    /// It ends with the output head (the coda).
+    pub head: bool,
+}
+
+/// The cost of one stage of a looped model's step: the step's terms for the stage's layers
+/// alone — their FLOPs, their share of the weights read (at the model's bytes per
+/// parameter), their KV — and the output head's only when the stage has it.
+pub fn stage_cost(
+    hw: &SimHardware,
+    model: &SimModel,
+    items: &[SimBatchItem],
+    span: StageSpan,
+) -> StepCost {
+    if span.layers == model.num_layers && span.head {
+        return step_cost(hw, model, items);
+    }
+    let per_param = model.weight_bytes as f64 / model.total_params().max(1.0);
+    let mut staged = SimModel { num_layers: span.layers, ..*model };
+    if !span.head {
+        staged.vocab_size = 0;
+    }
+    staged.weight_bytes = (per_param * staged.total_params()) as u64;
+    step_cost(hw, &staged, items)
+}
+
 /// How long the simulated executor takes for a step: [`step_cost`]'s total.
 pub fn step_duration(hw: &SimHardware, model: &SimModel, items: &[SimBatchItem]) -> Duration {
     step_cost(hw, model, items).total()
@@ -147,6 +178,24 @@ mod tests {
 
     fn ms(d: Duration) -> f64 {
         d.as_secs_f64() * 1e3
+    }
+
+    #[test]
+    fn a_looped_models_stages_cost_their_layers_share_and_add_up_to_a_step() {
+        let (hw, model) = (SimHardware::h100_80g(), SimModel::llama2_7b());
+        let batch = [SimBatchItem::decode(512); 8];
+        let whole = step_cost(&hw, &model, &batch);
+        let stage = |layers, head| stage_cost(&hw, &model, &batch, StageSpan { layers, head });
+        let all = stage(model.num_layers, true);
+        assert_eq!(all, whole, "every layer and the head is the plain step");
+        let (prelude, loop_, coda) = (stage(2, false), stage(28, false), stage(2, true));
+        assert!(loop_.total() > prelude.total() && coda.total() > prelude.total());
+        // Without the fixed overhead, one loop's stages sum to the whole step's roofline terms
+        // within the head's and the split's rounding.
+        let body = |c: StepCost| c.total().saturating_sub(c.overhead);
+        let parts = body(prelude) + body(loop_) + body(coda);
+        let ratio = parts.as_secs_f64() / body(whole).as_secs_f64();
+        assert!((0.97..1.03).contains(&ratio), "stages {parts:?} against a step {:?}", body(whole));
     }
 
     #[test]

@@ -406,8 +406,13 @@ mod tests {
     fn the_core_config_is_the_flags_plus_the_executor_geometry() {
         let cli = parse(&["--max-num-seqs", "8", "--max-num-batched-tokens", "64"]);
         let settings = cli.scheduler.resolve().unwrap();
-        let geometry =
-            Geometry { block_size: 16, num_blocks: 100, max_model_len: 2048, kv_agent: true };
+        let geometry = Geometry {
+            block_size: 16,
+            num_blocks: 100,
+            max_model_len: 2048,
+            kv_agent: true,
+            looped: None,
+        };
         let core = settings.core_config("e", geometry).unwrap();
         assert_eq!((core.max_num_seqs, core.max_num_batched_tokens), (8, 64));
         assert_eq!((core.block_size, core.num_blocks, core.max_model_len), (16, 100, 2048));

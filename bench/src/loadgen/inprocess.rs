@@ -50,6 +50,7 @@ pub fn run(
         num_blocks,
         max_model_len: shape.max_model_len.min(num_blocks * block_size),
         kv_agent: false,
+        looped: None,
     };
     let mut core = Scheduler::new(settings.core_config("in-process", geometry)?)?;
     let start = Instant::now();

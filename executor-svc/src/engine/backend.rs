@@ -3,10 +3,12 @@
 //! model on a GPU, implements the same trait in `engine::cuda` (feature `cuda`).
 
 use ferry_kv_wire::shm::PoolMemory;
+use std::ops::Range;
 use std::time::Duration;
 
 use super::simulated_gpu::{step_duration, SimBatchItem, SimClock, SimHardware, SimModel};
 use crate::forward::paged::{self, BatchError, ForwardScratch, SeqSlice};
+use crate::forward::stages::{self, StageOutput, StageRun};
 use crate::forward::{KvDtype, LlamaShape, LlamaWeights, PagedKvCache};
 
 /// What a backend returns for a batch.
@@ -66,6 +68,36 @@ pub trait ModelBackend: Send {
     fn computes_logits(&self) -> bool {
         true
     }
+    /// Runs one stage of a looped model over `batch` (its block tables those of the stage's
+    /// KV plane; see [`super::looped`]).
+    fn run_stage(
+        &mut self,
+        _batch: &[SeqSlice],
+        _run: &StageRun,
+    ) -> Result<StageResult, BatchError> {
+        Err(BatchError::Unsupported("this backend does not run looped models' stages"))
+    }
+    /// Copies one position's keys and values in `layers` from `src` to `dst` (block, slot),
+    /// both checked in range: a looped chain's token that left the loop.
+    fn copy_kv_position(
+        &mut self,
+        _layers: Range<usize>,
+        _src: (usize, usize),
+        _dst: (usize, usize),
+    ) {
+    }
+}
+
+/// What a looped model's stage produced.
+#[derive(Debug)]
+pub enum StageResult {
+    /// The model ran: hidden states or logits.
+    Computed(StageOutput),
+    /// No model ran (the `sim` backend): how long the simulated stage took.
+    Synthetic {
+        /// Its simulated time (already slept in real-time mode).
+        duration: Duration,
+    },
 }
 
 /// `values` as little-endian bytes into `out` (the transfer layout; lengths checked), each by
@@ -203,6 +235,15 @@ impl ModelBackend for CpuBackend {
         self.cache.copy_block(src, dst);
     }
 
+    fn run_stage(&mut self, batch: &[SeqSlice], run: &StageRun) -> Result<StageResult, BatchError> {
+        stages::forward_stage(&self.weights, &mut self.cache, batch, &mut self.scratch, run)
+            .map(StageResult::Computed)
+    }
+
+    fn copy_kv_position(&mut self, layers: Range<usize>, src: (usize, usize), dst: (usize, usize)) {
+        self.cache.copy_position(layers, src, dst);
+    }
+
     fn kv_in_shared_pool(&self) -> bool {
         // The pool's bytes are the transfer layout's only on a little-endian machine.
         cfg!(target_endian = "little") && self.cache.is_shared()
@@ -300,6 +341,29 @@ impl ModelBackend for SimBackend {
             std::thread::sleep(sleep);
         }
         Ok(BatchOutput::Synthetic { duration })
+    }
+
+    /// A stage's time: the roofline's for the stage's layers, and the output head only in the
+    /// coda.
+    fn run_stage(&mut self, batch: &[SeqSlice], run: &StageRun) -> Result<StageResult, BatchError> {
+        if !run.layers.is_empty() {
+            self.check(batch)?;
+        }
+        let items: Vec<SimBatchItem> = batch
+            .iter()
+            .map(|s| SimBatchItem {
+                new_tokens: s.tokens.len() as u32,
+                context_len: s.start as u32,
+            })
+            .collect();
+        let span = ferry_roofline::StageSpan { layers: run.layers.len() as u32, head: run.logits };
+        let duration =
+            ferry_roofline::stage_cost(&self.hardware, &self.model, &items, span).total();
+        let sleep = self.clock.advance(duration).mul_f64(self.time_scale);
+        if !sleep.is_zero() {
+            std::thread::sleep(sleep);
+        }
+        Ok(StageResult::Synthetic { duration })
     }
 
     /// The simulator holds no KV: a block reads as zeros (of the real size, so transfers move

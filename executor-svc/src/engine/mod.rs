@@ -19,11 +19,12 @@ pub mod cuda;
 pub mod cuda_emulation;
 pub mod grammar;
 pub mod kv;
+pub mod looped;
 pub mod sampling;
 pub mod simulated_gpu;
 pub mod step;
 
-pub use backend::{BackendFacts, BatchOutput, CpuBackend, ModelBackend, SimBackend};
+pub use backend::{BackendFacts, BatchOutput, CpuBackend, ModelBackend, SimBackend, StageResult};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaError};
 pub use step::{Engine, EngineConfig, StepError};

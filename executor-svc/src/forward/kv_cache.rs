@@ -217,6 +217,18 @@ impl PagedKvCache {
         self.bytes_mut().copy_within(src * len..(src + 1) * len, dst * len);
     }
 
+    /// Copies the keys and values of `layers` at position `src` (block, slot) to `dst`.
+    pub fn copy_position(
+        &mut self,
+        layers: std::ops::Range<usize>,
+        src: (usize, usize),
+        dst: (usize, usize),
+    ) {
+        let kv = self.shared();
+        // SAFETY: `&mut self`: no other user of the cache meanwhile.
+        unsafe { kv.copy_position(layers, src, dst) };
+    }
+
     /// Mutable raw contents of one block (for KV transfer).
     pub fn block_mut(&mut self, block: usize) -> &mut [u8] {
         let len = self.block_bytes();
@@ -304,6 +316,34 @@ impl SharedKv<'_> {
                         &src[..n],
                         std::slice::from_raw_parts_mut(self.span::<u16>(at, n), n),
                     ),
+                }
+            }
+        }
+    }
+
+    /// Copies the keys and values of `layers` at `src` (block, slot) to `dst`.
+    ///
+    /// # Safety
+    /// No other thread uses either position meanwhile.
+    pub unsafe fn copy_position(
+        &self,
+        layers: std::ops::Range<usize>,
+        (sb, ss): (usize, usize),
+        (db, ds): (usize, usize),
+    ) {
+        let size = self.dtype.bytes();
+        let n = self.kv_dim * size;
+        for layer in layers {
+            for kv in 0..2 {
+                let (from, to) = (self.offset(sb, layer, kv, ss), self.offset(db, layer, kv, ds));
+                // SAFETY: both in bounds (`span` checks); distinct positions, so the runs do
+                // not overlap unless equal; nothing else uses them (the caller's contract).
+                unsafe {
+                    std::ptr::copy(
+                        self.span::<u8>(from * size, n),
+                        self.span::<u8>(to * size, n),
+                        n,
+                    );
                 }
             }
         }

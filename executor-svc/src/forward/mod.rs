@@ -18,6 +18,7 @@ pub mod ops;
 #[allow(unsafe_code)]
 pub mod paged;
 pub mod reference;
+pub mod stages;
 pub mod synthetic;
 
 pub use ferry_model::{default_model_path, LlamaShape, ModelFile};

@@ -84,6 +84,9 @@ pub enum BatchError {
         /// Pool size.
         num_blocks: usize,
     },
+    /// The backend cannot run this batch (a looped model's stage on a backend without them).
+    #[error("{0}")]
+    Unsupported(&'static str),
     /// A block written by one sequence is also in another's table.
     #[error("block {block} is written by sequence {writer} but also held by sequence {other}")]
     SharedWrite {
@@ -106,6 +109,7 @@ impl BatchError {
             | Self::TableTooShort { seq, .. }
             | Self::BlockOutOfRange { seq, .. } => Some(*seq),
             Self::SharedWrite { writer, .. } => Some(*writer),
+            Self::Unsupported(_) => None,
         }
     }
 }
@@ -145,7 +149,7 @@ pub struct ForwardScratch {
     /// Attention output tile by tile, KV head by KV head.
     tiled_out: Vec<f32>,
     /// Output of the attention or down projection, before the residual add.
-    proj: Vec<f32>,
+    pub(super) proj: Vec<f32>,
     /// Rows of `[gate | up]`.
     gate_up: Vec<f32>,
     /// `silu(gate) · up`.
@@ -160,14 +164,14 @@ pub struct ForwardScratch {
 
 /// The batch row by row: each row's (sequence, position), and the attention's tiles — up to
 /// [`TILE`] consecutive rows of one sequence, as (first row, rows).
-struct Layout<'a> {
-    batch: &'a [SeqSlice<'a>],
-    rows: Vec<(usize, usize)>,
+pub(super) struct Layout<'a> {
+    pub(super) batch: &'a [SeqSlice<'a>],
+    pub(super) rows: Vec<(usize, usize)>,
     tiles: Vec<(usize, usize)>,
 }
 
 impl<'a> Layout<'a> {
-    fn of(batch: &'a [SeqSlice<'a>]) -> Self {
+    pub(super) fn of(batch: &'a [SeqSlice<'a>]) -> Self {
         let (mut rows, mut tiles) = (Vec::new(), Vec::new());
         for (seq, sl) in batch.iter().enumerate() {
             for start in (0..sl.tokens.len()).step_by(TILE) {
@@ -433,28 +437,76 @@ fn forward_part(
     threads: usize,
 ) -> Vec<Vec<f32>> {
     let start = Instant::now();
-    let s = &w.shape;
-    let (h, q_dim, kv_dim) = (s.hidden, s.q_dim(), s.kv_dim());
     let layout = Layout::of(batch);
-    let rows = &layout.rows;
-    let n = rows.len();
-    let mut x = vec![0f32; n * h];
-    x.par_chunks_mut(h).zip(rows.par_iter()).for_each(|(row, &(seq, pos))| {
-        let t = batch[seq].tokens[pos - batch[seq].start];
-        w.embed_row(t as usize, row);
+    let mut x = embed(w, &layout);
+    let layers = 0..w.layers.len();
+    let (mut matmul, attention) =
+        run_layers(w, cache, &layout, &mut x, scratch, layers, &[], threads);
+    // The last layer's MLP output joins the residual stream only in the rows that need logits
+    // (a prefill's other rows are done), then the final norm and the output head.
+    let h = w.shape.hidden;
+    let mut last = Vec::new();
+    let mut row = 0;
+    for sl in batch {
+        row += sl.tokens.len();
+        let rows = (row - sl.logits) * h..row * h;
+        last.extend(x[rows.clone()].iter().zip(&scratch.proj[rows]).map(|(a, b)| a + b));
+    }
+    let t = Instant::now();
+    let logits = head(w, last);
+    matmul += t.elapsed();
+    let times = &mut scratch.times;
+    times.matmul += matmul;
+    times.attention += attention;
+    times.other += start.elapsed().saturating_sub(matmul + attention);
+    logits
+}
+
+/// Each row's embedding, the residual stream a forward starts from.
+pub(super) fn embed(w: &LlamaWeights, layout: &Layout) -> Vec<f32> {
+    let h = w.shape.hidden;
+    let mut x = vec![0f32; layout.rows.len() * h];
+    x.par_chunks_mut(h).zip(layout.rows.par_iter()).for_each(|(row, &(seq, pos))| {
+        let sl = &layout.batch[seq];
+        w.embed_row(sl.tokens[pos - sl.start] as usize, row);
     });
+    x
+}
+
+/// The final norm and the output head over `last` (rows of the residual stream): a row of
+/// logits each.
+pub(super) fn head(w: &LlamaWeights, mut last: Vec<f32>) -> Vec<Vec<f32>> {
+    let s = &w.shape;
+    if last.is_empty() {
+        return Vec::new();
+    }
+    rms_norm(&mut last, &w.norm, s.rms_eps);
+    let mut logits = linear(&last, &w.lm_head);
+    w.finish_logits(&mut logits);
+    logits.chunks_exact(s.vocab_size).map(<[f32]>::to_vec).collect()
+}
+
+/// Runs `layers` over the residual stream `x` (one row per token of `layout`), writing each
+/// row's keys and values into the cache except the rows `keep_kv` marks (a looped chain's
+/// tokens that exited: their slots hold the KV they exited with). The last layer's MLP output
+/// is left in `scratch.proj`, not added to `x`. The time spent in products and attention.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_layers(
+    w: &LlamaWeights,
+    cache: &SharedKv,
+    layout: &Layout,
+    x: &mut [f32],
+    scratch: &mut ForwardScratch,
+    layers: std::ops::Range<usize>,
+    keep_kv: &[bool],
+    threads: usize,
+) -> (Duration, Duration) {
+    let s = &w.shape;
+    let (q_dim, kv_dim) = (s.q_dim(), s.kv_dim());
+    let (rows, batch) = (&layout.rows, layout.batch);
+    let n = rows.len();
     let ForwardScratch {
-        times,
-        hn,
-        qkv,
-        attn,
-        tiled_out,
-        proj,
-        gate_up,
-        act,
-        angles,
-        local_angles,
-        ..
+        hn, qkv, attn, tiled_out, proj, gate_up, act, angles, local_angles, ..
     } = scratch;
     // Each row's rotary angles, for every head of every layer (and of the windowed layers, at
     // their own frequencies).
@@ -471,10 +523,12 @@ fn forward_part(
     tiled_out.resize(n * q_dim, 0.0);
     let (mut matmul, mut attention) = (Duration::ZERO, Duration::ZERO);
     let qkv_width = q_dim + 2 * kv_dim;
-    for (l, layer) in w.layers.iter().enumerate() {
+    let first = layers.start;
+    for l in layers {
+        let layer = &w.layers[l];
         // The previous layer's MLP output joins the residual stream here (the first layer has
         // none), with this layer's attention norm in the same pass.
-        add_rms_norm(&mut x, (l > 0).then_some(&proj[..]), &layer.attn_norm, s.rms_eps, hn);
+        add_rms_norm(x, (l > first).then_some(&proj[..]), &layer.attn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.wqkv, qkv);
         matmul += t.elapsed();
@@ -485,18 +539,21 @@ fn forward_part(
             layer.prepare_qkv(row, s, angles);
         });
         for (r, &(seq, pos)) in rows.iter().enumerate() {
+            if keep_kv.get(r).copied().unwrap_or(false) {
+                continue;
+            }
             let row = &qkv[r * qkv_width..(r + 1) * qkv_width];
             let at = cache.locate(batch[seq].block_table, pos);
             // SAFETY: this part's sequence's position; no other thread uses it this step.
             unsafe { cache.write(l, at, &row[q_dim..q_dim + kv_dim], &row[q_dim + kv_dim..]) };
         }
-        attend_layer(w, cache, l, &layout, qkv, tiled_out, attn, threads);
+        attend_layer(w, cache, l, layout, qkv, tiled_out, attn, threads);
         attention += t.elapsed();
         let t = Instant::now();
         linear_into(attn, &layer.wo, proj);
         matmul += t.elapsed();
         layer.post_norm(BlockOutput::Attention, proj, s.rms_eps);
-        add_rms_norm(&mut x, Some(proj), &layer.ffn_norm, s.rms_eps, hn);
+        add_rms_norm(x, Some(proj), &layer.ffn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.w_gate_up, gate_up);
         matmul += t.elapsed();
@@ -506,74 +563,9 @@ fn forward_part(
         matmul += t.elapsed();
         layer.post_norm(BlockOutput::FeedForward, proj, s.rms_eps);
     }
-    // The last layer's MLP output joins the residual stream only in the rows that need logits
-    // (a prefill's other rows are done), then the final norm and the output head.
-    let mut last = Vec::new();
-    let mut row = 0;
-    for sl in batch {
-        row += sl.tokens.len();
-        let rows = (row - sl.logits) * h..row * h;
-        last.extend(x[rows.clone()].iter().zip(&proj[rows]).map(|(a, b)| a + b));
-    }
-    let m = last.len() / h;
-    let logits = if m == 0 {
-        Vec::new()
-    } else {
-        rms_norm(&mut last, &w.norm, s.rms_eps);
-        let t = Instant::now();
-        let mut logits = linear(&last, &w.lm_head);
-        matmul += t.elapsed();
-        w.finish_logits(&mut logits);
-        logits
-    };
-    times.matmul += matmul;
-    times.attention += attention;
-    times.other += start.elapsed().saturating_sub(matmul + attention);
-    logits.chunks_exact(s.vocab_size).map(<[f32]>::to_vec).collect()
+    (matmul, attention)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::{parts_of, SeqSlice};
-
-    /// Parts cover the batch in order, none empty, as many as threads allow (or sequences
-    /// exist), and a part closes as soon as it has its share of the tokens, so none holds more
-    /// than its share plus the one sequence that crossed the line. Over random batches of up to
-    /// 20 sequences of 1–300 tokens (decode rows among prefill chunks) and 1–4 threads.
-    #[test]
-    fn parts_split_the_batch_in_order_and_evenly() {
-        let mut seed = 7u64;
-        let mut next = |m: usize| {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) as usize % m
-        };
-        let tokens = vec![0u32; 300];
-        let mut split = 0;
-        for _ in 0..500 {
-            let lens: Vec<usize> =
-                (0..=next(20)).map(|_| if next(3) == 0 { 1 + next(300) } else { 1 }).collect();
-            let batch: Vec<SeqSlice> = lens
-                .iter()
-                .map(|&n| SeqSlice { tokens: &tokens[..n], start: 0, block_table: &[], logits: 1 })
-                .collect();
-            let threads = 1 + next(4);
-            let parts = parts_of(&batch, threads);
-            assert_eq!(parts.len(), threads.min(batch.len()), "{lens:?} on {threads} threads");
-            let total: usize = lens.iter().sum();
-            let mut end = 0;
-            for (i, part) in parts.iter().enumerate() {
-                assert_eq!(part.start, end, "parts in order, without gaps");
-                assert!(!part.is_empty(), "{lens:?}: part {i} is empty");
-                let held: usize = lens[part.clone()].iter().sum();
-                let last = lens[part.end - 1];
-                assert!(held - last <= total.div_ceil(parts.len()), "{lens:?}: part {i} too big");
-                end = part.end;
-            }
-            assert_eq!(end, batch.len());
-            split += usize::from(parts.len() > 1);
-        }
-        assert!(split > 300, "only {split} of 500 batches were split");
-    }
-}
+#[path = "paged_tests.rs"]
+mod tests;

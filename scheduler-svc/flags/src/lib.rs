@@ -61,6 +61,11 @@ pub struct SchedulingArgs {
     /// its `max_tokens`. Unless `priority`, a request that sets a priority is refused.
     #[arg(long, env = "FERRY_SCHEDULING_POLICY", value_enum, default_value_t = SchedulingPolicy::Fcfs)]
     pub scheduling_policy: SchedulingPolicy,
+    /// Looped models (executors started with `--looped-layers`): `separate`, a step runs the
+    /// decode work of its stage, or its prompt work when there is none; `mixed`, both in one
+    /// step. Every step runs one stage either way.
+    #[arg(long, env = "FERRY_STAGE_POLICY", value_enum, default_value_t = StagePolicyArg::Separate)]
+    pub stage_policy: StagePolicyArg,
     /// Reuse the KV of a prompt's leading full blocks that another request computed (vLLM's
     /// flag; on by default).
     #[arg(long, env = "FERRY_ENABLE_PREFIX_CACHING", default_value_t = true, action = clap::ArgAction::Set)]
@@ -83,6 +88,15 @@ pub struct SchedulingArgs {
     /// it, steps are not pipelined (a proposal needs the last token).
     #[arg(long, env = "FERRY_SPECULATIVE_CONFIG")]
     pub speculative_config: Option<String>,
+}
+
+/// `--stage-policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum StagePolicyArg {
+    /// One kind of work (decode, else prompt) of the step's stage.
+    Separate,
+    /// Decode and prompt work of the step's stage together.
+    Mixed,
 }
 
 /// `--preemption-mode`.
@@ -150,11 +164,13 @@ pub struct Geometry {
     pub max_model_len: usize,
     /// It has a KV agent (it can write to the KV tier).
     pub kv_agent: bool,
+    /// Its model is looped (the policy's stage policy applies).
+    pub looped: Option<core::LoopedModel>,
 }
 
 /// The scheduling flags, checked: the core's policy with placeholder executor geometry.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SchedulerPolicy(core::SchedulerConfig);
+pub struct SchedulerPolicy(core::SchedulerConfig, core::StagePolicy);
 
 impl SchedulingArgs {
     /// The data-parallel prefill throttle's interval of aligned rounds, when on.
@@ -205,7 +221,11 @@ impl SchedulingArgs {
             }
             other => FlagError::Core(other),
         })?;
-        Ok(SchedulerPolicy(policy))
+        let stage_policy = match self.stage_policy {
+            StagePolicyArg::Separate => core::StagePolicy::Separate,
+            StagePolicyArg::Mixed => core::StagePolicy::Mixed,
+        };
+        Ok(SchedulerPolicy(policy, stage_policy))
     }
 }
 
@@ -235,6 +255,7 @@ impl SchedulerPolicy {
             } else {
                 0
             },
+            looped: geometry.looped.map(|m| core::LoopedModel { policy: self.1, ..m }),
             ..self.0.clone()
         };
         config.validate()?;
@@ -273,8 +294,13 @@ mod tests {
         Cli::try_parse_from(std::iter::once("x").chain(args.iter().copied())).expect("parses")
     }
 
-    const GEOMETRY: Geometry =
-        Geometry { block_size: 16, num_blocks: 100, max_model_len: 2048, kv_agent: false };
+    const GEOMETRY: Geometry = Geometry {
+        block_size: 16,
+        num_blocks: 100,
+        max_model_len: 2048,
+        kv_agent: false,
+        looped: None,
+    };
 
     #[test]
     fn speculative_config_reads_vllms_json_and_stops_pipelining() {

@@ -201,8 +201,9 @@ async fn relay(
             let _ = tx.send(LinkEvent::PromptLogprobs { from: 1, logprobs: ev.prompt_logprobs });
         }
         let mut logprobs = ev.logprobs.into_iter();
+        let mut loops = ev.loops.iter().map(|&l| u8::try_from(l).unwrap_or(u8::MAX));
         for &t in &ev.token_ids {
-            let _ = tx.send(LinkEvent::Token(t, logprobs.next()));
+            let _ = tx.send(LinkEvent::Token(t, logprobs.next(), loops.next().unwrap_or(0)));
         }
         let reason = match v1::FinishReason::try_from(ev.finish_reason) {
             Ok(v1::FinishReason::Unspecified) | Err(_) => continue,

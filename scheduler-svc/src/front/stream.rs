@@ -142,7 +142,9 @@ impl RequestStream {
                     self.on_imported(ok);
                     None
                 }
-                Some(LinkEvent::Token(token, logprobs)) => self.on_token(token, logprobs).await,
+                Some(LinkEvent::Token(token, logprobs, loops)) => {
+                    self.on_token(token, logprobs, loops).await
+                }
                 Some(LinkEvent::PromptLogprobs { from, logprobs }) => {
                     self.on_prompt_logprobs(from, logprobs);
                     None
@@ -223,6 +225,7 @@ impl RequestStream {
         &mut self,
         token: u32,
         logprobs: Option<v1::PositionLogprobs>,
+        loops: u8,
     ) -> Option<Ending> {
         let now = Instant::now();
         let metrics = &self.front.metrics;
@@ -237,7 +240,10 @@ impl RequestStream {
         self.last_token = Some(now);
         self.delivered.push(token);
         let pushed = self.assembler.push(&self.front.model.file.tokenizer, token);
-        let event = self.event(pushed.text, vec![token], logprobs);
+        let mut event = self.event(pushed.text, vec![token], logprobs);
+        if loops > 0 {
+            event.loops = vec![u32::from(loops)];
+        }
         match pushed.stopped {
             None => self.send(event).await,
             Some(stop) => Some(self.on_stop_string(event, stop).await),

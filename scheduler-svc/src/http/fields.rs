@@ -62,6 +62,9 @@ const SERVED: &[&str] = &[
     "truncate_prompt_tokens",
     "bad_words",
     "prompt_logprobs",
+    // A looped model's loops and exit threshold (Ferry's extensions, named as vLLM names its).
+    "max_loops",
+    "exit_threshold",
     // OpenAI's end-user id, for the provider's abuse monitoring: nothing to compute.
     "user",
 ];

@@ -30,8 +30,9 @@ use crate::request::RequestSpec;
 /// What a request's stream hears.
 #[derive(Debug, Clone)]
 pub enum LinkEvent {
-    /// A sampled token, with its log-probabilities when the request asked for them.
-    Token(u32, Option<v1::PositionLogprobs>),
+    /// A sampled token, with its log-probabilities when the request asked for them, and (a
+    /// looped model's request) the recurrent loops it ran (0 for a plain model's).
+    Token(u32, Option<v1::PositionLogprobs>, u8),
     /// The end.
     Finished {
         /// Why.
@@ -141,6 +142,9 @@ pub fn core_request(
     req.output = output;
     // A grammar checks one token at a time, so a structured output decodes plainly.
     req.speculate = spec.sampling.structured_output.is_none();
+    // Past 255 it is out of range anyway: the core refuses it naming the model's limit.
+    req.max_loops = spec.sampling.max_loops.map(|l| u8::try_from(l).unwrap_or(u8::MAX));
+    req.exit_threshold = spec.sampling.exit_threshold;
     if spec.sampling.prompt_logprobs.is_some() {
         // Its own prefix cache (salt): every prompt token is computed, and so scored.
         req.cache_salt = (1 << 63) | id.0;

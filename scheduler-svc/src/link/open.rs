@@ -83,6 +83,13 @@ pub fn geometry_of(info: &v1::ExecutorInfo) -> Geometry {
         num_blocks: info.num_blocks as usize,
         max_model_len: info.max_model_len as usize,
         kv_agent: !info.kv_agent_address.is_empty(),
+        looped: info.looped.as_ref().map(|m| {
+            let mut model =
+                ferry_sched_core::LoopedModel::new(u8::try_from(m.max_loops).unwrap_or(u8::MAX));
+            model.prelude_kv = m.prelude_end > 0;
+            model.coda_kv = m.coda_start < m.num_layers;
+            model
+        }),
     }
 }
 

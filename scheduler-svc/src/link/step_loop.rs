@@ -400,10 +400,10 @@ impl StepLoop {
             .map_err(|e| format!("applying step {}: {e}", result.step_id))?;
         for ev in &events {
             match ev {
-                &RequestEvent::Token { id, token, .. } => {
+                &RequestEvent::Token { id, token, loops, .. } => {
                     if let Some(e) = self.entries.get(&id) {
                         let lp = logprobs.get_mut(&id.0).and_then(Iterator::next).cloned();
-                        let _ = e.events.send(LinkEvent::Token(token, lp));
+                        let _ = e.events.send(LinkEvent::Token(token, lp, loops));
                     }
                 }
                 RequestEvent::Finished(done) => {

@@ -74,7 +74,7 @@ async fn tokens_stream_to_each_request_until_it_finishes() {
     let mut b = submit(&link, 2, spec(&[9; 10], 2)).await;
     let tokens = |evs: &[LinkEvent]| -> Vec<u32> {
         evs.iter()
-            .filter_map(|e| if let LinkEvent::Token(t, _) = e { Some(*t) } else { None })
+            .filter_map(|e| if let LinkEvent::Token(t, _, _) = e { Some(*t) } else { None })
             .collect()
     };
     let a_events = drain(&mut a).await;
@@ -124,7 +124,7 @@ async fn a_lost_executor_fails_every_request_it_held() {
     let mut a = submit(&link, 1, spec(&[5, 6, 7], 50)).await;
     let mut b = submit(&link, 2, spec(&[8, 9], 50)).await;
     // One step answered (a's prefill, one token), then the executor dies.
-    assert!(matches!(a.recv().await, Some(LinkEvent::Token(1003, _))));
+    assert!(matches!(a.recv().await, Some(LinkEvent::Token(1003, _, _))));
     exec.kill();
     drop(gate_tx);
     for rx in [&mut a, &mut b] {

@@ -236,6 +236,7 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
         num_blocks: usize::try_from(blocks)?,
         max_model_len: args.max_model_len,
         kv_agent: args.kv_tier_blocks > 0,
+        looped: None,
     };
     let scheduler = policy.for_executor(geometry)?;
     let spec = ClusterSpec {

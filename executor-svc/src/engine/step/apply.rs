@@ -8,6 +8,7 @@ use ferry_proto::v1;
 use super::trace::RequestTrace;
 use super::validate::{NewParts, Prepared};
 use super::{Engine, ExecRequest};
+use crate::engine::looped::LoopState;
 
 impl Engine {
     /// Applies the request diffs of a validated step; `prepared` holds its new requests'
@@ -21,6 +22,10 @@ impl Engine {
         for id in &step.preempted_ids {
             if let Some(r) = self.requests.get_mut(id) {
                 r.preempted = true;
+                // Its chain's hidden states go: the scheduler recomputes the chain.
+                if let Some(l) = &mut r.looped {
+                    l.chain = None;
+                }
                 if let Some(t) = &r.trace {
                     use opentelemetry::trace::TraceContextExt;
                     t.cx.span().add_event("preempted", Vec::new());
@@ -42,6 +47,11 @@ impl Engine {
                     preempted: false,
                     grammar,
                     trace: RequestTrace::start(&nr.traceparent, nr.id),
+                    looped: (nr.max_loops > 0).then(|| LoopState {
+                        max_loops: u8::try_from(nr.max_loops).unwrap_or(u8::MAX),
+                        threshold: nr.sampling.as_ref().and_then(|s| s.exit_threshold),
+                        chain: None,
+                    }),
                 },
             );
         }
@@ -51,6 +61,9 @@ impl Engine {
                 r.table.clone_from(&cu.new_block_ids);
                 r.preempted = false;
                 r.computed = cu.num_computed_tokens as usize;
+                if let Some(l) = &mut r.looped {
+                    l.chain = None;
+                }
             } else {
                 r.table.extend_from_slice(&cu.new_block_ids);
             }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use super::{Engine, ExecRequest, StepError};
 use crate::engine::backend::BatchOutput;
 use crate::engine::grammar::{Grammar, MaskJob, TokenMask};
+use crate::engine::looped::{LoopedShape, Stage};
 use crate::forward::paged::SeqSlice;
 
 /// The prospective state of one scheduled request, computed before anything changes.
@@ -18,6 +19,10 @@ pub(super) struct Planned {
     /// A verification's draft tokens (empty for other work): they follow the `total` known
     /// tokens, and the step computes the last known token and each of them.
     pub(super) draft: Vec<u32>,
+    /// A looped model's stage work: the stage (its tokens are its chain's).
+    pub(super) stage: Option<Stage>,
+    /// A looped model's request: the loops it runs at most (its KV planes); 0 otherwise.
+    pub(super) loops: u8,
 }
 
 impl Planned {
@@ -28,6 +33,22 @@ impl Planned {
         } else {
             self.draft[i - self.total]
         }
+    }
+}
+
+/// The block table planned `p` reads and writes in `table`: its stage's plane of it for a
+/// looped model's stage (`None` for a stage without layers, which touches no KV), else all.
+pub(super) fn stage_table<'t>(
+    p: &Planned,
+    shape: Option<LoopedShape>,
+    table: &'t [u32],
+) -> Option<std::borrow::Cow<'t, [u32]>> {
+    match (p.stage, shape) {
+        (Some(stage), Some(shape)) => {
+            let plane = shape.plane(stage, p.loops)?;
+            Some(shape.plane_table(table, p.loops, plane).into())
+        }
+        _ => Some(table.into()),
     }
 }
 

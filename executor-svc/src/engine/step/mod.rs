@@ -31,6 +31,7 @@ use ferry_proto::v1;
 
 use super::backend::ModelBackend;
 use super::grammar::{Grammar, GrammarSource};
+use super::looped::{LoopState, LoopedShape};
 use super::sampling::{LogitAdjust, Sampler, SamplingParams};
 use admit::Admitted;
 use batch::Forward;
@@ -41,6 +42,7 @@ mod apply;
 mod batch;
 mod error;
 mod sample;
+mod stage;
 mod trace;
 mod validate;
 
@@ -64,6 +66,8 @@ struct ExecRequest {
     grammar: Option<Grammar>,
     /// Its `execute` span (a child of the request's span at the scheduler), when traced.
     trace: Option<RequestTrace>,
+    /// A looped model's request: its loops, exit threshold and chain in progress.
+    looped: Option<LoopState>,
 }
 
 impl ExecRequest {
@@ -87,6 +91,8 @@ pub struct EngineConfig {
     pub eos_token_id: u32,
     /// Most requests held at once: new requests past it are refused.
     pub max_live_requests: usize,
+    /// The model is looped (`--looped-layers`): its requests' work runs stage by stage.
+    pub looped: Option<LoopedShape>,
 }
 
 impl EngineConfig {
@@ -95,6 +101,7 @@ impl EngineConfig {
         Self {
             eos_token_id,
             max_live_requests: crate::executor_config::DEFAULT_MAX_LIVE_REQUESTS as usize,
+            looped: None,
         }
     }
 }
@@ -233,6 +240,9 @@ impl Engine {
         // Imports that arrived are written now, before this step's forward (which does not
         // read them: their requests are scheduled only once the import is reported).
         kv_results.extend(self.kv.finish(self.backend.as_mut()));
+        if let Some(stage) = planned.first().and_then(|p| p.stage) {
+            return self.execute_stage(step, stage, &planned, refused, kv_results);
+        }
         let t0 = Instant::now();
         let Forward { output, masks, masks_busy, grammar_wait } = self.forward(&planned)?;
         let forward_us = t0.elapsed().saturating_sub(grammar_wait).as_micros() as u64;

@@ -87,6 +87,9 @@ pub struct NewRequest {
     /// A looped model's request: the most recurrent loops each of its tokens runs (`None`: the
     /// model's [`crate::LoopedModel::max_loops`]). Refused on a plain model.
     pub max_loops: Option<u8>,
+    /// A looped model's request: its tokens leave the loop once their exit score reaches this,
+    /// in (0, 1] (the executor applies it; the core refuses it on a plain model).
+    pub exit_threshold: Option<f32>,
 }
 
 impl NewRequest {
@@ -116,6 +119,7 @@ impl NewRequest {
             speculate: false,
             fork: Fork::None,
             max_loops: None,
+            exit_threshold: None,
         }
     }
 }

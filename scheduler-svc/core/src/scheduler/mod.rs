@@ -311,9 +311,15 @@ impl Scheduler {
     /// nodes nor forks; a plain model's asks for no loops. Its KV planes per row.
     fn validate_looped(&self, req: &NewRequest) -> Result<usize, AddError> {
         let looped = |reason: String| Err(AddError::Looped { id: req.id, reason });
+        if let Some(t) = req.exit_threshold.filter(|t| !(*t > 0.0 && *t <= 1.0)) {
+            return looped(format!("exit_threshold must be in (0, 1], got {t}"));
+        }
         let Some(model) = self.cfg.looped else {
             if let Some(loops) = req.max_loops {
                 return looped(format!("max_loops {loops} asked of a model that does not loop"));
+            }
+            if req.exit_threshold.is_some() {
+                return looped("exit_threshold asked of a model that does not loop".into());
             }
             return Ok(1);
         };

@@ -31,6 +31,15 @@ fn usage_json(u: Option<v1::Usage>) -> Value {
     })
 }
 
+/// A looped model's answer: the recurrent loops each of its tokens ran, in `choice` as
+/// `recurrent_loops` (a Ferry extension; absent for a plain model).
+fn with_loops<'a>(choice: &mut Value, loops: impl IntoIterator<Item = &'a u32>) {
+    let loops: Vec<u32> = loops.into_iter().copied().collect();
+    if !loops.is_empty() {
+        choice["recurrent_loops"] = json!(loops);
+    }
+}
+
 /// Which endpoint a response is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -173,6 +182,7 @@ impl Shaper {
         if self.kind == Kind::Chat && !ev.prompt_logprobs.is_empty() {
             chunk["prompt_logprobs"] = self.prompt_logprobs(&ev.prompt_logprobs);
         }
+        with_loops(&mut chunk["choices"][0], &ev.loops);
         if self.continuous_usage {
             chunk["usage"] = usage_json(ev.usage);
         }
@@ -185,6 +195,7 @@ impl Shaper {
     pub(super) fn chunk_into(&mut self, ev: &v1::GenerateEvent, first: bool, out: &mut String) {
         let plain = ev.logprobs.is_empty()
             && ev.prompt_logprobs.is_empty()
+            && ev.loops.is_empty()
             && !self.continuous_usage
             && (self.kind == Kind::Completion || self.tools.is_none());
         if !plain {
@@ -338,6 +349,8 @@ impl Shaper {
                 })
             }
         };
+        let mut choice = choice;
+        with_loops(&mut choice, events.iter().flat_map(|e| &e.loops));
         (choice, prompt_logprobs)
     }
 }

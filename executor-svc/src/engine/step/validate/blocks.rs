@@ -10,7 +10,7 @@ use ferry_proto::v1;
 
 use super::Prospect;
 use crate::engine::kv::{request_of, RequestTables};
-use crate::engine::step::batch::Planned;
+use crate::engine::step::batch::{stage_table, Planned};
 use crate::engine::step::{ExecRequest, StepError};
 use crate::forward::paged::SeqSlice;
 
@@ -126,17 +126,27 @@ pub(super) fn batch_fits_pool(prospect: &Prospect, planned: &[Planned]) -> Resul
     // Token ids were checked when they arrived, so placeholders stand in for them here.
     let longest = planned.iter().map(|p| p.n).max().unwrap_or(0);
     let zeros = vec![0u32; longest];
-    let batch: Vec<SeqSlice> = planned
+    // A looped model's stage reads and writes its plane of each table; a stage without
+    // layers touches no KV and is not checked against the pool.
+    let shape = prospect.engine.config.looped;
+    let checked: Vec<(&Planned, std::borrow::Cow<[u32]>)> = planned
         .iter()
-        .map(|p| SeqSlice {
+        .filter_map(|p| {
+            let table = prospect.tables.get(&p.id).unwrap_or_else(|| &requests[&p.id].table);
+            Some((p, stage_table(p, shape, table)?))
+        })
+        .collect();
+    let batch: Vec<SeqSlice> = checked
+        .iter()
+        .map(|(p, table)| SeqSlice {
             tokens: &zeros[..p.n],
             start: p.start,
-            block_table: prospect.tables.get(&p.id).unwrap_or_else(|| &requests[&p.id].table),
+            block_table: table,
             logits: 0,
         })
         .collect();
     prospect.engine.backend.check(&batch).map_err(|e| match e.sequence() {
-        Some(seq) => StepError::Invalid { id: planned[seq].id, reason: e.to_string() },
+        Some(seq) => StepError::Invalid { id: checked[seq].0.id, reason: e.to_string() },
         None => e.into(),
     })
 }

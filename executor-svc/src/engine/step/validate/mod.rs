@@ -100,7 +100,9 @@ impl<'e> Prospect<'e> {
     fn table_fits(&self, id: u64, len: usize) -> Result<(), StepError> {
         let max_len = self.max_len();
         // The longest table a request can need: its blocks for the model's length, and one ahead.
-        let max_table = max_len.div_ceil(self.facts.block_size.max(1)) + 1;
+        // A looped model's request holds a block per KV plane for each.
+        let planes = self.engine.config.looped.map_or(1, |s| s.planes(s.max_loops));
+        let max_table = (max_len.div_ceil(self.facts.block_size.max(1)) + 1) * planes;
         if len > max_table {
             return Err(StepError::Invalid {
                 id,

@@ -119,6 +119,7 @@ fn new_request_sampling(prospect: &Prospect, nr: &v1::NewRequest) -> Result<NewP
                 .into(),
         });
     }
+    looped_request(prospect, nr, proto)?;
     let grammar = match &proto.structured_output {
         Some(constraint) => Some(
             grammar::compile(&engine.grammars, constraint, &nr.output_token_ids)
@@ -127,6 +128,33 @@ fn new_request_sampling(prospect: &Prospect, nr: &v1::NewRequest) -> Result<NewP
         None => None,
     };
     Ok(NewParts { sampling, adjust, grammar })
+}
+
+/// A looped model's request states its loops (1 to the model's), an exit threshold in (0, 1]
+/// if any, and no structured output (its sampling runs in the coda without a grammar's mask);
+/// a plain model's states none.
+fn looped_request(
+    prospect: &Prospect,
+    nr: &v1::NewRequest,
+    proto: &v1::SamplingParams,
+) -> Result<(), StepError> {
+    let bad = |reason: String| Err(StepError::Invalid { id: nr.id, reason });
+    let Some(shape) = prospect.engine.config.looped else {
+        if nr.max_loops > 0 || proto.max_loops.is_some() || proto.exit_threshold.is_some() {
+            return bad("max_loops or exit_threshold for a model that does not loop".into());
+        }
+        return Ok(());
+    };
+    if nr.max_loops == 0 || nr.max_loops > u32::from(shape.max_loops) {
+        return bad(format!("max_loops must be 1..={}, got {}", shape.max_loops, nr.max_loops));
+    }
+    if let Some(t) = proto.exit_threshold.filter(|t| !(*t > 0.0 && *t <= 1.0)) {
+        return bad(format!("exit_threshold must be in (0, 1], got {t}"));
+    }
+    if proto.structured_output.is_some() {
+        return bad("structured outputs are not supported on a looped model".into());
+    }
+    Ok(())
 }
 
 /// Each update names a live request not added or updated already in this step, with blocks in

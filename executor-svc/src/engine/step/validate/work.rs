@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use ferry_proto::v1;
 
 use super::Prospect;
+use crate::engine::looped::Stage;
 use crate::engine::step::batch::Planned;
 use crate::engine::step::StepError;
 
@@ -35,7 +36,20 @@ pub(super) fn scheduled_work(
             }
             None => return Err(StepError::Unknown { id: wk.id, what: "in work" }),
         };
-        if let Some(reason) = work_fault(prospect, wk, computed, total) {
+        let stage = v1::WorkKey::try_from(wk.key).ok().and_then(|k| Stage::of(k, wk.loop_index));
+        let first = step.work.first().and_then(|w| {
+            v1::WorkKey::try_from(w.key).ok().and_then(|k| Stage::of(k, w.loop_index))
+        });
+        let (start, loops) = match stage {
+            None if first.is_some() => {
+                let reason = "a looped model's step runs one stage, and this work is none".into();
+                return Err(StepError::Invalid { id: wk.id, reason });
+            }
+            None => (computed, 0),
+            Some(stage) => stage_start(prospect, step, wk, stage, first, computed)
+                .map_err(|reason| StepError::Invalid { id: wk.id, reason })?,
+        };
+        if let Some(reason) = work_fault(prospect, wk, start, total) {
             return Err(StepError::Invalid { id: wk.id, reason });
         }
         let n = wk.num_tokens as usize;
@@ -44,7 +58,7 @@ pub(super) fn scheduled_work(
         } else {
             Vec::new()
         };
-        planned.push(Planned { id: wk.id, start: computed, n, total, draft });
+        planned.push(Planned { id: wk.id, start, n, total, draft, stage, loops });
     }
     Ok(planned)
 }
@@ -81,6 +95,59 @@ fn work_fault(
         }
         Ok(v1::WorkKey::Decode) if n != 1 => Some(format!("a decode computes 1 token, not {n}")),
         _ => None,
+    }
+}
+
+/// Where looped stage work `wk` starts, and its request's loops: its prelude at the request's computed tokens (it starts
+/// a chain), its later stages at its chain's, which they must match — the chain's tokens, the
+/// next loop (within the request's loops, while a token still loops), a coda after a loop.
+/// Every work of the step runs the stage of the step's first (`first`), on a looped model, for
+/// a looped request.
+fn stage_start(
+    prospect: &Prospect,
+    step: &v1::Step,
+    wk: &v1::ScheduledWork,
+    stage: Stage,
+    first: Option<Stage>,
+    computed: usize,
+) -> Result<(usize, u8), String> {
+    if prospect.engine.config.looped.is_none() {
+        return Err("stage work for a model that does not loop".into());
+    }
+    if first.map(Stage::kind) != Some(stage.kind()) {
+        return Err(format!("a step runs one stage: {stage:?} after {first:?}"));
+    }
+    let live = prospect.engine.requests.get(&wk.id).filter(|_| prospect.live(wk.id));
+    let max_loops = match live {
+        Some(r) => r.looped.as_ref().map_or(0, |l| l.max_loops),
+        None => step.new_requests.iter().find(|n| n.id == wk.id).map_or(0, |n| n.max_loops as u8),
+    };
+    if max_loops == 0 {
+        return Err("stage work for a request that does not loop (max_loops 0)".into());
+    }
+    // A chain is gone once its request is preempted or resumed (in this step or before).
+    let restarted = prospect.preempted.contains(&wk.id) || prospect.resumed.contains(&wk.id);
+    let chain = live.and_then(|r| r.looped.as_ref()?.chain.as_ref()).filter(|_| !restarted);
+    let n = wk.num_tokens as usize;
+    let Some(chain) = chain.filter(|_| stage != Stage::Prelude) else {
+        return match stage {
+            Stage::Prelude => Ok((computed, max_loops)),
+            _ => Err(format!("{stage:?} without a chain: its prelude comes first")),
+        };
+    };
+    if n != chain.n {
+        return Err(format!("{stage:?} of {n} tokens, its chain has {}", chain.n));
+    }
+    match stage {
+        Stage::Recurrent(l) if l != chain.loops + 1 || l > max_loops => Err(format!(
+            "loop {l} after {} of its chain, whose request runs at most {max_loops}",
+            chain.loops
+        )),
+        Stage::Recurrent(_) if chain.all_exited() => {
+            Err("a loop for a chain whose every token left the loop".into())
+        }
+        Stage::Coda if chain.loops == 0 => Err("a coda before any loop".into()),
+        _ => Ok((chain.start, max_loops)),
     }
 }
 

@@ -9,5 +9,6 @@ mod engine;
 mod exact;
 mod families;
 mod kv_transfer;
+mod looped;
 mod paged_forward;
 mod reference_model;

@@ -434,3 +434,66 @@ fn stage_work_that_breaks_the_chain_rules_is_refused_alone() {
     let result = e.execute(&step).expect("a step refusing its only request");
     assert!(result.refused[0].reason.contains("loop 2 after 0"), "{:?}", result.refused);
 }
+
+/// Two chains at different loops in one step (the scheduler batches every chain whose next
+/// stage is a loop): each computes what it computes alone.
+#[test]
+fn chains_at_different_loops_share_a_step_and_each_computes_what_it_does_alone() {
+    let tok = &default_file().tokenizer;
+    let prompts = [prompt(), tok.encode("Lorem ipsum dolor sit amet").unwrap()];
+    let sampling = greedy(None);
+    let alone: Vec<Run> = prompts
+        .iter()
+        .map(|p| {
+            let spec = RunSpec { max_loops: 3, out: 1, chunk: p.len(), preempt_at: None };
+            Driver::new(engine(default_file(), Some(3))).run(p, &sampling, spec)
+        })
+        .collect();
+    let mut e = engine(default_file(), Some(3));
+    let planes = 5;
+    let new = |id: u64, p: &[u32]| v1::NewRequest {
+        id,
+        prompt_token_ids: p.to_vec(),
+        sampling: Some(sampling.clone()),
+        block_ids: (0..(p.len().div_ceil(BS) * planes) as u32)
+            .map(|b| b + id as u32 * 100)
+            .collect(),
+        max_loops: 3,
+        ..Default::default()
+    };
+    let work = |id: u64, key: K, l: u32| v1::ScheduledWork {
+        id,
+        key: key.into(),
+        num_tokens: prompts[id as usize - 1].len() as u32,
+        loop_index: l,
+        ..Default::default()
+    };
+    let steps: Vec<(Vec<v1::NewRequest>, Vec<v1::ScheduledWork>)> = vec![
+        (vec![new(1, &prompts[0])], vec![work(1, K::PromptPrelude, 0)]),
+        (vec![], vec![work(1, K::PromptRecurrent, 1)]),
+        (vec![new(2, &prompts[1])], vec![work(2, K::PromptPrelude, 0)]),
+        (vec![], vec![work(1, K::PromptRecurrent, 2), work(2, K::PromptRecurrent, 1)]),
+        (vec![], vec![work(2, K::PromptRecurrent, 2), work(1, K::PromptRecurrent, 3)]),
+        (vec![], vec![work(2, K::PromptRecurrent, 3)]),
+        (vec![], vec![work(1, K::PromptCoda, 0), work(2, K::PromptCoda, 0)]),
+    ];
+    let mut last = None;
+    for (i, (new_requests, work)) in steps.into_iter().enumerate() {
+        let step = v1::Step {
+            step_id: i as u64 + 1,
+            total_num_tokens: work.iter().map(|w| w.num_tokens).sum(),
+            new_requests,
+            work,
+            ..Default::default()
+        };
+        let result = e.execute(&step).expect("a valid step");
+        assert!(result.refused.is_empty(), "step {}: {:?}", i + 1, result.refused);
+        last = Some(result);
+    }
+    let outputs = last.unwrap().outputs;
+    for (id, want) in [1u64, 2].into_iter().zip(&alone) {
+        let got = outputs.iter().find(|o| o.id == id).expect("each samples");
+        assert_eq!(got.token_ids, want.tokens, "request {id}");
+        assert_eq!(got.logprobs, want.logprobs, "request {id}, bit for bit");
+    }
+}

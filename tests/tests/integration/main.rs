@@ -21,6 +21,7 @@ mod helm_chart;
 mod kv_agent;
 mod kv_tier;
 mod limits;
+mod looped;
 mod model_fetch;
 mod model_formats;
 mod observability;

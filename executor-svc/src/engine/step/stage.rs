@@ -59,7 +59,8 @@ impl Engine {
         for p in planned {
             let rows = hidden.as_mut().map(|all| all[row * h..(row + p.n) * h].to_vec());
             row += p.n;
-            match stage {
+            // Each request's own stage: a loop step batches chains at different loops.
+            match p.stage.unwrap_or(stage) {
                 Stage::Prelude => {
                     let chain = Chain {
                         start: p.start,

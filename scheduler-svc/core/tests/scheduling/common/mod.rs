@@ -474,6 +474,8 @@ struct ExecutorModel {
     tables: HashMap<RequestId, (Vec<BlockId>, usize)>,
     /// A looped model's requests' loops (their KV planes).
     loops: HashMap<RequestId, u8>,
+    /// A looped model's requests' chain in progress, as the executor sees it: loops run.
+    chains: HashMap<RequestId, u8>,
     writes: VecDeque<Vec<(BlockId, RequestId)>>,
     /// What each block holds, as the executor would see it after the steps so far.
     content: HashMap<BlockId, Content>,
@@ -569,6 +571,7 @@ impl ExecutorModel {
             if !self.tables.contains_key(id) {
                 return Err(format!("preempted {id} unknown to the executor"));
             }
+            self.chains.remove(id);
         }
         for n in &plan.new_requests {
             if self.tables.contains_key(&n.id) {
@@ -584,6 +587,7 @@ impl ExecutorModel {
             if c.resumed {
                 *table = plan.blocks(c.block_ids).to_vec();
                 *computed = c.num_computed_tokens;
+                self.chains.remove(&c.id);
             } else {
                 table.extend_from_slice(plan.blocks(c.block_ids));
                 if *computed != c.num_computed_tokens {
@@ -597,6 +601,7 @@ impl ExecutorModel {
         self.on_copies(plan, forked_from)?;
         let mut writes = Vec::new();
         for w in &plan.scheduled {
+            self.chain_stage(w)?;
             let Some((table, computed)) = self.tables.get_mut(&w.id) else {
                 return Err(format!("scheduled {} unknown to the executor", w.id));
             };
@@ -652,6 +657,30 @@ impl ExecutorModel {
             }
         }
         self.writes.push_back(writes);
+        Ok(())
+    }
+
+    /// A chain's stages come in order: prelude, loops 1, 2, … within the request's loops (each
+    /// after the last), coda after a loop.
+    fn chain_stage(&mut self, w: &ScheduledWork) -> Result<(), String> {
+        let chain = self.chains.get(&w.id).copied();
+        match (w.work.operation(), chain) {
+            (Operation::Prelude, _) => {
+                self.chains.insert(w.id, 0);
+            }
+            (Operation::Recurrent, Some(l))
+                if w.loop_index == l + 1 && w.loop_index <= self.loops[&w.id] =>
+            {
+                self.chains.insert(w.id, w.loop_index);
+            }
+            (Operation::Coda, Some(l)) if l > 0 => {
+                self.chains.remove(&w.id);
+            }
+            (Operation::Whole, None) => {}
+            (op, chain) => {
+                return Err(format!("{}: {op:?} loop {} after {chain:?}", w.id, w.loop_index));
+            }
+        }
         Ok(())
     }
 

@@ -1,0 +1,122 @@
+//! A looped model in real processes: `ferry serve --looped-layers 10:20` answers a request at
+//! `max_loops = 1` exactly as the plain model does, reports each token's loops, lets tokens
+//! leave the loop at an exit threshold and refuses loops it does not run; and streams with
+//! several loops (and exits) continue exactly when the executor running them is killed with
+//! `kill -9` mid-way and they move to another.
+
+use std::time::Duration;
+
+use ferry_proto::v1;
+use ferry_tests::streams::{assert_complete, assert_same_streams, metric, run_streams};
+use ferry_tests::{http, signal, start_scheduler, Service};
+use serde_json::{json, Value};
+
+use crate::cluster::wait_ready;
+
+const LOOPED: [&str; 4] = ["--looped-layers", "10:20", "--max-loops", "3"];
+
+fn serve(extra: &[&str]) -> Service {
+    let listen = ["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
+    Service::start("ferry", &[&listen[..], extra].concat(), 4).expect("ferry serve")
+}
+
+/// The completion of `prompt` (greedy, 12 tokens) with `extra` fields: its status and JSON.
+fn complete(svc: &Service, prompt: &str, extra: &Value) -> (u16, Value) {
+    let mut body =
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    let (status, text) =
+        http(svc.addr("http"), "POST", "/v1/completions", body.to_string().as_bytes()).unwrap();
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}")))
+}
+
+fn loops_of(answer: &Value) -> Vec<u64> {
+    let loops = answer["choices"][0]["recurrent_loops"].as_array();
+    loops
+        .unwrap_or_else(|| panic!("no recurrent_loops in {answer}"))
+        .iter()
+        .map(|l| l.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn ferry_serve_runs_a_looped_model_equal_to_the_plain_one_at_one_loop() {
+    let mut looped = serve(&LOOPED);
+    let mut plain = serve(&[]);
+    let prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"];
+    for prompt in prompts {
+        let (status, want) = complete(&plain, prompt, &json!({}));
+        assert_eq!(status, 200, "{want}");
+        assert!(want["choices"][0].get("recurrent_loops").is_none(), "a plain model loops not");
+        let (status, got) = complete(&looped, prompt, &json!({"max_loops": 1}));
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "{prompt:?}");
+        assert_eq!(loops_of(&got), vec![1; 12]);
+        // The model's loops by default; tokens leave early at a threshold.
+        let (_, three) = complete(&looped, prompt, &json!({}));
+        assert_eq!(loops_of(&three), vec![3; 12]);
+        assert_ne!(three["choices"][0]["text"], want["choices"][0]["text"], "3 loops differ");
+        let (_, early) = complete(&looped, prompt, &json!({"exit_threshold": 0.9}));
+        let loops = loops_of(&early);
+        assert!(loops.iter().all(|l| (1..=3).contains(l)), "{loops:?}");
+        assert!(loops.iter().any(|&l| l < 3), "no token left early at 0.9: {loops:?}");
+    }
+    // Loops the model does not run, and loops asked of a plain model: 400s naming the limit.
+    let (status, err) = complete(&looped, "Hi", &json!({"max_loops": 4}));
+    assert_eq!(status, 400, "{err}");
+    assert!(err.to_string().contains("max_loops must be 1..=3, got 4"), "{err}");
+    for field in [json!({"max_loops": 2}), json!({"exit_threshold": 0.5})] {
+        let (status, err) = complete(&plain, "Hi", &field);
+        assert_eq!(status, 400, "{err}");
+        assert!(err.to_string().contains("does not loop"), "{err}");
+    }
+    let (status, err) = complete(&looped, "Hi", &json!({"exit_threshold": 1.5}));
+    assert_eq!(status, 400, "{err}");
+    looped.terminate(Duration::from_secs(10)).unwrap();
+    plain.terminate(Duration::from_secs(10)).unwrap();
+}
+
+const STREAMS: usize = 6;
+const TOKENS: u32 = 40;
+
+fn requests() -> Vec<v1::GenerateRequest> {
+    (0..STREAMS)
+        .map(|i| {
+            let prompt = format!("Story {i}: the ferry left the harbour at dawn, and");
+            let seed = (i % 2 == 1).then_some(i as u64);
+            let mut r = ferry_tests::streams::request(prompt, TOKENS, seed);
+            let sampling = r.sampling.as_mut().unwrap();
+            sampling.max_loops = Some(3);
+            sampling.exit_threshold = (i % 3 != 0).then_some(0.93);
+            r
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn looped_streams_moved_by_a_kill_9_of_their_executor_continue_exactly() {
+    let exec = |id: &str| {
+        let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "256", "--executor-id", id];
+        Service::start("ferry-executor", &[&args[..], &LOOPED].concat(), 1).unwrap()
+    };
+    let execs = [exec("exec-a"), exec("exec-b")];
+    let sched = start_scheduler(&[&execs[0], &execs[1]], &[]);
+    wait_ready(&sched, &[&execs[0], &execs[1]]).await;
+    let undisturbed = run_streams(sched.addr("grpc"), requests(), 0, || {}).await;
+    assert_complete(&undisturbed, TOKENS as usize);
+
+    let held = std::cell::Cell::new(0);
+    let moved_before = metric(sched.addr("http"), "ferry_requests_moved");
+    let kill = || {
+        let holds = |e: &Service| metric(e.addr("grpc"), "ferry_executor_requests") as u64;
+        let (k, n) = execs.iter().map(holds).enumerate().max_by_key(|&(_, n)| n).unwrap();
+        held.set(n);
+        signal(execs[k].pid(), "KILL").unwrap();
+    };
+    let outcomes = run_streams(sched.addr("grpc"), requests(), 6, kill).await;
+    let moved = (metric(sched.addr("http"), "ferry_requests_moved") - moved_before) as u64;
+    assert!(held.get() > 0, "the killed executor held no stream: nothing was tested");
+    assert_eq!(moved, held.get(), "requests moved vs requests the dead executor held");
+    assert_complete(&outcomes, TOKENS as usize);
+    assert_same_streams(&outcomes, &undisturbed);
+}

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use ferry_roofline::{activation_bytes, kv_capacity_blocks, Profiles};
 use ferry_sched_flags::{Geometry, SchedulingArgs};
-use ferry_sim::des::{self, ClusterSpec, ControlPlane, DataParallel, KvTier, Report, Router, Slo};
+use ferry_sim::des::{
+    self, ClusterSpec, ControlPlane, DataParallel, KvTier, LoopedSim, Report, Router, Slo,
+};
 use ferry_sim::workload::{Arrivals, Conversations, Generated, Lengths, PrefixGroups, Source};
 
 /// Simulate N GPUs serving a workload with Ferry's scheduler and router, in virtual time.
@@ -98,6 +100,18 @@ struct Args {
     /// ones (--prefill-schedule-interval).
     #[arg(long, default_value_t = 0)]
     dp_size: usize,
+    /// Simulate the model looped, as the executor's --looped-layers serves it: layers [0, A)
+    /// once, [A, B) up to --max-loops times, [B, n) once, each stage a step of its own costed
+    /// by its layers.
+    #[arg(long, value_name = "A:B")]
+    looped_layers: Option<String>,
+    /// With --looped-layers: the loops every request runs at most.
+    #[arg(long, default_value_t = 4, requires = "looped_layers")]
+    max_loops: u8,
+    /// With --looped-layers: every request's exit threshold (the simulated exit score after
+    /// loop l is l / (l + 1)); unset: every token runs --max-loops loops.
+    #[arg(long, requires = "looped_layers")]
+    exit_threshold: Option<f32>,
     /// Each shard scheduler's CPU per streamed token, microseconds (`ferry-bench
     /// control-plane` measures it; 0: the control plane costs nothing). A shard streams its
     /// executors' step results one after another.
@@ -231,12 +245,13 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
     }
     // As the scheduler configures a core for an executor's handshake; the core queues its
     // finished requests' blocks for the tier only when the executor has an agent (a tier).
+    let looped = looped_of(args, model.num_layers)?;
     let geometry = Geometry {
         block_size: bs,
         num_blocks: usize::try_from(blocks)?,
         max_model_len: args.max_model_len,
         kv_agent: args.kv_tier_blocks > 0,
-        looped: None,
+        looped: looped.map(|(_, model)| model),
     };
     let scheduler = policy.for_executor(geometry)?;
     let spec = ClusterSpec {
@@ -261,6 +276,7 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
             size: args.dp_size,
             throttle: args.scheduling.prefill_throttle()?,
         }),
+        looped: looped.map(|(sim, _)| sim),
         control_plane: (args.scheduler_cpu_token_us > 0.0 || args.scheduler_cpu_request_us > 0.0)
             .then_some(ControlPlane {
                 token_secs: args.scheduler_cpu_token_us / 1e6,
@@ -268,6 +284,30 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
             }),
     };
     Ok((spec, tp))
+}
+
+/// `--looped-layers` of a model of `num_layers` layers, checked: the simulation's split and
+/// the cores' looped model.
+fn looped_of(
+    args: &Args,
+    num_layers: u32,
+) -> anyhow::Result<Option<(LoopedSim, ferry_sched_core::LoopedModel)>> {
+    let Some(spec) = &args.looped_layers else { return Ok(None) };
+    let parse = |s: &str| s.trim().parse::<u32>().ok();
+    let Some((a, b)) = spec.split_once(':').and_then(|(a, b)| Some((parse(a)?, parse(b)?))) else {
+        anyhow::bail!("--looped-layers {spec:?} is not A:B (two layer numbers)");
+    };
+    if a >= b || b > num_layers {
+        anyhow::bail!("--looped-layers {a}:{b} must name a non-empty block of {num_layers} layers");
+    }
+    if let Some(t) = args.exit_threshold.filter(|t| !(*t > 0.0 && *t <= 1.0)) {
+        anyhow::bail!("--exit-threshold must be in (0, 1], got {t}");
+    }
+    let mut model = ferry_sched_core::LoopedModel::new(args.max_loops);
+    model.prelude_kv = a > 0;
+    model.coda_kv = b < num_layers;
+    let sim = LoopedSim { prelude_end: a, coda_start: b, exit_threshold: args.exit_threshold };
+    Ok(Some((sim, model)))
 }
 
 /// Where the requests of `args` come from.

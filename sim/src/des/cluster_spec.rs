@@ -67,6 +67,45 @@ pub struct ClusterSpec {
     pub control_plane: Option<ControlPlane>,
     /// Data-parallel groups stepped in rounds (`--dp-size`); `None`: executors step alone.
     pub data_parallel: Option<super::DataParallel>,
+    /// The model is looped (`--looped-layers`); `None`: plain. Its cores schedule stages
+    /// (`scheduler.looped`), and each stage step costs its layers (the roofline's
+    /// `stage_cost`).
+    pub looped: Option<LoopedSim>,
+}
+
+/// A looped model as the simulation runs it: its split, and the exit threshold every request
+/// asks for (the `sim` backend's exit score after loop `l` is `l / (l + 1)`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoopedSim {
+    /// End of the prelude's layers.
+    pub prelude_end: u32,
+    /// Start of the coda's layers.
+    pub coda_start: u32,
+    /// The requests' exit threshold; `None`: every token runs its loops.
+    pub exit_threshold: Option<f32>,
+}
+
+impl LoopedSim {
+    /// What a step running `op` runs of a model of `num_layers` layers.
+    pub fn span(
+        &self,
+        op: ferry_sched_core::Operation,
+        num_layers: u32,
+    ) -> ferry_roofline::StageSpan {
+        use ferry_sched_core::Operation;
+        let (layers, head) = match op {
+            Operation::Whole => (num_layers, true),
+            Operation::Prelude => (self.prelude_end, false),
+            Operation::Recurrent => (self.coda_start - self.prelude_end, false),
+            Operation::Coda => (num_layers - self.coda_start, true),
+        };
+        ferry_roofline::StageSpan { layers, head }
+    }
+
+    /// Whether a chain leaves the loop after loop `l` (below its last).
+    pub fn exits_after(&self, l: u8) -> bool {
+        self.exit_threshold.is_some_and(|t| f32::from(l) / (f32::from(l) + 1.0) >= t)
+    }
 }
 
 /// A scheduler process's CPU cost, as `ferry-bench control-plane` measures it: a shard's

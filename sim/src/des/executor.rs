@@ -6,7 +6,7 @@
 //! Invariant: one step in flight per executor (`busy`), as in a synchronous engine; an idle
 //! executor is woken by new work or by the arrival of a transfer's bytes.
 
-use ferry_roofline::{step_duration, SimBatchItem};
+use ferry_roofline::{stage_cost, step_duration, SimBatchItem};
 use ferry_sched_core::{FinishReason, KvOp, RequestEvent, SampledToken, Timestamp};
 
 use crate::workload::{mix, shared_token};
@@ -106,12 +106,14 @@ impl Sim<'_> {
             (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops, &self.tracks);
         let (agent, tier_writes) = (&mut self.agents[e], &mut self.tier_writes);
         let x = &mut self.execs[e];
+        let op;
         let idle = {
             let plan = x
                 .core
                 .schedule_throttled(now, throttle)
                 .map_err(|err| format!("executor {e}: {err}"))?;
             x.outcome.step_id = plan.step_id;
+            op = plan.operation;
             work.clear();
             work.extend_from_slice(&plan.scheduled);
             kv_ops.clear();
@@ -132,8 +134,14 @@ impl Sim<'_> {
         };
         x.outcome.sampled.clear();
         x.outcome.kv_results.clear();
+        x.outcome.exited.clear();
         items.clear();
         for w in work.iter() {
+            if let Some(looped) = spec.looped.filter(|_| w.loop_index > 0) {
+                if looped.exits_after(w.loop_index) {
+                    x.outcome.exited.push(w.id);
+                }
+            }
             // Computed tokens advance when a step is built: the context is what came before.
             let computed =
                 x.core.request_view(w.id).map_or(w.num_tokens, |v| v.num_computed_tokens);
@@ -171,7 +179,13 @@ impl Sim<'_> {
             return Ok(Planned::Idle { resolved });
         }
         let x = &mut self.execs[e];
-        let secs = step_duration(&spec.hardware, &spec.model, &self.items).as_secs_f64();
+        let secs = match spec.looped {
+            Some(looped) => {
+                let span = looped.span(op, spec.model.num_layers);
+                stage_cost(&spec.hardware, &spec.model, &self.items, span).total().as_secs_f64()
+            }
+            None => step_duration(&spec.hardware, &spec.model, &self.items).as_secs_f64(),
+        };
         let tokens = self.items.iter().map(|i| i.new_tokens).sum();
         x.kv_usage = x.core.stats().kv_usage;
         self.kv_max = self.kv_max.max(x.kv_usage);

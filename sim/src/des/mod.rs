@@ -51,7 +51,7 @@ use crate::workload::{SimRequest, Source};
 use agent_store::AgentStore;
 use transfers::Transfer;
 
-pub use cluster_spec::{ClusterSpec, ControlPlane, KvTier, Router, Slo};
+pub use cluster_spec::{ClusterSpec, ControlPlane, KvTier, LoopedSim, Router, Slo};
 pub use data_parallel::DataParallel;
 pub use report::{Detail, Latency, Report, Timeline};
 

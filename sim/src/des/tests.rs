@@ -35,6 +35,7 @@ pub(crate) fn spec(executors: usize, num_blocks: usize, router: Router) -> Clust
         shards: 1,
         control_plane: None,
         data_parallel: None,
+        looped: None,
     }
 }
 
@@ -386,4 +387,43 @@ fn data_parallel_groups_step_in_rounds_and_the_throttle_defers_prefills() {
         reports[1].itl.mean * 1e3,
         reports[1].prefills_deferred
     );
+}
+
+/// A looped model in the simulation: each stage a step costed by its layers (the roofline's
+/// `stage_cost`), chains through prelude, loops and coda, every invariant checked; more loops
+/// cost more time per token, and an exit threshold gives some back.
+#[test]
+fn a_looped_model_runs_its_stages_and_more_loops_cost_more_time() {
+    use super::LoopedSim;
+    let looped = |loops: u8, exit_threshold: Option<f32>| {
+        let mut s = spec(1, 8192, Router::KvAware);
+        s.check_invariants = true;
+        let mut model = ferry_sched_core::LoopedModel::new(loops);
+        (model.prelude_kv, model.coda_kv) = (true, true);
+        s.scheduler.looped = Some(model);
+        s.looped = Some(LoopedSim { prelude_end: 4, coda_start: 28, exit_threshold });
+        s
+    };
+    let w = workload(40, 4.0, None);
+    let plain = run_seed(&spec(1, 8192, Router::KvAware), &w, 5);
+    let one = run_seed(&looped(1, None), &w, 5);
+    let three = run_seed(&looped(3, None), &w, 5);
+    let exits = run_seed(&looped(3, Some(0.6)), &w, 5);
+    for r in [&plain, &one, &three, &exits] {
+        assert_eq!(r.finished, 40, "{r:?}");
+    }
+    let tpot = |r: &Report| r.tpot.mean;
+    eprintln!(
+        "mean TPOT: plain {:.2} ms, 1 loop {:.2}, 3 loops {:.2}, 3 loops exiting after 2 {:.2}",
+        tpot(&plain) * 1e3,
+        tpot(&one) * 1e3,
+        tpot(&three) * 1e3,
+        tpot(&exits) * 1e3
+    );
+    // A token takes three steps at one loop, which together cost what one plain step does
+    // (their layers add up; the roofline's fixed overhead is the difference), and each more
+    // loop adds a step of 24 of the 32 layers.
+    assert!(tpot(&one) >= 0.99 * tpot(&plain), "the stages cost their layers");
+    assert!(tpot(&three) > 1.5 * tpot(&one), "two more loops of 24 layers per token");
+    assert!(tpot(&exits) < tpot(&three), "leaving after loop 2 (2/3 >= 0.6) saves one");
 }

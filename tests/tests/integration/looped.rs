@@ -120,3 +120,31 @@ async fn looped_streams_moved_by_a_kill_9_of_their_executor_continue_exactly() {
     assert_complete(&outcomes, TOKENS as usize);
     assert_same_streams(&outcomes, &undisturbed);
 }
+
+/// A simulated executor serves a looped model too: stage steps timed by the roofline's stage
+/// costs, and the simulator's exit score after loop `l`, `l / (l + 1)`, so a threshold of 0.7
+/// lets every token leave at loop 3 (0.75) and none at 2 (0.67).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_executor_runs_a_looped_models_stages_and_exits() {
+    let models = ferry_tests::TempDir::new("looped-sim").unwrap();
+    let mut args = vec!["--listen", "127.0.0.1:0", "--backend", "sim", "--executor-id", "sim"];
+    args.extend(["--model-profile", "llama-3-8b", "--hardware", "h100", "--time-scale", "0.1"]);
+    args.extend(["--looped-layers", "8:24", "--max-loops", "4"]);
+    let env = [("FERRY_MODEL_DIR", models.0.as_os_str())];
+    let exec = Service::start_with_env("ferry-executor", &args, &env, 1).unwrap();
+    let sched = start_scheduler(&[&exec], &[]);
+    wait_ready(&sched, &[&exec]).await;
+    for (extra, want) in
+        [(json!({}), 4), (json!({"max_loops": 2}), 2), (json!({"exit_threshold": 0.7}), 3)]
+    {
+        let (status, answer) = complete(&sched, "Simulated stages", &extra);
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(loops_of(&answer), vec![want; 12], "{extra}");
+    }
+    let url = format!("http://{}", exec.addr("grpc"));
+    let mut client = v1::executor_client::ExecutorClient::connect(url).await.unwrap();
+    let d = client.describe(v1::DescribeRequest {}).await.unwrap().into_inner();
+    // Prompt chains and 12 decode chains per request, each a prelude, its loops and a coda.
+    assert!(d.steps_executed >= 3 * 12 * 4, "{} steps", d.steps_executed);
+    assert!(d.simulated_us > 0, "the stages took simulated time");
+}

@@ -283,6 +283,7 @@ impl Scheduler {
         events: &mut Vec<RequestEvent>,
     ) {
         let max_model_len = self.cfg.max_model_len;
+        let looped = self.cfg.looped.is_some();
         let r = &mut self.requests[idx];
         if !matches!(r.status, RequestStatus::Active | RequestStatus::Waiting) {
             return; // finished (or aborted) since the step was built: drop it
@@ -296,7 +297,7 @@ impl Scheduler {
         let prefill_only = r.prefill_only;
         let stop = r.check_stop(max_model_len);
         self.counters.generation_tokens += 1;
-        let loops = if r.looped { r.cold.chain.last_loops } else { 0 };
+        let loops = if looped { r.cold.chain.last_loops } else { 0 };
         events.push(RequestEvent::Token { id, token, index, loops });
         if let Some(reason) = stop {
             // Done with its first token (EOS, a stop token, max_tokens 1): nothing to hand on,

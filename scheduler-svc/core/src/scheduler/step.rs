@@ -171,6 +171,8 @@ impl Scheduler {
 
     /// A looped request's next work: its chain's next stage, nothing while a stage of it is in
     /// flight, else the prelude of its next chain (a decode's, or a prompt chunk's).
+    #[cold]
+    #[inline(never)]
     fn next_stage(&self, idx: u32) -> Option<WorkKey> {
         let r = &self.requests[idx];
         let chain = &r.cold.chain;
@@ -314,7 +316,8 @@ impl Scheduler {
     /// New blocks `idx` needs for `n` tokens of `key` work: the rows its computed tokens reach,
     /// in every KV plane (one for a plain request); a looped chain's later stages need none.
     pub(super) fn blocks_needed(&self, idx: u32, key: WorkKey, n: usize) -> usize {
-        if !matches!(key.operation(), Operation::Whole | Operation::Prelude) {
+        // `key` is the caller's loop constant: the test costs a plain request nothing.
+        if matches!(key.operation(), Operation::Recurrent | Operation::Coda) {
             return 0;
         }
         let r = &self.requests[idx];
@@ -340,25 +343,13 @@ impl Scheduler {
         debug_assert!(ok, "commit_work called without the blocks being free");
         r.new_blocks_this_step =
             u32::try_from(r.block_table.len() - table_before).expect("at most num_blocks");
-        let op = key.operation();
-        // A looped chain's tokens count as computed at its prelude (their rows are allocated
-        // then); only its coda samples.
-        if matches!(op, Operation::Whole | Operation::Prelude) {
-            r.num_computed += n;
-        }
         // A verification computes past the known tokens (its draft) and always samples.
         let drafts = if key == WorkKey::Verify { n - 1 } else { 0 };
-        let samples = matches!(op, Operation::Whole | Operation::Coda)
-            && r.num_computed == r.num_tokens() + r.placeholders as usize + drafts;
-        let loop_index = if r.looped {
-            r.cold.chain.schedule(op, step.get().map_or(0, |s| s.0), n as u32);
-            if op == Operation::Recurrent {
-                r.cold.chain.loops
-            } else {
-                0
-            }
+        let (samples, loop_index) = if key.operation() == Operation::Whole {
+            r.num_computed += n;
+            (r.num_computed == r.num_tokens() + r.placeholders as usize + drafts, 0)
         } else {
-            0
+            looped_commit(r, key, n, step)
         };
         debug_assert!(samples || key != WorkKey::Verify, "a verify continues the last token");
         if samples {
@@ -388,7 +379,7 @@ impl Scheduler {
             loop_index,
         };
         self.draft.add_work(idx, work, followup);
-        if key.is_prompt() && matches!(op, Operation::Whole | Operation::Prelude) {
+        if key.is_prompt() && matches!(key.operation(), Operation::Whole | Operation::Prelude) {
             self.counters.prompt_tokens += n as u64;
         }
         self.requeue(idx);
@@ -549,4 +540,26 @@ impl Scheduler {
         r.exec.needs_resume = false;
         r.exec.sent_blocks = table_len as u32;
     }
+}
+
+/// [`Scheduler::commit_work`]'s part for a looped request's stage `key` of `n` tokens in
+/// `step`: a chain's tokens count as computed at its prelude (their rows are allocated then),
+/// only its coda samples, and its chain notes the stage. Whether it samples, and the loop a
+/// recurrent stage runs (0 otherwise). Out of line: plain requests never come here.
+#[cold]
+#[inline(never)]
+fn looped_commit(
+    r: &mut crate::request::Request,
+    key: WorkKey,
+    n: usize,
+    step: StepMark,
+) -> (bool, u8) {
+    let op = key.operation();
+    if op == Operation::Prelude {
+        r.num_computed += n;
+    }
+    let samples =
+        op == Operation::Coda && r.num_computed == r.num_tokens() + r.placeholders as usize;
+    r.cold.chain.schedule(op, step.get().map_or(0, |s| s.0), n as u32);
+    (samples, if op == Operation::Recurrent { r.cold.chain.loops } else { 0 })
 }

@@ -482,4 +482,39 @@ mod tests {
         assert!(v.detail.contains("2 requests not retired"), "{}", v.detail);
         assert!(!s.is_drained());
     }
+
+    /// [`consistent`] on a looped model (2 loops): request 1's prelude in flight.
+    fn looped() -> (Scheduler, u32) {
+        let cfg = SchedulerConfig {
+            block_size: 4,
+            num_blocks: 64,
+            max_model_len: 64,
+            looped: Some(crate::LoopedModel::new(2)),
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.add_request(NewRequest::new(RequestId(1), vec![3; 6], 4, Timestamp(0))).unwrap();
+        s.schedule(Timestamp(0)).unwrap();
+        s.check_invariants().expect("the starting state is consistent");
+        let idx = s.requests.index_of(RequestId(1)).unwrap();
+        (s, idx)
+    }
+
+    #[test]
+    fn a_stage_pending_while_one_is_in_flight_breaks_rule_8() {
+        let (mut s, idx) = looped();
+        s.work.enqueue(WorkKey::PromptRecurrent, idx);
+        assert_breaks(&s, 8, "pending while Prelude runs");
+    }
+
+    #[test]
+    fn more_loops_than_asked_or_plain_work_for_a_looped_request_break_rule_8() {
+        let (mut s, idx) = looped();
+        s.requests[idx].cold.chain.loops = 3;
+        assert_breaks(&s, 8, "out of its bounds");
+        let (mut s, idx) = looped();
+        s.requests[idx].cold.chain.in_flight = None;
+        s.work.enqueue(WorkKey::Decode, idx);
+        assert_breaks(&s, 8, "is looped but pending Decode");
+    }
 }

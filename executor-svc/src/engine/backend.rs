@@ -6,10 +6,11 @@ use ferry_kv_wire::shm::PoolMemory;
 use std::ops::Range;
 use std::time::Duration;
 
-use super::simulated_gpu::{step_duration, SimBatchItem, SimClock, SimHardware, SimModel};
+use super::simulated_gpu::{SimBatchItem, SimClock, SimHardware, SimModel};
 use crate::forward::paged::{self, BatchError, ForwardScratch, SeqSlice};
 use crate::forward::stages::{self, StageOutput, StageRun};
 use crate::forward::{KvDtype, LlamaShape, LlamaWeights, PagedKvCache};
+use ferry_roofline::{stage_cost, StageSpan};
 
 /// What a backend returns for a batch.
 #[derive(Debug)]
@@ -304,6 +305,26 @@ impl SimBackend {
     }
 }
 
+impl SimBackend {
+    /// How long `span` of the model takes over `batch` by the roofline (every layer and the
+    /// head: a plain step's `step_duration`), slept in real-time mode.
+    fn simulate(&mut self, batch: &[SeqSlice], span: StageSpan) -> Duration {
+        let items: Vec<SimBatchItem> = batch
+            .iter()
+            .map(|s| SimBatchItem {
+                new_tokens: s.tokens.len() as u32,
+                context_len: s.start as u32,
+            })
+            .collect();
+        let duration = stage_cost(&self.hardware, &self.model, &items, span).total();
+        let sleep = self.clock.advance(duration).mul_f64(self.time_scale);
+        if !sleep.is_zero() {
+            std::thread::sleep(sleep);
+        }
+        duration
+    }
+}
+
 impl ModelBackend for SimBackend {
     fn facts(&self) -> BackendFacts {
         let mut shape = self.shape;
@@ -328,19 +349,8 @@ impl ModelBackend for SimBackend {
 
     fn run(&mut self, batch: &[SeqSlice]) -> Result<BatchOutput, BatchError> {
         self.check(batch)?;
-        let items: Vec<SimBatchItem> = batch
-            .iter()
-            .map(|s| SimBatchItem {
-                new_tokens: s.tokens.len() as u32,
-                context_len: s.start as u32,
-            })
-            .collect();
-        let duration = step_duration(&self.hardware, &self.model, &items);
-        let sleep = self.clock.advance(duration).mul_f64(self.time_scale);
-        if !sleep.is_zero() {
-            std::thread::sleep(sleep);
-        }
-        Ok(BatchOutput::Synthetic { duration })
+        let whole = StageSpan { layers: self.model.num_layers, head: true };
+        Ok(BatchOutput::Synthetic { duration: self.simulate(batch, whole) })
     }
 
     /// A stage's time: the roofline's for the stage's layers, and the output head only in the
@@ -349,21 +359,8 @@ impl ModelBackend for SimBackend {
         if !run.layers.is_empty() {
             self.check(batch)?;
         }
-        let items: Vec<SimBatchItem> = batch
-            .iter()
-            .map(|s| SimBatchItem {
-                new_tokens: s.tokens.len() as u32,
-                context_len: s.start as u32,
-            })
-            .collect();
-        let span = ferry_roofline::StageSpan { layers: run.layers.len() as u32, head: run.logits };
-        let duration =
-            ferry_roofline::stage_cost(&self.hardware, &self.model, &items, span).total();
-        let sleep = self.clock.advance(duration).mul_f64(self.time_scale);
-        if !sleep.is_zero() {
-            std::thread::sleep(sleep);
-        }
-        Ok(StageResult::Synthetic { duration })
+        let span = StageSpan { layers: run.layers.len() as u32, head: run.logits };
+        Ok(StageResult::Synthetic { duration: self.simulate(batch, span) })
     }
 
     /// The simulator holds no KV: a block reads as zeros (of the real size, so transfers move

@@ -274,15 +274,9 @@ pub fn validate(
     check_geometry(w.shape.vocab_size, cache.block_size, cache.num_blocks, batch)
 }
 
-/// Checks `batch` against a vocabulary and a block pool: token ids, table coverage, block
-/// range, and that no block written by one sequence is held by another.
-pub fn check_geometry(
-    vocab_size: usize,
-    bs: usize,
-    num_blocks: usize,
-    batch: &[SeqSlice],
-) -> Result<(), BatchError> {
-    let mut writer_of: HashMap<u32, usize> = HashMap::new();
+/// Checks each sequence's tokens: some, in the vocabulary, and no more logit rows than
+/// tokens (all a batch that touches no KV needs, a looped model's layer-less stage).
+pub fn check_tokens(vocab_size: usize, batch: &[SeqSlice]) -> Result<(), BatchError> {
     for (seq, s) in batch.iter().enumerate() {
         if s.tokens.is_empty() {
             return Err(BatchError::Empty { seq });
@@ -293,6 +287,21 @@ pub fn check_geometry(
         if let Some(&token) = s.tokens.iter().find(|t| **t as usize >= vocab_size) {
             return Err(BatchError::Token { seq, token, vocab: vocab_size });
         }
+    }
+    Ok(())
+}
+
+/// Checks `batch` against a vocabulary and a block pool: its tokens ([`check_tokens`]), table
+/// coverage, block range, and that no block written by one sequence is held by another.
+pub fn check_geometry(
+    vocab_size: usize,
+    bs: usize,
+    num_blocks: usize,
+    batch: &[SeqSlice],
+) -> Result<(), BatchError> {
+    check_tokens(vocab_size, batch)?;
+    let mut writer_of: HashMap<u32, usize> = HashMap::new();
+    for (seq, s) in batch.iter().enumerate() {
         let end = s.start + s.tokens.len();
         let needed = end.div_ceil(bs);
         if needed > s.block_table.len() {

@@ -14,7 +14,8 @@ use std::time::Instant;
 use super::kv_cache::PagedKvCache;
 use super::llama::LlamaWeights;
 use super::paged::{
-    check_geometry, embed, head, in_pool, run_layers, BatchError, ForwardScratch, Layout, SeqSlice,
+    check_geometry, check_tokens, embed, head, in_pool, run_layers, BatchError, ForwardScratch,
+    Layout, SeqSlice,
 };
 
 /// One stage to run.
@@ -52,24 +53,9 @@ pub fn forward_stage(
     run: &StageRun,
 ) -> Result<StageOutput, BatchError> {
     let (bs, blocks) = (cache.block_size, cache.num_blocks);
+    // A stage without layers touches no KV: only its tokens are checked.
     if run.layers.is_empty() {
-        // No KV is touched: only the tokens are checked.
-        let vocab = w.shape.vocab_size;
-        for (seq, s) in batch.iter().enumerate() {
-            if s.tokens.is_empty() {
-                return Err(BatchError::Empty { seq });
-            }
-            if s.logits > s.tokens.len() {
-                return Err(BatchError::TooManyLogits {
-                    seq,
-                    logits: s.logits,
-                    rows: s.tokens.len(),
-                });
-            }
-            if let Some(&token) = s.tokens.iter().find(|t| **t as usize >= vocab) {
-                return Err(BatchError::Token { seq, token, vocab });
-            }
-        }
+        check_tokens(w.shape.vocab_size, batch)?;
     } else {
         check_geometry(w.shape.vocab_size, bs, blocks, batch)?;
     }

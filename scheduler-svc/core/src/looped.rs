@@ -53,21 +53,6 @@ pub enum StageSelection {
     PreludeFirst,
 }
 
-impl StageSelection {
-    /// The operations in the order a step tries them.
-    #[must_use]
-    pub fn order(self) -> [Operation; 3] {
-        match self {
-            StageSelection::DeepestFirst => {
-                [Operation::Coda, Operation::Recurrent, Operation::Prelude]
-            }
-            StageSelection::PreludeFirst => {
-                [Operation::Prelude, Operation::Recurrent, Operation::Coda]
-            }
-        }
-    }
-}
-
 /// The shape of a looped model, as its executor states it, and how the core schedules it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LoopedModel {

@@ -34,7 +34,7 @@ impl Engine {
         let forward_us = t0.elapsed().as_micros() as u64;
         let t1 = Instant::now();
         let (mut outputs, mut exited_ids, mut simulated_us) = (Vec::new(), Vec::new(), 0);
-        let mut hidden = match result {
+        let hidden = match result {
             StageResult::Computed(StageOutput::Hidden(h)) => Some(h),
             StageResult::Computed(StageOutput::Logits(l)) => {
                 let (o, failed, _) =
@@ -57,7 +57,7 @@ impl Engine {
         let h = self.backend.facts().shape.hidden;
         let mut row = 0;
         for p in planned {
-            let rows = hidden.as_mut().map(|all| all[row * h..(row + p.n) * h].to_vec());
+            let rows = hidden.as_ref().map(|all| &all[row * h..(row + p.n) * h]);
             row += p.n;
             // Each request's own stage: a loop step batches chains at different loops.
             match p.stage.unwrap_or(stage) {
@@ -65,7 +65,7 @@ impl Engine {
                     let chain = Chain {
                         start: p.start,
                         n: p.n,
-                        hidden: rows.unwrap_or_default(),
+                        hidden: rows.map(<[f32]>::to_vec).unwrap_or_default(),
                         exited_at: vec![0; p.n],
                         loops: 0,
                     };
@@ -141,16 +141,11 @@ impl Engine {
     }
 
     /// Loop `l` of `p`'s chain ran, leaving `after` (its tokens' hidden states; `None` on the
-    /// simulator): the tokens that left the loop before keep their states, those whose exit
-    /// score reaches the threshold now (below the request's last loop) leave, their KV copied
-    /// into the later loops' planes. True if every token of the chain has left.
-    fn loop_done(
-        &mut self,
-        shape: LoopedShape,
-        p: &Planned,
-        l: u8,
-        after: Option<Vec<f32>>,
-    ) -> bool {
+    /// simulator): the tokens that left the loop before keep their states (their new rows are
+    /// dropped), the others take theirs, and those whose exit score reaches the threshold now
+    /// (below the request's last loop) leave, their KV copied into the later loops' planes.
+    /// True if every token of the chain has left.
+    fn loop_done(&mut self, shape: LoopedShape, p: &Planned, l: u8, after: Option<&[f32]>) -> bool {
         let h = self.backend.facts().shape.hidden;
         let bs = self.backend.facts().block_size;
         let r = self.requests.get_mut(&p.id).expect("planned requests exist");
@@ -160,11 +155,14 @@ impl Engine {
         let mut leaving = Vec::new();
         for i in 0..chain.n {
             if chain.exited_at[i] > 0 {
-                continue; // it left before: its state stays (its row's new one is dropped)
+                continue; // it left before: its state stays, its new row is dropped
             }
-            let score = match &after {
+            let state = i * h..(i + 1) * h;
+            let score = match after {
                 Some(after) => {
-                    exit_score(&chain.hidden[i * h..(i + 1) * h], &after[i * h..(i + 1) * h])
+                    let score = exit_score(&chain.hidden[state.clone()], &after[state.clone()]);
+                    chain.hidden[state.clone()].copy_from_slice(&after[state]);
+                    score
                 }
                 None => sim_exit_score(l),
             };
@@ -172,12 +170,6 @@ impl Engine {
                 chain.exited_at[i] = l;
                 leaving.push(chain.start + i);
             }
-        }
-        if let Some(mut after) = after {
-            for i in (0..chain.n).filter(|&i| chain.exited_at[i] > 0 && chain.exited_at[i] < l) {
-                after[i * h..(i + 1) * h].copy_from_slice(&chain.hidden[i * h..(i + 1) * h]);
-            }
-            chain.hidden = after;
         }
         chain.loops = l;
         let all = chain.all_exited();

@@ -174,14 +174,11 @@ impl Scheduler {
             // preempted since has no stage in flight: its report is stale and ignored).
             let entry = record.entries.iter().find(|e| e.id == id);
             let Some(e) = entry else { return Err(ApplyError::UnexpectedExit { step, id }) };
-            match self.requests[e.idx].cold.chain.in_flight {
-                Some((s, op)) if s == step.0 && op != Operation::Recurrent => {
-                    return Err(ApplyError::UnexpectedExit { step, id });
-                }
-                _ if !self.requests[e.idx].looped => {
-                    return Err(ApplyError::UnexpectedExit { step, id });
-                }
-                _ => {}
+            let r = &self.requests[e.idx];
+            let ran_another_stage = matches!(r.cold.chain.in_flight,
+                Some((s, op)) if s == step.0 && op != Operation::Recurrent);
+            if !r.looped || ran_another_stage {
+                return Err(ApplyError::UnexpectedExit { step, id });
             }
         }
         if outcome.refused.is_empty() {

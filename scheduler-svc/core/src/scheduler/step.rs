@@ -89,36 +89,46 @@ impl Scheduler {
     /// belongs to the prelude.
     fn schedule_stages(&mut self, model: LoopedModel, defer: bool, now: Timestamp) {
         let full = self.cfg.max_num_batched_tokens;
-        let (mut order, mut tries) = (model.selection.order(), 3);
-        if model.selection == StageSelection::PreludeFirst {
-            // Chosen by candidates, no fall-through (see `StageSelection::PreludeFirst`).
-            let prelude =
-                self.work.len(WorkKey::PromptPrelude) + self.work.len(WorkKey::DecodePrelude);
-            let deep =
-                self.work.len(WorkKey::PromptRecurrent) + self.work.len(WorkKey::DecodeRecurrent);
-            let op = if prelude > 0 || self.waiting.len() > 0 {
-                Operation::Prelude
-            } else if deep > 0 {
-                Operation::Recurrent
-            } else {
-                Operation::Coda
-            };
-            (order[0], tries) = (op, 1);
-        }
-        for op in order.into_iter().take(tries) {
+        let separate = model.policy == StagePolicy::Separate;
+        for &op in self.stage_order(model.selection) {
             for key in LoopedModel::keys(op, defer).into_iter().flatten() {
-                if model.policy == StagePolicy::Separate && self.draft.budget() < full {
+                if separate && self.draft.budget() < full {
                     break;
                 }
                 self.schedule_running(key, now);
             }
-            let separate_done = model.policy == StagePolicy::Separate && self.draft.budget() < full;
-            if op == Operation::Prelude && !defer && self.draft.admits() && !separate_done {
+            let scheduled = self.draft.budget() < full;
+            if op == Operation::Prelude && !defer && self.draft.admits() && !(separate && scheduled)
+            {
                 self.admit_waiting(now);
             }
             if self.draft.budget() < full {
                 self.draft.set_operation(op);
                 return;
+            }
+        }
+    }
+
+    /// The operations a step tries, in order, until one schedules something.
+    fn stage_order(&self, selection: StageSelection) -> &'static [Operation] {
+        match selection {
+            StageSelection::DeepestFirst => {
+                &[Operation::Coda, Operation::Recurrent, Operation::Prelude]
+            }
+            // Chosen by which queues hold candidates, with no fall-through (see
+            // `StageSelection::PreludeFirst`).
+            StageSelection::PreludeFirst => {
+                let prelude =
+                    self.work.len(WorkKey::PromptPrelude) + self.work.len(WorkKey::DecodePrelude);
+                let deep = self.work.len(WorkKey::PromptRecurrent)
+                    + self.work.len(WorkKey::DecodeRecurrent);
+                if prelude > 0 || self.waiting.len() > 0 {
+                    &[Operation::Prelude]
+                } else if deep > 0 {
+                    &[Operation::Recurrent]
+                } else {
+                    &[Operation::Coda]
+                }
             }
         }
     }

@@ -156,6 +156,9 @@ pub struct ExecutorConfig {
     /// Whether it serves its model looped.
     #[command(flatten)]
     pub looped: crate::engine::looped::LoopedArgs,
+    /// How many LoRA adapters it holds, and their largest rank.
+    #[command(flatten)]
+    pub lora: crate::engine::lora::LoraArgs,
 }
 
 /// Default `--max-live-requests`.

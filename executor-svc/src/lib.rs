@@ -208,7 +208,16 @@ fn assemble(
         max_live_requests: config.max_live_requests as usize,
         looped,
     };
-    let engine = engine::Engine::new(backend, engine_config).with_grammars(serves.grammars);
+    let mut engine = engine::Engine::new(backend, engine_config).with_grammars(serves.grammars);
+    if config.backend != BackendKind::Cuda {
+        // Relative adapter paths are in the model's folder.
+        let dir = match &config.model {
+            Some(model) => model.parent().map(std::path::Path::to_path_buf),
+            None => Some(ferry_model::model_dir()),
+        };
+        let shape = engine.backend().facts().shape;
+        engine = engine.with_adapters(engine::lora::Adapters::new(config.lora, shape, dir));
+    }
     let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
         executor_id: config.executor_id.clone(),

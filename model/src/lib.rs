@@ -16,6 +16,7 @@ pub mod chat;
 pub mod family;
 pub mod fetch;
 pub mod gguf;
+pub mod lora;
 pub mod pre_tokenizer;
 pub mod sampling;
 pub mod shape;

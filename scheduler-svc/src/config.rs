@@ -145,6 +145,13 @@ pub struct FrontArgs {
     /// (`RESOURCE_EXHAUSTED`).
     #[arg(long, env = "FERRY_MAX_REQUEST_BYTES", default_value_t = RequestLimits::REQUEST_BYTES)]
     pub max_request_bytes: u32,
+    /// Serve LoRA adapters: a request's `model` may name one (vLLM's flag).
+    #[arg(long, env = "FERRY_ENABLE_LORA")]
+    pub enable_lora: bool,
+    /// With --enable-lora: adapters served from the start, each `name=path` (a PEFT folder or a
+    /// LoRA GGUF; a relative path is in the model's folder, on this node and the executors').
+    #[arg(long, env = "FERRY_LORA_MODULES", value_delimiter = ' ', num_args = 1.., value_parser = crate::front::adapters::parse_module, requires = "enable_lora")]
+    pub lora_modules: Vec<(String, String)>,
 }
 
 /// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
@@ -301,6 +308,9 @@ impl FrontArgs {
             limits: self.limits()?,
             max_model_len: self.max_model_len.map(|n| n as usize),
             accepts_priority: true,
+            enable_lora: self.enable_lora,
+            lora_modules: self.lora_modules.clone(),
+            max_lora_rank: ferry_model::lora::DEFAULT_MAX_LORA_RANK,
         })
     }
 

@@ -105,10 +105,8 @@ pub async fn run(
         .min();
     let model_len = model.shape.max_model_len;
     let usable = cache_limit.map_or(model_len, |c| c.min(model_len));
-    let served = ServedModel {
-        file: model,
-        max_model_len: role.front.max_model_len.map_or(usable, |cap| cap.min(usable)),
-    };
+    let max_model_len = role.front.max_model_len.map_or(usable, |cap| cap.min(usable));
+    let served = ServedModel::new(model, max_model_len, &role.front)?;
     // Statically listed executors never come back once lost; discovered ones may.
     let mut front_settings = match &role.cluster {
         Some(_) => role.front,
@@ -183,7 +181,7 @@ pub async fn run_front(
     drain: Duration,
 ) -> anyhow::Result<()> {
     let max_model_len = model.shape.max_model_len;
-    let served = ServedModel { file: model, max_model_len };
+    let served = ServedModel::new(model, max_model_len, &settings)?;
     let shards = front::shards::Shards::follow(cluster, pools);
     let admin = admin::FrontAdmin::new(shards.clone());
     let front = front::GenerationService::new(served, front::Route::Remote(shards), settings);

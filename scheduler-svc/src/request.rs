@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ferry_proto::v1;
 
 /// What a client asked for, checked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RequestSpec {
     /// Prompt tokens (non-empty, shorter than the served model length).
     pub prompt: Arc<[u32]>,
@@ -36,6 +36,8 @@ pub struct RequestSpec {
     /// The W3C trace context of its `request` span, for the executors' spans (empty when
     /// untraced).
     pub traceparent: String,
+    /// The LoRA adapter it runs with (its `model` named one); `None`: the base model.
+    pub lora: Option<v1::LoraAdapterRef>,
 }
 
 /// How the front turns a request's tokens into what its client sees.

@@ -78,9 +78,12 @@ impl ServeArgs {
         self.kv_agent.validate()?;
         let listen = [("listen", self.listen.as_str()), ("http-listen", &self.http_address())];
         let drain = self.service.validate(&listen)?;
+        let mut front = self.front.resolve()?;
+        // The front checks an adapter's rank against its executor's limit.
+        front.max_lora_rank = self.executor.lora.max_lora_rank as usize;
         Ok(ServeConfig {
             scheduler: self.scheduler.resolve()?,
-            front: self.front.resolve()?,
+            front,
             executor: self.executor.clone(),
             kv_agent: self.kv_agent.clone(),
             drain,

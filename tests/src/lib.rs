@@ -13,6 +13,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 mod blocking_http;
 mod etcd;
+pub mod generated;
 pub mod module_graph;
 pub mod proxy;
 pub mod streams;

@@ -197,3 +197,34 @@ pub fn request(prompt: String, max_tokens: u32, seed: Option<u64>) -> v1::Genera
         ..Default::default()
     }
 }
+
+/// Runs `requests` through the scheduler `sched`, killing with `kill -9`, once `after` tokens
+/// have arrived, whichever of `executors` holds the most streams; checks the streams it held
+/// (and no others) moved, and every stream completed `tokens` tokens exactly as `undisturbed`.
+///
+/// # Panics
+///
+/// If the killed executor held no stream, or a stream moved, stopped or differed where it
+/// should not have.
+pub async fn assert_streams_survive_a_kill_9(
+    sched: &crate::Service,
+    executors: &[crate::Service],
+    (requests, after): (Vec<v1::GenerateRequest>, usize),
+    undisturbed: &[Outcome],
+    tokens: usize,
+) {
+    let held = std::cell::Cell::new(0);
+    let moved_before = metric(sched.addr("http"), "ferry_requests_moved");
+    let kill = || {
+        let holds = |e: &crate::Service| metric(e.addr("grpc"), "ferry_executor_requests") as u64;
+        let (k, n) = executors.iter().map(holds).enumerate().max_by_key(|&(_, n)| n).unwrap();
+        held.set(n);
+        crate::signal(executors[k].pid(), "KILL").unwrap();
+    };
+    let outcomes = run_streams(sched.addr("grpc"), requests, after, kill).await;
+    let moved = (metric(sched.addr("http"), "ferry_requests_moved") - moved_before) as u64;
+    assert!(held.get() > 0, "the killed executor held no stream: nothing was tested");
+    assert_eq!(moved, held.get(), "requests moved vs requests the dead executor held");
+    assert_complete(&outcomes, tokens);
+    assert_same_streams(&outcomes, undisturbed);
+}

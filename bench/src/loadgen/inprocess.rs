@@ -5,8 +5,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use std::sync::Arc;
-
 use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
 use ferry_executor_svc::executor_config::{BackendKind, KvCacheArgs};
 use ferry_executor_svc::forward::LoadedModel;
@@ -15,7 +13,7 @@ use ferry_sched_core::{RequestEvent, RequestId, Scheduler, SchedulerStats, Times
 use ferry_sched_flags::Geometry;
 use ferry_scheduler_svc::config::SchedulerSettings;
 use ferry_scheduler_svc::link::{self, wire};
-use ferry_scheduler_svc::request::{OutputShape, RequestSpec};
+use ferry_scheduler_svc::request::RequestSpec;
 
 use super::{Job, Percentiles, Report};
 
@@ -59,18 +57,7 @@ pub fn run(
         prompts.into_iter().enumerate().map(|(i, p)| (i as u64 + 1, p)).collect();
     let (mut live, mut completed, mut output_tokens, mut prompt_tokens) =
         (0usize, 0usize, 0u64, 0u64);
-    let spec = RequestSpec {
-        prompt: Arc::from(Vec::new()),
-        prior_output: Vec::new(),
-        max_tokens: 0,
-        min_tokens: 0,
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        output: OutputShape::default(),
-        priority: 0,
-        sampling: sampling.clone(),
-        traceparent: String::new(),
-    };
+    let spec = RequestSpec { ignore_eos: true, sampling: sampling.clone(), ..Default::default() };
     let mut events = Vec::new();
     let mut specs: HashMap<u64, RequestSpec> = HashMap::new();
     loop {

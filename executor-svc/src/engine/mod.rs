@@ -20,6 +20,7 @@ pub mod cuda_emulation;
 pub mod grammar;
 pub mod kv;
 pub mod looped;
+pub mod lora;
 pub mod sampling;
 pub mod simulated_gpu;
 pub mod step;

@@ -8,10 +8,12 @@
 pub mod kv_cache;
 pub mod llama;
 pub mod loaded;
+mod lora;
 // The attention inner loops in AVX-512 / AVX2 intrinsics behind a runtime feature check (see
 // `attend`).
 #[allow(unsafe_code)]
 pub mod attention;
+pub mod batch;
 pub mod ops;
 // The forward's parts write and read the KV cache at once, each on its own sequences
 // (`SharedKv`'s contracts).

@@ -9,110 +9,18 @@
 //! Arithmetic is identical to [`super::reference::forward`] (same kernels, same attention
 //! order), so a sequence's logits are bit-identical to the reference's whatever else is batched.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use ferry_model::lora::{LoraAdapter, Product};
 use rayon::prelude::*;
+
+pub use super::batch::{check_geometry, check_tokens, BatchError, SeqSlice};
 
 use super::attention::{attend, AttnScratch, Heads, TILE};
 use super::kv_cache::{KvDtype, PagedKvCache, SharedKv};
 use super::llama::{BlockOutput, LlamaWeights};
+use super::lora::add_updates;
 use super::ops::{add_rms_norm, gate_mul_into, linear, linear_into, rms_norm, rope_angles};
-
-/// One sequence's part of a batch.
-#[derive(Clone, Copy, Debug)]
-pub struct SeqSlice<'a> {
-    /// Tokens computed this step.
-    pub tokens: &'a [u32],
-    /// Position of `tokens[0]` (tokens before it are already in the cache).
-    pub start: usize,
-    /// Where the sequence's positions live: block `i` holds `[i·bs, (i+1)·bs)`.
-    pub block_table: &'a [u32],
-    /// Return the logits of this many of its last tokens: 1 for a sequence that samples, all
-    /// of them to score a prompt chunk, 0 for none.
-    pub logits: usize,
-}
-
-/// A batch the cache cannot serve as asked. Checked before anything is written.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum BatchError {
-    /// A token id past the vocabulary.
-    #[error("sequence {seq}: token id {token} is outside the vocabulary (size {vocab})")]
-    Token {
-        /// Index in the batch.
-        seq: usize,
-        /// The id.
-        token: u32,
-        /// Vocabulary size.
-        vocab: usize,
-    },
-    /// A sequence with nothing to compute.
-    #[error("sequence {seq}: no tokens to compute")]
-    Empty {
-        /// Index in the batch.
-        seq: usize,
-    },
-    /// Logits asked for more rows than the sequence computes.
-    #[error("sequence {seq}: logits of {logits} rows asked for, it computes {rows}")]
-    TooManyLogits {
-        /// Index in the batch.
-        seq: usize,
-        /// Rows asked for.
-        logits: usize,
-        /// Rows it computes.
-        rows: usize,
-    },
-    /// Positions past what the block table covers, or past the model's length.
-    #[error("sequence {seq}: positions up to {end} need {needed} blocks, its table has {have}")]
-    TableTooShort {
-        /// Index in the batch.
-        seq: usize,
-        /// One past the last position.
-        end: usize,
-        /// Blocks needed.
-        needed: usize,
-        /// Blocks in the table.
-        have: usize,
-    },
-    /// A block id outside the pool.
-    #[error("sequence {seq}: block {block} is out of range (pool has {num_blocks} blocks)")]
-    BlockOutOfRange {
-        /// Index in the batch.
-        seq: usize,
-        /// The id.
-        block: u32,
-        /// Pool size.
-        num_blocks: usize,
-    },
-    /// The backend cannot run this batch (a looped model's stage on a backend without them).
-    #[error("{0}")]
-    Unsupported(&'static str),
-    /// A block written by one sequence is also in another's table.
-    #[error("block {block} is written by sequence {writer} but also held by sequence {other}")]
-    SharedWrite {
-        /// The block.
-        block: u32,
-        /// The sequence writing it.
-        writer: usize,
-        /// Another sequence holding it.
-        other: usize,
-    },
-}
-
-impl BatchError {
-    /// The sequence at fault (for a shared block, the one writing it).
-    pub fn sequence(&self) -> Option<usize> {
-        match self {
-            Self::Token { seq, .. }
-            | Self::Empty { seq }
-            | Self::TooManyLogits { seq, .. }
-            | Self::TableTooShort { seq, .. }
-            | Self::BlockOutOfRange { seq, .. } => Some(*seq),
-            Self::SharedWrite { writer, .. } => Some(*writer),
-            Self::Unsupported(_) => None,
-        }
-    }
-}
 
 /// Where a forward's time went (accumulated over forwards until [`PhaseTimes::take`]): a few
 /// clock reads per layer, so always on.
@@ -168,6 +76,8 @@ pub(super) struct Layout<'a> {
     pub(super) batch: &'a [SeqSlice<'a>],
     pub(super) rows: Vec<(usize, usize)>,
     tiles: Vec<(usize, usize)>,
+    /// Each row's LoRA adapter; empty when no sequence has one.
+    pub(super) adapters: Vec<Option<&'a LoraAdapter>>,
 }
 
 impl<'a> Layout<'a> {
@@ -179,7 +89,12 @@ impl<'a> Layout<'a> {
             }
             rows.extend((0..sl.tokens.len()).map(|i| (seq, sl.start + i)));
         }
-        Self { batch, rows, tiles }
+        let adapters = if batch.iter().any(|s| s.adapter.is_some()) {
+            rows.iter().map(|&(seq, _)| batch[seq].adapter).collect()
+        } else {
+            Vec::new()
+        };
+        Self { batch, rows, tiles, adapters }
     }
 }
 
@@ -200,7 +115,7 @@ fn attend_layer(
     let s = &w.shape;
     let (q_dim, hd, group) = (s.q_dim(), s.head_dim, s.num_heads / s.num_kv_heads);
     let (qkv_width, layer_heads) = (q_dim + 2 * s.kv_dim(), Heads::of_layer(s, l));
-    let Layout { batch, rows, tiles } = layout;
+    let Layout { batch, rows, tiles, .. } = layout;
     // A tile's tokens attend together, each with the KV heads' query heads, reading each
     // cached key and value once for all of them. Tasks take a tile's KV heads together when
     // there are tiles enough to share among the threads (a decode step of many sequences):
@@ -272,64 +187,6 @@ pub fn validate(
     batch: &[SeqSlice],
 ) -> Result<(), BatchError> {
     check_geometry(w.shape.vocab_size, cache.block_size, cache.num_blocks, batch)
-}
-
-/// Checks each sequence's tokens: some, in the vocabulary, and no more logit rows than
-/// tokens (all a batch that touches no KV needs, a looped model's layer-less stage).
-pub fn check_tokens(vocab_size: usize, batch: &[SeqSlice]) -> Result<(), BatchError> {
-    for (seq, s) in batch.iter().enumerate() {
-        if s.tokens.is_empty() {
-            return Err(BatchError::Empty { seq });
-        }
-        if s.logits > s.tokens.len() {
-            return Err(BatchError::TooManyLogits { seq, logits: s.logits, rows: s.tokens.len() });
-        }
-        if let Some(&token) = s.tokens.iter().find(|t| **t as usize >= vocab_size) {
-            return Err(BatchError::Token { seq, token, vocab: vocab_size });
-        }
-    }
-    Ok(())
-}
-
-/// Checks `batch` against a vocabulary and a block pool: its tokens ([`check_tokens`]), table
-/// coverage, block range, and that no block written by one sequence is held by another.
-pub fn check_geometry(
-    vocab_size: usize,
-    bs: usize,
-    num_blocks: usize,
-    batch: &[SeqSlice],
-) -> Result<(), BatchError> {
-    check_tokens(vocab_size, batch)?;
-    let mut writer_of: HashMap<u32, usize> = HashMap::new();
-    for (seq, s) in batch.iter().enumerate() {
-        let end = s.start + s.tokens.len();
-        let needed = end.div_ceil(bs);
-        if needed > s.block_table.len() {
-            return Err(BatchError::TableTooShort { seq, end, needed, have: s.block_table.len() });
-        }
-        if let Some(&block) = s.block_table.iter().find(|b| **b as usize >= num_blocks) {
-            return Err(BatchError::BlockOutOfRange { seq, block, num_blocks });
-        }
-        for i in s.start / bs..needed {
-            let block = s.block_table[i];
-            if let Some(&other) = writer_of.get(&block) {
-                if other != seq {
-                    return Err(BatchError::SharedWrite { block, writer: seq, other });
-                }
-            }
-            writer_of.insert(block, seq);
-        }
-    }
-    for (seq, s) in batch.iter().enumerate() {
-        for block in s.block_table {
-            if let Some(&writer) = writer_of.get(block) {
-                if writer != seq {
-                    return Err(BatchError::SharedWrite { block: *block, writer, other: seq });
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Runs `batch` through the model, writing each new token's keys and values into the cache.
@@ -540,6 +397,7 @@ pub(super) fn run_layers(
         add_rms_norm(x, (l > first).then_some(&proj[..]), &layer.attn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.wqkv, qkv);
+        add_updates(&layout.adapters, l, Product::Qkv, hn, qkv);
         matmul += t.elapsed();
         let t = Instant::now();
         // Bias, head norms and rotation, as the family has them, in place, rows in parallel.
@@ -560,15 +418,18 @@ pub(super) fn run_layers(
         attention += t.elapsed();
         let t = Instant::now();
         linear_into(attn, &layer.wo, proj);
+        add_updates(&layout.adapters, l, Product::O, attn, proj);
         matmul += t.elapsed();
         layer.post_norm(BlockOutput::Attention, proj, s.rms_eps);
         add_rms_norm(x, Some(proj), &layer.ffn_norm, s.rms_eps, hn);
         let t = Instant::now();
         linear_into(hn, &layer.w_gate_up, gate_up);
+        add_updates(&layout.adapters, l, Product::GateUp, hn, gate_up);
         matmul += t.elapsed();
         gate_mul_into(s.family.activation, gate_up, s.intermediate, act);
         let t = Instant::now();
         linear_into(act, &layer.w_down, proj);
+        add_updates(&layout.adapters, l, Product::Down, act, proj);
         matmul += t.elapsed();
         layer.post_norm(BlockOutput::FeedForward, proj, s.rms_eps);
     }

@@ -17,10 +17,8 @@ fn parts_split_the_batch_in_order_and_evenly() {
     for _ in 0..500 {
         let lens: Vec<usize> =
             (0..=next(20)).map(|_| if next(3) == 0 { 1 + next(300) } else { 1 }).collect();
-        let batch: Vec<SeqSlice> = lens
-            .iter()
-            .map(|&n| SeqSlice { tokens: &tokens[..n], start: 0, block_table: &[], logits: 1 })
-            .collect();
+        let batch: Vec<SeqSlice> =
+            lens.iter().map(|&n| SeqSlice::base(&tokens[..n], 0, &[], 1)).collect();
         let threads = 1 + next(4);
         let parts = parts_of(&batch, threads);
         assert_eq!(parts.len(), threads.min(batch.len()), "{lens:?} on {threads} threads");

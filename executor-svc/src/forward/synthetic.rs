@@ -5,6 +5,7 @@
 //! mean nothing, the work per token is the real model's.
 
 use candle_core::quantized::GgmlDType;
+use ferry_model::lora::LoraAdapter;
 use ferry_model::{Family, LlamaShape};
 use rayon::prelude::*;
 
@@ -139,4 +140,57 @@ fn random_matrix(rows: usize, cols: usize, dtype: GgmlDType, seed: u64) -> Resul
         }
     });
     QWeight::from_gguf(dtype, rows, cols, &bytes).map_err(|e| e.to_string())
+}
+
+/// A LoRA adapter of `rank` on every projection of every block of `shape`, random values from
+/// `seed` (scaled so its update is a few percent of the base product's): what `ferry-executor
+/// bench --lora-adapters` times requests through.
+pub fn synthesize_adapter(shape: &LlamaShape, rank: usize, seed: u64) -> LoraAdapter {
+    use ferry_model::lora::{LoraDelta, LoraFormat, LoraLayer, Module};
+    let modules: &[Module] = if shape.family.fused {
+        &[Module::Qkv, Module::O, Module::GateUp, Module::Down]
+    } else {
+        &[Module::Q, Module::K, Module::V, Module::O, Module::Gate, Module::Up, Module::Down]
+    };
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut values = |n: usize, bound: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                let u = (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u32 << 24) as f32;
+                (2.0 * u - 1.0) * bound
+            })
+            .collect()
+    };
+    let layers = (0..shape.num_layers)
+        .map(|_| {
+            let mut layer = LoraLayer::default();
+            for &module in modules {
+                let (product, col, inputs, outputs) = module.place(shape);
+                let a = values(rank * inputs, (3.0 / inputs as f32).sqrt());
+                let b = values(outputs * rank, 0.02);
+                let delta = LoraDelta {
+                    module,
+                    col,
+                    in_features: inputs,
+                    out_features: outputs,
+                    rank,
+                    a,
+                    b,
+                    scale: 2.0,
+                };
+                layer.push(product, delta);
+            }
+            layer
+        })
+        .collect();
+    LoraAdapter {
+        path: format!("synthetic-{seed}").into(),
+        format: LoraFormat::Peft,
+        rank,
+        modules: modules.to_vec(),
+        layers,
+    }
 }

@@ -834,6 +834,7 @@ fn a_grammar_that_cannot_hold_is_refused_alone_with_why() {
         num_computed_tokens: 0,
         traceparent: String::new(),
         max_loops: 0,
+        lora: None,
     };
     let work = |id: u64| v1::ScheduledWork {
         id,

@@ -6,7 +6,6 @@
 //! chain per token (each later token attending to the earlier ones' exit-loop KV) gives the same
 //! answer; a request preempted mid-chain and recomputed continues exactly.
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use ferry_executor_svc::engine::looped::LoopedShape;
@@ -14,6 +13,8 @@ use ferry_executor_svc::engine::{CpuBackend, Engine, EngineConfig};
 use ferry_executor_svc::forward::LoadedModel;
 use ferry_model::ModelFile;
 use ferry_proto::v1;
+
+use crate::generated::generated;
 use ferry_proto::v1::WorkKey as K;
 
 const BS: usize = 4;
@@ -37,20 +38,9 @@ fn engine(file: &Arc<ModelFile>, max_loops: Option<u8>) -> Engine {
 
 /// The default model with layers [`SPLIT`] repeated `k` times, written by the test's script.
 fn repeated_file(k: usize) -> Arc<ModelFile> {
-    let src = ferry_model::fetch::default_model_path().expect("the default model");
-    let dir = std::env::temp_dir().join(format!("ferry-looped-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let dst = dir.join(format!("repeated-{k}.gguf"));
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/executor/repeat_layers.py");
     let (a, b) = (SPLIT.0.to_string(), SPLIT.1.to_string());
-    let status = std::process::Command::new("python3")
-        .arg(script)
-        .args([src.as_os_str(), dst.as_os_str()])
-        .args([a, b, k.to_string()])
-        .status()
-        .expect("python3 runs");
-    assert!(status.success(), "repeat_layers.py failed");
-    Arc::new(ModelFile::open(Some(&dst)).expect("the repeated file opens"))
+    let dir = generated("looped", "repeat_layers.py", &[&a, &b, &k.to_string()]);
+    Arc::new(ModelFile::open(Some(&dir.join("repeated.gguf"))).expect("the repeated file opens"))
 }
 
 /// What a run produced: each sampled token with its log-probabilities (top 5), and the loops

@@ -101,12 +101,12 @@ fn run_paged(
             .iter()
             .map(|&(i, n)| {
                 let s = &seqs[i];
-                SeqSlice {
-                    tokens: &s.tokens[s.computed..s.computed + n],
-                    start: s.computed,
-                    block_table: &s.table,
-                    logits: usize::from(s.computed + n == s.tokens.len()),
-                }
+                SeqSlice::base(
+                    &s.tokens[s.computed..s.computed + n],
+                    s.computed,
+                    &s.table,
+                    usize::from(s.computed + n == s.tokens.len()),
+                )
             })
             .collect();
         let wants: Vec<bool> = batch.iter().map(|b| b.logits > 0).collect();
@@ -254,7 +254,7 @@ fn bad_batches_are_refused_before_anything_is_written() {
     let mut cache = PagedKvCache::new(&m.w.shape, BS, 8);
     let mut scratch = ForwardScratch::default();
     let toks = [1u32, 2, 3, 4, 5];
-    let slice = |tokens, start, table| SeqSlice { tokens, start, block_table: table, logits: 1 };
+    let slice = |tokens, start, table| SeqSlice::base(tokens, start, table, 1);
     let cases: Vec<(Vec<SeqSlice>, &str)> = vec![
         (vec![slice(&toks[..], 0, &[0u32][..])], "need 2 blocks"),
         (vec![slice(&toks[..2], 0, &[9u32][..])], "out of range"),

@@ -3,8 +3,9 @@
 B..n, renumbered, every other tensor and metadata value copied as is (block_count updated). A
 looped model running A:B for K loops must compute what this file computes.
 
-    repeat_layers.py SRC DST A B K
+    repeat_layers.py SRC OUT A B K      (writes OUT/repeated.gguf)
 """
+import os
 import re
 import sys
 
@@ -12,7 +13,9 @@ import gguf
 
 
 def main():
-    src, dst = sys.argv[1], sys.argv[2]
+    src, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    dst = os.path.join(out, "repeated.gguf")
     a, b, k = (int(x) for x in sys.argv[3:6])
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()

@@ -13,6 +13,7 @@
 //! placed again; seeded sampling and greedy decoding continue exactly, so the client sees one
 //! stream with no repeated and no missing token.
 
+pub mod adapters;
 mod admission;
 pub mod client_stream;
 mod disagg;

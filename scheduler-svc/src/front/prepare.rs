@@ -7,6 +7,7 @@ use ferry_model::sampling::{LogitAdjust, SamplingParams};
 use ferry_model::ModelFile;
 use ferry_proto::v1;
 
+use crate::front::adapters::Adapters;
 use crate::request::{OutputShape, RequestSpec};
 
 /// Why a request was refused.
@@ -47,9 +48,33 @@ pub struct ServedModel {
     /// Largest prompt + output accepted: the model's, capped to what the smallest executor's
     /// KV cache holds for one request.
     pub max_model_len: usize,
+    /// The LoRA adapters served on it.
+    pub adapters: Arc<Adapters>,
 }
 
 impl ServedModel {
+    /// `file` capped to `max_model_len`, with the adapters of `settings` (each checked against
+    /// the model).
+    ///
+    /// # Errors
+    ///
+    /// An adapter of `--lora-modules` that cannot be served, naming it.
+    pub fn new(
+        file: Arc<ModelFile>,
+        max_model_len: usize,
+        settings: &crate::front::FrontSettings,
+    ) -> anyhow::Result<Self> {
+        let dir = file.path.parent();
+        let base = (file.name.as_str(), file.shape, dir);
+        let adapters = Adapters::new(settings.enable_lora, base, settings.max_lora_rank);
+        for (name, path) in &settings.lora_modules {
+            adapters
+                .load(name, path)
+                .map_err(|e| anyhow::anyhow!("--lora-modules {name}={path}: {e}"))?;
+        }
+        Ok(Self { file, max_model_len, adapters: Arc::new(adapters) })
+    }
+
     /// The name clients use.
     pub fn name(&self) -> &str {
         &self.file.name
@@ -103,14 +128,26 @@ impl Default for RequestLimits {
     }
 }
 
-/// Refuses a request for another model than `model`, by name or by fingerprint.
-fn check_model(model: &ServedModel, req: &v1::GenerateRequest) -> Result<(), PrepareError> {
-    if !req.model.is_empty() && req.model != model.name() {
-        return Err(PrepareError::UnknownModel {
-            asked: req.model.clone(),
-            served: model.name().to_string(),
-        });
-    }
+/// Refuses a request for another model than `model` (or one of its adapters), by name or by
+/// fingerprint; the adapter it names, if any.
+fn check_model(
+    model: &ServedModel,
+    req: &v1::GenerateRequest,
+) -> Result<Option<v1::LoraAdapterRef>, PrepareError> {
+    let adapter = if req.model.is_empty() || req.model == model.name() {
+        None
+    } else {
+        let adapter = model.adapters.get(&req.model);
+        if adapter.is_none() {
+            let mut served = model.name().to_string();
+            for (name, _) in model.adapters.list() {
+                served.push_str(", ");
+                served.push_str(&name);
+            }
+            return Err(PrepareError::UnknownModel { asked: req.model.clone(), served });
+        }
+        adapter
+    };
     if !req.model_fingerprint.is_empty() && req.model_fingerprint != model.file.fingerprint {
         return Err(PrepareError::OtherModel {
             asked: req.model_fingerprint.clone(),
@@ -118,7 +155,7 @@ fn check_model(model: &ServedModel, req: &v1::GenerateRequest) -> Result<(), Pre
             fingerprint: model.file.fingerprint.clone(),
         });
     }
-    Ok(())
+    Ok(adapter)
 }
 
 /// The prompt's tokens: text tokenized, token ids checked, or a chat rendered and tokenized.
@@ -283,7 +320,7 @@ pub fn prepare(
     req: &v1::GenerateRequest,
 ) -> Result<RequestSpec, PrepareError> {
     let invalid = |m: String| PrepareError::Invalid(m);
-    check_model(model, req)?;
+    let lora = check_model(model, req)?;
     let tok = &model.file.tokenizer;
     let prompt = checked_prompt(model, limits, req)?;
     let max_len = model.max_model_len;
@@ -362,5 +399,6 @@ pub fn prepare(
         sampling,
         priority: req.priority,
         traceparent: String::new(),
+        lora,
     })
 }

@@ -34,4 +34,11 @@ pub struct FrontSettings {
     /// Whether requests may set a priority: the scheduler that serves them orders by it. A
     /// front in its own process forwards it and its leader decides.
     pub accepts_priority: bool,
+    /// `--enable-lora`: requests may name LoRA adapters.
+    pub enable_lora: bool,
+    /// `--lora-modules`: the adapters served from the start, as (name, path).
+    pub lora_modules: Vec<(String, String)>,
+    /// Largest adapter rank the executors take (their `--max-lora-rank`; `ferry serve` sets
+    /// it from its executor's).
+    pub max_lora_rank: usize,
 }

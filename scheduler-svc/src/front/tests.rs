@@ -23,7 +23,6 @@ fn model() -> Arc<ModelFile> {
 }
 
 pub(crate) fn front(set: &Arc<ExecutorSet>) -> GenerationService {
-    let served = ServedModel { file: model(), max_model_len: 512 };
     let settings = FrontSettings {
         max_live: 16,
         failover_wait: Duration::from_secs(5),
@@ -35,7 +34,11 @@ pub(crate) fn front(set: &Arc<ExecutorSet>) -> GenerationService {
         limits: super::RequestLimits::default(),
         max_model_len: None,
         accepts_priority: false,
+        enable_lora: false,
+        lora_modules: Vec::new(),
+        max_lora_rank: 16,
     };
+    let served = ServedModel::new(model(), 512, &settings).expect("no adapters");
     GenerationService::new(served, Route::Local(set.clone()), settings)
 }
 

@@ -54,6 +54,11 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// A `status` with `message`.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), retry_after: None }
+    }
+
     /// A 400 with `message`.
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self { status: StatusCode::BAD_REQUEST, message: message.into(), retry_after: None }
@@ -114,6 +119,8 @@ pub fn router(
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/load_lora_adapter", post(openai::load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(openai::unload_lora_adapter))
         .route_layer(middleware::from_fn_with_state(front.clone(), require_key))
         .layer(DefaultBodyLimit::max(front.limits().max_request_bytes))
         .with_state(front.clone());
@@ -129,7 +136,8 @@ pub fn router(
 
 /// The routes this API serves, for the answer to any other.
 const ROUTES: &str = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, \
-                      GET /health and GET /metrics";
+                      POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, GET /health and \
+                      GET /metrics";
 
 /// A 404 in OpenAI's shape (an OpenAI client shows its message) for a route not served.
 async fn not_served(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {

@@ -145,11 +145,26 @@ pub fn core_request(
     // Past 255 it is out of range anyway: the core refuses it naming the model's limit.
     req.max_loops = spec.sampling.max_loops.map(|l| u8::try_from(l).unwrap_or(u8::MAX));
     req.exit_threshold = spec.sampling.exit_threshold;
+    if let Some(lora) = &spec.lora {
+        // Its own prefix cache per adapter: a block computed under one adapter holds KV no
+        // other adapter (nor the base model) computes.
+        req.cache_salt = adapter_salt(lora);
+    }
     if spec.sampling.prompt_logprobs.is_some() {
         // Its own prefix cache (salt): every prompt token is computed, and so scored.
         req.cache_salt = (1 << 63) | id.0;
     }
     req
+}
+
+/// The prefix-cache salt of requests run with `lora`: its name and path, hashed (FNV-1a, so
+/// every process computes the same), never 0 (the base model's) nor with the top bit (a
+/// request's own, for prompt log-probabilities).
+fn adapter_salt(lora: &v1::LoraAdapterRef) -> u64 {
+    let bytes = lora.name.bytes().chain([0]).chain(lora.path.bytes());
+    let h = bytes
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    (h >> 1).max(1)
 }
 
 /// What the handle asks of the loop.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_proto::v1;
-use ferry_sched_core::{FinishReason, RequestId};
+use ferry_sched_core::{FinishReason, RequestId, Timestamp};
 use tokio::sync::mpsc;
 
 use super::fake::{fake_link, raw_link, TokenFn};
@@ -27,6 +27,7 @@ pub(crate) fn spec(prompt: &[u32], max_tokens: usize) -> Arc<RequestSpec> {
         priority: 0,
         sampling: v1::SamplingParams::default(),
         traceparent: String::new(),
+        lora: None,
     })
 }
 
@@ -185,4 +186,23 @@ async fn closing_a_link_fails_its_requests_and_aborting_finishes_one() {
     link.close("the test closes it");
     assert!(matches!(drain(&mut b).await.last(), Some(LinkEvent::Failed)));
     drop(gate_tx);
+}
+
+#[test]
+fn each_adapter_has_its_own_prefix_cache_salt() {
+    let with = |name: &str, path: &str| {
+        let mut s = (*spec(&[1, 2, 3], 4)).clone();
+        s.lora = Some(v1::LoraAdapterRef { name: name.into(), path: path.into() });
+        s
+    };
+    let salt = |s: &RequestSpec| {
+        let req = super::core_request(s, RequestId(7), Vec::new(), &[2], None, Timestamp(0));
+        req.cache_salt
+    };
+    let base = salt(&spec(&[1, 2, 3], 4));
+    let (x, y, x2) = (salt(&with("x", "a")), salt(&with("y", "a")), salt(&with("x", "b")));
+    assert_eq!(base, 0, "the base model's requests share one cache");
+    assert!([x, y, x2].iter().all(|s| *s != 0 && *s >> 63 == 0), "{x} {y} {x2}");
+    assert!(x != y && x != x2 && y != x2, "a name or a path apart: caches apart");
+    assert_eq!(x, salt(&with("x", "a")), "the same adapter, the same cache");
 }

@@ -101,6 +101,7 @@ pub fn to_proto<'a>(
                     num_computed_tokens: wire_u32(n.num_computed_tokens),
                     traceparent: spec.map(|s| s.traceparent.clone()).unwrap_or_default(),
                     max_loops: u32::from(n.max_loops),
+                    lora: spec.and_then(|s| s.lora.clone()),
                 }
             })
             .collect(),
@@ -247,6 +248,10 @@ pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size:
     const BLOCK_COPY: u64 = 11 + 6 + 6 + 2;
     // A cached block (block id, 64-bit hash, tags and the entry's length) and an evicted id.
     const CACHE_CHANGE: u64 = 6 + 11 + 2 + 5;
+    // A LoRA adapter's name and path, with their tags and lengths and the message's.
+    const LORA: u64 = (ferry_model::lora::MAX_ADAPTER_NAME_BYTES
+        + ferry_model::lora::MAX_ADAPTER_PATH_BYTES) as u64
+        + 12;
     let blocks = max_model_len.div_ceil(block_size.max(1)) as u64 + 1;
     // Token ids, block ids, the KV operation's block ids and 64-bit hashes, cache changes.
     let per_request = 5 * max_model_len as u64
@@ -256,7 +261,8 @@ pub fn largest_step_bytes(max_num_seqs: usize, max_model_len: usize, block_size:
         + PER_REQUEST
         + GRAMMAR
         + DRAFT
-        + BLOCK_COPY;
+        + BLOCK_COPY
+        + LORA;
     max_num_seqs as u64 * per_request + PER_REQUEST
 }
 
@@ -310,6 +316,10 @@ mod tests {
                 num_computed_tokens: u32::MAX,
                 traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
                 max_loops: 0,
+                lora: Some(v1::LoraAdapterRef {
+                    name: "n".repeat(ferry_model::lora::MAX_ADAPTER_NAME_BYTES),
+                    path: "p".repeat(ferry_model::lora::MAX_ADAPTER_PATH_BYTES),
+                }),
             };
             let export = |id: u64| v1::KvOperation {
                 transfer_id: u64::MAX.to_string(),

@@ -185,6 +185,7 @@ fn new_request() -> impl Strategy<Value = v1::NewRequest> {
             num_computed_tokens: computed,
             traceparent: String::new(),
             max_loops: 0,
+            lora: None,
         })
 }
 

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use ferry_proto::v1;
-use ferry_tests::streams::{assert_complete, assert_same_streams, metric, run_streams};
-use ferry_tests::{http, signal, start_scheduler, Service};
+use ferry_tests::streams::{assert_complete, assert_streams_survive_a_kill_9, run_streams};
+use ferry_tests::{http, start_scheduler, Service};
 use serde_json::{json, Value};
 
 use crate::cluster::wait_ready;
@@ -105,20 +105,8 @@ async fn looped_streams_moved_by_a_kill_9_of_their_executor_continue_exactly() {
     let undisturbed = run_streams(sched.addr("grpc"), requests(), 0, || {}).await;
     assert_complete(&undisturbed, TOKENS as usize);
 
-    let held = std::cell::Cell::new(0);
-    let moved_before = metric(sched.addr("http"), "ferry_requests_moved");
-    let kill = || {
-        let holds = |e: &Service| metric(e.addr("grpc"), "ferry_executor_requests") as u64;
-        let (k, n) = execs.iter().map(holds).enumerate().max_by_key(|&(_, n)| n).unwrap();
-        held.set(n);
-        signal(execs[k].pid(), "KILL").unwrap();
-    };
-    let outcomes = run_streams(sched.addr("grpc"), requests(), 6, kill).await;
-    let moved = (metric(sched.addr("http"), "ferry_requests_moved") - moved_before) as u64;
-    assert!(held.get() > 0, "the killed executor held no stream: nothing was tested");
-    assert_eq!(moved, held.get(), "requests moved vs requests the dead executor held");
-    assert_complete(&outcomes, TOKENS as usize);
-    assert_same_streams(&outcomes, &undisturbed);
+    let tokens = TOKENS as usize;
+    assert_streams_survive_a_kill_9(&sched, &execs, (requests(), 6), &undisturbed, tokens).await;
 }
 
 /// A simulated executor serves a looped model too: stage steps timed by the roofline's stage

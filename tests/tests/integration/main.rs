@@ -22,6 +22,7 @@ mod kv_agent;
 mod kv_tier;
 mod limits;
 mod looped;
+mod lora;
 mod model_fetch;
 mod model_formats;
 mod observability;

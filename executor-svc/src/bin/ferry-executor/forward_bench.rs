@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 
 use ferry_executor_svc::engine::sampling::{Sampler, PARALLEL_DRAWS};
 use ferry_executor_svc::forward::paged::{forward, ForwardScratch, PhaseTimes, SeqSlice};
+use ferry_executor_svc::forward::synthetic::synthesize_adapter;
 use ferry_executor_svc::forward::{ops::argmax, KvDtype, LlamaWeights, LoadedModel, PagedKvCache};
 use ferry_executor_svc::kernels::Kernel;
+use ferry_model::lora::LoraAdapter;
 use ferry_model::sampling::SamplingParams;
 
 /// One measured figure.
@@ -98,6 +100,9 @@ pub struct BenchOptions {
     pub context: usize,
     /// The KV cache's element type.
     pub kv_dtype: KvDtype,
+    /// Distinct LoRA adapters in each batch, one measurement of every scenario per entry
+    /// (sequence `i` runs adapter `i % n`; 0: the base model); empty: the base model alone.
+    pub lora_adapters: Vec<usize>,
 }
 
 impl Default for BenchOptions {
@@ -109,6 +114,7 @@ impl Default for BenchOptions {
             prefill_reps: 3,
             context: 128,
             kv_dtype: KvDtype::default(),
+            lora_adapters: Vec::new(),
         }
     }
 }
@@ -121,11 +127,40 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs.get(xs.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Runs the scenarios; `progress` hears about each row as it is measured.
+/// Rank of the adapters `--lora-adapters` times (a common fine-tune's).
+const LORA_RANK: usize = 16;
+
+/// Runs the scenarios, once per entry of `--lora-adapters` (each row's scenario names its
+/// adapters), interleaved so every count meets the same machine; `progress` hears about each
+/// row as it is measured.
 fn run(
     w: &LlamaWeights,
     opts: &BenchOptions,
     mut progress: impl FnMut(&BenchRow),
+) -> Vec<BenchRow> {
+    if opts.lora_adapters.is_empty() {
+        return run_with(w, opts, &[], &mut progress);
+    }
+    let most = opts.lora_adapters.iter().copied().max().unwrap_or(0);
+    let adapters: Vec<LoraAdapter> =
+        (0..most).map(|i| synthesize_adapter(&w.shape, LORA_RANK, i as u64 + 1)).collect();
+    let mut rows = Vec::new();
+    for &n in &opts.lora_adapters {
+        let mut named = |r: &BenchRow| progress(r);
+        for mut row in run_with(w, opts, &adapters[..n], &mut named) {
+            row.scenario = format!("{}, {n} adapters", row.scenario);
+            rows.push(row);
+        }
+    }
+    rows
+}
+
+/// The scenarios, sequence `i` of a batch running `adapters[i % n]` (none when empty).
+fn run_with(
+    w: &LlamaWeights,
+    opts: &BenchOptions,
+    adapters: &[LoraAdapter],
+    progress: &mut impl FnMut(&BenchRow),
 ) -> Vec<BenchRow> {
     let mut rows = Vec::new();
     let mut scratch = ForwardScratch::default();
@@ -147,7 +182,7 @@ fn run(
     let reps = if len == 0 { 0 } else { opts.prefill_reps };
     for rep in 0..reps {
         let toks = prompt(rep, len);
-        let batch = [SeqSlice { tokens: &toks, start: 0, block_table: &table, logits: 1 }];
+        let batch = [seq(adapters, 0, &toks, 0, &table, 1)];
         let t = Instant::now();
         forward(w, &mut cache, &batch, &mut scratch).expect("bench batch is valid");
         times.push(t.elapsed().as_secs_f64());
@@ -176,7 +211,8 @@ fn run(
         let batch: Vec<SeqSlice> = seqs
             .iter()
             .zip(&tables)
-            .map(|(t, tb)| SeqSlice { tokens: t, start: 0, block_table: tb, logits: 1 })
+            .enumerate()
+            .map(|(s, (t, tb))| seq(adapters, s, t, 0, tb, 1))
             .collect();
         let logits = forward(w, &mut cache, &batch, &mut scratch).expect("bench batch is valid");
         for (s, l) in seqs.iter_mut().zip(logits) {
@@ -191,12 +227,8 @@ fn run(
             let batch: Vec<SeqSlice> = seqs
                 .iter()
                 .zip(&tables)
-                .map(|(t, tb)| SeqSlice {
-                    tokens: &t[t.len() - 1..],
-                    start: t.len() - 1,
-                    block_table: tb,
-                    logits: 1,
-                })
+                .enumerate()
+                .map(|(s, (t, tb))| seq(adapters, s, &t[t.len() - 1..], t.len() - 1, tb, 1))
                 .collect();
             let t = Instant::now();
             let mut logits =
@@ -218,6 +250,19 @@ fn run(
         rows.push(row);
     }
     rows
+}
+
+/// Sequence `s` of a batch: `tokens` from `start`, running `adapters[s % n]` (none when empty).
+fn seq<'a>(
+    adapters: &'a [LoraAdapter],
+    s: usize,
+    tokens: &'a [u32],
+    start: usize,
+    block_table: &'a [u32],
+    logits: usize,
+) -> SeqSlice<'a> {
+    let adapter = (!adapters.is_empty()).then(|| &adapters[s % adapters.len()]);
+    SeqSlice { tokens, start, block_table, logits, adapter }
 }
 
 /// A KV cache of `blocks` blocks where a serving executor keeps it: in a region of the shared

@@ -115,8 +115,7 @@ pub fn report(o: &GpuBenchOptions) -> anyhow::Result<()> {
             let prompt: Vec<u32> = (0..o.prefill_len).map(token).collect();
             let mut times = Vec::new();
             for _ in 0..o.prefill_reps {
-                let batch =
-                    [SeqSlice { tokens: &prompt, start: 0, block_table: &table, logits: 1 }];
+                let batch = [SeqSlice::base(&prompt, 0, &table, 1)];
                 let t = Instant::now();
                 step(&mut gpu, &batch)?;
                 times.push(t.elapsed().as_secs_f64());
@@ -146,10 +145,8 @@ pub fn report(o: &GpuBenchOptions) -> anyhow::Result<()> {
             // Each sequence's context, in batches of up to 8,192 tokens.
             let per_batch = (8192 / o.context.max(1)).max(1);
             for chunk in tables.chunks(per_batch) {
-                let batch: Vec<SeqSlice> = chunk
-                    .iter()
-                    .map(|t| SeqSlice { tokens: &context, start: 0, block_table: t, logits: 0 })
-                    .collect();
+                let batch: Vec<SeqSlice> =
+                    chunk.iter().map(|t| SeqSlice::base(&context, 0, t, 0)).collect();
                 step(&mut gpu, &batch)?;
             }
             let next: Vec<[u32; 1]> = (0..b).map(|s| [token(s + 1)]).collect();
@@ -158,12 +155,7 @@ pub fn report(o: &GpuBenchOptions) -> anyhow::Result<()> {
                 let batch: Vec<SeqSlice> = tables
                     .iter()
                     .zip(&next)
-                    .map(|(t, tok)| SeqSlice {
-                        tokens: tok,
-                        start: o.context + i,
-                        block_table: t,
-                        logits: 1,
-                    })
+                    .map(|(t, tok)| SeqSlice::base(tok, o.context + i, t, 1))
                     .collect();
                 step(&mut gpu, &batch)?;
             }

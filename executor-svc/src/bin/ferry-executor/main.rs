@@ -41,90 +41,58 @@ enum Command {
     /// tokens/s, beside the GPU's memory-bandwidth roofline (`scripts/gpu-check`).
     GpuBench(gpu_bench::GpuBenchOptions),
     /// Benchmark the CPU forward: decode tokens/s per batch size, prefill tokens/s, KV bytes.
-    Bench {
-        /// GGUF model; the default model when absent.
-        #[arg(long, env = "FERRY_MODEL")]
-        model: Option<std::path::PathBuf>,
-        /// Decode batch sizes.
-        #[arg(long, value_delimiter = ',', default_value = "1,8,16,32,64")]
-        batches: Vec<usize>,
-        /// Decode steps timed per batch size.
-        #[arg(long, default_value_t = 16)]
-        steps: usize,
-        /// Prefill repetitions (0 skips the prefill figure).
-        #[arg(long, default_value_t = 3)]
-        prefill_reps: usize,
-        /// Prompt length of the prefill figure (attention's share grows with it).
-        #[arg(long, default_value_t = 512)]
-        prefill_len: usize,
-        /// Context of each sequence before the timed decode steps (attention's share grows
-        /// with it).
-        #[arg(long, default_value_t = 128)]
-        context: usize,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// Measure structured outputs instead: sampled decode through the engine with and
-        /// without a JSON schema (rounds A B B A per batch size), the masks' time per token
-        /// and how long steps waited for them.
-        #[arg(long)]
-        structured: bool,
-        /// The KV cache's element type (f16 or f32).
-        #[arg(long, default_value = "f16")]
-        kv_cache_dtype: ferry_executor_svc::forward::KvDtype,
-        /// Measure the matrix products instead: each kernel this CPU runs, on the first
-        /// layer's matrices and the output head, for these activation row counts.
-        #[arg(long, value_delimiter = ',')]
-        kernels: Option<Vec<usize>>,
-    },
+    Bench(BenchArgs),
+}
+
+/// `ferry-executor bench`'s flags.
+#[derive(Debug, clap::Args)]
+struct BenchArgs {
+    /// GGUF model; the default model when absent.
+    #[arg(long, env = "FERRY_MODEL")]
+    model: Option<std::path::PathBuf>,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,16,32,64")]
+    batches: Vec<usize>,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    /// Prefill repetitions (0 skips the prefill figure).
+    #[arg(long, default_value_t = 3)]
+    prefill_reps: usize,
+    /// Prompt length of the prefill figure (attention's share grows with it).
+    #[arg(long, default_value_t = 512)]
+    prefill_len: usize,
+    /// Context of each sequence before the timed decode steps (attention's share grows
+    /// with it).
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Measure structured outputs instead: sampled decode through the engine with and
+    /// without a JSON schema (rounds A B B A per batch size), the masks' time per token
+    /// and how long steps waited for them.
+    #[arg(long)]
+    structured: bool,
+    /// The KV cache's element type (f16 or f32).
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: ferry_executor_svc::forward::KvDtype,
+    /// Measure every scenario once per count of distinct LoRA adapters in the batch (e.g.
+    /// `0,1,4,8`; random adapters of rank 16 on every projection; sequence `i` runs
+    /// adapter `i % n`).
+    #[arg(long, value_delimiter = ',')]
+    lora_adapters: Vec<usize>,
+    /// Measure the matrix products instead: each kernel this CPU runs, on the first
+    /// layer's matrices and the output head, for these activation row counts.
+    #[arg(long, value_delimiter = ',')]
+    kernels: Option<Vec<usize>>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut cli = Cli::parse();
-    if let Some(Command::GpuBench(options)) = cli.command {
-        return tokio::task::spawn_blocking(move || gpu_bench::report(&options)).await?;
-    }
-    if let Some(Command::Bench {
-        model,
-        batches,
-        steps,
-        prefill_reps,
-        prefill_len,
-        context,
-        json,
-        structured,
-        kernels,
-        kv_cache_dtype,
-    }) = cli.command
-    {
-        if let Some(rows) = kernels {
-            return tokio::task::spawn_blocking(move || {
-                kernel_bench::report(model.as_deref(), &rows)
-            })
-            .await?;
-        }
-        if structured {
-            return tokio::task::spawn_blocking(move || {
-                structured_bench::report(model.as_deref(), &batches, steps, json)
-            })
-            .await?;
-        }
-        return tokio::task::spawn_blocking(move || {
-            forward_bench::report(
-                model.as_deref(),
-                &BenchOptions {
-                    batches,
-                    decode_steps: steps,
-                    prefill_reps,
-                    prefill_len,
-                    context,
-                    kv_dtype: kv_cache_dtype,
-                },
-                json,
-            )
-        })
-        .await?;
+    if let Some(command) = cli.command.take() {
+        return run_command(command).await;
     }
     cli.executor.validate_flags()?;
     if let Some(path) = &cli.leadership_token_file {
@@ -187,4 +155,35 @@ async fn main() -> anyhow::Result<()> {
         drain,
     )
     .await
+}
+
+/// Runs a subcommand (a bench) instead of the executor.
+async fn run_command(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::GpuBench(options) => {
+            tokio::task::spawn_blocking(move || gpu_bench::report(&options)).await?
+        }
+        Command::Bench(args) => tokio::task::spawn_blocking(move || bench(args)).await?,
+    }
+}
+
+/// Runs the CPU bench `args` ask for.
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let model = args.model.as_deref();
+    if let Some(rows) = &args.kernels {
+        return kernel_bench::report(model, rows);
+    }
+    if args.structured {
+        return structured_bench::report(model, &args.batches, args.steps, args.json);
+    }
+    let options = BenchOptions {
+        batches: args.batches,
+        decode_steps: args.steps,
+        prefill_reps: args.prefill_reps,
+        prefill_len: args.prefill_len,
+        context: args.context,
+        kv_dtype: args.kv_cache_dtype,
+        lora_adapters: args.lora_adapters,
+    };
+    forward_bench::report(model, &options, args.json)
 }

@@ -271,6 +271,9 @@ impl ModelBackend for CudaBackend {
     }
 
     fn check(&self, batch: &[SeqSlice]) -> Result<(), BatchError> {
+        if batch.iter().any(|s| s.adapter.is_some()) {
+            return Err(BatchError::Unsupported("the CUDA backend runs no LoRA adapters yet"));
+        }
         paged::check_geometry(
             self.shape.vocab_size,
             self.cache.block_size,

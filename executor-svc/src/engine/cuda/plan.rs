@@ -77,11 +77,23 @@ mod tests {
     fn rows_follow_batch_order_with_their_positions_tables_and_logit_rows() {
         let batch = [
             // A prefill chunk continuing at position 5, sampling.
-            SeqSlice { tokens: &[7, 8, 9], start: 5, block_table: &[3, 1], logits: 1 },
+            SeqSlice {
+                tokens: &[7, 8, 9],
+                start: 5,
+                block_table: &[3, 1],
+                logits: 1,
+                adapter: None,
+            },
             // A chunk that does not finish its prompt: no logits.
-            SeqSlice { tokens: &[4, 4], start: 0, block_table: &[0], logits: 0 },
+            SeqSlice { tokens: &[4, 4], start: 0, block_table: &[0], logits: 0, adapter: None },
             // A decode.
-            SeqSlice { tokens: &[2], start: 12, block_table: &[6, 2, 5, 4], logits: 1 },
+            SeqSlice {
+                tokens: &[2],
+                start: 12,
+                block_table: &[6, 2, 5, 4],
+                logits: 1,
+                adapter: None,
+            },
         ];
         let plan = BatchPlan::new(&batch).unwrap();
         assert_eq!(plan.tokens, [7, 8, 9, 4, 4, 2]);
@@ -94,7 +106,8 @@ mod tests {
 
     #[test]
     fn a_batch_without_sampling_has_no_logit_rows() {
-        let batch = [SeqSlice { tokens: &[1, 2], start: 0, block_table: &[0], logits: 0 }];
+        let batch =
+            [SeqSlice { tokens: &[1, 2], start: 0, block_table: &[0], logits: 0, adapter: None }];
         let plan = BatchPlan::new(&batch).unwrap();
         assert!(plan.logit_rows.is_empty());
         assert_eq!(plan.rows(), 2);

@@ -189,24 +189,16 @@ fn mixed_batches_match_the_cpu_backend(family: Family) {
     let steps: Vec<Vec<SeqSlice>> = vec![
         vec![
             // A: a whole 5-token prompt; B: the first chunk of its prompt (no logits).
-            SeqSlice { tokens: &[1, 5, 9, 13, 17], start: 0, block_table: &table_a, logits: 1 },
-            SeqSlice { tokens: &[2, 4, 6], start: 0, block_table: &table_b, logits: 0 },
+            SeqSlice::base(&[1, 5, 9, 13, 17], 0, &table_a, 1),
+            SeqSlice::base(&[2, 4, 6], 0, &table_b, 0),
         ],
         vec![
             // B's second chunk crosses a block boundary; A decodes; C is a 1-token prompt.
-            SeqSlice {
-                tokens: &[8, 10, 12, 14, 16, 18],
-                start: 3,
-                block_table: &table_b,
-                logits: 1,
-            },
-            SeqSlice { tokens: &[21], start: 5, block_table: &table_a, logits: 1 },
-            SeqSlice { tokens: &[33], start: 0, block_table: &table_c, logits: 1 },
+            SeqSlice::base(&[8, 10, 12, 14, 16, 18], 3, &table_b, 1),
+            SeqSlice::base(&[21], 5, &table_a, 1),
+            SeqSlice::base(&[33], 0, &table_c, 1),
         ],
-        vec![
-            SeqSlice { tokens: &[40], start: 6, block_table: &table_a, logits: 1 },
-            SeqSlice { tokens: &[41], start: 9, block_table: &table_b, logits: 1 },
-        ],
+        vec![SeqSlice::base(&[40], 6, &table_a, 1), SeqSlice::base(&[41], 9, &table_b, 1)],
     ];
     let attention =
         || (Emulation::kernel_launches("attention_f32"), Emulation::kernel_blocks("attention_f32"));
@@ -245,7 +237,7 @@ fn mixed_batches_match_the_cpu_backend(family: Family) {
 fn on_a_gpu_bad_batches_are_refused_like_on_the_cpu() {
     let w = tiny_model();
     let Some(mut gpu) = gpu_backend(&w, 4, 8) else { return };
-    let out_of_range = [SeqSlice { tokens: &[1], start: 0, block_table: &[8], logits: 1 }];
+    let out_of_range = [SeqSlice::base(&[1], 0, &[8], 1)];
     let cpu = CpuBackend::new(tiny_model(), 4, 8);
     assert_eq!(gpu.check(&out_of_range), cpu.check(&out_of_range));
     assert!(gpu.run(&out_of_range).is_err(), "run validates before touching the device");
@@ -268,7 +260,7 @@ fn on_a_gpu_the_real_model_greedy_decodes_like_the_cpu() {
     // Six steps. Under the emulation the logits are within 3.2e-6 of the largest (summation
     // order, `expf`), the greedy tokens equal (" Paris.\n\nThe answer").
     for step in 0..6 {
-        let batch = [SeqSlice { tokens: &toks[start..], start, block_table: &table, logits: 1 }];
+        let batch = [SeqSlice::base(&toks[start..], start, &table, 1)];
         let g = logits(gpu.run(&batch).expect("gpu step"));
         let c = logits(cpu.run(&batch).expect("cpu step"));
         assert_close(&g, &c, 3e-5, &format!("step {step}"));
@@ -293,11 +285,11 @@ fn on_a_gpu_a_verification_with_drafts_matches_the_cpu_backend() {
     let mut cpu = CpuBackend::new(tiny_model(), 4, 16);
     let table = [5u32, 2, 11];
     let steps = [
-        vec![SeqSlice { tokens: &[3, 1, 4, 1, 5], start: 0, block_table: &table, logits: 1 }],
+        vec![SeqSlice::base(&[3, 1, 4, 1, 5], 0, &table, 1)],
         // The sampled token and three drafts: four logit rows.
-        vec![SeqSlice { tokens: &[9, 2, 6, 5], start: 5, block_table: &table, logits: 4 }],
+        vec![SeqSlice::base(&[9, 2, 6, 5], 5, &table, 4)],
         // Two drafts accepted: the next step rewrites positions 8 and on.
-        vec![SeqSlice { tokens: &[3, 5], start: 8, block_table: &table, logits: 2 }],
+        vec![SeqSlice::base(&[3, 5], 8, &table, 2)],
     ];
     for (i, batch) in steps.iter().enumerate() {
         let g = logits(gpu.run(batch).expect("gpu step"));
@@ -315,7 +307,7 @@ fn on_a_gpu_a_copied_block_continues_like_the_original() {
     let Some(mut gpu) = gpu_backend(&w, bs, 16) else { return };
     let mut cpu = CpuBackend::new(tiny_model(), bs, 16);
     let prompt = [7u32, 3, 9, 1, 4, 4];
-    let shared = [SeqSlice { tokens: &prompt, start: 0, block_table: &[2, 6], logits: 1 }];
+    let shared = [SeqSlice::base(&prompt, 0, &[2, 6], 1)];
     logits(gpu.run(&shared).expect("prompt"));
     logits(cpu.run(&shared).expect("prompt"));
     gpu.copy_block(6, 9);
@@ -325,10 +317,7 @@ fn on_a_gpu_a_copied_block_continues_like_the_original() {
     gpu.read_block(9, &mut copy).unwrap();
     assert!(original == copy, "the copy holds every byte of the block");
     // Two samples decode on: one in the original block, one in the copy.
-    let batch = [
-        SeqSlice { tokens: &[12], start: 6, block_table: &[2, 6], logits: 1 },
-        SeqSlice { tokens: &[12], start: 6, block_table: &[2, 9], logits: 1 },
-    ];
+    let batch = [SeqSlice::base(&[12], 6, &[2, 6], 1), SeqSlice::base(&[12], 6, &[2, 9], 1)];
     let g = logits(gpu.run(&batch).expect("samples"));
     let c = logits(cpu.run(&batch).expect("samples"));
     assert_close(&g, &c, TINY_TOLERANCE, "samples after the copy");
@@ -350,19 +339,13 @@ fn on_a_gpu_a_preempted_sequence_resumes_by_recomputing() {
         g
     };
     let tokens = [11u32, 5, 8, 2, 9, 30, 6];
-    run(&[SeqSlice { tokens: &tokens[..5], start: 0, block_table: &[1, 2], logits: 1 }]);
-    run(&[SeqSlice { tokens: &tokens[5..6], start: 5, block_table: &[1, 2], logits: 1 }]);
-    let before =
-        run(&[SeqSlice { tokens: &tokens[6..], start: 6, block_table: &[1, 2], logits: 1 }]);
+    run(&[SeqSlice::base(&tokens[..5], 0, &[1, 2], 1)]);
+    run(&[SeqSlice::base(&tokens[5..6], 5, &[1, 2], 1)]);
+    let before = run(&[SeqSlice::base(&tokens[6..], 6, &[1, 2], 1)]);
     // Preempted: another request takes (and overwrites) blocks 1 and 2.
-    run(&[SeqSlice {
-        tokens: &[40, 41, 42, 43, 44, 45],
-        start: 0,
-        block_table: &[2, 1],
-        logits: 1,
-    }]);
+    run(&[SeqSlice::base(&[40, 41, 42, 43, 44, 45], 0, &[2, 1], 1)]);
     // Resumed elsewhere: everything recomputed in one chunk.
-    let after = run(&[SeqSlice { tokens: &tokens, start: 0, block_table: &[7, 3], logits: 1 }]);
+    let after = run(&[SeqSlice::base(&tokens, 0, &[7, 3], 1)]);
     assert_close(&after, &before, TINY_TOLERANCE, "resumed against never preempted");
 }
 
@@ -376,9 +359,7 @@ fn on_a_gpu_blocks_moved_to_another_gpu_decode_exactly_as_computed_there() {
     let Some(mut exporter) = gpu_backend(&w, bs, 16) else { return };
     let mut importer = CudaBackend::new(&w, bs, 16, 0).expect("a second backend");
     let prompt = [4u32, 8, 15, 16, 23, 42, 7, 1];
-    exporter
-        .run(&[SeqSlice { tokens: &prompt, start: 0, block_table: &[3, 5], logits: 1 }])
-        .expect("prompt");
+    exporter.run(&[SeqSlice::base(&prompt, 0, &[3, 5], 1)]).expect("prompt");
     let mut moved = Vec::new();
     for (from, to) in [(3, 10), (5, 0)] {
         let mut bytes = vec![0u8; block_bytes(&w, bs)];
@@ -390,9 +371,7 @@ fn on_a_gpu_blocks_moved_to_another_gpu_decode_exactly_as_computed_there() {
         moved.push(bytes);
     }
     assert!(moved.iter().all(|b| b.iter().any(|&x| x != 0)), "the blocks hold computed KV");
-    let next = |table: &'static [u32]| {
-        [SeqSlice { tokens: &[9], start: 8, block_table: table, logits: 1 }]
-    };
+    let next = |table: &'static [u32]| [SeqSlice::base(&[9], 8, table, 1)];
     let there = logits(exporter.run(&next(&[3, 5, 7])).expect("exporter decodes"));
     let here = logits(importer.run(&next(&[10, 0, 2])).expect("importer decodes"));
     assert_eq!(here, there, "decoding from moved blocks is decoding from computed ones");
@@ -436,13 +415,10 @@ fn on_a_gpu_half_precision_weights_and_kv_stay_close_to_the_cpu_backend() {
         let (a, b) = ([9u32, 3, 17], [4u32, 30, 1]);
         let steps = [
             vec![
-                SeqSlice { tokens: &[1, 5, 9, 13, 17], start: 0, block_table: &a, logits: 1 },
-                SeqSlice { tokens: &[2, 4, 6], start: 0, block_table: &b, logits: 1 },
+                SeqSlice::base(&[1, 5, 9, 13, 17], 0, &a, 1),
+                SeqSlice::base(&[2, 4, 6], 0, &b, 1),
             ],
-            vec![
-                SeqSlice { tokens: &[21], start: 5, block_table: &a, logits: 1 },
-                SeqSlice { tokens: &[8, 10], start: 3, block_table: &b, logits: 2 },
-            ],
+            vec![SeqSlice::base(&[21], 5, &a, 1), SeqSlice::base(&[8, 10], 3, &b, 2)],
         ];
         for (i, batch) in steps.iter().enumerate() {
             let g = logits(gpu.run(batch).expect("gpu step"));
@@ -474,7 +450,7 @@ fn on_a_gpu_the_real_model_in_half_precision_greedy_decodes_like_the_cpu() {
     let table: Vec<u32> = (0..blocks as u32).collect();
     let (mut toks, mut start) = (prompt.clone(), 0);
     for step in 0..6 {
-        let batch = [SeqSlice { tokens: &toks[start..], start, block_table: &table, logits: 1 }];
+        let batch = [SeqSlice::base(&toks[start..], start, &table, 1)];
         let g = logits(gpu.run(&batch).expect("gpu step"));
         let c = logits(cpu.run(&batch).expect("cpu step"));
         assert_close(&g, &c, half_tolerance(Storage::F16), &format!("float16, step {step}"));

@@ -71,7 +71,12 @@ impl Engine {
     /// Takes the refused requests out of `step` until what remains passes [`Self::validate`]:
     /// those refused earlier that it still names, then each that a fault names, one at a time
     /// (each takes a part out, so this ends). A fault of the step as a whole is its error.
-    pub(super) fn admit<'s>(&self, step: &'s v1::Step) -> Result<Admitted<'s>, StepError> {
+    /// `unusable` are new requests already refused (their LoRA adapter), with why.
+    pub(super) fn admit<'s>(
+        &self,
+        step: &'s v1::Step,
+        unusable: Vec<(u64, String)>,
+    ) -> Result<Admitted<'s>, StepError> {
         let mut admitted = Admitted {
             step: Cow::Borrowed(step),
             planned: Vec::new(),
@@ -91,6 +96,13 @@ impl Engine {
                     admitted.dropped_ops.extend(ops.into_iter().map(|op| (op, why.clone())));
                     admitted.named_again.push(id);
                 }
+            }
+        }
+        for (id, why) in unusable {
+            if let Some((rest, ops)) = without(&admitted.step, id) {
+                admitted.step = Cow::Owned(rest);
+                admitted.dropped_ops.extend(ops.into_iter().map(|op| (op, why.clone())));
+                admitted.refused.push((id, why));
             }
         }
         loop {

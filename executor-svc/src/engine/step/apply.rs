@@ -3,6 +3,10 @@
 //! prepared for them), the updated ones given their new blocks (or, resumed, their new table).
 //! Nothing here can fail: [`super::validate`] has checked all of it.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferry_model::lora::LoraAdapter;
 use ferry_proto::v1;
 
 use super::trace::RequestTrace;
@@ -12,8 +16,13 @@ use crate::engine::looped::LoopState;
 
 impl Engine {
     /// Applies the request diffs of a validated step; `prepared` holds its new requests'
-    /// parts.
-    pub(super) fn apply_diff(&mut self, step: &v1::Step, mut prepared: Prepared) {
+    /// parts, `adapters` their LoRA adapters.
+    pub(super) fn apply_diff(
+        &mut self,
+        step: &v1::Step,
+        mut prepared: Prepared,
+        adapters: &HashMap<u64, Arc<LoraAdapter>>,
+    ) {
         for id in &step.finished_ids {
             if let Some(t) = self.requests.remove(id).and_then(|r| r.trace) {
                 t.end("finished");
@@ -52,6 +61,7 @@ impl Engine {
                         threshold: nr.sampling.as_ref().and_then(|s| s.exit_threshold),
                         chain: None,
                     }),
+                    adapter: adapters.get(&nr.id).cloned(),
                 },
             );
         }

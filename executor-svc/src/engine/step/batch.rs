@@ -107,6 +107,7 @@ impl Engine {
                     start: p.start,
                     block_table: &r.table,
                     logits: logit_rows(p, r),
+                    adapter: r.adapter.as_deref(),
                 }
             })
             .collect();

@@ -25,13 +25,16 @@
 //! tokens (and verifies drafts), and `trace` records the spans of traced requests.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Instant;
 
+use ferry_model::lora::LoraAdapter;
 use ferry_proto::v1;
 
 use super::backend::ModelBackend;
 use super::grammar::{Grammar, GrammarSource};
 use super::looped::{LoopState, LoopedShape};
+use super::lora::Adapters;
 use super::sampling::{LogitAdjust, Sampler, SamplingParams};
 use admit::Admitted;
 use batch::Forward;
@@ -68,6 +71,8 @@ struct ExecRequest {
     trace: Option<RequestTrace>,
     /// A looped model's request: its loops, exit threshold and chain in progress.
     looped: Option<LoopState>,
+    /// The LoRA adapter its projections add (held while it lives: see `lora`).
+    adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl ExecRequest {
@@ -83,6 +88,9 @@ impl ExecRequest {
         }
     }
 }
+
+/// The LoRA adapters of a step's new requests, by request.
+type HeldAdapters = HashMap<u64, Arc<LoraAdapter>>;
 
 /// Fixed facts the engine needs beyond the backend's.
 #[derive(Clone, Copy, Debug)]
@@ -124,6 +132,8 @@ pub struct Engine {
     /// Which block holds the KV of which content hash, as the schedulers cached them (kept
     /// across sessions, so a new leader adopts them: see `cached_blocks`).
     cached: HashMap<u32, u64>,
+    /// The LoRA adapters it holds; `None`: it runs none (see [`Engine::with_adapters`]).
+    adapters: Option<Adapters>,
 }
 
 impl Engine {
@@ -140,7 +150,45 @@ impl Engine {
             refused: HashMap::new(),
             grammars: None,
             cached: HashMap::new(),
+            adapters: None,
         }
+    }
+
+    /// The same engine, running requests with LoRA adapters, held in `adapters` (without it,
+    /// a request naming one is refused).
+    #[must_use]
+    pub fn with_adapters(mut self, adapters: Adapters) -> Self {
+        self.adapters = Some(adapters);
+        self
+    }
+
+    /// The LoRA adapters it holds, if it runs them.
+    pub fn adapters(&self) -> Option<&Adapters> {
+        self.adapters.as_ref()
+    }
+
+    /// Each new request's LoRA adapter, read or found: those found, and the requests whose
+    /// adapter cannot be used, with why. Held here until the requests hold them, so reading
+    /// one never drops another this step needs.
+    fn acquire_adapters(&mut self, step: &v1::Step) -> (HeldAdapters, Vec<(u64, String)>) {
+        let (mut found, mut failed) = (HashMap::new(), Vec::new());
+        for nr in &step.new_requests {
+            let Some(want) = &nr.lora else { continue };
+            let got = match &mut self.adapters {
+                Some(adapters) => adapters.acquire(want),
+                None => Err(format!(
+                    "LoRA adapter {}: this executor's backend runs no adapters",
+                    want.name
+                )),
+            };
+            match got {
+                Ok(a) => {
+                    found.insert(nr.id, a);
+                }
+                Err(why) => failed.push((nr.id, why)),
+            }
+        }
+        (found, failed)
     }
 
     /// The same engine, compiling structured outputs for `model`'s vocabulary (without it,
@@ -219,8 +267,9 @@ impl Engine {
     /// Validates and runs one step, less the requests it refuses (listed in the result); on
     /// error nothing changed.
     pub fn execute(&mut self, step: &v1::Step) -> Result<v1::StepResult, StepError> {
+        let (adapters, unusable) = self.acquire_adapters(step);
         let Admitted { step, planned, refused, named_again, dropped_ops, prepared } =
-            self.admit(step)?;
+            self.admit(step, unusable)?;
         let step = &*step;
         if !self.refused.is_empty() {
             for id in &step.finished_ids {
@@ -231,7 +280,7 @@ impl Engine {
         for b in &step.evicted_blocks {
             self.cached.remove(b);
         }
-        self.apply_diff(step, prepared);
+        self.apply_diff(step, prepared, &adapters);
         let (mut refused, mut kv_results) = self.forget_refused(named_again, refused, dropped_ops);
         for c in &step.block_copies {
             self.backend.copy_block(c.src as usize, c.dst as usize);

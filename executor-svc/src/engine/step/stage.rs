@@ -128,6 +128,7 @@ impl Engine {
                 start: p.start,
                 block_table: table,
                 logits: if stage == Stage::Coda { logit_rows(p, &self.requests[&p.id]) } else { 0 },
+                adapter: self.requests[&p.id].adapter.as_deref(),
             })
             .collect();
         let has_input = stage != Stage::Prelude && self.backend.computes_logits();

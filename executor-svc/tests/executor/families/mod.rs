@@ -81,7 +81,7 @@ fn assert_serving_forward_equals(
     let table: Vec<u32> = (0..u32::try_from(blocks).unwrap()).rev().collect();
     let mut scratch = ForwardScratch::default();
     for (i, want) in logits.iter().enumerate() {
-        let step = [SeqSlice { tokens: &tokens[i..=i], start: i, block_table: &table, logits: 1 }];
+        let step = [SeqSlice::base(&tokens[i..=i], i, &table, 1)];
         let got = paged::forward(w, &mut cache, &step, &mut scratch).unwrap().remove(0);
         let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{name}: the serving forward's logits at {i} are not the reference's");

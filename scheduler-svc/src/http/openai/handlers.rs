@@ -1,4 +1,4 @@
-//! The endpoints: `POST /v1/completions`, `POST /v1/chat/completions` and `GET /v1/models`.
+//! The endpoints `POST /v1/completions` and `POST /v1/chat/completions`.
 //! Each reads its body ([`super::validate`]), builds the front's `GenerateRequest` from it
 //! ([`super::translate`] and its own input: a prompt or a chat), and answers through [`run`],
 //! which calls the front exactly as a gRPC client would and shapes what comes back, whole or
@@ -10,7 +10,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use ferry_proto::v1::{self, generation_server::Generation};
 use futures_util::stream::StreamExt;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::ids::{rand_id, unix_now};
 use super::request_body::{ChatBody, Common, CompletionBody, Content, PromptInput};
@@ -34,7 +34,9 @@ async fn run(
     req: v1::GenerateRequest,
     headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
-    let model = front.model().name().to_string();
+    // The model asked for (a LoRA adapter's name, or the base model's) is the one answering.
+    let model =
+        if req.model.is_empty() { front.model().name().to_string() } else { req.model.clone() };
     let mut req = req;
     if common.truncate_prompt_tokens == Some(-1) {
         let longest =
@@ -268,17 +270,4 @@ pub async fn chat_completions(
     };
     req.input = Some(v1::generate_request::Input::Chat(input));
     run(front, (Kind::Chat, echoed, reader, None), None, &body.common, req, &headers).await
-}
-
-/// `GET /v1/models`.
-pub async fn models(State(front): State<GenerationService>) -> Response {
-    let m = front.model();
-    // `architecture` and `weight_types` are Ferry's: what the file is and that it is served.
-    let model = json!({
-        "id": m.name(), "object": "model", "created": 0, "owned_by": "ferry",
-        "max_model_len": m.max_model_len, "architecture": m.file.shape.family.name,
-        "weight_types": m.file.weight_types,
-    });
-    let body = json!({ "object": "list", "data": [model] });
-    ([("content-type", "application/json")], body.to_string()).into_response()
 }

@@ -5,6 +5,7 @@
 //! ([`super::fields`]).
 //!
 //! One concern per file, and imports run one way (each file names only those listed after it):
+//! - [`adapters`]: the served models and the LoRA adapters' load and unload endpoints;
 //! - [`handlers`]: the endpoints: read a body, build the request, call the front, answer;
 //! - [`sse`]: the streamed answer's event body;
 //! - [`response_body`]: front events → OpenAI's JSON (chunks, whole answers, usage);
@@ -15,6 +16,7 @@
 //! - [`ids`]: response and tool-call ids, and the `created` time;
 //! - [`request_body`]: the request bodies as serde reads them.
 
+mod adapters;
 mod handlers;
 mod ids;
 mod request_body;
@@ -28,4 +30,5 @@ mod validate;
 #[cfg(test)]
 mod tests;
 
-pub(super) use handlers::{chat_completions, completions, models};
+pub(super) use adapters::{load_lora_adapter, models, unload_lora_adapter};
+pub(super) use handlers::{chat_completions, completions};

@@ -143,6 +143,7 @@ pub(super) fn batch_fits_pool(prospect: &Prospect, planned: &[Planned]) -> Resul
             start: p.start,
             block_table: table,
             logits: 0,
+            adapter: None,
         })
         .collect();
     prospect.engine.backend.check(&batch).map_err(|e| match e.sequence() {

@@ -1,0 +1,205 @@
+//! The LoRA adapters a front serves beside its base model: each under the name a request's
+//! `model` gives, with the path its executors read it from. An adapter is checked against the
+//! base model when it is registered (`--lora-modules` at start, `POST /v1/load_lora_adapter`
+//! at run time), so a request never reaches an executor with one that cannot fit.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::RwLock;
+
+use ferry_model::lora::{self, LoraFormat, Module};
+use ferry_model::LlamaShape;
+use ferry_proto::v1;
+
+/// One served adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterEntry {
+    /// Where executors read it (relative: in their model folder).
+    pub path: String,
+    /// Its largest rank.
+    pub rank: usize,
+    /// Its format.
+    pub format: LoraFormat,
+    /// The projections it updates.
+    pub modules: Vec<Module>,
+}
+
+/// Why an adapter could not be registered or removed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AdapterError {
+    /// LoRA is off.
+    #[error("LoRA adapters are not enabled on this server (start it with --enable-lora)")]
+    Disabled,
+    /// The name is the base model's, or empty.
+    #[error("{0:?} cannot name an adapter: it is empty or the base model's name")]
+    BadName(String),
+    /// An adapter of that name is served already.
+    #[error("the LoRA adapter {0:?} has already been loaded")]
+    Exists(String),
+    /// No adapter of that name is served.
+    #[error("no LoRA adapter named {0:?} is loaded")]
+    Unknown(String),
+    /// The files are not an adapter Ferry runs, or do not fit the base model.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The adapters served, by name.
+#[derive(Debug)]
+pub struct Adapters {
+    enabled: bool,
+    shape: LlamaShape,
+    base_name: String,
+    /// Where relative paths are read from here (the base model's folder).
+    base_dir: Option<PathBuf>,
+    max_rank: usize,
+    by_name: RwLock<BTreeMap<String, AdapterEntry>>,
+}
+
+impl Adapters {
+    /// None served yet, for the base model `base_name` of `shape` in `base_dir`; `enabled`:
+    /// `--enable-lora`; `max_rank`: the executors' `--max-lora-rank`.
+    pub fn new(
+        enabled: bool,
+        (base_name, shape, base_dir): (&str, LlamaShape, Option<&Path>),
+        max_rank: usize,
+    ) -> Self {
+        Self {
+            enabled,
+            shape,
+            base_name: base_name.to_string(),
+            base_dir: base_dir.map(Path::to_path_buf),
+            max_rank,
+            by_name: RwLock::default(),
+        }
+    }
+
+    /// Whether adapters may be served.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Reads the adapter at `path`, checks it fits the base model, and serves it as `name`.
+    ///
+    /// # Errors
+    ///
+    /// LoRA off, a name taken, or an adapter that cannot be read or does not fit.
+    pub fn load(&self, name: &str, path: &str) -> Result<AdapterEntry, AdapterError> {
+        if !self.enabled {
+            return Err(AdapterError::Disabled);
+        }
+        if name.is_empty() || name == self.base_name {
+            return Err(AdapterError::BadName(name.to_string()));
+        }
+        for (what, value, limit) in [
+            ("name", name, lora::MAX_ADAPTER_NAME_BYTES),
+            ("path", path, lora::MAX_ADAPTER_PATH_BYTES),
+        ] {
+            if value.len() > limit {
+                return Err(AdapterError::Invalid(format!(
+                    "the adapter's {what} is {} bytes; at most {limit}",
+                    value.len()
+                )));
+            }
+        }
+        if self.by_name.read().expect("adapters lock").contains_key(name) {
+            return Err(AdapterError::Exists(name.to_string()));
+        }
+        let full = match &self.base_dir {
+            Some(dir) if Path::new(path).is_relative() => dir.join(path),
+            _ => PathBuf::from(path),
+        };
+        let adapter = lora::load(&full, &self.shape, self.max_rank)
+            .map_err(|e| AdapterError::Invalid(e.to_string()))?;
+        let entry = AdapterEntry {
+            path: path.to_string(),
+            rank: adapter.rank,
+            format: adapter.format,
+            modules: adapter.modules,
+        };
+        let mut by_name = self.by_name.write().expect("adapters lock");
+        if by_name.contains_key(name) {
+            return Err(AdapterError::Exists(name.to_string()));
+        }
+        by_name.insert(name.to_string(), entry.clone());
+        tracing::info!(adapter = name, path, rank = entry.rank, "LoRA adapter served");
+        Ok(entry)
+    }
+
+    /// Stops serving `name` (requests already running with it finish with it).
+    ///
+    /// # Errors
+    ///
+    /// LoRA off, or no adapter of that name.
+    pub fn unload(&self, name: &str) -> Result<(), AdapterError> {
+        if !self.enabled {
+            return Err(AdapterError::Disabled);
+        }
+        match self.by_name.write().expect("adapters lock").remove(name) {
+            Some(_) => Ok(()),
+            None => Err(AdapterError::Unknown(name.to_string())),
+        }
+    }
+
+    /// The adapter served as `name`, as an executor is told of it.
+    pub fn get(&self, name: &str) -> Option<v1::LoraAdapterRef> {
+        let by_name = self.by_name.read().expect("adapters lock");
+        by_name.get(name).map(|e| v1::LoraAdapterRef { name: name.into(), path: e.path.clone() })
+    }
+
+    /// Every adapter served, by name.
+    pub fn list(&self) -> Vec<(String, AdapterEntry)> {
+        let by_name = self.by_name.read().expect("adapters lock");
+        by_name.iter().map(|(n, e)| (n.clone(), e.clone())).collect()
+    }
+}
+
+/// Parses a `--lora-modules` value: `name=path`.
+///
+/// # Errors
+///
+/// What is wrong with it.
+pub fn parse_module(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), path.to_string()))
+        }
+        _ => Err(format!("{value:?} is not name=path")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adapters(enabled: bool) -> Adapters {
+        let file = ferry_model::ModelFile::open(None).expect("the default model");
+        Adapters::new(enabled, (&file.name, file.shape, None), 16)
+    }
+
+    #[test]
+    fn a_registration_is_checked_before_anything_is_served() {
+        let off = adapters(false);
+        assert_eq!(off.load("x", "/nowhere"), Err(AdapterError::Disabled));
+        let on = adapters(true);
+        let base = ferry_model::ModelFile::open(None).unwrap().name;
+        assert_eq!(on.load(&base, "/nowhere"), Err(AdapterError::BadName(base.clone())));
+        assert_eq!(on.load("", "/nowhere"), Err(AdapterError::BadName(String::new())));
+        let long = "n".repeat(lora::MAX_ADAPTER_NAME_BYTES + 1);
+        assert!(
+            matches!(on.load(&long, "p"), Err(AdapterError::Invalid(m)) if m.contains("at most 128"))
+        );
+        let missing = on.load("x", "/nowhere/adapter").unwrap_err().to_string();
+        assert!(missing.contains("/nowhere/adapter"), "{missing}");
+        assert_eq!(on.unload("x"), Err(AdapterError::Unknown("x".into())));
+        assert!(on.list().is_empty() && on.get("x").is_none(), "nothing was served");
+    }
+
+    #[test]
+    fn lora_modules_values_are_name_equals_path() {
+        assert_eq!(parse_module("x=/a/b=c"), Ok(("x".into(), "/a/b=c".into())));
+        for bad in ["x", "=p", "x=", ""] {
+            assert!(parse_module(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -8,6 +8,8 @@
 pub mod kv_cache;
 pub mod llama;
 pub mod loaded;
+// One `#[target_feature]` function for the adapters' updates, behind a runtime CPU check.
+#[allow(unsafe_code)]
 mod lora;
 // The attention inner loops in AVX-512 / AVX2 intrinsics behind a runtime feature check (see
 // `attend`).

@@ -170,7 +170,7 @@ pub fn synthesize_adapter(shape: &LlamaShape, rank: usize, seed: u64) -> LoraAda
             for &module in modules {
                 let (product, col, inputs, outputs) = module.place(shape);
                 let a = values(rank * inputs, (3.0 / inputs as f32).sqrt());
-                let b = values(outputs * rank, 0.02);
+                let bt = values(rank * outputs, 0.02);
                 let delta = LoraDelta {
                     module,
                     col,
@@ -178,7 +178,7 @@ pub fn synthesize_adapter(shape: &LlamaShape, rank: usize, seed: u64) -> LoraAda
                     out_features: outputs,
                     rank,
                     a,
-                    b,
+                    bt,
                     scale: 2.0,
                 };
                 layer.push(product, delta);

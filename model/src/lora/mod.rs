@@ -159,8 +159,9 @@ pub struct LoraDelta {
     pub rank: usize,
     /// `A`, `rank × in_features`, row-major.
     pub a: Vec<f32>,
-    /// `B`, `out_features × rank`, row-major, in the base file's row order.
-    pub b: Vec<f32>,
+    /// `Bᵀ`, `rank × out_features`, row-major (`B`'s rows in the base file's order): the update
+    /// adds `t_k · Bᵀ[k]` to the outputs for each `k`, a pass over contiguous columns.
+    pub bt: Vec<f32>,
     /// `alpha / r` (or `alpha / √r`).
     pub scale: f32,
 }
@@ -169,18 +170,24 @@ impl LoraDelta {
     /// Adds `scale · B (A x)` to `out[col..col + out_features]` for one row `x`; `t` is
     /// scratch. Every sum runs in one fixed order, so a row's result does not depend on what
     /// else is computed.
+    ///
+    /// `#[inline]`: a backend compiles it into its own vector-width context.
+    #[inline]
     pub fn add_to(&self, x: &[f32], out: &mut [f32], t: &mut Vec<f32>) {
         t.clear();
         t.extend(self.a.chunks_exact(self.in_features).map(|a| dot(a, x) * self.scale));
         let out = &mut out[self.col..self.col + self.out_features];
-        for (o, b) in out.iter_mut().zip(self.b.chunks_exact(self.rank)) {
-            *o += dot(b, t);
+        for (&tk, row) in t.iter().zip(self.bt.chunks_exact(self.out_features)) {
+            for (o, b) in out.iter_mut().zip(row) {
+                *o += tk * b;
+            }
         }
     }
 }
 
 /// `Σ aᵢ·bᵢ` in eight interleaved partial sums, added pairwise at the end: a fixed order the
 /// compiler can keep in vector registers.
+#[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -261,7 +268,7 @@ impl LoraAdapter {
     /// Bytes its matrices take.
     #[must_use]
     pub fn weight_bytes(&self) -> usize {
-        let per = |d: &LoraDelta| (d.a.len() + d.b.len()) * 4;
+        let per = |d: &LoraDelta| (d.a.len() + d.bt.len()) * 4;
         let layer = |l: &LoraLayer| -> usize {
             [&l.qkv, &l.o, &l.gate_up, &l.down].iter().flat_map(|v| v.iter()).map(per).sum()
         };
@@ -420,7 +427,7 @@ fn assemble(
             out_features: outputs,
             rank: r,
             a: a.2,
-            b: bm,
+            bt: transpose(&bm, outputs, r),
             scale,
         };
         let l = &mut layers[layer];
@@ -438,6 +445,11 @@ fn assemble(
     }
     modules.sort();
     Ok(LoraAdapter { path, format, rank, modules, layers })
+}
+
+/// `m` (`rows × cols`, row-major) transposed.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..cols).flat_map(|c| (0..rows).map(move |r| m[r * cols + c])).collect()
 }
 
 /// Hugging Face's Q or K rows (`heads` heads of `head_dim` rows, `cols` wide) in llama.cpp's

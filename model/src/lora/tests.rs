@@ -95,11 +95,11 @@ fn a_peft_adapter_is_placed_in_the_stacked_products_with_q_rows_in_gguf_order() 
     assert!(a.layers[1].qkv.is_empty() && a.layers[0].down.is_empty());
     // Head 0's rows 0..4 were [r0 r1 r2 r3] (halves [r0 r1], [r2 r3]); llama.cpp's order
     // interleaves the halves: [r0 r2 r1 r3]. B's values are its index (seed 1: + 0.5).
-    let row = |b: &[f32], i: usize| b[i * 2] as usize / 2;
-    let rows: Vec<usize> = (0..8).map(|i| row(&q.b, i)).collect();
+    // B's column 0 is Bᵀ's row 0.
+    let rows: Vec<usize> = (0..8).map(|i| q.bt[i] as usize / 2).collect();
     assert_eq!(rows, [0, 2, 1, 3, 4, 6, 5, 7]);
-    let raw: Vec<f32> = (0..8).map(|i| i as f32 + 1.5).collect();
-    assert_eq!(v.b, raw, "v rows keep their order");
+    let raw: Vec<f32> = [0, 2, 4, 6, 1, 3, 5, 7].iter().map(|&i| i as f32 + 1.5).collect();
+    assert_eq!(v.bt, raw, "v rows keep their order (B transposed: column 0, then column 1)");
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -112,7 +112,7 @@ fn an_update_adds_scale_times_b_a_x_to_its_columns() {
         out_features: 2,
         rank: 2,
         a: vec![1.0, 2.0, 3.0, 0.0, -1.0, 1.0],
-        b: vec![1.0, 0.0, 2.0, -1.0],
+        bt: vec![1.0, 2.0, 0.0, -1.0],
         scale: 0.5,
     };
     let mut out = vec![10.0; 5];

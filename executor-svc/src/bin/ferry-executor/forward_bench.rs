@@ -139,18 +139,18 @@ fn run(
     mut progress: impl FnMut(&BenchRow),
 ) -> Vec<BenchRow> {
     if opts.lora_adapters.is_empty() {
-        return run_with(w, opts, &[], &mut progress);
+        return run_with(w, opts, &[], &mut |r: &mut BenchRow| progress(r));
     }
     let most = opts.lora_adapters.iter().copied().max().unwrap_or(0);
     let adapters: Vec<LoraAdapter> =
         (0..most).map(|i| synthesize_adapter(&w.shape, LORA_RANK, i as u64 + 1)).collect();
     let mut rows = Vec::new();
     for &n in &opts.lora_adapters {
-        let mut named = |r: &BenchRow| progress(r);
-        for mut row in run_with(w, opts, &adapters[..n], &mut named) {
-            row.scenario = format!("{}, {n} adapters", row.scenario);
-            rows.push(row);
-        }
+        let mut named = |r: &mut BenchRow| {
+            r.scenario = format!("{}, {n} adapters", r.scenario);
+            progress(r);
+        };
+        rows.extend(run_with(w, opts, &adapters[..n], &mut named));
     }
     rows
 }
@@ -160,7 +160,7 @@ fn run_with(
     w: &LlamaWeights,
     opts: &BenchOptions,
     adapters: &[LoraAdapter],
-    progress: &mut impl FnMut(&BenchRow),
+    progress: &mut impl FnMut(&mut BenchRow),
 ) -> Vec<BenchRow> {
     let mut rows = Vec::new();
     let mut scratch = ForwardScratch::default();
@@ -189,14 +189,14 @@ fn run_with(
     }
     if !times.is_empty() {
         let med = median(times);
-        let row = BenchRow {
+        let mut row = BenchRow {
             scenario: format!("prefill {len}-token prompt"),
             batch: 1,
             tokens_per_s: len as f64 / med,
             median_step_ms: med * 1e3,
             shares: Shares::of(scratch.times.take(), Duration::ZERO),
         };
-        progress(&row);
+        progress(&mut row);
         rows.push(row);
     }
 
@@ -239,14 +239,14 @@ fn run_with(
             times.push(t.elapsed().as_secs_f64());
         }
         let total: f64 = times.iter().sum();
-        let row = BenchRow {
+        let mut row = BenchRow {
             scenario: format!("decode ({ctx}-token context)"),
             batch: b,
             tokens_per_s: (b * opts.decode_steps) as f64 / total,
             median_step_ms: median(times) * 1e3,
             shares: Shares::of(scratch.times.take(), sampling),
         };
-        progress(&row);
+        progress(&mut row);
         rows.push(row);
     }
     rows
@@ -329,7 +329,7 @@ pub(crate) fn report(
             opts.kv_dtype.name()
         );
         println!(
-            "{:<28} {:>6} {:>10} {:>9} | share of step time: {:>6} {:>6} {:>6} {:>6}",
+            "{:<40} {:>6} {:>10} {:>9} | share of step time: {:>6} {:>6} {:>6} {:>6}",
             "scenario", "batch", "tokens/s", "step ms", "matmul", "attn", "other", "sample"
         );
     }
@@ -338,7 +338,7 @@ pub(crate) fn report(
             let pct = |f: f64| format!("{:.1}%", 100.0 * f);
             let s = &r.shares;
             println!(
-                "{:<28} {:>6} {:>10.1} {:>9.2} |                     {:>6} {:>6} {:>6} {:>6}",
+                "{:<40} {:>6} {:>10.1} {:>9.2} |                     {:>6} {:>6} {:>6} {:>6}",
                 r.scenario,
                 r.batch,
                 r.tokens_per_s,

@@ -236,6 +236,7 @@ fn assemble(
         max_step_bytes: config.max_step_bytes,
         data_parallel: config.data_parallel.rank().map_err(anyhow::Error::msg)?,
         looped: looped.map(|l| l.proto()),
+        max_loras: if config.backend == BackendKind::Cuda { 0 } else { config.lora.max_loras },
     };
     Ok(BuiltExecutor { engine, identity, info })
 }

@@ -2,7 +2,9 @@
 //! each one reports, so the front (over live links) and the simulator (over simulated
 //! executors) decide exactly alike.
 //!
-//! Ferry's rule: the executor whose cache holds the longest prefix of the request's tokens
+//! Ferry's rule: for a request with a LoRA adapter, an executor that holds the adapter first
+//! (the others would read it, and may drop one their running requests soon need); then the
+//! executor whose cache holds the longest prefix of the request's tokens
 //! (exact: the control plane owns every executor's block table, so this is a lookup, not a
 //! guess from events), less `load_tokens` tokens for each live request it holds; among equals,
 //! the one with the fewest live requests; among those, the first listed. The load term bounds
@@ -14,8 +16,11 @@
 //! large one is least-load (with the prefix breaking ties).
 
 /// What the router knows of one candidate executor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Candidate {
+    /// It holds the LoRA adapter the request runs with (always false for one without): it
+    /// need not read the adapter, nor drop another to make room.
+    pub holds_adapter: bool,
     /// Tokens of the request's prefix its cache holds now.
     pub prefix_hit_tokens: usize,
     /// Requests it holds (added and not finished).
@@ -30,9 +35,9 @@ pub const LOAD_TOKENS: usize = 128;
 
 impl Candidate {
     /// The router's order: greater is better (see the module's rule).
-    fn rank(self, load_tokens: usize) -> (i128, std::cmp::Reverse<usize>) {
+    fn rank(self, load_tokens: usize) -> (bool, i128, std::cmp::Reverse<usize>) {
         let penalty = self.load as i128 * load_tokens as i128;
-        (self.prefix_hit_tokens as i128 - penalty, std::cmp::Reverse(self.load))
+        (self.holds_adapter, self.prefix_hit_tokens as i128 - penalty, std::cmp::Reverse(self.load))
     }
 }
 
@@ -94,7 +99,7 @@ mod tests {
     use super::*;
 
     fn c(prefix_hit_tokens: usize, load: usize) -> Candidate {
-        Candidate { prefix_hit_tokens, load }
+        Candidate { holds_adapter: false, prefix_hit_tokens, load }
     }
 
     #[test]
@@ -103,6 +108,15 @@ mod tests {
         assert_eq!(pick([c(0, 5), c(32, 9), c(16, 0)], 0), Some(1));
         assert_eq!(pick([c(16, 5), c(16, 2), c(16, 2)], 0), Some(1));
         assert_eq!(pick([c(0, 0), c(0, 0)], 0), Some(0));
+    }
+
+    #[test]
+    fn an_executor_holding_the_adapter_comes_before_prefix_and_load() {
+        let holds =
+            |prefix_hit_tokens, load| Candidate { holds_adapter: true, prefix_hit_tokens, load };
+        assert_eq!(pick([c(1000, 0), holds(0, 9)], 32), Some(1), "before a cached prefix and load");
+        assert_eq!(pick([holds(0, 3), holds(64, 3), c(64, 0)], 16), Some(1), "then the prefix");
+        assert_eq!(pick([holds(0, 3), holds(0, 2)], 16), Some(1), "then the load");
     }
 
     #[test]

@@ -54,6 +54,8 @@ pub struct Adapters {
     base_dir: Option<PathBuf>,
     max_rank: usize,
     by_name: RwLock<BTreeMap<String, AdapterEntry>>,
+    /// Requests admitted, by adapter (kept after an adapter is unloaded).
+    requests: std::sync::Mutex<BTreeMap<String, u64>>,
 }
 
 impl Adapters {
@@ -71,7 +73,14 @@ impl Adapters {
             base_dir: base_dir.map(Path::to_path_buf),
             max_rank,
             by_name: RwLock::default(),
+            requests: std::sync::Mutex::default(),
         }
+    }
+
+    /// Counts a request admitted with adapter `name`.
+    pub fn count_request(&self, name: &str) {
+        let mut requests = self.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *requests.entry(name.to_string()).or_default() += 1;
     }
 
     /// Whether adapters may be served.
@@ -151,6 +160,38 @@ impl Adapters {
     pub fn list(&self) -> Vec<(String, AdapterEntry)> {
         let by_name = self.by_name.read().expect("adapters lock");
         by_name.iter().map(|(n, e)| (n.clone(), e.clone())).collect()
+    }
+}
+
+/// `/metrics`' part for the adapters of the model `model_name`: requests by adapter, and each
+/// adapter served (vLLM's `vllm:lora_requests_info` is not rendered: its running and waiting
+/// sets are the executors' and schedulers', which this front does not see).
+pub struct AdapterMetrics {
+    /// The base model's name (every sample's `model_name`).
+    pub model_name: String,
+    /// The adapters.
+    pub adapters: std::sync::Arc<Adapters>,
+}
+
+impl ferry_runtime::prometheus::Render for AdapterMetrics {
+    fn render(&self, t: &mut ferry_runtime::prometheus::Text) {
+        if !self.adapters.enabled() {
+            return;
+        }
+        let m = ("model_name", self.model_name.as_str());
+        let name = "ferry_lora_requests";
+        t.family(name, "counter", "Requests admitted, by LoRA adapter.");
+        let requests = self.adapters.requests.lock();
+        let requests = requests.unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (adapter, n) in requests.iter() {
+            t.sample(name, &[m, ("adapter", adapter)], *n as f64);
+        }
+        let name = "ferry_lora_adapters_served";
+        t.family(name, "gauge", "The LoRA adapters served (1 each), by name and rank.");
+        for (adapter, e) in self.adapters.list() {
+            let rank = e.rank.to_string();
+            t.sample(name, &[m, ("adapter", &adapter), ("rank", &rank)], 1.0);
+        }
     }
 }
 

@@ -116,7 +116,12 @@ impl Front {
             }
             None => None,
         };
-        spec.traceparent = trace.open_request(spec.prompt.len());
+        let adapter = spec.lora.as_ref().map(|l| l.name.as_str());
+        if let Some(name) = adapter {
+            self.model.adapters.count_request(name);
+        }
+        let traceparent = trace.open_request(spec.prompt.len(), adapter);
+        spec.traceparent = traceparent;
         Ok((spec, permit))
     }
 
@@ -183,7 +188,9 @@ impl Front {
             if i > 0 {
                 s.sampling.prompt_logprobs = None;
                 let mut t = RequestTrace::start(traces[0].context(), id, &key_id);
-                s.traceparent = t.open_request(s.prompt.len());
+                let adapter = s.lora.as_ref().map(|l| l.name.as_str());
+                let traceparent = t.open_request(s.prompt.len(), adapter);
+                s.traceparent = traceparent;
                 traces.push(t);
             }
             specs.push(Arc::new(s));

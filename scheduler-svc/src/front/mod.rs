@@ -131,6 +131,9 @@ impl GenerationService {
         }
         let metrics = self.front.metrics.clone();
         parts.push(Arc::new(CounterView { model_name: model_name.clone(), metrics }));
+        let adapters = self.front.model.adapters.clone();
+        let lora = adapters::AdapterMetrics { model_name: model_name.clone(), adapters };
+        parts.push(Arc::new(lora));
         if let Some(keys) = &self.front.settings.keys {
             parts.push(Arc::new(keys::KeyMetrics { model_name, keys: keys.clone() }));
         }

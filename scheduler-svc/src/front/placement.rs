@@ -122,7 +122,9 @@ impl Front {
                     return Err(PlaceError::Full(full.info.max_live_requests as usize));
                 }
             }
-            let picked = router::pick(&roomy, &sequence, self.settings.route_load_tokens).await;
+            let adapter = spec.lora.as_ref().map(|l| l.name.as_str());
+            let load_tokens = self.settings.route_load_tokens;
+            let picked = router::pick(&roomy, &sequence, adapter, load_tokens).await;
             let Some((link, _reserved)) = picked else {
                 return Err(PlaceError::NoExecutor);
             };
@@ -169,8 +171,7 @@ impl Front {
         let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(LinkHandle::has_room).collect();
         let (executors, best) =
             router::locate(&roomy, &ask.token_ids, self.settings.route_load_tokens).await;
-        let best =
-            best.unwrap_or(ferry_sched_core::routing::Candidate { prefix_hit_tokens: 0, load: 0 });
+        let best = best.unwrap_or_default();
         Ok(v1::LocateResponse {
             executors: u32::try_from(executors).unwrap_or(u32::MAX),
             prefix_hit_tokens: u32::try_from(best.prefix_hit_tokens).unwrap_or(u32::MAX),
@@ -270,8 +271,10 @@ impl Front {
         if let (Route::Local(set), true) = (&self.route, shares) {
             let roomy: Vec<LinkHandle> =
                 set.alive().iter().filter(|l| l.has_room()).cloned().collect();
+            let adapter = specs[0].lora.as_ref().map(|l| l.name.as_str());
+            let load_tokens = self.settings.route_load_tokens;
             if let Some((link, _reserved)) =
-                router::pick(&roomy, &specs[0].prompt, self.settings.route_load_tokens).await
+                router::pick(&roomy, &specs[0].prompt, adapter, load_tokens).await
             {
                 if let Ok(first) = self.submit(&link, &specs[0], &[], None, Fork::Source).await {
                     let Placement::Link { id: source, .. } = &first.0 else {

@@ -22,14 +22,23 @@ pub(crate) use routing::import_tokens;
 /// then the lightest load, then the first listed ([`routing::pick`]). Prefill-only executors
 /// are used only when no other is up.
 /// The pick comes with its [`Reservation`]: keep it until the request is added.
+/// A request with LoRA adapter `adapter` goes to an executor that runs adapters (any, when
+/// none does: it refuses the request, saying why), preferring one that holds it.
 pub(crate) async fn pick(
     alive: &[LinkHandle],
     tokens: &[u32],
+    adapter: Option<&str>,
     load_tokens: usize,
 ) -> Option<(LinkHandle, Reservation)> {
-    let alive = &decoders(alive);
-    let k =
-        if alive.len() <= 1 { 0 } else { routing::pick(weigh(alive, tokens).await, load_tokens)? };
+    let mut alive = decoders(alive);
+    if adapter.is_some() && alive.iter().any(LinkHandle::runs_adapters) {
+        alive.retain(LinkHandle::runs_adapters);
+    }
+    let k = if alive.len() <= 1 {
+        0
+    } else {
+        routing::pick(weigh(&alive, tokens, adapter).await, load_tokens)?
+    };
     alive.get(k).map(|l| (l.clone(), l.reserve()))
 }
 
@@ -43,7 +52,7 @@ pub(crate) async fn locate(
     load_tokens: usize,
 ) -> (usize, Option<Candidate>) {
     let alive = &decoders(alive);
-    (alive.len(), routing::best(weigh(alive, tokens).await, load_tokens))
+    (alive.len(), routing::best(weigh(alive, tokens, None).await, load_tokens))
 }
 
 /// The links a request may run on: those that decode, or every one when none does.
@@ -56,15 +65,19 @@ fn decoders(alive: &[LinkHandle]) -> Vec<LinkHandle> {
     }
 }
 
-/// Each link's prefix hit for `tokens` and its load.
-async fn weigh(alive: &[LinkHandle], tokens: &[u32]) -> Vec<Candidate> {
+/// Each link's prefix hit for `tokens` and its load, and whether it holds `adapter`.
+async fn weigh(alive: &[LinkHandle], tokens: &[u32], adapter: Option<&str>) -> Vec<Candidate> {
     let tokens: Arc<[u32]> = tokens.into();
     let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
     let hits = futures_util::future::join_all(asks).await;
     alive
         .iter()
         .zip(hits)
-        .map(|(l, hit)| Candidate { prefix_hit_tokens: hit, load: l.routing_load() })
+        .map(|(l, hit)| Candidate {
+            holds_adapter: adapter.is_some_and(|a| l.holds_adapter(a)),
+            prefix_hit_tokens: hit,
+            load: l.routing_load(),
+        })
         .collect()
 }
 
@@ -89,7 +102,8 @@ pub(crate) fn has_room(link: &LinkHandle, prompt_len: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::{has_room, pick};
-    use crate::link::fake::{fake_link, test_config};
+    use crate::link::fake::{fake_link, raw_link, test_config};
+    use crate::metrics::SchedulerMetrics;
 
     /// A burst: placements chosen before any of them is added see each other's choices, so
     /// they spread over the executors (without reservations all eight chose the first).
@@ -102,7 +116,7 @@ mod tests {
         let alive: Vec<_> = links.iter().map(|(l, _)| l.clone()).collect();
         let mut held = Vec::new();
         for i in 0..8u32 {
-            held.push(pick(&alive, &[i, i + 1, i + 2], 128).await.unwrap());
+            held.push(pick(&alive, &[i, i + 1, i + 2], None, 128).await.unwrap());
         }
         let mut chosen: Vec<&str> = held.iter().map(|(l, _)| l.name.as_ref()).collect();
         chosen.sort_unstable();
@@ -120,5 +134,26 @@ mod tests {
         let capacity = cfg.num_blocks * cfg.block_size;
         assert!(has_room(&link, capacity / 2));
         assert!(!has_room(&link, capacity), "one block more than the pool: no room");
+    }
+
+    #[tokio::test]
+    async fn a_request_with_an_adapter_goes_where_the_adapter_is() {
+        let (a, _a_steps, _a_results) = raw_link("a", SchedulerMetrics::new());
+        let (b, _b_steps, _b_results) = raw_link("b", SchedulerMetrics::new());
+        let links = [a.clone(), b.clone()];
+        let name = |(l, _): (crate::link::LinkHandle, _)| l.name.to_string();
+        let held = [a.reserve(), a.reserve()];
+        assert_eq!(pick(&links, &[1, 2], Some("x"), 16).await.map(name).unwrap(), "b", "load");
+        drop(held);
+        a.note_adapter("x".into());
+        let busy = [a.reserve(), a.reserve()];
+        assert_eq!(pick(&links, &[1, 2], Some("x"), 16).await.map(name).unwrap(), "a", "held");
+        assert_eq!(pick(&links, &[1, 2], None, 16).await.map(name).unwrap(), "b", "no adapter");
+        // Two more adapters on a (its --max-loras is 2): x is dropped, as the executor drops it.
+        a.note_adapter("y".into());
+        a.note_adapter("z".into());
+        assert!(!a.holds_adapter("x") && a.holds_adapter("y") && a.holds_adapter("z"));
+        assert_eq!(pick(&links, &[1, 2], Some("x"), 16).await.map(name).unwrap(), "b");
+        drop(busy);
     }
 }

@@ -136,6 +136,7 @@ impl Shards {
             .filter_map(|(k, a)| Some((k, a.filter(|a| a.executors > 0)?)))
             .map(|(k, a)| {
                 let c = Candidate {
+                    holds_adapter: false,
                     prefix_hit_tokens: a.prefix_hit_tokens as usize,
                     load: a.load as usize + led[k].placing.load(Ordering::Relaxed),
                 };

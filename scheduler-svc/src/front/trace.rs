@@ -45,13 +45,17 @@ impl RequestTrace {
         out
     }
 
-    /// Opens the `request` span (placement onward) and returns its `traceparent` for the
-    /// executors' spans (empty when untraced).
-    pub fn open_request(&mut self, prompt_tokens: usize) -> String {
+    /// Opens the `request` span (placement onward), naming the LoRA `adapter` it runs with if
+    /// any, and returns its `traceparent` for the executors' spans (empty when untraced).
+    pub fn open_request(&mut self, prompt_tokens: usize, adapter: Option<&str>) -> String {
         let tracer = telemetry::tracer();
+        let mut attributes = vec![KeyValue::new("ferry.prompt_tokens", prompt_tokens as i64)];
+        if let Some(name) = adapter {
+            attributes.push(KeyValue::new("ferry.lora_adapter", name.to_string()));
+        }
         let span = tracer
             .span_builder("request")
-            .with_attributes([KeyValue::new("ferry.prompt_tokens", prompt_tokens as i64)])
+            .with_attributes(attributes)
             .start_with_context(&tracer, &self.generate);
         let cx = self.generate.with_span(span);
         let tp = telemetry::traceparent(&cx);

@@ -135,6 +135,7 @@ pub(crate) fn raw_session(
         num_blocks: config.num_blocks as u32,
         max_model_len: config.max_model_len as u32,
         eos_token_ids: vec![FAKE_EOS],
+        max_loras: 2,
         ..Default::default()
     };
     let core = Scheduler::new(config).expect("a valid test configuration");

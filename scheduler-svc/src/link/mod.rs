@@ -212,6 +212,10 @@ pub struct LinkHandle {
     reserved: Arc<AtomicUsize>,
     /// The core's stats as of its last step or command (for metrics).
     stats: Arc<std::sync::Mutex<ferry_sched_core::SchedulerStats>>,
+    /// The LoRA adapters the executor holds, as the requests added here make it read them
+    /// (its `--max-loras` least-recently-used set, mirrored; most recent last): the router's
+    /// hint of where an adapter already is.
+    adapters: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 /// A request counted in its chosen executor's routing load until dropped
@@ -326,8 +330,9 @@ impl LinkHandle {
         let step_loop = step_loop::StepLoop::new(core, session, (eos, max_live), kv, published);
         tokio::spawn(step_loop.run(rx, steps, results, close_rx));
         let close = Arc::new(close_tx);
-        let reserved = Arc::default();
-        LinkHandle { name, epoch, tx, close, info: Arc::new(info), load, reserved, stats }
+        let (reserved, adapters) = (Arc::default(), Arc::default());
+        let info = Arc::new(info);
+        LinkHandle { name, epoch, tx, close, info, load, reserved, stats, adapters }
     }
 
     /// Counts a request the router just chose this executor for until the returned guard is
@@ -355,8 +360,35 @@ impl LinkHandle {
     /// Submits a request; a refusal (the core's, or a full executor) comes back as an error.
     pub async fn add(&self, sub: Submission) -> Result<Result<(), AddRefused>, LinkError> {
         let (reply, rx) = oneshot::channel();
+        let adapter = sub.spec.lora.as_ref().map(|l| l.name.clone());
         self.tx.send(Command::Add(Box::new(sub), reply)).await.map_err(|_| LinkError::Gone)?;
-        rx.await.map_err(|_| LinkError::Gone)
+        let added = rx.await.map_err(|_| LinkError::Gone)?;
+        if let (Some(name), Ok(())) = (adapter, &added) {
+            self.note_adapter(name);
+        }
+        Ok(added)
+    }
+
+    /// Whether the executor holds LoRA adapter `name` (as far as the requests added here tell).
+    pub fn holds_adapter(&self, name: &str) -> bool {
+        let held = self.adapters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.iter().any(|a| a == name)
+    }
+
+    /// Whether the executor runs LoRA adapters at all.
+    pub fn runs_adapters(&self) -> bool {
+        self.info.max_loras > 0
+    }
+
+    /// Notes that a request with adapter `name` was added: the executor reads it (or uses it
+    /// again), and drops its least recently used one past its `--max-loras`.
+    pub(crate) fn note_adapter(&self, name: String) {
+        let max = self.info.max_loras as usize;
+        let mut held = self.adapters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.retain(|a| *a != name);
+        held.push(name);
+        let over = held.len().saturating_sub(max);
+        held.drain(..over);
     }
 
     /// The core's gauges and counters as of its last step or command.

@@ -87,7 +87,7 @@ impl Sim<'_> {
         let x = &self.execs[e];
         let bs = self.spec.scheduler.block_size;
         let hit = if by_prefix { x.core.cached_prefix_blocks(&self.hashes) * bs } else { 0 };
-        Candidate { prefix_hit_tokens: hit, load: x.live }
+        Candidate { holds_adapter: false, prefix_hit_tokens: hit, load: x.live }
     }
 
     /// The fronts' cross-shard router: each shard answers with the candidate its router would

@@ -90,6 +90,9 @@ fn ferry_serve_answers_each_adapter_as_its_merged_model_does() {
     assert_close(&y, &complete(&merged_y, "merged-y", PROMPT), "y");
     assert_eq!(hits(), before, "no adapter request hit another's (or the base's) blocks");
     assert_ne!(x.0, base.0, "adapter x changes the answer");
+    // x and y once each so far, counted by name.
+    let count = |a: &str| metric(http_addr, &format!("ferry_lora_requests{{adapter=\"{a}\"}}"));
+    assert_eq!((count("x"), count("y")), (1.0, 1.0));
     // All three at once: one batch, each row its own.
     let together: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = ["base", "x", "y", "x", "base", "y"]

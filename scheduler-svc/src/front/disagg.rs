@@ -131,10 +131,10 @@ impl Front {
             .cloned()
             .collect();
         // Not reserved past the choice: the continuation is added after the prefill.
-        let adapter = spec.lora.as_ref().map(|l| l.name.as_str());
         let load_tokens = self.settings.route_load_tokens;
-        let (decode, _) = router::pick(&decoders, &spec.prompt, adapter, load_tokens).await?;
-        let cached = decode.prefix_hit(spec.prompt.clone()).await;
+        let picked = router::pick(&decoders, &spec.prompt, spec.lora.as_ref(), load_tokens).await;
+        let (decode, _) = picked?;
+        let cached = decode.prefix_hit(spec.prompt.clone(), crate::link::shared_salt(spec)).await;
         let bs = decode.info.block_size as usize;
         if !routing::worth_disaggregating(spec.prompt.len(), cached, min_tokens, bs) {
             return None;

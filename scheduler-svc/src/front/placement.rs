@@ -122,9 +122,8 @@ impl Front {
                     return Err(PlaceError::Full(full.info.max_live_requests as usize));
                 }
             }
-            let adapter = spec.lora.as_ref().map(|l| l.name.as_str());
             let load_tokens = self.settings.route_load_tokens;
-            let picked = router::pick(&roomy, &sequence, adapter, load_tokens).await;
+            let picked = router::pick(&roomy, &sequence, spec.lora.as_ref(), load_tokens).await;
             let Some((link, _reserved)) = picked else {
                 return Err(PlaceError::NoExecutor);
             };
@@ -198,15 +197,20 @@ impl Front {
         if own_agent.is_empty() || covered < min || !set.agents.is_live(own_agent) {
             return None;
         }
+        if spec.sampling.prompt_logprobs.is_some() {
+            return None; // It computes its prompt to score it (a cache of its own).
+        }
         let mut hashes = Vec::new();
-        // Salt 0: the front's requests carry none (`link::core_request`).
-        ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, 0);
+        // The salt its blocks are cached under: its adapter's, or the base model's 0
+        // (`link::core_request`). Another salt's blocks hold other KV.
+        let salt = crate::link::shared_salt(spec);
+        ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, salt);
         let hashes: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let layout = crate::tier::layout_key(link.info.kv_layout.as_ref());
         let live = |a: &str| set.agents.is_live(a);
         let (agent, blocks) = set.tier.longest_prefix(&hashes, layout, own_agent, live)?;
         let tokens = blocks * bs;
-        let cached = link.prefix_hit(spec.prompt.clone()).await;
+        let cached = link.prefix_hit(spec.prompt.clone(), salt).await;
         if tokens < cached + min {
             return None;
         }
@@ -271,7 +275,7 @@ impl Front {
         if let (Route::Local(set), true) = (&self.route, shares) {
             let roomy: Vec<LinkHandle> =
                 set.alive().iter().filter(|l| l.has_room()).cloned().collect();
-            let adapter = specs[0].lora.as_ref().map(|l| l.name.as_str());
+            let adapter = specs[0].lora.as_ref();
             let load_tokens = self.settings.route_load_tokens;
             if let Some((link, _reserved)) =
                 router::pick(&roomy, &specs[0].prompt, adapter, load_tokens).await

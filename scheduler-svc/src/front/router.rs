@@ -27,7 +27,7 @@ pub(crate) use routing::import_tokens;
 pub(crate) async fn pick(
     alive: &[LinkHandle],
     tokens: &[u32],
-    adapter: Option<&str>,
+    adapter: Option<&v1::LoraAdapterRef>,
     load_tokens: usize,
 ) -> Option<(LinkHandle, Reservation)> {
     let mut alive = decoders(alive);
@@ -65,16 +65,22 @@ fn decoders(alive: &[LinkHandle]) -> Vec<LinkHandle> {
     }
 }
 
-/// Each link's prefix hit for `tokens` and its load, and whether it holds `adapter`.
-async fn weigh(alive: &[LinkHandle], tokens: &[u32], adapter: Option<&str>) -> Vec<Candidate> {
+/// Each link's prefix hit for `tokens` (in `adapter`'s cache) and its load, and whether it
+/// holds `adapter`.
+async fn weigh(
+    alive: &[LinkHandle],
+    tokens: &[u32],
+    adapter: Option<&v1::LoraAdapterRef>,
+) -> Vec<Candidate> {
     let tokens: Arc<[u32]> = tokens.into();
-    let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone()));
+    let salt = adapter.map_or(0, crate::link::adapter_salt);
+    let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone(), salt));
     let hits = futures_util::future::join_all(asks).await;
     alive
         .iter()
         .zip(hits)
         .map(|(l, hit)| Candidate {
-            holds_adapter: adapter.is_some_and(|a| l.holds_adapter(a)),
+            holds_adapter: adapter.is_some_and(|a| l.holds_adapter(&a.name)),
             prefix_hit_tokens: hit,
             load: l.routing_load(),
         })
@@ -142,18 +148,20 @@ mod tests {
         let (b, _b_steps, _b_results) = raw_link("b", SchedulerMetrics::new());
         let links = [a.clone(), b.clone()];
         let name = |(l, _): (crate::link::LinkHandle, _)| l.name.to_string();
+        let x = ferry_proto::v1::LoraAdapterRef { name: "x".into(), path: "x".into() };
+        let x = Some(&x);
         let held = [a.reserve(), a.reserve()];
-        assert_eq!(pick(&links, &[1, 2], Some("x"), 16).await.map(name).unwrap(), "b", "load");
+        assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "b", "load");
         drop(held);
         a.note_adapter("x".into());
         let busy = [a.reserve(), a.reserve()];
-        assert_eq!(pick(&links, &[1, 2], Some("x"), 16).await.map(name).unwrap(), "a", "held");
+        assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "a", "held");
         assert_eq!(pick(&links, &[1, 2], None, 16).await.map(name).unwrap(), "b", "no adapter");
         // Two more adapters on a (its --max-loras is 2): x is dropped, as the executor drops it.
         a.note_adapter("y".into());
         a.note_adapter("z".into());
         assert!(!a.holds_adapter("x") && a.holds_adapter("y") && a.holds_adapter("z"));
-        assert_eq!(pick(&links, &[1, 2], Some("x"), 16).await.map(name).unwrap(), "b");
+        assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "b");
         drop(busy);
     }
 }

@@ -157,10 +157,17 @@ pub fn core_request(
     req
 }
 
+/// The prefix-cache salt a request of `spec` shares its cache under (its adapter's; 0 for the
+/// base model's): what routing weighs a prefix hit with. (A request scoring its prompt has a
+/// salt of its own, which no cached block has: any hit weighed for it is never used.)
+pub(crate) fn shared_salt(spec: &RequestSpec) -> u64 {
+    spec.lora.as_ref().map_or(0, adapter_salt)
+}
+
 /// The prefix-cache salt of requests run with `lora`: its name and path, hashed (FNV-1a, so
 /// every process computes the same), never 0 (the base model's) nor with the top bit (a
 /// request's own, for prompt log-probabilities).
-fn adapter_salt(lora: &v1::LoraAdapterRef) -> u64 {
+pub(crate) fn adapter_salt(lora: &v1::LoraAdapterRef) -> u64 {
     let bytes = lora.name.bytes().chain([0]).chain(lora.path.bytes());
     let h = bytes
         .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
@@ -171,7 +178,7 @@ fn adapter_salt(lora: &v1::LoraAdapterRef) -> u64 {
 enum Command {
     Add(Box<Submission>, oneshot::Sender<Result<(), AddRefused>>),
     Abort(RequestId),
-    PrefixHit(Arc<[u32]>, oneshot::Sender<usize>),
+    PrefixHit(Arc<[u32]>, u64, oneshot::Sender<usize>),
     Views(oneshot::Sender<Vec<ferry_sched_core::RequestView>>),
     Transfers(oneshot::Sender<Vec<transfers::TransferSide>>),
 }
@@ -412,11 +419,11 @@ impl LinkHandle {
         });
     }
 
-    /// How many leading tokens of `prompt` this executor's cache would serve now (0 if the
-    /// link is gone).
-    pub async fn prefix_hit(&self, prompt: Arc<[u32]>) -> usize {
+    /// How many leading tokens of `prompt` this executor's cache would serve now to a request
+    /// of prefix-cache salt `salt` (0 if the link is gone).
+    pub async fn prefix_hit(&self, prompt: Arc<[u32]>, salt: u64) -> usize {
         let (reply, rx) = oneshot::channel();
-        if self.tx.send(Command::PrefixHit(prompt, reply)).await.is_err() {
+        if self.tx.send(Command::PrefixHit(prompt, salt, reply)).await.is_err() {
             return 0;
         }
         rx.await.unwrap_or(0)

@@ -310,8 +310,8 @@ impl StepLoop {
     fn command(&mut self, cmd: Command) {
         match cmd {
             // Reads: no reason to build a step.
-            Command::PrefixHit(prompt, reply) => {
-                let _ = reply.send(self.core.prefix_hit_tokens(&prompt, 0));
+            Command::PrefixHit(prompt, salt, reply) => {
+                let _ = reply.send(self.core.prefix_hit_tokens(&prompt, salt));
             }
             Command::Views(reply) => {
                 let _ = reply.send(self.core.request_views().collect());

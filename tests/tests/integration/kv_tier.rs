@@ -89,7 +89,10 @@ async fn undisturbed_second() -> Vec<ferry_tests::streams::Outcome> {
 async fn a_prefix_computed_on_one_node_is_read_from_its_agent_by_another() {
     let expected = undisturbed_second().await;
     let nodes = [Node::start("node-a"), Node::start("node-b")];
-    let tier = ["--kv-tier-min-tokens", "32"];
+    // Adapter x too: the base model's blocks in the tier hold KV no adapter computes.
+    let x = ferry_tests::generated::generated("lora", "lora_adapters.py", &[]).join("x");
+    let x = format!("x={}", x.to_str().expect("a UTF-8 path"));
+    let tier = ["--kv-tier-min-tokens", "32", "--enable-lora", "--lora-modules", x.as_str()];
     let scheduler = start_scheduler(&[&nodes[0].executor, &nodes[1].executor], &tier);
     let http = scheduler.addr("http");
     let running_series = |n: usize| {
@@ -132,6 +135,15 @@ async fn a_prefix_computed_on_one_node_is_read_from_its_agent_by_another() {
     signal(nodes[a].executor.pid(), "KILL").unwrap();
     assert!(nodes[a].executor.wait_exit().is_some());
     assert!(wait_for(Duration::from_mins(1), running_series(1)).await.is_some());
+
+    // The first prompt through adapter x, on the surviving executor (which has not computed
+    // it): it reads nothing from the tier, whose blocks are the base model's KV (the tier is
+    // keyed by block hashes, which carry the adapter's salt).
+    let mut through_x = first();
+    through_x.model = "x".into();
+    let out = run_streams(scheduler.addr("grpc"), vec![through_x], 0, || {}).await;
+    assert_complete(&out, MAX_TOKENS as usize);
+    assert_eq!(metric(http, "ferry_kv_tier_hits{"), 0.0, "an adapter read the base's blocks");
 
     // The next requests share the prefix: the surviving executor reads it from the dead
     // executor's agent, computes only the rest, and answers as if it had computed it all.

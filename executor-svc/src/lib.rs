@@ -209,7 +209,9 @@ fn assemble(
         looped,
     };
     let mut engine = engine::Engine::new(backend, engine_config).with_grammars(serves.grammars);
-    if config.backend != BackendKind::Cuda {
+    // The CUDA backend runs no adapters: its handshake says so (`max_loras` 0).
+    let runs_adapters = config.backend != BackendKind::Cuda;
+    if runs_adapters {
         // Relative adapter paths are in the model's folder.
         let dir = match &config.model {
             Some(model) => model.parent().map(std::path::Path::to_path_buf),
@@ -236,7 +238,7 @@ fn assemble(
         max_step_bytes: config.max_step_bytes,
         data_parallel: config.data_parallel.rank().map_err(anyhow::Error::msg)?,
         looped: looped.map(|l| l.proto()),
-        max_loras: if config.backend == BackendKind::Cuda { 0 } else { config.lora.max_loras },
+        max_loras: if runs_adapters { config.lora.max_loras } else { 0 },
     };
     Ok(BuiltExecutor { engine, identity, info })
 }

@@ -3,7 +3,7 @@
 //! first, never one a live request uses. A request whose adapter cannot be read, does not fit
 //! the model, or finds every resident adapter in use is refused alone, with why.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
@@ -21,12 +21,6 @@ pub struct LoraArgs {
     /// Largest adapter rank accepted.
     #[arg(long, env = "FERRY_MAX_LORA_RANK", default_value_t = DEFAULT_MAX_LORA_RANK as u32)]
     pub max_lora_rank: u32,
-}
-
-impl Default for LoraArgs {
-    fn default() -> Self {
-        Self { max_loras: 4, max_lora_rank: DEFAULT_MAX_LORA_RANK as u32 }
-    }
 }
 
 /// One resident adapter.
@@ -93,7 +87,7 @@ impl Adapters {
         if want.name.is_empty() || want.path.is_empty() {
             return Err("a LoRA adapter needs a name and a path".into());
         }
-        let path = self.resolve(&want.path);
+        let path = lora::resolve(self.base_dir.as_deref(), &want.path);
         let max_rank = self.args.max_lora_rank as usize;
         let adapter =
             Arc::new(lora::load(&path, &self.shape, max_rank).map_err(|e| e.to_string())?);
@@ -105,7 +99,7 @@ impl Adapters {
             adapter: adapter.clone(),
             last_used: self.clock,
         });
-        tracing::info!(adapter = %want.name, path = %path.display(), rank = adapter.rank, "LoRA adapter loaded");
+        tracing::info!(adapter = %want.name, path = %path.display(), rank = adapter.rank(), "LoRA adapter loaded");
         Ok(adapter)
     }
 
@@ -130,13 +124,5 @@ impl Adapters {
             tracing::info!(adapter = %gone.name, "LoRA adapter dropped (least recently used)");
         }
         Ok(())
-    }
-
-    fn resolve(&self, path: &str) -> PathBuf {
-        let p = Path::new(path);
-        match &self.base_dir {
-            Some(dir) if p.is_relative() => dir.join(p),
-            _ => p.to_path_buf(),
-        }
     }
 }

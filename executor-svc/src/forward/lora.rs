@@ -24,26 +24,32 @@ pub(super) fn add_updates(
         return;
     }
     let (in_w, out_w) = (x.len() / n, out.len() / n);
+    // The widest vectors the CPU has, chosen once for all the rows: the arithmetic (no fused
+    // multiply-adds) is the same on every path, so results do not depend on the CPU.
+    #[cfg(target_arch = "x86_64")]
+    let wide = std::arch::is_x86_feature_detected!("avx2");
     out.par_chunks_mut(out_w)
         .zip(x.par_chunks(in_w))
         .zip(adapters.par_iter())
         .with_min_len(ROWS_PER_TASK)
         .for_each_init(Vec::new, |t, ((o, x), adapter)| {
-            if let Some(adapter) = adapter {
-                add_row(adapter.layers[l].deltas(product), x, o, t);
+            let Some(adapter) = adapter else { return };
+            let deltas = adapter.layers[l].deltas(product);
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: the CPU has AVX2 (checked above).
+                unsafe { add_row_avx2(deltas, x, o, t) };
+                return;
             }
+            add_row(deltas, x, o, t);
         });
 }
 
-/// One row's updates, in the widest vectors the CPU has: the arithmetic (no fused
-/// multiply-adds) is the same on every path, so results do not depend on the CPU.
+/// One row's updates. Always inlined: in [`add_row_avx2`] it must compile in that function's
+/// AVX2 context.
+#[allow(clippy::inline_always)]
+#[inline(always)]
 fn add_row(deltas: &[LoraDelta], x: &[f32], out: &mut [f32], t: &mut Vec<f32>) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked just above).
-        unsafe { add_row_avx2(deltas, x, out, t) };
-        return;
-    }
     for d in deltas {
         d.add_to(x, out, t);
     }
@@ -53,7 +59,5 @@ fn add_row(deltas: &[LoraDelta], x: &[f32], out: &mut [f32], t: &mut Vec<f32>) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn add_row_avx2(deltas: &[LoraDelta], x: &[f32], out: &mut [f32], t: &mut Vec<f32>) {
-    for d in deltas {
-        d.add_to(x, out, t);
-    }
+    add_row(deltas, x, out, t);
 }

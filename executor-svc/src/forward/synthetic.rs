@@ -176,7 +176,6 @@ pub fn synthesize_adapter(shape: &LlamaShape, rank: usize, seed: u64) -> LoraAda
                     col,
                     in_features: inputs,
                     out_features: outputs,
-                    rank,
                     a,
                     bt,
                     scale: 2.0,
@@ -186,11 +185,5 @@ pub fn synthesize_adapter(shape: &LlamaShape, rank: usize, seed: u64) -> LoraAda
             layer
         })
         .collect();
-    LoraAdapter {
-        path: format!("synthetic-{seed}").into(),
-        format: LoraFormat::Peft,
-        rank,
-        modules: modules.to_vec(),
-        layers,
-    }
+    LoraAdapter { path: format!("synthetic-{seed}").into(), format: LoraFormat::Peft, layers }
 }

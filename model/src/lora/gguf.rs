@@ -4,7 +4,7 @@
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
-use super::{peft::pair, LoraError, Module, RawDelta};
+use super::{peft::pair, Floats, LoraError, Module, RawDelta};
 use crate::gguf::{ggml_type_name, GgufHeader, TensorInfo};
 use crate::shape::LlamaShape;
 
@@ -54,12 +54,9 @@ pub(super) fn read(path: &Path, shape: &LlamaShape) -> Result<Vec<RawDelta>, Lor
             })?;
         halves.push((layer, module, base.1, (rows, cols, data)));
     }
-    let mut raw = pair(halves, 1.0).map_err(invalid)?;
     // llama.cpp: `alpha / rank`, or 1 when the file gives no alpha.
-    for d in raw.iter_mut().filter(|d| alpha != 0.0 && d.a.0 > 0) {
-        d.scale = alpha / d.a.0 as f32;
-    }
-    Ok(raw)
+    let scale = |rank: usize| if alpha == 0.0 || rank == 0 { 1.0 } else { alpha / rank as f32 };
+    pair(halves, scale).map_err(invalid)
 }
 
 /// The layer and module of `blk.{i}.<module>`.
@@ -83,13 +80,14 @@ fn read_f32(
     t: &TensorInfo,
     n: usize,
 ) -> std::io::Result<Option<Vec<f32>>> {
-    let width = match t.ggml_type {
-        0 => 4,
-        1 | 30 => 2,
+    let floats = match t.ggml_type {
+        0 => Floats::F32,
+        1 => Floats::F16,
+        30 => Floats::Bf16,
         _ => return Ok(None),
     };
     let at = header.data_offset + t.offset;
-    let len = n.saturating_mul(width);
+    let len = n.saturating_mul(floats.width());
     if at.saturating_add(len as u64) > header.file_len {
         return Err(std::io::Error::new(
             std::io::ErrorKind::UnexpectedEof,
@@ -99,15 +97,5 @@ fn read_f32(
     file.seek(SeekFrom::Start(at))?;
     let mut bytes = vec![0u8; len];
     file.read_exact(&mut bytes)?;
-    Ok(Some(match t.ggml_type {
-        0 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        1 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        _ => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-    }))
+    Ok(Some(floats.decode(&bytes)))
 }

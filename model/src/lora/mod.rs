@@ -58,6 +58,7 @@ pub enum Module {
 
 /// One of the forward's four products per block, whose output an update adds to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
 pub enum Product {
     /// `[q | k | v]`, from the attention norm's output.
     Qkv,
@@ -155,8 +156,6 @@ pub struct LoraDelta {
     pub in_features: usize,
     /// The projection's outputs (columns `col..col + out_features`).
     pub out_features: usize,
-    /// Its rank.
-    pub rank: usize,
     /// `A`, `rank × in_features`, row-major.
     pub a: Vec<f32>,
     /// `Bᵀ`, `rank × out_features`, row-major (`B`'s rows in the base file's order): the update
@@ -167,6 +166,12 @@ pub struct LoraDelta {
 }
 
 impl LoraDelta {
+    /// Its rank (`A`'s rows).
+    #[must_use]
+    pub fn rank(&self) -> usize {
+        self.a.len() / self.in_features
+    }
+
     /// Adds `scale · B (A x)` to `out[col..col + out_features]` for one row `x`; `t` is
     /// scratch. Every sum runs in one fixed order, so a row's result does not depend on what
     /// else is computed.
@@ -204,39 +209,25 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     (q[0] + q[2]) + (q[1] + q[3])
 }
 
-/// One block's updates, by product.
+/// One block's updates, by product ([`Product`] indexes them).
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct LoraLayer {
-    /// Updates of `[q | k | v]`.
-    pub qkv: Vec<LoraDelta>,
-    /// Updates of the attention output projection.
-    pub o: Vec<LoraDelta>,
-    /// Updates of `[gate | up]`.
-    pub gate_up: Vec<LoraDelta>,
-    /// Updates of the down projection.
-    pub down: Vec<LoraDelta>,
-}
+pub struct LoraLayer([Vec<LoraDelta>; 4]);
 
 impl LoraLayer {
     /// The updates of `product`.
     #[must_use]
     pub fn deltas(&self, product: Product) -> &[LoraDelta] {
-        match product {
-            Product::Qkv => &self.qkv,
-            Product::O => &self.o,
-            Product::GateUp => &self.gate_up,
-            Product::Down => &self.down,
-        }
+        &self.0[product as usize]
     }
 
     /// Adds an update of `product`.
     pub fn push(&mut self, product: Product, delta: LoraDelta) {
-        match product {
-            Product::Qkv => self.qkv.push(delta),
-            Product::O => self.o.push(delta),
-            Product::GateUp => self.gate_up.push(delta),
-            Product::Down => self.down.push(delta),
-        }
+        self.0[product as usize].push(delta);
+    }
+
+    /// Every update, product by product.
+    pub fn all(&self) -> impl Iterator<Item = &LoraDelta> {
+        self.0.iter().flatten()
     }
 }
 
@@ -256,23 +247,28 @@ pub struct LoraAdapter {
     pub path: PathBuf,
     /// Its format.
     pub format: LoraFormat,
-    /// Its largest rank.
-    pub rank: usize,
-    /// The modules it updates (in [`Module::ALL`]'s order).
-    pub modules: Vec<Module>,
     /// Its updates, one entry per block of the base model (empty where it has none).
     pub layers: Vec<LoraLayer>,
 }
 
 impl LoraAdapter {
-    /// Bytes its matrices take.
+    fn deltas(&self) -> impl Iterator<Item = &LoraDelta> {
+        self.layers.iter().flat_map(LoraLayer::all)
+    }
+
+    /// Its largest rank.
     #[must_use]
-    pub fn weight_bytes(&self) -> usize {
-        let per = |d: &LoraDelta| (d.a.len() + d.bt.len()) * 4;
-        let layer = |l: &LoraLayer| -> usize {
-            [&l.qkv, &l.o, &l.gate_up, &l.down].iter().flat_map(|v| v.iter()).map(per).sum()
-        };
-        self.layers.iter().map(layer).sum()
+    pub fn rank(&self) -> usize {
+        self.deltas().map(LoraDelta::rank).max().unwrap_or(0)
+    }
+
+    /// The modules it updates, in [`Module::ALL`]'s order.
+    #[must_use]
+    pub fn modules(&self) -> Vec<Module> {
+        let mut modules: Vec<Module> = self.deltas().map(|d| d.module).collect();
+        modules.sort();
+        modules.dedup();
+        modules
     }
 }
 
@@ -304,6 +300,49 @@ pub enum LoraError {
         /// The mismatch.
         reason: String,
     },
+}
+
+/// `path` as given, or in `base_dir` when relative (an adapter's path is in the model's
+/// folder unless absolute).
+#[must_use]
+pub fn resolve(base_dir: Option<&Path>, path: &str) -> PathBuf {
+    match base_dir {
+        Some(dir) if Path::new(path).is_relative() => dir.join(path),
+        _ => PathBuf::from(path),
+    }
+}
+
+/// The float encodings adapters come in.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Floats {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Floats {
+    /// Bytes per value.
+    pub(crate) fn width(self) -> usize {
+        match self {
+            Floats::F32 => 4,
+            Floats::F16 | Floats::Bf16 => 2,
+        }
+    }
+
+    /// `bytes` (little-endian values) as `f32`.
+    pub(crate) fn decode(self, bytes: &[u8]) -> Vec<f32> {
+        let halves = |f: fn(u16) -> f32| {
+            bytes.chunks_exact(2).map(|c| f(u16::from_le_bytes([c[0], c[1]]))).collect()
+        };
+        match self {
+            Floats::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Floats::F16 => halves(|h| half::f16::from_bits(h).to_f32()),
+            Floats::Bf16 => halves(|h| half::bf16::from_bits(h).to_f32()),
+        }
+    }
 }
 
 /// One module's matrices as a file holds them, before they are checked.
@@ -380,7 +419,6 @@ fn assemble(
         });
     }
     let mut layers = vec![LoraLayer::default(); shape.num_layers];
-    let (mut modules, mut rank) = (Vec::new(), 0);
     for RawDelta { layer, module, a, b, scale } in raw {
         let what = format!("layer {layer} {}", module.peft_name());
         if layer >= shape.num_layers {
@@ -425,7 +463,6 @@ fn assemble(
             col,
             in_features: inputs,
             out_features: outputs,
-            rank: r,
             a: a.2,
             bt: transpose(&bm, outputs, r),
             scale,
@@ -438,13 +475,8 @@ fn assemble(
             });
         }
         l.push(product, delta);
-        rank = rank.max(r);
-        if !modules.contains(&module) {
-            modules.push(module);
-        }
     }
-    modules.sort();
-    Ok(LoraAdapter { path, format, rank, modules, layers })
+    Ok(LoraAdapter { path, format, layers })
 }
 
 /// `m` (`rows × cols`, row-major) transposed.

@@ -5,7 +5,7 @@ use std::path::Path;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-use super::{LoraError, Module, RawDelta};
+use super::{Floats, LoraError, Module, RawDelta};
 use crate::shape::LlamaShape;
 
 /// The config's fields that change what the matrices mean, which Ferry does not do: refused,
@@ -40,11 +40,18 @@ pub(super) fn read(dir: &Path, shape: &LlamaShape) -> Result<Vec<RawDelta>, Lora
         let [rows, cols] = dims[..] else {
             return Err(invalid(format!("{name} has shape {dims:?}, not a matrix")));
         };
-        let data =
-            to_f32(view.dtype(), view.data()).map_err(|t| invalid(format!("{name}: {t}")))?;
-        halves.push((layer, module, is_a, (rows, cols, data)));
+        let floats = match view.dtype() {
+            Dtype::F32 => Floats::F32,
+            Dtype::F16 => Floats::F16,
+            Dtype::BF16 => Floats::Bf16,
+            other => {
+                let why = format!("{name}: dtype {other:?} is not supported (F32, F16 or BF16)");
+                return Err(invalid(why));
+            }
+        };
+        halves.push((layer, module, is_a, (rows, cols, floats.decode(view.data()))));
     }
-    pair(halves, scale).map_err(invalid)
+    pair(halves, |_| scale).map_err(invalid)
 }
 
 /// `alpha / r` (rsLoRA: `alpha / √r`), after checking the config asks for nothing Ferry does
@@ -121,27 +128,15 @@ fn parse_key(key: &str, fused: bool) -> Result<(usize, Module, bool), String> {
     Ok((layer, module, is_a))
 }
 
-/// A tensor's values as `f32`.
-fn to_f32(dtype: Dtype, data: &[u8]) -> Result<Vec<f32>, String> {
-    let halves = |f: fn(u16) -> f32| {
-        data.chunks_exact(2).map(|c| f(u16::from_le_bytes([c[0], c[1]]))).collect()
-    };
-    Ok(match dtype {
-        Dtype::F32 => {
-            data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        }
-        Dtype::F16 => halves(|h| half::f16::from_bits(h).to_f32()),
-        Dtype::BF16 => halves(|h| half::bf16::from_bits(h).to_f32()),
-        other => return Err(format!("dtype {other:?} is not supported (F32, F16 or BF16)")),
-    })
-}
-
 /// One of a module's matrices as read: its layer, module, whether it is `A`, and its rows,
 /// columns and values.
 pub(super) type Half = (usize, Module, bool, (usize, usize, Vec<f32>));
 
-/// Pairs each module's `A` and `B`.
-pub(super) fn pair(mut halves: Vec<Half>, scale: f32) -> Result<Vec<RawDelta>, String> {
+/// Pairs each module's `A` and `B`, each pair with the scale `scale` gives its rank.
+pub(super) fn pair(
+    mut halves: Vec<Half>,
+    scale: impl Fn(usize) -> f32,
+) -> Result<Vec<RawDelta>, String> {
     halves.sort_by_key(|h| (h.0, h.1, !h.2));
     let mut out = Vec::new();
     let mut it = halves.into_iter().peekable();
@@ -151,7 +146,10 @@ pub(super) fn pair(mut halves: Vec<Half>, scale: f32) -> Result<Vec<RawDelta>, S
             return Err(format!("{what} has lora_B but no lora_A"));
         }
         match it.next_if(|n| n.0 == layer && n.1 == module) {
-            Some((_, _, false, b)) => out.push(RawDelta { layer, module, a, b, scale }),
+            Some((_, _, false, b)) => {
+                let scale = scale(a.0);
+                out.push(RawDelta { layer, module, a, b, scale });
+            }
             Some(_) => return Err(format!("{what} has lora_A twice")),
             None => return Err(format!("{what} has lora_A but no lora_B")),
         }

@@ -82,17 +82,19 @@ fn a_peft_adapter_is_placed_in_the_stacked_products_with_q_rows_in_gguf_order() 
     let dir = peft_dir("placed", &config(2, 8.0), &tensors);
     let s = shape();
     let a = load(&dir, &s, 16).unwrap();
-    assert_eq!((a.format, a.rank), (LoraFormat::Peft, 2));
-    assert_eq!(a.modules, [Module::Q, Module::V, Module::Down]);
-    let q = &a.layers[0].qkv[0];
+    assert_eq!((a.format, a.rank()), (LoraFormat::Peft, 2));
+    assert_eq!(a.modules(), [Module::Q, Module::V, Module::Down]);
+    let q = &a.layers[0].deltas(Product::Qkv)[0];
     assert_eq!(
         (q.module, q.col, q.in_features, q.out_features, q.scale),
         (Module::Q, 0, 8, 8, 4.0)
     );
-    let v = &a.layers[0].qkv[1];
+    let v = &a.layers[0].deltas(Product::Qkv)[1];
     assert_eq!((v.col, v.out_features), (8 + 4, 4), "v after q and k");
-    assert_eq!(a.layers[1].down[0].in_features, 12);
-    assert!(a.layers[1].qkv.is_empty() && a.layers[0].down.is_empty());
+    assert_eq!(a.layers[1].deltas(Product::Down)[0].in_features, 12);
+    assert!(
+        a.layers[1].deltas(Product::Qkv).is_empty() && a.layers[0].deltas(Product::Down).is_empty()
+    );
     // Head 0's rows 0..4 were [r0 r1 r2 r3] (halves [r0 r1], [r2 r3]); llama.cpp's order
     // interleaves the halves: [r0 r2 r1 r3]. B's values are its index (seed 1: + 0.5).
     // B's column 0 is Bᵀ's row 0.
@@ -110,7 +112,6 @@ fn an_update_adds_scale_times_b_a_x_to_its_columns() {
         col: 2,
         in_features: 3,
         out_features: 2,
-        rank: 2,
         a: vec![1.0, 2.0, 3.0, 0.0, -1.0, 1.0],
         bt: vec![1.0, 2.0, 0.0, -1.0],
         scale: 0.5,

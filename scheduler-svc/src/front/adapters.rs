@@ -114,17 +114,14 @@ impl Adapters {
         if self.by_name.read().expect("adapters lock").contains_key(name) {
             return Err(AdapterError::Exists(name.to_string()));
         }
-        let full = match &self.base_dir {
-            Some(dir) if Path::new(path).is_relative() => dir.join(path),
-            _ => PathBuf::from(path),
-        };
+        let full = lora::resolve(self.base_dir.as_deref(), path);
         let adapter = lora::load(&full, &self.shape, self.max_rank)
             .map_err(|e| AdapterError::Invalid(e.to_string()))?;
         let entry = AdapterEntry {
             path: path.to_string(),
-            rank: adapter.rank,
+            rank: adapter.rank(),
             format: adapter.format,
-            modules: adapter.modules,
+            modules: adapter.modules(),
         };
         let mut by_name = self.by_name.write().expect("adapters lock");
         if by_name.contains_key(name) {

@@ -116,12 +116,10 @@ impl Front {
             }
             None => None,
         };
-        let adapter = spec.lora.as_ref().map(|l| l.name.as_str());
-        if let Some(name) = adapter {
-            self.model.adapters.count_request(name);
+        if let Some(lora) = &spec.lora {
+            self.model.adapters.count_request(&lora.name);
         }
-        let traceparent = trace.open_request(spec.prompt.len(), adapter);
-        spec.traceparent = traceparent;
+        spec.traceparent = trace.open_request(&spec);
         Ok((spec, permit))
     }
 
@@ -188,9 +186,7 @@ impl Front {
             if i > 0 {
                 s.sampling.prompt_logprobs = None;
                 let mut t = RequestTrace::start(traces[0].context(), id, &key_id);
-                let adapter = s.lora.as_ref().map(|l| l.name.as_str());
-                let traceparent = t.open_request(s.prompt.len(), adapter);
-                s.traceparent = traceparent;
+                s.traceparent = t.open_request(&s);
                 traces.push(t);
             }
             specs.push(Arc::new(s));

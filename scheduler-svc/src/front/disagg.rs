@@ -132,9 +132,9 @@ impl Front {
             .collect();
         // Not reserved past the choice: the continuation is added after the prefill.
         let load_tokens = self.settings.route_load_tokens;
-        let picked = router::pick(&decoders, &spec.prompt, spec.lora.as_ref(), load_tokens).await;
-        let (decode, _) = picked?;
-        let cached = decode.prefix_hit(spec.prompt.clone(), crate::link::shared_salt(spec)).await;
+        let (decode, _) = router::pick(&decoders, &spec.prompt, spec, load_tokens).await?;
+        let salt = crate::link::shared_salt(spec);
+        let cached = router::cached_prefix(&decode, spec.prompt.clone(), salt).await;
         let bs = decode.info.block_size as usize;
         if !routing::worth_disaggregating(spec.prompt.len(), cached, min_tokens, bs) {
             return None;

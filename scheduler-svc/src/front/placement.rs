@@ -123,7 +123,7 @@ impl Front {
                 }
             }
             let load_tokens = self.settings.route_load_tokens;
-            let picked = router::pick(&roomy, &sequence, spec.lora.as_ref(), load_tokens).await;
+            let picked = router::pick(&roomy, &sequence, spec, load_tokens).await;
             let Some((link, _reserved)) = picked else {
                 return Err(PlaceError::NoExecutor);
             };
@@ -197,13 +197,10 @@ impl Front {
         if own_agent.is_empty() || covered < min || !set.agents.is_live(own_agent) {
             return None;
         }
-        if spec.sampling.prompt_logprobs.is_some() {
-            return None; // It computes its prompt to score it (a cache of its own).
-        }
+        // The salt its blocks are cached under (another salt's blocks hold other KV); none
+        // for a request that computes its prompt to score it.
+        let salt = crate::link::shared_salt(spec)?;
         let mut hashes = Vec::new();
-        // The salt its blocks are cached under: its adapter's, or the base model's 0
-        // (`link::core_request`). Another salt's blocks hold other KV.
-        let salt = crate::link::shared_salt(spec);
         ferry_sched_core::extend_block_hashes(&mut hashes, &spec.prompt[..covered], bs, salt);
         let hashes: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let layout = crate::tier::layout_key(link.info.kv_layout.as_ref());
@@ -271,14 +268,13 @@ impl Front {
     ) -> Result<Vec<Placed>, PlaceError> {
         let mut placed: Vec<Placed> = Vec::with_capacity(specs.len());
         // A request scoring its prompt computes it in a cache of its own: it cannot share.
-        let shares = specs[0].sampling.prompt_logprobs.is_none();
+        let shares = crate::link::shared_salt(&specs[0]).is_some();
         if let (Route::Local(set), true) = (&self.route, shares) {
             let roomy: Vec<LinkHandle> =
                 set.alive().iter().filter(|l| l.has_room()).cloned().collect();
-            let adapter = specs[0].lora.as_ref();
             let load_tokens = self.settings.route_load_tokens;
             if let Some((link, _reserved)) =
-                router::pick(&roomy, &specs[0].prompt, adapter, load_tokens).await
+                router::pick(&roomy, &specs[0].prompt, &specs[0], load_tokens).await
             {
                 if let Ok(first) = self.submit(&link, &specs[0], &[], None, Fork::Source).await {
                     let Placement::Link { id: source, .. } = &first.0 else {

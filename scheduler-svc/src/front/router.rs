@@ -14,6 +14,7 @@ use ferry_proto::v1;
 use ferry_sched_core::routing::{self, Candidate};
 
 use crate::link::{LinkHandle, Reservation};
+use crate::request::RequestSpec;
 use crate::tier::LiveAgents;
 
 pub(crate) use routing::import_tokens;
@@ -22,14 +23,16 @@ pub(crate) use routing::import_tokens;
 /// then the lightest load, then the first listed ([`routing::pick`]). Prefill-only executors
 /// are used only when no other is up.
 /// The pick comes with its [`Reservation`]: keep it until the request is added.
-/// A request with LoRA adapter `adapter` goes to an executor that runs adapters (any, when
-/// none does: it refuses the request, saying why), preferring one that holds it.
+/// A request of `spec` with a LoRA adapter goes to an executor that runs adapters (any, when
+/// none does: it refuses the request, saying why), preferring one that holds it; its prefix
+/// hits are those under its salt ([`crate::link::shared_salt`]).
 pub(crate) async fn pick(
     alive: &[LinkHandle],
     tokens: &[u32],
-    adapter: Option<&v1::LoraAdapterRef>,
+    spec: &RequestSpec,
     load_tokens: usize,
 ) -> Option<(LinkHandle, Reservation)> {
+    let adapter = spec.lora.as_ref().map(|l| l.name.as_str());
     let mut alive = decoders(alive);
     if adapter.is_some() && alive.iter().any(LinkHandle::runs_adapters) {
         alive.retain(LinkHandle::runs_adapters);
@@ -37,7 +40,8 @@ pub(crate) async fn pick(
     let k = if alive.len() <= 1 {
         0
     } else {
-        routing::pick(weigh(&alive, tokens, adapter).await, load_tokens)?
+        let salt = crate::link::shared_salt(spec);
+        routing::pick(weigh(&alive, tokens, adapter, salt).await, load_tokens)?
     };
     alive.get(k).map(|l| (l.clone(), l.reserve()))
 }
@@ -52,7 +56,7 @@ pub(crate) async fn locate(
     load_tokens: usize,
 ) -> (usize, Option<Candidate>) {
     let alive = &decoders(alive);
-    (alive.len(), routing::best(weigh(alive, tokens, None).await, load_tokens))
+    (alive.len(), routing::best(weigh(alive, tokens, None, Some(0)).await, load_tokens))
 }
 
 /// The links a request may run on: those that decode, or every one when none does.
@@ -65,26 +69,39 @@ fn decoders(alive: &[LinkHandle]) -> Vec<LinkHandle> {
     }
 }
 
-/// Each link's prefix hit for `tokens` (in `adapter`'s cache) and its load, and whether it
-/// holds `adapter`.
+/// Each link's prefix hit for `tokens` under `salt` and its load, and whether it holds LoRA
+/// adapter `adapter`.
 async fn weigh(
     alive: &[LinkHandle],
     tokens: &[u32],
-    adapter: Option<&v1::LoraAdapterRef>,
+    adapter: Option<&str>,
+    salt: Option<u64>,
 ) -> Vec<Candidate> {
     let tokens: Arc<[u32]> = tokens.into();
-    let salt = adapter.map_or(0, crate::link::adapter_salt);
-    let asks = alive.iter().map(|l| l.prefix_hit(tokens.clone(), salt));
+    let asks = alive.iter().map(|l| cached_prefix(l, tokens.clone(), salt));
     let hits = futures_util::future::join_all(asks).await;
     alive
         .iter()
         .zip(hits)
         .map(|(l, hit)| Candidate {
-            holds_adapter: adapter.is_some_and(|a| l.holds_adapter(&a.name)),
+            holds_adapter: adapter.is_some_and(|a| l.holds_adapter(a)),
             prefix_hit_tokens: hit,
             load: l.routing_load(),
         })
         .collect()
+}
+
+/// Leading tokens of `tokens` `link`'s cache holds under prefix-cache `salt` (none for a
+/// request that shares no blocks: `None`).
+pub(crate) async fn cached_prefix(
+    link: &LinkHandle,
+    tokens: Arc<[u32]>,
+    salt: Option<u64>,
+) -> usize {
+    match salt {
+        Some(salt) => link.prefix_hit(tokens, salt).await,
+        None => 0,
+    }
 }
 
 /// Whether `link`'s executor only prefills (it never gets a request to decode).
@@ -110,6 +127,7 @@ mod tests {
     use super::{has_room, pick};
     use crate::link::fake::{fake_link, raw_link, test_config};
     use crate::metrics::SchedulerMetrics;
+    use crate::request::RequestSpec;
 
     /// A burst: placements chosen before any of them is added see each other's choices, so
     /// they spread over the executors (without reservations all eight chose the first).
@@ -122,7 +140,9 @@ mod tests {
         let alive: Vec<_> = links.iter().map(|(l, _)| l.clone()).collect();
         let mut held = Vec::new();
         for i in 0..8u32 {
-            held.push(pick(&alive, &[i, i + 1, i + 2], None, 128).await.unwrap());
+            held.push(
+                pick(&alive, &[i, i + 1, i + 2], &RequestSpec::default(), 128).await.unwrap(),
+            );
         }
         let mut chosen: Vec<&str> = held.iter().map(|(l, _)| l.name.as_ref()).collect();
         chosen.sort_unstable();
@@ -148,15 +168,15 @@ mod tests {
         let (b, _b_steps, _b_results) = raw_link("b", SchedulerMetrics::new());
         let links = [a.clone(), b.clone()];
         let name = |(l, _): (crate::link::LinkHandle, _)| l.name.to_string();
-        let x = ferry_proto::v1::LoraAdapterRef { name: "x".into(), path: "x".into() };
-        let x = Some(&x);
+        let lora = Some(ferry_proto::v1::LoraAdapterRef { name: "x".into(), path: "x".into() });
+        let (x, base) = (&RequestSpec { lora, ..Default::default() }, &RequestSpec::default());
         let held = [a.reserve(), a.reserve()];
         assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "b", "load");
         drop(held);
         a.note_adapter("x".into());
         let busy = [a.reserve(), a.reserve()];
         assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "a", "held");
-        assert_eq!(pick(&links, &[1, 2], None, 16).await.map(name).unwrap(), "b", "no adapter");
+        assert_eq!(pick(&links, &[1, 2], base, 16).await.map(name).unwrap(), "b", "no adapter");
         // Two more adapters on a (its --max-loras is 2): x is dropped, as the executor drops it.
         a.note_adapter("y".into());
         a.note_adapter("z".into());

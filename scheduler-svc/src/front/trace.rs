@@ -12,6 +12,8 @@ use ferry_sched_core::FinishStats;
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{Context, KeyValue};
 
+use crate::request::RequestSpec;
+
 /// The spans of one request.
 pub struct RequestTrace {
     generate: Context,
@@ -45,13 +47,14 @@ impl RequestTrace {
         out
     }
 
-    /// Opens the `request` span (placement onward), naming the LoRA `adapter` it runs with if
-    /// any, and returns its `traceparent` for the executors' spans (empty when untraced).
-    pub fn open_request(&mut self, prompt_tokens: usize, adapter: Option<&str>) -> String {
+    /// Opens the `request` span (placement onward) of `spec`: its prompt's tokens, and the LoRA
+    /// adapter it runs with if any. Returns its `traceparent` for the executors' spans (empty
+    /// when untraced).
+    pub fn open_request(&mut self, spec: &RequestSpec) -> String {
         let tracer = telemetry::tracer();
-        let mut attributes = vec![KeyValue::new("ferry.prompt_tokens", prompt_tokens as i64)];
-        if let Some(name) = adapter {
-            attributes.push(KeyValue::new("ferry.lora_adapter", name.to_string()));
+        let mut attributes = vec![KeyValue::new("ferry.prompt_tokens", spec.prompt.len() as i64)];
+        if let Some(lora) = &spec.lora {
+            attributes.push(KeyValue::new("ferry.lora_adapter", lora.name.clone()));
         }
         let span = tracer
             .span_builder("request")

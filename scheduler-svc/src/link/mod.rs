@@ -145,29 +145,27 @@ pub fn core_request(
     // Past 255 it is out of range anyway: the core refuses it naming the model's limit.
     req.max_loops = spec.sampling.max_loops.map(|l| u8::try_from(l).unwrap_or(u8::MAX));
     req.exit_threshold = spec.sampling.exit_threshold;
-    if let Some(lora) = &spec.lora {
-        // Its own prefix cache per adapter: a block computed under one adapter holds KV no
-        // other adapter (nor the base model) computes.
-        req.cache_salt = adapter_salt(lora);
-    }
-    if spec.sampling.prompt_logprobs.is_some() {
-        // Its own prefix cache (salt): every prompt token is computed, and so scored.
-        req.cache_salt = (1 << 63) | id.0;
-    }
+    // A request scoring its prompt has a prefix cache (salt) of its own: every prompt token is
+    // computed, and so scored.
+    req.cache_salt = shared_salt(spec).unwrap_or((1 << 63) | id.0);
     req
 }
 
-/// The prefix-cache salt a request of `spec` shares its cache under (its adapter's; 0 for the
-/// base model's): what routing weighs a prefix hit with. (A request scoring its prompt has a
-/// salt of its own, which no cached block has: any hit weighed for it is never used.)
-pub(crate) fn shared_salt(spec: &RequestSpec) -> u64 {
-    spec.lora.as_ref().map_or(0, adapter_salt)
+/// The prefix-cache salt a request of `spec` shares blocks under: its LoRA adapter's (a block
+/// computed under one adapter holds KV no other adapter, nor the base model, computes), or
+/// the base model's 0; `None` for one that scores its prompt, which shares none. The core's
+/// cache, routing and the KV tier all look its blocks up under it.
+pub(crate) fn shared_salt(spec: &RequestSpec) -> Option<u64> {
+    if spec.sampling.prompt_logprobs.is_some() {
+        return None;
+    }
+    Some(spec.lora.as_ref().map_or(0, adapter_salt))
 }
 
 /// The prefix-cache salt of requests run with `lora`: its name and path, hashed (FNV-1a, so
 /// every process computes the same), never 0 (the base model's) nor with the top bit (a
 /// request's own, for prompt log-probabilities).
-pub(crate) fn adapter_salt(lora: &v1::LoraAdapterRef) -> u64 {
+fn adapter_salt(lora: &v1::LoraAdapterRef) -> u64 {
     let bytes = lora.name.bytes().chain([0]).chain(lora.path.bytes());
     let h = bytes
         .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));

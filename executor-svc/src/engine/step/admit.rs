@@ -90,18 +90,14 @@ impl Engine {
                 self.refused.keys().filter(|id| !step.finished_ids.contains(id)).copied().collect();
             earlier.sort_unstable();
             for id in earlier {
-                if let Some((rest, ops)) = without(&admitted.step, id) {
-                    admitted.step = Cow::Owned(rest);
-                    let why = format!("request {id} was refused: {}", self.refused[&id]);
-                    admitted.dropped_ops.extend(ops.into_iter().map(|op| (op, why.clone())));
+                let why = format!("request {id} was refused: {}", self.refused[&id]);
+                if admitted.take_out(id, &why) {
                     admitted.named_again.push(id);
                 }
             }
         }
         for (id, why) in unusable {
-            if let Some((rest, ops)) = without(&admitted.step, id) {
-                admitted.step = Cow::Owned(rest);
-                admitted.dropped_ops.extend(ops.into_iter().map(|op| (op, why.clone())));
+            if admitted.take_out(id, &why) {
                 admitted.refused.push((id, why));
             }
         }
@@ -114,13 +110,23 @@ impl Engine {
                 }
                 Err(fault) => fault,
             };
-            let Some(id) = fault.request() else { return Err(fault) };
-            let Some((rest, ops)) = without(&admitted.step, id) else { return Err(fault) };
-            admitted.step = Cow::Owned(rest);
             let why = fault.to_string();
-            admitted.dropped_ops.extend(ops.into_iter().map(|op| (op, why.clone())));
-            admitted.refused.push((id, why));
+            match fault.request() {
+                Some(id) if admitted.take_out(id, &why) => admitted.refused.push((id, why)),
+                _ => return Err(fault),
+            }
         }
+    }
+}
+
+impl Admitted<'_> {
+    /// Takes request `id`'s parts out of the step, its KV operations failed with `why`; false
+    /// if the step names no part of it.
+    fn take_out(&mut self, id: u64, why: &str) -> bool {
+        let Some((rest, ops)) = without(&self.step, id) else { return false };
+        self.step = Cow::Owned(rest);
+        self.dropped_ops.extend(ops.into_iter().map(|op| (op, why.to_string())));
+        true
     }
 }
 

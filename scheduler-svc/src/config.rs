@@ -149,9 +149,10 @@ pub struct FrontArgs {
     #[arg(long, env = "FERRY_ENABLE_LORA")]
     pub enable_lora: bool,
     /// With --enable-lora: adapters served from the start, each `name=path` (a PEFT folder or a
-    /// LoRA GGUF; a relative path is in the model's folder, on this node and the executors').
+    /// LoRA GGUF; a relative path is in the model's folder, on this node and the executors'),
+    /// on the first model served, or vLLM's `{"name":…,"path":…,"base_model_name":…}`.
     #[arg(long, env = "FERRY_LORA_MODULES", value_delimiter = ' ', num_args = 1.., value_parser = crate::front::adapters::parse_module, requires = "enable_lora")]
-    pub lora_modules: Vec<(String, String)>,
+    pub lora_modules: Vec<crate::front::LoraModule>,
 }
 
 /// Largest `--executor-connect-timeout` and `--failover-timeout`: a day.
@@ -308,9 +309,11 @@ impl FrontArgs {
             limits: self.limits()?,
             max_model_len: self.max_model_len.map(|n| n as usize),
             accepts_priority: true,
-            enable_lora: self.enable_lora,
-            lora_modules: self.lora_modules.clone(),
-            max_lora_rank: ferry_model::lora::DEFAULT_MAX_LORA_RANK,
+            lora: crate::front::LoraSettings {
+                enabled: self.enable_lora,
+                modules: self.lora_modules.clone(),
+                max_rank: ferry_model::lora::DEFAULT_MAX_LORA_RANK,
+            },
         })
     }
 

@@ -191,10 +191,26 @@ impl ExecutorSet {
 
     /// The live links, waiting up to `patience` for one to appear when there is none.
     pub async fn wait_alive(&self, patience: Duration) -> Vec<LinkHandle> {
+        self.wait_serving(None, patience).await
+    }
+
+    /// The live links whose executors run the model with `fingerprint` (any model: `None`),
+    /// waiting up to `patience` for one to appear when there is none.
+    pub async fn wait_serving(
+        &self,
+        fingerprint: Option<&str>,
+        patience: Duration,
+    ) -> Vec<LinkHandle> {
         let mut changes = self.changed.subscribe();
         let deadline = tokio::time::Instant::now() + patience;
+        let serving = |mut links: Vec<LinkHandle>| {
+            if let Some(f) = fingerprint {
+                links.retain(|l| l.info.model_fingerprint == f);
+            }
+            links
+        };
         loop {
-            let alive = self.alive();
+            let alive = serving(self.alive());
             if !alive.is_empty() || !matches!(self.standing(), Standing::Serving(_)) {
                 return alive;
             }
@@ -205,7 +221,7 @@ impl ExecutorSet {
                 () = tokio::time::sleep_until(tick) => {}
             }
             if tokio::time::Instant::now() >= deadline {
-                return self.alive();
+                return serving(self.alive());
             }
         }
     }
@@ -227,26 +243,39 @@ impl ExecutorSet {
         }
     }
 
-    /// The set's gauges for `/metrics`, each series labelled with `model_name`.
-    pub fn gauges(self: &Arc<Self>, model_name: &str) -> ExecutorGauges {
-        ExecutorGauges { model_name: model_name.to_string(), set: self.clone() }
+    /// The set's gauges for `/metrics`, each series labelled with the name of the model its
+    /// executor runs, from `models`: (fingerprint, name) pairs, the default model first (the
+    /// label of the set's own gauges).
+    pub fn gauges(self: &Arc<Self>, models: Vec<(String, String)>) -> ExecutorGauges {
+        ExecutorGauges { models, set: self.clone() }
     }
 }
 
 /// The gauges of the executors a scheduler drives, read from the live links at scrape time:
 /// vLLM's per-executor running, waiting and KV usage, the sessions up, and the KV tier's size.
 pub struct ExecutorGauges {
-    model_name: String,
+    /// (fingerprint, name) of each model, the default first.
+    models: Vec<(String, String)>,
     set: Arc<ExecutorSet>,
+}
+
+impl ExecutorGauges {
+    /// The name of the model with `fingerprint` (the default's if none has it).
+    fn model_name(&self, fingerprint: &str) -> &str {
+        let named = self.models.iter().find(|(f, _)| f == fingerprint);
+        named.or(self.models.first()).map_or("", |(_, n)| n.as_str())
+    }
 }
 
 impl Render for ExecutorGauges {
     fn render(&self, t: &mut Text) {
         type Pick = fn(&SchedulerStats) -> f64;
-        let m = [("model_name", self.model_name.as_str())];
+        let m = [("model_name", self.model_name(""))];
         let links = self.set.alive();
-        let stats: Vec<(String, SchedulerStats)> =
-            links.iter().map(|l| (l.name.to_string(), l.stats())).collect();
+        let stats: Vec<(String, &str, SchedulerStats)> = links
+            .iter()
+            .map(|l| (l.name.to_string(), self.model_name(&l.info.model_fingerprint), l.stats()))
+            .collect();
         let gauges: [(&str, &str, Pick); 4] = [
             ("vllm:num_requests_running", "Requests running on the executor.", |s| {
                 s.num_running as f64
@@ -266,11 +295,16 @@ impl Render for ExecutorGauges {
         ];
         for (name, help, pick) in gauges {
             t.family(name, "gauge", help);
-            for (exec, s) in &stats {
-                t.sample(name, &[m[0], ("executor", exec)], pick(s));
+            for (exec, model, s) in &stats {
+                t.sample(name, &[("model_name", model), ("executor", exec)], pick(s));
             }
         }
-        t.gauge("ferry_executors_connected", "Executor sessions up.", &m, links.len() as f64);
+        let name = "ferry_executors_connected";
+        t.family(name, "gauge", "Executor sessions up, by the model they run.");
+        for (fingerprint, model) in &self.models {
+            let up = links.iter().filter(|l| l.info.model_fingerprint == *fingerprint).count();
+            t.sample(name, &[("model_name", model)], up as f64);
+        }
         t.gauge(
             "ferry_kv_tier_indexed_blocks",
             "KV blocks the KV tier's index says the agents hold.",

@@ -33,7 +33,7 @@ use ferry_runtime::GrpcHost;
 use tokio::net::TcpListener;
 
 use executors::ExecutorSet;
-use front::prepare::ServedModel;
+use front::models::Models;
 use front::FrontSettings;
 use link::{SchedulerSettings, SessionOpener};
 
@@ -62,23 +62,20 @@ pub struct Listeners {
     pub probe: Option<TcpListener>,
 }
 
-/// Serves the scheduling role for `model` — its front's gRPC API on `listeners.grpc` and the
-/// OpenAI HTTP API on `listeners.http` — until `shutdown` resolves, driving the executors it
-/// lists, and with etcd those it discovers while it leads its pool.
+/// Serves the scheduling role for `models` (the first is the default) — its front's gRPC API
+/// on `listeners.grpc` and the OpenAI HTTP API on `listeners.http` — until `shutdown`
+/// resolves, driving the executors it lists, and with etcd those it discovers while it leads
+/// its pool, each for the model it runs.
 pub async fn run(
     role: SchedulerRole,
-    model: Arc<ModelFile>,
+    models: Vec<Arc<ModelFile>>,
     listeners: Listeners,
     shutdown: ferry_runtime::Shutdown,
 ) -> anyhow::Result<()> {
     let executors = ExecutorSet::new();
     let opener = SessionOpener {
         settings: Arc::new(role.scheduler.clone()),
-        fingerprint: model.fingerprint.as_str().into(),
-        vocab: (
-            u32::try_from(model.shape.vocab_size).unwrap_or(u32::MAX),
-            model.tokenizer.eog_token_ids.as_slice().into(),
-        ),
+        models: models.iter().map(|m| link::OpenerModel::of(m)).collect(),
         epoch: 0,
         token: role.scheduler.static_token.clone(),
         metrics: executors.metrics.clone(),
@@ -92,21 +89,25 @@ pub async fn run(
             Err(e) => tracing::error!(error = %e, "executor not connected"),
         }
     }
-    // As vLLM does, the usable length is what the smallest executor's KV cache can hold for one
-    // request, so a request the front accepts always fits. (Executors discovered later refuse,
-    // with a clear error, what their own cache cannot hold.)
-    let cache_limit = executors
-        .alive()
-        .iter()
-        .map(|l| {
-            (l.info.num_blocks as usize * l.info.block_size as usize)
-                .min(l.info.max_model_len as usize)
-        })
-        .min();
-    let model_len = model.shape.max_model_len;
-    let usable = cache_limit.map_or(model_len, |c| c.min(model_len));
-    let max_model_len = role.front.max_model_len.map_or(usable, |cap| cap.min(usable));
-    let served = ServedModel::new(model, max_model_len, &role.front)?;
+    // As vLLM does, a model's usable length is what the smallest KV cache of its executors can
+    // hold for one request, so a request the front accepts always fits. (Executors discovered
+    // later refuse, with a clear error, what their own cache cannot hold.)
+    let alive = executors.alive();
+    let usable = |model: &ModelFile| {
+        let cache_limit = alive
+            .iter()
+            .filter(|l| l.info.model_fingerprint == model.fingerprint)
+            .map(|l| {
+                (l.info.num_blocks as usize * l.info.block_size as usize)
+                    .min(l.info.max_model_len as usize)
+            })
+            .min();
+        let model_len = model.shape.max_model_len;
+        let usable = cache_limit.map_or(model_len, |c| c.min(model_len));
+        role.front.max_model_len.map_or(usable, |cap| cap.min(usable))
+    };
+    let served = models.iter().map(|m| (m.clone(), usable(m))).collect();
+    let served = Models::new(served, &role.front.lora)?;
     // Statically listed executors never come back once lost; discovered ones may.
     let mut front_settings = match &role.cluster {
         Some(_) => role.front,
@@ -169,19 +170,23 @@ pub async fn run(
     Ok(())
 }
 
-/// A front in its own process for `model`: the OpenAI HTTP and `Generation` gRPC APIs, sending
-/// every request to the leader scheduler of one of `pools` (every pool up when empty; found
-/// through etcd; [`front::shards`] chooses) and moving streams to the next leader when one
-/// fails.
+/// A front in its own process for `models` (the first is the default): the OpenAI HTTP and
+/// `Generation` gRPC APIs, sending every request to the leader scheduler of one of `pools`
+/// (every pool up when empty; found through etcd; [`front::shards`] chooses among those that
+/// serve its model) and moving streams to the next leader when one fails.
 pub async fn run_front(
     (settings, pools, cluster): (FrontSettings, Vec<String>, ClusterArgs),
-    model: Arc<ModelFile>,
+    models: Vec<Arc<ModelFile>>,
     listeners: Listeners,
     shutdown: ferry_runtime::Shutdown,
     drain: Duration,
 ) -> anyhow::Result<()> {
-    let max_model_len = model.shape.max_model_len;
-    let served = ServedModel::new(model, max_model_len, &settings)?;
+    let served = models.into_iter().map(|m| {
+        let len =
+            settings.max_model_len.map_or(m.shape.max_model_len, |c| c.min(m.shape.max_model_len));
+        (m, len)
+    });
+    let served = Models::new(served.collect(), &settings.lora)?;
     let shards = front::shards::Shards::follow(cluster, pools);
     let admin = admin::FrontAdmin::new(shards.clone());
     let front = front::GenerationService::new(served, front::Route::Remote(shards), settings);

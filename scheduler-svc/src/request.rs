@@ -36,6 +36,9 @@ pub struct RequestSpec {
     /// The W3C trace context of its `request` span, for the executors' spans (empty when
     /// untraced).
     pub traceparent: String,
+    /// The base model it is for: its place among the front's models
+    /// ([`crate::front::models::Models`]; 0, the default, when it named none).
+    pub model: usize,
     /// The LoRA adapter it runs with (its `model` named one); `None`: the base model.
     pub lora: Option<v1::LoraAdapterRef>,
 }
@@ -57,7 +60,8 @@ pub struct OutputShape {
 impl RequestSpec {
     /// The request for another scheduler (a front in its own process sends its requests to the
     /// leader this way), with `delivered` the tokens already generated, tokenized for the model
-    /// with `fingerprint` (the scheduler refuses it if it serves another). Stop strings stay
+    /// with `fingerprint` (the scheduler refuses it if it serves another) and naming its
+    /// adapter, if any (which the scheduler must serve under the same name). Stop strings stay
     /// with the front, which applies them.
     pub fn to_remote(&self, delivered: &[u32], fingerprint: &str) -> v1::GenerateRequest {
         v1::GenerateRequest {
@@ -74,6 +78,7 @@ impl RequestSpec {
                 ..Default::default()
             }),
             priority: self.priority,
+            model: self.lora.as_ref().map(|a| a.name.clone()).unwrap_or_default(),
             model_fingerprint: fingerprint.to_string(),
             ..Default::default()
         }

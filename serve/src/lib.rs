@@ -7,7 +7,8 @@
 //!
 //! The model is read once and shared: the front tokenizes with the same `ModelFile` whose
 //! weights the executor loads, so the two cannot disagree (and the default model is fetched
-//! once).
+//! once). With `--extra-model`, each further base model gets an executor and a KV agent of its
+//! own, and the one front serves them all (a request's `model` picks one).
 
 pub mod certs;
 
@@ -49,6 +50,11 @@ pub struct ServeArgs {
     /// (prefill/decode disaggregation, for prompts of at least --disaggregation-min-tokens).
     #[arg(long, env = "FERRY_DISAGGREGATE")]
     pub disaggregate: bool,
+    /// Another base model to serve beside `--model`, by an executor (and KV agent) of its own
+    /// with the same flags; repeat it for more. A request's `model` picks one (its file name
+    /// without `.gguf`); `--model` stays the default.
+    #[arg(long, env = "FERRY_EXTRA_MODELS", value_delimiter = ',')]
+    pub extra_model: Vec<std::path::PathBuf>,
     /// What every service takes: logs, traces, mutual TLS between the parts (one certificate
     /// naming every role) and TLS on the APIs (plaintext by default on loopback), the front's
     /// plaintext probe port, the drain's limit (every part's), `--check-config`.
@@ -80,7 +86,7 @@ impl ServeArgs {
         let drain = self.service.validate(&listen)?;
         let mut front = self.front.resolve()?;
         // The front checks an adapter's rank against its executor's limit.
-        front.max_lora_rank = self.executor.lora.max_lora_rank as usize;
+        front.lora.max_rank = self.executor.lora.max_lora_rank as usize;
         Ok(ServeConfig {
             scheduler: self.scheduler.resolve()?,
             front,
@@ -92,7 +98,7 @@ impl ServeArgs {
 }
 
 /// Where each embedded part listens, once bound.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ServeAddrs {
     /// The front's gRPC API.
     pub grpc: SocketAddr,
@@ -104,6 +110,8 @@ pub struct ServeAddrs {
     pub kv_agent: SocketAddr,
     /// With `--disaggregate`: the prefill executor and its KV agent.
     pub prefill: Option<(SocketAddr, SocketAddr)>,
+    /// With `--extra-model`: each extra model's executor and KV agent.
+    pub extra: Vec<(SocketAddr, SocketAddr)>,
 }
 
 impl ServeAddrs {
@@ -118,16 +126,20 @@ impl ServeAddrs {
         if let Some((executor, kv)) = self.prefill {
             parts.extend([("prefill-executor", executor), ("prefill-kv", kv)]);
         }
+        for &(executor, kv) in &self.extra {
+            parts.extend([("model-executor", executor), ("model-kv", kv)]);
+        }
         parts
     }
 }
 
 /// Binds every part: the front's APIs at `listen` and `http_listen`, the executors and the
-/// KV agents on free loopback ports (a second pair with `disaggregate`).
+/// KV agents on free loopback ports (a second pair with `disaggregate`, one more per extra
+/// model).
 pub async fn bind(
     listen: &str,
     http_listen: &str,
-    disaggregate: bool,
+    (disaggregate, extra_models): (bool, usize),
 ) -> anyhow::Result<(Bound, ServeAddrs)> {
     let (grpc, grpc_addr) = ferry_runtime::grpc::bind(listen).await?;
     let (http, http_addr) = ferry_runtime::grpc::bind(http_listen).await?;
@@ -143,14 +155,22 @@ pub async fn bind(
     } else {
         (None, None)
     };
+    let (mut extra, mut extra_addrs) = (Vec::new(), Vec::new());
+    for _ in 0..extra_models {
+        let (n, a) = node().await?;
+        extra.push(n);
+        extra_addrs.push(a);
+    }
     let addrs = ServeAddrs {
         grpc: grpc_addr,
         http: http_addr,
         executor: executor_addr,
         kv_agent: kv_addr,
         prefill: prefill_addrs,
+        extra: extra_addrs,
     };
-    Ok((Bound { front: Listeners { grpc, http: Some(http), probe: None }, main, prefill }, addrs))
+    let front = Listeners { grpc, http: Some(http), probe: None };
+    Ok((Bound { front, main, prefill, extra }, addrs))
 }
 
 /// The bound listeners of every part.
@@ -158,6 +178,7 @@ pub struct Bound {
     front: Listeners,
     main: Node,
     prefill: Option<Node>,
+    extra: Vec<Node>,
 }
 
 impl Bound {
@@ -210,13 +231,16 @@ impl Node {
     }
 }
 
-/// Runs every part for `model` until `shutdown` resolves; they drain together.
+/// Runs every part for `models` (`--model`'s first, then each `--extra-model`'s) until
+/// `shutdown` resolves; they drain together.
 pub async fn run(
     config: ServeConfig,
-    model: Arc<ModelFile>,
+    models: Vec<Arc<ModelFile>>,
     bound: Bound,
     shutdown: ferry_runtime::Shutdown,
 ) -> anyhow::Result<()> {
+    let model = models.first().ok_or_else(|| anyhow::anyhow!("no model to serve"))?.clone();
+    anyhow::ensure!(models.len() == bound.extra.len() + 1, "one extra node per extra model");
     let mut listed = vec![(bound.main.url()?, bound.main.url()?)];
     // The in-process scheduler and executors share a token no one else knows (or the one
     // `--leadership-token-file` gives): another process that reaches an executor's port
@@ -241,10 +265,27 @@ pub async fn run(
         None => None,
     };
     let drain = config.drain;
-    let role = SchedulerRole { scheduler, front: config.front, listed, cluster: None, drain };
     // One stop signal fans out to every part, so they drain together.
     let (stop_tx, stop_rx) = watch::channel(false);
     let agent = config.kv_agent;
+    // Each extra model: an executor with the same flags (its own id) and a KV agent of its own.
+    let mut extras = tokio::task::JoinSet::new();
+    for (node, model) in bound.extra.into_iter().zip(&models[1..]) {
+        listed.push((node.url()?, node.url()?));
+        let mut config = executor.clone();
+        config.executor_id = format!("{}-{}", executor.executor_id, model.name);
+        config.role = Role::Both;
+        let node_id = format!("{}-{}", agent.node_id, model.name);
+        let agent = KvAgentConfig { node_id, ..agent.clone() };
+        extras.spawn(node.run(config, agent, model.clone(), (stop_rx.clone(), drain)));
+    }
+    let extras = async move {
+        while let Some(done) = extras.join_next().await {
+            done??;
+        }
+        anyhow::Ok(())
+    };
+    let role = SchedulerRole { scheduler, front: config.front, listed, cluster: None, drain };
     let parts = async {
         let prefill_node = async {
             match (bound.prefill, prefill) {
@@ -260,9 +301,10 @@ pub async fn run(
         tokio::try_join!(
             bound.main.run(executor, agent.clone(), model.clone(), (stop_rx.clone(), drain)),
             prefill_node,
+            extras,
             ferry_scheduler_svc::run(
                 role,
-                model.clone(),
+                models.clone(),
                 bound.front,
                 ferry_runtime::when_set(stop_rx.clone())
             ),

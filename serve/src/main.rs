@@ -42,15 +42,23 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let _telemetry = args.service.start("ferry")?;
-    let (mut bound, addrs) =
-        ferry::bind(&args.listen, &args.http_address(), args.disaggregate).await?;
+    let (mut bound, addrs) = ferry::bind(
+        &args.listen,
+        &args.http_address(),
+        (args.disaggregate, args.extra_model.len()),
+    )
+    .await?;
     for (kind, addr) in addrs.parts() {
         ferry_runtime::grpc::announce("ferry", kind, addr);
     }
     bound.set_probe(args.service.probe.bind("ferry").await?);
-    let path = args.executor.model.clone();
-    let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+    let mut paths = vec![args.executor.model.clone()];
+    paths.extend(args.extra_model.iter().cloned().map(Some));
+    let mut models = Vec::new();
+    for path in paths {
+        let model = tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+        models.push(Arc::new(model));
+    }
     // Boxed: every part's state together is large for `main`'s stack frame.
-    Box::pin(ferry::run(config, Arc::new(model), bound, Box::pin(ferry_runtime::shutdown_signal())))
-        .await
+    Box::pin(ferry::run(config, models, bound, Box::pin(ferry_runtime::shutdown_signal()))).await
 }

@@ -124,3 +124,28 @@ pub fn http_open(addr: SocketAddr, path: &str, body: &[u8]) -> Result<(u16, Open
         Ok((response.status, OpenStream(Some(response))))
     })
 }
+
+/// A greedy completion of `prompt` by `model` at `addr` (`max_tokens` tokens past EOS, each
+/// with its log-probability): the answer's text, log-probabilities and body.
+///
+/// # Panics
+///
+/// If the server does not answer 200, or its answer names another model.
+pub fn greedy_completion(
+    addr: SocketAddr,
+    model: &str,
+    prompt: &str,
+    max_tokens: u32,
+) -> (String, Vec<f64>, serde_json::Value) {
+    let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": true, "logprobs": 1});
+    let (status, text) =
+        http(addr, "POST", "/v1/completions", body.to_string().as_bytes()).expect("an answer");
+    assert_eq!(status, 200, "{model}: {text}");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("a JSON answer");
+    assert_eq!(v["model"], model, "the answer names the model asked for");
+    let choice = &v["choices"][0];
+    let text = choice["text"].as_str().expect("a text").to_string();
+    let lps = choice["logprobs"]["token_logprobs"].as_array().expect("logprobs");
+    (text, lps.iter().map(|l| l.as_f64().expect("a number")).collect(), v)
+}

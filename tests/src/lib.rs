@@ -17,7 +17,7 @@ pub mod generated;
 pub mod module_graph;
 pub mod proxy;
 pub mod streams;
-pub use blocking_http::{http, http_header, http_open, http_with, OpenStream};
+pub use blocking_http::{greedy_completion, http, http_header, http_open, http_with, OpenStream};
 pub use etcd::{free_port, Etcd};
 
 /// How long a binary may take to announce its address.

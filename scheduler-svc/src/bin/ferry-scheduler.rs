@@ -43,13 +43,15 @@ struct Common {
     #[command(flatten)]
     host_port: ferry_runtime::grpc::HostPortArgs,
     /// GGUF model whose tokenizer the front uses (it must be the executors' model); the
-    /// default model if absent.
+    /// default model if absent. Repeat it to serve several base models: each executor is
+    /// driven for the one it runs, a request's `model` picks one, the first is the default.
     #[arg(long, env = "FERRY_MODEL")]
-    model: Option<std::path::PathBuf>,
+    model: Vec<std::path::PathBuf>,
     /// The name clients give as `model` and `/v1/models` lists (vLLM's flag); default: the
-    /// model file's name without `.gguf` (the default model's: `SmolLM2-135M-Instruct`).
+    /// model file's name without `.gguf` (the default model's: `SmolLM2-135M-Instruct`). With
+    /// several `--model`s, one name per model, in their order.
     #[arg(long, env = "FERRY_SERVED_MODEL_NAME")]
-    served_model_name: Option<String>,
+    served_model_name: Vec<String>,
     #[command(flatten)]
     service: ferry_runtime::ServiceFlags,
 }
@@ -95,12 +97,17 @@ impl Common {
         let http = self.host_port.http_listen(&self.http_listen);
         let listen = [("listen", self.listen.as_str()), ("http-listen", &http)];
         let drain = self.service.validate(&listen)?;
-        if let Some(name) = &self.served_model_name {
+        for name in &self.served_model_name {
             anyhow::ensure!(
                 !name.is_empty() && name.len() <= 256 && !name.contains(char::is_whitespace),
                 "--served-model-name {name:?} must be 1 to 256 characters without spaces"
             );
         }
+        let (names, models) = (self.served_model_name.len(), self.model.len().max(1));
+        anyhow::ensure!(
+            names == 0 || names == models,
+            "{names} --served-model-name for {models} model(s): give one name per --model, in order"
+        );
         Ok(drain)
     }
 
@@ -119,15 +126,22 @@ impl Common {
         Ok((Listeners { grpc, http: Some(http), probe }, telemetry))
     }
 
-    /// Reads the model's header (fetching the default model when missing).
-    async fn model(&self) -> anyhow::Result<Arc<ModelFile>> {
-        let path = self.model.clone();
-        let mut model =
-            tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
-        if let Some(name) = &self.served_model_name {
-            model.name.clone_from(name);
+    /// Reads each model's header (fetching the default model when none is given).
+    async fn models(&self) -> anyhow::Result<Vec<Arc<ModelFile>>> {
+        let paths: Vec<Option<std::path::PathBuf>> = match self.model.as_slice() {
+            [] => vec![None],
+            given => given.iter().cloned().map(Some).collect(),
+        };
+        let mut models = Vec::new();
+        for (i, path) in paths.into_iter().enumerate() {
+            let mut model =
+                tokio::task::spawn_blocking(move || ModelFile::open(path.as_deref())).await??;
+            if let Some(name) = self.served_model_name.get(i) {
+                model.name.clone_from(name);
+            }
+            models.push(Arc::new(model));
         }
-        Ok(Arc::new(model))
+        Ok(models)
     }
 }
 
@@ -151,8 +165,8 @@ async fn main() -> anyhow::Result<()> {
                 return Ok(());
             }
             let (listeners, _telemetry) = cli.common.start("ferry-scheduler").await?;
-            let model = cli.common.model().await?;
-            ferry_scheduler_svc::run(role, model, listeners, stop).await
+            let models = cli.common.models().await?;
+            ferry_scheduler_svc::run(role, models, listeners, stop).await
         }
         Some(Command::EtcdMember { member, cluster, log, check }) => {
             cluster.validate()?;
@@ -181,9 +195,9 @@ async fn main() -> anyhow::Result<()> {
                 return Ok(());
             }
             let (listeners, _telemetry) = common.start("ferry-front").await?;
-            let model = common.model().await?;
+            let models = common.models().await?;
             let front = (settings, pool, cluster);
-            ferry_scheduler_svc::run_front(front, model, listeners, stop, drain).await
+            ferry_scheduler_svc::run_front(front, models, listeners, stop, drain).await
         }
     }
 }

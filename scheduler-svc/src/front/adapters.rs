@@ -11,6 +11,29 @@ use ferry_model::lora::{self, LoraFormat, Module};
 use ferry_model::LlamaShape;
 use ferry_proto::v1;
 
+/// How a front serves adapters (its flags).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoraSettings {
+    /// `--enable-lora`: requests may name LoRA adapters.
+    pub enabled: bool,
+    /// `--lora-modules`: the adapters served from the start.
+    pub modules: Vec<LoraModule>,
+    /// Largest adapter rank the executors take (their `--max-lora-rank`; `ferry serve` sets
+    /// it from its executor's).
+    pub max_rank: usize,
+}
+
+/// An adapter of `--lora-modules`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoraModule {
+    /// The name requests give as `model`.
+    pub name: String,
+    /// Where it is read (relative: in its base model's folder).
+    pub path: String,
+    /// The base model it is for (`None`: the first served).
+    pub base: Option<String>,
+}
+
 /// One served adapter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterEntry {
@@ -192,15 +215,34 @@ impl ferry_runtime::prometheus::Render for AdapterMetrics {
     }
 }
 
-/// Parses a `--lora-modules` value: `name=path`.
+/// Parses a `--lora-modules` value: `name=path` (on the first model served), or vLLM's JSON
+/// form `{"name": …, "path": …, "base_model_name": …}` (written without spaces when several
+/// are given in `FERRY_LORA_MODULES`, whose values spaces separate).
 ///
 /// # Errors
 ///
 /// What is wrong with it.
-pub fn parse_module(value: &str) -> Result<(String, String), String> {
+pub fn parse_module(value: &str) -> Result<LoraModule, String> {
+    if value.trim_start().starts_with('{') {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Json {
+            name: String,
+            path: String,
+            #[serde(default)]
+            base_model_name: Option<String>,
+        }
+        let j: Json = serde_json::from_str(value).map_err(|e| {
+            format!("{value:?} is not {{\"name\", \"path\", \"base_model_name\"}}: {e}")
+        })?;
+        if j.name.is_empty() || j.path.is_empty() {
+            return Err(format!("{value:?} needs a name and a path"));
+        }
+        return Ok(LoraModule { name: j.name, path: j.path, base: j.base_model_name });
+    }
     match value.split_once('=') {
         Some((name, path)) if !name.is_empty() && !path.is_empty() => {
-            Ok((name.to_string(), path.to_string()))
+            Ok(LoraModule { name: name.to_string(), path: path.to_string(), base: None })
         }
         _ => Err(format!("{value:?} is not name=path")),
     }
@@ -234,9 +276,17 @@ mod tests {
     }
 
     #[test]
-    fn lora_modules_values_are_name_equals_path() {
-        assert_eq!(parse_module("x=/a/b=c"), Ok(("x".into(), "/a/b=c".into())));
-        for bad in ["x", "=p", "x=", ""] {
+    fn lora_modules_values_are_name_equals_path_or_vllm_json() {
+        let module = |name: &str, path: &str, base: Option<&str>| LoraModule {
+            name: name.into(),
+            path: path.into(),
+            base: base.map(Into::into),
+        };
+        assert_eq!(parse_module("x=/a/b=c"), Ok(module("x", "/a/b=c", None)));
+        let json = r#"{"name":"x","path":"/a","base_model_name":"m"}"#;
+        assert_eq!(parse_module(json), Ok(module("x", "/a", Some("m"))));
+        assert_eq!(parse_module(r#"{"name":"x","path":"/a"}"#), Ok(module("x", "/a", None)));
+        for bad in ["x", "=p", "x=", "", r#"{"name":"x"}"#, r#"{"name":"","path":"p"}"#] {
             assert!(parse_module(bad).is_err(), "{bad:?}");
         }
     }

@@ -12,6 +12,7 @@ use tonic::Status;
 
 use super::disagg::Handoff;
 use super::keys::{ApiKey, Permit};
+use super::models::ModelRefusal;
 use super::placement::{Placed, Placement};
 use super::prepare::{prepare, PrepareError};
 use super::trace::RequestTrace;
@@ -103,10 +104,14 @@ impl Front {
             )));
         }
         let mut spec = trace
-            .tokenize(|| prepare(&self.model, &self.settings.limits, req))
+            .tokenize(|| prepare(&self.models, &self.settings.limits, req))
             .map_err(|e| match e {
-                PrepareError::UnknownModel { .. } => Status::not_found(e.to_string()),
-                PrepareError::OtherModel { .. } => Status::failed_precondition(e.to_string()),
+                PrepareError::Model(ModelRefusal::Unknown { .. }) => {
+                    Status::not_found(e.to_string())
+                }
+                PrepareError::Model(ModelRefusal::Other { .. }) => {
+                    Status::failed_precondition(e.to_string())
+                }
                 PrepareError::Invalid(_) => Status::invalid_argument(e.to_string()),
             })?;
         let permit = match caller {
@@ -117,7 +122,7 @@ impl Front {
             None => None,
         };
         if let Some(lora) = &spec.lora {
-            self.model.adapters.count_request(&lora.name);
+            self.models.get(spec.model).adapters.count_request(&lora.name);
         }
         spec.traceparent = trace.open_request(&spec);
         Ok((spec, permit))

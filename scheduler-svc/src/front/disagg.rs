@@ -117,7 +117,9 @@ impl Front {
         {
             return None;
         }
-        let alive = set.alive();
+        let mut alive = set.alive();
+        let fingerprint = &self.models.get(spec.model).file.fingerprint;
+        alive.retain(|l| l.info.model_fingerprint == *fingerprint);
         let prefill: Vec<&LinkHandle> =
             alive.iter().filter(|l| prefill_only(l) && has_agent(l, &set.agents)).collect();
         if prefill.is_empty() {

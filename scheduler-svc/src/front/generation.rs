@@ -213,15 +213,13 @@ impl Generation for GenerationService {
         request: Request<v1::ListModelsRequest>,
     ) -> Result<Response<v1::ListModelsResponse>, Status> {
         self.front.caller(request.metadata())?;
-        let m = &self.front.model;
-        Ok(Response::new(v1::ListModelsResponse {
-            models: vec![v1::ModelInfo {
-                id: m.name().to_string(),
-                max_model_len: u32::try_from(m.max_model_len).unwrap_or(u32::MAX),
-                owned_by: "ferry".into(),
-                architecture: m.file.shape.family.name.into(),
-                weight_types: m.file.weight_types.clone(),
-            }],
-        }))
+        let models = self.front.models.iter().map(|m| v1::ModelInfo {
+            id: m.name().to_string(),
+            max_model_len: u32::try_from(m.max_model_len).unwrap_or(u32::MAX),
+            owned_by: "ferry".into(),
+            architecture: m.file.shape.family.name.into(),
+            weight_types: m.file.weight_types.clone(),
+        });
+        Ok(Response::new(v1::ListModelsResponse { models: models.collect() }))
     }
 }

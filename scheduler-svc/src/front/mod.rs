@@ -19,6 +19,7 @@ pub mod client_stream;
 mod disagg;
 mod generation;
 pub mod keys;
+pub mod models;
 pub mod placement;
 pub mod prepare;
 pub mod remote;
@@ -37,10 +38,11 @@ use std::sync::{Arc, Mutex};
 
 use crate::executors::ExecutorSet;
 use crate::metrics::{CounterView, SchedulerMetrics};
+pub use adapters::{LoraModule, LoraSettings};
 pub use admission::MAX_SAMPLES;
+use models::Models;
 use placement::Placement;
 pub use prepare::RequestLimits;
-use prepare::ServedModel;
 pub use settings::FrontSettings;
 
 /// Where a front sends its requests.
@@ -53,7 +55,7 @@ pub enum Route {
 
 /// Shared front state.
 pub struct Front {
-    model: ServedModel,
+    models: Models,
     route: Route,
     metrics: Arc<SchedulerMetrics>,
     settings: FrontSettings,
@@ -87,14 +89,14 @@ pub struct GenerationService {
 }
 
 impl GenerationService {
-    /// A front serving `model` through `route` under `settings`.
-    pub fn new(model: ServedModel, route: Route, settings: FrontSettings) -> Self {
+    /// A front serving `models` through `route` under `settings`.
+    pub fn new(models: Models, route: Route, settings: FrontSettings) -> Self {
         let metrics = match &route {
             Route::Local(set) => set.metrics.clone(),
             Route::Remote(_) => SchedulerMetrics::new(),
         };
         let front = Front {
-            model,
+            models,
             route,
             metrics,
             settings,
@@ -107,9 +109,9 @@ impl GenerationService {
         Self { front: Arc::new(front) }
     }
 
-    /// The served model.
-    pub fn model(&self) -> &ServedModel {
-        &self.front.model
+    /// The served models.
+    pub fn models(&self) -> &Models {
+        &self.front.models
     }
 
     /// What `/metrics` shows for this front (and the executors it drives), with `leading`
@@ -120,10 +122,14 @@ impl GenerationService {
         leading: Option<tokio::sync::watch::Receiver<Option<u64>>>,
     ) -> ferry_runtime::prometheus::All {
         use ferry_runtime::prometheus::Render;
-        let model_name = self.front.model.name().to_string();
+        // The front's own counters are the default model's (vLLM's `model_name` label); the
+        // executors' gauges and the adapters' counters are each labelled with their model.
+        let model_name = self.front.models.default_model().name().to_string();
         let mut parts: Vec<Arc<dyn Render>> = Vec::new();
         if let Route::Local(set) = &self.front.route {
-            parts.push(Arc::new(set.gauges(&model_name)));
+            let names = self.front.models.iter();
+            let names = names.map(|m| (m.file.fingerprint.clone(), m.name().to_string()));
+            parts.push(Arc::new(set.gauges(names.collect())));
         }
         if let Some(leading) = leading {
             let model_name = model_name.clone();
@@ -131,9 +137,11 @@ impl GenerationService {
         }
         let metrics = self.front.metrics.clone();
         parts.push(Arc::new(CounterView { model_name: model_name.clone(), metrics }));
-        let adapters = self.front.model.adapters.clone();
-        let lora = adapters::AdapterMetrics { model_name: model_name.clone(), adapters };
-        parts.push(Arc::new(lora));
+        for m in self.front.models.iter() {
+            let adapters = m.adapters.clone();
+            let lora = adapters::AdapterMetrics { model_name: m.name().to_string(), adapters };
+            parts.push(Arc::new(lora));
+        }
         if let Some(keys) = &self.front.settings.keys {
             parts.push(Arc::new(keys::KeyMetrics { model_name, keys: keys.clone() }));
         }

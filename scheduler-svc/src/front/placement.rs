@@ -52,8 +52,8 @@ impl Placement {
 
 /// Why a request could not be placed.
 pub(crate) enum PlaceError {
-    /// No executor is up.
-    NoExecutor,
+    /// No executor running the request's model (named) is up.
+    NoExecutor(String),
     /// Every executor up holds its limit of requests (the last one's limit).
     Full(usize),
     /// The executor refused it (bad for that executor: too long for its cache, …).
@@ -65,7 +65,9 @@ pub(crate) enum PlaceError {
 impl From<PlaceError> for Status {
     fn from(e: PlaceError) -> Status {
         match e {
-            PlaceError::NoExecutor => Status::unavailable("no executor is connected"),
+            PlaceError::NoExecutor(model) => {
+                Status::unavailable(format!("no executor serving model {model:?} is connected"))
+            }
             PlaceError::Full(limit) => Status::resource_exhausted(format!(
                 "every executor holds its limit of requests ({limit} on the last one tried, \
                  --max-live-requests); retry later"
@@ -79,7 +81,9 @@ impl From<PlaceError> for Status {
 impl std::fmt::Display for PlaceError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            PlaceError::NoExecutor => write!(f, "no other executor is up"),
+            PlaceError::NoExecutor(model) => {
+                write!(f, "no other executor serving model {model:?} is up")
+            }
             PlaceError::Full(limit) => {
                 write!(f, "every executor is full (at its limit of {limit} requests)")
             }
@@ -102,18 +106,20 @@ impl Front {
         delivered: &[u32],
         patience: Duration,
     ) -> Result<Placed, PlaceError> {
+        let model = self.models.get(spec.model);
+        let fingerprint = model.file.fingerprint.as_str();
         let executors = match &self.route {
             Route::Local(set) => set,
             Route::Remote(shards) => {
-                let fingerprint = &self.model.file.fingerprint;
-                let routing = (fingerprint.as_str(), self.settings.route_load_tokens);
+                let routing = (fingerprint, self.settings.route_load_tokens);
                 return place_remote(shards, spec, delivered, routing, patience).await;
             }
         };
+        let none = || PlaceError::NoExecutor(model.name().to_string());
         let deadline = tokio::time::Instant::now() + patience;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let alive = executors.wait_alive(left).await;
+            let alive = executors.wait_serving(Some(fingerprint), left).await;
             let mut sequence = spec.prompt.to_vec();
             sequence.extend_from_slice(delivered);
             let roomy: Vec<LinkHandle> = alive.iter().filter(|l| l.has_room()).cloned().collect();
@@ -125,14 +131,17 @@ impl Front {
             let load_tokens = self.settings.route_load_tokens;
             let picked = router::pick(&roomy, &sequence, spec, load_tokens).await;
             let Some((link, _reserved)) = picked else {
-                return Err(PlaceError::NoExecutor);
+                return Err(none());
             };
             let tier_read = self.tier_read(&link, spec, request_id).await;
             match self.submit(&link, spec, delivered, tier_read, Fork::None).await {
-                Err(PlaceError::NoExecutor) => {
+                Err(PlaceError::NoExecutor(_)) => {
                     // It died between the pick and the add: try the others.
-                    if tokio::time::Instant::now() >= deadline && executors.alive().is_empty() {
-                        return Err(PlaceError::NoExecutor);
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero()
+                        && executors.wait_serving(Some(fingerprint), left).await.is_empty()
+                    {
+                        return Err(none());
                     }
                 }
                 placed => return placed,
@@ -152,22 +161,28 @@ impl Front {
                 "a front in its own process locates nothing: ask a scheduler that leads a pool",
             ));
         };
-        let fingerprint = &self.model.file.fingerprint;
-        if !ask.model_fingerprint.is_empty() && ask.model_fingerprint != *fingerprint {
+        let model = match ask.model_fingerprint.as_str() {
+            "" => Some(self.models.default_model()),
+            asked => self.models.by_fingerprint(asked).map(|id| self.models.get(id)),
+        };
+        let Some(model) = model else {
             return Err(Status::failed_precondition(format!(
-                "the prompt was tokenized for the model with fingerprint {}, but this scheduler \
-                 serves fingerprint {fingerprint}",
-                ask.model_fingerprint
+                "the prompt was tokenized for the model with fingerprint {}, which this \
+                 scheduler does not serve (it serves {})",
+                ask.model_fingerprint,
+                self.models.served_names()
             )));
-        }
-        let limit = self.model.max_model_len;
+        };
+        let limit = model.max_model_len;
         if ask.token_ids.len() > limit {
             return Err(Status::invalid_argument(format!(
                 "{} token ids to locate: past the model's length of {limit}",
                 ask.token_ids.len()
             )));
         }
-        let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(LinkHandle::has_room).collect();
+        let fingerprint = &model.file.fingerprint;
+        let serves = |l: &LinkHandle| l.info.model_fingerprint == *fingerprint && l.has_room();
+        let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(serves).collect();
         let (executors, best) =
             router::locate(&roomy, &ask.token_ids, self.settings.route_load_tokens).await;
         let best = best.unwrap_or_default();
@@ -248,7 +263,7 @@ impl Front {
             Ok(Err(e @ AddRefused::Core(_))) => Err(PlaceError::Refused(e.to_string())),
             Err(LinkError::Gone | LinkError::Connect { .. } | LinkError::Refused { .. }) => {
                 link.close("its loop stopped");
-                Err(PlaceError::NoExecutor)
+                Err(PlaceError::NoExecutor(self.models.get(spec.model).name().to_string()))
             }
         }
     }
@@ -270,8 +285,9 @@ impl Front {
         // A request scoring its prompt computes it in a cache of its own: it cannot share.
         let shares = crate::link::shared_salt(&specs[0]).is_some();
         if let (Route::Local(set), true) = (&self.route, shares) {
-            let roomy: Vec<LinkHandle> =
-                set.alive().iter().filter(|l| l.has_room()).cloned().collect();
+            let fingerprint = &self.models.get(specs[0].model).file.fingerprint;
+            let serves = |l: &LinkHandle| l.info.model_fingerprint == *fingerprint && l.has_room();
+            let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(serves).collect();
             let load_tokens = self.settings.route_load_tokens;
             if let Some((link, _reserved)) =
                 router::pick(&roomy, &specs[0].prompt, &specs[0], load_tokens).await

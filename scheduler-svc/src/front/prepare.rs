@@ -1,84 +1,21 @@
 //! Checking a client's request and turning it into what the scheduler needs: tokens, limits,
 //! stop rules and sampling parameters. Every refusal says what was wrong and the limit.
 
-use std::sync::Arc;
-
 use ferry_model::sampling::{LogitAdjust, SamplingParams};
-use ferry_model::ModelFile;
 use ferry_proto::v1;
 
-use crate::front::adapters::Adapters;
+use crate::front::models::{ModelRefusal, Models, ServedModel};
 use crate::request::{OutputShape, RequestSpec};
 
 /// Why a request was refused.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PrepareError {
-    /// The request names a model this front does not serve.
-    #[error("model {asked:?} is not served here; available: {served:?}")]
-    UnknownModel {
-        /// Asked for.
-        asked: String,
-        /// Served.
-        served: String,
-    },
-    /// The caller tokenized for another model (its fingerprint differs).
-    #[error(
-        "the request was tokenized for the model with fingerprint {asked}, but this scheduler \
-         serves {served:?} with fingerprint {fingerprint}: give the front and the scheduler the \
-         same model file"
-    )]
-    OtherModel {
-        /// The caller's fingerprint.
-        asked: String,
-        /// The served model's name.
-        served: String,
-        /// Its fingerprint.
-        fingerprint: String,
-    },
+    /// It names a model this front does not serve, or was tokenized for another.
+    #[error(transparent)]
+    Model(#[from] ModelRefusal),
     /// Anything else the client got wrong.
     #[error("{0}")]
     Invalid(String),
-}
-
-/// The model a front serves.
-#[derive(Debug, Clone)]
-pub struct ServedModel {
-    /// The model file: name, fingerprint, tokenizer and chat template.
-    pub file: Arc<ModelFile>,
-    /// Largest prompt + output accepted: the model's, capped to what the smallest executor's
-    /// KV cache holds for one request.
-    pub max_model_len: usize,
-    /// The LoRA adapters served on it.
-    pub adapters: Arc<Adapters>,
-}
-
-impl ServedModel {
-    /// `file` capped to `max_model_len`, with the adapters of `settings` (each checked against
-    /// the model).
-    ///
-    /// # Errors
-    ///
-    /// An adapter of `--lora-modules` that cannot be served, naming it.
-    pub fn new(
-        file: Arc<ModelFile>,
-        max_model_len: usize,
-        settings: &crate::front::FrontSettings,
-    ) -> anyhow::Result<Self> {
-        let dir = file.path.parent();
-        let base = (file.name.as_str(), file.shape, dir);
-        let adapters = Adapters::new(settings.enable_lora, base, settings.max_lora_rank);
-        for (name, path) in &settings.lora_modules {
-            adapters
-                .load(name, path)
-                .map_err(|e| anyhow::anyhow!("--lora-modules {name}={path}: {e}"))?;
-        }
-        Ok(Self { file, max_model_len, adapters: Arc::new(adapters) })
-    }
-
-    /// The name clients use.
-    pub fn name(&self) -> &str {
-        &self.file.name
-    }
 }
 
 /// What one request may ask for (the front's flags; see `FrontArgs`). The lengths are
@@ -126,36 +63,6 @@ impl Default for RequestLimits {
             max_request_bytes: Self::REQUEST_BYTES as usize,
         }
     }
-}
-
-/// Refuses a request for another model than `model` (or one of its adapters), by name or by
-/// fingerprint; the adapter it names, if any.
-fn check_model(
-    model: &ServedModel,
-    req: &v1::GenerateRequest,
-) -> Result<Option<v1::LoraAdapterRef>, PrepareError> {
-    let adapter = if req.model.is_empty() || req.model == model.name() {
-        None
-    } else {
-        let adapter = model.adapters.get(&req.model);
-        if adapter.is_none() {
-            let mut served = model.name().to_string();
-            for (name, _) in model.adapters.list() {
-                served.push_str(", ");
-                served.push_str(&name);
-            }
-            return Err(PrepareError::UnknownModel { asked: req.model.clone(), served });
-        }
-        adapter
-    };
-    if !req.model_fingerprint.is_empty() && req.model_fingerprint != model.file.fingerprint {
-        return Err(PrepareError::OtherModel {
-            asked: req.model_fingerprint.clone(),
-            served: model.name().to_string(),
-            fingerprint: model.file.fingerprint.clone(),
-        });
-    }
-    Ok(adapter)
 }
 
 /// The prompt's tokens: text tokenized, token ids checked, or a chat rendered and tokenized.
@@ -313,14 +220,16 @@ fn checked_prompt(
     Ok(prompt)
 }
 
-/// Checks `req` against `model` and `limits`; the spec comes back without a trace context.
+/// Checks `req` against the model it names among `models` and `limits`; the spec comes back
+/// without a trace context.
 pub fn prepare(
-    model: &ServedModel,
+    models: &Models,
     limits: &RequestLimits,
     req: &v1::GenerateRequest,
 ) -> Result<RequestSpec, PrepareError> {
     let invalid = |m: String| PrepareError::Invalid(m);
-    let lora = check_model(model, req)?;
+    let (model_id, lora) = models.resolve(&req.model, &req.model_fingerprint)?;
+    let model = models.get(model_id);
     let tok = &model.file.tokenizer;
     let prompt = checked_prompt(model, limits, req)?;
     let max_len = model.max_model_len;
@@ -399,6 +308,7 @@ pub fn prepare(
         sampling,
         priority: req.priority,
         traceparent: String::new(),
+        model: model_id,
         lora,
     })
 }

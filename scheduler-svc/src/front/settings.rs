@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::adapters::LoraSettings;
 use super::keys::ApiKeys;
 use super::prepare::RequestLimits;
 
@@ -34,11 +35,6 @@ pub struct FrontSettings {
     /// Whether requests may set a priority: the scheduler that serves them orders by it. A
     /// front in its own process forwards it and its leader decides.
     pub accepts_priority: bool,
-    /// `--enable-lora`: requests may name LoRA adapters.
-    pub enable_lora: bool,
-    /// `--lora-modules`: the adapters served from the start, as (name, path).
-    pub lora_modules: Vec<(String, String)>,
-    /// Largest adapter rank the executors take (their `--max-lora-rank`; `ferry serve` sets
-    /// it from its executor's).
-    pub max_lora_rank: usize,
+    /// The LoRA adapters: whether served, which from the start, their largest rank.
+    pub lora: LoraSettings,
 }

@@ -239,7 +239,8 @@ impl RequestStream {
         }
         self.last_token = Some(now);
         self.delivered.push(token);
-        let pushed = self.assembler.push(&self.front.model.file.tokenizer, token);
+        let pushed =
+            self.assembler.push(&self.front.models.get(self.spec.model).file.tokenizer, token);
         let mut event = self.event(pushed.text, vec![token], logprobs);
         if loops > 0 {
             event.loops = vec![u32::from(loops)];

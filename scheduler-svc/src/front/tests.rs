@@ -10,7 +10,7 @@ use ferry_proto::v1::{self, generation_server::Generation};
 use tokio_stream::StreamExt;
 use tonic::Request;
 
-use super::prepare::ServedModel;
+use super::models::Models;
 use super::FrontSettings;
 use super::{GenerationService, Route};
 use crate::executors::ExecutorSet;
@@ -19,7 +19,14 @@ use crate::link::LinkHandle;
 
 fn model() -> Arc<ModelFile> {
     static MODEL: OnceLock<Arc<ModelFile>> = OnceLock::new();
-    MODEL.get_or_init(|| Arc::new(ModelFile::open(None).expect("the default model"))).clone()
+    MODEL
+        .get_or_init(|| {
+            let mut model = ModelFile::open(None).expect("the default model");
+            // The fake executors run it.
+            model.fingerprint = crate::link::fake::FAKE_FINGERPRINT.into();
+            Arc::new(model)
+        })
+        .clone()
 }
 
 pub(crate) fn front(set: &Arc<ExecutorSet>) -> GenerationService {
@@ -34,11 +41,9 @@ pub(crate) fn front(set: &Arc<ExecutorSet>) -> GenerationService {
         limits: super::RequestLimits::default(),
         max_model_len: None,
         accepts_priority: false,
-        enable_lora: false,
-        lora_modules: Vec::new(),
-        max_lora_rank: 16,
+        lora: super::LoraSettings { max_rank: 16, ..Default::default() },
     };
-    let served = ServedModel::new(model(), 512, &settings).expect("no adapters");
+    let served = Models::one(model(), 512, &settings.lora).expect("no adapters");
     GenerationService::new(served, Route::Local(set.clone()), settings)
 }
 

@@ -20,6 +20,8 @@ pub(crate) type TokenFn = Arc<dyn Fn(u64, usize) -> u32 + Send + Sync>;
 
 /// The end-of-sequence id the fake executor states.
 pub(crate) const FAKE_EOS: u32 = 2;
+/// The fingerprint of the model the fake executors run (a front's tests serve it under it).
+pub(crate) const FAKE_FINGERPRINT: &str = "fake-model";
 
 /// A prompt holding this token is refused by the fake executor, as the real one refuses a
 /// request whose data breaks a rule: alone, named in every later step until it is finished.
@@ -135,6 +137,7 @@ pub(crate) fn raw_session(
         num_blocks: config.num_blocks as u32,
         max_model_len: config.max_model_len as u32,
         eos_token_ids: vec![FAKE_EOS],
+        model_fingerprint: FAKE_FINGERPRINT.into(),
         max_loras: 2,
         ..Default::default()
     };

@@ -16,7 +16,7 @@ pub(crate) mod tests;
 pub mod transfers;
 pub mod wire;
 
-pub use open::{geometry_of, GeometryRefused, SchedulerSettings, SessionOpener};
+pub use open::{geometry_of, GeometryRefused, OpenerModel, SchedulerSettings, SessionOpener};
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;

@@ -93,17 +93,41 @@ pub fn geometry_of(info: &v1::ExecutorInfo) -> Geometry {
     }
 }
 
-/// What opening a session takes: who this scheduler is, under which epoch, for which model.
+/// A model a scheduler drives executors for, as a handshake names it.
+#[derive(Clone, Debug)]
+pub struct OpenerModel {
+    /// The name clients use (a simulating executor of several models' scheduler is matched
+    /// by it: its `--served-model-name`).
+    pub name: String,
+    /// The fingerprint of its weights; an executor running other weights refuses the
+    /// handshake.
+    pub fingerprint: String,
+    /// Its vocabulary size and end-of-sequence ids (a simulating executor serves them).
+    pub vocab: (u32, Arc<[u32]>),
+}
+
+impl OpenerModel {
+    /// The model of `file`.
+    pub fn of(file: &ferry_model::ModelFile) -> Self {
+        Self {
+            name: file.name.clone(),
+            fingerprint: file.fingerprint.clone(),
+            vocab: (
+                u32::try_from(file.shape.vocab_size).unwrap_or(u32::MAX),
+                file.tokenizer.eog_token_ids.as_slice().into(),
+            ),
+        }
+    }
+}
+
+/// What opening a session takes: who this scheduler is, under which epoch, for which models.
 #[derive(Clone)]
 pub struct SessionOpener {
     /// The scheduler's settings (its id, the core's policy, the connect patience).
     pub settings: Arc<SchedulerSettings>,
-    /// The fingerprint of the model this scheduler's front tokenizes for; executors running
-    /// another model refuse the handshake.
-    pub fingerprint: Arc<str>,
-    /// That model's vocabulary size and end-of-sequence ids (a simulating executor serves
-    /// them).
-    pub vocab: (u32, Arc<[u32]>),
+    /// The models this scheduler's front tokenizes for (the default first): an executor is
+    /// driven for the one it runs, and refused if it runs none of them.
+    pub models: Arc<[OpenerModel]>,
     /// The leadership epoch (0 without etcd).
     pub epoch: u64,
     /// The leadership token published in etcd for `epoch` (empty without etcd): executors
@@ -154,6 +178,39 @@ impl SessionOpener {
         }
     }
 
+    /// Which of the models the executor behind `client` runs: the only one (its handshake
+    /// checks it), or the one whose fingerprint it states (`Describe`), or for a simulating
+    /// executor the one of its name. Errors: `Ok` a refusal, `Err` unreachable.
+    async fn model_of(
+        &self,
+        client: &mut ExecutorClient<tonic::transport::Channel>,
+    ) -> Result<&OpenerModel, Result<String, String>> {
+        if let [only] = &*self.models {
+            return Ok(only);
+        }
+        let described = client.describe(v1::DescribeRequest {}).await;
+        let info = described
+            .map_err(|s| Err(format!("describe: {}", s.message())))?
+            .into_inner()
+            .info
+            .ok_or_else(|| Err("a description without executor info".to_string()))?;
+        let simulated = info.backend == v1::Backend::Sim as i32;
+        let found = self.models.iter().find(|m| m.fingerprint == info.model_fingerprint);
+        let found = found.or_else(|| {
+            simulated.then(|| self.models.iter().find(|m| m.name == info.model)).flatten()
+        });
+        found.ok_or_else(|| {
+            let served: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+            Ok(format!(
+                "this executor runs model {:?} (fingerprint {}), which this scheduler does not \
+                 serve: it serves {}",
+                info.model,
+                info.model_fingerprint,
+                served.join(", ")
+            ))
+        })
+    }
+
     /// One attempt at opening a session to executor `name` at `url`.
     pub async fn open(&self, name: &str, url: &str) -> Result<LinkHandle, LinkError> {
         let unreachable = |reason: String| LinkError::Connect { addr: url.to_string(), reason };
@@ -163,14 +220,18 @@ impl SessionOpener {
             .await
             .map_err(|e| unreachable(ferry_runtime::error_chain(&e)))?;
         let mut client = ExecutorClient::new(channel);
+        let model = self.model_of(&mut client).await.map_err(|e| match e {
+            Ok(why) => refused(why),
+            Err(why) => unreachable(why),
+        })?;
         let hs = client
             .handshake(v1::HandshakeRequest {
                 scheduler_id: self.settings.scheduler_id.clone(),
                 epoch: self.epoch,
                 expected_model: String::new(),
-                expected_fingerprint: self.fingerprint.to_string(),
-                vocab_size: self.vocab.0,
-                eos_token_ids: self.vocab.1.to_vec(),
+                expected_fingerprint: model.fingerprint.clone(),
+                vocab_size: model.vocab.0,
+                eos_token_ids: model.vocab.1.to_vec(),
                 leadership_token: self.token.to_vec(),
                 pool: self.settings.pool.clone(),
             })

@@ -27,6 +27,7 @@ pub(crate) fn spec(prompt: &[u32], max_tokens: usize) -> Arc<RequestSpec> {
         priority: 0,
         sampling: v1::SamplingParams::default(),
         traceparent: String::new(),
+        model: 0,
         lora: None,
     })
 }

@@ -5,10 +5,11 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use ferry_roofline::{activation_bytes, kv_capacity_blocks, Profiles};
+use ferry_roofline::{activation_bytes, kv_capacity_blocks, Profiles, SimHardware, SimModel};
 use ferry_sched_flags::{Geometry, SchedulingArgs};
 use ferry_sim::des::{
-    self, ClusterSpec, ControlPlane, DataParallel, KvTier, LoopedSim, Report, Router, Slo,
+    self, ClusterSpec, ControlPlane, DataParallel, KvTier, LoopedSim, ModelPool, Report, Router,
+    Slo,
 };
 use ferry_sim::workload::{Arrivals, Conversations, Generated, Lengths, PrefixGroups, Source};
 
@@ -29,6 +30,12 @@ struct Args {
     /// Executors (model replicas).
     #[arg(long, default_value_t = 4)]
     executors: usize,
+    /// Another base model served by executors of its own, `PROFILE:EXECUTORS:SHARE` (its
+    /// profile's tensor parallelism, on `--hardware`): that share of the requests asks for it
+    /// and is routed to its executors only; repeat for more. The rest ask for
+    /// `--model-profile`.
+    #[arg(long)]
+    extra_model: Vec<String>,
     /// Requests to simulate (generated workloads).
     #[arg(long, default_value_t = 10_000)]
     requests: u64,
@@ -229,35 +236,31 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
     ] {
         anyhow::ensure!(us.is_finite() && us >= 0.0, "{flag} {us} must be microseconds >= 0");
     }
-    let policy = args.scheduling.policy()?;
-    let (bs, seqs, tokens) =
-        (args.block_size, policy.max_num_seqs(), policy.core().max_num_batched_tokens);
-    let activations = activation_bytes(&model, tp, tokens as u32, seqs as u32);
-    let blocks =
-        kv_capacity_blocks(&hardware, &model, bs as u32, args.gpu_memory_utilization, activations);
-    if blocks == 0 {
-        anyhow::bail!(
-            "{} does not fit {} GPU(s) of {} with room for a KV block: try --tensor-parallel",
-            m.name,
-            tp,
-            args.hardware
-        );
-    }
-    // As the scheduler configures a core for an executor's handshake; the core queues its
-    // finished requests' blocks for the tier only when the executor has an agent (a tier).
     let looped = looped_of(args, model.num_layers)?;
-    let geometry = Geometry {
-        block_size: bs,
-        num_blocks: usize::try_from(blocks)?,
-        max_model_len: args.max_model_len,
-        kv_agent: args.kv_tier_blocks > 0,
-        looped: looped.map(|(_, model)| model),
-    };
-    let scheduler = policy.for_executor(geometry)?;
+    let scheduler = core_for(args, (&m.name, &model, &hardware, tp), looped.map(|(_, l)| l))?;
+    let mut extra_models = Vec::new();
+    for extra in &args.extra_model {
+        let parts: Vec<&str> = extra.split(':').collect();
+        let [profile, executors, share] = parts[..] else {
+            anyhow::bail!("--extra-model {extra:?} is not PROFILE:EXECUTORS:SHARE");
+        };
+        let (executors, share) = (executors.parse::<usize>(), share.parse::<f64>());
+        let (Ok(executors), Ok(share)) = (executors, share) else {
+            anyhow::bail!("--extra-model {extra:?}: EXECUTORS is a count, SHARE a fraction");
+        };
+        let p = profiles.model(profile)?;
+        let model = p.to_sim()?;
+        let hardware =
+            profiles.hardware(&args.hardware)?.to_sim(p.compute_dtype(), p.tensor_parallel)?;
+        let scheduler = core_for(args, (&p.name, &model, &hardware, p.tensor_parallel), None)?;
+        let name = p.name.clone();
+        extra_models.push(ModelPool { name, executors, hardware, model, scheduler, share });
+    }
     let spec = ClusterSpec {
         executors: args.executors,
         hardware,
         model,
+        model_name: m.name.clone(),
         scheduler,
         router: args.router,
         route_load_tokens: args.route_load_tokens,
@@ -282,8 +285,42 @@ fn cluster(args: &Args, profiles: &Profiles) -> anyhow::Result<(ClusterSpec, u32
                 token_secs: args.scheduler_cpu_token_us / 1e6,
                 request_secs: args.scheduler_cpu_request_us / 1e6,
             }),
+        extra_models,
     };
+    spec.check_models().map_err(anyhow::Error::msg)?;
     Ok((spec, tp))
+}
+
+/// The scheduling core of an executor of `model` (named `name`) on `hardware` in groups of
+/// `tp` GPUs, as the scheduler configures one for its handshake: `args`' policy and block
+/// size, and the blocks that fit beside the weights and activations.
+fn core_for(
+    args: &Args,
+    (name, model, hardware, tp): (&str, &SimModel, &SimHardware, u32),
+    looped: Option<ferry_sched_core::LoopedModel>,
+) -> anyhow::Result<ferry_sched_core::SchedulerConfig> {
+    let policy = args.scheduling.policy()?;
+    let (bs, seqs, tokens) =
+        (args.block_size, policy.max_num_seqs(), policy.core().max_num_batched_tokens);
+    let activations = activation_bytes(model, tp, tokens as u32, seqs as u32);
+    let blocks =
+        kv_capacity_blocks(hardware, model, bs as u32, args.gpu_memory_utilization, activations);
+    if blocks == 0 {
+        anyhow::bail!(
+            "{name} does not fit {tp} GPU(s) of {} with room for a KV block: try --tensor-parallel",
+            args.hardware
+        );
+    }
+    // As the scheduler configures a core for an executor's handshake; the core queues its
+    // finished requests' blocks for the tier only when the executor has an agent (a tier).
+    let geometry = Geometry {
+        block_size: bs,
+        num_blocks: usize::try_from(blocks)?,
+        max_model_len: args.max_model_len,
+        kv_agent: args.kv_tier_blocks > 0,
+        looped,
+    };
+    Ok(policy.for_executor(geometry)?)
 }
 
 /// `--looped-layers` of a model of `num_layers` layers, checked: the simulation's split and
@@ -389,6 +426,18 @@ fn print_table(args: &Args, tp: u32, r: &Report) {
         r.kv_usage_mean * 100.0,
         r.kv_usage_max * 100.0
     );
+    for m in &r.models {
+        println!(
+            "model {}: {} executors, {} requests, {} finished, {:.0} output tokens/s, TTFT p50 {:.1} ms p99 {:.1} ms",
+            m.name,
+            m.executors,
+            m.requests,
+            m.finished,
+            m.output_tokens_per_s,
+            m.ttft.p50 * 1e3,
+            m.ttft.p99 * 1e3
+        );
+    }
     if r.dp_rounds > 0 {
         println!(
             "data-parallel rounds {}, steps that deferred prefills {}",

@@ -27,15 +27,36 @@ pub struct Slo {
     pub tpot: f64,
 }
 
-/// What to simulate.
+/// Another base model served beside [`ClusterSpec::model`] by executors of its own (Ferry's
+/// `--extra-model`, or a scheduler of several `--model`s): requests for it go to its executors
+/// only, as the front routes by `model` first.
 #[derive(Debug, Clone)]
-pub struct ClusterSpec {
-    /// Executors (model replicas), all alike.
+pub struct ModelPool {
+    /// Its name in the report.
+    pub name: String,
+    /// Its executors (placed after those before it).
     pub executors: usize,
     /// Each one's GPUs.
     pub hardware: SimHardware,
     /// The model.
     pub model: SimModel,
+    /// Each one's scheduling core (its `num_blocks` from this model's KV capacity).
+    pub scheduler: SchedulerConfig,
+    /// The fraction of the requests that ask for it (the rest ask for the first model).
+    pub share: f64,
+}
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    /// Executors (model replicas) of `model`, all alike.
+    pub executors: usize,
+    /// Each one's GPUs.
+    pub hardware: SimHardware,
+    /// The model.
+    pub model: SimModel,
+    /// Its name in the report.
+    pub model_name: String,
     /// Each one's scheduling core (its `num_blocks` from the profile's KV capacity).
     pub scheduler: SchedulerConfig,
     /// The placement rule.
@@ -71,6 +92,63 @@ pub struct ClusterSpec {
     /// (`scheduler.looped`), and each stage step costs its layers (the roofline's
     /// `stage_cost`).
     pub looped: Option<LoopedSim>,
+    /// Other base models, each with executors of its own and a share of the requests.
+    pub extra_models: Vec<ModelPool>,
+}
+
+impl ClusterSpec {
+    /// Every model's pool, the first model's first.
+    pub fn pools(&self) -> Vec<ModelPool> {
+        let first_share = 1.0 - self.extra_models.iter().map(|p| p.share).sum::<f64>();
+        let first = ModelPool {
+            name: self.model_name.clone(),
+            executors: self.executors,
+            hardware: self.hardware,
+            model: self.model,
+            scheduler: self.scheduler.clone(),
+            share: first_share,
+        };
+        std::iter::once(first).chain(self.extra_models.iter().cloned()).collect()
+    }
+
+    /// Checks the extra models: each with executors and a share in (0, 1), the shares below 1
+    /// together, and none of what is simulated for one model only (disaggregation, the KV
+    /// tier, shards, data-parallel groups, a looped model).
+    ///
+    /// # Errors
+    ///
+    /// What does not hold.
+    pub fn check_models(&self) -> Result<(), String> {
+        if self.extra_models.is_empty() {
+            return Ok(());
+        }
+        for p in &self.extra_models {
+            if p.executors == 0 || !(p.share > 0.0 && p.share < 1.0) {
+                return Err(format!(
+                    "model {}: {} executors and a share of {}; it needs executors and a share \
+                     in (0, 1)",
+                    p.name, p.executors, p.share
+                ));
+            }
+        }
+        let shares: f64 = self.extra_models.iter().map(|p| p.share).sum();
+        if shares >= 1.0 {
+            return Err(format!(
+                "the extra models' shares add up to {shares}: the first model needs some"
+            ));
+        }
+        let single = [
+            (self.prefill_executors > 0, "prefill executors"),
+            (self.kv_tier.is_some(), "a KV tier"),
+            (self.shards > 1, "shards"),
+            (self.data_parallel.is_some(), "data-parallel groups"),
+            (self.looped.is_some(), "a looped model"),
+        ];
+        match single.iter().find(|(on, _)| *on) {
+            Some((_, what)) => Err(format!("several models with {what} are not simulated")),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A looped model as the simulation runs it: its split, and the exit threshold every request

@@ -104,6 +104,8 @@ impl Sim<'_> {
         let now = Timestamp(self.now);
         let (spec, items, work, kv_ops, tracks) =
             (self.spec, &mut self.items, &mut self.work, &mut self.kv_ops, &self.tracks);
+        let (hardware, model) =
+            (self.pools[self.model_of[e]].hardware, self.pools[self.model_of[e]].model);
         let (agent, tier_writes) = (&mut self.agents[e], &mut self.tier_writes);
         let x = &mut self.execs[e];
         let op;
@@ -154,9 +156,9 @@ impl Sim<'_> {
                 // which repeats it, finds its KV cached.
                 let conversation = tracks.get(&w.id.0).and_then(|t| t.conversation);
                 let token = if let Some(c) = conversation {
-                    shared_token(c, computed as u64, spec.model.vocab_size)
+                    shared_token(c, computed as u64, model.vocab_size)
                 } else {
-                    let vocab = u64::from(spec.model.vocab_size.max(1));
+                    let vocab = u64::from(model.vocab_size.max(1));
                     (mix((w.id.0 << 24) ^ computed as u64) % vocab) as u32
                 };
                 x.outcome.sampled.push(SampledToken { id: w.id, token });
@@ -181,10 +183,10 @@ impl Sim<'_> {
         let x = &mut self.execs[e];
         let secs = match spec.looped {
             Some(looped) => {
-                let span = looped.span(op, spec.model.num_layers);
-                stage_cost(&spec.hardware, &spec.model, &self.items, span).total().as_secs_f64()
+                let span = looped.span(op, model.num_layers);
+                stage_cost(&hardware, &model, &self.items, span).total().as_secs_f64()
             }
-            None => step_duration(&spec.hardware, &spec.model, &self.items).as_secs_f64(),
+            None => step_duration(&hardware, &model, &self.items).as_secs_f64(),
         };
         let tokens = self.items.iter().map(|i| i.new_tokens).sum();
         x.kv_usage = x.core.stats().kv_usage;
@@ -253,6 +255,7 @@ impl Sim<'_> {
                     if *index == 0 {
                         t.first = secs;
                         self.ttft.record(secs - t.arrival);
+                        self.by_model[t.model].ttft.record(secs - t.arrival);
                     } else {
                         self.itl.record(secs - t.last);
                     }
@@ -271,6 +274,12 @@ impl Sim<'_> {
                     self.last_finish = self.now;
                     let n = f.stats.output_tokens;
                     self.output_tokens += n as u64;
+                    // Counted for the model of the executor that ran it: a request routed to
+                    // another model's executor would show as a gap between a model's requests
+                    // and its finishes.
+                    let counts = &mut self.by_model[self.model_of[e]];
+                    (counts.finished, counts.output_tokens) =
+                        (counts.finished + 1, counts.output_tokens + n as u64);
                     self.prompt_tokens += u64::from(t.prompt);
                     let ttft = t.first - t.arrival;
                     let tpot = if n > 1 { (t.last - t.first) / (n - 1) as f64 } else { 0.0 };
@@ -286,7 +295,7 @@ impl Sim<'_> {
                         let key = self.next_turn;
                         let think = done.follow_ups.first().map_or(0.0, |f| f.think);
                         let at = self.now + ns(think);
-                        let vocab = self.spec.model.vocab_size;
+                        let vocab = self.pool_of(e).model.vocab_size;
                         if let Some(next) = done.next_turn(key, at as f64 / 1e9, vocab) {
                             self.turns.insert(key, next);
                             self.post(at, Event::NextTurn(key));

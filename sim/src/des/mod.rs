@@ -51,9 +51,9 @@ use crate::workload::{SimRequest, Source};
 use agent_store::AgentStore;
 use transfers::Transfer;
 
-pub use cluster_spec::{ClusterSpec, ControlPlane, KvTier, LoopedSim, Router, Slo};
+pub use cluster_spec::{ClusterSpec, ControlPlane, KvTier, LoopedSim, ModelPool, Router, Slo};
 pub use data_parallel::DataParallel;
-pub use report::{Detail, Latency, Report, Timeline};
+pub use report::{Detail, Latency, ModelReport, Report, Timeline};
 
 /// Progress, for a progress bar.
 #[derive(Debug, Clone, Copy)]
@@ -79,6 +79,20 @@ struct Track {
     turn: Option<Box<SimRequest>>,
     /// The conversation it belongs to, if any: its sampled tokens are the conversation's.
     conversation: Option<u32>,
+    /// The model it asked for (its place in [`Sim::pools`]).
+    model: usize,
+}
+
+/// What a run counted of one model's requests.
+#[derive(Default)]
+struct ModelCounts {
+    /// Requests that asked for it.
+    requests: u64,
+    /// Requests its executors finished.
+    finished: u64,
+    /// Output tokens its executors generated for finished requests.
+    output_tokens: u64,
+    ttft: Histogram,
 }
 
 /// A disaggregated request's decode half, chosen when it arrived.
@@ -124,6 +138,11 @@ fn ns(secs: f64) -> u64 {
 
 struct Sim<'a> {
     spec: &'a ClusterSpec,
+    /// Every model's pool, the first model's first; the executors are theirs in that order.
+    pools: Vec<ModelPool>,
+    /// Each executor's model (its place in `pools`).
+    model_of: Vec<usize>,
+    by_model: Vec<ModelCounts>,
     execs: Vec<Exec>,
     heap: BinaryHeap<Reverse<(u64, u64, Event)>>,
     posted: u64,
@@ -211,6 +230,7 @@ pub fn run(
     if spec.shards > 1 && spec.prefill_executors > 0 {
         return Err("shards with prefill executors are not simulated".into());
     }
+    spec.check_models()?;
     if spec.prefill_executors >= spec.executors {
         return Err(format!(
             "{} prefill executors of {}: at least one must decode",
@@ -261,10 +281,17 @@ pub fn run(
 impl<'a> Sim<'a> {
     /// A cluster of `spec` before anything arrives.
     fn new(spec: &'a ClusterSpec) -> Result<Self, String> {
-        let execs = (0..spec.executors)
-            .map(|_| {
+        let pools = spec.pools();
+        let model_of: Vec<usize> = pools
+            .iter()
+            .enumerate()
+            .flat_map(|(m, p)| std::iter::repeat_n(m, p.executors))
+            .collect();
+        let execs = model_of
+            .iter()
+            .map(|&m| {
                 Ok(Exec {
-                    core: Scheduler::new(spec.scheduler.clone()).map_err(|e| e.to_string())?,
+                    core: Scheduler::new(pools[m].scheduler.clone()).map_err(|e| e.to_string())?,
                     busy: false,
                     outcome: StepOutcome::default(),
                     step_secs: 0.0,
@@ -274,8 +301,12 @@ impl<'a> Sim<'a> {
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
+        let agents = (0..execs.len()).map(|_| AgentStore::default()).collect();
         Ok(Sim {
             spec,
+            by_model: pools.iter().map(|_| ModelCounts::default()).collect(),
+            pools,
+            model_of,
             execs,
             heap: BinaryHeap::new(),
             posted: 0,
@@ -312,7 +343,7 @@ impl<'a> Sim<'a> {
             timeline: Timeline::default(),
             turns: HashMap::new(),
             next_turn: TURN_IDS,
-            agents: (0..spec.executors).map(|_| AgentStore::default()).collect(),
+            agents,
             tier_reads: 0,
             tier_read_tokens: 0,
             tier_read_failures: 0,
@@ -362,5 +393,27 @@ impl<'a> Sim<'a> {
 
     fn secs(&self) -> f64 {
         self.now as f64 / 1e9
+    }
+
+    /// Executor `e`'s model's pool.
+    fn pool_of(&self, e: usize) -> &ModelPool {
+        &self.pools[self.model_of[e]]
+    }
+
+    /// The model a request of `key` (its conversation, or its index) asks for: each model by its
+    /// share, the same for every turn of a conversation.
+    fn model_for(&self, key: u64) -> usize {
+        if self.pools.len() == 1 {
+            return 0;
+        }
+        let u = (crate::workload::mix(key ^ 0x6d6f_6465_6c73) >> 11) as f64 / (1u64 << 53) as f64;
+        let mut below = 0.0;
+        for (m, p) in self.pools.iter().enumerate().skip(1) {
+            below += p.share;
+            if u < below {
+                return m;
+            }
+        }
+        0
     }
 }

@@ -31,12 +31,15 @@ enum Placement {
 }
 
 impl Sim<'_> {
-    /// Where the router places a request of `prompt`: as the front does, split between a
+    /// Where the router places a request of `prompt` for `model`: among that model's
+    /// executors (the front routes by `model` first), as the front does — split between a
     /// prefill and a decode executor when that pays, else whole on a decode-capable executor.
-    fn place(&mut self, prompt: &[u32]) -> Placement {
+    fn place(&mut self, prompt: &[u32], model: usize) -> Placement {
         let spec = self.spec;
         let bs = spec.scheduler.block_size;
-        let decoders = spec.prefill_executors..self.execs.len();
+        let first = self.model_of.iter().position(|&m| m == model).unwrap_or(0);
+        let end = first + self.pools[model].executors;
+        let decoders = if model == 0 { spec.prefill_executors..end } else { first..end };
         if spec.router == Router::KvAware || spec.prefill_executors > 0 || spec.kv_tier.is_some() {
             // Hashed once, looked up in every cache; never the block of the last token.
             let whole = prompt.len().saturating_sub(1) / bs * bs;
@@ -140,7 +143,9 @@ impl Sim<'_> {
             Timestamp(self.now),
         );
         req.ignore_eos = true;
-        let (e, handoff) = match self.place(&r.prompt) {
+        let model = self.model_for(r.conversation.map_or(r.index, u64::from));
+        self.by_model[model].requests += 1;
+        let (e, handoff) = match self.place(&r.prompt, model) {
             Placement::Whole(e) => (e, None),
             Placement::TierRead { executor, agent, tokens } => {
                 let hashes = self.hashes[..tokens / self.spec.scheduler.block_size].to_vec();
@@ -180,6 +185,7 @@ impl Sim<'_> {
             handoff,
             turn,
             conversation,
+            model,
         };
         self.admit(e, id, track)
     }

@@ -37,9 +37,30 @@ impl Latency {
     }
 }
 
+/// What a run measured of one model's requests (with several models).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ModelReport {
+    /// The model.
+    pub name: String,
+    /// Its executors.
+    pub executors: usize,
+    /// Requests that asked for it.
+    pub requests: u64,
+    /// Requests its executors finished (all of `requests` but the refused: requests go only
+    /// to their model's executors).
+    pub finished: u64,
+    /// Its output tokens per virtual second (over the run's makespan).
+    pub output_tokens_per_s: f64,
+    /// Its requests' arrival to first token.
+    pub ttft: Latency,
+}
+
 /// What a run measured.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Report {
+    /// Each model's part, with several models (none with one).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<ModelReport>,
     /// Executors simulated.
     pub executors: usize,
     /// Scheduler shards they were shared among.
@@ -201,7 +222,21 @@ impl Sim<'_> {
             steps += s.steps;
         }
         let execs = self.execs.len() as f64;
+        let models = if self.pools.len() == 1 {
+            Vec::new()
+        } else {
+            let part = |(p, c): (&super::ModelPool, &super::ModelCounts)| ModelReport {
+                name: p.name.clone(),
+                executors: p.executors,
+                requests: c.requests,
+                finished: c.finished,
+                output_tokens_per_s: per_s(c.output_tokens),
+                ttft: Latency::of(&c.ttft),
+            };
+            self.pools.iter().zip(&self.by_model).map(part).collect()
+        };
         Report {
+            models,
             executors: self.execs.len(),
             shards: self.spec.shards,
             scheduler_cpu_busy: if makespan > 0.0 {

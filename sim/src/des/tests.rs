@@ -16,6 +16,7 @@ pub(crate) fn spec(executors: usize, num_blocks: usize, router: Router) -> Clust
         executors,
         hardware: p.hardware("h100").unwrap().to_sim("bf16", 1).unwrap(),
         model: m.to_sim().unwrap(),
+        model_name: m.name.clone(),
         scheduler: SchedulerConfig {
             num_blocks,
             max_num_seqs: 64,
@@ -36,6 +37,7 @@ pub(crate) fn spec(executors: usize, num_blocks: usize, router: Router) -> Clust
         control_plane: None,
         data_parallel: None,
         looped: None,
+        extra_models: Vec::new(),
     }
 }
 
@@ -426,4 +428,43 @@ fn a_looped_model_runs_its_stages_and_more_loops_cost_more_time() {
     assert!(tpot(&one) >= 0.99 * tpot(&plain), "the stages cost their layers");
     assert!(tpot(&three) > 1.5 * tpot(&one), "two more loops of 24 layers per token");
     assert!(tpot(&exits) < tpot(&three), "leaving after loop 2 (2/3 >= 0.6) saves one");
+}
+
+/// Llama-3-8B on two executors and Qwen2.5-7B on two more, the Qwen model asked for by 30 %
+/// of the requests: each request runs on its own model's executors only (every request of a
+/// model is finished by that model's executors: one placed on the other model's would count
+/// there), in about its share, with every core's invariants checked after every step.
+#[test]
+fn each_request_runs_on_its_own_models_executors() {
+    let p = Profiles::built_in();
+    let mut s = spec(2, 4096, Router::KvAware);
+    s.check_invariants = true;
+    let qwen = p.model("qwen2.5-7b").unwrap();
+    s.extra_models = vec![ModelPool {
+        name: qwen.name.clone(),
+        executors: 2,
+        hardware: p.hardware("h100").unwrap().to_sim("bf16", 1).unwrap(),
+        model: qwen.to_sim().unwrap(),
+        scheduler: s.scheduler.clone(),
+        share: 0.3,
+    }];
+    let r = run_seed(&s, &workload(400, 20.0, None), 1);
+    assert_eq!((r.executors, r.finished, r.rejected), (4, 400, 0));
+    let names: Vec<&str> = r.models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["llama-3-8b", "qwen2.5-7b"]);
+    for m in &r.models {
+        assert_eq!(m.finished, m.requests, "{}'s requests finished on its executors", m.name);
+        assert!(m.output_tokens_per_s > 0.0 && m.ttft.p50 > 0.0, "{m:?}");
+    }
+    let share = r.models[1].requests as f64 / 400.0;
+    assert!((share - 0.3).abs() < 0.07, "qwen2.5-7b got {share} of the requests");
+    // The same run with one model has no per-model part.
+    assert!(run_seed(&spec(2, 4096, Router::KvAware), &workload(20, 20.0, None), 1)
+        .models
+        .is_empty());
+    // What is simulated for one model only is refused with several.
+    let mut shards = s.clone();
+    shards.shards = 2;
+    let refused = run(&shards, &mut Source::generated(workload(1, 1.0, None), 0), |_| {});
+    assert!(refused.is_err_and(|e| e.contains("several models with shards")));
 }

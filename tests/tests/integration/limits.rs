@@ -149,7 +149,7 @@ async fn a_scheduler_drives_an_executor_only_if_its_largest_step_fits() {
     let wide = start_scheduler(&[&exec], &["--executor-connect-timeout", "1"]);
     let (code, text) = http(wide.addr("http"), "POST", "/v1/completions", body).unwrap();
     assert_eq!(code, 503, "{text}");
-    assert!(text.contains("no executor is connected"), "{text}");
+    assert!(text.contains("no executor serving model"), "{text}");
     // One request of up to 8192 tokens and a structured-output grammar: about 120 KB.
     let narrow = start_scheduler(&[&exec], &["--max-num-seqs", "1"]);
     let (code, text) = http(narrow.addr("http"), "POST", "/v1/completions", body).unwrap();

@@ -14,7 +14,7 @@ use std::time::Duration;
 use ferry_proto::v1;
 use ferry_tests::generated::generated;
 use ferry_tests::streams::{assert_complete, assert_streams_survive_a_kill_9, metric, run_streams};
-use ferry_tests::{http, start_scheduler, Service};
+use ferry_tests::{greedy_completion, http, start_scheduler, Service};
 use serde_json::{json, Value};
 
 use crate::cluster::wait_ready;
@@ -41,19 +41,8 @@ fn complete(svc: &Service, model: &str, prompt: &str) -> (String, Vec<f64>) {
 
 /// A greedy completion of `prompt` by `model` (16 tokens, with each token's log-probability).
 fn complete_at(addr: SocketAddr, model: &str, prompt: &str) -> (String, Vec<f64>) {
-    let body = json!({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-        "ignore_eos": true, "logprobs": 1});
-    let (status, text) =
-        http(addr, "POST", "/v1/completions", body.to_string().as_bytes()).expect("an answer");
-    assert_eq!(status, 200, "{model}: {text}");
-    let v: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(v["model"], model, "the answer names the model asked for");
-    let choice = &v["choices"][0];
-    let lps = choice["logprobs"]["token_logprobs"].as_array().expect("logprobs");
-    (
-        choice["text"].as_str().unwrap().to_string(),
-        lps.iter().map(|l| l.as_f64().unwrap()).collect(),
-    )
+    let (text, logprobs, _) = greedy_completion(addr, model, prompt, 16);
+    (text, logprobs)
 }
 
 fn assert_close(got: &(String, Vec<f64>), want: &(String, Vec<f64>), what: &str) {

@@ -25,6 +25,7 @@ mod looped;
 mod lora;
 mod model_fetch;
 mod model_formats;
+mod multi_model;
 mod observability;
 mod parallel_sampling;
 mod readme_cluster;

@@ -14,23 +14,25 @@ use crate::front::adapters::AdapterError;
 use crate::front::GenerationService;
 use crate::http::ApiError;
 
-/// `GET /v1/models`.
+/// `GET /v1/models`: each base model, then its adapters.
 pub async fn models(State(front): State<GenerationService>) -> Response {
-    let m = front.model();
-    // `architecture` and `weight_types` are Ferry's: what the file is and that it is served.
-    let mut data = vec![json!({
-        "id": m.name(), "object": "model", "created": 0, "owned_by": "ferry",
-        "root": m.name(), "parent": null,
-        "max_model_len": m.max_model_len, "architecture": m.file.shape.family.name,
-        "weight_types": m.file.weight_types,
-    })];
-    for (name, a) in m.adapters.list() {
-        let modules: Vec<&str> = a.modules.iter().map(|m| m.peft_name()).collect();
+    let mut data = Vec::new();
+    for m in front.models().iter() {
+        // `architecture` and `weight_types` are Ferry's: what the file is and that it is served.
         data.push(json!({
-            "id": name, "object": "model", "created": 0, "owned_by": "ferry",
-            "root": a.path, "parent": m.name(), "max_model_len": m.max_model_len,
-            "lora_rank": a.rank, "lora_target_modules": modules,
+            "id": m.name(), "object": "model", "created": 0, "owned_by": "ferry",
+            "root": m.name(), "parent": null,
+            "max_model_len": m.max_model_len, "architecture": m.file.shape.family.name,
+            "weight_types": m.file.weight_types,
         }));
+        for (name, a) in m.adapters.list() {
+            let modules: Vec<&str> = a.modules.iter().map(|m| m.peft_name()).collect();
+            data.push(json!({
+                "id": name, "object": "model", "created": 0, "owned_by": "ferry",
+                "root": a.path, "parent": m.name(), "max_model_len": m.max_model_len,
+                "lora_rank": a.rank, "lora_target_modules": modules,
+            }));
+        }
     }
     let body = json!({ "object": "list", "data": data });
     ([("content-type", "application/json")], body.to_string()).into_response()
@@ -42,6 +44,10 @@ pub async fn models(State(front): State<GenerationService>) -> Response {
 struct LoadBody {
     lora_name: String,
     lora_path: String,
+    /// The base model it is for (Ferry's, as `--lora-modules`' JSON form; default: the first
+    /// model served).
+    #[serde(default)]
+    base_model_name: Option<String>,
     /// Replace an adapter already served under the name.
     #[serde(default)]
     load_inplace: bool,
@@ -73,14 +79,14 @@ pub async fn load_lora_adapter(
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
     let b: LoadBody = body(&bytes)?;
-    let adapters = front.model().adapters.clone();
     let (name, path) = (b.lora_name.clone(), b.lora_path.clone());
     // Reading an adapter is file I/O and a few MB of parsing: off the async threads.
     let result = tokio::task::spawn_blocking(move || {
-        if b.load_inplace && adapters.get(&b.lora_name).is_some() {
-            adapters.unload(&b.lora_name)?;
+        let models = front.models();
+        if b.load_inplace && models.iter().any(|m| m.adapters.get(&b.lora_name).is_some()) {
+            models.unload_adapter(&b.lora_name)?;
         }
-        adapters.load(&b.lora_name, &b.lora_path)
+        models.load_adapter(b.base_model_name.as_deref(), &b.lora_name, &b.lora_path)
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
@@ -96,6 +102,6 @@ pub async fn unload_lora_adapter(
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
     let b: UnloadBody = body(&bytes)?;
-    front.model().adapters.unload(&b.lora_name).map_err(|e| refused(&e))?;
+    front.models().unload_adapter(&b.lora_name).map_err(|e| refused(&e))?;
     Ok(format!("Success: LoRA adapter '{}' removed successfully.", b.lora_name).into_response())
 }

@@ -34,17 +34,16 @@ async fn run(
     req: v1::GenerateRequest,
     headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
-    // The model asked for (a LoRA adapter's name, or the base model's) is the one answering.
-    let model =
-        if req.model.is_empty() { front.model().name().to_string() } else { req.model.clone() };
+    // The model asked for (a LoRA adapter's name, or a base model's) is the one answering.
+    let base = front.models().base_of(&req.model);
+    let model = if req.model.is_empty() { base.name().to_string() } else { req.model.clone() };
     let mut req = req;
     if common.truncate_prompt_tokens == Some(-1) {
-        let longest =
-            front.limits().max_prompt_tokens.min(front.model().max_model_len.saturating_sub(1));
+        let longest = front.limits().max_prompt_tokens.min(base.max_model_len.saturating_sub(1));
         req.truncate_prompt_tokens = u32::try_from(longest).unwrap_or(u32::MAX);
     }
     if let Some(words) = common.bad_words.as_deref().filter(|w| !w.is_empty()) {
-        let tok = &front.model().file.tokenizer;
+        let tok = &base.file.tokenizer;
         let sequences = ferry_model::sampling::LogitAdjust::bad_word_sequences(tok, words)
             .map_err(|e| ApiError::bad_request(format!("bad_words: {e}")))?;
         req.sampling.get_or_insert_with(Default::default).bad_words = sequences;
@@ -137,18 +136,19 @@ pub async fn completions(
         let sampling = req.sampling.get_or_insert_with(Default::default);
         sampling.prompt_logprobs = sampling.prompt_logprobs.max(body.logprobs);
     }
-    // The prompt as text, for `echo`: as given, or its tokens decoded.
+    // The prompt as text, for `echo`: as given, or its tokens decoded (by the model asked).
+    let tok = &front.models().base_of(&req.model).file.tokenizer;
     let echoed = match (&body.prompt, echo) {
         (_, false) => String::new(),
         (PromptInput::Text(t), true) => t.clone(),
         (PromptInput::Texts(v), true) => v.concat(),
-        (PromptInput::Tokens(ids), true) => front.model().file.tokenizer.decode(ids),
+        (PromptInput::Tokens(ids), true) => tok.decode(ids),
     };
     // The prompt's first token, which leads the echoed log-probabilities.
     let echo_first = match &body.prompt {
         _ if !echo_logprobs => None,
         PromptInput::Tokens(ids) => ids.first().copied(),
-        _ => front.model().file.tokenizer.encode(&echoed).ok().and_then(|ids| ids.first().copied()),
+        _ => tok.encode(&echoed).ok().and_then(|ids| ids.first().copied()),
     };
     req.input = Some(match body.prompt {
         PromptInput::Text(t) => v1::generate_request::Input::Prompt(t),

@@ -74,7 +74,7 @@ pub(super) struct Shaper {
 
 impl Shaper {
     fn token_text(&self, id: u32) -> String {
-        self.front.model().file.tokenizer.decode(&[id])
+        self.front.models().base_of(&self.model).file.tokenizer.decode(&[id])
     }
 
     /// vLLM's `prompt_logprobs`: `null` for the first prompt token, then for each next one

@@ -7,7 +7,8 @@
 //! `ferry serve` of that model alone does: text, log-probabilities and prompt token counts. A
 //! scheduler of both models driving one executor per model (each matched to its model by the
 //! fingerprint its executor states) answers 503 naming the model whose executor was killed with
-//! `kill -9`, and goes on serving the other.
+//! `kill -9`, and goes on serving the other. In a cluster (etcd, a front in its own process),
+//! the front serves both models and a LoRA adapter as the leader scheduler does.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -160,4 +161,47 @@ async fn a_model_whose_executors_are_gone_answers_503_naming_it() {
     let message = answer["error"]["message"].as_str().unwrap();
     assert!(message.contains(r#"model "tiny""#), "the refusal names the model: {message}");
     assert_eq!(smol_after, smol_before, "the other model is served as before");
+}
+
+/// The cluster's shape (as the Helm chart deploys it): executors of two models registered in
+/// etcd, a scheduler of both, and a front in its own process of both with a LoRA adapter on
+/// the first. Through the front, each model and the adapter answer as the scheduler answers
+/// them itself: the front sends the leader the adapter's name with the prompt's tokens
+/// (without it the leader would run the base model), and each model's tokens go to that
+/// model's executor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_front_in_its_own_process_serves_both_models_and_an_adapter_through_the_leader() {
+    let etcd = ferry_tests::Etcd::start().unwrap();
+    let endpoints = etcd.endpoints();
+    let lora = generated("lora", "lora_adapters.py", &[]);
+    let (base, x) = (lora.join("base.gguf"), lora.join("x"));
+    let (base, x, tiny) = (base.to_str().unwrap(), x.to_str().unwrap(), tiny());
+    let tiny = tiny.to_str().unwrap();
+    let exec = |model: &str, id: &str| {
+        let args = ["--listen", "127.0.0.1:0", "--kv-cache-mib", "64", "--executor-id", id];
+        let cluster = ["--model", model, "--etcd-endpoints", &endpoints, "--kv-cache-dtype", "f32"];
+        Service::start("ferry-executor", &[&args[..], &cluster].concat(), 1).unwrap()
+    };
+    let execs = [exec(base, "exec-base"), exec(tiny, "exec-tiny")];
+    let x_module = format!("x={x}");
+    let models = ["--model", base, "--model", tiny, "--enable-lora", "--lora-modules", &x_module];
+    let sched = crate::cluster::start_scheduler_with(&etcd, "s0", "2", &models);
+    wait_ready(&sched, &[&execs[0], &execs[1]]).await;
+    let front = crate::cluster::start_front_with(&etcd, &models);
+    let up = || crate::cluster::health(&front) == 200;
+    let up = ferry_tests::streams::wait_for(Duration::from_secs(10), up).await;
+    assert!(up.is_some(), "the front finds the leader");
+    let (via_sched, via_front) = (sched.addr("http"), front.addr("http"));
+    tokio::task::spawn_blocking(move || {
+        let mut answers = Vec::new();
+        for model in ["base", "x", "tiny"] {
+            let want = complete(via_sched, model);
+            assert_same(&complete(via_front, model), &want, model);
+            answers.push(want);
+        }
+        assert_ne!(answers[0].text, answers[1].text, "the adapter changes the answer");
+        assert!(answers[2].prompt_tokens > answers[0].prompt_tokens, "each its own tokenizer");
+    })
+    .await
+    .unwrap();
 }

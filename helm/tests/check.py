@@ -503,6 +503,42 @@ class Checker:
             else:
                 self.count("fronts following every scheduler pool")
 
+    def flags(self, argv, name):
+        return [a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")]
+
+    def check_models(self):
+        """Every front and scheduler serves the same models (files and names, in one order),
+        and every executor runs one of them, so a request for any model has executors and
+        every executor a scheduler that drives it."""
+        served, executors = set(), []
+        for p in self.m.pods:
+            for c in p.containers:
+                if not self.is_ferry(c):
+                    continue
+                argv = p.argv(c)
+                if argv[0] == "ferry-scheduler" and argv[1:2] != ["etcd-member"]:
+                    files, names = self.flags(argv, "model"), self.flags(argv, "served-model-name")
+                    served.add((tuple(files), tuple(names)))
+                elif argv[0] == "ferry-executor" and self.flag(argv, "model"):
+                    executors.append((p.workload, self.flag(argv, "model")))
+        if len(served) != 1:
+            self.fail(f"fronts and schedulers serve different models: {sorted(served)}")
+            return
+        files, names = next(iter(served))
+        if len(files) != len(names):
+            self.fail(f"{len(files)} --model but {len(names)} --served-model-name")
+        self.count("fronts and schedulers serving the same models")
+        running = set()
+        for workload, model in executors:
+            if model not in files:
+                self.fail(f"{workload}: runs {model}, which no scheduler serves ({list(files)})")
+            else:
+                running.add(model)
+                self.count("executors running a served model")
+        idle = [f for f in files if f not in running]
+        if executors and idle:
+            self.fail(f"no executor pool runs {idle}: requests for it would find no executor")
+
     def check_data_parallel(self):
         """Each data-parallel group's executors are ranks 0 to size - 1 of one size, one each,
         driven by one scheduler pool."""
@@ -607,6 +643,7 @@ class Checker:
         self.check_spread()
         self.check_ferry_wiring()
         self.check_shards()
+        self.check_models()
         self.check_data_parallel()
         self.check_tls()
         self.check_targets()

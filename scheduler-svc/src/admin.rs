@@ -139,6 +139,9 @@ fn decision(d: Decision) -> String {
         Decision::ForkWait => {
             "waiting: a sample of several, for its first sample's prompt KV to fork from"
         }
+        Decision::LoraWait => {
+            "waiting: its LoRA adapter is not loaded and the executor holds --max-loras others"
+        }
         Decision::Preempted => "preempted (its KV will be recomputed)",
         Decision::Yielded => "yielded its slot, kept its KV",
         Decision::Reclaimed => "some of its KV was reclaimed while it waited",

@@ -425,6 +425,7 @@ mod tests {
             max_model_len: 2048,
             kv_agent: true,
             looped: None,
+            max_loras: 0,
         };
         let core = settings.core_config("e", geometry).unwrap();
         assert_eq!((core.max_num_seqs, core.max_num_batched_tokens), (8, 64));

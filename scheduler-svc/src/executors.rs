@@ -299,6 +299,7 @@ impl Render for ExecutorGauges {
                 t.sample(name, &[("model_name", model), ("executor", exec)], pick(s));
             }
         }
+        render_lora_info(t, &links);
         let name = "ferry_executors_connected";
         t.family(name, "gauge", "Executor sessions up, by the model they run.");
         for (fingerprint, model) in &self.models {
@@ -319,6 +320,33 @@ impl Render for ExecutorGauges {
                 n as f64,
             );
         }
+    }
+}
+
+/// vLLM's `vllm:lora_requests_info`, one sample per executor that runs adapters: its
+/// `max_lora`, the adapters it holds for its requests (`running_lora_adapters`) and those of
+/// requests waiting to start (`waiting_lora_adapters`), comma-separated; the value is the
+/// time of the scrape (vLLM's: of its last update), in seconds since the epoch.
+fn render_lora_info(t: &mut Text, links: &[LinkHandle]) {
+    let name = "vllm:lora_requests_info";
+    let runs: Vec<&LinkHandle> = links.iter().filter(|l| l.runs_adapters()).collect();
+    if runs.is_empty() {
+        return;
+    }
+    t.family(name, "gauge", "Running stats on LoRA requests.");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let now = now.map_or(0.0, |d| d.as_secs_f64());
+    for l in runs {
+        let (running, waiting) = l.lora_view().requests_info();
+        let (running, waiting) = (running.join(","), waiting.join(","));
+        let max = l.info.max_loras.to_string();
+        let labels = [
+            ("executor", &*l.name),
+            ("max_lora", max.as_str()),
+            ("running_lora_adapters", running.as_str()),
+            ("waiting_lora_adapters", waiting.as_str()),
+        ];
+        t.sample(name, &labels, now);
     }
 }
 

@@ -49,6 +49,7 @@ pub fn run(
         max_model_len: shape.max_model_len.min(num_blocks * block_size),
         kv_agent: false,
         looped: None,
+        max_loras: 0,
     };
     let mut core = Scheduler::new(settings.core_config("in-process", geometry)?)?;
     let start = Instant::now();

@@ -47,6 +47,12 @@ pub struct Adapters {
     pub evictions: u64,
 }
 
+/// Whether resident adapter `a` is held by no live request but those in `releasing`.
+fn is_free(a: &Arc<LoraAdapter>, releasing: &[*const LoraAdapter]) -> bool {
+    let going = releasing.iter().filter(|&&p| std::ptr::eq(p, Arc::as_ptr(a))).count();
+    Arc::strong_count(a) == 1 + going
+}
+
 impl Adapters {
     /// No adapters yet, for a model of `shape` whose file is in `base_dir`.
     #[must_use]
@@ -67,8 +73,13 @@ impl Adapters {
     /// # Errors
     ///
     /// Why it cannot be used: unreadable, unfit for the model, or no room (every resident
-    /// adapter in use by a live request).
-    pub fn acquire(&mut self, want: &v1::LoraAdapterRef) -> Result<Arc<LoraAdapter>, String> {
+    /// adapter in use by a live request). An adapter is free once only requests in
+    /// `releasing` (one entry per such request: those the step finishes) hold it.
+    pub fn acquire(
+        &mut self,
+        want: &v1::LoraAdapterRef,
+        releasing: &[*const LoraAdapter],
+    ) -> Result<Arc<LoraAdapter>, String> {
         self.clock += 1;
         if let Some(r) = self.resident.iter_mut().find(|r| r.name == want.name) {
             if r.path == want.path {
@@ -76,7 +87,7 @@ impl Adapters {
                 return Ok(r.adapter.clone());
             }
             // The same name at a new path (reloaded under its name): the old one goes once free.
-            if Arc::strong_count(&r.adapter) > 1 {
+            if !is_free(&r.adapter, releasing) {
                 return Err(format!(
                     "LoRA adapter {} is in use at {} and was asked for at {}",
                     want.name, r.path, want.path
@@ -91,7 +102,7 @@ impl Adapters {
         let max_rank = self.args.max_lora_rank as usize;
         let adapter =
             Arc::new(lora::load(&path, &self.shape, max_rank).map_err(|e| e.to_string())?);
-        self.make_room()?;
+        self.make_room(releasing)?;
         self.loads += 1;
         self.resident.push(Resident {
             name: want.name.clone(),
@@ -103,14 +114,15 @@ impl Adapters {
         Ok(adapter)
     }
 
-    /// Drops least recently used free adapters until one more fits.
-    fn make_room(&mut self) -> Result<(), String> {
+    /// Drops least recently used free adapters until one more fits (free: held by no live
+    /// request but those in `releasing`).
+    fn make_room(&mut self, releasing: &[*const LoraAdapter]) -> Result<(), String> {
         while self.resident.len() >= self.args.max_loras as usize {
             let free = self
                 .resident
                 .iter()
                 .enumerate()
-                .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
+                .filter(|(_, r)| is_free(&r.adapter, releasing))
                 .min_by_key(|(_, r)| r.last_used)
                 .map(|(i, _)| i);
             let Some(i) = free else {

@@ -78,6 +78,10 @@ pub struct SchedulerConfig {
     /// ([`crate::LoopedModel`]). Such requests never speculate and use no prefix cache (their
     /// KV depends on their loops), and neither move KV between nodes nor fork.
     pub looped: Option<crate::LoopedModel>,
+    /// Most LoRA adapters the executor holds at once (its `--max-loras`; 0: no limit). A
+    /// request the executor knows holds its adapter there until it finishes (preempted too);
+    /// a request of another adapter waits while that many are held (vLLM's `max_loras`).
+    pub max_loras: usize,
 }
 
 /// Speculative decoding by prompt lookup (vLLM's `ngram` method): a request whose last tokens
@@ -176,6 +180,7 @@ impl Default for SchedulerConfig {
             kv_tier_store_blocks_per_step: 0,
             speculative: None,
             looped: None,
+            max_loras: 0,
         }
     }
 }

@@ -166,6 +166,9 @@ pub struct Geometry {
     pub kv_agent: bool,
     /// Its model is looped (the policy's stage policy applies).
     pub looped: Option<core::LoopedModel>,
+    /// Most LoRA adapters it holds at once (its `--max-loras`; 0: it runs none, or no limit
+    /// is needed).
+    pub max_loras: usize,
 }
 
 /// The scheduling flags, checked: the core's policy with placeholder executor geometry.
@@ -256,6 +259,7 @@ impl SchedulerPolicy {
                 0
             },
             looped: geometry.looped.map(|m| core::LoopedModel { policy: self.1, ..m }),
+            max_loras: geometry.max_loras,
             ..self.0.clone()
         };
         config.validate()?;
@@ -300,6 +304,7 @@ mod tests {
         max_model_len: 2048,
         kv_agent: false,
         looped: None,
+        max_loras: 0,
     };
 
     #[test]

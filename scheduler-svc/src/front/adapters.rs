@@ -184,8 +184,8 @@ impl Adapters {
 }
 
 /// `/metrics`' part for the adapters of the model `model_name`: requests by adapter, and each
-/// adapter served (vLLM's `vllm:lora_requests_info` is not rendered: its running and waiting
-/// sets are the executors' and schedulers', which this front does not see).
+/// adapter served (vLLM's `vllm:lora_requests_info`, whose sets are the executors', is the
+/// executor gauges' part: `crate::executors`).
 pub struct AdapterMetrics {
     /// The base model's name (every sample's `model_name`).
     pub model_name: String,

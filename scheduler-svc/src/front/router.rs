@@ -173,13 +173,13 @@ mod tests {
         let held = [a.reserve(), a.reserve()];
         assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "b", "load");
         drop(held);
-        a.note_adapter("x".into());
+        a.note_adapter(1, "x".into());
         let busy = [a.reserve(), a.reserve()];
         assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "a", "held");
         assert_eq!(pick(&links, &[1, 2], base, 16).await.map(name).unwrap(), "b", "no adapter");
         // Two more adapters on a (its --max-loras is 2): x is dropped, as the executor drops it.
-        a.note_adapter("y".into());
-        a.note_adapter("z".into());
+        a.note_adapter(2, "y".into());
+        a.note_adapter(3, "z".into());
         assert!(!a.holds_adapter("x") && a.holds_adapter("y") && a.holds_adapter("z"));
         assert_eq!(pick(&links, &[1, 2], x, 16).await.map(name).unwrap(), "b");
         drop(busy);

@@ -9,6 +9,7 @@
 pub mod dp_group;
 #[cfg(test)]
 pub(crate) mod fake;
+mod lora_view;
 mod open;
 mod step_loop;
 #[cfg(test)]
@@ -16,6 +17,7 @@ pub(crate) mod tests;
 pub mod transfers;
 pub mod wire;
 
+pub use lora_view::LoraView;
 pub use open::{geometry_of, GeometryRefused, OpenerModel, SchedulerSettings, SessionOpener};
 
 use std::sync::atomic::AtomicUsize;
@@ -148,6 +150,8 @@ pub fn core_request(
     // A request scoring its prompt has a prefix cache (salt) of its own: every prompt token is
     // computed, and so scored.
     req.cache_salt = shared_salt(spec).unwrap_or((1 << 63) | id.0);
+    // The core holds an adapter's requests back while the executor holds `--max-loras` others.
+    req.adapter = spec.lora.as_ref().map_or(0, adapter_salt);
     req
 }
 
@@ -217,10 +221,9 @@ pub struct LinkHandle {
     reserved: Arc<AtomicUsize>,
     /// The core's stats as of its last step or command (for metrics).
     stats: Arc<std::sync::Mutex<ferry_sched_core::SchedulerStats>>,
-    /// The LoRA adapters the executor holds, as the requests added here make it read them
-    /// (its `--max-loras` least-recently-used set, mirrored; most recent last): the router's
-    /// hint of where an adapter already is.
-    adapters: Arc<std::sync::Mutex<Vec<String>>>,
+    /// What it knows of the executor's LoRA adapters (the router's hint of where an adapter
+    /// already is, and the metrics' held and waiting adapters).
+    lora: Arc<std::sync::Mutex<LoraView>>,
 }
 
 /// A request counted in its chosen executor's routing load until dropped
@@ -324,8 +327,10 @@ impl LinkHandle {
             layout: crate::tier::layout_key(info.kv_layout.as_ref()),
         };
         recover_tier_index(&shared.tier, &kv, info.kv_layout.as_ref());
-        let published =
+        let lora = Arc::new(std::sync::Mutex::new(LoraView::default()));
+        let mut published =
             step_loop::Published::new(load.clone(), stats.clone(), shared, &core.stats());
+        published.lora = (info.max_loras > 0).then(|| lora.clone());
         let (name, epoch) = (session.name.clone(), session.epoch);
         let eos = info.eos_token_ids.clone();
         let max_live = match info.max_live_requests {
@@ -335,9 +340,9 @@ impl LinkHandle {
         let step_loop = step_loop::StepLoop::new(core, session, (eos, max_live), kv, published);
         tokio::spawn(step_loop.run(rx, steps, results, close_rx));
         let close = Arc::new(close_tx);
-        let (reserved, adapters) = (Arc::default(), Arc::default());
+        let reserved = Arc::default();
         let info = Arc::new(info);
-        LinkHandle { name, epoch, tx, close, info, load, reserved, stats, adapters }
+        LinkHandle { name, epoch, tx, close, info, load, reserved, stats, lora }
     }
 
     /// Counts a request the router just chose this executor for until the returned guard is
@@ -365,19 +370,23 @@ impl LinkHandle {
     /// Submits a request; a refusal (the core's, or a full executor) comes back as an error.
     pub async fn add(&self, sub: Submission) -> Result<Result<(), AddRefused>, LinkError> {
         let (reply, rx) = oneshot::channel();
-        let adapter = sub.spec.lora.as_ref().map(|l| l.name.clone());
+        let adapter = sub.spec.lora.as_ref().map(|l| (adapter_salt(l), l.name.clone()));
         self.tx.send(Command::Add(Box::new(sub), reply)).await.map_err(|_| LinkError::Gone)?;
         let added = rx.await.map_err(|_| LinkError::Gone)?;
-        if let (Some(name), Ok(())) = (adapter, &added) {
-            self.note_adapter(name);
+        if let (Some((id, name)), Ok(())) = (adapter, &added) {
+            self.note_adapter(id, name);
         }
         Ok(added)
     }
 
     /// Whether the executor holds LoRA adapter `name` (as far as the requests added here tell).
     pub fn holds_adapter(&self, name: &str) -> bool {
-        let held = self.adapters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        held.iter().any(|a| a == name)
+        self.lora_view().holds(name)
+    }
+
+    /// What the link knows of the executor's LoRA adapters.
+    pub fn lora_view(&self) -> std::sync::MutexGuard<'_, LoraView> {
+        self.lora.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether the executor runs LoRA adapters at all.
@@ -385,15 +394,11 @@ impl LinkHandle {
         self.info.max_loras > 0
     }
 
-    /// Notes that a request with adapter `name` was added: the executor reads it (or uses it
-    /// again), and drops its least recently used one past its `--max-loras`.
-    pub(crate) fn note_adapter(&self, name: String) {
-        let max = self.info.max_loras as usize;
-        let mut held = self.adapters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        held.retain(|a| *a != name);
-        held.push(name);
-        let over = held.len().saturating_sub(max);
-        held.drain(..over);
+    /// Notes that a request with adapter `name` (the core's id `id`) was added: the executor
+    /// reads it (or uses it again), and drops its least recently used one past its
+    /// `--max-loras`.
+    pub(crate) fn note_adapter(&self, id: u64, name: String) {
+        self.lora_view().note(id, name, self.info.max_loras as usize);
     }
 
     /// The core's gauges and counters as of its last step or command.

@@ -90,6 +90,7 @@ pub fn geometry_of(info: &v1::ExecutorInfo) -> Geometry {
             model.coda_kv = m.coda_start < m.num_layers;
             model
         }),
+        max_loras: info.max_loras as usize,
     }
 }
 

@@ -77,6 +77,8 @@ pub(super) struct Published {
     pub fence: Arc<crate::fence::Fence>,
     /// The stats the metrics were last brought up to.
     last: SchedulerStats,
+    /// Where the core's held and waiting LoRA adapters go (an executor that runs adapters).
+    pub lora: Option<Arc<std::sync::Mutex<super::LoraView>>>,
 }
 
 impl Published {
@@ -87,14 +89,19 @@ impl Published {
         initial: &SchedulerStats,
     ) -> Self {
         let super::Shared { metrics, tier, fence } = shared;
-        Self { load, stats, metrics, tier, fence, last: *initial }
+        Self { load, stats, metrics, tier, fence, last: *initial, lora: None }
     }
 
-    /// Brings the metrics' counters and the handle's stats up to `now`.
-    fn update(&mut self, now: &SchedulerStats) {
-        self.metrics.add_core_deltas(&self.last, now);
-        self.last = *now;
-        *self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = *now;
+    /// Brings the metrics' counters, the handle's stats and its adapters up to `core`'s.
+    fn update(&mut self, core: &Scheduler) {
+        let now = core.stats();
+        self.metrics.add_core_deltas(&self.last, &now);
+        self.last = now;
+        *self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
+        if let Some(lora) = &self.lora {
+            let adapters = core.lora_adapters();
+            lora.lock().unwrap_or_else(std::sync::PoisonError::into_inner).publish(adapters);
+        }
     }
 }
 
@@ -222,7 +229,7 @@ impl StepLoop {
                 cmd = commands.recv() => match cmd {
                     Some(cmd) => {
                         self.command(cmd);
-                        self.published.update(&self.core.stats());
+                        self.published.update(&self.core);
                     }
                     None => return, // every handle dropped: shutting down
                 },
@@ -233,7 +240,7 @@ impl StepLoop {
                         if let Err(e) = self.apply(&result) {
                             return self.fail_all(&e);
                         }
-                        self.published.update(&self.core.stats());
+                        self.published.update(&self.core);
                     }
                     None => return self.fail_all("the executor ended the session"),
                     Some(Err(status)) => {

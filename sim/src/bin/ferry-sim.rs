@@ -319,6 +319,7 @@ fn core_for(
         max_model_len: args.max_model_len,
         kv_agent: args.kv_tier_blocks > 0,
         looped,
+        max_loras: 0,
     };
     Ok(policy.for_executor(geometry)?)
 }

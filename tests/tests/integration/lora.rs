@@ -5,7 +5,9 @@
 //! serves one adapter's (or the base model's) blocks to another, which would change the answer;
 //! `/v1/models` lists the adapters with their parent; adapters are loaded and unloaded at run
 //! time, and one that does not fit is refused naming why. Streams through adapters whose
-//! executor is killed with `kill -9` continue exactly on another.
+//! executor is killed with `kill -9` continue exactly on another. An adapter's requests answer
+//! the same disaggregated and speculating; with `--max-loras 1`, two adapters' requests at once
+//! all answer (the scheduler holds one adapter's back) instead of failing.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -28,7 +30,9 @@ fn serve(model: &Path, extra: &[&str]) -> Service {
     let listen = ["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
     // An f32 cache: f16's rounding of the keys and values would amplify the merge's rounding.
     let model = ["--model", model, "--kv-cache-dtype", "f32"];
-    Service::start("ferry", &[&listen[..], &model, extra].concat(), 4).expect("ferry serve")
+    // grpc, http, the executor and its agent; with --disaggregate, the prefill pair too.
+    let parts = if extra.contains(&"--disaggregate") { 6 } else { 4 };
+    Service::start("ferry", &[&listen[..], &model, extra].concat(), parts).expect("ferry serve")
 }
 
 fn post(svc: &Service, path: &str, body: &Value) -> (u16, String) {
@@ -43,6 +47,15 @@ fn complete(svc: &Service, model: &str, prompt: &str) -> (String, Vec<f64>) {
 fn complete_at(addr: SocketAddr, model: &str, prompt: &str) -> (String, Vec<f64>) {
     let (text, logprobs, _) = greedy_completion(addr, model, prompt, 16);
     (text, logprobs)
+}
+
+/// [`complete_at`] of `PROMPT` by each of `models` at once, each with its model.
+fn concurrently<'m>(addr: SocketAddr, models: &[&'m str]) -> Vec<(&'m str, (String, Vec<f64>))> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> =
+            models.iter().map(|&m| s.spawn(move || (m, complete_at(addr, m, PROMPT)))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 fn assert_close(got: &(String, Vec<f64>), want: &(String, Vec<f64>), what: &str) {
@@ -83,14 +96,7 @@ fn ferry_serve_answers_each_adapter_as_its_merged_model_does() {
     let count = |a: &str| metric(http_addr, &format!("ferry_lora_requests{{adapter=\"{a}\"}}"));
     assert_eq!((count("x"), count("y")), (1.0, 1.0));
     // All three at once: one batch, each row its own.
-    let together: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = ["base", "x", "y", "x", "base", "y"]
-            .map(|m| s.spawn(move || (m, complete_at(http_addr, m, PROMPT))))
-            .into_iter()
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (m, got) in together {
+    for (m, got) in concurrently(http_addr, &["base", "x", "y", "x", "base", "y"]) {
         let want = match m {
             "x" => &x,
             "y" => &y,
@@ -102,6 +108,54 @@ fn ferry_serve_answers_each_adapter_as_its_merged_model_does() {
     for svc in [&mut lora, &mut merged_x, &mut merged_y] {
         svc.terminate(Duration::from_secs(10)).unwrap();
     }
+}
+
+/// With `--max-loras 1`, requests of two adapters at once all answer, each as it does alone:
+/// the scheduler holds one adapter's requests back while the executor holds the other (vLLM's
+/// rule) instead of sending them to be refused. `/metrics` shows vLLM's
+/// `vllm:lora_requests_info` with the executor's limit.
+#[test]
+fn max_loras_pressure_holds_requests_back_instead_of_failing_them() {
+    let dir = generated("lora", "lora_adapters.py", &[]);
+    let flags = ["--enable-lora", "--max-loras", "1", "--lora-modules", "x=x", "y=y"];
+    let mut svc = serve(&dir.join("base.gguf"), &flags);
+    let addr = svc.addr("http");
+    let (x, y) = (complete_at(addr, "x", PROMPT), complete_at(addr, "y", PROMPT));
+    for (m, got) in concurrently(addr, &["x", "y", "x", "y", "y", "x"]) {
+        assert_close(&got, if m == "x" { &x } else { &y }, m);
+    }
+    let (_, text) = http(addr, "GET", "/metrics", b"").unwrap();
+    let info = text.lines().find(|l| l.starts_with("vllm:lora_requests_info{"));
+    assert!(info.is_some_and(|l| l.contains(r#"max_lora="1""#)), "{text}");
+    svc.terminate(Duration::from_secs(10)).unwrap();
+}
+
+/// An adapter's requests through prefill/decode disaggregation (the prompt computed on the
+/// prefill executor, which reads the adapter, and its KV moved under the adapter's salt) and
+/// through n-gram speculative decoding (drafts verified by the adapter's forward) answer as on
+/// one executor decoding a token a step.
+#[test]
+fn adapter_requests_disaggregate_and_speculate_exactly() {
+    let dir = generated("lora", "lora_adapters.py", &[]);
+    let base = dir.join("base.gguf");
+    let lora = ["--enable-lora", "--lora-modules", "x=x"];
+    let mut plain = serve(&base, &lora);
+    let want = complete(&plain, "x", PROMPT);
+    plain.terminate(Duration::from_secs(10)).unwrap();
+
+    let split = ["--disaggregate", "--disaggregation-min-tokens", "16"];
+    let mut disagg = serve(&base, &[&lora[..], &split].concat());
+    assert_close(&complete(&disagg, "x", PROMPT), &want, "x, disaggregated");
+    let moved = metric(disagg.addr("http"), "ferry_requests_disaggregated");
+    assert!(moved >= 1.0, "the request was not disaggregated");
+    disagg.terminate(Duration::from_secs(10)).unwrap();
+
+    let config = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}"#;
+    let mut spec = serve(&base, &[&lora[..], &["--speculative-config", config]].concat());
+    assert_close(&complete(&spec, "x", PROMPT), &want, "x, speculating");
+    let drafts = metric(spec.addr("http"), "vllm:spec_decode_num_drafts_total");
+    assert!(drafts >= 1.0, "no draft was verified");
+    spec.terminate(Duration::from_secs(10)).unwrap();
 }
 
 /// `/v1/models` lists the adapters with their parent; an adapter loaded at run time answers

@@ -172,10 +172,18 @@ impl Engine {
     /// one never drops another this step needs.
     fn acquire_adapters(&mut self, step: &v1::Step) -> (HeldAdapters, Vec<(u64, String)>) {
         let (mut found, mut failed) = (HashMap::new(), Vec::new());
+        // The requests this step finishes let go of their adapters before its new ones take
+        // theirs (the scheduler counts on it: it admits a request of a new adapter in the step
+        // that reports the last holder of another finished).
+        let releasing: Vec<*const LoraAdapter> = step
+            .finished_ids
+            .iter()
+            .filter_map(|id| self.requests.get(id)?.adapter.as_ref().map(Arc::as_ptr))
+            .collect();
         for nr in &step.new_requests {
             let Some(want) = &nr.lora else { continue };
             let got = match &mut self.adapters {
-                Some(adapters) => adapters.acquire(want),
+                Some(adapters) => adapters.acquire(want, &releasing),
                 None => Err(format!(
                     "LoRA adapter {}: this executor's backend runs no adapters",
                     want.name

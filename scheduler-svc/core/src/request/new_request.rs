@@ -65,6 +65,10 @@ pub struct NewRequest {
     /// Separates prefix caches: requests share blocks only with the same salt (model, adapter,
     /// tenant).
     pub cache_salt: u64,
+    /// The LoRA adapter it runs with (any id unique to the adapter; 0: none). With
+    /// [`crate::SchedulerConfig::max_loras`], a request of an adapter the executor does not
+    /// hold waits while the executor holds that many others.
+    pub adapter: u64,
     /// When the request arrived.
     pub arrival: Timestamp,
     /// Enter as `Receiving`: part of the prompt's KV is imported instead of computed.
@@ -112,6 +116,7 @@ impl NewRequest {
             ignore_eos: false,
             priority: 0,
             cache_salt: 0,
+            adapter: 0,
             arrival,
             kv_import: None,
             kv_export: None,

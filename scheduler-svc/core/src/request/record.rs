@@ -152,6 +152,8 @@ pub(crate) struct RequestCold {
     /// Hashes of the full blocks of `prompt ++ output` (only with prefix caching).
     pub(crate) block_hashes: Vec<BlockHash>,
     pub(crate) salt: u64,
+    /// Its LoRA adapter (0: none).
+    pub(crate) adapter: u64,
     pub(crate) eos_token_ids: TokenSet,
     pub(crate) stop_token_ids: TokenSet,
     /// Position in the active set while it holds a slot and is `Active`.
@@ -270,6 +272,7 @@ impl Request {
                 eos_token_ids: TokenSet::new(req.eos_token_ids),
                 stop_token_ids: TokenSet::new(req.stop_token_ids),
                 salt: req.cache_salt,
+                adapter: req.adapter,
                 active_pos: u32::MAX,
                 holder_pos: u32::MAX,
                 outcome_mark: 0,

@@ -78,6 +78,8 @@ pub enum Decision {
     FenceWait,
     /// Not admitted: a sample waiting for its source's prompt KV to fork from.
     ForkWait,
+    /// Not admitted: its LoRA adapter is not held and the executor holds `max_loras` others.
+    LoraWait,
     /// Preempted (recompute).
     Preempted,
     /// Yielded its slot, kept its KV.

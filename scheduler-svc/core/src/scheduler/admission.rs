@@ -1,6 +1,7 @@
 //! Admitting waiting requests into the step being built: in queue order while slots, budget
 //! and blocks allow, at most `lookahead` of them, stopping at the first that does not fit
-//! (head-of-line: a large request is not overtaken forever by small ones). A request's first
+//! (head-of-line: a large request is not overtaken forever by small ones). A request waiting
+//! for its LoRA adapter (`lifecycle`) is passed over, and not counted in the lookahead. A request's first
 //! work is planned from what it holds already (yielded or imported KV), from the prefix cache,
 //! or from the KV it forks from (see `fork`); KV idled by other waiting requests is reclaimed
 //! when that is what it takes.
@@ -30,8 +31,16 @@ impl Scheduler {
                 self.requests[idx].decision = Decision::NoSlot;
                 break;
             }
-            scanned += 1;
             cur = self.waiting.next_after(idx);
+            if self.awaits_adapter(idx) {
+                // vLLM's rule: later requests (of held adapters, or none) may go first. Not
+                // counted against the lookahead: requests behind it may be the ones whose
+                // progress frees an adapter (preempted holders waiting to resume).
+                self.requests[idx].decision = Decision::LoraWait;
+                self.counters.lora_waits += 1;
+                continue;
+            }
+            scanned += 1;
             if self.requests[idx].inflight_refs > 0 {
                 // Its in-flight samples must land before it can resume.
                 self.requests[idx].decision = Decision::InFlight;

@@ -385,7 +385,7 @@ impl Scheduler {
         let r = &mut self.requests[idx];
         let priority = r.priority;
         r.status = RequestStatus::Waiting;
-        if ok && self.slots.has_free() {
+        if ok && self.slots.has_free() && !self.awaits_adapter(idx) {
             self.activate(idx, now);
             self.requests[idx].decision = Decision::Admitted;
             self.requeue(idx);

@@ -78,6 +78,27 @@ impl Scheduler {
         if held > self.slots.max() {
             return fail(1, format!("{held} slots held, max_num_seqs {}", self.slots.max()));
         }
+        self.check_adapters()
+    }
+
+    /// 1 (adapters). The executor holds one adapter per adapter of the requests admitted at
+    /// least once and not retired, counted as the core counts them, and at most `max_loras`.
+    fn check_adapters(&self) -> Result<(), InvariantViolation> {
+        let mut holders: FxHashMap<u64, u32> = FxHashMap::default();
+        for (_, r) in self.requests.iter() {
+            if r.cold.adapter != 0 && r.cold.times.first_scheduled.is_some() {
+                *holders.entry(r.cold.adapter).or_default() += 1;
+            }
+        }
+        let counted = self.adapters.counts();
+        if holders.len() != counted.len() || holders.iter().any(|(a, n)| counted.get(a) != Some(n))
+        {
+            return fail(1, format!("adapter holders {holders:?}, but counted {counted:?}"));
+        }
+        if self.cfg.max_loras > 0 && holders.len() > self.cfg.max_loras {
+            let max = self.cfg.max_loras;
+            return fail(1, format!("{} adapters held, max_loras {max}", holders.len()));
+        }
         Ok(())
     }
 

@@ -43,6 +43,7 @@ mod fences;
 mod fork;
 mod inflight;
 mod invariants;
+mod lifecycle;
 mod preempt;
 mod step;
 mod throttle;
@@ -67,6 +68,7 @@ use arena::RequestArena;
 use draft::StepDraft;
 use fences::BlockFences;
 use inflight::InflightSteps;
+use lifecycle::HeldAdapters;
 use throttle::PrefillThrottle;
 use tier::TierStores;
 use transfers::KvTransfers;
@@ -81,6 +83,7 @@ struct Counters {
     prefix_hits: u64,
     preemptions: u64,
     prefills_deferred: u64,
+    lora_waits: u64,
     prompt_tokens: u64,
     generation_tokens: u64,
     steps: u64,
@@ -133,6 +136,8 @@ pub struct Scheduler {
     counters: Counters,
     /// The data-parallel prefill throttle's state (`throttle`).
     throttle: PrefillThrottle,
+    /// The LoRA adapters the executor holds for the requests it knows (`lifecycle`).
+    adapters: HeldAdapters,
 }
 
 impl Scheduler {
@@ -162,6 +167,7 @@ impl Scheduler {
             admit_seq: 0,
             counters: Counters::default(),
             throttle: PrefillThrottle::default(),
+            adapters: HeldAdapters::default(),
         })
     }
 
@@ -522,63 +528,6 @@ impl Scheduler {
                 e2e_latency: now.secs_since(arrival),
             },
         }
-    }
-
-    /// Retire a finished request once nothing references it: release its slot, free its entry,
-    /// make its id reusable.
-    fn try_retire(&mut self, idx: u32) {
-        let r = &self.requests[idx];
-        if !r.status.is_finished() {
-            return; // the usual case, decided by line 1 alone
-        }
-        let reported = r.finish_reported || !r.exec.known;
-        if !reported || r.inflight_refs > 0 || r.cold.transfer.is_some() {
-            return;
-        }
-        debug_assert!(r.block_table.is_empty(), "retiring {} with blocks: leak", r.id);
-        debug_assert!(
-            self.work.pending(idx).is_none() && !self.waiting.contains(idx),
-            "retiring {} still queued",
-            r.id
-        );
-        if r.has_slot {
-            self.slots.release();
-        }
-        self.requests.remove(idx);
-    }
-
-    /// Make a request `Active` in a free slot (caller checked one is free).
-    fn activate(&mut self, idx: u32, now: Timestamp) {
-        let got = self.slots.acquire();
-        debug_assert!(got, "activate without a free slot");
-        self.waiting.remove(idx);
-        self.admit_seq += 1;
-        let r = &mut self.requests[idx];
-        r.status = RequestStatus::Active;
-        r.has_slot = true;
-        r.admit_seq = self.admit_seq;
-        r.cold.times.first_scheduled.get_or_insert(now);
-        r.reserve_output();
-        self.sync_holder(idx);
-        self.set_active(idx);
-    }
-
-    /// Give up the slot and go back to the front of the waiting queue (preemption or yield).
-    fn deactivate_to_waiting(&mut self, idx: u32) {
-        self.work.remove(idx);
-        self.unset_active(idx);
-        let r = &mut self.requests[idx];
-        if r.has_slot {
-            self.slots.release();
-        }
-        r.has_slot = false;
-        r.status = RequestStatus::Waiting;
-        if r.exec.known {
-            r.exec.needs_resume = true;
-        }
-        let priority = r.priority;
-        self.waiting.push_front(idx, priority);
-        self.sync_holder(idx);
     }
 }
 

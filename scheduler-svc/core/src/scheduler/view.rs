@@ -40,6 +40,9 @@ pub struct SchedulerStats {
     /// Steps that held prefills back for a data-parallel group's throttle (prompt work was
     /// queued or requests waited, and the step ran decodes only).
     pub prefills_deferred: u64,
+    /// Times a request waited for its LoRA adapter (`max_loras` others held; a request counts
+    /// once per step it waited).
+    pub lora_waits: u64,
     /// Prefill tokens computed (hits excluded) (vLLM `vllm:prompt_tokens_total`).
     pub prompt_tokens: u64,
     /// Output tokens appended (vLLM `vllm:generation_tokens_total`).
@@ -123,6 +126,7 @@ impl Scheduler {
             prefix_cache_hits: c.prefix_hits,
             num_preemptions: c.preemptions,
             prefills_deferred: c.prefills_deferred,
+            lora_waits: c.lora_waits,
             prompt_tokens: c.prompt_tokens,
             generation_tokens: c.generation_tokens,
             steps: c.steps,

@@ -8,6 +8,7 @@ mod common;
 mod fork_rules;
 mod lifecycle_rules;
 mod looped_rules;
+mod lora_rules;
 mod scheduling_rules;
 mod shrinking;
 mod speculation_rules;

@@ -132,10 +132,12 @@ pub struct Report {
     pub chains_exited_early: u64,
     pub chains_dropped: u64,
     pub mixed_stage_steps: u64,
+    /// Times a request waited for its LoRA adapter (`max_loras` others held).
+    pub lora_waits: u64,
 }
 
 /// The events whose coverage the property tests assert, in [`Report::events`]' order.
-pub const EVENTS: [&str; 9] = [
+pub const EVENTS: [&str; 10] = [
     "preemption",
     "KV import",
     "KV export",
@@ -145,11 +147,12 @@ pub const EVENTS: [&str; 9] = [
     "verification accepting some drafts and rejecting others",
     "sample forking from its source, copying a partial block",
     "prefills deferred by a data-parallel group's throttle",
+    "request waiting for its LoRA adapter (max_loras others held)",
 ];
 
 impl Report {
     /// Which of [`EVENTS`] happened in this run.
-    pub fn events(&self) -> [bool; 9] {
+    pub fn events(&self) -> [bool; 10] {
         [
             self.preemptions > 0,
             self.imports > 0,
@@ -160,6 +163,7 @@ impl Report {
             self.spec_accepted > 0 && self.spec_accepted < self.spec_draft_tokens,
             self.fork_copies > 0,
             self.prefills_deferred > 0,
+            self.lora_waits > 0,
         ]
     }
 }
@@ -167,7 +171,7 @@ impl Report {
 /// Asserts that each of [`EVENTS`] happened in at least `min_pct` percent of `runs` runs
 /// (`seen`: in how many it did), so a generator that stops exercising one fails instead of
 /// passing vacuously.
-pub fn assert_coverage(seen: [u64; 9], runs: u64, min_pct: [u64; 9], unit: &str) {
+pub fn assert_coverage(seen: [u64; 10], runs: u64, min_pct: [u64; 10], unit: &str) {
     for ((name, n), min_pct) in EVENTS.iter().zip(seen).zip(min_pct) {
         eprintln!("{name}: {n} of {runs} {unit}");
         assert!(
@@ -354,6 +358,7 @@ pub fn run(cfg: &SchedulerConfig, arrivals: &[Arrival], opts: &SimOpts) -> Resul
             if !live.is_empty() {
                 return Err(format!("drained with {} requests never finished", live.len()));
             }
+            report.lora_waits = core.stats().lora_waits;
             return Ok(report);
         }
         // Build a step unless the pipeline is full or there is nothing left to tell the executor.
@@ -882,6 +887,7 @@ pub fn small_cfg() -> SchedulerConfig {
         kv_tier_store_blocks_per_step: 0,
         speculative: None,
         looped: None,
+        max_loras: 0,
     }
 }
 

@@ -48,10 +48,13 @@ impl Scheduler {
     /// Whether waiting request `idx` must wait for its adapter: it has never run, the executor
     /// does not hold its adapter, and holds `max_loras` others.
     pub(super) fn awaits_adapter(&self, idx: u32) -> bool {
+        let max = self.cfg.max_loras;
+        if max == 0 {
+            return false; // without a limit, admission never reads the request's cold part
+        }
         let r = &self.requests[idx];
-        let (adapter, max) = (r.cold.adapter, self.cfg.max_loras);
-        max > 0
-            && adapter != 0
+        let adapter = r.cold.adapter;
+        adapter != 0
             && r.cold.times.first_scheduled.is_none()
             && !self.adapters.0.contains_key(&adapter)
             && self.adapters.0.len() >= max

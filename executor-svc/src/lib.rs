@@ -209,17 +209,13 @@ fn assemble(
         looped,
     };
     let mut engine = engine::Engine::new(backend, engine_config).with_grammars(serves.grammars);
-    // The CUDA backend runs no adapters: its handshake says so (`max_loras` 0).
-    let runs_adapters = config.backend != BackendKind::Cuda;
-    if runs_adapters {
-        // Relative adapter paths are in the model's folder.
-        let dir = match &config.model {
-            Some(model) => model.parent().map(std::path::Path::to_path_buf),
-            None => Some(ferry_model::model_dir()),
-        };
-        let shape = engine.backend().facts().shape;
-        engine = engine.with_adapters(engine::lora::Adapters::new(config.lora, shape, dir));
-    }
+    // Relative adapter paths are in the model's folder.
+    let dir = match &config.model {
+        Some(model) => model.parent().map(std::path::Path::to_path_buf),
+        None => Some(ferry_model::model_dir()),
+    };
+    let shape = engine.backend().facts().shape;
+    engine = engine.with_adapters(engine::lora::Adapters::new(config.lora, shape, dir));
     let engine = actor::EngineHandle::spawn(engine.with_kv(kv_port))?;
     let info = v1::ExecutorInfo {
         executor_id: config.executor_id.clone(),
@@ -238,7 +234,7 @@ fn assemble(
         max_step_bytes: config.max_step_bytes,
         data_parallel: config.data_parallel.rank().map_err(anyhow::Error::msg)?,
         looped: looped.map(|l| l.proto()),
-        max_loras: if runs_adapters { config.lora.max_loras } else { 0 },
+        max_loras: config.lora.max_loras,
     };
     Ok(BuiltExecutor { engine, identity, info })
 }

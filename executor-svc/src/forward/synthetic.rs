@@ -185,5 +185,6 @@ pub fn synthesize_adapter(shape: &LlamaShape, rank: usize, seed: u64) -> LoraAda
             layer
         })
         .collect();
-    LoraAdapter { path: format!("synthetic-{seed}").into(), format: LoraFormat::Peft, layers }
+    let path = format!("synthetic-{seed}").into();
+    LoraAdapter { id: LoraAdapter::next_id(), path, format: LoraFormat::Peft, layers }
 }

@@ -243,6 +243,9 @@ pub enum LoraFormat {
 /// An adapter read, checked against its base model, and ready to apply.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraAdapter {
+    /// This reading's id, unique in the process ([`LoraAdapter::next_id`]): a backend that
+    /// copies an adapter to its device keys the copy by it.
+    pub id: u64,
     /// Where it was read from.
     pub path: PathBuf,
     /// Its format.
@@ -252,6 +255,13 @@ pub struct LoraAdapter {
 }
 
 impl LoraAdapter {
+    /// A new [`LoraAdapter::id`].
+    #[must_use]
+    pub fn next_id() -> u64 {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn deltas(&self) -> impl Iterator<Item = &LoraDelta> {
         self.layers.iter().flat_map(LoraLayer::all)
     }
@@ -476,7 +486,7 @@ fn assemble(
         }
         l.push(product, delta);
     }
-    Ok(LoraAdapter { path, format, layers })
+    Ok(LoraAdapter { id: LoraAdapter::next_id(), path, format, layers })
 }
 
 /// `m` (`rows × cols`, row-major) transposed.

@@ -2,8 +2,8 @@
 //! dynamic loader finds the CPU emulation of CUDA (`ferry_executor_svc::engine::cuda_emulation`,
 //! first on `LD_LIBRARY_PATH`) in place of the driver, NVRTC and cuBLAS. It sizes its KV cache
 //! from the (emulated) device's free memory, answers a chat with the same greedy tokens as the
-//! CPU backend, and holds structured-output constraints; the emulation's own counters show
-//! that the device did the work. With `FERRY_CUDA_TESTS=gpu` the same runs on the real GPU.
+//! CPU backend (through a LoRA adapter too), and holds structured-output constraints; the
+//! emulation's own counters show that the device did the work. With `FERRY_CUDA_TESTS=gpu` the same runs on the real GPU.
 
 use std::ffi::OsString;
 use std::time::Duration;
@@ -60,7 +60,12 @@ fn serve_with_the_cuda_backend_answers_like_the_cpu_and_holds_constraints() {
         env.push(("FERRY_CUDA_EMU_MEMORY_MIB", "4096".into()));
     }
     let env: Vec<(&str, &std::ffi::OsStr)> = env.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
-    let listen = ["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
+    // A LoRA adapter for SmolLM2's shape (the one the LoRA tests write), on both backends.
+    let x = ferry_tests::generated::generated("lora", "lora_adapters.py", &[]).join("x");
+    let x = format!("x={}", x.display());
+    let listen =
+        ["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--enable-lora"];
+    let listen = [&listen[..], &["--lora-modules", &x]].concat();
     let cuda_args =
         [&listen[..], &["--backend", "cuda", "--gpu-memory-utilization", "0.5"]].concat();
     let mut cuda =
@@ -71,6 +76,10 @@ fn serve_with_the_cuda_backend_answers_like_the_cpu_and_holds_constraints() {
     let on_cuda = chat(&cuda, &json!({}));
     assert!(!on_cuda.trim().is_empty(), "an answer");
     assert_eq!(on_cuda, chat(&cpu, &json!({})), "greedy answers equal on both backends");
+    // The adapter runs on the GPU as on the CPU, and changes the answer.
+    let through_x = chat(&cuda, &json!({"model": "x"}));
+    assert_eq!(through_x, chat(&cpu, &json!({"model": "x"})), "adapter x on both backends");
+    assert_ne!(through_x, on_cuda, "adapter x changes the answer");
     let city = chat(&cuda, &json!({"guided_choice": ["London", "Paris", "Rome"]}));
     assert!(["London", "Paris", "Rome"].contains(&city.as_str()), "{city:?}");
     let schema = json!({

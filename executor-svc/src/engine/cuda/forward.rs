@@ -19,10 +19,12 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use super::cache::DeviceKvCache;
 use super::device::Gpu;
 use super::launch::{int, Heads, PagedContext};
+use super::lora::{AdapterRows, DeviceAdapters};
 use super::plan::BatchPlan;
 use super::weights::{DeviceMatrix, DeviceWeights, MatrixData};
 use super::CudaError;
 use crate::forward::LlamaShape;
+use ferry_model::lora::Product;
 
 /// Activation buffers for a number of rows, reused across steps and grown when a larger batch
 /// arrives (never shrunk: the largest batch sets the high-water mark, as on the CPU).
@@ -209,12 +211,13 @@ type Residual<'a> = (
     &'a mut CudaSlice<u16>,
 );
 
-/// `x += a·Wᵀ`, RMS-normed by `post_norm` first where the family norms a block's outputs
-/// (the product alone into `proj`, normed into `normed`, then added; both `x`'s size).
+/// `x += a·Wᵀ` (with the adapters' updates of the product on their rows), RMS-normed by
+/// `post_norm` first where the family norms a block's outputs (the product alone into `proj`,
+/// normed into `normed`, then added; both `x`'s size).
 #[allow(clippy::too_many_arguments)]
 fn residual(
     gpu: &Gpu,
-    w: &DeviceMatrix,
+    (w, lora): (&DeviceMatrix, Lora<'_>),
     a: &CudaSlice<f32>,
     post_norm: Option<&CudaSlice<f32>>,
     (x, proj, normed, half): Residual<'_>,
@@ -223,22 +226,47 @@ fn residual(
     during: &'static str,
 ) -> Result<(), CudaError> {
     let Some(norm) = post_norm else {
-        return linear(gpu, w, a, rows, (x, half), true, during);
+        linear(gpu, w, a, rows, (x, half), true, during)?;
+        return lora.apply(gpu, a, (x, w.rows));
     };
     let (stream, k) = (&gpu.stream, &gpu.kernels);
     linear(gpu, w, a, rows, (proj, half), false, during)?;
+    lora.apply(gpu, a, (proj, w.rows))?;
     k.rms_norm(stream, normed, proj, norm, rows, s.rms_eps)?;
     k.add_rows(stream, x, normed, (rows, s.hidden))
 }
 
-/// Runs the batch `plan` describes; returns the logits of the rows that want them (`vocab`
-/// each, in batch order). The caller has validated the batch and bound the context.
+/// The adapters' updates of one product of one block, for the rows that have them.
+#[derive(Clone, Copy)]
+struct Lora<'a> {
+    adapters: &'a DeviceAdapters,
+    rows: &'a [AdapterRows],
+    at: (usize, Product),
+}
+
+impl Lora<'_> {
+    /// Adds the updates to `out` (rows `width` wide), computed from the product's input `x`.
+    fn apply(
+        self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        (out, width): (&mut CudaSlice<f32>, usize),
+    ) -> Result<(), CudaError> {
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        self.adapters.apply(gpu, self.rows, self.at, x, (out, width))
+    }
+}
+
+/// Runs the batch `plan` describes, with the adapters' updates on the rows `rows` lists (none:
+/// empty); returns the logits of the rows that want them (`vocab` each, in batch order). The
+/// caller has validated the batch and bound the context.
 pub fn forward(
     gpu: &Gpu,
-    w: &DeviceWeights,
-    s: &LlamaShape,
+    (w, s): (&DeviceWeights, &LlamaShape),
     cache: &mut DeviceKvCache,
-    plan: &BatchPlan,
+    (plan, (adapters, rows)): (&BatchPlan, (&DeviceAdapters, &[AdapterRows])),
     scratch: &mut Scratch,
 ) -> Result<Vec<Vec<f32>>, CudaError> {
     let (stream, k) = (&gpu.stream, &gpu.kernels);
@@ -269,9 +297,11 @@ pub fn forward(
         )?;
     }
     for (l, layer) in w.layers.iter().enumerate() {
+        let lora = |p: Product| Lora { adapters, rows, at: (l, p) };
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.attn_norm, n, s.rms_eps)?;
         let qkv = (&mut a.qkv, &mut a.half);
         linear(gpu, &layer.wqkv, &a.hn, n, qkv, false, "the QKV projection")?;
+        lora(Product::Qkv).apply(gpu, &a.hn, (&mut a.qkv, layer.wqkv.rows))?;
         if let Some(bias) = &layer.qkv_bias {
             k.add_bias(stream, &mut a.qkv, bias, n)?;
         }
@@ -299,14 +329,17 @@ pub fn forward(
         let post = layer.post_norms.as_ref();
         let (wo, down) = ("the output projection", "the down projection");
         let buffers = (&mut a.x, &mut a.proj, &mut a.hn, &mut a.half);
-        residual(gpu, &layer.wo, &a.attn, post.map(|p| &p.0), buffers, n, s, wo)?;
+        let wo_lora = (&layer.wo, lora(Product::O));
+        residual(gpu, wo_lora, &a.attn, post.map(|p| &p.0), buffers, n, s, wo)?;
         k.rms_norm(stream, &mut a.hn, &a.x, &layer.ffn_norm, n, s.rms_eps)?;
         let gate_up = (&mut a.gate_up, &mut a.half);
         linear(gpu, &layer.w_gate_up, &a.hn, n, gate_up, false, "the gate/up")?;
+        lora(Product::GateUp).apply(gpu, &a.hn, (&mut a.gate_up, layer.w_gate_up.rows))?;
         let (act, width) = (s.family.activation, s.intermediate);
         k.gate_mul(stream, act, &mut a.ffn, &a.gate_up, (n, width))?;
         let buffers = (&mut a.x, &mut a.proj, &mut a.hn, &mut a.half);
-        residual(gpu, &layer.w_down, &a.ffn, post.map(|p| &p.1), buffers, n, s, down)?;
+        let down_lora = (&layer.w_down, lora(Product::Down));
+        residual(gpu, down_lora, &a.ffn, post.map(|p| &p.1), buffers, n, s, down)?;
     }
     if m == 0 {
         gpu.finish()?;

@@ -119,6 +119,38 @@ extern "C" __global__ void add_rows(float* __restrict__ x, const float* __restri
     }
 }
 
+// A LoRA update of the listed rows: out[row, col + j] += sum_k t_k * bt[k, j], t_k = scale *
+// (a[k, :] . x[row, :]), for each row in `rows` (`n` of them), as the CPU forward adds it (the
+// k in order into each output). `a` is rank x in_features, `bt` rank x out_features, both
+// row-major; x rows are `x_width` wide, out rows `out_width`. Grid: one block per listed row;
+// rank <= LORA_MAX_RANK.
+#define LORA_MAX_RANK 256
+extern "C" __global__ void lora_add(float* __restrict__ out, const float* __restrict__ x,
+                                    const unsigned int* __restrict__ rows, int n,
+                                    const float* __restrict__ a, const float* __restrict__ bt,
+                                    int rank, int in_features, int x_width, int col,
+                                    int out_features, int out_width, float scale) {
+    __shared__ float scratch[32];
+    __shared__ float t[LORA_MAX_RANK];
+    int i = blockIdx.x;
+    if (i >= n) return;  // the whole block leaves together
+    const float* xr = x + (size_t)rows[i] * x_width;
+    for (int k = 0; k < rank; k++) {
+        const float* ak = a + (size_t)k * in_features;
+        float s = 0.0f;
+        for (int c = threadIdx.x; c < in_features; c += blockDim.x) s += ak[c] * xr[c];
+        s = block_sum(s, scratch);
+        if (threadIdx.x == 0) t[k] = s * scale;
+    }
+    __syncthreads();
+    float* o = out + (size_t)rows[i] * out_width + col;
+    for (int j = threadIdx.x; j < out_features; j += blockDim.x) {
+        float acc = o[j];
+        for (int k = 0; k < rank; k++) acc += t[k] * bt[(size_t)k * out_features + j];
+        o[j] = acc;
+    }
+}
+
 // x[r, j] += bias[j] for `rows` rows of `width` (Qwen 2's Q, K and V biases).
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias,
                                     int rows, int width) {

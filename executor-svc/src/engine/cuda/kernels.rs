@@ -105,6 +105,8 @@ pub struct Kernels {
     pub softcap: CudaFunction,
     /// [`BODY`]'s `add_rows`.
     pub add_rows: CudaFunction,
+    /// [`BODY`]'s `lora_add`.
+    pub lora_add: CudaFunction,
 }
 
 impl Kernels {
@@ -129,6 +131,7 @@ impl Kernels {
             scale: f("scale")?,
             softcap: f("softcap")?,
             add_rows: f("add_rows")?,
+            lora_add: f("lora_add")?,
             _module: module,
         })
     }

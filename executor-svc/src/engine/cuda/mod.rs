@@ -16,13 +16,14 @@
 //!
 //! Pieces: [`probe`] finds the libraries, [`device`] opens the GPU, [`kernels`] holds the CUDA C
 //! and [`launch`] its typed launches, [`weights`] and [`cache`] own device memory, [`plan`]
-//! flattens a batch, [`forward`] runs it.
+//! flattens a batch, [`forward`] runs it, [`lora`] adds LoRA adapters' updates.
 
 pub mod cache;
 pub mod device;
 pub mod forward;
 pub mod kernels;
 pub mod launch;
+pub mod lora;
 pub mod plan;
 pub mod probe;
 pub mod weights;
@@ -182,6 +183,7 @@ fn check_shape(shape: &LlamaShape, block_size: usize, num_blocks: usize) -> Resu
 pub struct CudaBackend {
     shape: LlamaShape,
     scratch: Scratch,
+    adapters: lora::DeviceAdapters,
     cache: DeviceKvCache,
     weights: DeviceWeights,
     gpu: Gpu,
@@ -257,7 +259,8 @@ impl CudaBackend {
             kv_dtype = ?cache.data.dtype(),
             "CUDA backend ready"
         );
-        Ok(Self { shape, scratch: Scratch::default(), cache, weights: device_weights, gpu })
+        let (scratch, adapters) = (Scratch::default(), lora::DeviceAdapters::default());
+        Ok(Self { shape, scratch, adapters, cache, weights: device_weights, gpu })
     }
 }
 
@@ -271,8 +274,10 @@ impl ModelBackend for CudaBackend {
     }
 
     fn check(&self, batch: &[SeqSlice]) -> Result<(), BatchError> {
-        if batch.iter().any(|s| s.adapter.is_some()) {
-            return Err(BatchError::Unsupported("the CUDA backend runs no LoRA adapters yet"));
+        if batch.iter().filter_map(|s| s.adapter).any(|a| a.rank() > lora::MAX_RANK) {
+            return Err(BatchError::Unsupported(
+                "a LoRA adapter of a rank past the CUDA backend's 256",
+            ));
         }
         paged::check_geometry(
             self.shape.vocab_size,
@@ -299,12 +304,12 @@ impl ModelBackend for CudaBackend {
             .map_err(|e| CudaError::Unsupported(e.to_string()))
             .and_then(|plan| {
                 self.gpu.bind()?;
+                let rows = self.adapters.prepare(&self.gpu, batch)?;
                 forward::forward(
                     &self.gpu,
-                    &self.weights,
-                    &self.shape,
+                    (&self.weights, &self.shape),
                     &mut self.cache,
-                    &plan,
+                    (&plan, (&self.adapters, &rows)),
                     &mut self.scratch,
                 )
             });

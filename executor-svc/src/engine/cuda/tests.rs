@@ -520,3 +520,57 @@ fn on_a_gpu_the_kernels_round_to_half_precision_exactly_as_the_host_does() {
         }
     }
 }
+
+/// LoRA adapters on the GPU: sequences with two adapters (ranks 4 and 2, on every projection)
+/// and one without, in one batch through a prompt and a decode step, match the CPU backend
+/// (whose updates the executor's tests hold to an independent merge); the adapters' rows
+/// differ from the base model's; under the emulation, one `lora_add` launch per adapter and
+/// update per block ran.
+#[test]
+fn on_a_gpu_lora_adapters_match_the_cpu_backend() {
+    // Gemma 2 norms each block's outputs: its updates go in before the norm.
+    for family in [Family::LLAMA, Family::GEMMA2] {
+        lora_adapters_match_the_cpu_backend(family);
+    }
+}
+
+/// [`on_a_gpu_lora_adapters_match_the_cpu_backend`] on a model of `family`.
+fn lora_adapters_match_the_cpu_backend(family: Family) {
+    use crate::forward::synthetic::synthesize_adapter;
+    let w = tiny_model_of(family);
+    let (bs, blocks) = (4, 32);
+    let Some(mut gpu) = gpu_backend(&w, bs, blocks) else { return };
+    let mut cpu = CpuBackend::new(tiny_model_of(family), bs, blocks);
+    let (x, y) = (synthesize_adapter(&w.shape, 4, 1), synthesize_adapter(&w.shape, 2, 2));
+    let tables = ([9u32, 3], [4u32, 30], [25u32, 7]);
+    let with = |tokens, start, table, adapter| SeqSlice {
+        adapter,
+        ..SeqSlice::base(tokens, start, table, 1)
+    };
+    let prompt = [1, 5, 9, 13, 17];
+    let steps = [
+        [
+            with(&prompt[..], 0, &tables.0[..], Some(&x)),
+            with(&prompt[..], 0, &tables.1[..], None),
+            with(&prompt[..], 0, &tables.2[..], Some(&y)),
+        ],
+        [
+            with(&[21][..], 5, &tables.0[..], Some(&x)),
+            with(&[21][..], 5, &tables.1[..], None),
+            with(&[21][..], 5, &tables.2[..], Some(&y)),
+        ],
+    ];
+    let before = Emulation::kernel_launches("lora_add");
+    for (i, batch) in steps.iter().enumerate() {
+        gpu.check(batch).expect("valid batch");
+        let g = logits(gpu.run(batch).expect("gpu step"));
+        let c = logits(cpu.run(batch).expect("cpu step"));
+        assert_close(&g, &c, TINY_TOLERANCE, &format!("{}: LoRA step {i}", family.name));
+        assert!(g[0] != g[1] && g[2] != g[1] && g[0] != g[2], "step {i}: the adapters count");
+    }
+    if let (Some(before), Some(after)) = (before, Emulation::kernel_launches("lora_add")) {
+        // Seven updates a block (Q, K, V, O, gate, up, down) for each of the two adapters.
+        let want = steps.len() as u64 * 2 * 7 * w.shape.num_layers as u64;
+        assert_eq!(after - before, want, "{}: lora_add launches", family.name);
+    }
+}

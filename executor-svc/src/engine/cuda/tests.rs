@@ -178,12 +178,17 @@ fn on_a_gpu_mixed_batches_match_the_cpu_backend() {
     }
 }
 
+/// A tiny model of `family`, and the CUDA and CPU backends running it (blocks of 4, 32 of
+/// them); `None` where [`device_for_tests`] says to skip.
+fn both_backends(family: Family) -> Option<(LlamaWeights, CudaBackend, CpuBackend)> {
+    let w = tiny_model_of(family);
+    let gpu = gpu_backend(&w, 4, 32)?;
+    Some((w, gpu, CpuBackend::new(tiny_model_of(family), 4, 32)))
+}
+
 /// [`on_a_gpu_mixed_batches_match_the_cpu_backend`] on a model of `family`.
 fn mixed_batches_match_the_cpu_backend(family: Family) {
-    let w = tiny_model_of(family);
-    let (bs, blocks) = (4, 32);
-    let Some(mut gpu) = gpu_backend(&w, bs, blocks) else { return };
-    let mut cpu = CpuBackend::new(tiny_model_of(family), bs, blocks);
+    let Some((w, mut gpu, mut cpu)) = both_backends(family) else { return };
     // Scattered tables; A and B share no block.
     let (table_a, table_b, table_c) = ([9u32, 3, 17], [4u32, 30, 1, 12], [25u32]);
     let steps: Vec<Vec<SeqSlice>> = vec![
@@ -537,10 +542,7 @@ fn on_a_gpu_lora_adapters_match_the_cpu_backend() {
 /// [`on_a_gpu_lora_adapters_match_the_cpu_backend`] on a model of `family`.
 fn lora_adapters_match_the_cpu_backend(family: Family) {
     use crate::forward::synthetic::synthesize_adapter;
-    let w = tiny_model_of(family);
-    let (bs, blocks) = (4, 32);
-    let Some(mut gpu) = gpu_backend(&w, bs, blocks) else { return };
-    let mut cpu = CpuBackend::new(tiny_model_of(family), bs, blocks);
+    let Some((w, mut gpu, mut cpu)) = both_backends(family) else { return };
     let (x, y) = (synthesize_adapter(&w.shape, 4, 1), synthesize_adapter(&w.shape, 2, 2));
     let tables = ([9u32, 3], [4u32, 30], [25u32, 7]);
     let with = |tokens, start, table, adapter| SeqSlice {

@@ -179,6 +179,12 @@ impl GenerationService {
         &self.front.settings.limits
     }
 
+    /// Whether this front sends its requests to the schedulers' leaders (a front in its own
+    /// process) rather than to executors it drives.
+    pub fn is_remote(&self) -> bool {
+        matches!(self.front.route, Route::Remote(_))
+    }
+
     /// Whether requests can run now: an executor session is up (a remote front: a leader is
     /// known).
     pub fn has_executors(&self) -> bool {

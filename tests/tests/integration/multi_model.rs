@@ -201,6 +201,12 @@ async fn a_front_in_its_own_process_serves_both_models_and_an_adapter_through_th
         }
         assert_ne!(answers[0].text, answers[1].text, "the adapter changes the answer");
         assert!(answers[2].prompt_tokens > answers[0].prompt_tokens, "each its own tokenizer");
+        // Its leaders would not learn of an adapter loaded on the front: refused, saying so.
+        let body = json!({"lora_name": "x2", "lora_path": "x"}).to_string();
+        let (status, text) =
+            http(via_front, "POST", "/v1/load_lora_adapter", body.as_bytes()).unwrap();
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains("--lora-modules"), "{text}");
     })
     .await
     .unwrap();

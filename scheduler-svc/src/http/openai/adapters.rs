@@ -65,6 +65,21 @@ fn body<T: serde::de::DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
         .map_err(|e| ApiError::bad_request(format!("the request body is not what it takes: {e}")))
 }
 
+/// A front in its own process does not change its adapters at run time: the schedulers it
+/// sends requests to would not learn of it (they resolve a request's adapter by name), so an
+/// adapter loaded here would be a 404 there.
+fn local_only(front: &GenerationService) -> Result<(), ApiError> {
+    if !front.is_remote() {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(
+        "this front sends requests to the schedulers, which would not serve an adapter loaded \
+         here: start every front and scheduler with the adapter in --lora-modules (run-time \
+         loading works on `ferry serve` and on a scheduler's own API)"
+            .to_string(),
+    ))
+}
+
 fn refused(e: &AdapterError) -> ApiError {
     let status = match e {
         AdapterError::Unknown(_) => StatusCode::NOT_FOUND,
@@ -78,6 +93,7 @@ pub async fn load_lora_adapter(
     State(front): State<GenerationService>,
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
+    local_only(&front)?;
     let b: LoadBody = body(&bytes)?;
     let (name, path) = (b.lora_name.clone(), b.lora_path.clone());
     // Reading an adapter is file I/O and a few MB of parsing: off the async threads.
@@ -101,6 +117,7 @@ pub async fn unload_lora_adapter(
     State(front): State<GenerationService>,
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
+    local_only(&front)?;
     let b: UnloadBody = body(&bytes)?;
     front.models().unload_adapter(&b.lora_name).map_err(|e| refused(&e))?;
     Ok(format!("Success: LoRA adapter '{}' removed successfully.", b.lora_name).into_response())

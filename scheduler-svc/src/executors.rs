@@ -194,6 +194,13 @@ impl ExecutorSet {
         self.wait_serving(None, patience).await
     }
 
+    /// The live links whose executors run the model with `fingerprint`.
+    pub fn serving(&self, fingerprint: &str) -> Vec<LinkHandle> {
+        let mut links = self.alive();
+        links.retain(|l| l.info.model_fingerprint == fingerprint);
+        links
+    }
+
     /// The live links whose executors run the model with `fingerprint` (any model: `None`),
     /// waiting up to `patience` for one to appear when there is none.
     pub async fn wait_serving(
@@ -203,14 +210,9 @@ impl ExecutorSet {
     ) -> Vec<LinkHandle> {
         let mut changes = self.changed.subscribe();
         let deadline = tokio::time::Instant::now() + patience;
-        let serving = |mut links: Vec<LinkHandle>| {
-            if let Some(f) = fingerprint {
-                links.retain(|l| l.info.model_fingerprint == f);
-            }
-            links
-        };
+        let serving = || fingerprint.map_or_else(|| self.alive(), |f| self.serving(f));
         loop {
-            let alive = serving(self.alive());
+            let alive = serving();
             if !alive.is_empty() || !matches!(self.standing(), Standing::Serving(_)) {
                 return alive;
             }
@@ -221,7 +223,7 @@ impl ExecutorSet {
                 () = tokio::time::sleep_until(tick) => {}
             }
             if tokio::time::Instant::now() >= deadline {
-                return serving(self.alive());
+                return serving();
             }
         }
     }

@@ -92,11 +92,10 @@ pub async fn run(
     // As vLLM does, a model's usable length is what the smallest KV cache of its executors can
     // hold for one request, so a request the front accepts always fits. (Executors discovered
     // later refuse, with a clear error, what their own cache cannot hold.)
-    let alive = executors.alive();
     let usable = |model: &ModelFile| {
-        let cache_limit = alive
+        let cache_limit = executors
+            .serving(&model.fingerprint)
             .iter()
-            .filter(|l| l.info.model_fingerprint == model.fingerprint)
             .map(|l| {
                 (l.info.num_blocks as usize * l.info.block_size as usize)
                     .min(l.info.max_model_len as usize)

@@ -170,6 +170,11 @@ impl Adapters {
         }
     }
 
+    /// Whether an adapter is served as `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.read().expect("adapters lock").contains_key(name)
+    }
+
     /// The adapter served as `name`, as an executor is told of it.
     pub fn get(&self, name: &str) -> Option<v1::LoraAdapterRef> {
         let by_name = self.by_name.read().expect("adapters lock");

@@ -117,9 +117,7 @@ impl Front {
         {
             return None;
         }
-        let mut alive = set.alive();
-        let fingerprint = &self.models.get(spec.model).file.fingerprint;
-        alive.retain(|l| l.info.model_fingerprint == *fingerprint);
+        let alive = set.serving(&self.models.get(spec.model).file.fingerprint);
         let prefill: Vec<&LinkHandle> =
             alive.iter().filter(|l| prefill_only(l) && has_agent(l, &set.agents)).collect();
         if prefill.is_empty() {

@@ -157,7 +157,7 @@ impl Models {
     /// The base model that `name` names, itself or through one of its adapters; the default
     /// for an empty or unknown name (the request is refused later, naming what is served).
     pub fn base_of(&self, name: &str) -> &ServedModel {
-        let found = self.models.iter().find(|m| m.name() == name || m.adapters.get(name).is_some());
+        let found = self.models.iter().find(|m| m.name() == name || m.adapters.contains(name));
         found.unwrap_or(self.default_model())
     }
 
@@ -239,7 +239,7 @@ impl Models {
         if self.models.iter().any(|m| m.name() == name) {
             return Err(AdapterError::BadName(name.to_string()));
         }
-        if self.models.iter().any(|m| m.adapters.get(name).is_some()) {
+        if self.models.iter().any(|m| m.adapters.contains(name)) {
             return Err(AdapterError::Exists(name.to_string()));
         }
         model.adapters.load(name, path)
@@ -251,7 +251,7 @@ impl Models {
     ///
     /// LoRA off, or no adapter of that name.
     pub fn unload_adapter(&self, name: &str) -> Result<(), AdapterError> {
-        let held = self.models.iter().find(|m| m.adapters.get(name).is_some());
+        let held = self.models.iter().find(|m| m.adapters.contains(name));
         held.unwrap_or(self.default_model()).adapters.unload(name)
     }
 }

@@ -138,9 +138,7 @@ impl Front {
                 Err(PlaceError::NoExecutor(_)) => {
                     // It died between the pick and the add: try the others.
                     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                    if left.is_zero()
-                        && executors.wait_serving(Some(fingerprint), left).await.is_empty()
-                    {
+                    if left.is_zero() && executors.serving(fingerprint).is_empty() {
                         return Err(none());
                     }
                 }
@@ -180,9 +178,8 @@ impl Front {
                 ask.token_ids.len()
             )));
         }
-        let fingerprint = &model.file.fingerprint;
-        let serves = |l: &LinkHandle| l.info.model_fingerprint == *fingerprint && l.has_room();
-        let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(serves).collect();
+        let mut roomy = set.serving(&model.file.fingerprint);
+        roomy.retain(LinkHandle::has_room);
         let (executors, best) =
             router::locate(&roomy, &ask.token_ids, self.settings.route_load_tokens).await;
         let best = best.unwrap_or_default();
@@ -285,9 +282,8 @@ impl Front {
         // A request scoring its prompt computes it in a cache of its own: it cannot share.
         let shares = crate::link::shared_salt(&specs[0]).is_some();
         if let (Route::Local(set), true) = (&self.route, shares) {
-            let fingerprint = &self.models.get(specs[0].model).file.fingerprint;
-            let serves = |l: &LinkHandle| l.info.model_fingerprint == *fingerprint && l.has_room();
-            let roomy: Vec<LinkHandle> = set.alive().into_iter().filter(serves).collect();
+            let mut roomy = set.serving(&self.models.get(specs[0].model).file.fingerprint);
+            roomy.retain(LinkHandle::has_room);
             let load_tokens = self.settings.route_load_tokens;
             if let Some((link, _reserved)) =
                 router::pick(&roomy, &specs[0].prompt, &specs[0], load_tokens).await

@@ -142,6 +142,8 @@ struct Sim<'a> {
     pools: Vec<ModelPool>,
     /// Each executor's model (its place in `pools`).
     model_of: Vec<usize>,
+    /// Each pool's executors.
+    pool_executors: Vec<std::ops::Range<usize>>,
     by_model: Vec<ModelCounts>,
     execs: Vec<Exec>,
     heap: BinaryHeap<Reverse<(u64, u64, Event)>>,
@@ -302,11 +304,20 @@ impl<'a> Sim<'a> {
             })
             .collect::<Result<Vec<_>, String>>()?;
         let agents = (0..execs.len()).map(|_| AgentStore::default()).collect();
+        let pool_executors = pools
+            .iter()
+            .scan(0, |start, p| {
+                let range = *start..*start + p.executors;
+                *start = range.end;
+                Some(range)
+            })
+            .collect();
         Ok(Sim {
             spec,
             by_model: pools.iter().map(|_| ModelCounts::default()).collect(),
             pools,
             model_of,
+            pool_executors,
             execs,
             heap: BinaryHeap::new(),
             posted: 0,

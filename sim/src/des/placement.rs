@@ -37,9 +37,8 @@ impl Sim<'_> {
     fn place(&mut self, prompt: &[u32], model: usize) -> Placement {
         let spec = self.spec;
         let bs = spec.scheduler.block_size;
-        let first = self.model_of.iter().position(|&m| m == model).unwrap_or(0);
-        let end = first + self.pools[model].executors;
-        let decoders = if model == 0 { spec.prefill_executors..end } else { first..end };
+        let executors = self.pool_executors[model].clone();
+        let decoders = if model == 0 { spec.prefill_executors..executors.end } else { executors };
         if spec.router == Router::KvAware || spec.prefill_executors > 0 || spec.kv_tier.is_some() {
             // Hashed once, looked up in every cache; never the block of the last token.
             let whole = prompt.len().saturating_sub(1) / bs * bs;

@@ -172,6 +172,9 @@ impl Engine {
     /// one never drops another this step needs.
     fn acquire_adapters(&mut self, step: &v1::Step) -> (HeldAdapters, Vec<(u64, String)>) {
         let (mut found, mut failed) = (HashMap::new(), Vec::new());
+        if step.new_requests.iter().all(|nr| nr.lora.is_none()) {
+            return (found, failed); // the usual step: nothing to acquire
+        }
         // The requests this step finishes let go of their adapters before its new ones take
         // theirs (the scheduler counts on it: it admits a request of a new adapter in the step
         // that reports the last holder of another finished).

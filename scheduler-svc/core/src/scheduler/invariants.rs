@@ -82,22 +82,30 @@ impl Scheduler {
     }
 
     /// 1 (adapters). The executor holds one adapter per adapter of the requests admitted at
-    /// least once and not retired, counted as the core counts them, and at most `max_loras`.
+    /// least once and not retired, counted as the core counts them, and at most `max_loras`;
+    /// the adapters of the requests not admitted yet are counted too.
     fn check_adapters(&self) -> Result<(), InvariantViolation> {
-        let mut holders: FxHashMap<u64, u32> = FxHashMap::default();
+        let (mut held, mut waiting) = (FxHashMap::default(), FxHashMap::default());
         for (_, r) in self.requests.iter() {
-            if r.cold.adapter != 0 && r.cold.times.first_scheduled.is_some() {
-                *holders.entry(r.cold.adapter).or_default() += 1;
+            if r.cold.adapter != 0 {
+                let counts =
+                    if r.cold.times.first_scheduled.is_some() { &mut held } else { &mut waiting };
+                *counts.entry(r.cold.adapter).or_insert(0u32) += 1;
             }
         }
-        let counted = self.adapters.counts();
-        if holders.len() != counted.len() || holders.iter().any(|(a, n)| counted.get(a) != Some(n))
+        for (what, recount, counted) in
+            [("held", &held, &self.adapters.held), ("waiting", &waiting, &self.adapters.waiting)]
         {
-            return fail(1, format!("adapter holders {holders:?}, but counted {counted:?}"));
+            let counted = counted.counts();
+            if recount.len() != counted.len()
+                || recount.iter().any(|(a, n)| counted.get(a) != Some(n))
+            {
+                return fail(1, format!("{what} adapters {recount:?}, but counted {counted:?}"));
+            }
         }
-        if self.cfg.max_loras > 0 && holders.len() > self.cfg.max_loras {
+        if self.cfg.max_loras > 0 && held.len() > self.cfg.max_loras {
             let max = self.cfg.max_loras;
-            return fail(1, format!("{} adapters held, max_loras {max}", holders.len()));
+            return fail(1, format!("{} adapters held, max_loras {max}", held.len()));
         }
         Ok(())
     }

@@ -15,32 +15,53 @@ use crate::types::Timestamp;
 
 use super::Scheduler;
 
-/// How many requests the executor knows hold each LoRA adapter (adapter 0, none, is not
-/// counted).
+/// Requests by LoRA adapter (adapter 0, none, is not counted).
 #[derive(Debug, Default)]
-pub(super) struct HeldAdapters(HashMap<u64, u32>);
+pub(super) struct AdapterCounts(HashMap<u64, u32>);
 
-impl HeldAdapters {
-    fn hold(&mut self, adapter: u64) {
+impl AdapterCounts {
+    fn add(&mut self, adapter: u64) {
         if adapter != 0 {
             *self.0.entry(adapter).or_default() += 1;
         }
     }
 
-    fn release(&mut self, adapter: u64) {
+    fn remove(&mut self, adapter: u64) {
         if adapter == 0 {
             return;
         }
-        let n = self.0.get_mut(&adapter).expect("released an adapter never held");
+        let n = self.0.get_mut(&adapter).expect("an adapter's request counted out twice");
         *n -= 1;
         if *n == 0 {
             self.0.remove(&adapter);
         }
     }
 
-    /// The adapters held, each with its holders.
+    /// The adapters, each with its requests.
     pub(super) fn counts(&self) -> &HashMap<u64, u32> {
         &self.0
+    }
+
+    /// The adapters, sorted.
+    fn sorted(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.0.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+}
+
+/// The LoRA adapters of the live requests: those the executor holds (for the requests admitted
+/// at least once: it knows them) and those of requests not admitted yet.
+#[derive(Debug, Default)]
+pub(super) struct HeldAdapters {
+    pub(super) held: AdapterCounts,
+    pub(super) waiting: AdapterCounts,
+}
+
+impl HeldAdapters {
+    /// A request of `adapter` arrived.
+    pub(super) fn arrive(&mut self, adapter: u64) {
+        self.waiting.add(adapter);
     }
 }
 
@@ -56,25 +77,15 @@ impl Scheduler {
         let adapter = r.cold.adapter;
         adapter != 0
             && r.cold.times.first_scheduled.is_none()
-            && !self.adapters.0.contains_key(&adapter)
-            && self.adapters.0.len() >= max
+            && !self.adapters.held.0.contains_key(&adapter)
+            && self.adapters.held.0.len() >= max
     }
 
     /// The LoRA adapters the executor holds for requests now (vLLM's running adapters), and
     /// those of requests waiting for their first admission (its waiting adapters), each
     /// sorted; with `max_loras`, the first has at most that many.
     pub fn lora_adapters(&self) -> (Vec<u64>, Vec<u64>) {
-        let mut held: Vec<u64> = self.adapters.0.keys().copied().collect();
-        let mut waiting: Vec<u64> = self
-            .requests
-            .iter()
-            .filter(|(_, r)| r.cold.adapter != 0 && r.cold.times.first_scheduled.is_none())
-            .map(|(_, r)| r.cold.adapter)
-            .collect();
-        held.sort_unstable();
-        waiting.sort_unstable();
-        waiting.dedup();
-        (held, waiting)
+        (self.adapters.held.sorted(), self.adapters.waiting.sorted())
     }
 
     /// Retire a finished request once nothing references it: release its slot, free its entry,
@@ -98,7 +109,9 @@ impl Scheduler {
             self.slots.release();
         }
         if r.cold.times.first_scheduled.is_some() {
-            self.adapters.release(r.cold.adapter);
+            self.adapters.held.remove(r.cold.adapter);
+        } else {
+            self.adapters.waiting.remove(r.cold.adapter);
         }
         self.requests.remove(idx);
     }
@@ -116,7 +129,8 @@ impl Scheduler {
         if r.cold.times.first_scheduled.is_none() {
             // From its first admission the executor holds its adapter (until it retires).
             r.cold.times.first_scheduled = Some(now);
-            self.adapters.hold(r.cold.adapter);
+            self.adapters.waiting.remove(r.cold.adapter);
+            self.adapters.held.add(r.cold.adapter);
         }
         r.reserve_output();
         self.sync_holder(idx);

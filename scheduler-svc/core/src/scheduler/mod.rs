@@ -227,6 +227,7 @@ impl Scheduler {
         } else if let Some(tid) = export {
             r.cold.transfer = Some((tid, TransferState::ExportPlanned));
         }
+        self.adapters.arrive(r.cold.adapter);
         let idx = self.requests.insert(r);
         if let Some(imp) = import {
             self.transfers.queue_import(imp.transfer_id, idx);

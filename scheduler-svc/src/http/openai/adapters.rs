@@ -99,7 +99,7 @@ pub async fn load_lora_adapter(
     // Reading an adapter is file I/O and a few MB of parsing: off the async threads.
     let result = tokio::task::spawn_blocking(move || {
         let models = front.models();
-        if b.load_inplace && models.iter().any(|m| m.adapters.get(&b.lora_name).is_some()) {
+        if b.load_inplace && models.iter().any(|m| m.adapters.contains(&b.lora_name)) {
             models.unload_adapter(&b.lora_name)?;
         }
         models.load_adapter(b.base_model_name.as_deref(), &b.lora_name, &b.lora_path)

@@ -36,6 +36,7 @@ async fn run(
 ) -> Result<Response, ApiError> {
     // The model asked for (a LoRA adapter's name, or a base model's) is the one answering.
     let base = front.models().base_of(&req.model);
+    let file = base.file.clone();
     let model = if req.model.is_empty() { base.name().to_string() } else { req.model.clone() };
     let mut req = req;
     if common.truncate_prompt_tokens == Some(-1) {
@@ -66,7 +67,7 @@ async fn run(
         id: format!("{prefix}-{:016x}", rand_id()),
         created: unix_now(),
         model,
-        front: front.clone(),
+        file,
         echo,
         tools,
         readers: std::collections::HashMap::new(),

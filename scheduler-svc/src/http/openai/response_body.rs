@@ -9,7 +9,6 @@ use ferry_proto::v1;
 use serde_json::{json, Value};
 
 use super::tool_calls::ToolReader;
-use crate::front::GenerationService;
 
 fn finish_reason(r: v1::FinishReason) -> Option<&'static str> {
     match r {
@@ -53,7 +52,8 @@ pub(super) struct Shaper {
     pub(super) id: String,
     pub(super) created: u64,
     pub(super) model: String,
-    pub(super) front: GenerationService,
+    /// The base model answering (its tokenizer gives the log-probabilities' token texts).
+    pub(super) file: std::sync::Arc<ferry_model::ModelFile>,
     /// The prompt's text, put before the answer (`echo`); empty when not asked.
     pub(super) echo: String,
     /// Reads tool calls out of a chat answer, when its request has tools: how (the first
@@ -74,7 +74,7 @@ pub(super) struct Shaper {
 
 impl Shaper {
     fn token_text(&self, id: u32) -> String {
-        self.front.models().base_of(&self.model).file.tokenizer.decode(&[id])
+        self.file.tokenizer.decode(&[id])
     }
 
     /// vLLM's `prompt_logprobs`: `null` for the first prompt token, then for each next one

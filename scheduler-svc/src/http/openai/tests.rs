@@ -210,7 +210,7 @@ fn a_chunk_written_directly_is_the_json_values_bytes() {
                 id: "cmpl-\"odd\"".into(),
                 created: 1_765_000_000,
                 model: "Smol\u{e9}".into(),
-                front: front.clone(),
+                file: front.models().default_model().file.clone(),
                 echo: "Echo: ".into(),
                 tools: None,
                 readers: std::collections::HashMap::new(),
